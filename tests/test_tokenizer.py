@@ -1,0 +1,84 @@
+"""Tokenizers: training writes a ready recipe, dtype follows vocab size, pins are enforced."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from datafixtures import CORPUS, documents, make_tokenizer, run_cli, write_jsonl
+from runner.errors import RunnerError
+from runner.tokenizer import (file_sha256, load_tokenizer, token_byte_lengths, token_dtype_for,
+                              tokenizer_info)
+
+
+def test_train_cli_writes_tokenizer_and_ready_recipe(tmp_path):
+    src = write_jsonl(tmp_path / "src" / "a.jsonl", documents(30))
+    assert run_cli("tokenizer", "train", "--input", str(src), "--vocab-size", "300",
+                   "--out", str(tmp_path / "tok"), "--name", "tiny") == 0
+    recipe = yaml.safe_load((tmp_path / "tok" / "tiny.yaml").read_text())
+    assert set(recipe) == {"name", "version", "description", "path", "sha256", "vocab_size", "eos_id",
+                           "token_dtype"}
+    assert recipe["name"] == "tiny" and recipe["version"] == 1
+    assert recipe["sha256"] == file_sha256(tmp_path / "tok" / "tokenizer.json")
+    assert recipe["vocab_size"] == 300 and recipe["token_dtype"] == "uint16"
+    tok = load_tokenizer(tmp_path / "tok" / "tokenizer.json", recipe["sha256"])
+    assert tok.token_to_id("<|endoftext|>") == recipe["eos_id"]
+    text = "Ünïcödé — def add(a, b)"
+    assert tok.decode(tok.encode(text).ids) == text  # byte-level: lossless round trip
+
+
+def test_dtype_boundary_is_65536():
+    assert token_dtype_for(4096) == "uint16"
+    assert token_dtype_for(65536) == "uint16"
+    assert token_dtype_for(65537) == "uint32"
+
+
+def test_70k_vocab_tokenizer_is_uint32(tmp_path):
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i + 1 for i in range(70_000)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    info = tokenizer_info(tmp_path / "tokenizer.json")
+    assert info == {"sha256": file_sha256(tmp_path / "tokenizer.json"), "vocab_size": 70_001,
+                    "eos_id": 0, "token_dtype": "uint32"}
+
+
+def test_wrong_sha_refused_naming_file_and_key(tmp_path):
+    path = make_tokenizer(tmp_path)
+    with pytest.raises(RunnerError) as e:
+        load_tokenizer(path, "0" * 64)
+    message = str(e.value)
+    assert str(path) in message and "tokenizer.sha256" in message and "\n" not in message
+
+
+def test_tokenizer_without_eos_refused(tmp_path):
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(RunnerError, match="end-of-text"):
+        tokenizer_info(tmp_path / "tokenizer.json")
+
+
+def test_eos_found_under_other_common_names(tmp_path):
+    tok = Tokenizer(models.WordLevel({"a": 0, "</s>": 1, "b": 2}, unk_token="a"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert tokenizer_info(tmp_path / "tokenizer.json")["eos_id"] == 1
+
+
+def test_byte_lengths_sum_to_utf8_bytes(tmp_path):
+    tok = load_tokenizer(make_tokenizer(tmp_path))
+    lengths = token_byte_lengths(tok)
+    assert lengths.shape == (tok.get_vocab_size(),)
+    assert lengths[tok.token_to_id("<|endoftext|>")] == 0
+    for text in CORPUS[:8] + ["  spaces\ttabs\nnewlines  ", "日本語🙂"]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert int(np.sum(lengths[ids])) == len(text.encode("utf-8"))
+
+
+def test_byte_lengths_for_a_non_byte_level_tokenizer(tmp_path):
+    spec_vocab = {"<|endoftext|>": 0, "\u2581the": 1, "<0xE2>": 2, "é": 3}
+    tok = Tokenizer(models.WordLevel(spec_vocab, unk_token="<|endoftext|>"))
+    tok.add_special_tokens(["<|endoftext|>"])
+    assert list(token_byte_lengths(tok)) == [0, 4, 1, 2]
