@@ -74,8 +74,10 @@ class ModelRecipe:
     init_std: float = 0.02
     pad_vocab_multiple: int = 1  #: embedding rows = tokenizer vocab rounded up to this multiple
     attn_implementation: str = "sdpa"  #: sdpa | eager | flash_attention_2 | flash_attention_3
+    sdpa_kernel: Optional[str] = None  #: sdpa only: pin flash | efficient | cudnn | math (null = torch picks)
     activation_checkpointing: bool = False
     compile: bool = False
+    compile_mode: str = "default"  #: torch.compile mode: default | reduce-overhead | max-autotune
 
 
 @dataclass
@@ -193,6 +195,7 @@ EXPERIMENT_KEYS = ("name", "version", "description", "base", "seed", "recipes", 
 CHOICES = {
     "model.arch": ("llama",),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flash_attention_3"),
+    "model.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "hardware.accelerator": ("cpu", "cuda", "rocm"),
     "hardware.precision": ("bf16", "fp32"),
@@ -589,6 +592,10 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             problems.add(path, f"{kind}.version", f"must be an integer >= 1, got {v!r}")
 
+    if cfg.model.sdpa_kernel is not None and cfg.model.sdpa_kernel not in ("flash", "efficient", "cudnn", "math"):
+        problems.add(path, "model.sdpa_kernel", f"'{cfg.model.sdpa_kernel}' is not one of flash, efficient, cudnn, math")
+    if cfg.model.sdpa_kernel is not None and cfg.model.attn_implementation != "sdpa":
+        problems.add(path, "model.sdpa_kernel", f"only applies to attn_implementation sdpa, not {cfg.model.attn_implementation}")
     tok = cfg.tokenizer
     if tok.token_dtype in TOKEN_DTYPES and tok.vocab_size > TOKEN_DTYPES[tok.token_dtype]:
         problems.add(path, "tokenizer.token_dtype", f"{tok.token_dtype} holds ids below {TOKEN_DTYPES[tok.token_dtype]:,} but vocab_size is {tok.vocab_size:,}: use uint32")

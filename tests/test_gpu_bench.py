@@ -1,0 +1,112 @@
+"""bench/gpu_bench.py at its --cpu-tiny size: the JSON it writes, rows for failures, the budget."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_bench"] = module  # dataclasses resolve annotations through sys.modules
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("gpu_bench", None)
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    """One standalone run, as a user would start it (a subprocess, not an import)."""
+    out = tmp_path_factory.mktemp("bench") / "result.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-tiny", "--out", str(out), "--budget-s", "60",
+                           "--matmul-s", "0.5"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_json_records_when_where_and_how(tiny_result):
+    result, stdout = tiny_result
+    assert result["mode"] == "cpu-tiny" and result["date"]
+    for key in ("device_name", "torch_version", "driver", "transformers_version"):
+        assert key in result["device"]
+    assert result["device"]["torch_version"] == str(torch.__version__)
+    assert result["matmul"]["best_tflops"] > 0 and result["matmul"]["best_tflops"] >= result["matmul"]["median_tflops"]
+    assert result["flops_formula"].startswith("6N+attn") and result["convention"]["params_counted"] == "non_embedding"
+    assert result["elapsed_seconds"] <= result["budget_seconds"]
+    assert "variant" in stdout and "wrote" in stdout  # the table was printed
+
+
+def test_measured_rows_are_consistent(tiny_result):
+    result, _ = tiny_result
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    assert {r["micro_batch"] for r in ok} >= {1, 2}
+    shape = result["model_shape"]
+    for r in ok:
+        assert r["steps_timed"] >= 1 and r["tokens_per_second"] > 0
+        tokens_per_step = r["micro_batch"] * shape["seq_len"]
+        assert r["tokens_per_second"] == pytest.approx(tokens_per_step / r["step_seconds"])
+        assert r["model_tflops"] == pytest.approx(result["flops_per_token"] * r["tokens_per_second"] / 1e12)
+        assert r["mfu"] is None  # a CPU has no datasheet peak: never borrow a GPU's
+    assert any(not r["autocast_bf16"] for r in ok) and any(not r["fused_adamw"] for r in ok)
+
+
+def test_unavailable_backends_and_skipped_compile_are_rows(tiny_result):
+    result, _ = tiny_result
+    by_name = {r["variant"].split()[0]: r for r in result["rows"]}
+    assert by_name["sdpa-efficient"]["status"] == "unavailable"
+    assert by_name["fa3"]["status"] == "unavailable" and "flash_attention_3" in by_name["fa3"]["detail"]
+    assert [r["status"] for r in result["rows"] if r["compile"]] == ["skipped"]
+
+
+def test_oom_becomes_a_row_not_a_crash(bench, monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+
+    monkeypatch.setattr(bench, "build_model", lambda shape, attn, device: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(bench, "train_step", oom)
+    row = bench.run_variant(bench.Variant("sdpa-flash mb1", 1), bench.TINY_SHAPE, torch.device("cpu"),
+                            deadline=float("inf"), warmup_steps=1, timed_steps=1, fpt=1.0, peak_tflops=None,
+                            ceiling_tflops=None)
+    assert row.status == "oom" and "out of memory" in row.detail and row.tokens_per_second is None
+
+
+def test_spent_budget_skips_variants(bench, tmp_path):
+    result = bench.run(bench.parse_args(["--cpu-tiny", "--budget-s", "0.2", "--out", str(tmp_path / "r.json")]))
+    statuses = {r["status"] for r in result["rows"]}
+    assert statuses == {"skipped"} and any("budget" in r["detail"] for r in result["rows"])
+
+
+@pytest.mark.parametrize("name,arch,peak", [("NVIDIA H200", "sm_90", 989.4), ("AMD Instinct MI300X", "gfx942", 1307.4),
+                                            ("", "gfx942", 1307.4), ("NVIDIA H100 PCIe", "sm_90", None),
+                                            ("NVIDIA RTX 4090", "sm_89", None)])
+def test_peak_is_the_datasheet_figure_or_none(bench, name, arch, peak):
+    assert bench.datasheet_peak(name, arch)[0] == peak
+
+
+def test_1p3b_flops_formula(bench):
+    fpt, n, formula = bench.flops_per_token(bench.DEFAULT_SHAPE)
+    # 24 x (4 x 2048^2 + 3 x 2048 x 5504 + 2 x 2048) + 2048 + 50,304 x 2048 (head; embedding excluded)
+    assert n == 24 * (4 * 2048**2 + 3 * 2048 * 5504 + 2 * 2048) + 2048 + 50304 * 2048
+    assert fpt == 6 * n + 12 * 24 * 2048 * 2048
+    assert f"{n:,}" in formula
+
+
+def test_shape_comes_from_the_experiment_when_readable(bench, tmp_path):
+    shape, source = bench.load_shape(ROOT / "experiments" / "1p3b.yaml")
+    assert (shape["hidden_size"], shape["n_layers"], shape["seq_len"]) == (2048, 24, 2048)
+    assert shape["vocab_size"] % 64 == 0
+    _, fallback = bench.load_shape(tmp_path / "missing.yaml")
+    assert fallback.startswith("built-in 1p3b defaults")
