@@ -1,0 +1,209 @@
+"""The planner's arithmetic reproduces the seed examples; plans of built configs are complete."""
+
+import json
+import math
+
+import pytest
+
+from runner.errors import RunnerError
+from runner.flops import params_of_config
+from runner.plan import (build_plan, chinchilla_optimal_tokens, effective_tokens, format_plan,
+                         memory_per_device, pure_training_seconds, read_calibration, training_days_6n,
+                         training_flops, wall_clock_seconds)
+
+H200 = 989.4
+
+
+@pytest.mark.parametrize("params,tokens,days", [
+    (0.76e9, 25e9, 3.3), (1.3e9, 26e9, 6.0), (7e9, 140e9, 172.0), (13e9, 260e9, 590.0)])
+def test_seed_training_days_at_40_percent_of_one_h200(params, tokens, days):
+    assert training_days_6n(params, tokens, 0.40, H200) == pytest.approx(days, rel=0.02)
+
+
+def test_seed_wall_clock_with_overheads():
+    pure = pure_training_seconds(10e9, 100e3)
+    assert pure / 3600 == pytest.approx(27.8, abs=0.05)
+    assert wall_clock_seconds(pure, 0.20) / 3600 == pytest.approx(33.3, abs=0.05)
+
+
+def test_compute_rules_of_thumb():
+    assert training_flops(1e9, 2e10) == 1.2e20
+    assert chinchilla_optimal_tokens(1.3e9) == 26e9
+    with pytest.raises(RunnerError):
+        training_days_6n(1e9, 1e9, 0.0, H200)
+
+
+def test_effective_tokens_under_repetition():
+    assert effective_tokens(100.0, 1.0) == 100.0
+    # 4 epochs: R = 3 -> D' = U (1 + 15.4 (1 - e^(-3/15.4)))
+    assert effective_tokens(100.0, 4.0) == pytest.approx(100 * (1 + 15.4 * (1 - math.exp(-3 / 15.4))))
+    assert effective_tokens(100.0, 4.0) < 400.0
+    assert effective_tokens(100.0, 1e6) == pytest.approx(100 * 16.4)  # saturates
+
+
+def config(**train):
+    t = dict(seq_len=128, global_batch_sequences=16, micro_batch_sequences=4, exposure_tokens=16 * 128 * 100,
+             checkpoint={"keep_last": 2})
+    t.update(train)
+    return {
+        "name": "tiny", "version": 1,
+        "tokenizer": {"vocab_size": 4096, "token_dtype": "uint16"},
+        "model": dict(arch="llama", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=172,
+                      tie_embeddings=True, attn_implementation="sdpa", activation_checkpointing=False),
+        "hardware": dict(accelerator="cuda", device_name="H200 SXM", peak_tflops=None, peak_dtype="bf16",
+                         memory_gib=141, price_per_device_hour_usd=3.0, devices_per_node=1, nodes=1,
+                         precision="bf16", distributed="none", default_mfu=0.4),
+        "mixture": {"domains": {"web": {"target_ratio": 1.0, "max_repetition_ratio": 1.0}}},
+        "train": t, "data": {"manifests": {}},
+        "plan": dict(checkpoint_overhead_fraction=0.02, eval_overhead_fraction=0.03,
+                     recovery_overhead_fraction=0.05, raw_bytes_per_token=4.2, inference_tokens=0),
+    }
+
+
+def test_plan_of_a_config_is_consistent(tmp_path):
+    cfg = config()
+    plan = build_plan(cfg, root=tmp_path)
+    n = params_of_config(cfg).all
+    tokens = 16 * 128 * 100
+    assert plan["compute"]["flops_6n"] == pytest.approx(6 * params_of_config(cfg).non_embedding * tokens)
+    assert plan["compute"]["tokens_per_param"] == pytest.approx(tokens / n)
+    a = plan["time"]["assumed"]
+    assert a["tokens_per_second"] == pytest.approx(0.4 * H200 * 1e12 / plan["compute"]["flops_per_token"])
+    assert a["wall_hours"] == pytest.approx(a["pure_hours"] * 1.10)
+    assert a["cost_usd"] == pytest.approx(a["wall_hours"] * 3.0)
+    assert plan["time"]["measured"] is None
+    assert plan["mixture"]["status"] == "absent"
+    assert plan["storage"]["checkpoints_bytes"] == 2 * 12 * n
+    assert plan["storage"]["token_shard_bytes"] == tokens * 2
+    json.dumps(plan)
+    text = format_plan(plan)
+    assert "no data.manifests pinned" in text and "fits" in text
+    # --mfu halves the throughput when the MFU halves
+    assert build_plan(cfg, mfu=0.2, root=tmp_path)["time"]["assumed"]["pure_hours"] == pytest.approx(2 * a["pure_hours"])
+
+
+def test_memory_by_hand_and_the_fit_verdict():
+    cfg = config()
+    n = params_of_config(cfg).all
+    mem = memory_per_device(cfg)
+    assert mem["model_state_total_bytes"] == 18 * n
+    s, b, h, kv, f, v = 128, 4, 64, 32, 172, 4096
+    layer = s * b * (6 * h + 2 * kv + 4 * f)
+    head = s * b * v * (2 + 8)
+    assert mem["activation_bytes_full"] == 2 * layer * 2 + head
+    assert mem["activation_bytes_checkpointed"] == (2 * s * b * h + layer) * 2 + head
+    assert mem["fits"]
+    # room for the state and checkpointed activations, not for the full activations
+    cfg["hardware"]["memory_gib"] = (18 * n + mem["activation_bytes_checkpointed"] + 1) / 2 ** 30
+    mem = memory_per_device(cfg)
+    assert not mem["fits"] and mem["fits_with_checkpointing"]
+    cfg["hardware"].update(distributed="fsdp", devices_per_node=8)
+    assert memory_per_device(cfg)["model_state_total_bytes"] == pytest.approx(18 * n / 8)
+
+
+def test_manifests_named_but_not_on_disk_is_one_line(tmp_path):
+    cfg = config()
+    cfg["data"]["manifests"] = {"web": {"path": "data/web/manifest.json", "sha256": None}}
+    plan = build_plan(cfg, root=tmp_path)
+    assert plan["mixture"]["status"] == "absent"
+    assert "not on disk for web" in plan["mixture"]["line"]
+
+
+def write_run(folder, rows, run_cfg=None):
+    (folder / "metrics").mkdir(parents=True)
+    (folder / "metrics" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "run.json").write_text(json.dumps({"conventions": {}}))
+    if run_cfg is not None:
+        import yaml
+        (folder / "experiment.yaml").write_text(yaml.safe_dump(run_cfg))
+
+
+def test_calibration_replaces_assumptions(tmp_path):
+    cfg = config()
+    # first step slow (compile), then 1000 tokens/s for 1 s steps; wall 5 s over 4 s of steps
+    rows = [dict(step=1, tokens_per_second=100.0, step_seconds=1.0, wall_seconds=1.5,
+                 tokens_processed=2048, tokens_useful=2040)]
+    rows += [dict(step=i, tokens_per_second=1000.0, step_seconds=1.0, wall_seconds=1.5 + (i - 1) * 1.1666667,
+                  tokens_processed=2048 * i, tokens_useful=2040 * i) for i in range(2, 5)]
+    write_run(tmp_path / "run", rows, cfg)
+    cal = read_calibration(tmp_path / "run", cfg)
+    assert cal.processed_tokens_per_second == 1000.0
+    assert cal.overhead_fraction == pytest.approx(0.25, abs=1e-4)
+    assert cal.useful_fraction == pytest.approx(2040 / 2048)
+    assert cal.same_experiment
+    plan = build_plan(cfg, calibration=cal, root=tmp_path)
+    m = plan["time"]["measured"]
+    assert m["pure_hours"] == pytest.approx(16 * 128 * 100 / 1000 / 3600)
+    assert m["wall_hours"] == pytest.approx(m["pure_hours"] * 1.25, rel=1e-4)
+    assert "measured" in format_plan(plan)
+
+
+def test_calibration_from_another_model_carries_its_mfu(tmp_path):
+    cfg = config()
+    other = config()
+    other["model"]["n_layers"] = 4
+    write_run(tmp_path / "run", [dict(tokens_per_second=1e6, step_seconds=1.0, wall_seconds=1.0)], other)
+    cal = read_calibration(tmp_path / "run", cfg)
+    assert not cal.same_experiment and "MFU is carried over" in cal.note
+    m = build_plan(cfg, calibration=cal, root=tmp_path)["time"]["measured"]
+    assert m["mfu"] == pytest.approx(cal.mfu)
+
+
+def test_calibration_needs_metrics(tmp_path):
+    with pytest.raises(RunnerError, match="metrics/train.jsonl"):
+        read_calibration(tmp_path, config())
+
+
+def write_manifest_on_disk(root, domain, pool_tokens):
+    import numpy as np
+    from runner.manifest import write_manifest
+    folder = root / "data" / domain
+    folder.mkdir(parents=True)
+    np.zeros(pool_tokens, dtype=np.uint16).tofile(folder / "train-00000.bin")
+    np.zeros(10, dtype=np.uint16).tofile(folder / "val-00000.bin")
+    fields = {"format": "runner-manifest/1", "domain": domain, "tokenizer_sha256": "t", "token_dtype": "uint16",
+              "vocab_size": 4096, "eos_id": 0,
+              "shards": [{"path": "train-00000.bin", "tokens": pool_tokens, "documents": 1, "sha256": "x"}],
+              "validation_shards": [{"path": "val-00000.bin", "tokens": 10, "documents": 1, "sha256": "y"}],
+              "validation": {"fraction": 0.02, "rule": "test"}, "pool_tokens": pool_tokens, "documents": 1,
+              "validation_tokens": 10, "validation_documents": 1, "sources": []}
+    return write_manifest(folder / "manifest.json", fields)
+
+
+def test_mixture_plan_with_manifests_on_disk(tmp_path):
+    # web pool: 20 samples of 128; code pool: 10 samples. 100 steps x 16 seqs = 1600 samples.
+    web_sha = write_manifest_on_disk(tmp_path, "web", 20 * 128 + 1)
+    write_manifest_on_disk(tmp_path, "code", 10 * 128 + 1)
+    cfg = config()
+    cfg["mixture"]["domains"] = {"web": {"target_ratio": 0.75, "max_repetition_ratio": 100.0},
+                                 "code": {"target_ratio": 0.25, "max_repetition_ratio": 100.0}}
+    cfg["data"]["manifests"] = {"web": {"path": "data/web/manifest.json", "sha256": web_sha},
+                                "code": {"path": "data/code/manifest.json", "sha256": "0" * 64}}
+    plan = build_plan(cfg, root=tmp_path)
+    mix = plan["mixture"]
+    assert mix["status"] == "planned"
+    web, code = mix["domains"]["web"], mix["domains"]["code"]
+    assert web["exposure_tokens"] == 0.75 * 16 * 128 * 100 and web["pool_tokens"] == 20 * 128
+    assert web["epochs"] == pytest.approx(60.0) and code["epochs"] == pytest.approx(40.0)
+    assert web["effective_tokens"] == pytest.approx(effective_tokens(20 * 128, 60.0))
+    assert any("web: 60.0 epochs" in w for w in plan["warnings"])
+    assert any("data.manifests.code.sha256" in w for w in plan["warnings"])
+    assert plan["storage"]["data_tokens"] == 30 * 128
+    text = format_plan(plan)
+    assert "effective" in text and "warning: web: 60.0 epochs" in text
+    # caps below the needed epochs: the plan says infeasible instead of failing
+    cfg["mixture"]["domains"]["web"]["max_repetition_ratio"] = 2.0
+    plan = build_plan(cfg, root=tmp_path)
+    assert plan["mixture"]["status"] == "infeasible" and "INFEASIBLE" in format_plan(plan)
+
+
+def test_cli_plan_json_on_a_project_experiment(capsys):
+    from pathlib import Path
+    from runner.cli import main
+    exp = Path(__file__).resolve().parents[1] / "experiments" / "1p3b.yaml"
+    if not exp.exists():
+        pytest.skip("experiments/1p3b.yaml not written yet")
+    assert main(["plan", str(exp), "--json", "--mfu", "0.5"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["time"]["assumed"]["mfu"] == 0.5 and plan["hardware"]["peak_tflops"] == 989.4
+    assert plan["memory"]["fits"] is True
