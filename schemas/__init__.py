@@ -1,0 +1,8 @@
+"""Report table schemas (pandera). Owns what a report table must look like; never reads files."""
+
+from schemas.report_tables import (  # noqa: F401
+    SCHEMA_VERSION,
+    SCHEMAS,
+    TableFailure,
+    validate_tables,
+)

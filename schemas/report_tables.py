@@ -1,0 +1,409 @@
+"""The report's tables as pandera schemas, one DataFrameSchema per table.
+
+Owns the column names, dtypes and descriptions of every report table, and the frame-level checks
+that encode the SPEC's accounting invariants (1-5) inside one table, plus `validate_tables`, which
+adds the checks that need two tables (invariant 2: totals equal the sum of domains; histogram
+versus counters). Never reads or writes files and never recomputes anything from a config: that is
+runner.audit's job.
+
+Token counters are exact integers in tokens (input positions, SPEC "Token counters"); `L` (the
+sequence length) is recovered inside the accounting table as `pool_tokens / samples`, because the
+pool of a domain is `samples * L` by definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pandera.pandas as pa
+from pandera.extensions import register_check_method
+
+SCHEMA_VERSION = "runner-report/1"
+"""Bumped whenever a column is added, removed, renamed or changes meaning."""
+
+# Float equalities in derived columns (ratios, epochs, MFU) are recomputed from exact integers,
+# so only floating-point noise is tolerated, not a rounding a human could notice.
+REL_TOL = 1e-9
+
+
+def _close(a, b, rel: float = REL_TOL):
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return np.abs(a - b) <= rel * np.maximum(np.abs(b), 1e-300) + 1e-15
+
+
+# ---- invariant checks (registered so they have names in failure reports) ----------------------
+
+@register_check_method(supported_types=pd.DataFrame)
+def counters_ordered(df):
+    """SPEC invariant 1: unique <= exposure <= processed and useful <= exposure."""
+    return (
+        (df["unique_tokens"] <= df["exposure_tokens"])
+        & (df["exposure_tokens"] <= df["processed_tokens"])
+        & (df["useful_tokens"] <= df["exposure_tokens"])
+    )
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def unique_within_pool(df):
+    """SPEC invariant 1: unique <= pool."""
+    return df["unique_tokens"] <= df["pool_tokens"]
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def lost_is_processed_minus_exposure(df):
+    """SPEC: lost = processed - exposure."""
+    return df["lost_tokens"] == df["processed_tokens"] - df["exposure_tokens"]
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def exposure_is_whole_steps(df):
+    """SPEC invariant 3: exposure_total = committed_steps * global_batch_sequences * L."""
+    return df["exposure_tokens"] == df["steps"] * df["global_batch_sequences"] * df["seq_len"]
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def pool_is_whole_samples(df):
+    """SPEC: pool = samples * L, the same L for every domain, and 0 <= tail < L."""
+    seq_len = df["pool_tokens"] // df["samples"].clip(lower=1)
+    same_len = seq_len.nunique() == 1
+    return (
+        (df["pool_tokens"] == df["samples"] * seq_len)
+        & same_len
+        & (df["tail_tokens"] >= 0)
+        & (df["tail_tokens"] < seq_len)
+    )
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def epochs_is_exposure_over_pool(df):
+    """SPEC: epochs = exposure / pool."""
+    return pd.Series(_close(df["epochs"], df["exposure_tokens"] / df["pool_tokens"]), index=df.index)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def epochs_within_cap(df):
+    """SPEC invariant 4: epochs <= max_repetition_ratio of the domain."""
+    return df["exposure_tokens"] <= df["max_repetition_ratio"] * df["pool_tokens"] * (1 + REL_TOL)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def realized_ratio_is_share(df):
+    """SPEC: realized_ratio = exposure / total exposure (over the domains of this table)."""
+    total = df["exposure_tokens"].sum()
+    return pd.Series(_close(df["realized_ratio"], df["exposure_tokens"] / max(total, 1)), index=df.index)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def target_ratios_sum_to_one(df):
+    """A mixture's target ratios are shares of one budget."""
+    return bool(abs(df["target_ratio"].sum() - 1.0) <= 1e-6)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def mixture_exact(df):
+    """SPEC invariant 5: |exposure_d - target_ratio_d * exposure_total| <= L."""
+    seq_len = df["pool_tokens"] // df["samples"].clip(lower=1)
+    total = df["exposure_tokens"].sum()
+    return (df["exposure_tokens"] - df["target_ratio"] * total).abs() <= seq_len
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def goodput_within_mfu(df):
+    """useful <= processed and wall >= step time, so goodput MFU can never exceed MFU."""
+    return df["goodput_mfu"] <= df["mfu"] * (1 + 1e-6)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def step_time_within_wall(df):
+    """Training steps are part of the elapsed time, never more than it."""
+    return df["step_seconds_total"] <= df["wall_seconds"] * (1 + 1e-6)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def mfu_matches_definition(df):
+    """SPEC: mfu = flops_per_token * processed / (step time * peak * devices)."""
+    want = df["flops_per_token"] * df["processed_tokens"] / (
+        df["step_seconds_total"] * df["peak_tflops"] * 1e12 * df["devices"])
+    return pd.Series(_close(df["mfu"], want, 1e-6), index=df.index)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def goodput_mfu_matches_definition(df):
+    """SPEC: goodput_mfu = flops_per_token * useful / (wall time * peak * devices)."""
+    want = df["flops_per_token"] * df["useful_tokens"] / (
+        df["wall_seconds"] * df["peak_tflops"] * 1e12 * df["devices"])
+    return pd.Series(_close(df["goodput_mfu"], want, 1e-6), index=df.index)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def cost_matches_definition(df):
+    """SPEC: cost = devices * price per device-hour * wall hours / (useful / 1e9)."""
+    want = df["devices"] * df["price_per_device_hour"] * (df["wall_seconds"] / 3600.0) / (
+        df["useful_tokens"] / 1e9)
+    return pd.Series(_close(df["cost_per_billion_useful_tokens"], want, 1e-6), index=df.index)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def histogram_keys_unique(df):
+    """One row per (domain, times_seen)."""
+    return ~df.duplicated(["domain", "times_seen"], keep=False)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def one_eval_per_step_and_domain(df):
+    """Each evaluation measures each domain once."""
+    return ~df.duplicated(["step", "domain"], keep=False)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def exposure_grows_with_step(df):
+    """The exposure at an evaluation is a function of its step, non-decreasing in it."""
+    per_step = df.groupby("step")["exposure_tokens"]
+    one_value = per_step.transform("nunique") == 1
+    firsts = per_step.first().sort_index()
+    monotone = bool(firsts.is_monotonic_increasing)
+    return one_value & monotone
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def steps_strictly_increase(df):
+    """Throughput rows are one per logged step, in order."""
+    return bool(df["step"].is_monotonic_increasing and df["step"].is_unique)
+
+
+# ---- the tables ---------------------------------------------------------------------------------
+
+def _tokens(description: str) -> pa.Column:
+    return pa.Column("int64", pa.Check.ge(0), description=description + " (tokens, exact integer)")
+
+
+def _fraction(description: str, *, positive: bool = False) -> pa.Column:
+    low = pa.Check.gt(0.0) if positive else pa.Check.ge(0.0)
+    return pa.Column("float64", [low, pa.Check.le(1.0)], description=description)
+
+
+def _finite_positive(description: str) -> pa.Column:
+    return pa.Column("float64", [pa.Check.gt(0.0), pa.Check(np.isfinite, element_wise=False,
+                                                              name="finite")],
+                     description=description)
+
+
+RUN_SUMMARY = pa.DataFrameSchema(
+    name="run_summary",
+    description="One row: what was trained, how much, how fast, at what cost, under which MFU convention.",
+    strict=True,
+    columns={
+        "schema_version": pa.Column(str, pa.Check.eq(SCHEMA_VERSION), description="Report schema version of this table."),
+        "experiment": pa.Column(str, description="Experiment name from the recipe."),
+        "version": pa.Column(str, description="Experiment version from the recipe."),
+        "fingerprint": pa.Column(str, pa.Check.str_matches(r"^[0-9a-f]{64}$"), description="sha256 of the resolved config."),
+        "run_id": pa.Column(str, description="Run folder id."),
+        "status": pa.Column(str, pa.Check.isin(["running", "finished", "preempted", "failed"]), description="Run status from run.json."),
+        "steps": pa.Column("int64", pa.Check.ge(0), description="Committed optimizer steps."),
+        "seq_len": pa.Column("int64", pa.Check.gt(0), description="L: input positions per sample."),
+        "global_batch_sequences": pa.Column("int64", pa.Check.gt(0), description="Samples per committed step over all devices."),
+        "pool_tokens": _tokens("Sum over domains of samples * L"),
+        "processed_tokens": _tokens("Input positions through forward+backward in any step, lost ones included"),
+        "exposure_tokens": _tokens("Input positions in committed steps, repeats included"),
+        "useful_tokens": _tokens("Target positions in committed steps that contributed to the loss"),
+        "unique_tokens": _tokens("Distinct pool input positions among the exposures"),
+        "lost_tokens": _tokens("processed - exposure"),
+        "wall_seconds": _finite_positive("Elapsed seconds of the run: steps, eval, checkpoints, stalls, recovery."),
+        "step_seconds_total": _finite_positive("Seconds spent in training steps only (sum of step times)."),
+        "params": pa.Column("int64", pa.Check.gt(0), description="N: parameters counted by `params_counted`."),
+        "flops_per_token": _finite_positive("Training FLOPs per token under `flops_formula` (6N or 6N+attn)."),
+        "mfu": _fraction("flops_per_token * processed / (step_seconds_total * peak * devices); time_basis step."),
+        "goodput_mfu": _fraction("flops_per_token * useful / (wall_seconds * peak * devices); time_basis wall."),
+        "flops_formula": pa.Column(str, pa.Check.isin(["6N", "6N+attn"]), description="6N (Kaplan/Chinchilla) or 6N+attn (PaLM appendix B)."),
+        "params_counted": pa.Column(str, pa.Check.isin(["all", "non_embedding", "active"]), description="Which parameters N counts."),
+        "attention_causal_half": pa.Column(bool, description="Whether the attention term is halved for the causal mask."),
+        "recompute_counted": pa.Column(bool, pa.Check.eq(False), description="False for MFU (true would make it HFU)."),
+        "peak_tflops": _finite_positive("Dense peak TFLOP/s of one device for peak_dtype; never the sparse figure."),
+        "peak_dtype": pa.Column(str, description="Compute dtype the peak is for (bf16, fp32)."),
+        "peak_source": pa.Column(str, description="Where the peak comes from (datasheet, recipe, measured)."),
+        "devices_counted": pa.Column("int64", pa.Check.gt(0), description="Devices in the MFU denominator: every device the run held, idle ones included."),
+        "time_basis": pa.Column(str, pa.Check.eq("step"), description="Time basis of `mfu` (goodput_mfu is always wall)."),
+        "device_name": pa.Column(str, description="Accelerator model the peak belongs to."),
+        "devices": pa.Column("int64", pa.Check.gt(0), description="Devices the run held (devices_per_node * nodes)."),
+        "price_per_device_hour": pa.Column("float64", pa.Check.ge(0.0), description="USD per device-hour from the hardware recipe."),
+        "cost_per_billion_useful_tokens": pa.Column("float64", pa.Check.ge(0.0), description="USD: devices * price * wall hours / (useful / 1e9)."),
+    },
+    checks=[
+        pa.Check.counters_ordered(error="invariant 1: unique <= exposure <= processed, useful <= exposure"),
+        pa.Check.unique_within_pool(error="invariant 1: unique <= pool"),
+        pa.Check.lost_is_processed_minus_exposure(error="lost = processed - exposure"),
+        pa.Check.exposure_is_whole_steps(error="invariant 3: exposure = steps * global_batch * L"),
+        pa.Check.goodput_within_mfu(error="goodput_mfu <= mfu"),
+        pa.Check(lambda df: df["devices_counted"] == df["devices"], name="all_devices_counted",
+                 error="devices_counted = devices held"),
+        pa.Check.step_time_within_wall(error="step_seconds_total <= wall_seconds"),
+        pa.Check.mfu_matches_definition(error="mfu = flops_per_token * processed / (step s * peak * devices)"),
+        pa.Check.goodput_mfu_matches_definition(error="goodput_mfu = flops_per_token * useful / (wall s * peak * devices)"),
+        pa.Check.cost_matches_definition(error="cost = devices * price * wall h / (useful / 1e9)"),
+        pa.Check(lambda df: len(df) == 1, name="one_row", error="run_summary has exactly one row"),
+    ],
+)
+
+ACCOUNTING = pa.DataFrameSchema(
+    name="accounting",
+    description="Token counters per domain (the run's totals are in run_summary).",
+    strict=True,
+    columns={
+        "domain": pa.Column(str, unique=True, description="Domain name from the mixture (one row each)."),
+        "target_ratio": _fraction("Share of exposure the mixture asks for.", positive=True),
+        "realized_ratio": _fraction("exposure / total exposure."),
+        "pool_tokens": pa.Column("int64", pa.Check.gt(0), description="samples * L (tokens, exact integer)."),
+        "processed_tokens": _tokens("Input positions of this domain through forward+backward, lost included"),
+        "exposure_tokens": _tokens("Input positions of this domain in committed steps, repeats included"),
+        "useful_tokens": _tokens("Target positions of this domain that contributed to the loss"),
+        "unique_tokens": _tokens("Distinct pool input positions of this domain among the exposures"),
+        "lost_tokens": _tokens("processed - exposure"),
+        "epochs": pa.Column("float64", pa.Check.ge(0.0), description="exposure / pool."),
+        "max_repetition_ratio": pa.Column("float64", pa.Check.ge(1.0), description="Cap on epochs from the mixture recipe."),
+        "tail_tokens": _tokens("pool_tokens_in_manifest - samples * L - 1: the tail that fits no sample"),
+        "samples": pa.Column("int64", pa.Check.gt(0), description="floor((manifest pool tokens - 1) / L)."),
+    },
+    checks=[
+        pa.Check.counters_ordered(error="invariant 1: unique <= exposure <= processed, useful <= exposure"),
+        pa.Check.unique_within_pool(error="invariant 1: unique <= pool"),
+        pa.Check.lost_is_processed_minus_exposure(error="lost = processed - exposure"),
+        pa.Check.pool_is_whole_samples(error="pool = samples * L, one L, 0 <= tail < L"),
+        pa.Check.epochs_is_exposure_over_pool(error="epochs = exposure / pool"),
+        pa.Check.epochs_within_cap(error="invariant 4: epochs <= max_repetition_ratio"),
+        pa.Check.realized_ratio_is_share(error="realized_ratio = exposure / total exposure"),
+        pa.Check.target_ratios_sum_to_one(error="target ratios sum to 1"),
+        pa.Check.mixture_exact(error="invariant 5: |exposure - target * total| <= L"),
+    ],
+)
+
+REPETITION = pa.DataFrameSchema(
+    name="repetition",
+    description="Repetition histogram: how many samples of each domain were seen 0, 1, 2, ... times.",
+    strict=True,
+    columns={
+        "domain": pa.Column(str, description="Domain name."),
+        "times_seen": pa.Column("int64", [pa.Check.ge(0), pa.Check.le(255)],
+                                description="Times a sample was in a committed step (ledger counter saturates at 255)."),
+        "samples": pa.Column("int64", pa.Check.ge(0), description="Samples of the domain seen exactly times_seen times."),
+    },
+    checks=[pa.Check.histogram_keys_unique(error="one row per (domain, times_seen)")],
+)
+
+VALIDATION = pa.DataFrameSchema(
+    name="validation",
+    description="Validation loss per domain at each evaluation, on the same held-out samples every time.",
+    strict=True,
+    columns={
+        "step": pa.Column("int64", pa.Check.ge(0), description="Committed steps at the evaluation."),
+        "exposure_tokens": _tokens("Total exposure at the evaluation"),
+        "domain": pa.Column(str, description="Domain whose validation samples were scored."),
+        "loss_nats": _finite_positive("Mean token cross-entropy in nats."),
+        "bpb": _finite_positive("Bits per UTF-8 byte of the target text."),
+    },
+    checks=[
+        pa.Check.one_eval_per_step_and_domain(error="one row per (step, domain)"),
+        pa.Check.exposure_grows_with_step(error="exposure is one non-decreasing value per step"),
+    ],
+)
+
+THROUGHPUT = pa.DataFrameSchema(
+    name="throughput",
+    description="Speed at each logged training step.",
+    strict=True,
+    columns={
+        "step": pa.Column("int64", pa.Check.ge(0), description="Step the row was logged at."),
+        "tokens_per_second": _finite_positive("Processed tokens per second of step time."),
+        "step_seconds": _finite_positive("Seconds of the step (forward, backward, optimizer)."),
+        "mfu": _fraction("MFU of the step, time basis step."),
+        "goodput_mfu": _fraction("Goodput MFU up to the step, time basis wall."),
+    },
+    checks=[pa.Check.steps_strictly_increase(error="steps strictly increase")],
+)
+
+SCHEMAS: dict[str, pa.DataFrameSchema] = {
+    "run_summary": RUN_SUMMARY,
+    "accounting": ACCOUNTING,
+    "repetition": REPETITION,
+    "validation": VALIDATION,
+    "throughput": THROUGHPUT,
+}
+
+
+@dataclass(frozen=True)
+class TableFailure:
+    """One failed check: which table, which check, on which column/row, with the offending value."""
+
+    table: str
+    check: str
+    column: str | None
+    index: object
+    failure_case: object
+
+    def __str__(self) -> str:
+        where = f"{self.column}" if self.column else ""
+        if self.index is not None and not (isinstance(self.index, float) and np.isnan(self.index)):
+            where += f"[{self.index}]"
+        return f"{self.table}: {self.check}: {where} = {self.failure_case!r}"
+
+
+def _schema_failures(name: str, df: pd.DataFrame) -> list[TableFailure]:
+    try:
+        # Row labels carry no meaning in a report table; a duplicated label only confuses pandera.
+        SCHEMAS[name].validate(df.reset_index(drop=True), lazy=True)
+    except pa.errors.SchemaErrors as err:
+        out = []
+        for row in err.failure_cases.itertuples(index=False):
+            out.append(TableFailure(name, str(row.check), None if row.column in (None, name) else str(row.column),
+                                    row.index, row.failure_case))
+        return out
+    return []
+
+
+def cross_table_failures(tables: dict[str, pd.DataFrame]) -> list[TableFailure]:
+    """Invariant 2 (totals = sum of domains) and histogram/counter agreement."""
+    out: list[TableFailure] = []
+    summary, acct, hist = tables["run_summary"], tables["accounting"], tables["repetition"]
+    if len(summary) == 1 and len(acct):
+        row = summary.iloc[0]
+        for counter in ("pool_tokens", "processed_tokens", "exposure_tokens", "useful_tokens",
+                        "unique_tokens", "lost_tokens"):
+            total, summed = int(row[counter]), int(acct[counter].sum())
+            if total != summed:
+                out.append(TableFailure("run_summary", "invariant 2: total = sum of domains",
+                                        counter, 0, f"{total} != {summed}"))
+    if len(acct) and len(summary) == 1:
+        seq_len = int(summary.iloc[0]["seq_len"])
+        for d in acct.itertuples(index=False):
+            h = hist[hist["domain"] == d.domain]
+            checks = {
+                "histogram samples = domain samples": (int(h["samples"].sum()), int(d.samples)),
+                "histogram exposure = exposure": (int((h["times_seen"] * h["samples"]).sum()) * seq_len,
+                                                   int(d.exposure_tokens)),
+                "histogram seen samples = unique": (int(h.loc[h["times_seen"] > 0, "samples"].sum()) * seq_len,
+                                                    int(d.unique_tokens)),
+            }
+            for check, (got, want) in checks.items():
+                if got != want:
+                    out.append(TableFailure("repetition", check, d.domain, None, f"{got} != {want}"))
+        extra = set(hist["domain"]) - set(acct["domain"])
+        for d in sorted(extra):
+            out.append(TableFailure("repetition", "histogram domains = accounting domains", d, None, d))
+    return out
+
+
+def validate_tables(tables: dict[str, pd.DataFrame]) -> list[TableFailure]:
+    """Validate every table lazily and the cross-table invariants; return every failure found."""
+    failures: list[TableFailure] = []
+    for name in SCHEMAS:
+        if name not in tables:
+            failures.append(TableFailure(name, "table present", None, None, "missing"))
+            continue
+        failures.extend(_schema_failures(name, tables[name]))
+    if all(n in tables for n in ("run_summary", "accounting", "repetition")):
+        try:
+            failures.extend(cross_table_failures(tables))
+        except (KeyError, TypeError, ValueError) as err:  # malformed columns already failed above
+            failures.append(TableFailure("report", "cross-table checks computable", None, None, str(err)))
+    return failures

@@ -1,0 +1,77 @@
+"""`runner audit-claims`: implied MFU of published claims and the flags on impossible ones."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from runner.claims import audit_claim, audit_claims
+from runner.commands.report import register
+from runner.errors import RunnerError
+
+SEEDS = Path(__file__).resolve().parents[1] / "reports" / "claims" / "seeds.yaml"
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_seed_claims_implied_mfu():
+    by_name = {r.name: r for r in audit_claims(SEEDS)}
+    mi300x = by_name["760M on one MI300X"]
+    assert mi300x.implied_mfu == pytest.approx(6 * 0.76e9 * 68e3 / 1307.4e12) == pytest.approx(0.237, abs=5e-4)
+    h200 = by_name["1.45B on one H200"]
+    assert h200.implied_mfu == pytest.approx(0.369, abs=5e-4)
+    assert not mi300x.flags and not h200.flags
+
+
+def test_seed_flawed_claims_are_flagged_and_exit_1(capsys):
+    by_name = {r.name: r for r in audit_claims(SEEDS)}
+    sparse = by_name["1.45B on H200, sparse peak"]
+    assert sparse.impossible and any("sparse peak" in f.message for f in sparse.flags)
+    assert any("disagrees" in f.message for f in sparse.flags)
+    assert by_name["7B at 30K tok/s on one H100"].impossible
+    unstated = by_name["1B on 2T tokens, kind unstated"]
+    assert not unstated.impossible and any("token kind unstated" in f.message for f in unstated.flags)
+    assert unstated.tokens_per_param_vs_chinchilla == pytest.approx(100)
+    assert _cli(["audit-claims", str(SEEDS)]) == 1
+    assert "6N" in capsys.readouterr().out
+    assert _cli(["audit-claims", str(SEEDS), "--json"]) == 1
+    assert len(json.loads(capsys.readouterr().out)) == 5
+
+
+def test_clean_claims_file_exits_0(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("- {name: a, model_params: 1.45e+9, tokens_per_second: 42000, token_kind: exposure,\n"
+                    "   hardware: NVIDIA H200, devices: 1, mfu: 0.36, tokens: '29e9'}\n")
+    assert _cli(["audit-claims", str(path)]) == 0
+    r = audit_claims(path)[0]
+    assert r.tokens_per_param == pytest.approx(20)
+    assert r.implied_days == pytest.approx(29e9 / 42000 / 86400)
+
+
+def test_implied_days_from_stated_mfu_and_over_100_percent():
+    r = audit_claim({"name": "x", "model_params": 1e9, "tokens": 1e12, "token_kind": "unique",
+                     "hardware": "MI355X", "devices": 8, "mfu": 0.4})
+    assert r.implied_days == pytest.approx(6e21 / (0.4 * 2516.6e12 * 8) / 86400)
+    assert audit_claim({"name": "y", "model_params": 1e9, "mfu": 1.2, "token_kind": "useful",
+                        "hardware": "B200"}).impossible
+
+
+def test_bad_claims_are_runner_errors(tmp_path):
+    with pytest.raises(RunnerError, match="model_params"):
+        audit_claim({"name": "x", "model_params": -1})
+    with pytest.raises(RunnerError, match="token_kind"):
+        audit_claim({"name": "x", "model_params": 1e9, "token_kind": "tokens"})
+    with pytest.raises(RunnerError, match="unknown keys"):
+        audit_claim({"name": "x", "model_params": 1e9, "flops": 3})
+    path = tmp_path / "bad.yaml"
+    path.write_text("claims: 3\n")
+    with pytest.raises(RunnerError, match="expected a list"):
+        audit_claims(path)

@@ -1,0 +1,126 @@
+"""`runner report` and `runner publish`: files a reader and an auditor rely on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import pandas as pd
+import pytest
+
+from runfixtures import GLOBAL_BATCH, SEQ_LEN, STEPS, make_run
+from runner.commands.report import register
+from runner.errors import RunnerError
+from runner.publish import audit_reports, publish
+from runner.report import PLOTS, TABLES, build_tables, write_report
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = make_run(tmp_path_factory.mktemp("report"))
+    write_report(run)
+    return run
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_tables_hold_the_ledger_counts(run_dir):
+    t = build_tables(run_dir)
+    s = t["run_summary"].iloc[0]
+    assert s["exposure_tokens"] == STEPS * GLOBAL_BATCH * SEQ_LEN
+    # One step of 8 sequences was processed twice (the fixture's crash): that is the lost work.
+    assert s["lost_tokens"] == GLOBAL_BATCH * SEQ_LEN
+    assert s["processed_tokens"] == s["exposure_tokens"] + s["lost_tokens"]
+    assert list(t["accounting"]["domain"]) == ["code", "math", "web"]
+    assert t["accounting"].set_index("domain").loc["math", "epochs"] == pytest.approx(12 / 9)
+    assert s["flops_formula"] == "6N+attn" and s["peak_tflops"] == 989.4
+
+
+def test_report_folder_has_tables_plots_and_audit_inputs(run_dir):
+    out = run_dir / "report"
+    for name in TABLES:
+        parquet = pd.read_parquet(out / f"{name}.parquet")
+        csv = pd.read_csv(out / f"{name}.csv")
+        assert list(parquet.columns) == list(csv.columns) and len(parquet) == len(csv)
+    for png in PLOTS:
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "experiment.yaml").read_text() == (run_dir / "experiment.yaml").read_text()
+    for d in ("code", "math", "web"):
+        assert (out / "manifests" / f"{d}.json").exists()
+    md = (out / "report.md").read_text()
+    fp = (run_dir / "fingerprint.txt").read_text().strip()
+    sha = json.loads((run_dir / "manifests" / "web.json").read_text())["manifest_sha256"]
+    for needle in (fp, sha, "flops_formula", "peak_source", "time_basis", "`unique`", "`lost`",
+                   "per billion useful tokens", "loss_by_domain.png"):
+        assert needle in md, needle
+
+
+def test_resumed_run_keeps_the_redone_rows_once(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    train = (run / "metrics" / "train.jsonl").read_text().splitlines()
+    evals = (run / "metrics" / "eval.jsonl").read_text().splitlines()
+    (run / "metrics" / "train.jsonl").write_text("\n".join(train[:4] + train[2:]) + "\n")
+    (run / "metrics" / "eval.jsonl").write_text("\n".join(evals + evals[:3]) + "\n")
+    t = build_tables(run)
+    assert list(t["throughput"]["step"]) == list(range(1, STEPS + 1))
+    assert len(t["validation"]) == len(evals)
+
+
+def test_missing_inputs_are_runner_errors(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "ledger.json").unlink()
+    with pytest.raises(RunnerError, match="ledger.json: missing"):
+        build_tables(run)
+    with pytest.raises(RunnerError, match="not an MLflow run id"):
+        _cli(["report", str(tmp_path / "nowhere")])
+
+
+def test_report_command_rebuilds(run_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    shutil.rmtree(run / "report")
+    assert _cli(["report", str(run)]) == 0
+    assert (run / "report" / "report.md").exists()
+
+
+def test_publish_copies_audited_report_and_indexes_it(run_dir, tmp_path):
+    reports = tmp_path / "reports"
+    assert _cli(["publish", str(run_dir), "--reports-dir", str(reports)]) == 0
+    dest = reports / "fixture" / run_dir.name
+    assert (dest / "report.md").exists() and (dest / "manifests" / "web.json").exists()
+    index = (reports / "README.md").read_text()
+    assert run_dir.name in index and "6N+attn" in index and "code 4.700" in index
+    assert all(r.passed for r in audit_reports(reports))
+    assert _cli(["audit-reports", "--reports-dir", str(reports)]) == 0
+
+
+def test_publish_refuses_failing_audit_and_large_files(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    summary = pd.read_parquet(run / "report" / "run_summary.parquet")
+    summary["peak_tflops"] = 2 * 989.4
+    summary.to_parquet(run / "report" / "run_summary.parquet", index=False)
+    reports = tmp_path / "reports"
+    _, result = publish(run, reports)
+    assert not result.passed and not (reports / "fixture").exists()
+
+    write_report(run)
+    (run / "report" / "big.bin").write_bytes(b"\0" * (2 * 1024 * 1024 + 1))
+    with pytest.raises(RunnerError, match="big.bin"):
+        publish(run, reports)
+
+    (run / "report" / "big.bin").unlink()
+    publish(run, reports)
+    published = reports / "fixture" / run_dir.name  # the run id from run.json
+    summary = pd.read_parquet(published / "accounting.parquet")
+    summary["unique_tokens"] += SEQ_LEN
+    summary.to_parquet(published / "accounting.parquet", index=False)
+    assert _cli(["audit-reports", "--reports-dir", str(reports)]) == 1
