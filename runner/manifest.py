@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from runner.errors import RunnerError
+from runner.fsio import atomic_write, canonical_json
 
 FORMAT = "runner-manifest/1"
 REQUIRED_KEYS = ("format", "domain", "tokenizer_sha256", "token_dtype", "vocab_size", "eos_id",
@@ -26,32 +27,9 @@ SHARD_KEYS = ("path", "tokens", "documents", "sha256")
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
-def canonical_json(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-
-
 def manifest_sha256(fields: dict) -> str:
     """sha256 of the canonical JSON of the manifest without its own `manifest_sha256`."""
-    return hashlib.sha256(canonical_json({k: v for k, v in fields.items() if k != "manifest_sha256"})).hexdigest()
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write via a temp file, fsync, rename, fsync the folder: readers see all or nothing."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return hashlib.sha256(canonical_json({k: v for k, v in fields.items() if k != "manifest_sha256"}).encode("ascii")).hexdigest()
 
 
 def write_manifest(path: Path, fields: dict) -> str:

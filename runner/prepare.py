@@ -22,7 +22,8 @@ from typing import Iterator
 import numpy as np
 
 from runner.errors import RunnerError
-from runner.manifest import DTYPES, FORMAT, fsync_dir, write_manifest
+from runner.fsio import fsync_dir
+from runner.manifest import DTYPES, FORMAT, write_manifest
 from runner.tokenizer import file_sha256, load_tokenizer, tokenizer_info
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.errors import RunnerError
+from runner.fsio import canonical_json, sha256_file
 
 KINDS = ("tokenizer", "mixture", "model", "optim", "hardware", "eval")
 TOKEN_DTYPES = {"uint16": 65_536, "uint32": 4_294_967_296}
@@ -249,14 +250,6 @@ class Problems:
 
 
 # ---------------------------------------------------------------- helpers
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def display_path(path: Any) -> str:
     """A path as the user would type it: relative to the current folder when inside it."""
     try:
@@ -737,10 +730,6 @@ def canonical_meaning(cfg) -> dict:
     for key in OPERATIONAL_KEYS:
         _drop(data, key.split("."))
     return data
-
-
-def canonical_json(data: Any) -> str:
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def fingerprint(cfg) -> str:

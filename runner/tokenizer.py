@@ -8,7 +8,6 @@ differs from the one a recipe pins.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from functools import lru_cache
@@ -18,6 +17,7 @@ from typing import Iterable
 import numpy as np
 
 from runner.errors import RunnerError
+from runner.fsio import sha256_file
 
 EOS_TOKEN = "<|endoftext|>"
 # Checked in this order, so a tokenizer that defines several picks the document separator.
@@ -26,12 +26,7 @@ EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id
 UINT16_MAX_VOCAB = 65536
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+file_sha256 = sha256_file
 
 
 def token_dtype_for(vocab_size: int) -> str:

@@ -1,0 +1,164 @@
+"""Runner overhead: `runner launch`'s loop vs a bare PyTorch loop on the same model and batches.
+
+Prints tokens/s side by side and their ratio (target >= 0.95), then the per-step cost of the
+runner's own bookkeeping (sampler + batch read, ledger, processed journal, MLflow logging) and
+that cost as a share of the 1p3b step time (planned at the hardware recipe's default MFU).
+
+    python bench/bench_runner.py [--steps 40] [--hidden 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def project(tmp: Path, steps: int, hidden: int) -> Path:
+    from trainfixtures import make_project
+
+    exp = make_project(tmp, steps=steps, seq_len=128, global_batch=16, micro=8, checkpoint_every=10 ** 6,
+                       eval_every=10 ** 6, pools={"a": (0.5, 400_000, 2_000), "b": (0.5, 300_000, 2_000)})
+    model = tmp / "recipes" / "model" / "m.yaml"
+    body = yaml.safe_load(model.read_text())
+    body.update(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 16 * 16, n_heads=4, n_kv_heads=2)
+    model.write_text(yaml.safe_dump(body))
+    return exp
+
+
+def runner_tokens_per_second(exp_path: Path, run_dir: Path) -> tuple[float, list[dict]]:
+    from runner.cli import main
+
+    assert main(["launch", str(exp_path), "--run-dir", str(run_dir)]) == 0
+    rows = [json.loads(x) for x in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
+    steady = rows[2:]  # the first steps pay for allocator and thread-pool warm-up in both loops
+    seconds = steady[-1]["wall_seconds"] - rows[1]["wall_seconds"]
+    return sum(r["tokens_processed"] for r in steady) / seconds, rows
+
+
+def bare_tokens_per_second(exp, steps: int) -> float:
+    """The same model, optimizer, batches and loss with nothing else: no ledger, journal or tracking."""
+    from runner.model import build_model
+    from runner.train import load_data, make_optimizer
+
+    cfg = exp.config
+    B, L, micro = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len), int(cfg.train.micro_batch_sequences)
+    data = load_data(exp, L)
+    batches = [data.reader.read(data.sampler.global_batch(s)) for s in range(steps)]
+    torch.manual_seed(int(cfg.seed))
+    model = build_model(cfg)
+    opt = make_optimizer(model, cfg, fused=False)
+    model.train()
+    marks = []
+    for batch in batches:
+        for m in range(B // micro):
+            sl = slice(m * micro, (m + 1) * micro)
+            logits = model(input_ids=batch.input_ids[sl]).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels[sl].flatten(), reduction="sum") / (B * L)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
+    return (len(marks) - 2) * B * L / (marks[-1] - marks[1])
+
+
+def bookkeeping_seconds(exp, tmp: Path, steps: int) -> dict[str, float]:
+    """Per-step seconds of what the runner adds, each timed alone at this experiment's batch."""
+    from runner.ledger import TokenLedger
+    from runner.tracking import Tracker
+    from runner.train import domain_positions, load_data
+
+    cfg = exp.config
+    L = int(cfg.train.seq_len)
+    data = load_data(exp, L)
+    ledger = TokenLedger(data.samples, L)
+    out = {}
+    t = time.perf_counter()
+    pairs = [data.sampler.global_batch(s) for s in range(steps)]
+    out["sampler"] = (time.perf_counter() - t) / steps
+    t = time.perf_counter()
+    for p in pairs:
+        data.reader.read(p)
+    out["batch_read"] = (time.perf_counter() - t) / steps
+    t = time.perf_counter()
+    with open(tmp / "journal.jsonl", "a") as journal:
+        for p in pairs:
+            processed = domain_positions(p, data.domains, L)
+            ledger.record_processed(processed)
+            journal.write(json.dumps({"attempt": 1, "step": 0, "processed": processed}) + "\n")
+            journal.flush()
+            ledger.commit(p, {d: n for d, n in processed.items()})
+            ledger.counters()
+    out["ledger+journal"] = (time.perf_counter() - t) / steps
+    tracker = Tracker(tmp / "trk", tracking_uri=f"sqlite:///{tmp / 'bench-mlflow.db'}")
+    tracker.start("bench", "bench", params=None, tags={})
+    t = time.perf_counter()
+    for s in range(steps):
+        tracker.log_metrics({f"m{i}": float(i) for i in range(32)}, step=s)
+    out["mlflow (32 metrics, sqlite)"] = (time.perf_counter() - t) / steps
+    return out
+
+
+def planned_1p3b_step_seconds() -> tuple[float, dict]:
+    from runner.flops import flops_per_token
+    from runner.hardware import resolve_peak
+    from runner.recipe import load_experiment
+
+    exp = load_experiment(REPO / "experiments" / "1p3b.yaml", check_files=False)
+    cfg = exp.config
+    tokens = int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len)
+    peak = resolve_peak(cfg.hardware)
+    return flops_per_token(cfg) * tokens / (peak.peak_tflops * 1e12 * float(cfg.hardware.default_mfu)), cfg
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--hidden", type=int, default=128)
+    args = ap.parse_args()
+    from runner.recipe import load_experiment
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
+        exp_path = project(tmp, args.steps, args.hidden)
+        exp = load_experiment(exp_path)
+        bare = bare_tokens_per_second(exp, args.steps)
+        ours, _ = runner_tokens_per_second(exp_path, tmp / "run")
+        bare2 = bare_tokens_per_second(exp, args.steps)  # again: the shared machine's speed drifts
+        bare = statistics.mean([bare, bare2])
+        book = bookkeeping_seconds(exp, tmp, args.steps)
+        step_1p3b, cfg = planned_1p3b_step_seconds()
+    print(f"model: 2 layers, hidden {args.hidden}; 16 x 128 tokens per step; {args.steps} steps; "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'loop':<28}{'tokens/s':>12}")
+    print(f"{'bare PyTorch':<28}{bare:>12,.0f}")
+    print(f"{'runner launch (tracked)':<28}{ours:>12,.0f}")
+    print(f"ratio runner / bare: {ours / bare:.3f} (target >= 0.95)")
+    print(f"\nrunner bookkeeping per step at 16 x 128 (1p3b step: {int(cfg.train.global_batch_sequences)} x "
+          f"{int(cfg.train.seq_len)}, planned {step_1p3b:.2f} s at MFU {float(cfg.hardware.default_mfu):.0%} "
+          f"on {cfg.hardware.device_name})")
+    # The sampler and ledger grow with sequences per step, the batch read with tokens per step.
+    scale = {"sampler": int(cfg.train.global_batch_sequences) / 16, "ledger+journal": int(cfg.train.global_batch_sequences) / 16,
+             "batch_read": int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len) / (16 * 128)}
+    for name, sec in book.items():
+        at_1p3b = sec * scale.get(name, 1.0)
+        print(f"  {name:<28}{sec * 1e3:>9.3f} ms   ~{at_1p3b * 1e3:>8.2f} ms at 1p3b = {at_1p3b / step_1p3b:.3%} of its step")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

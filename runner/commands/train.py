@@ -1,0 +1,410 @@
+"""CLI for training: `runner launch`, `runner smoke`, `runner sync`.
+
+Owns: choosing or creating the run folder (experiment.yaml, fingerprint.txt, run.json, manifest
+copies), the resume checks (fingerprint, segments, `--extend-to`), the accelerate set-up, the MLflow
+run's start/finish, and the smoke test's kill-and-resume comparison. The loop is runner.train's;
+never trains or counts tokens here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from runner.errors import EXIT_OK, RunnerError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("launch", help="train an experiment, or resume/extend a run folder")
+    p.add_argument("target", help="experiments/NAME.yaml, or an existing run folder to resume")
+    p.add_argument("--run-dir", default=None, help="run folder (default runs/<experiment>/<timestamp>); "
+                   "resumed when it holds a run")
+    p.add_argument("--run-name", default=None, help="run id / MLflow run name (default: a timestamp)")
+    p.add_argument("--extend-to", type=_tokens, default=None, metavar="TOKENS",
+                   help="raise max_duration and exposure of a finished run to TOKENS (a new segment)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after N steps in this attempt (tests)")
+    p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (smoke, bench)")
+    p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
+    p.set_defaults(func=cmd_launch)
+
+    s = subparsers.add_parser("smoke", help="a few steps of an experiment: NaN check, kill+resume "
+                              "identity, measured tokens/s, MFU and the full run's re-estimated time and cost")
+    s.add_argument("experiment")
+    s.add_argument("--steps", type=int, default=20)
+    s.add_argument("--out", default=None, help="folder for the smoke runs (default runs/<exp>/smoke-<ts>)")
+    s.set_defaults(func=cmd_smoke)
+
+    y = subparsers.add_parser("sync", help="send a run's pending MLflow journal")
+    y.add_argument("run_dir")
+    y.set_defaults(func=cmd_sync)
+
+
+def _tokens(text: str) -> int:
+    value = float(text.replace("_", ""))
+    if value != int(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive whole number of tokens: {text}")
+    return int(value)
+
+
+def _timestamp() -> str:
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---- run folders --------------------------------------------------------------------------------
+
+
+def is_run_dir(path: Path) -> bool:
+    return (Path(path) / "run.json").exists() and (Path(path) / "experiment.yaml").exists()
+
+
+def experiment_of_run(run_dir: Path):
+    import yaml
+
+    from runner.recipe import experiment_from_dict, find_project_root
+
+    resolved = yaml.safe_load((run_dir / "experiment.yaml").read_text())
+    info = json.loads((run_dir / "run.json").read_text())
+    root = Path(info.get("project_root") or find_project_root(Path.cwd()))
+    return experiment_from_dict(resolved, project_root=root, path=run_dir / "experiment.yaml")
+
+
+def check_same_experiment(exp, run_dir: Path) -> None:
+    """Refuse to resume a run folder with a different experiment, naming the differing keys."""
+    from runner.recipe import canonical_meaning, diff_keys
+
+    saved = experiment_of_run(run_dir)
+    if saved.fingerprint == exp.fingerprint:
+        return
+    keys = diff_keys(canonical_meaning(saved.config), canonical_meaning(exp.config))
+    raise RunnerError(f"{exp.path} resolves to fingerprint {exp.fingerprint[:12]}, the run has "
+                      f"{saved.fingerprint[:12]}; differing keys: {', '.join(keys) or '(none)'}; refusing to resume",
+                      file=str(run_dir))
+
+
+def check_mixture_feasible(exp) -> None:
+    from runner.manifest import load_manifest, num_samples
+    from runner.mixture import plan_mixture
+
+    cfg = exp.config
+    L = int(cfg.train.seq_len)
+    samples = {}
+    for d, pin in cfg.data.manifests.items():
+        samples[d] = num_samples(load_manifest(exp.resolve_path(pin.path), expected_sha256=pin.sha256).pool_tokens, L)
+    plan_mixture(samples, {d: float(v.target_ratio) for d, v in cfg.mixture.domains.items()},
+                 {d: float(v.max_repetition_ratio) for d, v in cfg.mixture.domains.items()},
+                 int(cfg.train.exposure_tokens), L, int(cfg.train.global_batch_sequences))
+
+
+def create_run_folder(exp, run_dir: Path, run_id: str) -> None:
+    from runner.recipe import max_duration_tokens, to_yaml
+    from runner.train import write_json_atomic
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for sub in ("checkpoints", "journal", "metrics", "manifests"):
+        (run_dir / sub).mkdir(exist_ok=True)
+    (run_dir / "experiment.yaml").write_text(to_yaml(exp.config))
+    (run_dir / "fingerprint.txt").write_text(exp.fingerprint + "\n")
+    for d, pin in exp.config.data.manifests.items():
+        shutil.copy2(exp.resolve_path(pin.path), run_dir / "manifests" / f"{d}.json")
+    write_json_atomic(run_dir / "run.json", {
+        "run_id": run_id, "experiment": str(exp.config.name), "fingerprint": exp.fingerprint,
+        "experiment_file": str(exp.path) if exp.path else None, "project_root": str(exp.project_root),
+        "mlflow": {"tracking_uri": None, "experiment_id": None, "run_id": None},
+        "segments": [{"index": 0, "start_step": 0, "max_duration_tokens": max_duration_tokens(exp.config),
+                      "exposure_tokens": int(exp.config.train.exposure_tokens),
+                      "fingerprint": exp.fingerprint, "started_at": _now()}],
+        "status": "created", "committed_steps": 0, "conventions": None, "created_at": _now()})
+
+
+def extend_run(run_dir: Path, tokens: int, write: bool):
+    """A finished run's experiment with exposure and max_duration raised to `tokens` (a new segment)."""
+    from runner.recipe import experiment_from_dict, max_duration_tokens, to_yaml
+    from runner.train import write_json_atomic
+
+    exp = experiment_of_run(run_dir)
+    info = json.loads((run_dir / "run.json").read_text())
+    cfg = exp.config
+    step_tokens = int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len)
+    if info.get("status") != "finished":
+        raise RunnerError(f"run status is {info.get('status')!r}; only a finished run is extended "
+                          "(resume it first)", file=str(run_dir / "run.json"), key="status")
+    if tokens <= int(cfg.train.exposure_tokens) or tokens % step_tokens:
+        raise RunnerError(f"--extend-to {tokens} must exceed the current budget {int(cfg.train.exposure_tokens)} "
+                          f"and be a whole number of global batches ({step_tokens} tokens)", key="train.exposure_tokens")
+    resolved = exp.to_container()
+    resolved["train"]["exposure_tokens"] = tokens
+    resolved["train"]["max_duration_tokens"] = tokens
+    new = experiment_from_dict(resolved, project_root=exp.project_root, path=exp.path)
+    check_mixture_feasible(new)
+    if write:
+        (run_dir / "experiment.yaml").write_text(to_yaml(new.config))
+        (run_dir / "fingerprint.txt").write_text(new.fingerprint + "\n")
+        segments = info.get("segments", [])
+        segments.append({"index": len(segments), "start_step": int(info.get("committed_steps", 0)),
+                         "max_duration_tokens": max_duration_tokens(new.config), "exposure_tokens": tokens,
+                         "fingerprint": new.fingerprint, "started_at": _now()})
+        info.update(segments=segments, fingerprint=new.fingerprint, status="running")
+        write_json_atomic(run_dir / "run.json", info)
+    return new
+
+
+# ---- launch -------------------------------------------------------------------------------------
+
+
+def make_accelerator(cfg):
+    from accelerate import Accelerator
+
+    from runner.backends import accelerate_mixed_precision
+
+    return Accelerator(cpu=str(cfg.hardware.accelerator) == "cpu",
+                       mixed_precision=accelerate_mixed_precision(cfg.hardware))
+
+
+def _resolve(args) -> tuple[object, Path | None, bool]:
+    """(experiment, run folder or None for a new default one, whether the folder holds a run)."""
+    from runner.recipe import load_experiment
+
+    target = Path(args.target)
+    if target.is_dir():
+        if not is_run_dir(target):
+            raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(target))
+        if args.run_dir and Path(args.run_dir).resolve() != target.resolve():
+            raise RunnerError("give either a run folder or --run-dir, not two different folders", file=str(target))
+        return experiment_of_run(target), target, True
+    exp = load_experiment(target)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if run_dir is not None and is_run_dir(run_dir):
+        check_same_experiment(exp, run_dir)
+        return exp, run_dir, True
+    return exp, run_dir, False
+
+
+def _make_tracker(run_dir: Path, main: bool):
+    from runner.tracking import Tracker
+    from runner.train import RunFolder
+
+    folder = RunFolder(run_dir, writer=main)
+    saved = folder.read().get("mlflow") or {}
+
+    def remember(info: dict) -> None:
+        folder.update(mlflow=info)
+
+    tracker = Tracker(run_dir, enabled=main, tracking_uri=saved.get("tracking_uri"), run_id=saved.get("run_id"),
+                      experiment_id=saved.get("experiment_id"), on_run_id=remember,
+                      report=lambda m: print(m, file=sys.stderr))
+    if main and not saved.get("tracking_uri"):
+        folder.update(mlflow=tracker.info())
+    return tracker
+
+
+def _tags(exp, run_dir: Path) -> dict:
+    from runner.tracking import git_commit
+
+    cfg = exp.config
+    tags = {"fingerprint": exp.fingerprint, "run_dir": str(run_dir.resolve()), "tokenizer.sha256": cfg.tokenizer.sha256,
+            "git_commit": git_commit(exp.project_root) or "none"}
+    tags.update({f"recipe.{k}": v for k, v in cfg.recipes.items()})
+    tags.update({f"manifest.{d}.sha256": pin.sha256 for d, pin in cfg.data.manifests.items()})
+    return tags
+
+
+def cmd_launch(args) -> int:
+    from accelerate.utils import broadcast_object_list
+
+    from runner.recipe import to_yaml
+    from runner.tracking import flatten
+    from runner.train import Options, RunFolder, train
+
+    exp, run_dir, existing = _resolve(args)
+    if args.extend_to is not None:
+        if not existing:
+            raise RunnerError("--extend-to needs an existing run folder", key="--extend-to")
+        exp = extend_run(run_dir, args.extend_to, write=False)  # validate on every rank before any write
+    acc = make_accelerator(exp.config)
+    main = acc.is_main_process
+    if run_dir is None:
+        name = args.run_name or _timestamp()
+        chosen = [str(Path("runs") / str(exp.config.name) / name)]
+        if acc.num_processes > 1:
+            broadcast_object_list(chosen)  # ranks must agree on one timestamped folder
+        run_dir = Path(chosen[0])
+    if main:
+        if args.extend_to is not None:
+            extend_run(run_dir, args.extend_to, write=True)
+        elif not existing:
+            check_mixture_feasible(exp)
+            create_run_folder(exp, run_dir, args.run_name or run_dir.name)
+        elif args.target != str(run_dir):
+            # Same fingerprint, maybe other operational keys (checkpoint interval, hard stop): use them.
+            (run_dir / "experiment.yaml").write_text(to_yaml(exp.config))
+    acc.wait_for_everyone()
+    tracker = None if args.no_tracking else _make_tracker(run_dir, main)
+    first_start = not existing
+    if tracker is not None:
+        tracker.start(str(exp.config.name), RunFolder(run_dir).read()["run_id"],
+                      params=flatten(exp.to_container()) if first_start else None,
+                      tags=_tags(exp, run_dir), artifacts=[run_dir / "experiment.yaml"] if first_start else [])
+        if args.extend_to is not None:
+            info = RunFolder(run_dir).read()
+            seg = info["segments"][-1]
+            tracker.log_tags({f"segment.{seg['index']}.{k}": v for k, v in seg.items() if k != "index"})
+    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr),
+                   kill_at_step=args.kill_at_step)
+    code = train(exp, run_dir, acc, tracker, opts)
+    if main:
+        status = RunFolder(run_dir).read().get("status")
+        if status == "finished":
+            _write_report(run_dir, tracker)
+        if tracker is not None:
+            done = tracker.finish({"finished": "FINISHED", "failed": "FAILED"}.get(status, "KILLED"))
+            if not done:
+                print(f"mlflow: some data is still pending; send it with `runner sync {run_dir}`", file=sys.stderr)
+        print(f"run {run_dir}: {status}")
+        _print_summary(run_dir)
+    acc.wait_for_everyone()
+    acc.end_training()
+    return code
+
+
+def _print_summary(run_dir: Path) -> None:
+    """What a user wants on the terminal after a run: the counters, losses, speed and where things are."""
+    from runner.train import RunFolder
+
+    info = RunFolder(run_dir).read()
+    ledger_path = run_dir / "ledger.json"
+    if ledger_path.exists():
+        total = json.loads(ledger_path.read_text())["counters"]["total"]
+        print("  tokens: " + "  ".join(f"{k} {total[k]:,}" for k in ("processed", "exposure", "useful", "unique", "lost")))
+    eval_path = run_dir / "metrics" / "eval.jsonl"
+    if eval_path.exists():
+        last: dict = {}
+        for line in eval_path.read_text().splitlines():
+            row = json.loads(line)
+            last[row["domain"]] = row
+        if last:
+            print("  validation loss nats / bpb: " + "  ".join(
+                f"{d} {r['loss_nats']:.3f} / {r['bpb']:.3f}" for d, r in sorted(last.items())))
+    conv = info.get("conventions") or {}
+    if info.get("mfu") is not None:
+        print(f"  MFU {info['mfu']:.1%} ({conv.get('flops_formula')}, params {conv.get('params_counted')}, "
+              f"{conv.get('time_basis')} time, peak {conv.get('peak_tflops'):.4g} TFLOP/s {conv.get('peak_dtype')}: "
+              f"{conv.get('peak_source')}); goodput MFU {info.get('goodput_mfu', 0):.1%}; "
+              f"${info.get('cost_per_billion_useful_tokens', 0):,.2f} per billion useful tokens")
+    if (run_dir / "report" / "report.md").exists():
+        print(f"  report: {run_dir / 'report' / 'report.md'}  (check it: runner audit {run_dir})")
+    ml = info.get("mlflow") or {}
+    if ml.get("run_id"):
+        print(f"  mlflow: run {ml['run_id']} in {ml.get('tracking_uri')}  (browse: mlflow ui --backend-store-uri {ml.get('tracking_uri')})")
+
+
+def _write_report(run_dir: Path, tracker) -> None:
+    try:
+        from runner.report import write_report
+    except ImportError:
+        return
+    try:
+        out = write_report(run_dir)
+    except RunnerError as e:
+        print(f"report: not written ({e})", file=sys.stderr)
+        return
+    if tracker is not None:
+        tracker.log_artifacts(Path(out), "report")
+
+
+def cmd_sync(args) -> int:
+    from runner.tracking import Tracker
+    from runner.train import RunFolder
+
+    run_dir = Path(args.run_dir)
+    if not is_run_dir(run_dir):
+        raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(run_dir))
+    folder = RunFolder(run_dir)
+    saved = folder.read().get("mlflow") or {}
+    tracker = Tracker(run_dir, tracking_uri=saved.get("tracking_uri"), run_id=saved.get("run_id"),
+                      experiment_id=saved.get("experiment_id"), on_run_id=lambda info: folder.update(mlflow=info))
+    left = tracker.sync()
+    print(f"{run_dir}: {'all sent' if not left else f'{left} entries still pending'} ({tracker.tracking_uri})")
+    return EXIT_OK if not left else 1
+
+
+# ---- smoke --------------------------------------------------------------------------------------
+
+
+def _launch_cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "runner", "launch", str(run_dir), "--no-tracking", *extra]
+
+
+def cmd_smoke(args) -> int:
+    from runner.checkpoint import dirname
+    from runner.plan import build_plan, read_calibration
+    from runner.recipe import experiment_from_dict, load_experiment
+
+    full = load_experiment(args.experiment)
+    cfg = full.config
+    steps = max(4, int(args.steps))
+    B, L = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len)
+    small = full.to_container()
+    small["train"].update(exposure_tokens=steps * B * L, max_duration_tokens=steps * B * L, hard_stop_tokens=None)
+    small["train"]["checkpoint"].update(interval_steps=steps // 2, interval_minutes=0, keep_last=2)
+    small["eval"].update(interval_steps=steps)
+    exp = experiment_from_dict(small, project_root=full.project_root, path=full.path)
+    out = Path(args.out) if args.out else Path("runs") / str(cfg.name) / f"smoke-{_timestamp()}"
+    ref, res = out / "reference", out / "resumed"
+    for d in (ref, res):
+        if d.exists():
+            shutil.rmtree(d)
+        create_run_folder(exp, d, d.name)
+    print(f"smoke: {steps} steps of {cfg.name} x2 in {out}")
+    rc = subprocess.run(_launch_cmd(ref)).returncode
+    if rc != EXIT_OK:
+        print(f"smoke: FAILED: reference run exited {rc}" + (" (non-finite loss)" if rc == 4 else ""))
+        return rc or 1
+    kill_at = steps // 2 + 1  # one step past the forced checkpoint at steps // 2
+    killed = subprocess.run(_launch_cmd(res, "--kill-at-step", str(kill_at))).returncode
+    rc = subprocess.run(_launch_cmd(res)).returncode
+    problems = []
+    if killed != -signal.SIGKILL:
+        problems.append(f"fault injection did not kill the run (exit {killed})")
+    if rc != EXIT_OK:
+        problems.append(f"resumed run exited {rc}")
+    final = dirname(steps)
+    from runner.checkpoint import sha256_file
+    a, b = ref / "checkpoints" / final / "model.safetensors", res / "checkpoints" / final / "model.safetensors"
+    same_weights = a.exists() and b.exists() and sha256_file(a) == sha256_file(b)
+    if not same_weights:
+        problems.append("weights after kill+resume differ from the uninterrupted run")
+    la, lb = (json.loads((d / "ledger.json").read_text())["counters"] for d in (ref, res))
+    for d in la:
+        for k in ("exposure", "useful", "unique"):
+            if la[d][k] != lb[d][k]:
+                problems.append(f"ledger {d}.{k}: {la[d][k]} uninterrupted vs {lb[d][k]} resumed")
+    rows = [json.loads(x) for x in (ref / "metrics" / "train.jsonl").read_text().splitlines()]
+    steady = rows[2:] or rows
+    tps = statistics.median(r["tokens_per_second"] for r in steady)
+    mfu = statistics.median(r["mfu"] for r in steady)
+    print(f"smoke: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, all finite")
+    print(f"smoke: kill at step {kill_at} + resume: weights {'bit-identical' if same_weights else 'DIFFERENT'}, "
+          f"lost tokens {lb['total']['lost']}")
+    print(f"smoke: measured {tps:,.0f} tokens/s, MFU {mfu:.2%} (median of steps 3..{steps})")
+    try:
+        plan = build_plan(cfg, calibration=read_calibration(ref, cfg), root=full.project_root)
+        t = plan["time"]
+        print(f"full run ({int(cfg.train.exposure_tokens):,} tokens): planned {t['assumed']['wall_hours']:.2f} h, "
+              f"${t['assumed']['cost_usd']:,.2f} at MFU {t['assumed']['mfu']:.0%}; measured "
+              f"{t['measured']['wall_hours']:.2f} h, ${t['measured']['cost_usd']:,.2f} at MFU {t['measured']['mfu']:.1%}")
+    except RunnerError as e:
+        print(f"smoke: no plan comparison ({e})")
+    for p in problems:
+        print(f"smoke: FAILED: {p}")
+    return 1 if problems else EXIT_OK

@@ -1,0 +1,530 @@
+"""The training loop: sampler -> batches -> forward/backward -> optimizer step -> ledger commit.
+
+Owns the loop itself (nanoGPT-shaped: one screen per idea), the learning-rate schedule, the loss
+normalisation (summed over useful target positions, divided by the GLOBAL count, so 1 or N
+processes compute the same gradient), the processed-token journal, resume, the non-finite stop and
+the preemption stop. Checkpoint files, MLflow, metrics files and evaluation are calls out of it.
+Never decides what data a step sees (the sampler does) and never writes outside its run folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runner import recipe as rrecipe
+from runner.checkpoint import Checkpointer, rng_state, set_rng_state
+from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
+
+# ---- run folder ---------------------------------------------------------------------------------
+
+
+class RunFolder:
+    """run.json and the journal of one run folder (DESIGN.md layout). Only rank 0 writes."""
+
+    def __init__(self, path: Path, writer: bool = True):
+        self.path = Path(path)
+        self.writer = writer
+
+    @property
+    def run_json(self) -> Path:
+        return self.path / "run.json"
+
+    def read(self) -> dict:
+        return json.loads(self.run_json.read_text())
+
+    def update(self, **fields) -> dict:
+        info = self.read()
+        info.update(fields)
+        if self.writer:
+            write_json_atomic(self.run_json, info)
+        return info
+
+    def journal_path(self) -> Path:
+        return self.path / "journal" / "processed.jsonl"
+
+    def journal_entries(self) -> list[dict]:
+        path = self.journal_path()
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # torn by a kill mid-write; repair_journal drops it before appending
+        return out
+
+    def repair_journal(self) -> None:
+        """Drop a last line torn by SIGKILL, so appended lines stay one JSON object each."""
+        path = self.journal_path()
+        if not self.writer or not path.exists():
+            return
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---- schedule -----------------------------------------------------------------------------------
+
+
+def lr_at(step: int, optim, schedule_steps: int, warmup_steps: int) -> float:
+    """Learning rate of step `step` (0-based) over a schedule of `schedule_steps` steps."""
+    peak, floor = float(optim.lr), float(optim.lr) * float(optim.min_lr_ratio)
+    if warmup_steps and step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    if optim.schedule == "constant":
+        return peak
+    if optim.schedule == "cosine":
+        span = max(schedule_steps - warmup_steps, 1)
+        progress = min((step - warmup_steps) / span, 1.0)
+        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if optim.schedule == "wsd":
+        decay_steps = max(int(round(schedule_steps * float(optim.decay_fraction))), 1)
+        decay_start = schedule_steps - decay_steps
+        if step < decay_start:
+            return peak
+        return peak + (floor - peak) * min((step - decay_start + 1) / decay_steps, 1.0)
+    raise RunnerError(f"unknown schedule {optim.schedule!r}", key="optim.schedule")
+
+
+def make_optimizer(model, cfg, fused: bool) -> torch.optim.AdamW:
+    # Decay matrices only: norms' gains are not weights to shrink towards zero.
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    o = cfg.optim
+    groups = [{"params": decay, "weight_decay": float(o.weight_decay)},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"fused": True} if fused else {"foreach": False}
+    return torch.optim.AdamW(groups, lr=float(o.lr), betas=tuple(float(b) for b in o.betas),
+                             eps=float(o.eps), **kwargs)
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Data:
+    domains: list[str]
+    samples: dict[str, int]
+    sampler: object
+    reader: object
+    val_reader: object | None
+    val_samples: dict[str, int]
+    byte_lengths: np.ndarray
+    manifests: dict[str, object]
+
+
+def load_data(exp, seq_len: int) -> Data:
+    from runner.manifest import Pool, load_manifest, num_samples
+    from runner.sampler import BatchReader, MixtureSampler
+    from runner.tokenizer import load_tokenizer, token_byte_lengths
+
+    cfg = exp.config
+    manifests, pools, val_pools = {}, {}, {}
+    for d, pin in cfg.data.manifests.items():
+        m = load_manifest(exp.resolve_path(pin.path), expected_sha256=pin.sha256)
+        manifests[d] = m
+        pools[d] = Pool(m, "train")
+        val_pools[d] = Pool(m, "validation") if m.validation_shards else None
+    samples = {d: num_samples(p.tokens, seq_len) for d, p in pools.items()}
+    ratios = {d: float(v.target_ratio) for d, v in cfg.mixture.domains.items()}
+    sampler = MixtureSampler(samples, ratios, int(cfg.seed), int(cfg.train.global_batch_sequences))
+    val_samples = {d: min(int(cfg.eval.samples_per_domain), num_samples(p.tokens, seq_len))
+                   for d, p in val_pools.items() if p is not None}
+    present = {d: p for d, p in val_pools.items() if p is not None}
+    tok = load_tokenizer(exp.resolve_path(cfg.tokenizer.path), cfg.tokenizer.sha256)
+    return Data(domains=list(sampler.domains), samples=samples, sampler=sampler,
+                reader=BatchReader(pools, seq_len),
+                val_reader=BatchReader(present, seq_len) if present else None,
+                val_samples={d: n for d, n in val_samples.items() if n > 0},
+                byte_lengths=np.asarray(token_byte_lengths(tok), dtype=np.int64), manifests=manifests)
+
+
+def domain_positions(pairs, domains: list[str], seq_len: int) -> dict[str, int]:
+    """Input positions per domain of a list of (domain_id, sample) pairs."""
+    counts = np.bincount(np.array([p[0] for p in pairs], dtype=np.int64), minlength=len(domains))
+    return {d: int(counts[i]) * seq_len for i, d in enumerate(domains)}
+
+
+# ---- callbacks ----------------------------------------------------------------------------------
+
+
+class Callback:
+    """Side effects of the loop. Hooks run on every rank; sinks act only where they should."""
+
+    def on_step(self, record: dict, counters: dict, ratios: dict) -> None: ...
+
+    def on_eval(self, step: int, exposure_tokens: int, rows: list[dict]) -> None: ...
+
+    def on_end(self, summary: dict) -> None: ...
+
+
+class MetricsFiles(Callback):
+    """metrics/train.jsonl and metrics/eval.jsonl (append-only; a resume continues them)."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.dir = Path(run_dir) / "metrics"
+        self.enabled = enabled
+
+    def _append(self, name: str, rows: list[dict]) -> None:
+        if not self.enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / name, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+    def on_step(self, record, counters, ratios):
+        self._append("train.jsonl", [record])
+
+    def on_eval(self, step, exposure_tokens, rows):
+        self._append("eval.jsonl", rows)
+
+
+class TrackingCallback(Callback):
+    """MLflow metrics: loss, lr, throughput, MFU, counters, realized ratios, validation."""
+
+    def __init__(self, tracker, log_interval_steps: int):
+        self.tracker = tracker
+        self.every = max(1, int(log_interval_steps))
+
+    def on_step(self, record, counters, ratios):
+        if record["step"] % self.every:
+            return
+        m = {k: record[k] for k in ("loss", "lr", "grad_norm", "step_seconds", "tokens_per_second",
+                                    "tokens_per_second_useful", "mfu", "goodput_mfu") if record.get(k) is not None}
+        for d, c in counters.items():
+            for name in ("processed", "exposure", "useful", "unique", "lost"):
+                m[f"tokens.{d}.{name}"] = c[name]
+        m.update({f"realized_ratio.{d}": r for d, r in ratios.items()})
+        self.tracker.log_metrics(m, step=record["step"])
+
+    def on_eval(self, step, exposure_tokens, rows):
+        m = {}
+        for r in rows:
+            m[f"val_loss.{r['domain']}"] = r["loss_nats"]
+            m[f"val_bpb.{r['domain']}"] = r["bpb"]
+        self.tracker.log_metrics(m, step=step)
+
+    def on_end(self, summary):
+        self.tracker.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))
+                                  and not isinstance(v, bool)}, step=summary["committed_steps"])
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    max_steps: int | None = None          # stop after this many steps in this attempt (tests, smoke)
+    report: Callable[[str], None] = print
+    nonfinite_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None  # tests: poison a loss
+    peak_measure_seconds: float = 0.5
+    callbacks: list = field(default_factory=list)
+    kill_at_step: int | None = None       # fault injection: SIGKILL itself mid-step (smoke, tests)
+
+
+class _StopFlag:
+    def __init__(self):
+        self.signum = None
+
+    def __call__(self, signum, frame):
+        self.signum = signum
+
+
+def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
+    if acc.num_processes > 1:
+        torch.distributed.all_reduce(t)
+    return t
+
+
+def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
+    """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE)."""
+    from runner import evaluate, hardware
+    from runner.backends import apply_runtime_settings
+    from runner.flops import Convention, flops_per_token
+    from runner.ledger import TokenLedger
+    from runner.model import build_model, maybe_compile
+
+    opts = opts or Options()
+    cfg, run_dir = exp.config, Path(run_dir)
+    rank, world, main = acc.process_index, acc.num_processes, acc.is_main_process
+    say = opts.report if main else (lambda msg: None)
+    folder = RunFolder(run_dir, writer=main)
+    B, L, micro = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len), int(cfg.train.micro_batch_sequences)
+    if B % (micro * world):
+        raise RunnerError(f"global batch {B} is not a multiple of micro batch {micro} x {world} processes",
+                          key="train.micro_batch_sequences")
+    accum = B // (micro * world)                      # e.g. 16 seq / (8 micro * 1 proc) = 2 micro steps
+    schedule_steps = rrecipe.max_duration_tokens(cfg) // (B * L)
+    warmup_steps = int(cfg.optim.warmup_tokens) // (B * L)
+    end_step = rrecipe.total_steps(cfg)
+    if cfg.train.hard_stop_tokens is not None:
+        end_step = min(end_step, int(cfg.train.hard_stop_tokens) // (B * L))
+
+    runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
+    if acc.device.type == "cpu":
+        # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    data = load_data(exp, L)
+    torch.manual_seed(int(cfg.seed))
+    model = build_model(cfg)
+    optimizer = make_optimizer(model, cfg, fused=bool(runtime.get("adamw_fused")))
+    ledger = TokenLedger(data.samples, L)
+
+    # ---- resume ----
+    checkpointer = Checkpointer(run_dir, cfg.train.checkpoint.interval_steps,
+                                cfg.train.checkpoint.interval_minutes, cfg.train.checkpoint.keep_last)
+    info = folder.read()
+    fingerprints = {s["fingerprint"] for s in info.get("segments", [])} | {exp.fingerprint}
+    ckpt = checkpointer.latest_valid(report=say)
+    start_step, prior_wall_seconds, prior_step_seconds = 0, 0.0, 0.0
+    model, optimizer = acc.prepare(model, optimizer)
+    raw_model = acc.unwrap_model(model)
+    if ckpt is not None:
+        if ckpt.state.get("fingerprint") not in fingerprints:
+            raise RunnerError(f"checkpoint {ckpt.path.name} was written by fingerprint "
+                              f"{str(ckpt.state.get('fingerprint'))[:12]}, not by this run's", file=str(run_dir))
+        ckpt.load_model_into(raw_model)
+        optimizer.load_state_dict(ckpt.optimizer_state())
+        ledger.load_state_dict(ckpt.ledger_state())
+        set_rng_state(ckpt.state["rng"])
+        start_step = ckpt.step
+        prior_step_seconds = float(ckpt.state.get("step_seconds_total", 0.0))
+        say(f"resuming from {ckpt.path.name} (step {start_step})")
+    acc.wait_for_everyone()
+    if main:
+        checkpointer.clean_temporaries()
+        folder.repair_journal()
+    acc.wait_for_everyone()
+    # processed survives SIGKILL through the journal: work after the checkpoint was spent, then lost.
+    journal = folder.journal_entries()
+    attempt = 1 + max((int(e.get("attempt", 0)) for e in journal), default=0)
+    spent = {d: 0 for d in data.domains}
+    for e in journal:
+        for d, n in e.get("processed", {}).items():
+            spent[d] = spent.get(d, 0) + int(n)
+    current = ledger.counters()
+    catch_up = {d: spent[d] - int(current[d]["processed"]) for d in data.domains}
+    if any(v > 0 for v in catch_up.values()):
+        ledger.record_processed({d: max(v, 0) for d, v in catch_up.items()})
+    by_attempt: dict[int, float] = {}
+    for e in journal:  # wall time of earlier attempts, crashed ones included (SPEC: wall basis)
+        by_attempt[int(e.get("attempt", 0))] = max(by_attempt.get(int(e.get("attempt", 0)), 0.0),
+                                                   float(e.get("wall_seconds", 0.0)))
+    prior_wall_seconds = sum(by_attempt.values())
+    model = maybe_compile(model, cfg)
+
+    # ---- throughput conventions ----
+    convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
+    fpt = flops_per_token(cfg, convention)
+    peak = hardware.resolve_peak(cfg.hardware, measure_seconds=opts.peak_measure_seconds)
+    conventions = hardware.convention_record(convention, peak, world, "step")
+    price = float(cfg.hardware.price_per_device_hour_usd)
+    if main:
+        folder.update(status="running", conventions=conventions, runtime=runtime, world_size=world,
+                      attempts=attempt, flops_per_token=fpt,
+                      conventions_goodput=hardware.convention_record(convention, peak, world, "wall"))
+    callbacks = [MetricsFiles(run_dir, main)] + list(opts.callbacks)
+    if tracker is not None:
+        callbacks.append(TrackingCallback(tracker, cfg.train.log_interval_steps))
+        tracker.log_tags({**{f"mfu.{k}": v for k, v in conventions.items()}, "attempts": attempt})
+
+    flag = _StopFlag()
+    old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
+    journal_file = open(folder.journal_path(), "a") if main else None
+    t_attempt = time.perf_counter()
+    step_seconds_total = prior_step_seconds
+    eval_every = int(cfg.eval.interval_steps)
+    last_saved = last_eval = start_step
+    natural_end = end_step
+    if opts.max_steps is not None:
+        end_step = min(end_step, start_step + int(opts.max_steps))
+
+    def state_for_checkpoint(step: int) -> dict:
+        return {"sampler_step": step, "rng": rng_state(), "fingerprint": exp.fingerprint,
+                "segment": len(info.get("segments", [])) - 1, "attempt": attempt,
+                "scheduler": {"schedule": str(cfg.optim.schedule), "schedule_steps": schedule_steps,
+                              "warmup_steps": warmup_steps, "next_lr": lr_at(step, cfg.optim, schedule_steps, warmup_steps)},
+                "mlflow_run_id": tracker.run_id if tracker is not None else None,
+                "step_seconds_total": step_seconds_total, "world_size": world}
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        if main:
+            checkpointer.save(step, raw_model, optimizer.state_dict(), ledger.state_dict(), state_for_checkpoint(step))
+            write_ledger_json(run_dir, ledger)
+            folder.update(committed_steps=step, step_seconds_total=step_seconds_total,
+                          wall_seconds=prior_wall_seconds + time.perf_counter() - t_attempt)
+        acc.wait_for_everyone()
+        last_saved = step
+
+    def run_eval(step: int) -> None:
+        nonlocal last_eval
+        rows = evaluate.evaluate(raw_model, data, acc, int(cfg.eval.micro_batch_sequences), step,
+                                 int(ledger.counters()["total"]["exposure"]))
+        for cb in callbacks:
+            cb.on_eval(step, rows[0]["exposure_tokens"] if rows else 0, rows)
+        last_eval = step
+
+    exit_code = EXIT_OK
+    try:
+        model.train()
+        for step in range(start_step, end_step):
+            t0 = time.perf_counter()
+            global_pairs = data.sampler.global_batch(step)
+            # The contiguous per-rank slices of MixtureSampler.rank_slice, cut from one global batch.
+            per_rank = B // world
+            slices = [global_pairs[r * per_rank:(r + 1) * per_rank] for r in range(world)]
+            batch = data.reader.read(slices[rank])
+            x = torch.as_tensor(batch.input_ids).to(acc.device)
+            y = torch.as_tensor(batch.labels).to(acc.device)
+            mask = torch.as_tensor(batch.loss_mask).to(acc.device)
+            # Useful targets per domain of the whole global batch: the loss divisor and the ledger's useful.
+            useful = torch.zeros(len(data.domains), dtype=torch.float64)
+            useful.index_add_(0, torch.as_tensor(batch.domain_ids), mask.sum(1).double().cpu())
+            useful = _all_reduce(acc, useful.to(acc.device)).cpu()
+            n_useful = float(useful.sum())
+            lr = lr_at(step, cfg.optim, schedule_steps, warmup_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
+            for m in range(accum):
+                sl = slice(m * micro, (m + 1) * micro)
+                sync = contextlib.nullcontext() if m == accum - 1 else acc.no_sync(model)
+                with sync:
+                    logits = model(input_ids=x[sl]).logits
+                    per_token = F.cross_entropy(logits.float().flatten(0, 1), y[sl].flatten(), reduction="none")
+                    summed = (per_token * mask[sl].flatten()).sum()
+                    if opts.nonfinite_hook is not None:
+                        summed = opts.nonfinite_hook(step, summed)
+                    # x world: DDP averages gradients over ranks; we want sum / global useful.
+                    acc.backward(summed * (world / max(n_useful, 1.0)))
+                loss_sum += summed.detach().double()
+                processed = domain_positions([p for s in slices for p in s[sl]], data.domains, L)
+                ledger.record_processed(processed)
+                if journal_file is not None:
+                    journal_file.write(json.dumps({"attempt": attempt, "step": step, "micro": m, "processed": processed,
+                                                   "wall_seconds": round(time.perf_counter() - t_attempt, 3)}) + "\n")
+                    journal_file.flush()
+                if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            loss = float(_all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
+            clip = float(cfg.optim.grad_clip)
+            grad_norm = acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            grad_norm = float(grad_norm)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                optimizer.zero_grad(set_to_none=True)
+                say(f"non-finite loss at step {step + 1} (loss={loss}, grad_norm={grad_norm}); stopped, "
+                    f"step not committed; last good checkpoint: "
+                    f"{checkpointer.candidates()[0].name if checkpointer.candidates() else 'none'}")
+                exit_code = EXIT_NONFINITE
+                break
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            ledger.commit(global_pairs, {d: int(useful[i]) for i, d in enumerate(data.domains)})
+            committed = step + 1
+            step_seconds = time.perf_counter() - t0
+            step_seconds_total += step_seconds
+            wall_seconds = prior_wall_seconds + time.perf_counter() - t_attempt
+            counters = ledger.counters()
+            tokens = B * L
+            record = {"step": committed, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                      "step_seconds": step_seconds, "wall_seconds": wall_seconds,
+                      "tokens_processed": tokens, "tokens_useful": int(n_useful),
+                      "tokens_per_second": tokens / step_seconds,
+                      "tokens_per_second_useful": n_useful / step_seconds,
+                      "mfu": hardware.mfu(fpt, tokens, step_seconds, peak.peak_tflops, world),
+                      "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], wall_seconds,
+                                                  peak.peak_tflops, world),
+                      "exposure_tokens": int(counters["total"]["exposure"])}
+            for cb in callbacks:
+                cb.on_step(record, counters, ledger.realized_ratios())
+            if eval_every and committed % eval_every == 0 and data.val_reader is not None:
+                run_eval(committed)
+            # Minutes-based intervals differ per rank's clock: rank 0 decides for all.
+            due = torch.tensor([float(checkpointer.due(committed)) if main else 0.0, float(flag.signum is not None)],
+                               device=acc.device)
+            due = _all_reduce(acc, due)
+            if due[1] > 0:
+                save(committed)
+                say(f"stopped by signal at step {committed}; checkpoint saved, resume with "
+                    f"`runner launch {run_dir}`")
+                exit_code = EXIT_PREEMPTED
+                break
+            if due[0] > 0 and committed < end_step:
+                save(committed)
+        else:
+            committed_now = end_step
+            if data.val_reader is not None and last_eval != committed_now:
+                run_eval(committed_now)
+            if last_saved != committed_now:
+                save(committed_now)
+    finally:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+        if journal_file is not None:
+            journal_file.close()
+
+    counters = ledger.counters()
+    wall_seconds = prior_wall_seconds + time.perf_counter() - t_attempt
+    useful_total = int(counters["total"]["useful"])
+    finished = exit_code == EXIT_OK and last_saved == natural_end
+    status = {EXIT_NONFINITE: "failed", EXIT_PREEMPTED: "preempted"}.get(
+        exit_code, "finished" if finished else "preempted")
+    summary = {"committed_steps": last_saved if exit_code != EXIT_NONFINITE else ledger_committed_steps(counters, B, L),
+               "wall_seconds": wall_seconds, "step_seconds_total": step_seconds_total,
+               "exposure_tokens": int(counters["total"]["exposure"]), "useful_tokens": useful_total,
+               "processed_tokens": int(counters["total"]["processed"]),
+               "lost_tokens": int(counters["total"]["lost"])}
+    if useful_total and step_seconds_total:
+        summary["mfu"] = hardware.mfu(fpt, counters["total"]["processed"], step_seconds_total, peak.peak_tflops, world)
+        summary["goodput_mfu"] = hardware.mfu(fpt, useful_total, wall_seconds, peak.peak_tflops, world)
+        summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
+            world, price, wall_seconds, useful_total)
+    if main:
+        write_ledger_json(run_dir, ledger)
+        folder.update(status=status, **summary)
+    for cb in callbacks:
+        cb.on_end(summary)
+    return exit_code
+
+
+def ledger_committed_steps(counters: dict, global_batch: int, seq_len: int) -> int:
+    return int(counters["total"]["exposure"]) // (global_batch * seq_len)
+
+
+def write_ledger_json(run_dir: Path, ledger) -> None:
+    """ledger.json: counters, repetition histogram and realized ratios (plain JSON for report/audit)."""
+    def plain(x):
+        if isinstance(x, dict):
+            return {str(k): plain(v) for k, v in x.items()}
+        if isinstance(x, (np.integer,)):
+            return int(x)
+        if isinstance(x, (np.floating,)):
+            return float(x)
+        return x
+    write_json_atomic(Path(run_dir) / "ledger.json", {"counters": plain(ledger.counters()),
+                                                      "histogram": plain(ledger.histogram()),
+                                                      "realized_ratios": plain(ledger.realized_ratios())})

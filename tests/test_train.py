@@ -1,0 +1,118 @@
+"""End-to-end trainer behaviour on a tiny CPU model: what a user relies on from `runner launch`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.train import lr_at
+from trainfixtures import env, launch, make_project, read_jsonl
+
+STEPS = 8
+
+
+def counters(run: Path) -> dict:
+    return json.loads((run / "ledger.json").read_text())["counters"]
+
+
+def test_launch_writes_run_folder_and_mlflow(tmp_path):
+    tmp, run = tmp_path, tmp_path / "runs" / "ref"
+    launch(tmp, make_project(tmp, steps=STEPS, checkpoint_every=4, keep_last=2), "--run-dir", run)
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["committed_steps"] == STEPS
+    assert info["conventions"]["flops_formula"] == "6N+attn" and info["conventions"]["peak_source"] == "test figure"
+    rows = read_jsonl(run / "metrics" / "train.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["tokens_processed"] == 8 * 16 and r["mfu"] > 0 for r in rows)
+    evals = read_jsonl(run / "metrics" / "eval.jsonl")
+    assert {(r["step"], r["domain"]) for r in evals} == {(s, d) for s in range(4, STEPS + 1, 4) for d in ("a", "b")}
+    assert all(r["bpb"] > 0 and r["loss_nats"] > 0 for r in evals)
+    c = counters(run)
+    assert c["total"]["exposure"] == STEPS * 8 * 16 == c["total"]["processed"]
+    db = sqlite3.connect(tmp / "mlflow.db")
+    run_id = info["mlflow"]["run_id"]
+    keys = {k for (k,) in db.execute("select distinct key from metrics where run_uuid=?", (run_id,))}
+    assert {"loss", "lr", "mfu", "goodput_mfu", "tokens.total.exposure", "val_loss.a", "val_bpb.b",
+            "realized_ratio.a"} <= keys
+    losses = db.execute("select step, count(*) from metrics where run_uuid=? and key='loss' group by step",
+                        (run_id,)).fetchall()
+    assert losses == [(s, 1) for s in range(1, STEPS + 1)]
+    params = dict(db.execute("select key, value from params where run_uuid=?", (run_id,)).fetchall())
+    assert params["train.seq_len"] == "16" and params["model.hidden_size"] == "32"
+    tags = dict(db.execute("select key, value from tags where run_uuid=?", (run_id,)).fetchall())
+    assert tags["fingerprint"] == info["fingerprint"] and tags["mfu.flops_formula"] == "6N+attn"
+
+
+def test_fingerprint_mismatch_refuses_resume_naming_keys(tmp_path):
+    exp = make_project(tmp_path, steps=4)
+    run = tmp_path / "runs" / "f"
+    launch(tmp_path, exp, "--run-dir", run, "--max-steps", 2, "--no-tracking")
+    text = exp.read_text().replace("seed: 7", "seed: 8")
+    exp.write_text(text)
+    proc = launch(tmp_path, exp, "--run-dir", run, check=False)
+    assert proc.returncode == 2
+    assert "differing keys: seed" in proc.stderr and "refusing to resume" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_nonfinite_loss_stops_with_exit_4_keeping_last_good_checkpoint(tmp_path):
+    exp = make_project(tmp_path, steps=6, lr=1e30, checkpoint_every=1)
+    run = tmp_path / "runs" / "n"
+    proc = launch(tmp_path, exp, "--run-dir", run, "--no-tracking", check=False)
+    assert proc.returncode == 4
+    assert "non-finite loss at step" in proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "failed"
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    c = counters(run)
+    assert c["total"]["exposure"] == info["committed_steps"] * 8 * 16  # the non-finite step is not committed
+    assert steps and steps[-1] == f"step-{info['committed_steps']:07d}"
+
+
+def test_sigterm_saves_checkpoint_and_exits_3(tmp_path):
+    exp = make_project(tmp_path, steps=400, checkpoint_every=1000)
+    run = tmp_path / "runs" / "p"
+    p = subprocess.Popen([sys.executable, "-m", "runner", "launch", str(exp), "--run-dir", str(run), "--no-tracking"],
+                         cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (run / "metrics" / "train.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 3, err
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "preempted" and (run / "checkpoints" / f"step-{info['committed_steps']:07d}").exists()
+
+
+def test_extend_finished_run_records_segment(tmp_path):
+    exp = make_project(tmp_path, steps=4, checkpoint_every=2)
+    run = tmp_path / "runs" / "x"
+    launch(tmp_path, exp, "--run-dir", run, "--no-tracking")
+    launch(tmp_path, run, "--extend-to", 6 * 8 * 16, "--no-tracking")
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["committed_steps"] == 6
+    assert [s["start_step"] for s in info["segments"]] == [0, 4]
+    assert info["segments"][1]["max_duration_tokens"] == 6 * 8 * 16
+    assert info["segments"][0]["fingerprint"] != info["segments"][1]["fingerprint"]
+    assert counters(run)["total"]["exposure"] == 6 * 8 * 16
+
+
+def test_schedules_follow_max_duration():
+    class O:
+        lr, min_lr_ratio, decay_fraction = 1.0, 0.1, 0.2
+        schedule = "cosine"
+    assert lr_at(0, O, 100, 10) == pytest.approx(0.1)
+    assert lr_at(9, O, 100, 10) == pytest.approx(1.0)
+    assert lr_at(99, O, 100, 10) == pytest.approx(0.1, abs=1e-3)
+    O.schedule = "wsd"
+    assert lr_at(79, O, 100, 10) == 1.0 and lr_at(99, O, 100, 10) == pytest.approx(0.1)
+    O.schedule = "constant"
+    assert lr_at(99, O, 100, 10) == 1.0
