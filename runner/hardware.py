@@ -168,7 +168,7 @@ def check_device_matches(hardware: Mapping[str, Any], detected: DeviceIdentity) 
         raise RunnerError(f"recipe says {want!r}, detected {detected.name!r}", key="hardware.device_name")
 
 
-def measure_cpu_matmul_tflops(seconds: float = 1.0, size: int = 512) -> Peak:
+def measure_cpu_matmul_tflops(seconds: float = 1.0, size: int = 1024) -> Peak:
     """A measured fp32 matmul rate of this CPU: the best of repeated timed `torch.mm` bursts."""
     import torch
     a = torch.randn(size, size, dtype=torch.float32)

@@ -240,7 +240,7 @@ class Options:
     max_steps: int | None = None          # stop after this many steps in this attempt (tests, smoke)
     report: Callable[[str], None] = print
     nonfinite_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None  # tests: poison a loss
-    peak_measure_seconds: float = 0.5
+    peak_measure_seconds: float = 1.0
     callbacks: list = field(default_factory=list)
     kill_at_step: int | None = None       # fault injection: SIGKILL itself mid-step (smoke, tests)
 
@@ -339,7 +339,12 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
     # ---- throughput conventions ----
     convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
     fpt = flops_per_token(cfg, convention)
-    peak = hardware.resolve_peak(cfg.hardware, measure_seconds=opts.peak_measure_seconds)
+    recorded = info.get("conventions") or {}
+    if str(recorded.get("peak_source", "")).startswith("measured"):
+        # A run keeps the peak it measured first: its MFU denominators never change across resumes.
+        peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"], "cpu")
+    else:
+        peak = hardware.resolve_peak(cfg.hardware, measure_seconds=opts.peak_measure_seconds)
     conventions = hardware.convention_record(convention, peak, world, "step")
     price = float(cfg.hardware.price_per_device_hour_usd)
     if main:

@@ -1,0 +1,79 @@
+"""The README's main job, as a new user runs it: built-in data, the CPU experiment, MLflow, report,
+audit, publish; and the reports the repository ships, audited as CI does."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# The console script, as a user types it (`python -m runner` would import the project copy's
+# runner/ folder, which holds only the tokenizer, from the current directory).
+RUNNER = shutil.which("runner", path=str(Path(sys.executable).parent)) or shutil.which("runner") or "runner"
+
+
+def runner(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([RUNNER, *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_readme_main_job_end_to_end(tmp_path: Path):
+    project = tmp_path / "project"
+    for folder in ("recipes", "experiments"):
+        shutil.copytree(REPO / folder, project / folder)
+    tok = project / "runner/builtin/assets/tokenizer.json"
+    tok.parent.mkdir(parents=True)
+    shutil.copy(REPO / "runner/builtin/assets/tokenizer.json", tok)
+    env = {"MLFLOW_TRACKING_URI": ""}  # MLflow's own default: sqlite:///mlflow.db here
+
+    out = runner(project, "data", "builtin")
+    assert out.returncode == 0, out.stderr
+    out = runner(project, "launch", "experiments/cpu-tiny.yaml", "--run-name", "demo", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    run_dir = project / "runs/cpu-tiny/demo"
+    assert "tokens: processed 307,200  exposure 307,200  useful 307,200" in out.stdout
+
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "finished" and info["committed_steps"] == 150
+    assert info["conventions"]["peak_source"].startswith("measured")
+    ledger = json.loads((run_dir / "ledger.json").read_text())["counters"]
+    assert {d: c["exposure"] for d, c in ledger.items()} == {"code": 153_600, "prose": 122_880, "legal": 30_720, "total": 307_200}
+    assert ledger["legal"]["unique"] == ledger["legal"]["pool"]  # the small domain is repeated: every sample seen
+    for name in ("report.md", "accounting.parquet", "accounting.csv", "validation.parquet", "loss_by_domain.png"):
+        assert (run_dir / "report" / name).stat().st_size > 0
+
+    db = project / "mlflow.db"
+    con = sqlite3.connect(db)
+    metrics = dict(con.execute("select key, count(*) from metrics group by key").fetchall())
+    tags = dict(con.execute("select key, value from tags").fetchall())
+    artifacts_logged = con.execute("select artifact_uri from runs").fetchone()[0]
+    con.close()
+    assert metrics["loss"] == 150 // 10  # train.log_interval_steps: 10
+    assert {"val_loss.code", "val_bpb.legal", "tokens.total.unique", "realized_ratio.prose", "mfu"} <= set(metrics)
+    assert tags["fingerprint"] == info["fingerprint"] and tags["recipe.model"] == "llama-tiny@1"
+    assert artifacts_logged
+
+    out = runner(project, "audit", str(run_dir), env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MLflow final metrics agree" in out.stdout and "0 failed" in out.stdout
+
+    out = runner(project, "publish", str(run_dir), "--reports-dir", str(project / "reports"), env=env)
+    assert out.returncode == 0, out.stderr
+    index = (project / "reports/README.md").read_text()
+    assert "| cpu-tiny | 1 | [demo]" in index
+    assert runner(project, "audit-reports", "--reports-dir", str(project / "reports")).returncode == 0
+
+
+def test_published_reports_in_the_repository_pass_the_audit():
+    published = [p for p in (REPO / "reports").glob("*/*/run_summary.csv")]
+    assert published, "the repository ships at least the CPU experiment's report"
+    out = runner(REPO, "audit-reports", "--reports-dir", str(REPO / "reports"))
+    assert out.returncode == 0, out.stdout + out.stderr
