@@ -24,6 +24,7 @@ import pandas as pd
 
 from runner.errors import RunnerError
 from runner.flops import Convention, flops_per_token, params_of_config
+from runner.fsio import read_json
 from runner.manifest import manifest_sha256, num_samples
 from runner import report as rpt
 from schemas.report_tables import SCHEMAS, validate_tables
@@ -93,8 +94,8 @@ def load_input(target: str | Path) -> AuditInput:
                 found = _from_report_dir(path / rpt.REPORT_DIR)
                 found.rebuilt = rebuilt
                 return found
-            cfg = rpt._read_yaml(path / "experiment.yaml")
-            return AuditInput(str(path), rebuilt, cfg, rpt._read_json(path / "run.json"),
+            cfg = rpt.read_experiment_yaml(path / "experiment.yaml")
+            return AuditInput(str(path), rebuilt, cfg, read_json(path / "run.json"),
                               rpt.load_manifests(path / "manifests", sorted(cfg["mixture"]["domains"])))
         raise RunnerError("neither a run folder (run.json, ledger.json) nor a report folder "
                           "(run_summary.parquet)", file=str(path))
@@ -105,8 +106,8 @@ def load_input(target: str | Path) -> AuditInput:
 
 
 def _from_report_dir(path: Path) -> AuditInput:
-    cfg = rpt._read_yaml(path / "experiment.yaml")
-    run = rpt._read_json(path / "run.json") if (path / "run.json").exists() else {}
+    cfg = rpt.read_experiment_yaml(path / "experiment.yaml")
+    run = read_json(path / "run.json") if (path / "run.json").exists() else {}
     domains = sorted(rpt._get(cfg, "mixture.domains", str(path / "experiment.yaml")))
     return AuditInput(str(path), rpt.read_tables(path), cfg, run, rpt.load_manifests(path / "manifests", domains))
 

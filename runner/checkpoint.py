@@ -9,7 +9,6 @@ safetensors, everything else through JSON.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import random
@@ -23,33 +22,14 @@ import torch
 from safetensors.numpy import load_file as load_numpy, save_file as save_numpy
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from runner.fsio import fsync_dir, fsync_file, sha256_file
+
 MARKER = "COMPLETE"
 FILES = ("model.safetensors", "optimizer.safetensors", "ledger.safetensors")
 
 
 def dirname(step: int) -> str:
     return f"step-{step:07d}"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- optimizer state <-> flat tensors (no pickle) --------------------------------------------
@@ -155,17 +135,17 @@ class Checkpointer:
         save_numpy({k: np.ascontiguousarray(v) for k, v in ledger_state.items()}, str(tmp / "ledger.safetensors"))
         files = list(FILES) + ["optimizer.json"]
         for name in files:
-            _fsync_file(tmp / name)
+            fsync_file(tmp / name)
         full_state = dict(state, step=step, files={name: sha256_file(tmp / name) for name in files})
         (tmp / "state.json").write_text(json.dumps(full_state, indent=1, sort_keys=True))
-        _fsync_file(tmp / "state.json")
-        _fsync_dir(tmp)
+        fsync_file(tmp / "state.json")
+        fsync_dir(tmp)
         if final.exists():  # an unfinished or corrupt folder of the same step from a killed attempt
             shutil.rmtree(final)
         os.rename(tmp, final)
         (final / MARKER).write_text(full_state["files"]["model.safetensors"] + "\n")
-        _fsync_file(final / MARKER)
-        _fsync_dir(self.root)
+        fsync_file(final / MARKER)
+        fsync_dir(self.root)
         self.last_save_time = time.monotonic()
         self._prune()
         return final

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from runner.errors import RunnerError
+from runner.fsio import read_yaml
 from runner.hardware import PEAKS, canonical_device
 
 TOKEN_KINDS = ("exposure", "unique", "useful", "processed")
@@ -144,12 +144,7 @@ def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
 
 def load_claims(path: str | Path) -> list[dict]:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise RunnerError("missing", file=str(path)) from None
-    except yaml.YAMLError as err:
-        raise RunnerError(f"not valid YAML: {err}", file=str(path)) from None
+    data = read_yaml(path)
     claims = data.get("claims") if isinstance(data, dict) else data
     if not isinstance(claims, list) or not all(isinstance(c, dict) for c in claims):
         raise RunnerError("expected a list of claims (mappings), or a mapping with key 'claims'", file=str(path))

@@ -19,8 +19,6 @@ COMMAND_MODULES = ("data", "train", "report", "plan")
 
 
 def _cmd_validate(args) -> int:
-    from runner import recipe
-
     paths = [Path(p) for p in args.paths] or default_targets(Path.cwd())
     failed = 0
     for path in paths:

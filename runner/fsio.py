@@ -12,6 +12,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from runner.errors import RunnerError
+
 
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
@@ -49,3 +53,48 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Parsed JSON, or a RunnerError naming the file: missing or not valid JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise RunnerError("missing", file=str(path)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RunnerError(f"not valid JSON: {err}", file=str(path)) from None
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """Parsed YAML, or a RunnerError naming the file: missing or not valid YAML."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise RunnerError("missing", file=str(path)) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise RunnerError(f"not valid YAML: {err}", file=str(path)) from None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    """One JSON value per line; a missing file is empty; a bad line is a RunnerError naming it."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise RunnerError(f"line {n}: not valid JSON: {err}", file=str(path)) from None
+    return rows
+
+
+def repair_jsonl_tail(path: str | os.PathLike) -> None:
+    """Drop a last line torn by a SIGKILL, so lines appended later stay one JSON value each."""
+    path = Path(path)
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])

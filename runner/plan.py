@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from runner.errors import RunnerError
+from runner.fsio import read_jsonl
 from runner.flops import DEFAULT_CONVENTION, Convention, as_plain, flops_per_token, params_of_config
 from runner.hardware import resolve_peak
 
@@ -223,17 +224,6 @@ class Calibration:
     note: str
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise RunnerError(f"line {i + 1} is not JSON", file=str(path)) from None
-    return rows
-
-
 def read_calibration(run_dir: str | Path, cfg: Mapping[str, Any],
                      convention: Convention = DEFAULT_CONVENTION) -> Calibration:
     """Measured throughput (median tokens_per_second after the first step), overheads
@@ -243,7 +233,7 @@ def read_calibration(run_dir: str | Path, cfg: Mapping[str, Any],
     if not metrics.exists():
         raise RunnerError("no metrics/train.jsonl: not a run folder, or it has not logged a step",
                           file=str(run_dir))
-    rows = [r for r in _read_jsonl(metrics) if r.get("tokens_per_second")]
+    rows = [r for r in read_jsonl(metrics) if r.get("tokens_per_second")]
     if not rows:
         raise RunnerError("no step with tokens_per_second", file=str(metrics))
     # The first step pays for compilation and warm-up; it counts as overhead, not throughput.

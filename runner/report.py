@@ -10,7 +10,6 @@ outside report/.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -19,9 +18,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from runner.errors import RunnerError
+from runner.fsio import read_json, read_jsonl, read_yaml
 from runner.flops import Convention, flops_per_token, params_of_config
 from runner.manifest import num_samples
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
@@ -34,38 +33,11 @@ MLFLOW_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 # ---- reading the run folder ---------------------------------------------------------------------
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise RunnerError("missing", file=str(path)) from None
-    except json.JSONDecodeError as err:
-        raise RunnerError(f"not valid JSON: {err}", file=str(path)) from None
-
-
-def _read_yaml(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise RunnerError("missing", file=str(path)) from None
-    except yaml.YAMLError as err:
-        raise RunnerError(f"not valid YAML: {err}", file=str(path)) from None
+def read_experiment_yaml(path: Path) -> dict:
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise RunnerError("expected a mapping (the resolved experiment config)", file=str(path))
     return data
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise RunnerError(f"line {n}: not valid JSON: {err}", file=str(path)) from None
-    return rows
 
 
 def _get(cfg: dict, dotted: str, file: str) -> Any:
@@ -81,7 +53,7 @@ def load_manifests(folder: Path, domains: list[str]) -> dict[str, dict]:
     """The manifest JSON of each domain from `folder/<domain>.json` (copies; shards not needed)."""
     out = {}
     for d in domains:
-        out[d] = _read_json(folder / f"{d}.json")
+        out[d] = read_json(folder / f"{d}.json")
         if not isinstance(out[d], dict) or "pool_tokens" not in out[d]:
             raise RunnerError("pool_tokens: missing", file=str(folder / f"{d}.json"))
     return out
@@ -140,11 +112,11 @@ def _run_times(run: dict, train_rows: list[dict]) -> tuple[float, float]:
 def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     """The report tables of a run folder, named as in schemas.report_tables.SCHEMAS."""
     run_dir = Path(run_dir)
-    run = _read_json(run_dir / "run.json")
+    run = read_json(run_dir / "run.json")
     cfg_file = str(run_dir / "experiment.yaml")
-    cfg = _read_yaml(run_dir / "experiment.yaml")
+    cfg = read_experiment_yaml(run_dir / "experiment.yaml")
     ledger_file = str(run_dir / "ledger.json")
-    ledger = _read_json(run_dir / "ledger.json")
+    ledger = read_json(run_dir / "ledger.json")
 
     seq_len = int(_get(cfg, "train.seq_len", cfg_file))
     global_batch = int(_get(cfg, "train.global_batch_sequences", cfg_file))
@@ -188,7 +160,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
 
     # A resumed run appends again the steps it redid after its last checkpoint: the later row is
     # the one in the model's lineage.
-    train_rows = list({int(r["step"]): r for r in _read_jsonl(run_dir / "metrics" / "train.jsonl")}.values())
+    train_rows = list({int(r["step"]): r for r in read_jsonl(run_dir / "metrics" / "train.jsonl")}.values())
     wall_seconds, step_seconds_total = _run_times(run, train_rows)
     fpt = flops_per_token(cfg, convention, seq_len=seq_len)
     n_params = params_of_config(cfg).get(convention.params_counted)
@@ -230,7 +202,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     }])
 
     eval_rows = list({(int(r["step"]), str(r["domain"])): r
-                      for r in _read_jsonl(run_dir / "metrics" / "eval.jsonl")}.values())
+                      for r in read_jsonl(run_dir / "metrics" / "eval.jsonl")}.values())
     validation = pd.DataFrame(
         [{"step": int(r["step"]), "exposure_tokens": int(r["exposure_tokens"]), "domain": str(r["domain"]),
           "loss_nats": float(r["loss_nats"]), "bpb": float(r["bpb"])} for r in eval_rows],
@@ -447,7 +419,7 @@ def write_report(run_dir: str | Path) -> Path:
     """Write run_dir/report/ (tables, report.md, plots, audit inputs); return its path."""
     run_dir = Path(run_dir)
     tables = build_tables(run_dir)
-    cfg = _read_yaml(run_dir / "experiment.yaml")
+    cfg = read_experiment_yaml(run_dir / "experiment.yaml")
     domains = sorted(cfg["mixture"]["domains"])
     manifests = load_manifests(run_dir / "manifests", domains)
     out = run_dir / REPORT_DIR

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from runner.errors import RunnerError
+from runner.fsio import read_jsonl
 from runner.flops import params_of_config
 
 HUBER_DELTA = 1e-3
@@ -75,10 +76,6 @@ class Fit:
 
 
 # ---------------------------------------------------------------- reading points
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def read_report_point(report_dir: Path) -> Point:
     """A point from a report folder: run_summary.parquet (N, D) and validation.parquet (final loss)."""
     import pandas as pd
@@ -113,7 +110,7 @@ def read_point(run_dir: str | Path) -> Point:
     cfg = yaml.safe_load(exp.read_text(encoding="utf-8"))
     params = params_of_config(cfg).non_embedding
     tokens = _exposure_tokens(run_dir, cfg)
-    rows = _read_jsonl(evals)
+    rows = read_jsonl(evals)
     if not rows:
         raise RunnerError("no evaluation recorded", file=str(evals))
     last_step = max(int(r["step"]) for r in rows)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from runner import recipe as rrecipe
 from runner.checkpoint import Checkpointer, rng_state, set_rng_state
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
+from runner.fsio import atomic_write, repair_jsonl_tail
 
 # ---- run folder ---------------------------------------------------------------------------------
 
@@ -67,22 +68,12 @@ class RunFolder:
         return out
 
     def repair_journal(self) -> None:
-        """Drop a last line torn by SIGKILL, so appended lines stay one JSON object each."""
-        path = self.journal_path()
-        if not self.writer or not path.exists():
-            return
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            path.write_bytes(data[: data.rfind(b"\n") + 1])
+        if self.writer:
+            repair_jsonl_tail(self.journal_path())
 
 
 def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data, indent=1).encode())
 
 
 # ---- schedule -----------------------------------------------------------------------------------
@@ -186,6 +177,9 @@ class MetricsFiles(Callback):
     def __init__(self, run_dir: Path, enabled: bool):
         self.dir = Path(run_dir) / "metrics"
         self.enabled = enabled
+        if enabled:  # a SIGKILL may have torn the last line of an earlier attempt
+            for name in ("train.jsonl", "eval.jsonl"):
+                repair_jsonl_tail(self.dir / name)
 
     def _append(self, name: str, rows: list[dict]) -> None:
         if not self.enabled:

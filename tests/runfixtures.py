@@ -173,3 +173,13 @@ def make_run(root: Path, *, run_id: str = "20250101-000000-fixture", steps: int 
     (run_dir / "journal").mkdir()
     (run_dir / "journal" / "processed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in journal))
     return run_dir
+
+
+def run_commands(register, argv: list[str]) -> int:
+    """Run one verb of a runner/commands module in-process, as the CLI would."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 
 import pandas as pd
 import pytest
 
-from runfixtures import SEQ_LEN, make_run
+from runfixtures import SEQ_LEN, make_run, run_commands
 from runner.audit import audit
 from runner.commands.report import register
 from runner.errors import RunnerError
@@ -24,10 +23,7 @@ def run_dir(tmp_path_factory):
 
 
 def _cli(argv):
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return run_commands(register, argv)
 
 
 def test_clean_run_passes_from_run_folder_and_report_folder(run_dir, capsys):

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner.checkpoint import Checkpointer, flatten_optimizer, rng_state, set_rng_state, sha256_file, unflatten_optimizer
+from runner.checkpoint import Checkpointer, flatten_optimizer, rng_state, set_rng_state, unflatten_optimizer
+from runner.fsio import sha256_file
 from trainfixtures import env, launch, make_project, read_jsonl
 
 STEPS = 16

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 
 import pandas as pd
 import pytest
 
-from runfixtures import GLOBAL_BATCH, SEQ_LEN, STEPS, make_run
+from runfixtures import GLOBAL_BATCH, SEQ_LEN, STEPS, make_run, run_commands
 from runner.commands.report import register
 from runner.errors import RunnerError
 from runner.publish import audit_reports, publish
@@ -24,10 +23,7 @@ def run_dir(tmp_path_factory):
 
 
 def _cli(argv):
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return run_commands(register, argv)
 
 
 def test_tables_hold_the_ledger_counts(run_dir):

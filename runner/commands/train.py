@@ -379,7 +379,7 @@ def cmd_smoke(args) -> int:
     if rc != EXIT_OK:
         problems.append(f"resumed run exited {rc}")
     final = dirname(steps)
-    from runner.checkpoint import sha256_file
+    from runner.fsio import sha256_file
     a, b = ref / "checkpoints" / final / "model.safetensors", res / "checkpoints" / final / "model.safetensors"
     same_weights = a.exists() and b.exists() and sha256_file(a) == sha256_file(b)
     if not same_weights:
