@@ -147,12 +147,22 @@ class Checkpointer:
         fsync_file(final / MARKER)
         fsync_dir(self.root)
         self.last_save_time = time.monotonic()
-        self._prune()
+        self._prune(keep=final)
         return final
 
-    def _prune(self) -> None:
-        complete = sorted(p for p in self.root.glob("step-*") if (p / MARKER).exists())
-        for old in complete[:-self.keep_last]:
+    def _prune(self, keep: Path) -> None:
+        """After a successful save: drop leftovers (folders without the marker, temp folders) and
+        all but the newest `keep_last` complete checkpoints. A resume that fell back past a broken
+        folder never looks at it again, so without this it would sit in checkpoints/ forever."""
+        for leftover in self.root.glob(".tmp-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        complete = []
+        for p in self.root.glob("step-*"):
+            if (p / MARKER).exists():
+                complete.append(p)
+            elif p != keep:
+                shutil.rmtree(p, ignore_errors=True)
+        for old in sorted(complete)[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
     # ---- load ---------------------------------------------------------------------------------

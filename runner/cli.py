@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from runner.errors import EXIT_USAGE, RunnerError
+from runner.errors import EXIT_USAGE, RunnerError, display_path
 
 #: modules under runner/commands that add their verbs through `register(subparsers)`
 COMMAND_MODULES = ("data", "train", "report", "plan")
@@ -51,15 +51,28 @@ def validate_one(path: Path) -> tuple[str, list[str]]:
         problems = recipe.Problems()
         recipe.load_recipe_file(path, path.parent.name, problems)
         problems.raise_if_any()
-        return f"ok  {path}", []
+        return f"ok  {display_path(path)}", []
+    from runner.manifest import load_experiment_manifests, plan_experiment_mixture
+
     exp = recipe.load_experiment(path)
-    return f"ok  {path}  fingerprint {exp.fingerprint}", exp.notes
+    manifests, notes = load_experiment_manifests(exp, missing_ok=True)
+    if len(manifests) == len(exp.config.mixture.domains):
+        plan_experiment_mixture(exp, manifests)
+    return f"ok  {display_path(path)}  fingerprint {exp.fingerprint}", exp.notes + notes
 
 
 def _cmd_show(args) -> int:
     from runner import recipe
+    from runner.fsio import read_yaml
 
-    exp = recipe.load_experiment(args.experiment)
+    path = Path(args.experiment)
+    if path.is_dir():  # a run folder: its resolved experiment.yaml
+        path = path / "experiment.yaml"
+    data = read_yaml(path)
+    if isinstance(data, dict) and isinstance(data.get("tokenizer"), dict) and isinstance(data.get("recipes"), dict):
+        exp = recipe.experiment_from_dict(data, path=path)  # already resolved (a run's copy)
+    else:
+        exp = recipe.load_experiment(path)
     if args.json:
         print(json.dumps({"fingerprint": exp.fingerprint, "config": exp.to_container()}, indent=2))
     else:
@@ -89,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="*", help="recipe or experiment YAML files")
     p.set_defaults(func=_cmd_validate)
     p = sub.add_parser("show", help="print an experiment's resolved config and fingerprint")
-    p.add_argument("experiment")
+    p.add_argument("experiment", help="experiments/NAME.yaml, or a run folder (its resolved experiment.yaml)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_show)
     p = sub.add_parser("check-pr", help="what a pull request must satisfy, against a base git ref")

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+
+def display_path(path: Any) -> str:
+    """A path as the user would type it: relative to the current folder when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError, TypeError):
+        return str(path)
+
 
 class RunnerError(Exception):
     """Bad input a user can act on: `file: dotted.key: message`. The CLI exits 2 on it."""
 
     def __init__(self, message: str, *, file: str | None = None, key: str | None = None):
+        file = display_path(file) if file else file
         parts = [p for p in (file, key) if p]
         self.file, self.key, self.detail = file, key, message
         super().__init__(": ".join(parts + [message]))

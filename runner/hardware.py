@@ -87,10 +87,13 @@ def resolve_peak(hardware: Mapping[str, Any], *, measure_seconds: float = 1.0) -
         source = hw.get("peak_source") or "stated in the hardware recipe (no source given)"
         return Peak(float(stated), dtype, str(source), hw.get("device_name"))
     if hw.get("accelerator") == "cpu":
-        if hw.get("measure_cpu_peak"):
+        method = hw.get("cpu_peak")
+        if method == "theoretical":
+            return cpu_theoretical_tflops(measure_seconds=measure_seconds)
+        if method == "measured":
             return measure_cpu_matmul_tflops(seconds=measure_seconds)
         raise RunnerError("a CPU has no datasheet peak: state hardware.peak_tflops or set "
-                          "hardware.measure_cpu_peak: true", key="hardware.peak_tflops")
+                          "hardware.cpu_peak: theoretical | measured", key="hardware.peak_tflops")
     key = canonical_device(hw.get("device_name"))
     if key is None:
         raise RunnerError(f"unknown device {hw.get('device_name')!r} and no hardware.peak_tflops stated "
@@ -188,6 +191,55 @@ def measure_cpu_matmul_tflops(seconds: float = 1.0, size: int = 1024) -> Peak:
     source = (f"measured: torch.mm fp32 {size}x{size}, {torch.get_num_threads()} threads, "
               f"best burst over {seconds:g} s")
     return Peak(best, "fp32", source, "cpu")
+
+
+#: fp32 FLOPs per cycle per core: vector lanes x 2 (FMA) x FMA pipes, by the widest ISA the CPU reports
+CPU_FP32_FLOPS_PER_CYCLE = (("avx512f", 64, "AVX-512: 16 lanes x FMA x 2 pipes"),
+                            ("avx2", 32, "AVX2: 8 lanes x FMA x 2 pipes"),
+                            ("asimd", 16, "NEON: 4 lanes x FMA x 2 pipes"),
+                            ("avx", 16, "AVX: 8 lanes x (mul + add)"),
+                            ("sse2", 8, "SSE2: 4 lanes x (mul + add)"))
+
+
+def _cpu_clock_ghz() -> float | None:
+    """The highest clock the CPU reports: cpufreq's maximum when present, else /proc/cpuinfo's MHz."""
+    try:
+        return int(open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read()) / 1e6
+    except (OSError, ValueError):
+        pass
+    try:
+        mhz = [float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.lower().startswith("cpu mhz")]
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(mhz) / 1e3 if mhz else None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.lower().startswith(("flags", "features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_theoretical_tflops(threads: int | None = None, *, measure_seconds: float = 1.0) -> Peak:
+    """Theoretical fp32 peak of the cores this process computes on: threads x clock x FLOPs/cycle.
+
+    Stable where a measured matmul burst is not (a shared machine measured 12x apart), and an
+    upper bound, so MFU stays below 100%. Where the CPU does not describe itself (no /proc/cpuinfo,
+    e.g. macOS), falls back to a measured burst and says so in the source."""
+    import torch
+    threads = threads or torch.get_num_threads()
+    ghz, flags = _cpu_clock_ghz(), _cpu_flags()
+    for flag, per_cycle, why in CPU_FP32_FLOPS_PER_CYCLE:
+        if flag in flags and ghz:
+            tflops = threads * ghz * 1e9 * per_cycle / 1e12
+            return Peak(tflops, "fp32", f"theoretical: {threads} cores x {ghz:.3f} GHz x {per_cycle} fp32 FLOP/cycle "
+                                        f"({why})", "cpu")
+    measured = measure_cpu_matmul_tflops(seconds=measure_seconds)
+    return Peak(measured.peak_tflops, "fp32", measured.peak_source + " (no CPU description for a theoretical peak)", "cpu")
 
 
 def mfu(flops_per_token: float, tokens: float, seconds: float, peak_tflops: float, devices: int) -> float:

@@ -185,3 +185,59 @@ class Pool:
             out[filled:filled + n] = self._maps[i][lo:lo + n]
             filled += n
         return out
+
+
+def load_experiment_manifests(exp, *, verify: str = "size", missing_ok: bool = False) -> tuple[dict[str, Manifest], list[str]]:
+    """The manifests an experiment pins, each checked against its pin and against the experiment's
+    tokenizer (a pool tokenized with another tokenizer would train on wrong ids).
+
+    With `missing_ok` (validation on a machine without the data), unpinned or absent manifests
+    become notes; otherwise (launch) they are errors. Returns (manifests by domain, notes)."""
+    from runner.errors import display_path
+
+    cfg = exp.config
+    where = exp.path
+    manifests: dict[str, Manifest] = {}
+    notes: list[str] = []
+    if cfg.tokenizer.sha256 is None and not missing_ok:
+        raise RunnerError("not pinned: put the sha256 of the tokenizer.json here (`sha256sum` prints it)",
+                          file=where, key="tokenizer.sha256")
+    for d, pin in cfg.data.manifests.items():
+        key = f"data.manifests.{d}"
+        path = exp.resolve_path(pin.path)
+        if pin.sha256 is None or not path.exists():
+            what = "not pinned" if pin.sha256 is None else f"{pin.path} is not on this machine"
+            if missing_ok:
+                notes.append(f"{display_path(where)}: {key}: {what}: checked at launch")
+                continue
+            if pin.sha256 is None:
+                raise RunnerError("not pinned: put the manifest_sha256 that `runner data prepare` printed here",
+                                  file=where, key=f"{key}.sha256")
+        m = load_manifest(path, expected_sha256=pin.sha256, verify=verify, key=f"{key}.sha256")
+        if cfg.tokenizer.sha256 is not None and m.tokenizer_sha256 != cfg.tokenizer.sha256:
+            raise RunnerError(f"{pin.path} was tokenized with tokenizer {m.tokenizer_sha256[:12]}..., the experiment "
+                              f"pins {str(cfg.tokenizer.sha256)[:12]}...: prepare it again with the pinned tokenizer",
+                              file=where, key=key)
+        if m.token_dtype != cfg.tokenizer.token_dtype:
+            raise RunnerError(f"{pin.path} holds {m.token_dtype} tokens, the tokenizer recipe says "
+                              f"{cfg.tokenizer.token_dtype}", file=where, key=key)
+        manifests[d] = m
+    return manifests, notes
+
+
+def plan_experiment_mixture(exp, manifests: dict[str, Manifest]):
+    """The mixture plan of an experiment over its manifests; MixtureInfeasible names the file."""
+    from runner.errors import MixtureInfeasible
+    from runner.mixture import plan_mixture
+
+    cfg = exp.config
+    L = int(cfg.train.seq_len)
+    try:
+        return plan_mixture({d: num_samples(m.pool_tokens, L) for d, m in manifests.items()},
+                            {d: float(v.target_ratio) for d, v in cfg.mixture.domains.items()},
+                            {d: float(v.max_repetition_ratio) for d, v in cfg.mixture.domains.items()},
+                            int(cfg.train.exposure_tokens), L, int(cfg.train.global_batch_sequences))
+    except MixtureInfeasible as e:
+        if e.file is not None or exp.path is None:
+            raise
+        raise MixtureInfeasible(e.detail, file=str(exp.path), key=e.key) from None

@@ -151,6 +151,7 @@ def write_pilot_grid(base_path: str | Path, sizes: Sequence[str], budgets: Seque
             raise RunnerError(f"budget {text} ({r:,} tokens) is not longer than optim.warmup_tokens "
                               f"({warmup:,}): the schedule would never leave warm-up", key="--budgets")
         rounded.append(r)
+    _check_budgets_feasible(resolved, root, dict(zip(budgets, rounded)))
 
     # Base by reference when the loader can find it (experiments/NAME.yaml); otherwise a full copy.
     by_reference = root is not None and (root / "experiments" / f"{raw['name']}.yaml").resolve() == base_path.resolve()
@@ -226,3 +227,25 @@ def _readme(raw: dict, resolved: dict, rows: list, batch_tokens: int, by_referen
               "8/3 x hidden_size rounded up to a multiple of 16.",
               "Check each pilot with `runner plan` before launching (memory, mixture feasibility, time).", ""]
     return "\n".join(lines)
+
+
+def _check_budgets_feasible(resolved: Mapping[str, Any], root: Path | None, budgets: dict[str, int]) -> None:
+    """With the manifests on disk, refuse a budget the mixture cannot meet under its repetition caps."""
+    from runner.errors import MixtureInfeasible
+    from runner.manifest import load_experiment_manifests, num_samples
+    from runner.mixture import plan_mixture
+    from runner.recipe import experiment_from_dict
+
+    exp = experiment_from_dict(dict(resolved), project_root=root)
+    manifests, _ = load_experiment_manifests(exp, missing_ok=True)
+    domains = resolved["mixture"]["domains"]
+    if len(manifests) != len(domains):
+        return
+    L, batch = int(resolved["train"]["seq_len"]), int(resolved["train"]["global_batch_sequences"])
+    for text, tokens in budgets.items():
+        try:
+            plan_mixture({d: num_samples(m.pool_tokens, L) for d, m in manifests.items()},
+                         {d: float(v["target_ratio"]) for d, v in domains.items()},
+                         {d: float(v["max_repetition_ratio"]) for d, v in domains.items()}, tokens, L, batch)
+        except MixtureInfeasible as e:
+            raise RunnerError(f"budget {text} ({tokens:,} tokens): {e}", key="--budgets") from None

@@ -190,7 +190,8 @@ def mixture_plan(cfg: Mapping[str, Any], root: Path) -> dict[str, Any]:
         plan = plan_mixture(samples, ratios, caps, int(cfg["train"]["exposure_tokens"]), seq_len,
                             int(cfg["train"]["global_batch_sequences"]))
     except MixtureInfeasible as e:
-        return {"status": "infeasible", "line": f"mixture: INFEASIBLE: {e}", "warnings": pin_warnings}
+        return {"status": "infeasible", "line": f"mixture: INFEASIBLE: {e}", "warnings": pin_warnings,
+                "pool_tokens": sum(n * seq_len for n in samples.values())}
     rows, warnings = {}, list(pin_warnings)
     for d, entry in sorted(_domain_entries(plan).items()):
         exposure = float(_field(entry, "exposure_tokens"))
@@ -319,7 +320,7 @@ def build_plan(cfg: Mapping[str, Any], *, mfu: float | None = None, calibration:
         time_measured["mfu"] = tps * fpt / (peak.peak_tflops * 1e12 * devices)
         time_measured["useful_fraction"] = calibration.useful_fraction
     mix = mixture_plan(cfg, Path(root))
-    pool_tokens = mix.get("pool_tokens") if mix["status"] == "planned" else None
+    pool_tokens = mix.get("pool_tokens")
     raw_bpt = float(plan_cfg.get("raw_bytes_per_token", 4.2))
     dtype_bytes = TOKEN_DTYPE_BYTES.get(cfg.get("tokenizer", {}).get("token_dtype"), 4)
     # Without manifests the unique tokens needed are at most the budget (no repetition).

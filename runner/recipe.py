@@ -14,6 +14,7 @@ import difflib
 import hashlib
 import json
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -22,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.errors import RunnerError
+from runner.errors import RunnerError, display_path
 from runner.fsio import canonical_json, sha256_file
 
 KINDS = ("tokenizer", "mixture", "model", "optim", "hardware", "eval")
@@ -117,7 +118,7 @@ class HardwareRecipe:
     tf32: bool = True
     pin_memory: bool = True
     default_mfu: float = 0.4  #: what the planner assumes before a measurement exists
-    measure_cpu_peak: bool = False  #: CPU only: measure a matmul peak when peak_tflops is null
+    cpu_peak: Optional[str] = None  #: CPU, when peak_tflops is null: theoretical (cores x clock x FLOP/cycle) | measured (best fp32 matmul burst)
 
 
 @dataclass
@@ -250,14 +251,6 @@ class Problems:
 
 
 # ---------------------------------------------------------------- helpers
-def display_path(path: Any) -> str:
-    """A path as the user would type it: relative to the current folder when inside it."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except (ValueError, OSError, TypeError):
-        return str(path)
-
-
 def find_project_root(start: Path) -> Path:
     """The nearest folder at or above `start` that holds `recipes/`; else the current folder."""
     start = start.resolve()
@@ -317,7 +310,8 @@ def _join(prefix: str, key: str) -> str:
 
 
 def _schema_fields(schema) -> dict[str, Any]:
-    return {f.name: f for f in dataclasses.fields(schema)}
+    """Field name -> resolved type (the module uses postponed annotations, so resolve them)."""
+    return typing.get_type_hints(schema)
 
 
 def _check_keys(node: Any, schema, prefix: str, file: Path, problems: Problems) -> None:
@@ -331,47 +325,48 @@ def _check_keys(node: Any, schema, prefix: str, file: Path, problems: Problems) 
         if k not in fields:
             problems.add(file, key, f"unknown key{_did_you_mean(k, fields)}")
             continue
-        _check_value(v, fields[k].type, key, file, problems)
+        _check_value(v, fields[k], key, file, problems)
+
+
+_SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _scalar_ok(v: Any, typ: type) -> bool:
+    if typ is bool:
+        return isinstance(v, bool)
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, (int, float)) if typ is float else isinstance(v, typ)
 
 
 def _check_value(v: Any, typ: Any, key: str, file: Path, problems: Problems) -> None:
-    t = str(typ)
+    args = typing.get_args(typ)
+    optional = typing.get_origin(typ) is typing.Union and type(None) in args
+    if optional:
+        typ = next(a for a in args if a is not type(None))
     if v is None:
-        if "Optional" not in t:
+        if not optional:
             problems.add(file, key, "must not be null")
         return
-    if isinstance(v, str) and v.startswith("${"):
-        return  # interpolation: checked after resolution
-    if isinstance(v, str) and v == "???":
-        return  # reported as missing later
-    inner = t.replace("Optional[", "").rstrip("]") if "Optional" in t else t
+    if isinstance(v, str) and (v.startswith("${") or v == "???"):
+        return  # interpolation (checked after resolution) or missing (reported later)
+    origin = typing.get_origin(typ)
     if dataclasses.is_dataclass(typ):
         _check_keys(v, typ, key, file, problems)
-    elif inner.startswith("dict[str, ") and inner != "dict[str, str]":
+    elif origin is dict:
         if not isinstance(v, dict):
             problems.add(file, key, f"must be a mapping, got {type(v).__name__}")
             return
-        sub = DomainRecipe if "DomainRecipe" in inner else ManifestPin
+        item_type = typing.get_args(typ)[1]
         for name, item in v.items():
-            _check_keys(item, sub, _join(key, name), file, problems)
-    elif inner == "dict[str, str]":
-        if not isinstance(v, dict):
-            problems.add(file, key, f"must be a mapping, got {type(v).__name__}")
-    elif inner.startswith("list["):
-        if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-            problems.add(file, key, f"must be a list of numbers, got {v!r}")
-    elif inner in ("int", "<class 'int'>"):
-        if isinstance(v, bool) or not isinstance(v, int):
-            problems.add(file, key, f"must be an integer, got {v!r}")
-    elif inner in ("float", "<class 'float'>"):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            problems.add(file, key, f"must be a number, got {v!r}")
-    elif inner in ("bool", "<class 'bool'>"):
-        if not isinstance(v, bool):
-            problems.add(file, key, f"must be true or false, got {v!r}")
-    elif inner in ("str", "<class 'str'>"):
-        if not isinstance(v, str):
-            problems.add(file, key, f"must be a string, got {v!r}")
+            _check_value(item, item_type, _join(key, name), file, problems)
+    elif origin is list:
+        item_type = typing.get_args(typ)[0]
+        if not isinstance(v, list) or not all(_scalar_ok(x, item_type) for x in v):
+            problems.add(file, key, f"must be a list of {_SCALARS[item_type].split(' ', 1)[1]}s, got {v!r}")
+    elif typ in _SCALARS and not _scalar_ok(v, typ):
+        hint = " (quote it: YAML read it as a number)" if typ is str and isinstance(v, (int, float)) else ""
+        problems.add(file, key, f"must be {_SCALARS[typ]}, got {v!r}{hint}")
 
 
 def parse_ref(ref: Any) -> tuple[str, int]:
@@ -469,6 +464,8 @@ def compose(data: dict, path: Path, root: Path, problems: Optional[Problems] = N
     for label in LABEL_KEYS + ("seed",):
         if label not in data:
             problems.add(path, label, "missing")
+    if "name" in data and path.suffix == ".yaml" and path.parent.name == "experiments" and data["name"] != path.stem:
+        problems.add(path, "name", f"'{data['name']}' differs from the file name '{path.stem}'")
     refs = data.get("recipes") or {}
     if not isinstance(refs, dict):
         problems.add(path, "recipes", "must be a mapping of kind -> NAME@VERSION")
@@ -503,7 +500,7 @@ def compose(data: dict, path: Path, root: Path, problems: Optional[Problems] = N
 
     for section in ("train", "data", "plan"):
         if section in data:
-            _check_value(data[section], _schema_fields(ExperimentSchema)[section].type, section, path, problems)
+            _check_value(data[section], _schema_fields(ExperimentSchema)[section], section, path, problems)
     overrides = data.get("overrides") or {}
     if not isinstance(overrides, dict):
         problems.add(path, "overrides", "must be a mapping of section -> keys")
@@ -514,7 +511,7 @@ def compose(data: dict, path: Path, root: Path, problems: Optional[Problems] = N
             continue
         if isinstance(body, dict) and any(k in body for k in LABEL_KEYS):
             problems.add(path, f"overrides.{section}", "may not change a recipe's name, version or description")
-        _check_value(body, _schema_fields(ExperimentSchema)[section].type, f"overrides.{section}", path, problems)
+        _check_value(body, _schema_fields(ExperimentSchema)[section], f"overrides.{section}", path, problems)
     problems.raise_if_any()
 
     top = {k: data[k] for k in ("name", "version", "description", "seed", "train", "data", "plan") if k in data}
@@ -626,9 +623,7 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
     for d, pin in pins.items():
         if d not in mix:
             problems.add(path, f"data.manifests.{d}", f"not a domain of the mixture{_did_you_mean(d, list(mix))}")
-        if pin.sha256 is None:
-            notes.append(f"{display_path(path)}: data.manifests.{d}.sha256: not pinned yet: `runner launch` refuses until it is")
-        elif not _SHA256.match(str(pin.sha256)):
+        if pin.sha256 is not None and not _SHA256.match(str(pin.sha256)):
             problems.add(path, f"data.manifests.{d}.sha256", "must be 64 lowercase hex characters")
 
     m = cfg.model
@@ -661,8 +656,8 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
     if hw.peak_tflops is not None and not hw.peak_source:
         problems.add(path, "hardware.peak_source", "a stated peak_tflops needs its source (datasheet, measurement)")
     if hw.accelerator == "cpu":
-        if hw.peak_tflops is None and not hw.measure_cpu_peak:
-            problems.add(path, "hardware.peak_tflops", "a CPU has no datasheet peak here: state one or set measure_cpu_peak: true")
+        if hw.peak_tflops is None and hw.cpu_peak not in ("theoretical", "measured"):
+            problems.add(path, "hardware.cpu_peak", "a CPU has no datasheet peak: state peak_tflops, or set cpu_peak: theoretical | measured")
         if hw.precision != "fp32":
             problems.add(path, "hardware.precision", "CPU training runs in fp32")
     elif hw.peak_tflops is None:
@@ -751,8 +746,12 @@ def diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 def experiment_from_dict(resolved: dict, project_root: Path | None = None, path: Path | None = None) -> Experiment:
     """Rebuild an Experiment from a saved resolved config (run folders, report folders)."""
-    cfg = OmegaConf.merge(OmegaConf.structured(ExperimentSchema), resolved)
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(ExperimentSchema), resolved)
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    except OmegaConfBaseException as e:
+        raise RunnerError(f"does not fit this runner's experiment schema: {str(e).splitlines()[0]}",
+                          file=str(path) if path else None, key=getattr(e, "full_key", None) or None) from None
     OmegaConf.set_readonly(cfg, True)
     return Experiment(config=cfg, fingerprint=fingerprint(cfg), path=path,
                       project_root=project_root or Path.cwd().resolve())

@@ -59,15 +59,36 @@ def load_manifests(folder: Path, domains: list[str]) -> dict[str, dict]:
     return out
 
 
+def recipe_devices(cfg: dict) -> int:
+    """Devices the hardware recipe asks for: devices_per_node * nodes."""
+    hw = cfg.get("hardware") or {}
+    return int(hw.get("devices_per_node", 1)) * int(hw.get("nodes", 1))
+
+
+def devices_held(run: dict, cfg: dict) -> int:
+    """Devices the run held: run.json `devices` (the trainer's world size), else
+    conventions.devices_counted, else the hardware recipe (runs recorded before either existed).
+
+    The recipe is only a last resort because a launcher (torchrun --nproc-per-node) can start more
+    processes than the recipe names, and MFU and cost are over what was held.
+    """
+    if run.get("devices") is not None:
+        return int(run["devices"])
+    recorded = (run.get("conventions") or {}).get("devices_counted")
+    if recorded is not None:
+        return int(recorded)
+    return recipe_devices(cfg)
+
+
 def conventions_of(run: dict, cfg: dict) -> dict:
-    """The MFU convention record: run.json's `conventions`, peak fields defaulting to the hardware recipe."""
+    """The MFU convention record: run.json's `conventions`, peak fields defaulting to the hardware
+    recipe and devices_counted to the devices held."""
     recorded = dict(run.get("conventions") or {})
     conv = Convention.from_dict(recorded).to_dict()
     hw = cfg.get("hardware") or {}
     for key in ("peak_tflops", "peak_dtype", "peak_source"):
         conv[key] = recorded.get(key, hw.get(key))
-    hw_devices = int(hw.get("devices_per_node", 1)) * int(hw.get("nodes", 1))
-    conv["devices_counted"] = int(recorded.get("devices_counted", hw_devices))
+    conv["devices_counted"] = int(recorded.get("devices_counted", devices_held(run, cfg)))
     conv["time_basis"] = recorded.get("time_basis", "step")
     if conv["peak_tflops"] is None:
         raise RunnerError("no peak_tflops recorded in run.json conventions or hardware recipe",
@@ -127,7 +148,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     conv = conventions_of(run, cfg)
     convention = Convention.from_dict(conv)
     hw = cfg.get("hardware") or {}
-    devices = int(hw.get("devices_per_node", 1)) * int(hw.get("nodes", 1))
+    devices = devices_held(run, cfg)
     price = float(hw.get("price_per_device_hour_usd") or 0.0)
 
     acct_rows = []

@@ -81,6 +81,8 @@ class Tracker:
         self._client = None
         self._retry_at = 0.0
         self._warned = False
+        self._syncing = False
+        self.last_error: str | None = None
         self.sent_metric_values = 0
 
     # ---- connection ---------------------------------------------------------------------------
@@ -179,7 +181,8 @@ class Tracker:
                 sent += 1
         except Exception as e:  # any transport or server failure: keep training, keep the data
             self._retry_at = time.monotonic() + RETRY_AFTER_SECONDS
-            if not self._warned:
+            self.last_error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            if not self._warned and not self._syncing:  # a sync reports its own outcome; it journals nothing new
                 self.report(f"mlflow: {self.tracking_uri} unavailable ({type(e).__name__}: "
                             f"{str(e).splitlines()[0][:160] if str(e) else ''}); journaling to {PENDING}")
                 self._warned = True
@@ -240,11 +243,18 @@ class Tracker:
         self._retry_at = 0.0
         return self._deliver([{"kind": "status", "status": status}])
 
-    def sync(self) -> int:
-        """Send the pending journal now (for `runner sync`); returns entries still pending."""
+    def sync(self) -> tuple[int, int]:
+        """Send the pending journal now (for `runner sync`): (entries sent, entries still pending).
+        The reason of a failure is in `last_error`."""
         self._retry_at = 0.0
-        self._deliver([])
-        return len(self._read_pending())
+        before = len(_dedupe(self._read_pending()))
+        self._syncing = True
+        try:
+            self._deliver([])
+        finally:
+            self._syncing = False
+        left = len(self._read_pending())
+        return max(before - left, 0), left
 
 
 def _dedupe(entries: list[dict]) -> list[dict]:

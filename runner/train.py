@@ -334,15 +334,16 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
     convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
     fpt = flops_per_token(cfg, convention)
     recorded = info.get("conventions") or {}
-    if str(recorded.get("peak_source", "")).startswith("measured"):
-        # A run keeps the peak it measured first: its MFU denominators never change across resumes.
+    if str(recorded.get("peak_source", "")).startswith(("measured", "theoretical")):
+        # A run keeps the CPU peak it found first: its MFU denominators never change across resumes.
         peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"], "cpu")
     else:
         peak = hardware.resolve_peak(cfg.hardware, measure_seconds=opts.peak_measure_seconds)
     conventions = hardware.convention_record(convention, peak, world, "step")
     price = float(cfg.hardware.price_per_device_hour_usd)
     if main:
-        folder.update(status="running", conventions=conventions, runtime=runtime, world_size=world,
+        # `devices` is what the run HELD (the world size), not the recipe's plan: MFU and cost count it.
+        folder.update(status="running", conventions=conventions, runtime=runtime, world_size=world, devices=int(world),
                       attempts=attempt, flops_per_token=fpt,
                       conventions_goodput=hardware.convention_record(convention, peak, world, "wall"))
     callbacks = [MetricsFiles(run_dir, main)] + list(opts.callbacks)
@@ -361,8 +362,11 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
     if opts.max_steps is not None:
         end_step = min(end_step, start_step + int(opts.max_steps))
 
+    resolved_config = exp.to_container()
+
     def state_for_checkpoint(step: int) -> dict:
-        return {"sampler_step": step, "rng": rng_state(), "fingerprint": exp.fingerprint,
+        # The resolved config rides along (as in OLMo-core) so an edited experiment.yaml can be diffed.
+        return {"sampler_step": step, "rng": rng_state(), "fingerprint": exp.fingerprint, "config": resolved_config,
                 "segment": len(info.get("segments", [])) - 1, "attempt": attempt,
                 "scheduler": {"schedule": str(cfg.optim.schedule), "schedule_steps": schedule_steps,
                               "warmup_steps": warmup_steps, "next_lr": lr_at(step, cfg.optim, schedule_steps, warmup_steps)},

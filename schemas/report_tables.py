@@ -227,7 +227,7 @@ RUN_SUMMARY = pa.DataFrameSchema(
         "devices_counted": pa.Column("int64", pa.Check.gt(0), description="Devices in the MFU denominator: every device the run held, idle ones included."),
         "time_basis": pa.Column(str, pa.Check.eq("step"), description="Time basis of `mfu` (goodput_mfu is always wall)."),
         "device_name": pa.Column(str, description="Accelerator model the peak belongs to."),
-        "devices": pa.Column("int64", pa.Check.gt(0), description="Devices the run held (devices_per_node * nodes)."),
+        "devices": pa.Column("int64", pa.Check.gt(0), description="Devices the run held: run.json `devices` (the world size), which a launcher may make differ from the recipe's devices_per_node * nodes."),
         "price_per_device_hour": pa.Column("float64", pa.Check.ge(0.0), description="USD per device-hour from the hardware recipe."),
         "cost_per_billion_useful_tokens": pa.Column("float64", pa.Check.ge(0.0), description="USD: devices * price * wall hours / (useful / 1e9)."),
     },

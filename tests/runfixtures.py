@@ -1,6 +1,7 @@
 """Fabricate a consistent run folder without training, for report/audit/publish tests.
 
-The folder is what runner.train would leave behind for a tiny 2-device H200 run: the real
+The folder is what runner.train would leave behind for a tiny 2-device H200 run (run.json
+records the devices it held as `devices`, the world size): the real
 sampler decides every batch, a real TokenLedger counts it (one step is processed twice to make
 `lost` non-zero, as after a crash), and times/MFU/cost come from the real runner.flops and
 runner.hardware functions.
@@ -42,8 +43,8 @@ def _manifest(domain: str, samples: int, tail: int) -> dict:
     return fields
 
 
-def config(manifests: dict[str, dict]) -> dict:
-    """A resolved experiment config in the DESIGN.md shape (tiny model, 2 x H200 SXM)."""
+def config(manifests: dict[str, dict], recipe_devices: int = 2) -> dict:
+    """A resolved experiment config in the DESIGN.md shape (tiny model, `recipe_devices` x H200 SXM)."""
     return {
         "name": "fixture", "version": "1", "description": "fabricated run for report tests", "seed": 1234,
         "recipes": {"tokenizer": "tiny@1", "mixture": "fixture@1", "model": "llama-tiny@1",
@@ -64,9 +65,9 @@ def config(manifests: dict[str, dict]) -> dict:
                   "schedule": "cosine", "warmup_tokens": 256, "decay_fraction": 0.2},
         "hardware": {"name": "h200x2", "version": "1", "description": "", "accelerator": "cuda",
                      "device_name": "H200 SXM", "peak_tflops": None, "peak_dtype": "bf16", "peak_source": None,
-                     "memory_gib": 141, "price_per_device_hour_usd": 3.5, "devices_per_node": 2, "nodes": 1,
+                     "memory_gib": 141, "price_per_device_hour_usd": 3.5, "devices_per_node": recipe_devices, "nodes": 1,
                      "precision": "bf16", "distributed": "ddp", "tf32": True, "default_mfu": 0.35,
-                     "pin_memory": True, "measure_cpu_peak": False},
+                     "pin_memory": True, "cpu_peak": None},
         "eval": {"name": "small", "version": "1", "description": "", "interval_steps": 3,
                  "samples_per_domain": 2, "micro_batch_sequences": 2},
         "train": {"seq_len": SEQ_LEN, "global_batch_sequences": GLOBAL_BATCH, "micro_batch_sequences": 2,
@@ -85,13 +86,17 @@ def _write_json(path: Path, data) -> None:
 
 
 def make_run(root: Path, *, run_id: str = "20250101-000000-fixture", steps: int = STEPS,
-             lost_step: int | None = 3) -> Path:
-    """Write runs/fixture/<run_id>/ under `root` and return it. `lost_step` is processed twice."""
+             lost_step: int | None = 3, recipe_devices: int = 2) -> Path:
+    """Write runs/fixture/<run_id>/ under `root` and return it. `lost_step` is processed twice.
+
+    The run always holds 2 devices; `recipe_devices` is what the hardware recipe says (1 mimics a
+    single-device recipe launched under `torchrun --nproc-per-node 2`).
+    """
     from runner.ledger import TokenLedger
 
     root = Path(root)
     manifests = {d: _manifest(d, n, tail) for d, (_, _, n, tail) in DOMAINS.items()}
-    cfg = config(manifests)
+    cfg = config(manifests, recipe_devices)
     run_dir = root / "runs" / cfg["name"] / run_id
     run_dir.mkdir(parents=True)
     for d, m in manifests.items():
@@ -151,7 +156,7 @@ def make_run(root: Path, *, run_id: str = "20250101-000000-fixture", steps: int 
         "mlflow": {"tracking_uri": None, "experiment_id": None, "run_id": None},
         "segments": [{"index": 0, "start_step": 0, "max_duration_tokens": cfg["train"]["max_duration_tokens"],
                       "fingerprint": fp, "started_at": "2025-01-01T00:00:00Z"}],
-        "status": "finished", "committed_steps": steps,
+        "status": "finished", "committed_steps": steps, "devices": devices,
         "conventions": convention_record(DEFAULT_CONVENTION, peak, devices, "step"),
         "wall_seconds": wall_seconds, "step_seconds_total": step_seconds_total,
         "exposure_tokens": int(counters["total"]["exposure"]), "useful_tokens": useful,

@@ -82,6 +82,17 @@ def _tamper_histogram(t):
                                 ignore_index=True)
 
 
+def _tamper_devices(t):
+    # Summary says 1 device (as the recipe of a torchrun run would) with MFU, goodput MFU and cost
+    # made consistent with it; run.json says the run held 2.
+    s = t["run_summary"]
+    s["devices"] = 1
+    s["devices_counted"] = 1
+    s["mfu"] *= 2
+    s["goodput_mfu"] *= 2
+    s["cost_per_billion_useful_tokens"] /= 2
+
+
 TAMPERINGS = [
     ("one more sample of exposure", _tamper_accounting_exposure, "replay: exposure per domain"),
     ("realized ratio off by 0.5%", _tamper_realized, "schema: accounting"),
@@ -91,6 +102,10 @@ TAMPERINGS = [
     ("MFU against the sparse peak (recount)", _tamper_sparse_peak, "mfu recomputed"),
     ("total not the sum of domains", _tamper_total, "invariant 2: totals = sum of domains"),
     ("histogram not the replay", _tamper_histogram, "replay: repetition histogram"),
+    ("MFU over fewer devices than held", _tamper_devices, "mfu recomputed"),
+    ("goodput MFU over fewer devices than held", _tamper_devices, "goodput_mfu recomputed"),
+    ("cost over fewer devices than held", _tamper_devices, "cost_per_billion_useful_tokens recomputed"),
+    ("devices not the devices held", _tamper_devices, "summary matches experiment config"),
 ]
 
 
@@ -160,3 +175,106 @@ def test_mlflow_final_metrics_must_agree(run_dir, tmp_path):
     write_report(run)
     check = next(c for c in audit(run).checks if c.name == "MLflow final metrics agree")
     assert check.status == "FAIL" and "useful_tokens: MLflow 767, report 768" in check.detail
+
+
+def test_torchrun_run_holding_more_devices_than_its_recipe_passes(tmp_path):
+    # A 1-device recipe launched as 2 processes: run.json `devices` = 2 is what the run held.
+    run = make_run(tmp_path, recipe_devices=1)
+    write_report(run)
+    s = pd.read_parquet(run / "report" / "run_summary.parquet").iloc[0]
+    info = json.loads((run / "run.json").read_text())
+    assert s["devices"] == 2 and s["devices_counted"] == 2
+    assert s["cost_per_billion_useful_tokens"] == pytest.approx(info["cost_per_billion_useful_tokens"], rel=1e-9)
+    assert s["mfu"] == pytest.approx(info["mfu"], rel=1e-9)
+    result = audit(run)
+    assert result.passed, result.render()
+    row = next(c for c in result.checks if c.name == "devices held vs recipe")
+    assert row.status == "INFO" and row.detail == "held 2, recipe 1"
+
+
+def test_devices_held_vs_recipe_is_informational_when_equal(run_dir):
+    row = next(c for c in audit(run_dir).checks if c.name == "devices held vs recipe")
+    assert row.status == "INFO" and row.detail == "held 2, recipe 2"
+
+
+def _csv_set(table, row, col, value):
+    def edit(df):
+        df.loc[row, col] = value
+        return df
+    return table, edit
+
+
+def _csv_scale(table, col, factor):
+    def edit(df):
+        df[col] = [repr(float(v) * factor) for v in df[col]]
+        return df
+    return table, edit
+
+
+CSV_TAMPERINGS = [
+    ("code unique tokens", *_csv_set("accounting", 0, "unique_tokens", "9000"),
+     "accounting: row 0, unique_tokens: csv '9000', parquet "),
+    ("mfu off by 1e-6", *_csv_scale("run_summary", "mfu", 1 + 1e-6), "run_summary: row 0, mfu: csv "),
+    ("domain renamed", *_csv_set("validation", 1, "domain", "wab"), "validation: row 1, domain: csv 'wab'"),
+    ("bool flipped", *_csv_set("run_summary", 0, "attention_causal_half", "True"),
+     "run_summary: row 0, attention_causal_half: csv 'True', parquet False"),
+    ("int not a number", *_csv_set("repetition", 2, "samples", "x"), "repetition: row 2, samples: csv 'x'"),
+    ("row dropped", "throughput", lambda df: df.iloc[:-1], "throughput: csv has 5 rows, parquet 6"),
+    ("column dropped", "repetition", lambda df: df.drop(columns=["samples"]),
+     "repetition: csv columns ['domain', 'times_seen'], parquet ['domain', 'times_seen', 'samples']"),
+]
+
+
+@pytest.mark.parametrize("what,table,edit,detail", CSV_TAMPERINGS, ids=[t[0] for t in CSV_TAMPERINGS])
+def test_tampered_csv_copy_fails_naming_table_and_cell(run_dir, tmp_path, what, table, edit, detail):
+    report = tmp_path / "report"
+    shutil.copytree(run_dir / "report", report)
+    df = pd.read_csv(report / f"{table}.csv", dtype=str, keep_default_na=False)
+    edit(df).to_csv(report / f"{table}.csv", index=False)
+    result = audit(report)
+    check = next(c for c in result.checks if c.name == "csv copies equal the parquet tables")
+    assert check.status == "FAIL" and detail in check.detail, check.detail
+    assert result.failed() == ["csv copies equal the parquet tables"], result.render()
+
+
+def test_csv_copy_rounded_within_tolerance_passes_and_missing_copy_fails(run_dir, tmp_path):
+    report = tmp_path / "report"
+    shutil.copytree(run_dir / "report", report)
+    for name in ("run_summary", "throughput"):
+        pd.read_parquet(report / f"{name}.parquet").to_csv(report / f"{name}.csv", index=False,
+                                                           float_format="%.15g")
+    result = audit(report)
+    assert result.passed, result.render()
+    (report / "accounting.csv").unlink()
+    check = next(c for c in audit(report).checks if c.name == "csv copies equal the parquet tables")
+    assert check.status == "FAIL" and "accounting: accounting.csv missing" in check.detail
+
+
+def _rewrite(report, name, df):
+    df.to_parquet(report / f"{name}.parquet", index=False)
+    df.to_csv(report / f"{name}.csv", index=False)
+
+
+def _repeak(s, peak_tflops, source):
+    s["mfu"] *= float(s["peak_tflops"].iloc[0]) / peak_tflops
+    s["goodput_mfu"] *= float(s["peak_tflops"].iloc[0]) / peak_tflops
+    s["peak_tflops"], s["peak_source"] = peak_tflops, source
+
+
+def test_cpu_peak_derived_on_the_machine_is_accepted_a_datasheet_device_is_not(run_dir, tmp_path):
+    # A CPU has no datasheet row: its peak is cores x clock x FLOP/cycle (runner.hardware, cpu_peak:
+    # theoretical) or a timed matmul (measured), recorded with how it was derived.
+    report = tmp_path / "report"
+    shutil.copytree(run_dir / "report", report)
+    s = pd.read_parquet(report / "run_summary.parquet")
+    s["device_name"], s["peak_dtype"] = "cpu", "fp32"
+    _repeak(s, 0.3323, "theoretical: 2 cores x 2.596 GHz x 64 fp32 FLOP/cycle")
+    _rewrite(report, "run_summary", s)
+    result = audit(report)
+    assert result.passed, result.render()
+
+    # The same wording does not excuse an H200 from its datasheet's dense peak.
+    s = pd.read_parquet(run_dir / "report" / "run_summary.parquet")
+    _repeak(s, 2 * 989.4, "theoretical: 2x the dense figure")
+    _rewrite(report, "run_summary", s)
+    assert "peak is the device's dense peak" in audit(report).failed()

@@ -111,3 +111,16 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path):
     assert b["total"]["lost"] == b["total"]["processed"] - b["total"]["exposure"] > 0  # ...and lost
     journal = read_jsonl(run / "journal" / "processed.jsonl")
     assert sum(sum(e["processed"].values()) for e in journal) == b["total"]["processed"]
+
+
+def test_save_removes_incomplete_and_temporary_folders(tmp_path):
+    model, opt = _tiny_state()
+    ck = Checkpointer(tmp_path, interval_steps=2, interval_minutes=0, keep_last=2)
+    for step in (2, 4, 6):
+        ck.save(step, model, opt.state_dict(), {"counts": np.arange(3, dtype=np.uint8)}, {"fingerprint": "f"})
+    root = tmp_path / "checkpoints"
+    (root / "step-0000006" / "COMPLETE").unlink()          # lost its marker: a resume falls back past it
+    (root / ".tmp-step-0000010-12345").mkdir()              # left by a kill mid-write
+    assert ck.latest_valid(report=lambda m: None).step == 4
+    ck.save(8, model, opt.state_dict(), {"counts": np.arange(3, dtype=np.uint8)}, {"fingerprint": "f"})
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000004", "step-0000008"]

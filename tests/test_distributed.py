@@ -22,7 +22,11 @@ def test_two_processes_match_one(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = tmp_path / "runs" / "one", tmp_path / "runs" / "two"
-    assert json.loads((two / "run.json").read_text())["world_size"] == 2
+    info = json.loads((two / "run.json").read_text())
+    assert info["world_size"] == 2
+    # The recipe plans 1 device; the run held 2: that is what run.json, MFU and cost count.
+    assert info["devices"] == 2 and info["conventions"]["devices_counted"] == 2
+    assert proc.stderr.count("warning: running on 2 devices (world size)") == 1
     assert json.loads((one / "ledger.json").read_text()) == json.loads((two / "ledger.json").read_text())
     for name in ("train.jsonl", "eval.jsonl"):
         a, b = read_jsonl(one / "metrics" / name), read_jsonl(two / "metrics" / name)

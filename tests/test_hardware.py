@@ -11,7 +11,7 @@ from runner.hardware import (PEAKS, Peak, canonical_device, check_device_matches
 
 def hw(**kw):
     d = dict(accelerator="cuda", device_name="NVIDIA H200", peak_tflops=None, peak_dtype="bf16",
-             peak_source=None, memory_gib=141, measure_cpu_peak=False)
+             peak_source=None, memory_gib=141, cpu_peak=None)
     d.update(kw)
     return d
 
@@ -51,7 +51,7 @@ def test_unknown_device_is_an_error_not_a_fallback():
 
 
 def test_cpu_peak_is_measured():
-    p = resolve_peak(hw(accelerator="cpu", device_name="cpu", peak_dtype="fp32", measure_cpu_peak=True),
+    p = resolve_peak(hw(accelerator="cpu", device_name="cpu", peak_dtype="fp32", cpu_peak="measured"),
                      measure_seconds=0.05)
     assert p.peak_dtype == "fp32" and p.peak_source.startswith("measured: ")
     assert 1e-4 < p.peak_tflops < 100
@@ -94,3 +94,22 @@ def test_convention_record_has_every_spec_field():
     rec = convention_record(DEFAULT_CONVENTION, Peak(989.4, "bf16", "x"), 8, "step")
     assert set(rec) == {"flops_formula", "params_counted", "attention_causal_half", "recompute_counted",
                         "peak_tflops", "peak_dtype", "peak_source", "devices_counted", "time_basis"}
+
+
+def test_cpu_theoretical_peak_is_cores_x_clock_x_flops_per_cycle(monkeypatch):
+    from runner import hardware
+
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: {"fpu", "avx", "avx2", "fma"})
+    monkeypatch.setattr(hardware, "_cpu_clock_ghz", lambda: 3.0)
+    p = resolve_peak(hw(accelerator="cpu", device_name="cpu", peak_dtype="fp32", cpu_peak="theoretical"))
+    import torch
+    assert p.peak_tflops == pytest.approx(torch.get_num_threads() * 3.0e9 * 32 / 1e12)
+    assert p.peak_source.startswith(f"theoretical: {torch.get_num_threads()} cores x 3.000 GHz x 32")
+
+
+def test_cpu_theoretical_peak_bounds_what_a_matmul_achieves():
+    from runner.hardware import cpu_theoretical_tflops
+
+    theoretical = cpu_theoretical_tflops()
+    if theoretical.peak_source.startswith("theoretical"):
+        assert measure_cpu_matmul_tflops(seconds=0.3).peak_tflops <= theoretical.peak_tflops

@@ -100,3 +100,13 @@ def test_cli_pilot_grid(project, capsys, monkeypatch):
     assert len(list((project / "experiments" / "pilots").glob("*.yaml"))) == 4
     assert "4 pilot experiments" in capsys.readouterr().out
     assert main(["pilot-grid", "experiments/cpu-tiny.yaml", "--sizes", "x", "--budgets", "1M"]) == 2
+
+
+def test_grid_refuses_a_budget_the_mixture_cannot_meet(project_with_data):
+    from runner.errors import RunnerError
+    from runner.pilot_grid import write_pilot_grid
+
+    out = project_with_data / "experiments/pilots"
+    with pytest.raises(RunnerError, match=r"--budgets: budget 1M .*legal.*largest feasible budget at these ratios: 378,880"):
+        write_pilot_grid(project_with_data / "experiments/cpu-tiny.yaml", ["llama-tiny@1"], ["100K", "1M"], out)
+    assert not out.exists() or not any(out.iterdir())

@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+from conftest import REPO
+
 from runner.errors import RunnerError
 from runner.flops import params_of_config
 from runner.plan import (build_plan, chinchilla_optimal_tokens, effective_tokens, format_plan,
@@ -207,3 +209,20 @@ def test_cli_plan_json_on_a_project_experiment(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["time"]["assumed"]["mfu"] == 0.5 and plan["hardware"]["peak_tflops"] == 989.4
     assert plan["memory"]["fits"] is True
+
+
+def test_plan_of_an_infeasible_mixture_prints_the_plan_and_exits_2(project_with_data):
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = project_with_data / "recipes/mixture/builtin-3dom.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["domains"]["legal"]["max_repetition_ratio"] = 1.0
+    path.write_text(yaml.safe_dump(data))
+    out = subprocess.run([sys.executable, "-m", "runner", "plan", "experiments/cpu-tiny.yaml"], cwd=project_with_data,
+                         capture_output=True, text=True, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2
+    assert "pool tokens of the manifests" in out.stdout
+    assert "mixture: INFEASIBLE" in out.stderr and "largest feasible budget" in out.stderr

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,17 +22,6 @@ def test_every_shipped_recipe_and_experiment_validates():
     assert len(targets) >= 15
     for path in targets:
         validate_one(path)  # raises on any problem
-
-
-@pytest.fixture()
-def project(tmp_path: Path) -> Path:
-    """A copy of the repo's recipes and experiments, plus the built-in tokenizer they pin."""
-    shutil.copytree(REPO / "recipes", tmp_path / "recipes")
-    shutil.copytree(REPO / "experiments", tmp_path / "experiments")
-    tok = tmp_path / "runner/builtin/assets/tokenizer.json"
-    tok.parent.mkdir(parents=True)
-    shutil.copy(REPO / "runner/builtin/assets/tokenizer.json", tok)
-    return tmp_path
 
 
 def edit(path: Path, fn) -> None:
@@ -194,3 +183,60 @@ def test_check_pr_catches_meaning_change_through_a_base_experiment(project: Path
     edit(project / "experiments/1p3b-mi300x.yaml", _set("base", "1p3b@2"))
     out = _check_pr(project)
     assert "experiments/1p3b-mi300x.yaml: version: changed" in out.stderr
+
+
+def test_every_problem_in_a_file_is_listed_at_once(project: Path):
+    edit(project / "experiments/cpu-tiny.yaml", lambda d: d["train"].update(seq_len="abc", global_batch_sequences=16.5, exposur_tokens=1))
+    with pytest.raises(RunnerError) as err:
+        recipe.load_experiment(project / "experiments/cpu-tiny.yaml")
+    lines = str(err.value).splitlines()
+    assert any("train.seq_len: must be an integer, got 'abc'" in l for l in lines)
+    assert any("train.global_batch_sequences: must be an integer, got 16.5" in l for l in lines)
+    assert any("train.exposur_tokens: unknown key (did you mean 'exposure_tokens'?)" in l for l in lines)
+
+
+def test_a_hash_yaml_reads_as_a_number_is_told_to_be_quoted(project: Path):
+    path = project / "experiments/cpu-tiny.yaml"
+    text = path.read_text()
+    pinned = yaml.safe_load(text)["data"]["manifests"]["code"]["sha256"]
+    path.write_text(text.replace(pinned, "1" * 64))
+    with pytest.raises(RunnerError, match=r"data.manifests.code.sha256: must be a string, got 1+ \(quote it"):
+        recipe.load_experiment(path)
+
+
+def test_experiment_name_must_match_its_file(project: Path):
+    edit(project / "experiments/cpu-tiny.yaml", _set("name", "cpu-small"))
+    with pytest.raises(RunnerError, match="experiments/cpu-tiny.yaml: name: 'cpu-small' differs from the file name"):
+        recipe.load_experiment(project / "experiments/cpu-tiny.yaml")
+
+
+def _validate(project: Path, *paths: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runner", "validate", *paths], cwd=project, capture_output=True, text=True,
+                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+
+
+def test_validate_checks_data_pins_present_on_this_machine(project_with_data: Path):
+    assert _validate(project_with_data, "experiments/cpu-tiny.yaml").returncode == 0
+    edit(project_with_data / "experiments/cpu-tiny.yaml", _set("data", "manifests", "prose", "sha256", "ab" * 32))
+    out = _validate(project_with_data, "experiments/cpu-tiny.yaml")
+    assert out.returncode == 2
+    assert "data/builtin/prose/manifest.json: data.manifests.prose.sha256: manifest sha256 is" in out.stderr
+
+
+def test_validate_refuses_a_manifest_made_with_another_tokenizer(project_with_data: Path):
+    from runner.manifest import write_manifest
+
+    mpath = project_with_data / "data/builtin/legal/manifest.json"
+    fields = json.loads(mpath.read_text())
+    fields["tokenizer_sha256"] = "cd" * 32
+    sha = write_manifest(mpath, fields)
+    edit(project_with_data / "experiments/cpu-tiny.yaml", _set("data", "manifests", "legal", "sha256", sha))
+    out = _validate(project_with_data, "experiments/cpu-tiny.yaml")
+    assert out.returncode == 2 and "experiments/cpu-tiny.yaml: data.manifests.legal: data/builtin/legal/manifest.json was tokenized with tokenizer cdcdcdcdcdcd" in out.stderr
+
+
+def test_validate_refuses_an_infeasible_mixture(project_with_data: Path):
+    edit(project_with_data / "recipes/mixture/builtin-3dom.yaml", _set("domains", "legal", "max_repetition_ratio", 1.0))
+    out = _validate(project_with_data, "experiments/cpu-tiny.yaml")
+    assert out.returncode == 2
+    assert "experiments/cpu-tiny.yaml: mixture.domains.legal.max_repetition_ratio: mixture infeasible" in out.stderr

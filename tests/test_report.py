@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 
@@ -120,3 +121,37 @@ def test_publish_refuses_failing_audit_and_large_files(run_dir, tmp_path):
     summary["unique_tokens"] += SEQ_LEN
     summary.to_parquet(published / "accounting.parquet", index=False)
     assert _cli(["audit-reports", "--reports-dir", str(reports)]) == 1
+
+
+def test_devices_come_from_run_json_then_conventions_then_recipe(tmp_path):
+    run = make_run(tmp_path, recipe_devices=1)
+    info = json.loads((run / "run.json").read_text())
+    assert build_tables(run)["run_summary"].iloc[0]["devices"] == 2  # run.json `devices`
+    del info["devices"]  # a run recorded before run.json had `devices`
+    (run / "run.json").write_text(json.dumps(info))
+    assert build_tables(run)["run_summary"].iloc[0]["devices"] == 2  # conventions.devices_counted
+    del info["conventions"]["devices_counted"]
+    (run / "run.json").write_text(json.dumps(info))
+    s = build_tables(run)["run_summary"].iloc[0]
+    assert s["devices"] == 1 and s["devices_counted"] == 1  # the recipe, for the oldest runs
+
+
+def test_audit_reports_takes_the_folder_as_a_positional(run_dir, tmp_path, capsys):
+    reports = tmp_path / "reports"
+    publish(run_dir, reports)
+    assert _cli(["audit-reports", str(reports)]) == 0
+    assert "1 of 1 published reports pass" in capsys.readouterr().out
+    assert _cli(["audit-reports", str(reports), "--reports-dir", str(reports)]) == 0
+    with pytest.raises(RunnerError, match="two different folders"):
+        _cli(["audit-reports", str(reports), "--reports-dir", str(tmp_path / "other")])
+    assert _cli(["audit-reports", str(tmp_path / "empty")]) == 0  # nothing published: nothing fails
+
+
+def test_every_argument_of_every_verb_has_help():
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    assert set(sub.choices) == {"report", "audit", "audit-claims", "publish", "audit-reports"}
+    for verb, parser in sub.choices.items():
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"{verb} {action.dest}"

@@ -70,7 +70,7 @@ def test_dead_server_fails_fast_and_sync_sends_later(tmp_path):
     assert kinds == ["start", "params", "tags", "metrics", "metrics", "metrics"]
     # The store comes back (here: a local file store stands in for the restarted server).
     t2 = Tracker(tmp_path, tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", report=lambda m: None)
-    assert t2.sync() == 0
+    assert t2.sync() == (6, 0)
     assert [(k, s) for k, s, _ in metric_rows(tmp_path / "m.db", t2.run_id)] == [("loss", 1), ("loss", 2), ("loss", 3)]
 
 
@@ -135,3 +135,29 @@ def test_real_server_killed_mid_run_every_metric_exactly_once(tmp_path):
         assert not read_jsonl(run / "journal" / "mlflow-pending.jsonl")
     finally:
         _stop(server)
+
+
+@pytest.mark.parametrize("via", ["flag", "env"])
+def test_sync_sends_to_a_moved_server_and_records_it(tmp_path, monkeypatch, capsys, via):
+    import argparse
+
+    from runner.commands.train import cmd_sync
+
+    dead = f"http://127.0.0.1:{_free_port()}"
+    run = tmp_path / "run"
+    t = Tracker(run, tracking_uri=dead, report=lambda m: None)
+    t.start("exp", "r", params={"lr": "0.1"}, tags={})
+    t.log_metrics({"loss": 1.0}, step=1)
+    (run / "experiment.yaml").write_text("name: t\n")
+    (run / "run.json").write_text(json.dumps({"run_id": "r", "mlflow": t.info()}))
+    moved = f"sqlite:///{tmp_path / 'moved.db'}"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    if via == "env":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", moved)
+    assert cmd_sync(argparse.Namespace(run_dir=str(run), tracking_uri=moved if via == "flag" else None)) == 0
+    out = capsys.readouterr()
+    assert "journaling" not in out.out + out.err
+    assert f"sent 4 pending MLflow entries to {moved}; none left" in out.out
+    info = json.loads((run / "run.json").read_text())["mlflow"]
+    assert info["tracking_uri"] == moved and info["run_id"]
+    assert [(k, s) for k, s, _ in metric_rows(tmp_path / "moved.db", info["run_id"])] == [("loss", 1)]

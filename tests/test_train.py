@@ -116,3 +116,84 @@ def test_schedules_follow_max_duration():
     assert lr_at(79, O, 100, 10) == 1.0 and lr_at(99, O, 100, 10) == pytest.approx(0.1)
     O.schedule = "constant"
     assert lr_at(99, O, 100, 10) == 1.0
+
+
+def _snapshot(run: Path) -> dict:
+    files = [run / "run.json", run / "ledger.json", *sorted((run / "report").rglob("*"))]
+    return {str(p): p.read_bytes() for p in files if p.is_file()}
+
+
+def test_relaunching_a_finished_run_is_a_no_op(tmp_path):
+    exp = make_project(tmp_path, steps=4, checkpoint_every=2)
+    run = tmp_path / "runs" / "x" / "done"
+    launch(tmp_path, exp, "--run-dir", run)
+    before = _snapshot(run)
+    db = tmp_path / "mlflow.db"
+    count = sqlite3.connect(db).execute("select count(*) from metrics").fetchone()[0]
+    proc = launch(tmp_path, "runs/x/done")
+    assert proc.stdout.strip() == ("run runs/x/done: already finished at step 4 (exposure 512 tokens); "
+                                   "extend it with --extend-to TOKENS")
+    assert _snapshot(run) == before
+    assert sqlite3.connect(db).execute("select count(*) from metrics").fetchone()[0] == count
+    # A bad --extend-to names the run's experiment file and the key it is about.
+    bad = launch(tmp_path, "runs/x/done", "--extend-to", 100, "--no-tracking", check=False)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("error: runs/x/done/experiment.yaml: train.exposure_tokens: --extend-to 100")
+
+
+def test_edited_run_folder_experiment_is_refused_naming_keys(tmp_path):
+    exp = make_project(tmp_path, steps=6, checkpoint_every=2, keep_last=3)
+    run = tmp_path / "runs" / "e"
+    launch(tmp_path, exp, "--run-dir", run, "--max-steps", 4, "--no-tracking")
+    saved = (run / "experiment.yaml").read_text()
+    assert "lr: 0.003" in saved
+    (run / "experiment.yaml").write_text(saved.replace("lr: 0.003", "lr: 0.001"))
+    proc = launch(tmp_path, "runs/e", "--no-tracking", check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: runs/e/experiment.yaml: ")
+    assert "differing keys: optim.lr" in lines[0] and "refusing to resume" in lines[0]
+    assert not (run / "checkpoints" / "step-0000006").exists()
+    # Operational keys (checkpoint cadence, retention) may be edited: the fingerprint is the same.
+    (run / "experiment.yaml").write_text(saved.replace("keep_last: 3", "keep_last: 1"))
+    launch(tmp_path, "runs/e", "--no-tracking")
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000006"]
+
+
+def test_infeasible_mixture_error_names_the_experiment_file(tmp_path):
+    make_project(tmp_path, steps=4000)
+    proc = launch(tmp_path, "experiments/t.yaml", "--no-tracking", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: experiments/t.yaml: mixture.domains."), proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_world_size_must_split_the_global_batch_and_differing_devices_warn(tmp_path):
+    from runner.commands.train import check_world
+    from runner.errors import RunnerError
+    from runner.recipe import load_experiment
+
+    cfg = load_experiment(make_project(tmp_path, global_batch=8, micro=4)).config
+    assert check_world(cfg, 1) is None                         # the recipe plans 1 device
+    warning = check_world(cfg, 2)
+    assert "2 devices" in warning and "plans 1" in warning and "MFU" in warning and "cost" in warning
+    with pytest.raises(RunnerError) as e:
+        check_world(cfg, 4)                                    # 8 sequences != 4 micro x 4 processes
+    assert e.value.key == "train.micro_batch_sequences"
+
+
+def test_smoke_times_in_a_fitting_unit_and_every_argument_has_help():
+    import argparse
+
+    from runner.commands.train import format_hours, register
+
+    assert format_hours(0.5) == "30.0 min" and format_hours(1.99) == "119.4 min"
+    assert format_hours(5) == "5.00 h" and format_hours(72) == "3.0 days"
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    register(sub)
+    for name in ("launch", "smoke", "sync"):
+        for action in sub.choices[name]._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"runner {name} {action.dest} has no help"

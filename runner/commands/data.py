@@ -53,7 +53,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     sources = find_sources(args.input)
     documents = (text for source in sources for _, text in iter_documents(source))
     tokenizer = train_tokenizer(documents, args.vocab_size)
-    names = ", ".join(s.name for s in sources)
+    names = ", ".join(s.name for s in sources[:3]) + (f" and {len(sources) - 3} more files" if len(sources) > 3 else "")
     tokenizer_path, recipe_path = write_trained(
         tokenizer, args.out, args.name, f"byte-level BPE, vocab {args.vocab_size}, trained on {names}")
     print(f"tokenizer: {tokenizer_path}\nrecipe: {recipe_path}")

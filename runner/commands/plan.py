@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from runner.errors import RunnerError
+from runner.errors import EXIT_USAGE, RunnerError
 
 
 def _float(text: str, flag: str) -> float:
@@ -30,6 +30,9 @@ def cmd_plan(args) -> int:
         print(json.dumps(plan, indent=2, default=str))
     else:
         print(format_plan(plan))
+    if plan["mixture"].get("status") == "infeasible":
+        print(f"error: {exp.path}: {plan['mixture']['line']}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 

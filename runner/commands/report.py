@@ -53,10 +53,22 @@ def _publish(args) -> int:
     return EXIT_OK
 
 
+DEFAULT_REPORTS_DIR = "reports"
+
+
+def _reports_dir(args) -> str:
+    """The folder given as the positional or as --reports-dir (either spelling; both must agree)."""
+    positional, option = args.reports_dir_positional, args.reports_dir
+    if positional is not None and option is not None and Path(positional) != Path(option):
+        raise RunnerError(f"two different folders given: {positional} and --reports-dir {option}; give one",
+                          file=positional)
+    return positional or option or DEFAULT_REPORTS_DIR
+
+
 def _audit_reports(args) -> int:
     from runner.publish import audit_reports
 
-    results = audit_reports(args.reports_dir)
+    results = audit_reports(_reports_dir(args))
     for r in results:
         print(r.render() if args.verbose or not r.passed else f"PASS {r.source}")
     failed = [r.source for r in results if not r.passed]
@@ -66,7 +78,8 @@ def _audit_reports(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="(re)build a run's report/ folder from its run folder or MLflow run id")
-    p.add_argument("run", metavar="RUN_DIR|MLFLOW_RUN_ID")
+    p.add_argument("run", metavar="RUN_DIR|MLFLOW_RUN_ID",
+                   help="run folder (holds run.json and ledger.json) or a 32-hex MLflow run id")
     p.add_argument("--dest", help="where to download an MLflow run's artifacts (default: a temp folder)")
     p.set_defaults(func=_report)
 
@@ -77,16 +90,19 @@ def register(subparsers) -> None:
     p.set_defaults(func=_audit)
 
     p = subparsers.add_parser("audit-claims", help="check published training claims (YAML) for implied MFU and impossible figures")
-    p.add_argument("file")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("file", help="YAML file of claims (model size, device, tokens per second, ...)")
+    p.add_argument("--json", action="store_true", help="machine-readable result")
     p.set_defaults(func=_audit_claims)
 
     p = subparsers.add_parser("publish", help="audit a run, then copy its report to reports/<experiment>/<run_id>/")
-    p.add_argument("run_dir")
-    p.add_argument("--reports-dir", default="reports")
+    p.add_argument("run_dir", help="run folder to audit and publish (its report/ is written if missing)")
+    p.add_argument("--reports-dir", default=DEFAULT_REPORTS_DIR,
+                   help="folder of published reports and their README.md index (default: reports)")
     p.set_defaults(func=_publish)
 
     p = subparsers.add_parser("audit-reports", help="audit every published report (CI)")
-    p.add_argument("--reports-dir", default="reports")
+    p.add_argument("reports_dir_positional", nargs="?", metavar="REPORTS_DIR",
+                   help="folder of published reports (default: reports)")
+    p.add_argument("--reports-dir", default=None, help="the same folder, as an option (kept for old scripts)")
     p.add_argument("--verbose", action="store_true", help="print every check of every report")
     p.set_defaults(func=_audit_reports)

@@ -14,6 +14,7 @@ import json
 import shutil
 import signal
 import statistics
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,13 +37,16 @@ def register(subparsers) -> None:
 
     s = subparsers.add_parser("smoke", help="a few steps of an experiment: NaN check, kill+resume "
                               "identity, measured tokens/s, MFU and the full run's re-estimated time and cost")
-    s.add_argument("experiment")
-    s.add_argument("--steps", type=int, default=20)
+    s.add_argument("experiment", help="experiments/NAME.yaml to smoke-test")
+    s.add_argument("--steps", type=int, default=20, help="steps of each smoke run (at least 4; default 20)")
     s.add_argument("--out", default=None, help="folder for the smoke runs (default runs/<exp>/smoke-<ts>)")
     s.set_defaults(func=cmd_smoke)
 
     y = subparsers.add_parser("sync", help="send a run's pending MLflow journal")
-    y.add_argument("run_dir")
+    y.add_argument("run_dir", help="the run folder whose journal/mlflow-pending.jsonl to send")
+    y.add_argument("--tracking-uri", default=None, metavar="URI",
+                   help="send to this MLflow server (one that moved) and record it in run.json; "
+                        "default: $MLFLOW_TRACKING_URI, else the URI in run.json")
     y.set_defaults(func=cmd_sync)
 
 
@@ -77,6 +81,41 @@ def experiment_of_run(run_dir: Path):
     info = json.loads((run_dir / "run.json").read_text())
     root = Path(info.get("project_root") or find_project_root(Path.cwd()))
     return experiment_from_dict(resolved, project_root=root, path=run_dir / "experiment.yaml")
+
+
+def _rel(path) -> str:
+    """A path as the user would type it from the current folder."""
+    try:
+        return os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return str(path)
+
+
+def checked_experiment_of_run(run_dir: Path):
+    """The run folder's experiment, refused when its experiment.yaml was edited into another run.
+
+    The file must resolve to the fingerprint of the run's current segment; operational keys
+    (hard stop, checkpoint cadence, log interval) may change. The differing keys are found against
+    the resolved config saved in the newest valid checkpoint."""
+    from runner.checkpoint import Checkpointer
+    from runner.recipe import canonical_meaning, diff_keys
+
+    exp = experiment_of_run(run_dir)
+    info = json.loads((run_dir / "run.json").read_text())
+    segments = info.get("segments") or []
+    recorded = segments[-1].get("fingerprint") if segments else info.get("fingerprint")
+    if not recorded or recorded == exp.fingerprint:
+        return exp
+    ckpt = Checkpointer(run_dir, 0, 0, 1).latest_valid(report=lambda m: None)
+    saved = ckpt.state.get("config") if ckpt is not None else None
+    if saved is not None:
+        keys = diff_keys(canonical_meaning(saved), canonical_meaning(exp.config))
+        what = f"differing keys: {', '.join(keys) or '(none)'}"
+    else:
+        what = "no checkpoint holds the resolved config to name the differing keys"
+    raise RunnerError(f"edited: resolves to fingerprint {exp.fingerprint[:12]}, the run's current segment has "
+                      f"{recorded[:12]}; {what}; refusing to resume (restore the file, or start a new run)",
+                      file=_rel(run_dir / "experiment.yaml"))
 
 
 def check_same_experiment(exp, run_dir: Path) -> None:
@@ -132,7 +171,7 @@ def extend_run(run_dir: Path, tokens: int, write: bool):
     from runner.recipe import experiment_from_dict, max_duration_tokens, to_yaml
     from runner.train import write_json_atomic
 
-    exp = experiment_of_run(run_dir)
+    exp = checked_experiment_of_run(run_dir)
     info = json.loads((run_dir / "run.json").read_text())
     cfg = exp.config
     step_tokens = int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len)
@@ -181,7 +220,7 @@ def _resolve(args) -> tuple[object, Path | None, bool]:
             raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(target))
         if args.run_dir and Path(args.run_dir).resolve() != target.resolve():
             raise RunnerError("give either a run folder or --run-dir, not two different folders", file=str(target))
-        return experiment_of_run(target), target, True
+        return checked_experiment_of_run(target), target, True
     exp = load_experiment(target)
     run_dir = Path(args.run_dir) if args.run_dir else None
     if run_dir is not None and is_run_dir(run_dir):
@@ -219,7 +258,51 @@ def _tags(exp, run_dir: Path) -> dict:
     return tags
 
 
+def _error_file(args) -> str:
+    target = Path(args.target)
+    return _rel(target / "experiment.yaml" if target.is_dir() else target)
+
+
 def cmd_launch(args) -> int:
+    try:
+        return _launch(args)
+    except RunnerError as e:
+        if e.file:
+            raise
+        # `file: dotted.key: message`: a launch error without a file is about the experiment.
+        raise type(e)(e.detail, file=_error_file(args), key=e.key) from e
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _finished_line(run_dir: Path) -> str | None:
+    """The no-op line for a finished run relaunched without --extend-to, else None."""
+    info = json.loads((run_dir / "run.json").read_text())
+    if info.get("status") != "finished":
+        return None
+    return (f"run {run_dir}: already finished at step {int(info.get('committed_steps', 0))} "
+            f"(exposure {int(info.get('exposure_tokens', 0)):,} tokens); extend it with --extend-to TOKENS")
+
+
+def check_world(cfg, world: int) -> str | None:
+    """Refuse a global batch that does not split over `world` processes; the warning line when the
+    processes held differ from the recipe's plan (None when they agree)."""
+    from runner.recipe import devices
+
+    B, micro = int(cfg.train.global_batch_sequences), int(cfg.train.micro_batch_sequences)
+    if B % (micro * world):
+        raise RunnerError(f"global batch {B} sequences does not divide into micro batch {micro} x "
+                          f"{world} processes (world size)", key="train.micro_batch_sequences")
+    planned = devices(cfg)
+    if world == planned:
+        return None
+    return (f"warning: running on {world} devices (world size) but the hardware recipe plans {planned} "
+            f"(devices_per_node x nodes); MFU, goodput MFU and cost count the {world} held")
+
+
+def _launch(args) -> int:
     from accelerate.utils import broadcast_object_list
 
     from runner.recipe import to_yaml
@@ -227,12 +310,21 @@ def cmd_launch(args) -> int:
     from runner.train import Options, RunFolder, train
 
     exp, run_dir, existing = _resolve(args)
+    if existing and args.extend_to is None:
+        line = _finished_line(run_dir)
+        if line is not None:  # nothing to do: touch nothing (no peak re-measure, report, MLflow)
+            if _is_rank0():
+                print(line)
+            return EXIT_OK
     if args.extend_to is not None:
         if not existing:
             raise RunnerError("--extend-to needs an existing run folder", key="--extend-to")
         exp = extend_run(run_dir, args.extend_to, write=False)  # validate on every rank before any write
     acc = make_accelerator(exp.config)
     main = acc.is_main_process
+    warning = check_world(exp.config, acc.num_processes)  # before any folder is written
+    if warning and main:
+        print(warning, file=sys.stderr)
     if run_dir is None:
         name = args.run_name or _timestamp()
         chosen = [str(Path("runs") / str(exp.config.name) / name)]
@@ -331,14 +423,33 @@ def cmd_sync(args) -> int:
         raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(run_dir))
     folder = RunFolder(run_dir)
     saved = folder.read().get("mlflow") or {}
-    tracker = Tracker(run_dir, tracking_uri=saved.get("tracking_uri"), run_id=saved.get("run_id"),
-                      experiment_id=saved.get("experiment_id"), on_run_id=lambda info: folder.update(mlflow=info))
-    left = tracker.sync()
-    print(f"{run_dir}: {'all sent' if not left else f'{left} entries still pending'} ({tracker.tracking_uri})")
-    return EXIT_OK if not left else 1
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or saved.get("tracking_uri")
+    tracker = Tracker(run_dir, tracking_uri=uri, run_id=saved.get("run_id"),
+                      experiment_id=saved.get("experiment_id"), on_run_id=lambda info: folder.update(mlflow=info),
+                      report=lambda m: None)
+    if tracker.tracking_uri != saved.get("tracking_uri"):
+        folder.update(mlflow=tracker.info())  # the server moved: later resumes and syncs go there
+    sent, left = tracker.sync()
+    line = f"{run_dir}: sent {sent} pending MLflow entries to {tracker.tracking_uri}; "
+    if not left:
+        print(line + "none left")
+        return EXIT_OK
+    print(line + f"{left} still pending in {run_dir / 'journal' / 'mlflow-pending.jsonl'} ({tracker.last_error}); "
+          f"retry with `runner sync {run_dir}` (or --tracking-uri URI)")
+    return 1
 
 
 # ---- smoke --------------------------------------------------------------------------------------
+
+
+def format_hours(hours: float) -> str:
+    """A wall time in a unit that fits: minutes under 2 h, hours under 48 h, else days."""
+    hours = float(hours)
+    if hours < 2:
+        return f"{hours * 60:.1f} min"
+    if hours < 48:
+        return f"{hours:.2f} h"
+    return f"{hours / 24:.1f} days"
 
 
 def _launch_cmd(run_dir: Path, *extra: str) -> list[str]:
@@ -400,9 +511,10 @@ def cmd_smoke(args) -> int:
     try:
         plan = build_plan(cfg, calibration=read_calibration(ref, cfg), root=full.project_root)
         t = plan["time"]
-        print(f"full run ({int(cfg.train.exposure_tokens):,} tokens): planned {t['assumed']['wall_hours']:.2f} h, "
+        print(f"full run ({int(cfg.train.exposure_tokens):,} tokens): planned {format_hours(t['assumed']['wall_hours'])}, "
               f"${t['assumed']['cost_usd']:,.2f} at MFU {t['assumed']['mfu']:.0%}; measured "
-              f"{t['measured']['wall_hours']:.2f} h, ${t['measured']['cost_usd']:,.2f} at MFU {t['measured']['mfu']:.1%}")
+              f"{format_hours(t['measured']['wall_hours'])}, ${t['measured']['cost_usd']:,.2f} at MFU "
+              f"{t['measured']['mfu']:.1%}")
     except RunnerError as e:
         print(f"smoke: no plan comparison ({e})")
     for p in problems:

@@ -1,0 +1,30 @@
+"""Fixtures shared by several test files: a copy of the repository's recipes and experiments."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def project(tmp_path: Path) -> Path:
+    """A copy of the repo's recipes and experiments, plus the built-in tokenizer they pin."""
+    shutil.copytree(REPO / "recipes", tmp_path / "recipes")
+    shutil.copytree(REPO / "experiments", tmp_path / "experiments")
+    tok = tmp_path / "runner/builtin/assets/tokenizer.json"
+    tok.parent.mkdir(parents=True)
+    shutil.copy(REPO / "runner/builtin/assets/tokenizer.json", tok)
+    return tmp_path
+
+
+@pytest.fixture()
+def project_with_data(project: Path) -> Path:
+    """`project` plus the built-in corpus, built as `runner data builtin` does."""
+    from runner.builtin.build import build_builtin
+
+    build_builtin(project / "data/builtin")
+    return project
