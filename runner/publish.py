@@ -75,9 +75,11 @@ def index_rows(reports_dir: str | Path) -> pd.DataFrame:
             "experiment": s["experiment"], "version": s["version"],
             "run": f"[{s['run_id']}]({folder.relative_to(reports_dir).as_posix()}/report.md)",
             "fingerprint": str(s["fingerprint"])[:12],
+            "processed tokens": f"{int(s['processed_tokens']):,}",
             "exposure tokens": f"{int(s['exposure_tokens']):,}",
             "unique tokens": f"{int(s['unique_tokens']):,}",
             "useful tokens": f"{int(s['useful_tokens']):,}",
+            "lost tokens": f"{int(s['lost_tokens']):,}",
             "final loss (nats)": ", ".join(f"{d} {v:.3f}" for d, v in sorted(losses.items())) or "-",
             "MFU (convention)": f"{float(s['mfu']):.1%} ({s['flops_formula']}, {s['params_counted']}, "
                                 f"{float(s['peak_tflops']):g} TF/s {s['peak_dtype']}, {s['time_basis']} time)",

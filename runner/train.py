@@ -127,15 +127,14 @@ class Data:
 
 
 def load_data(exp, seq_len: int) -> Data:
-    from runner.manifest import Pool, load_manifest, num_samples
+    from runner.manifest import Pool, load_experiment_manifests, num_samples
     from runner.sampler import BatchReader, MixtureSampler
     from runner.tokenizer import load_tokenizer, token_byte_lengths
 
     cfg = exp.config
-    manifests, pools, val_pools = {}, {}, {}
-    for d, pin in cfg.data.manifests.items():
-        m = load_manifest(exp.resolve_path(pin.path), expected_sha256=pin.sha256)
-        manifests[d] = m
+    manifests, _ = load_experiment_manifests(exp)
+    pools, val_pools = {}, {}
+    for d, m in manifests.items():
         pools[d] = Pool(m, "train")
         val_pools[d] = Pool(m, "validation") if m.validation_shards else None
     samples = {d: num_samples(p.tokens, seq_len) for d, p in pools.items()}

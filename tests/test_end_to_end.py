@@ -77,3 +77,59 @@ def test_published_reports_in_the_repository_pass_the_audit():
     assert published, "the repository ships at least the CPU experiment's report"
     out = runner(REPO, "audit-reports", "--reports-dir", str(REPO / "reports"))
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _truncate_a_shard(project: Path) -> None:
+    shard = sorted((project / "data/builtin/code").glob("train-*.bin"))[0]
+    shard.write_bytes(shard.read_bytes()[:-2])
+
+
+def _unpin(project: Path, key: str) -> None:
+    path = project / "experiments/cpu-tiny.yaml"
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    node = data
+    *head, last = key.split(".")
+    for k in head:
+        node = node[k]
+    node[last] = None
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _retokenized(project: Path) -> None:
+    import yaml
+
+    from runner.manifest import write_manifest
+
+    mpath = project / "data/builtin/legal/manifest.json"
+    fields = json.loads(mpath.read_text())
+    fields["tokenizer_sha256"] = "cd" * 32
+    sha = write_manifest(mpath, fields)
+    path = project / "experiments/cpu-tiny.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["data"]["manifests"]["legal"]["sha256"] = sha
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+LAUNCH_REFUSALS = [
+    (_truncate_a_shard, "data/builtin/code/train-00000.bin"),
+    (lambda p: _unpin(p, "data.manifests.prose.sha256"), "experiments/cpu-tiny.yaml: data.manifests.prose.sha256: not pinned"),
+    (_retokenized, "experiments/cpu-tiny.yaml: data.manifests.legal: data/builtin/legal/manifest.json was tokenized with tokenizer cdcdcdcdcdcd"),
+]
+
+
+def test_launch_refuses_bad_data_before_writing_anything(project_with_data: Path):
+    import shutil as _sh
+
+    pristine = project_with_data.parent / "pristine"
+    _sh.copytree(project_with_data, pristine)
+    for break_it, expected in LAUNCH_REFUSALS:
+        _sh.rmtree(project_with_data)
+        _sh.copytree(pristine, project_with_data)
+        break_it(project_with_data)
+        out = runner(project_with_data, "launch", "experiments/cpu-tiny.yaml", "--no-tracking")
+        assert out.returncode == 2, (expected, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr
+        assert expected in out.stderr, out.stderr
+        assert not (project_with_data / "runs").exists()

@@ -132,17 +132,12 @@ def check_same_experiment(exp, run_dir: Path) -> None:
 
 
 def check_mixture_feasible(exp) -> None:
-    from runner.manifest import load_manifest, num_samples
-    from runner.mixture import plan_mixture
+    """Before a folder is written: every pin present and matching, each pool made with the pinned
+    tokenizer, and a mixture the budget and repetition caps allow."""
+    from runner.manifest import load_experiment_manifests, plan_experiment_mixture
 
-    cfg = exp.config
-    L = int(cfg.train.seq_len)
-    samples = {}
-    for d, pin in cfg.data.manifests.items():
-        samples[d] = num_samples(load_manifest(exp.resolve_path(pin.path), expected_sha256=pin.sha256).pool_tokens, L)
-    plan_mixture(samples, {d: float(v.target_ratio) for d, v in cfg.mixture.domains.items()},
-                 {d: float(v.max_repetition_ratio) for d, v in cfg.mixture.domains.items()},
-                 int(cfg.train.exposure_tokens), L, int(cfg.train.global_batch_sequences))
+    manifests, _ = load_experiment_manifests(exp)
+    plan_experiment_mixture(exp, manifests)
 
 
 def create_run_folder(exp, run_dir: Path, run_id: str) -> None:
