@@ -225,7 +225,7 @@ class TrackingCallback(Callback):
                                   and not isinstance(v, bool)}, step=summary["committed_steps"])
 
 
-# ---- the loop -----------------------------------------------------------------------------------
+# ---- the run ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -236,6 +236,79 @@ class Options:
     peak_measure_seconds: float = 1.0
     callbacks: list = field(default_factory=list)
     kill_at_step: int | None = None       # fault injection: SIGKILL itself mid-step (smoke, tests)
+
+
+@dataclass
+class _Run:
+    """What one attempt holds. _setup builds it, _resume and _conventions fill it in, the loop advances it."""
+    exp: object
+    acc: object
+    opts: Options
+    folder: RunFolder
+    say: Callable[[str], None]
+    global_batch: int                     # sequences per optimizer step, all ranks
+    seq_len: int
+    micro: int                            # sequences per forward/backward on one rank
+    accum: int                            # micro steps per optimizer step on one rank
+    schedule_steps: int
+    warmup_steps: int
+    natural_end: int                      # the run's last step; end_step may stop short (--max-steps)
+    end_step: int
+    runtime: dict
+    data: Data
+    model: object
+    raw_model: object
+    optimizer: torch.optim.Optimizer
+    ledger: object
+    checkpointer: Checkpointer
+    resolved_config: dict
+    info: dict = field(default_factory=dict)        # run.json as this attempt found it
+    start_step: int = 0
+    attempt: int = 1
+    prior_wall_seconds: float = 0.0                 # earlier attempts, crashed ones included
+    step_seconds_total: float = 0.0                 # all attempts, committed steps only
+    t_attempt: float = 0.0                          # perf_counter at this attempt's first step
+    last_saved: int = 0
+    last_eval: int = 0
+    flops_per_token: float = 0.0
+    peak: object = None
+    tracker: object = None
+    callbacks: list = field(default_factory=list)
+    journal_file: object = None
+
+    @property
+    def cfg(self):
+        return self.exp.config
+
+    @property
+    def rank(self) -> int:
+        return self.acc.process_index
+
+    @property
+    def world(self) -> int:
+        return self.acc.num_processes
+
+    @property
+    def main(self) -> bool:
+        return self.acc.is_main_process
+
+    @property
+    def pin(self) -> bool:
+        # The runtime record only says pin_memory on a GPU; the device check keeps CPU copies synchronous.
+        return bool(self.runtime.get("pin_memory")) and self.acc.device.type == "cuda"
+
+    def wall_seconds(self) -> float:
+        return self.prior_wall_seconds + time.perf_counter() - self.t_attempt
+
+
+@dataclass
+class _Step:
+    loss: float                           # nats per useful target, global batch
+    grad_norm: float                      # before clipping
+    lr: float
+    global_pairs: list                    # the whole global batch: the ledger commits all ranks' pairs
+    useful: dict[str, int]                # useful targets per domain, all ranks
+    useful_tokens: float
 
 
 class _StopFlag:
@@ -252,26 +325,17 @@ def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
-    """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE)."""
-    from runner import evaluate, hardware
+def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
+    """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume."""
     from runner.backends import apply_runtime_settings
-    from runner.flops import Convention, flops_per_token
     from runner.ledger import TokenLedger
-    from runner.model import build_model, maybe_compile
+    from runner.model import build_model
 
-    opts = opts or Options()
-    cfg, run_dir = exp.config, Path(run_dir)
-    rank, world, main = acc.process_index, acc.num_processes, acc.is_main_process
-    say = opts.report if main else (lambda msg: None)
-    folder = RunFolder(run_dir, writer=main)
+    cfg, world = exp.config, acc.num_processes
     B, L, micro = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len), int(cfg.train.micro_batch_sequences)
     if B % (micro * world):
         raise RunnerError(f"global batch {B} is not a multiple of micro batch {micro} x {world} processes",
                           key="train.micro_batch_sequences")
-    accum = B // (micro * world)                      # e.g. 16 seq / (8 micro * 1 proc) = 2 micro steps
-    schedule_steps = rrecipe.max_duration_tokens(cfg) // (B * L)
-    warmup_steps = int(cfg.optim.warmup_tokens) // (B * L)
     end_step = rrecipe.total_steps(cfg)
     if cfg.train.hard_stop_tokens is not None:
         end_step = min(end_step, int(cfg.train.hard_stop_tokens) // (B * L))
@@ -285,35 +349,49 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
     model = build_model(cfg)
     optimizer = make_optimizer(model, cfg, fused=bool(runtime.get("adamw_fused")))
     ledger = TokenLedger(data.samples, L)
-
-    # ---- resume ----
     checkpointer = Checkpointer(run_dir, cfg.train.checkpoint.interval_steps,
                                 cfg.train.checkpoint.interval_minutes, cfg.train.checkpoint.keep_last)
-    info = folder.read()
-    fingerprints = {s["fingerprint"] for s in info.get("segments", [])} | {exp.fingerprint}
-    ckpt = checkpointer.latest_valid(report=say)
-    start_step, prior_wall_seconds, prior_step_seconds = 0, 0.0, 0.0
-    model, optimizer = acc.prepare(model, optimizer)
-    raw_model = acc.unwrap_model(model)
+    return _Run(exp=exp, acc=acc, opts=opts, folder=RunFolder(run_dir, writer=acc.is_main_process),
+                say=opts.report if acc.is_main_process else (lambda msg: None),
+                global_batch=B, seq_len=L, micro=micro,
+                accum=B // (micro * world),               # e.g. 16 seq / (8 micro * 1 proc) = 2 micro steps
+                schedule_steps=rrecipe.max_duration_tokens(cfg) // (B * L),
+                warmup_steps=int(cfg.optim.warmup_tokens) // (B * L),
+                natural_end=end_step, end_step=end_step, runtime=runtime, data=data,
+                model=model, raw_model=None, optimizer=optimizer, ledger=ledger, checkpointer=checkpointer,
+                resolved_config=exp.to_container())
+
+
+def _resume(run: _Run) -> None:
+    """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work."""
+    from runner.model import maybe_compile
+
+    acc, ledger, data = run.acc, run.ledger, run.data
+    run.info = run.folder.read()
+    fingerprints = {s["fingerprint"] for s in run.info.get("segments", [])} | {run.exp.fingerprint}
+    ckpt = run.checkpointer.latest_valid(report=run.say)
+    run.model, run.optimizer = acc.prepare(run.model, run.optimizer)
+    run.raw_model = acc.unwrap_model(run.model)
     if ckpt is not None:
         if ckpt.state.get("fingerprint") not in fingerprints:
             raise RunnerError(f"checkpoint {ckpt.path.name} was written by fingerprint "
-                              f"{str(ckpt.state.get('fingerprint'))[:12]}, not by this run's", file=str(run_dir))
-        ckpt.load_model_into(raw_model)
-        optimizer.load_state_dict(ckpt.optimizer_state())
+                              f"{str(ckpt.state.get('fingerprint'))[:12]}, not by this run's",
+                              file=str(run.folder.path))
+        ckpt.load_model_into(run.raw_model)
+        run.optimizer.load_state_dict(ckpt.optimizer_state())
         ledger.load_state_dict(ckpt.ledger_state())
         set_rng_state(ckpt.state["rng"])
-        start_step = ckpt.step
-        prior_step_seconds = float(ckpt.state.get("step_seconds_total", 0.0))
-        say(f"resuming from {ckpt.path.name} (step {start_step})")
+        run.start_step = ckpt.step
+        run.step_seconds_total = float(ckpt.state.get("step_seconds_total", 0.0))
+        run.say(f"resuming from {ckpt.path.name} (step {run.start_step})")
     acc.wait_for_everyone()
-    if main:
-        checkpointer.clean_temporaries()
-        folder.repair_journal()
+    if run.main:
+        run.checkpointer.clean_temporaries()
+        run.folder.repair_journal()
     acc.wait_for_everyone()
     # processed survives SIGKILL through the journal: work after the checkpoint was spent, then lost.
-    journal = folder.journal_entries()
-    attempt = 1 + max((int(e.get("attempt", 0)) for e in journal), default=0)
+    journal = run.folder.journal_entries()
+    run.attempt = 1 + max((int(e.get("attempt", 0)) for e in journal), default=0)
     spent = {d: 0 for d in data.domains}
     for e in journal:
         for d, n in e.get("processed", {}).items():
@@ -326,191 +404,240 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
     for e in journal:  # wall time of earlier attempts, crashed ones included (SPEC: wall basis)
         by_attempt[int(e.get("attempt", 0))] = max(by_attempt.get(int(e.get("attempt", 0)), 0.0),
                                                    float(e.get("wall_seconds", 0.0)))
-    prior_wall_seconds = sum(by_attempt.values())
-    model = maybe_compile(model, cfg)
+    run.prior_wall_seconds = sum(by_attempt.values())
+    run.model = maybe_compile(run.model, run.cfg)
 
-    # ---- throughput conventions ----
+
+def _conventions(run: _Run, tracker) -> None:
+    """FLOPs per token and the peak behind every MFU figure; recorded in run.json and as MLflow tags."""
+    from runner import hardware
+    from runner.flops import Convention, flops_per_token
+
     convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
-    fpt = flops_per_token(cfg, convention)
-    recorded = info.get("conventions") or {}
+    run.flops_per_token = flops_per_token(run.cfg, convention)
+    recorded = run.info.get("conventions") or {}
     if str(recorded.get("peak_source", "")).startswith(("measured", "theoretical")):
         # A run keeps the CPU peak it found first: its MFU denominators never change across resumes.
-        peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"], "cpu")
+        run.peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"],
+                                 "cpu")
     else:
-        peak = hardware.resolve_peak(cfg.hardware, measure_seconds=opts.peak_measure_seconds)
-    conventions = hardware.convention_record(convention, peak, world, "step")
-    price = float(cfg.hardware.price_per_device_hour_usd)
-    if main:
+        run.peak = hardware.resolve_peak(run.cfg.hardware, measure_seconds=run.opts.peak_measure_seconds)
+    conventions = hardware.convention_record(convention, run.peak, run.world, "step")
+    if run.main:
         # `devices` is what the run HELD (the world size), not the recipe's plan: MFU and cost count it.
-        folder.update(status="running", conventions=conventions, runtime=runtime, world_size=world, devices=int(world),
-                      attempts=attempt, flops_per_token=fpt,
-                      conventions_goodput=hardware.convention_record(convention, peak, world, "wall"))
-    callbacks = [MetricsFiles(run_dir, main)] + list(opts.callbacks)
+        run.folder.update(status="running", conventions=conventions, runtime=run.runtime, world_size=run.world,
+                          devices=int(run.world), attempts=run.attempt, flops_per_token=run.flops_per_token,
+                          conventions_goodput=hardware.convention_record(convention, run.peak, run.world, "wall"))
+    run.tracker = tracker
+    run.callbacks = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
     if tracker is not None:
-        callbacks.append(TrackingCallback(tracker, cfg.train.log_interval_steps))
-        tracker.log_tags({**{f"mfu.{k}": v for k, v in conventions.items()}, "attempts": attempt})
+        run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
+        tracker.log_tags({**{f"mfu.{k}": v for k, v in conventions.items()}, "attempts": run.attempt})
 
+
+def _to_device(array, device: torch.device, pin: bool) -> torch.Tensor:
+    t = torch.as_tensor(array)
+    if pin:
+        # Page-locked memory makes the copy asynchronous: it overlaps the host work that follows.
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _processed_by_micro(run: _Run, global_pairs: list) -> list[dict[str, int]]:
+    """Input positions per domain of micro step m, summed over ALL ranks (processed is global work)."""
+    # rank_slice cuts the global batch into contiguous [rank][micro step][sequence] blocks.
+    grid = np.array([d for d, _ in global_pairs], dtype=np.int64).reshape(run.world, run.accum, run.micro)
+    domains = run.data.domains
+    return [{d: int(n) * run.seq_len for d, n in zip(domains, np.bincount(grid[:, m].ravel(), minlength=len(domains)))}
+            for m in range(run.accum)]
+
+
+def _train_step(run: _Run, step: int) -> _Step:
+    """Forward/backward of one global batch; each micro step's processed work is journaled as it is spent."""
+    acc, data, model, opts = run.acc, run.data, run.model, run.opts
+    global_pairs = data.sampler.global_batch(step)
+    batch = data.reader.read(data.sampler.rank_slice(step, run.rank, run.world))
+    x, y, mask = (_to_device(a, acc.device, run.pin) for a in (batch.input_ids, batch.labels, batch.loss_mask))
+    # Useful targets per domain of the whole global batch: the loss divisor and the ledger's useful.
+    useful = torch.zeros(len(data.domains), dtype=torch.float64)
+    useful.index_add_(0, torch.as_tensor(batch.domain_ids), mask.sum(1).double().cpu())
+    useful = _all_reduce(acc, useful.to(acc.device)).cpu()
+    n_useful = float(useful.sum())
+    lr = lr_at(step, run.cfg.optim, run.schedule_steps, run.warmup_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    processed = _processed_by_micro(run, global_pairs)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
+    for m in range(run.accum):
+        sl = slice(m * run.micro, (m + 1) * run.micro)
+        sync = contextlib.nullcontext() if m == run.accum - 1 else acc.no_sync(model)
+        with sync:
+            logits = model(input_ids=x[sl]).logits
+            per_token = F.cross_entropy(logits.float().flatten(0, 1), y[sl].flatten(), reduction="none")
+            summed = (per_token * mask[sl].flatten()).sum()
+            if opts.nonfinite_hook is not None:
+                summed = opts.nonfinite_hook(step, summed)
+            # x world: DDP averages gradients over ranks; we want sum / global useful.
+            acc.backward(summed * (run.world / max(n_useful, 1.0)))
+        loss_sum += summed.detach().double()
+        run.ledger.record_processed(processed[m])
+        if run.journal_file is not None:
+            run.journal_file.write(json.dumps({"attempt": run.attempt, "step": step, "micro": m,
+                                               "processed": processed[m],
+                                               "wall_seconds": round(time.perf_counter() - run.t_attempt, 3)}) + "\n")
+            run.journal_file.flush()
+        if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+    loss = float(_all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
+    clip = float(run.cfg.optim.grad_clip)
+    grad_norm = float(acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
+    return _Step(loss=loss, grad_norm=grad_norm, lr=lr, global_pairs=global_pairs,
+                 useful={d: int(useful[i]) for i, d in enumerate(data.domains)}, useful_tokens=n_useful)
+
+
+def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, counters: dict) -> dict:
+    from runner import hardware
+
+    wall_seconds = run.wall_seconds()
+    tokens = run.global_batch * run.seq_len
+    fpt, peak_tflops = run.flops_per_token, run.peak.peak_tflops
+    return {"step": committed, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
+            "step_seconds": step_seconds, "wall_seconds": wall_seconds,
+            "tokens_processed": tokens, "tokens_useful": int(s.useful_tokens),
+            "tokens_per_second": tokens / step_seconds,
+            "tokens_per_second_useful": s.useful_tokens / step_seconds,
+            "mfu": hardware.mfu(fpt, tokens, step_seconds, peak_tflops, run.world),
+            "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], wall_seconds, peak_tflops, run.world),
+            "exposure_tokens": int(counters["total"]["exposure"])}
+
+
+def _checkpoint_state(run: _Run, step: int) -> dict:
+    cfg, tracker = run.cfg, run.tracker
+    # The resolved config rides along (as in OLMo-core) so an edited experiment.yaml can be diffed.
+    return {"sampler_step": step, "rng": rng_state(), "fingerprint": run.exp.fingerprint,
+            "config": run.resolved_config, "segment": len(run.info.get("segments", [])) - 1, "attempt": run.attempt,
+            "scheduler": {"schedule": str(cfg.optim.schedule), "schedule_steps": run.schedule_steps,
+                          "warmup_steps": run.warmup_steps,
+                          "next_lr": lr_at(step, cfg.optim, run.schedule_steps, run.warmup_steps)},
+            "mlflow_run_id": tracker.run_id if tracker is not None else None,
+            "step_seconds_total": run.step_seconds_total, "world_size": run.world}
+
+
+def _save(run: _Run, step: int) -> None:
+    if run.main:
+        run.checkpointer.save(step, run.raw_model, run.optimizer.state_dict(), run.ledger.state_dict(),
+                              _checkpoint_state(run, step))
+        write_ledger_json(run.folder.path, run.ledger)
+        run.folder.update(committed_steps=step, step_seconds_total=run.step_seconds_total,
+                          wall_seconds=run.wall_seconds())
+    run.acc.wait_for_everyone()
+    run.last_saved = step
+
+
+def _evaluate(run: _Run, step: int) -> None:
+    from runner import evaluate
+
+    rows = evaluate.evaluate(run.raw_model, run.data, run.acc, int(run.cfg.eval.micro_batch_sequences), step,
+                             int(run.ledger.counters()["total"]["exposure"]))
+    for cb in run.callbacks:
+        cb.on_eval(step, rows[0]["exposure_tokens"] if rows else 0, rows)
+    run.last_eval = step
+
+
+def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
+    """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE)."""
+    opts = opts or Options()
+    run = _setup(exp, Path(run_dir), acc, opts)
+    _resume(run)
+    _conventions(run, tracker)
     flag = _StopFlag()
     old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
-    journal_file = open(folder.journal_path(), "a") if main else None
-    t_attempt = time.perf_counter()
-    step_seconds_total = prior_step_seconds
-    eval_every = int(cfg.eval.interval_steps)
-    last_saved = last_eval = start_step
-    natural_end = end_step
+    run.journal_file = open(run.folder.journal_path(), "a") if run.main else None
+    run.t_attempt = time.perf_counter()
+    eval_every = int(run.cfg.eval.interval_steps)
+    run.last_saved = run.last_eval = run.start_step
     if opts.max_steps is not None:
-        end_step = min(end_step, start_step + int(opts.max_steps))
-
-    resolved_config = exp.to_container()
-
-    def state_for_checkpoint(step: int) -> dict:
-        # The resolved config rides along (as in OLMo-core) so an edited experiment.yaml can be diffed.
-        return {"sampler_step": step, "rng": rng_state(), "fingerprint": exp.fingerprint, "config": resolved_config,
-                "segment": len(info.get("segments", [])) - 1, "attempt": attempt,
-                "scheduler": {"schedule": str(cfg.optim.schedule), "schedule_steps": schedule_steps,
-                              "warmup_steps": warmup_steps, "next_lr": lr_at(step, cfg.optim, schedule_steps, warmup_steps)},
-                "mlflow_run_id": tracker.run_id if tracker is not None else None,
-                "step_seconds_total": step_seconds_total, "world_size": world}
-
-    def save(step: int) -> None:
-        nonlocal last_saved
-        if main:
-            checkpointer.save(step, raw_model, optimizer.state_dict(), ledger.state_dict(), state_for_checkpoint(step))
-            write_ledger_json(run_dir, ledger)
-            folder.update(committed_steps=step, step_seconds_total=step_seconds_total,
-                          wall_seconds=prior_wall_seconds + time.perf_counter() - t_attempt)
-        acc.wait_for_everyone()
-        last_saved = step
-
-    def run_eval(step: int) -> None:
-        nonlocal last_eval
-        rows = evaluate.evaluate(raw_model, data, acc, int(cfg.eval.micro_batch_sequences), step,
-                                 int(ledger.counters()["total"]["exposure"]))
-        for cb in callbacks:
-            cb.on_eval(step, rows[0]["exposure_tokens"] if rows else 0, rows)
-        last_eval = step
+        run.end_step = min(run.end_step, run.start_step + int(opts.max_steps))
 
     exit_code = EXIT_OK
     try:
-        model.train()
-        for step in range(start_step, end_step):
+        run.model.train()
+        for step in range(run.start_step, run.end_step):
             t0 = time.perf_counter()
-            global_pairs = data.sampler.global_batch(step)
-            # The contiguous per-rank slices of MixtureSampler.rank_slice, cut from one global batch.
-            per_rank = B // world
-            slices = [global_pairs[r * per_rank:(r + 1) * per_rank] for r in range(world)]
-            batch = data.reader.read(slices[rank])
-            x = torch.as_tensor(batch.input_ids).to(acc.device)
-            y = torch.as_tensor(batch.labels).to(acc.device)
-            mask = torch.as_tensor(batch.loss_mask).to(acc.device)
-            # Useful targets per domain of the whole global batch: the loss divisor and the ledger's useful.
-            useful = torch.zeros(len(data.domains), dtype=torch.float64)
-            useful.index_add_(0, torch.as_tensor(batch.domain_ids), mask.sum(1).double().cpu())
-            useful = _all_reduce(acc, useful.to(acc.device)).cpu()
-            n_useful = float(useful.sum())
-            lr = lr_at(step, cfg.optim, schedule_steps, warmup_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
-            for m in range(accum):
-                sl = slice(m * micro, (m + 1) * micro)
-                sync = contextlib.nullcontext() if m == accum - 1 else acc.no_sync(model)
-                with sync:
-                    logits = model(input_ids=x[sl]).logits
-                    per_token = F.cross_entropy(logits.float().flatten(0, 1), y[sl].flatten(), reduction="none")
-                    summed = (per_token * mask[sl].flatten()).sum()
-                    if opts.nonfinite_hook is not None:
-                        summed = opts.nonfinite_hook(step, summed)
-                    # x world: DDP averages gradients over ranks; we want sum / global useful.
-                    acc.backward(summed * (world / max(n_useful, 1.0)))
-                loss_sum += summed.detach().double()
-                processed = domain_positions([p for s in slices for p in s[sl]], data.domains, L)
-                ledger.record_processed(processed)
-                if journal_file is not None:
-                    journal_file.write(json.dumps({"attempt": attempt, "step": step, "micro": m, "processed": processed,
-                                                   "wall_seconds": round(time.perf_counter() - t_attempt, 3)}) + "\n")
-                    journal_file.flush()
-                if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            loss = float(_all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
-            clip = float(cfg.optim.grad_clip)
-            grad_norm = acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
-            grad_norm = float(grad_norm)
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                optimizer.zero_grad(set_to_none=True)
-                say(f"non-finite loss at step {step + 1} (loss={loss}, grad_norm={grad_norm}); stopped, "
-                    f"step not committed; last good checkpoint: "
-                    f"{checkpointer.candidates()[0].name if checkpointer.candidates() else 'none'}")
+            s = _train_step(run, step)
+            if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
+                run.optimizer.zero_grad(set_to_none=True)
+                candidates = run.checkpointer.candidates()
+                run.say(f"non-finite loss at step {step + 1} (loss={s.loss}, grad_norm={s.grad_norm}); stopped, "
+                        f"step not committed; last good checkpoint: {candidates[0].name if candidates else 'none'}")
                 exit_code = EXIT_NONFINITE
                 break
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            ledger.commit(global_pairs, {d: int(useful[i]) for i, d in enumerate(data.domains)})
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.ledger.commit(s.global_pairs, s.useful)
             committed = step + 1
             step_seconds = time.perf_counter() - t0
-            step_seconds_total += step_seconds
-            wall_seconds = prior_wall_seconds + time.perf_counter() - t_attempt
-            counters = ledger.counters()
-            tokens = B * L
-            record = {"step": committed, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      "step_seconds": step_seconds, "wall_seconds": wall_seconds,
-                      "tokens_processed": tokens, "tokens_useful": int(n_useful),
-                      "tokens_per_second": tokens / step_seconds,
-                      "tokens_per_second_useful": n_useful / step_seconds,
-                      "mfu": hardware.mfu(fpt, tokens, step_seconds, peak.peak_tflops, world),
-                      "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], wall_seconds,
-                                                  peak.peak_tflops, world),
-                      "exposure_tokens": int(counters["total"]["exposure"])}
-            for cb in callbacks:
-                cb.on_step(record, counters, ledger.realized_ratios())
-            if eval_every and committed % eval_every == 0 and data.val_reader is not None:
-                run_eval(committed)
+            run.step_seconds_total += step_seconds
+            counters = run.ledger.counters()
+            record = _metrics_record(run, committed, s, step_seconds, counters)
+            for cb in run.callbacks:
+                cb.on_step(record, counters, run.ledger.realized_ratios())
+            if eval_every and committed % eval_every == 0 and run.data.val_reader is not None:
+                _evaluate(run, committed)
             # Minutes-based intervals differ per rank's clock: rank 0 decides for all.
-            due = torch.tensor([float(checkpointer.due(committed)) if main else 0.0, float(flag.signum is not None)],
-                               device=acc.device)
+            due = torch.tensor([float(run.checkpointer.due(committed)) if run.main else 0.0,
+                                float(flag.signum is not None)], device=acc.device)
             due = _all_reduce(acc, due)
             if due[1] > 0:
-                save(committed)
-                say(f"stopped by signal at step {committed}; checkpoint saved, resume with "
-                    f"`runner launch {run_dir}`")
+                _save(run, committed)
+                run.say(f"stopped by signal at step {committed}; checkpoint saved, resume with "
+                        f"`runner launch {run.folder.path}`")
                 exit_code = EXIT_PREEMPTED
                 break
-            if due[0] > 0 and committed < end_step:
-                save(committed)
+            if due[0] > 0 and committed < run.end_step:
+                _save(run, committed)
         else:
-            committed_now = end_step
-            if data.val_reader is not None and last_eval != committed_now:
-                run_eval(committed_now)
-            if last_saved != committed_now:
-                save(committed_now)
+            if run.data.val_reader is not None and run.last_eval != run.end_step:
+                _evaluate(run, run.end_step)
+            if run.last_saved != run.end_step:
+                _save(run, run.end_step)
     finally:
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
-        if journal_file is not None:
-            journal_file.close()
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        if run.journal_file is not None:
+            run.journal_file.close()
+    _finish(run, exit_code)
+    return exit_code
 
-    counters = ledger.counters()
-    wall_seconds = prior_wall_seconds + time.perf_counter() - t_attempt
+
+def _finish(run: _Run, exit_code: int) -> None:
+    """The attempt's summary: run.json status and totals, ledger.json, and the callbacks' on_end."""
+    from runner import hardware
+
+    counters = run.ledger.counters()
+    wall_seconds = run.wall_seconds()
     useful_total = int(counters["total"]["useful"])
-    finished = exit_code == EXIT_OK and last_saved == natural_end
+    finished = exit_code == EXIT_OK and run.last_saved == run.natural_end
     status = {EXIT_NONFINITE: "failed", EXIT_PREEMPTED: "preempted"}.get(
         exit_code, "finished" if finished else "preempted")
-    summary = {"committed_steps": last_saved if exit_code != EXIT_NONFINITE else ledger_committed_steps(counters, B, L),
-               "wall_seconds": wall_seconds, "step_seconds_total": step_seconds_total,
+    committed = (run.last_saved if exit_code != EXIT_NONFINITE
+                 else ledger_committed_steps(counters, run.global_batch, run.seq_len))
+    summary = {"committed_steps": committed,
+               "wall_seconds": wall_seconds, "step_seconds_total": run.step_seconds_total,
                "exposure_tokens": int(counters["total"]["exposure"]), "useful_tokens": useful_total,
                "processed_tokens": int(counters["total"]["processed"]),
                "lost_tokens": int(counters["total"]["lost"])}
-    if useful_total and step_seconds_total:
-        summary["mfu"] = hardware.mfu(fpt, counters["total"]["processed"], step_seconds_total, peak.peak_tflops, world)
-        summary["goodput_mfu"] = hardware.mfu(fpt, useful_total, wall_seconds, peak.peak_tflops, world)
+    fpt, peak_tflops, world = run.flops_per_token, run.peak.peak_tflops, run.world
+    if useful_total and run.step_seconds_total:
+        summary["mfu"] = hardware.mfu(fpt, counters["total"]["processed"], run.step_seconds_total, peak_tflops, world)
+        summary["goodput_mfu"] = hardware.mfu(fpt, useful_total, wall_seconds, peak_tflops, world)
         summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
-            world, price, wall_seconds, useful_total)
-    if main:
-        write_ledger_json(run_dir, ledger)
-        folder.update(status=status, **summary)
-    for cb in callbacks:
+            world, float(run.cfg.hardware.price_per_device_hour_usd), wall_seconds, useful_total)
+    if run.main:
+        write_ledger_json(run.folder.path, run.ledger)
+        run.folder.update(status=status, **summary)
+    for cb in run.callbacks:
         cb.on_end(summary)
-    return exit_code
 
 
 def ledger_committed_steps(counters: dict, global_batch: int, seq_len: int) -> int:

@@ -201,8 +201,14 @@ def make_accelerator(cfg):
 
     from runner.backends import accelerate_mixed_precision
 
-    return Accelerator(cpu=str(cfg.hardware.accelerator) == "cpu",
-                       mixed_precision=accelerate_mixed_precision(cfg.hardware))
+    acc = Accelerator(cpu=str(cfg.hardware.accelerator) == "cpu",
+                      mixed_precision=accelerate_mixed_precision(cfg.hardware))
+    if acc.distributed_type.name == "FSDP" or str(cfg.hardware.distributed) == "fsdp":
+        # Rank 0 alone writes checkpoints; under FSDP that would hang the gather or save a shard
+        # as if it were the model. Refuse until checkpoints gather the full state on every rank.
+        raise RunnerError("FSDP runs are not supported yet: checkpoints are written by rank 0 alone "
+                          "(DDP-correct); use distributed: ddp", key="hardware.distributed")
+    return acc
 
 
 def _resolve(args) -> tuple[object, Path | None, bool]:
