@@ -99,6 +99,19 @@ def lr_at(step: int, optim, schedule_steps: int, warmup_steps: int) -> float:
     raise RunnerError(f"unknown schedule {optim.schedule!r}", key="optim.schedule")
 
 
+def segment_schedule_steps(segments: list, step: int, tokens_per_step: int, default_steps: int) -> int:
+    """Schedule length (steps) in force at `step`: the max_duration of the segment holding it.
+
+    Each extension is a new segment with its own max_duration; the steps of an earlier segment keep
+    the schedule they were trained under, so a resume that falls back to a checkpoint from before
+    the extension replays them with the same learning rates."""
+    chosen = None
+    for seg in sorted(segments or [], key=lambda g: int(g.get("start_step", 0))):
+        if int(seg.get("start_step", 0)) <= step and seg.get("max_duration_tokens") is not None:
+            chosen = int(seg["max_duration_tokens"]) // tokens_per_step
+    return default_steps if chosen is None else chosen
+
+
 def make_optimizer(model, cfg, fused: bool) -> torch.optim.AdamW:
     # Decay matrices only: norms' gains are not weights to shrink towards zero.
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -266,7 +279,8 @@ class _Run:
     start_step: int = 0
     attempt: int = 1
     prior_wall_seconds: float = 0.0                 # earlier attempts, crashed ones included
-    step_seconds_total: float = 0.0                 # all attempts, committed steps only
+    step_seconds_total: float = 0.0                 # all attempts: committed steps and the work lost after them
+    step_t0: float = 0.0                            # when the current step started
     t_attempt: float = 0.0                          # perf_counter at this attempt's first step
     last_saved: int = 0
     last_eval: int = 0
@@ -296,6 +310,10 @@ class _Run:
     def pin(self) -> bool:
         # The runtime record only says pin_memory on a GPU; the device check keeps CPU copies synchronous.
         return bool(self.runtime.get("pin_memory")) and self.acc.device.type == "cuda"
+
+    def schedule_steps_at(self, step: int) -> int:
+        return segment_schedule_steps(self.info.get("segments", []), step, self.global_batch * self.seq_len,
+                                      self.schedule_steps)
 
     def wall_seconds(self) -> float:
         return self.prior_wall_seconds + time.perf_counter() - self.t_attempt
@@ -336,7 +354,9 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     if B % (micro * world):
         raise RunnerError(f"global batch {B} is not a multiple of micro batch {micro} x {world} processes",
                           key="train.micro_batch_sequences")
-    end_step = rrecipe.total_steps(cfg)
+    # natural_end is the budget's last step; a hard stop ends this attempt earlier but leaves the
+    # run resumable (not finished), so removing the hard stop continues it on the same schedule.
+    natural_end = end_step = rrecipe.total_steps(cfg)
     if cfg.train.hard_stop_tokens is not None:
         end_step = min(end_step, int(cfg.train.hard_stop_tokens) // (B * L))
 
@@ -357,7 +377,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
                 accum=B // (micro * world),               # e.g. 16 seq / (8 micro * 1 proc) = 2 micro steps
                 schedule_steps=rrecipe.max_duration_tokens(cfg) // (B * L),
                 warmup_steps=int(cfg.optim.warmup_tokens) // (B * L),
-                natural_end=end_step, end_step=end_step, runtime=runtime, data=data,
+                natural_end=natural_end, end_step=end_step, runtime=runtime, data=data,
                 model=model, raw_model=None, optimizer=optimizer, ledger=ledger, checkpointer=checkpointer,
                 resolved_config=exp.to_container())
 
@@ -405,6 +425,9 @@ def _resume(run: _Run) -> None:
         by_attempt[int(e.get("attempt", 0))] = max(by_attempt.get(int(e.get("attempt", 0)), 0.0),
                                                    float(e.get("wall_seconds", 0.0)))
     run.prior_wall_seconds = sum(by_attempt.values())
+    # Step time of work lost after the checkpoint was spent too: MFU divides processed tokens (lost
+    # ones included) by it, so it continues from the last micro batch the journal saw.
+    run.step_seconds_total = max([run.step_seconds_total] + [float(e.get("step_seconds_total", 0.0)) for e in journal])
     run.model = maybe_compile(run.model, run.cfg)
 
 
@@ -463,7 +486,7 @@ def _train_step(run: _Run, step: int) -> _Step:
     useful.index_add_(0, torch.as_tensor(batch.domain_ids), mask.sum(1).double().cpu())
     useful = _all_reduce(acc, useful.to(acc.device)).cpu()
     n_useful = float(useful.sum())
-    lr = lr_at(step, run.cfg.optim, run.schedule_steps, run.warmup_steps)
+    lr = lr_at(step, run.cfg.optim, run.schedule_steps_at(step), run.warmup_steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     processed = _processed_by_micro(run, global_pairs)
@@ -484,7 +507,9 @@ def _train_step(run: _Run, step: int) -> _Step:
         if run.journal_file is not None:
             run.journal_file.write(json.dumps({"attempt": run.attempt, "step": step, "micro": m,
                                                "processed": processed[m],
-                                               "wall_seconds": round(time.perf_counter() - run.t_attempt, 3)}) + "\n")
+                                               "wall_seconds": round(time.perf_counter() - run.t_attempt, 3),
+                                               "step_seconds_total": round(run.step_seconds_total + time.perf_counter()
+                                                                           - run.step_t0, 3)}) + "\n")
             run.journal_file.flush()
         if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -518,7 +543,8 @@ def _checkpoint_state(run: _Run, step: int) -> dict:
             "config": run.resolved_config, "segment": len(run.info.get("segments", [])) - 1, "attempt": run.attempt,
             "scheduler": {"schedule": str(cfg.optim.schedule), "schedule_steps": run.schedule_steps,
                           "warmup_steps": run.warmup_steps,
-                          "next_lr": lr_at(step, cfg.optim, run.schedule_steps, run.warmup_steps)},
+                          "segment_schedule_steps": run.schedule_steps_at(step),
+                          "next_lr": lr_at(step, cfg.optim, run.schedule_steps_at(step), run.warmup_steps)},
             "mlflow_run_id": tracker.run_id if tracker is not None else None,
             "step_seconds_total": run.step_seconds_total, "world_size": run.world}
 
@@ -559,11 +585,14 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
     if opts.max_steps is not None:
         run.end_step = min(run.end_step, run.start_step + int(opts.max_steps))
 
+    mix = run.cfg.mixture.domains
+    ratios = {d: float(mix[d].target_ratio) for d in run.data.domains}
+    caps = {d: float(mix[d].max_repetition_ratio) for d in run.data.domains}
     exit_code = EXIT_OK
     try:
         run.model.train()
         for step in range(run.start_step, run.end_step):
-            t0 = time.perf_counter()
+            t0 = run.step_t0 = time.perf_counter()
             s = _train_step(run, step)
             if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
                 run.optimizer.zero_grad(set_to_none=True)
@@ -578,6 +607,10 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
             committed = step + 1
             step_seconds = time.perf_counter() - t0
             run.step_seconds_total += step_seconds
+            # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
+            broken = run.ledger.check_invariants(run.global_batch, run.seq_len, committed, ratios, caps)
+            if broken:
+                raise RuntimeError(f"token accounting broke at step {committed}: " + "; ".join(broken))
             counters = run.ledger.counters()
             record = _metrics_record(run, committed, s, step_seconds, counters)
             for cb in run.callbacks:
@@ -614,14 +647,15 @@ def _finish(run: _Run, exit_code: int) -> None:
     """The attempt's summary: run.json status and totals, ledger.json, and the callbacks' on_end."""
     from runner import hardware
 
+    committed = run.last_saved
+    if exit_code == EXIT_NONFINITE:
+        committed = _rollback_to_last_checkpoint(run)
     counters = run.ledger.counters()
     wall_seconds = run.wall_seconds()
     useful_total = int(counters["total"]["useful"])
     finished = exit_code == EXIT_OK and run.last_saved == run.natural_end
     status = {EXIT_NONFINITE: "failed", EXIT_PREEMPTED: "preempted"}.get(
         exit_code, "finished" if finished else "preempted")
-    committed = (run.last_saved if exit_code != EXIT_NONFINITE
-                 else ledger_committed_steps(counters, run.global_batch, run.seq_len))
     summary = {"committed_steps": committed,
                "wall_seconds": wall_seconds, "step_seconds_total": run.step_seconds_total,
                "exposure_tokens": int(counters["total"]["exposure"]), "useful_tokens": useful_total,
@@ -638,6 +672,23 @@ def _finish(run: _Run, exit_code: int) -> None:
         run.folder.update(status=status, **summary)
     for cb in run.callbacks:
         cb.on_end(summary)
+
+
+def _rollback_to_last_checkpoint(run: _Run) -> int:
+    """After a non-finite stop the run's lineage is its last good checkpoint (what a relaunch resumes
+    from): steps committed in memory after it are discarded, so their exposure becomes lost work.
+    The ledger is reset to that checkpoint's, keeping every processed token. Returns its step."""
+    from runner.ledger import TokenLedger
+
+    spent = {d: int(c["processed"]) for d, c in run.ledger.counters().items() if d != "total"}
+    ledger = TokenLedger(run.data.samples, run.seq_len)
+    ckpt = run.checkpointer.latest_valid(report=run.say)
+    if ckpt is not None:
+        ledger.load_state_dict(ckpt.ledger_state())
+    kept = ledger.counters()
+    ledger.record_processed({d: spent[d] - int(kept[d]["processed"]) for d in run.data.domains})
+    run.ledger = ledger
+    return ckpt.step if ckpt is not None else 0
 
 
 def ledger_committed_steps(counters: dict, global_batch: int, seq_len: int) -> int:

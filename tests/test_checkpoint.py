@@ -124,3 +124,25 @@ def test_save_removes_incomplete_and_temporary_folders(tmp_path):
     assert ck.latest_valid(report=lambda m: None).step == 4
     ck.save(8, model, opt.state_dict(), {"counts": np.arange(3, dtype=np.uint8)}, {"fingerprint": "f"})
     assert sorted(p.name for p in root.iterdir()) == ["step-0000004", "step-0000008"]
+
+
+def test_step_time_of_lost_work_is_counted_so_mfu_is_not_overstated(tmp_path):
+    # Checkpoints only at the end: a kill at step 6 loses five committed steps and part of the sixth.
+    exp = make_project(tmp_path, steps=8, checkpoint_every=100)
+    run = tmp_path / "runs" / "k"
+    proc = launch(tmp_path, exp, "--run-dir", run, "--kill-at-step", 6, "--no-tracking", check=False)
+    assert proc.returncode == -signal.SIGKILL
+    lost_attempt = read_jsonl(run / "journal" / "processed.jsonl")
+    spent_before_kill = max(e["step_seconds_total"] for e in lost_attempt)
+    step_rows = read_jsonl(run / "metrics" / "train.jsonl")
+    assert spent_before_kill >= sum(r["step_seconds"] for r in step_rows) > 0
+    launch(tmp_path, run, "--no-tracking")
+    info = json.loads((run / "run.json").read_text())
+    retrained = [r for r in read_jsonl(run / "metrics" / "train.jsonl")][len(step_rows):]
+    # The run's step time is the lost attempt's plus every step of the resumed one.
+    assert info["step_seconds_total"] >= spent_before_kill + sum(r["step_seconds"] for r in retrained) - 1e-3
+    c = counters(run)["total"]
+    assert c["lost"] > 0
+    expected = info["flops_per_token"] * c["processed"] / (
+        info["step_seconds_total"] * info["conventions"]["peak_tflops"] * 1e12 * info["devices"])
+    assert info["mfu"] == __import__("pytest").approx(expected, rel=1e-9)

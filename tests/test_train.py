@@ -197,3 +197,70 @@ def test_smoke_times_in_a_fitting_unit_and_every_argument_has_help():
         for action in sub.choices[name]._actions:
             if not isinstance(action, argparse._HelpAction):
                 assert action.help, f"runner {name} {action.dest} has no help"
+
+
+def test_hard_stop_leaves_run_resumable_and_removing_it_continues_the_same_schedule(tmp_path):
+    exp = make_project(tmp_path, steps=8, checkpoint_every=4, train_extra={"hard_stop_tokens": 4 * 8 * 16})
+    run = tmp_path / "runs" / "h"
+    launch(tmp_path, exp, "--run-dir", run, "--no-tracking")
+    info = json.loads((run / "run.json").read_text())
+    # A hard stop is not the end of the budget: the run must not claim to be finished.
+    assert info["status"] == "preempted" and info["committed_steps"] == 4
+    assert (run / "report" / "report.md").exists()  # the end the user chose is reported
+    yaml_path = run / "experiment.yaml"
+    yaml_path.write_text(yaml_path.read_text().replace(f"hard_stop_tokens: {4 * 8 * 16}", "hard_stop_tokens: null"))
+    launch(tmp_path, run, "--no-tracking")
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["committed_steps"] == 8
+    assert counters(run)["total"]["exposure"] == 8 * 8 * 16 == counters(run)["total"]["processed"]
+
+    class O:
+        lr, min_lr_ratio, schedule = 3e-3, 0.1, "cosine"
+    rows = read_jsonl(run / "metrics" / "train.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    # The hard stop never changed the schedule: every step's lr is the 8-step cosine's.
+    assert [r["lr"] for r in rows] == pytest.approx([lr_at(s, O, 8, 2) for s in range(8)], rel=1e-12)
+
+
+def test_nonfinite_stop_rolls_the_ledger_back_to_the_last_checkpoint(tmp_path):
+    # lr 1e30 makes step 2's gradients non-finite; step 1 was committed in memory but never saved.
+    exp = make_project(tmp_path, steps=8, lr=1e30, checkpoint_every=4)
+    run = tmp_path / "runs" / "n4"
+    proc = launch(tmp_path, exp, "--run-dir", run, "--no-tracking", check=False)
+    assert proc.returncode == 4, proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "failed" and info["committed_steps"] == 0
+    assert not list((run / "checkpoints").glob("step-*"))
+    c = counters(run)["total"]
+    journal = read_jsonl(run / "journal" / "processed.jsonl")
+    spent = sum(sum(e["processed"].values()) for e in journal)
+    assert c["exposure"] == c["useful"] == c["unique"] == 0
+    assert c["processed"] == spent == 2 * 8 * 16 and c["lost"] == spent
+    assert info["exposure_tokens"] == 0 and info["lost_tokens"] == spent
+
+
+def test_each_segment_keeps_the_schedule_it_was_trained_under():
+    from runner.train import segment_schedule_steps
+
+    segments = [{"index": 0, "start_step": 0, "max_duration_tokens": 4 * 128},
+                {"index": 1, "start_step": 4, "max_duration_tokens": 10 * 128}]
+    assert [segment_schedule_steps(segments, s, 128, 99) for s in (0, 3, 4, 9)] == [4, 4, 10, 10]
+    assert segment_schedule_steps([], 5, 128, 99) == 99
+
+
+def test_extension_after_fallback_to_a_pre_extension_checkpoint_replays_old_lrs(tmp_path):
+    exp = make_project(tmp_path, steps=4, checkpoint_every=2, keep_last=5)
+    run = tmp_path / "runs" / "xf"
+    launch(tmp_path, exp, "--run-dir", run, "--no-tracking")
+    first = {r["step"]: r["lr"] for r in read_jsonl(run / "metrics" / "train.jsonl")}
+    launch(tmp_path, run, "--extend-to", 6 * 8 * 16, "--no-tracking", "--max-steps", 1)
+    # Lose the two newest checkpoints: the resume falls back to step 2, inside segment 0.
+    for name in ("step-0000005", "step-0000004"):
+        (run / "checkpoints" / name / "COMPLETE").unlink()
+    launch(tmp_path, run, "--no-tracking")
+    rows = read_jsonl(run / "metrics" / "train.jsonl")
+    replayed = [r for r in rows[len(first) + 1:] if r["step"] <= 4]
+    assert [r["step"] for r in replayed] == [3, 4]
+    assert [r["lr"] for r in replayed] == [first[3], first[4]]
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and counters(run)["total"]["exposure"] == 6 * 8 * 16

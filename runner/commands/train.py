@@ -227,8 +227,12 @@ def _launch(args) -> int:
                    kill_at_step=args.kill_at_step)
     code = train(exp, run_dir, acc, tracker, opts)
     if main:
-        status = RunFolder(run_dir).read().get("status")
-        if status == "finished":
+        info = RunFolder(run_dir).read()
+        status = info.get("status")
+        hard_stop = exp.config.train.hard_stop_tokens
+        at_hard_stop = hard_stop is not None and int(info.get("committed_steps", 0)) * int(
+            exp.config.train.global_batch_sequences) * int(exp.config.train.seq_len) == int(hard_stop)
+        if status == "finished" or at_hard_stop:  # the run's end as the user chose it: report it
             _write_report(run_dir, tracker)
         if tracker is not None:
             done = tracker.finish({"finished": "FINISHED", "failed": "FAILED"}.get(status, "KILLED"))
