@@ -40,7 +40,9 @@ def default_targets(cwd: Path) -> list[Path]:
 
     root = find_project_root(cwd)
     out = [p for k in KINDS for p in sorted((root / "recipes" / k).glob("*.yaml"))]
-    return out + sorted((root / "experiments").glob("*.yaml"))
+    # rglob: `runner pilot-grid` writes its experiments to experiments/pilots/, and they must
+    # validate as well as the hand-written ones (a bumped base breaks them).
+    return out + sorted((root / "experiments").rglob("*.yaml"))
 
 
 def validate_one(path: Path) -> tuple[str, list[str]]:

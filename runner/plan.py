@@ -391,7 +391,9 @@ def format_plan(plan: Mapping[str, Any]) -> str:
         f"{p['per_layer']['norms']:,}")
     out.append("compute")
     row("exposure tokens", _si(c["exposure_tokens"]))
-    row("tokens per parameter", f"{c['tokens_per_param']:.1f}")
+    # Pilots and smoke runs sit far below one token per parameter: keep 3 significant digits.
+    tpp = c["tokens_per_param"]
+    row("tokens per parameter", f"{tpp:.1f}" if tpp >= 1 else f"{tpp:.3g}")
     row("Chinchilla-optimal tokens (20 N)", _si(c["chinchilla_optimal_tokens"]))
     row("FLOPs 6N", f"{c['flops_6n']:.3e}")
     row("FLOPs 6N+attn", f"{c['flops_6n_attn']:.3e}")

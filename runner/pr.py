@@ -32,7 +32,7 @@ def _is_config(rel: str) -> bool:
     parts = Path(rel).parts
     if not rel.endswith(".yaml"):
         return False
-    return (len(parts) == 3 and parts[0] == "recipes" and parts[1] in recipe.KINDS) or (len(parts) == 2 and parts[0] == "experiments")
+    return (len(parts) == 3 and parts[0] == "recipes" and parts[1] in recipe.KINDS) or (len(parts) >= 2 and parts[0] == "experiments")
 
 
 def _version(text: str | None):
@@ -78,7 +78,7 @@ def check_pr(base: str, cwd: Path) -> tuple[list[str], list[str]]:
             problems.append(f"{rel}: version: changed since {base} but its version was not bumped (was {old}, now {new})")
 
     head_targets = [p for k in recipe.KINDS for p in sorted((root / "recipes" / k).glob("*.yaml"))]
-    head_targets += sorted((root / "experiments").glob("*.yaml"))
+    head_targets += sorted((root / "experiments").rglob("*.yaml"))  # pilots live in experiments/pilots/
     head_fp: dict[str, str] = {}
     for path in head_targets:
         rel = str(path.relative_to(root))

@@ -179,8 +179,28 @@ _EOS_ID = None
 _DTYPE = None
 
 
+PR_SET_PDEATHSIG = 1
+PR_GET_PDEATHSIG = 2
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this worker when its parent dies. A SIGKILLed prepare (finished by rerunning
+    it) otherwise leaves workers that print BrokenPipeError tracebacks and tokenize on for nothing."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: workers still end when their task pipe closes
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _init_worker(tokenizer_path: str, eos_id: int, dtype: str, threads_ok: bool) -> None:
     global _TOKENIZER, _EOS_ID, _DTYPE
+    die_with_parent()
     if not threads_ok:
         # One process per core already: tokenizers' own thread pool would oversubscribe them.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"

@@ -460,16 +460,48 @@ def write_report(run_dir: str | Path) -> Path:
     return out
 
 
+def render_report_dir(report_dir: str | Path) -> Path:
+    """Re-render report.md and the plots of a report folder from its own tables; return it.
+
+    An MLflow run's artifacts hold the run's report/ folder, not the raw run (no ledger.json or
+    metrics), so `runner report MLFLOW_RUN_ID` rebuilds what can be rebuilt from the tables.
+    """
+    report_dir = Path(report_dir)
+    tables = read_tables(report_dir)
+    cfg = read_experiment_yaml(report_dir / "experiment.yaml")
+    domains = sorted(_get(cfg, "mixture.domains", str(report_dir / "experiment.yaml")))
+    manifests = load_manifests(report_dir / "manifests", domains)
+    (report_dir / "report.md").write_text(render_markdown(tables, cfg, manifests))
+    write_plots(tables, report_dir)
+    return report_dir
+
+
+def report_from_fetched(folder: str | Path) -> Path:
+    """Write or re-render the report of a folder fetched by `fetch_mlflow_run`."""
+    folder = Path(folder)
+    if is_run_dir(folder):
+        return write_report(folder)
+    if is_report_dir(folder):
+        return render_report_dir(folder)
+    raise RunnerError("neither a run folder (run.json, ledger.json) nor a report folder (run_summary.parquet)",
+                      file=str(folder))
+
+
 # ---- locating a run ----------------------------------------------------------------------------
 
 def fetch_mlflow_run(run_id: str, dst: str | Path) -> Path:
     """Download an MLflow run's artifacts to `dst` and return the folder holding run.json."""
+    import os
+
+    # A tqdm bar per artifact file would bury the one line the user needs.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow
 
     try:
         local = Path(mlflow.artifacts.download_artifacts(run_id=run_id, dst_path=str(dst)))
     except Exception as err:  # mlflow raises its own and requests' errors for unknown runs/servers
-        raise RunnerError(f"cannot download artifacts of MLflow run {run_id}: {err}") from None
+        raise RunnerError(f"cannot download artifacts of MLflow run {run_id} from {mlflow.get_tracking_uri()} "
+                          f"(set MLFLOW_TRACKING_URI for another store): {err}") from None
     found = sorted(local.rglob("run.json"), key=lambda p: len(p.parts))
     if not found:
         raise RunnerError(f"MLflow run {run_id}: its artifacts hold no run.json")

@@ -52,6 +52,12 @@ class Point:
     tokens: float
     loss: float
     domain_losses: dict = field(default_factory=dict)
+    experiment: str = ""  # the experiment's name, when the run folder records it
+
+    @property
+    def label(self) -> str:
+        """What a user recognises: run ids are timestamps, so name the experiment too."""
+        return f"{self.run} ({self.experiment})" if self.experiment and self.experiment != self.run else self.run
 
     @property
     def flops(self) -> float:
@@ -90,7 +96,7 @@ def read_report_point(report_dir: Path) -> Point:
     losses = {str(d): float(v) for d, v in zip(final["domain"], final["loss_nats"])}
     name = str(summary.get("run_id") or report_dir.name)
     return Point(name, float(summary["params"]), float(summary["exposure_tokens"]),
-                 float(np.mean(list(losses.values()))), losses)
+                 float(np.mean(list(losses.values()))), losses, str(summary.get("experiment") or ""))
 
 
 def read_point(run_dir: str | Path) -> Point:
@@ -120,7 +126,27 @@ def read_point(run_dir: str | Path) -> Point:
     loss = float(np.mean(list(final.values())))
     if not math.isfinite(loss):
         raise RunnerError(f"final validation loss is {loss}", file=str(evals))
-    return Point(run_dir.name, float(params), float(tokens), loss, final)
+    return Point(run_dir.name, float(params), float(tokens), loss, final, str(cfg.get("name") or ""))
+
+
+def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
+    """Run folders from what a user types: a run folder as is, and `runs/EXPERIMENT` (the folder
+    `runner launch` puts an experiment's runs in) as every finished run inside it."""
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise RunnerError("no such run folder", file=str(path))
+        if (path / "experiment.yaml").exists() or (path / "run_summary.parquet").exists() \
+                or (path / "report" / "run_summary.parquet").exists():
+            out.append(path)
+            continue
+        inner = sorted(p for p in path.iterdir() if p.is_dir() and (p / "metrics" / "eval.jsonl").exists())
+        if not inner:
+            raise RunnerError("neither a finished run folder (experiment.yaml, metrics/eval.jsonl) nor a folder "
+                              "of runs (runs/EXPERIMENT)", file=str(path))
+        out.extend(inner)
+    return out
 
 
 def _exposure_tokens(run_dir: Path, cfg: dict) -> float:
@@ -195,7 +221,7 @@ def holdout_errors(fit: Fit, points: Iterable[Point]) -> list[dict]:
     out = []
     for p in points:
         predicted = float(fit.loss(p.params, p.tokens))
-        out.append({"run": p.run, "params": p.params, "tokens": p.tokens, "loss": p.loss,
+        out.append({"run": p.run, "experiment": p.experiment, "params": p.params, "tokens": p.tokens, "loss": p.loss,
                     "predicted": predicted, "relative_error": (predicted - p.loss) / p.loss})
     return out
 
@@ -288,9 +314,22 @@ def plot_fit(fit: Fit, points: Sequence[Point], path: Path, optimum: dict | None
 def fit_report(points: Sequence[Point], holdout: Sequence[Point] = (), *, flops: float | None = None,
                inference_tokens: float = 0.0) -> dict:
     """The whole `runner fit` result: the fit, per-domain fits, held-out error, predictions, warnings."""
+    if flops is not None and not (math.isfinite(flops) and flops > 0):
+        raise RunnerError(f"--flops: must be a positive number of FLOPs, got {flops:g}")
+    if inference_tokens and flops is None:
+        raise RunnerError("--inference-tokens: needs --flops (the inference-aware optimum reaches the loss "
+                          "of the compute-optimal model at that budget)")
+    if inference_tokens < 0 or not math.isfinite(inference_tokens):
+        raise RunnerError(f"--inference-tokens: must be a non-negative number of tokens, got {inference_tokens:g}")
     fit = fit_loss(points)
     report: dict[str, Any] = {"fit": fit.to_dict(), "points": [asdict(p) for p in points],
                               "holdout": holdout_errors(fit, holdout), "warnings": [], "domains": {}}
+    # Five parameters fit any five points; an exponent is only measured across 3+ distinct values.
+    for what, symbol, values in (("model sizes", "alpha", {p.params for p in points}),
+                                 ("budgets", "beta", {p.tokens for p in points})):
+        if len(values) < 3:
+            report["warnings"].append(f"only {len(values)} distinct {what} among the fitted runs: {symbol} is "
+                                      f"not determined by the data (use 3 or more)")
     domains = set.intersection(*(set(p.domain_losses) for p in points)) if points else set()
     for d in sorted(domains):
         if len(domains) > 1:

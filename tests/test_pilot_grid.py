@@ -110,3 +110,15 @@ def test_grid_refuses_a_budget_the_mixture_cannot_meet(project_with_data):
     with pytest.raises(RunnerError, match=r"--budgets: budget 1M .*legal.*largest feasible budget at these ratios: 378,880"):
         write_pilot_grid(project_with_data / "experiments/cpu-tiny.yaml", ["llama-tiny@1"], ["100K", "1M"], out)
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_cli_pilot_grid_says_how_to_launch_and_fit(project, capsys, monkeypatch):
+    # Runs land in runs/<pilot name>/<run_id>/, so the fit command is not guessable from --out.
+    from runner.cli import main
+    monkeypatch.chdir(project)
+    assert main(["pilot-grid", "experiments/cpu-tiny.yaml", "--sizes", "llama-tiny@1,n_layers=4",
+                 "--budgets", "100K,400K"]) == 0
+    out = capsys.readouterr().out
+    assert 'next: for f in experiments/pilots/*.yaml; do runner launch "$f"; done' in out
+    assert "runner fit runs/cpu-tiny-pilot-*/ --flops C" in out
+    assert all(p.stem.startswith("cpu-tiny-pilot-") for p in (project / "experiments/pilots").glob("*.yaml"))

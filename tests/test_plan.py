@@ -226,3 +226,13 @@ def test_plan_of_an_infeasible_mixture_prints_the_plan_and_exits_2(project_with_
     assert out.returncode == 2
     assert "pool tokens of the manifests" in out.stdout
     assert "mixture: INFEASIBLE" in out.stderr and "largest feasible budget" in out.stderr
+
+
+def test_a_pilot_far_below_one_token_per_parameter_does_not_print_zero(tmp_path):
+    cfg = config()
+    cfg["train"]["exposure_tokens"] = 16 * 128 * 2  # two steps: a smoke run
+    plan = build_plan(cfg, root=tmp_path)
+    tpp = plan["compute"]["tokens_per_param"]
+    assert 0 < tpp < 0.05
+    line = next(l for l in format_plan(plan).splitlines() if "tokens per parameter" in l)
+    assert line.split()[-1] == f"{tpp:.3g}" and line.split()[-1] != "0.0"

@@ -202,3 +202,23 @@ def test_rerun_over_old_output_drops_stale_shards(tmp_path, tok_path):
     path, _ = prepare("web", tok_path, tmp_path / "out", [src], shard_tokens=10_000, workers=0)
     assert many > 1 and [p.name for p in (tmp_path / "out").glob("train-*.bin")] == ["train-00000.bin"]
     load_manifest(path, verify="full")
+
+
+def _pdeathsig_after_die_with_parent() -> int:
+    import ctypes
+
+    from runner.prepare import PR_GET_PDEATHSIG, die_with_parent
+    die_with_parent()
+    value = ctypes.c_int(0)
+    ctypes.CDLL(None).prctl(PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0)
+    return value.value
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
+def test_prepare_workers_die_with_a_sigkilled_parent():
+    # A SIGKILLed prepare must not leave workers tokenizing on and printing BrokenPipeError.
+    import multiprocessing
+    import signal
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_pdeathsig_after_die_with_parent) == signal.SIGKILL

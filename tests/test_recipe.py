@@ -185,6 +185,27 @@ def test_check_pr_catches_meaning_change_through_a_base_experiment(project: Path
     assert "experiments/1p3b-mi300x.yaml: version: changed" in out.stderr
 
 
+def test_check_pr_and_validate_cover_pilot_experiments_in_subfolders(project: Path):
+    pilots = project / "experiments/pilots"
+    pilots.mkdir()
+    (pilots / "cpu-tiny-pilot-a.yaml").write_text(
+        "name: cpu-tiny-pilot-a\nversion: 1\ndescription: a pilot\nbase: cpu-tiny@1\n"
+        "train: {exposure_tokens: 40960, max_duration_tokens: 40960}\n")
+    assert pilots / "cpu-tiny-pilot-a.yaml" in default_targets(project)
+    _git(project, "init", "-q", "-b", "main")
+    _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")
+    edit(pilots / "cpu-tiny-pilot-a.yaml", _set("train", "exposure_tokens", 81920))  # changed, not bumped
+    out = _check_pr(project)
+    assert out.returncode == 2
+    assert "experiments/pilots/cpu-tiny-pilot-a.yaml: version: changed since main but its version was not bumped" in out.stderr
+    edit(pilots / "cpu-tiny-pilot-a.yaml", _set("version", 2))
+    edit(project / "experiments/cpu-tiny.yaml", _set("version", 2))  # the pilot's base moves on under it
+    out = _check_pr(project)
+    assert out.returncode == 2
+    assert "experiments/pilots/cpu-tiny-pilot-a.yaml: base: names cpu-tiny@1 but" in out.stderr
+
+
 def test_every_problem_in_a_file_is_listed_at_once(project: Path):
     edit(project / "experiments/cpu-tiny.yaml", lambda d: d["train"].update(seq_len="abc", global_batch_sequences=16.5, exposur_tokens=1))
     with pytest.raises(RunnerError) as err:

@@ -155,3 +155,29 @@ def test_every_argument_of_every_verb_has_help():
         for action in parser._actions:
             if not isinstance(action, argparse._HelpAction):
                 assert action.help, f"{verb} {action.dest}"
+
+
+def test_report_from_an_mlflow_run_id_renders_the_logged_report(run_dir, tmp_path, monkeypatch, capsys):
+    # A run logs its report/ folder as MLflow artifacts (not the ledger): `runner report RUN_ID`
+    # must rebuild report.md and the plots from those tables, not ask for ledger.json.
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(uri)
+    exp_id = client.create_experiment("report", artifact_location=(tmp_path / "artifacts").as_uri())
+    ml_run = client.create_run(exp_id).info.run_id
+    client.log_artifacts(ml_run, str(run_dir / "report"), artifact_path="report")
+    dest = tmp_path / "fetched"
+    assert _cli(["report", ml_run, "--dest", str(dest)]) == 0
+    assert capsys.readouterr().out.strip() == f"report written to {dest / 'report'}"
+    md = (dest / "report" / "report.md").read_text()
+    assert md == (run_dir / "report" / "report.md").read_text()
+    assert all((dest / "report" / p).stat().st_size > 0 for p in PLOTS)
+
+
+def test_report_of_an_unknown_mlflow_run_names_the_store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(RunnerError, match=f"cannot download artifacts of MLflow run {'ab' * 16} from {uri}"):
+        _cli(["report", "ab" * 16])

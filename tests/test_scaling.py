@@ -140,3 +140,49 @@ def test_read_point_from_a_report_folder(tmp_path):
     p = read_point(tmp_path)  # a run folder holding only its report/
     assert (p.run, p.params, p.tokens, p.loss) == ("r1", 1000.0, 64000.0, 3.5)
     assert p.domain_losses == {"web": 4.0, "code": 3.0}
+
+
+def _grid_runs(tmp_path, shapes):
+    runs = []
+    for i, (layers, steps) in enumerate(shapes):
+        n_ne = layers * (4 * 32 * 32 + 3 * 32 * 64 + 64) + 32 + 256 * 32
+        folder = tmp_path / "runs" / f"pilot-l{layers}-s{steps}" / f"2026112{i}-000000"
+        write_run(folder, layers, steps, {"web": float(TRUE.loss(n_ne, steps * 64))})
+        cfg = yaml.safe_load((folder / "experiment.yaml").read_text())
+        (folder / "experiment.yaml").write_text(yaml.safe_dump({**cfg, "name": f"pilot-l{layers}-s{steps}"}))
+        runs.append(folder)
+    return runs
+
+
+GRID = [(1, 100), (2, 100), (4, 100), (1, 400), (2, 400), (4, 400)]
+
+
+def test_cli_fit_takes_experiment_run_folders_and_names_held_out_runs(tmp_path, capsys):
+    # `runner launch` puts runs in runs/EXPERIMENT/RUN_ID: the user passes runs/pilot-*/.
+    from runner.cli import main
+    runs = _grid_runs(tmp_path, GRID)
+    experiments = [str(r.parent) for r in runs]
+    assert main(["fit", *experiments[:5], "--holdout", experiments[5], "--out", str(tmp_path / "fit")]) == 0
+    out = capsys.readouterr().out
+    assert "fit of 5 runs" in out
+    assert f"held out {runs[5].name} (pilot-l4-s400), N " in out  # a timestamp alone says nothing
+    assert main(["fit", str(tmp_path), "--out", str(tmp_path / "fit")]) == 2  # no runs directly inside
+    assert "neither a finished run folder" in capsys.readouterr().err
+
+
+def test_cli_fit_refuses_meaningless_budget_flags(tmp_path, capsys):
+    from runner.cli import main
+    runs = [str(r) for r in _grid_runs(tmp_path, GRID)]
+    assert main(["fit", *runs, "--inference-tokens", "1e9", "--out", str(tmp_path / "fit")]) == 2
+    assert "--inference-tokens: needs --flops" in capsys.readouterr().err
+    assert main(["fit", *runs, "--flops", "0", "--out", str(tmp_path / "fit")]) == 2
+    assert "--flops: must be a positive number of FLOPs, got 0" in capsys.readouterr().err
+
+
+def test_fit_warns_when_a_grid_has_too_few_sizes_or_budgets():
+    pts = [Point(f"p{i}", n, d, float(TRUE.loss(n, d))) for i, (n, d) in
+           enumerate([(1e7, 1e9), (1e7, 3e9), (1e7, 1e10), (1e8, 1e9), (1e8, 3e9), (1e8, 1e10)])]
+    warnings = fit_report(pts)["warnings"]
+    assert warnings == ["only 2 distinct model sizes among the fitted runs: alpha is not determined by "
+                        "the data (use 3 or more)"]
+    assert fit_report(synthetic())["warnings"] == []

@@ -82,3 +82,14 @@ def test_byte_lengths_for_a_non_byte_level_tokenizer(tmp_path):
     tok = Tokenizer(models.WordLevel(spec_vocab, unk_token="<|endoftext|>"))
     tok.add_special_tokens(["<|endoftext|>"])
     assert list(token_byte_lengths(tok)) == [0, 4, 1, 2]
+
+
+def test_train_cli_says_when_the_corpus_cannot_reach_the_asked_vocab(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "src" / "a.jsonl", documents(5))
+    assert run_cli("tokenizer", "train", "--input", str(src), "--vocab-size", "70000",
+                   "--out", str(tmp_path / "tok"), "--name", "big") == 0
+    recipe = yaml.safe_load((tmp_path / "tok" / "big.yaml").read_text())
+    assert recipe["vocab_size"] < 70_000 and recipe["token_dtype"] == "uint16"
+    assert f"vocab {recipe['vocab_size']}," in recipe["description"]  # not the asked 70000
+    err = capsys.readouterr().err
+    assert f"vocab_size: {recipe['vocab_size']:,} ids, not the 70,000 asked" in err

@@ -7,6 +7,7 @@ runner.prepare, runner.manifest and runner.builtin. Never holds logic of its own
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -48,15 +49,22 @@ def register(subparsers) -> None:
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     from runner.prepare import find_sources, iter_documents
-    from runner.tokenizer import train_tokenizer, write_trained
+    from runner.tokenizer import train_tokenizer, vocab_size_of, write_trained
 
     sources = find_sources(args.input)
     documents = (text for source in sources for _, text in iter_documents(source))
     tokenizer = train_tokenizer(documents, args.vocab_size)
+    vocab_size = vocab_size_of(tokenizer)
     names = ", ".join(s.name for s in sources[:3]) + (f" and {len(sources) - 3} more files" if len(sources) > 3 else "")
     tokenizer_path, recipe_path = write_trained(
-        tokenizer, args.out, args.name, f"byte-level BPE, vocab {args.vocab_size}, trained on {names}")
+        tokenizer, args.out, args.name, f"byte-level BPE, vocab {vocab_size}, trained on {names}")
     print(f"tokenizer: {tokenizer_path}\nrecipe: {recipe_path}")
+    if vocab_size < args.vocab_size:
+        # BPE stops when no pair is left to merge: the recipe records the size actually reached,
+        # and the token dtype follows it (a 70K request on a small corpus stays uint16).
+        print(f"note: {recipe_path}: vocab_size: {vocab_size:,} ids, not the {args.vocab_size:,} asked: "
+              f"the corpus ran out of pairs to merge (train on more text for a larger vocabulary)",
+              file=sys.stderr)
     return 0
 
 

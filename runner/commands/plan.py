@@ -37,9 +37,9 @@ def cmd_plan(args) -> int:
 
 
 def cmd_fit(args) -> int:
-    from runner.scaling import Fit, fit_report, plot_fit, read_point
-    points = [read_point(r) for r in args.runs]
-    holdout = [read_point(r) for r in args.holdout]
+    from runner.scaling import Fit, expand_run_dirs, fit_report, plot_fit, read_point
+    points = [read_point(r) for r in expand_run_dirs(args.runs)]
+    holdout = [read_point(r) for r in expand_run_dirs(args.holdout)]
     flops = _float(args.flops, "--flops") if args.flops is not None else None
     inference = _float(args.inference_tokens, "--inference-tokens") if args.inference_tokens else 0.0
     report = fit_report(points, holdout, flops=flops, inference_tokens=inference)
@@ -57,7 +57,8 @@ def cmd_fit(args) -> int:
     for d, df in report["domains"].items():
         print(f"  {d}: E={df['E']:.4g} A={df['A']:.4g} alpha={df['alpha']:.4g} B={df['B']:.4g} beta={df['beta']:.4g}")
     for h in report["holdout"]:
-        print(f"held out {h['run']}: loss {h['loss']:.4f}, predicted {h['predicted']:.4f} "
+        label = f"{h['run']} ({h['experiment']})" if h["experiment"] and h["experiment"] != h["run"] else h["run"]
+        print(f"held out {label}, N {h['params']:.3g}, D {h['tokens']:.3g}: loss {h['loss']:.4f}, predicted {h['predicted']:.4f} "
               f"({h['relative_error']:+.2%})")
     if "compute_optimal" in report:
         o = report["compute_optimal"]
@@ -81,6 +82,11 @@ def cmd_pilot_grid(args) -> int:
     for f in files:
         print(f)
     print(f"{len(files) - 1} pilot experiments; see {files[-1]} for what is fixed and how budgets were rounded")
+    # The next two steps, spelled out: runs land in runs/<pilot name>/<run_id>/, not beside the YAML.
+    folder = Path(files[0]).parent
+    prefix = Path(files[0]).stem.split("-pilot-")[0] + "-pilot-"
+    print(f"next: for f in {folder}/*.yaml; do runner launch \"$f\"; done\n"
+          f"      runner fit runs/{prefix}*/ --flops C")
     return 0
 
 
@@ -94,7 +100,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_plan)
 
     f = subparsers.add_parser("fit", help="fit L(N, D) = E + A/N^alpha + B/D^beta to finished pilot runs")
-    f.add_argument("runs", nargs="+", metavar="RUN", help="run folders (runs/EXPERIMENT/RUN_ID)")
+    f.add_argument("runs", nargs="+", metavar="RUN",
+                   help="run folders (runs/EXPERIMENT/RUN_ID), or runs/EXPERIMENT for every finished run in it")
     f.add_argument("--holdout", nargs="*", default=[], metavar="RUN", help="runs to predict, not fit")
     f.add_argument("--flops", default=None, help="a training budget C in FLOPs: the compute-optimal N, D")
     f.add_argument("--inference-tokens", default=None, help="tokens to serve: the inference-aware optimum")

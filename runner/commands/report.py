@@ -16,7 +16,9 @@ def _report(args) -> int:
     if not target.is_dir():
         if not rpt.MLFLOW_RUN_ID.match(args.run):
             raise RunnerError("no such run folder, and not an MLflow run id", file=args.run)
-        target = rpt.fetch_mlflow_run(args.run, args.dest or tempfile.mkdtemp(prefix="runner-report-"))
+        fetched = rpt.fetch_mlflow_run(args.run, args.dest or tempfile.mkdtemp(prefix="runner-report-"))
+        print(f"report written to {rpt.report_from_fetched(fetched)}")
+        return EXIT_OK
     out = rpt.write_report(target)
     print(f"report written to {out}")
     return EXIT_OK
