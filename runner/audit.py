@@ -27,6 +27,7 @@ from runner.errors import RunnerError
 from runner.flops import Convention, flops_per_token, params_of_config
 from runner.fsio import read_json
 from runner.manifest import manifest_sha256, num_samples
+from runner.recipe import devices
 from runner import report as rpt
 from schemas.report_tables import SCHEMAS, validate_tables
 
@@ -222,7 +223,7 @@ def _check_config_agreement(res: AuditResult, inp: AuditInput, seq_len: int) -> 
     # A launcher may start more processes than the recipe names (torchrun --nproc-per-node 2 on a
     # 1-device recipe): not an error, since MFU and cost are over what was held, but worth seeing.
     res.checks.append(Check("devices held vs recipe", INFO,
-                            f"held {rpt.devices_held(inp.run, inp.cfg)}, recipe {rpt.recipe_devices(inp.cfg)}"))
+                            f"held {rpt.devices_held(inp.run, inp.cfg)}, recipe {devices(inp.cfg)}"))
 
 
 def _check_replay(res: AuditResult, inp: AuditInput, seq_len: int) -> None:

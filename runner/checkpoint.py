@@ -25,7 +25,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from runner.fsio import fsync_dir, fsync_file, sha256_file
 
 MARKER = "COMPLETE"
-FILES = ("model.safetensors", "optimizer.safetensors", "ledger.safetensors")
+FILES = ("model.safetensors", "optimizer.safetensors", "ledger.safetensors", "optimizer.json")
 
 
 def dirname(step: int) -> str:
@@ -133,10 +133,9 @@ class Checkpointer:
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "optimizer.json").write_text(json.dumps(index))
         save_numpy({k: np.ascontiguousarray(v) for k, v in ledger_state.items()}, str(tmp / "ledger.safetensors"))
-        files = list(FILES) + ["optimizer.json"]
-        for name in files:
+        for name in FILES:
             fsync_file(tmp / name)
-        full_state = dict(state, step=step, files={name: sha256_file(tmp / name) for name in files})
+        full_state = dict(state, step=step, files={name: sha256_file(tmp / name) for name in FILES})
         (tmp / "state.json").write_text(json.dumps(full_state, indent=1, sort_keys=True))
         fsync_file(tmp / "state.json")
         fsync_dir(tmp)
@@ -154,8 +153,7 @@ class Checkpointer:
         """After a successful save: drop leftovers (folders without the marker, temp folders) and
         all but the newest `keep_last` complete checkpoints. A resume that fell back past a broken
         folder never looks at it again, so without this it would sit in checkpoints/ forever."""
-        for leftover in self.root.glob(".tmp-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        self.clean_temporaries()
         complete = []
         for p in self.root.glob("step-*"):
             if (p / MARKER).exists():
@@ -207,6 +205,6 @@ def verify(path: Path) -> str | None:
             return f"{name} missing"
         if sha256_file(path / name) != digest:
             return f"{name} sha256 mismatch"
-    if set(state.get("files", {})) != set(FILES) | {"optimizer.json"}:
+    if set(state.get("files", {})) != set(FILES):
         return "state.json lists the wrong files"
     return None

@@ -75,8 +75,15 @@ def read_yaml(path: str | os.PathLike) -> Any:
         raise RunnerError(f"not valid YAML: {err}", file=str(path)) from None
 
 
-def read_jsonl(path: str | os.PathLike) -> list[Any]:
-    """One JSON value per line; a missing file is empty; a bad line is a RunnerError naming it."""
+def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
+    atomic_write(path, json.dumps(data, indent=1).encode())
+
+
+def read_jsonl(path: str | os.PathLike, *, skip_torn: bool = False) -> list[Any]:
+    """One JSON value per line; a missing file is empty; a bad line is a RunnerError naming it.
+
+    `skip_torn` drops bad lines instead: for append-only journals a kill may have torn mid-write,
+    read before `repair_jsonl_tail` runs."""
     path = Path(path)
     if not path.exists():
         return []
@@ -86,7 +93,8 @@ def read_jsonl(path: str | os.PathLike) -> list[Any]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise RunnerError(f"line {n}: not valid JSON: {err}", file=str(path)) from None
+                if not skip_torn:
+                    raise RunnerError(f"line {n}: not valid JSON: {err}", file=str(path)) from None
     return rows
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from runner.errors import RunnerError
-from runner.fsio import atomic_write, canonical_json
+from runner.fsio import atomic_write, canonical_json, sha256_file
 
 FORMAT = "runner-manifest/1"
 REQUIRED_KEYS = ("format", "domain", "tokenizer_sha256", "token_dtype", "vocab_size", "eos_id",
@@ -91,9 +91,7 @@ def _check_shard(shard: Shard, itemsize: int, full: bool) -> None:
         raise RunnerError(f"shard is {size_bytes} bytes, the manifest says {shard.tokens} tokens = "
                           f"{expected_bytes} bytes (truncated or replaced)", file=str(shard.path))
     if full:
-        from runner.tokenizer import file_sha256
-
-        actual = file_sha256(shard.path)
+        actual = sha256_file(shard.path)
         if actual != shard.sha256:
             raise RunnerError(f"shard sha256 is {actual}, the manifest says {shard.sha256}",
                               file=str(shard.path))
@@ -225,8 +223,9 @@ def load_experiment_manifests(exp, *, verify: str = "size", missing_ok: bool = F
     return manifests, notes
 
 
-def plan_experiment_mixture(exp, manifests: dict[str, Manifest]):
-    """The mixture plan of an experiment over its manifests; MixtureInfeasible names the file."""
+def plan_experiment_mixture(exp, manifests: dict[str, Manifest], exposure_tokens: int | None = None):
+    """The mixture plan of an experiment over its manifests, at its own budget or at
+    `exposure_tokens` (a pilot's); MixtureInfeasible names the file."""
     from runner.errors import MixtureInfeasible
     from runner.mixture import plan_mixture
 
@@ -236,7 +235,8 @@ def plan_experiment_mixture(exp, manifests: dict[str, Manifest]):
         return plan_mixture({d: num_samples(m.pool_tokens, L) for d, m in manifests.items()},
                             {d: float(v.target_ratio) for d, v in cfg.mixture.domains.items()},
                             {d: float(v.max_repetition_ratio) for d, v in cfg.mixture.domains.items()},
-                            int(cfg.train.exposure_tokens), L, int(cfg.train.global_batch_sequences))
+                            int(cfg.train.exposure_tokens if exposure_tokens is None else exposure_tokens),
+                            L, int(cfg.train.global_batch_sequences))
     except MixtureInfeasible as e:
         if e.file is not None or exp.path is None:
             raise

@@ -232,20 +232,15 @@ def _readme(raw: dict, resolved: dict, rows: list, batch_tokens: int, by_referen
 def _check_budgets_feasible(resolved: Mapping[str, Any], root: Path | None, budgets: dict[str, int]) -> None:
     """With the manifests on disk, refuse a budget the mixture cannot meet under its repetition caps."""
     from runner.errors import MixtureInfeasible
-    from runner.manifest import load_experiment_manifests, num_samples
-    from runner.mixture import plan_mixture
+    from runner.manifest import load_experiment_manifests, plan_experiment_mixture
     from runner.recipe import experiment_from_dict
 
     exp = experiment_from_dict(dict(resolved), project_root=root)
     manifests, _ = load_experiment_manifests(exp, missing_ok=True)
-    domains = resolved["mixture"]["domains"]
-    if len(manifests) != len(domains):
+    if len(manifests) != len(resolved["mixture"]["domains"]):
         return
-    L, batch = int(resolved["train"]["seq_len"]), int(resolved["train"]["global_batch_sequences"])
     for text, tokens in budgets.items():
         try:
-            plan_mixture({d: num_samples(m.pool_tokens, L) for d, m in manifests.items()},
-                         {d: float(v["target_ratio"]) for d, v in domains.items()},
-                         {d: float(v["max_repetition_ratio"]) for d, v in domains.items()}, tokens, L, batch)
+            plan_experiment_mixture(exp, manifests, tokens)
         except MixtureInfeasible as e:
             raise RunnerError(f"budget {text} ({tokens:,} tokens): {e}", key="--budgets") from None

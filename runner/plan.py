@@ -11,7 +11,6 @@ Time is `T / q` (tokens over tokens per second) times `1 + overhead fractions` (
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import asdict, dataclass
@@ -19,9 +18,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from runner.errors import RunnerError
-from runner.fsio import read_jsonl
+from runner.fsio import read_json, read_jsonl, read_yaml
 from runner.flops import DEFAULT_CONVENTION, Convention, as_plain, flops_per_token, params_of_config
 from runner.hardware import resolve_peak
+from runner.recipe import devices
 
 SECONDS_PER_HOUR = 3600.0
 SECONDS_PER_DAY = 86400.0
@@ -106,8 +106,7 @@ def memory_per_device(cfg: Mapping[str, Any]) -> dict[str, Any]:
     state_bytes_per_param = {"weights (fp32 master)": 4, "grads (fp32)": 4, "adamw moments (2 x fp32)": 8}
     if precision == "bf16":
         state_bytes_per_param["bf16 autocast weight copies"] = 2
-    devices = int(hw.get("devices_per_node", 1)) * int(hw.get("nodes", 1))
-    shard = devices if hw.get("distributed") == "fsdp" else 1
+    shard = devices(cfg) if hw.get("distributed") == "fsdp" else 1
     state = {k: v * n_params / shard for k, v in state_bytes_per_param.items()}
 
     s, b = int(train["seq_len"]), int(train["micro_batch_sequences"])
@@ -145,21 +144,6 @@ def memory_per_device(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- mixture
-def _field(obj: Any, name: str) -> Any:
-    return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
-
-
-def _domain_entries(plan: Any) -> dict[str, Any]:
-    """Per-domain entries of a MixturePlan, whether it holds them as `.domains` or is a mapping."""
-    for attr in ("domains", "per_domain"):
-        value = _field(plan, attr)
-        if isinstance(value, Mapping):
-            return dict(value)
-    if isinstance(plan, Mapping):
-        return dict(plan)
-    raise RunnerError(f"unexpected MixturePlan shape: {type(plan).__name__}")
-
-
 def mixture_plan(cfg: Mapping[str, Any], root: Path) -> dict[str, Any]:
     """Per-domain exposure, epochs and effective tokens from the pinned manifests, or why not."""
     cfg = as_plain(cfg)
@@ -193,10 +177,8 @@ def mixture_plan(cfg: Mapping[str, Any], root: Path) -> dict[str, Any]:
         return {"status": "infeasible", "line": f"mixture: INFEASIBLE: {e}", "warnings": pin_warnings,
                 "pool_tokens": sum(n * seq_len for n in samples.values())}
     rows, warnings = {}, list(pin_warnings)
-    for d, entry in sorted(_domain_entries(plan).items()):
-        exposure = float(_field(entry, "exposure_tokens"))
-        pool = float(_field(entry, "pool_tokens") or samples[d] * seq_len)
-        epochs = float(_field(entry, "epochs") if _field(entry, "epochs") is not None else exposure / pool)
+    for d, entry in sorted(plan.domains.items()):
+        exposure, pool, epochs = float(entry.exposure_tokens), float(entry.pool_tokens), float(entry.epochs)
         unique = min(exposure, pool)
         rows[d] = {"target_ratio": ratios.get(d), "pool_tokens": pool, "exposure_tokens": exposure,
                    "epochs": epochs, "unique_tokens": unique,
@@ -254,8 +236,7 @@ def read_calibration(run_dir: str | Path, cfg: Mapping[str, Any],
     run_cfg, note = None, ""
     exp_file = run_dir / "experiment.yaml"
     if exp_file.exists():
-        import yaml
-        run_cfg = yaml.safe_load(exp_file.read_text(encoding="utf-8"))
+        run_cfg = read_yaml(exp_file)
     same = run_cfg is None or (run_cfg.get("model") == target.get("model")
                                and run_cfg.get("hardware") == target.get("hardware")
                                and run_cfg.get("train", {}).get("seq_len") == target["train"]["seq_len"])
@@ -268,11 +249,10 @@ def read_calibration(run_dir: str | Path, cfg: Mapping[str, Any],
     conventions = {}
     run_json = run_dir / "run.json"
     if run_json.exists():
-        conventions = (json.loads(run_json.read_text(encoding="utf-8")).get("conventions") or {})
+        conventions = (read_json(run_json).get("conventions") or {})
     try:
         peak = float(conventions.get("peak_tflops") or resolve_peak(run_cfg["hardware"]).peak_tflops)
-        devices = int(run_cfg["hardware"].get("devices_per_node", 1)) * int(run_cfg["hardware"].get("nodes", 1))
-        mfu_value = tps * flops_per_token(run_cfg, convention) / (peak * 1e12 * devices)
+        mfu_value = tps * flops_per_token(run_cfg, convention) / (peak * 1e12 * devices(run_cfg))
     except RunnerError as e:
         note = (note + "; " if note else "") + f"MFU not derivable: {e}"
     return Calibration(str(run_dir), len(rows), tps, useful_fraction, overhead, mfu_value, same, note)
@@ -296,7 +276,7 @@ def build_plan(cfg: Mapping[str, Any], *, mfu: float | None = None, calibration:
     train, hw, plan_cfg = cfg["train"], cfg["hardware"], cfg.get("plan") or {}
     counts = params_of_config(cfg)
     tokens = float(train["exposure_tokens"])
-    devices = int(hw.get("devices_per_node", 1)) * int(hw.get("nodes", 1))
+    n_devices = devices(cfg)
     peak = resolve_peak(hw)
     mfu = float(mfu if mfu is not None else hw.get("default_mfu", 0.4))
     fpt = flops_per_token(cfg, convention)
@@ -305,19 +285,19 @@ def build_plan(cfg: Mapping[str, Any], *, mfu: float | None = None, calibration:
     price = float(hw.get("price_per_device_hour_usd") or 0.0)
     fractions = {k: float(plan_cfg.get(k, 0.0)) for k in
                  ("checkpoint_overhead_fraction", "eval_overhead_fraction", "recovery_overhead_fraction")}
-    assumed_tps = mfu * peak.peak_tflops * 1e12 * devices / fpt
-    time_assumed = _time_block(tokens, assumed_tps, sum(fractions.values()), devices, price)
+    assumed_tps = mfu * peak.peak_tflops * 1e12 * n_devices / fpt
+    time_assumed = _time_block(tokens, assumed_tps, sum(fractions.values()), n_devices, price)
     time_assumed["mfu"] = mfu
     time_assumed["pure_hours_6n_all"] = compute_seconds(
-        training_flops(counts.all, tokens), mfu, peak.peak_tflops, devices) / SECONDS_PER_HOUR
+        training_flops(counts.all, tokens), mfu, peak.peak_tflops, n_devices) / SECONDS_PER_HOUR
     time_measured = None
     if calibration is not None:
         if calibration.same_experiment or calibration.mfu is None:
             tps = calibration.processed_tokens_per_second
         else:
-            tps = calibration.mfu * peak.peak_tflops * 1e12 * devices / fpt
-        time_measured = _time_block(tokens, tps, calibration.overhead_fraction, devices, price)
-        time_measured["mfu"] = tps * fpt / (peak.peak_tflops * 1e12 * devices)
+            tps = calibration.mfu * peak.peak_tflops * 1e12 * n_devices / fpt
+        time_measured = _time_block(tokens, tps, calibration.overhead_fraction, n_devices, price)
+        time_measured["mfu"] = tps * fpt / (peak.peak_tflops * 1e12 * n_devices)
         time_measured["useful_fraction"] = calibration.useful_fraction
     mix = mixture_plan(cfg, Path(root))
     pool_tokens = mix.get("pool_tokens")
@@ -338,7 +318,7 @@ def build_plan(cfg: Mapping[str, Any], *, mfu: float | None = None, calibration:
             "tokens_per_param": tokens / counts.all,
             "chinchilla_optimal_tokens": chinchilla_optimal_tokens(counts.all),
         },
-        "hardware": {"device_name": hw.get("device_name"), "devices": devices, **peak.to_dict(),
+        "hardware": {"device_name": hw.get("device_name"), "devices": n_devices, **peak.to_dict(),
                      "price_per_device_hour_usd": price},
         "overheads_assumed": fractions,
         "time": {"assumed": time_assumed, "measured": time_measured},

@@ -22,9 +22,9 @@ from typing import Iterator
 import numpy as np
 
 from runner.errors import RunnerError
-from runner.fsio import fsync_dir
+from runner.fsio import fsync_dir, sha256_file
 from runner.manifest import DTYPES, FORMAT, write_manifest
-from runner.tokenizer import file_sha256, load_tokenizer, tokenizer_info
+from runner.tokenizer import load_tokenizer, tokenizer_info
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
 KINDS = {".parquet": "parquet", ".jsonl": "jsonl"}
@@ -321,7 +321,7 @@ def prepare(domain: str, tokenizer_path: str | os.PathLike, out_dir: str | os.Pa
         "pool_tokens": sum(s["tokens"] for s in shards), "documents": documents[False],
         "validation_tokens": sum(s["tokens"] for s in validation_shards),
         "validation_documents": documents[True],
-        "sources": [{"path": s.name, "kind": s.kind, "sha256": file_sha256(s.path)} for s in sources],
+        "sources": [{"path": s.name, "kind": s.kind, "sha256": sha256_file(s.path)} for s in sources],
     }
     manifest_path = out_dir / "manifest.json"
     return manifest_path, write_manifest(manifest_path, fields)

@@ -543,7 +543,10 @@ def _check_missing(node: Any, key: str, path: Path, problems: Problems) -> None:
 
 # ---------------------------------------------------------------- rules across keys
 def devices(cfg) -> int:
-    return int(cfg.hardware.devices_per_node) * int(cfg.hardware.nodes)
+    """Devices the hardware recipe asks for. Also reads plain dicts (saved run configs, the
+    planner's), where a key absent from an older config means 1."""
+    hw = cfg.get("hardware") or {}
+    return int(hw.get("devices_per_node", 1)) * int(hw.get("nodes", 1))
 
 
 def global_batch_tokens(cfg) -> int:

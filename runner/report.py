@@ -23,6 +23,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml
 from runner.flops import Convention, flops_per_token, params_of_config
 from runner.manifest import num_samples
+from runner.recipe import devices
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 
 TABLES = tuple(SCHEMAS)
@@ -59,12 +60,6 @@ def load_manifests(folder: Path, domains: list[str]) -> dict[str, dict]:
     return out
 
 
-def recipe_devices(cfg: dict) -> int:
-    """Devices the hardware recipe asks for: devices_per_node * nodes."""
-    hw = cfg.get("hardware") or {}
-    return int(hw.get("devices_per_node", 1)) * int(hw.get("nodes", 1))
-
-
 def devices_held(run: dict, cfg: dict) -> int:
     """Devices the run held: run.json `devices` (the trainer's world size), else
     conventions.devices_counted, else the hardware recipe (runs recorded before either existed).
@@ -77,7 +72,7 @@ def devices_held(run: dict, cfg: dict) -> int:
     recorded = (run.get("conventions") or {}).get("devices_counted")
     if recorded is not None:
         return int(recorded)
-    return recipe_devices(cfg)
+    return devices(cfg)
 
 
 def conventions_of(run: dict, cfg: dict) -> dict:

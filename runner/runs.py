@@ -12,11 +12,20 @@ import shutil
 from pathlib import Path
 
 from runner.errors import RunnerError
-from runner.fsio import read_json, read_yaml
+from runner.fsio import atomic_write_json, read_json, read_yaml
 
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _segment(index: int, start_step: int, exp) -> dict:
+    """run.json's record of one segment: the budget and fingerprint the run trains under from `start_step`."""
+    from runner.recipe import max_duration_tokens
+
+    return {"index": index, "start_step": start_step, "max_duration_tokens": max_duration_tokens(exp.config),
+            "exposure_tokens": int(exp.config.train.exposure_tokens), "fingerprint": exp.fingerprint,
+            "started_at": _now()}
 
 
 # ---- run folders --------------------------------------------------------------------------------
@@ -86,8 +95,7 @@ def check_mixture_feasible(exp) -> None:
 
 
 def create_run_folder(exp, run_dir: Path, run_id: str) -> None:
-    from runner.recipe import max_duration_tokens, to_yaml
-    from runner.train import write_json_atomic
+    from runner.recipe import to_yaml
 
     run_dir.mkdir(parents=True, exist_ok=True)
     for sub in ("checkpoints", "journal", "metrics", "manifests"):
@@ -96,25 +104,22 @@ def create_run_folder(exp, run_dir: Path, run_id: str) -> None:
     (run_dir / "fingerprint.txt").write_text(exp.fingerprint + "\n")
     for d, pin in exp.config.data.manifests.items():
         shutil.copy2(exp.resolve_path(pin.path), run_dir / "manifests" / f"{d}.json")
-    write_json_atomic(run_dir / "run.json", {
+    atomic_write_json(run_dir / "run.json", {
         "run_id": run_id, "experiment": str(exp.config.name), "fingerprint": exp.fingerprint,
         "experiment_file": str(exp.path) if exp.path else None, "project_root": str(exp.project_root),
         "mlflow": {"tracking_uri": None, "experiment_id": None, "run_id": None},
-        "segments": [{"index": 0, "start_step": 0, "max_duration_tokens": max_duration_tokens(exp.config),
-                      "exposure_tokens": int(exp.config.train.exposure_tokens),
-                      "fingerprint": exp.fingerprint, "started_at": _now()}],
+        "segments": [_segment(0, 0, exp)],
         "status": "created", "committed_steps": 0, "conventions": None, "created_at": _now()})
 
 
 def extend_run(run_dir: Path, tokens: int, write: bool):
     """A finished run's experiment with exposure and max_duration raised to `tokens` (a new segment)."""
-    from runner.recipe import experiment_from_dict, max_duration_tokens, to_yaml
-    from runner.train import write_json_atomic
+    from runner.recipe import experiment_from_dict, global_batch_tokens, to_yaml
 
     exp = checked_experiment_of_run(run_dir)
     info = read_json(run_dir / "run.json")
     cfg = exp.config
-    step_tokens = int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len)
+    step_tokens = global_batch_tokens(cfg)
     if info.get("status") != "finished":
         raise RunnerError(f"run status is {info.get('status')!r}; only a finished run is extended "
                           "(resume it first)", file=str(run_dir / "run.json"), key="status")
@@ -130,9 +135,7 @@ def extend_run(run_dir: Path, tokens: int, write: bool):
         (run_dir / "experiment.yaml").write_text(to_yaml(new.config))
         (run_dir / "fingerprint.txt").write_text(new.fingerprint + "\n")
         segments = info.get("segments", [])
-        segments.append({"index": len(segments), "start_step": int(info.get("committed_steps", 0)),
-                         "max_duration_tokens": max_duration_tokens(new.config), "exposure_tokens": tokens,
-                         "fingerprint": new.fingerprint, "started_at": _now()})
+        segments.append(_segment(len(segments), int(info.get("committed_steps", 0)), new))
         info.update(segments=segments, fingerprint=new.fingerprint, status="running")
-        write_json_atomic(run_dir / "run.json", info)
+        atomic_write_json(run_dir / "run.json", info)
     return new

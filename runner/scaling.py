@@ -10,7 +10,6 @@ Never: trains, or edits run folders; N is the non-embedding parameter count, D e
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from runner.errors import RunnerError
-from runner.fsio import read_jsonl
+from runner.fsio import read_json, read_jsonl, read_yaml
 from runner.flops import params_of_config
 
 HUBER_DELTA = 1e-3
@@ -102,7 +101,6 @@ def read_report_point(report_dir: Path) -> Point:
 def read_point(run_dir: str | Path) -> Point:
     """A point from a run folder: experiment.yaml (N), ledger.json / run.json (D), metrics/eval.jsonl
     (loss); or from a report folder (run_summary.parquet), or a run folder holding only report/."""
-    import yaml
     run_dir = Path(run_dir)
     if (run_dir / "run_summary.parquet").exists():
         return read_report_point(run_dir)
@@ -113,7 +111,7 @@ def read_point(run_dir: str | Path) -> Point:
     for needed in (exp, evals):
         if not needed.exists():
             raise RunnerError(f"missing {needed.relative_to(run_dir)}: not a finished run folder", file=str(run_dir))
-    cfg = yaml.safe_load(exp.read_text(encoding="utf-8"))
+    cfg = read_yaml(exp)
     params = params_of_config(cfg).non_embedding
     tokens = _exposure_tokens(run_dir, cfg)
     rows = read_jsonl(evals)
@@ -152,13 +150,13 @@ def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
 def _exposure_tokens(run_dir: Path, cfg: dict) -> float:
     ledger = run_dir / "ledger.json"
     if ledger.exists():
-        data = json.loads(ledger.read_text(encoding="utf-8"))
+        data = read_json(ledger)
         total = (data.get("counters") or {}).get("total") or {}
         if total.get("exposure"):
             return float(total["exposure"])
     run_json = run_dir / "run.json"
     if run_json.exists():
-        steps = json.loads(run_json.read_text(encoding="utf-8")).get("committed_steps")
+        steps = read_json(run_json).get("committed_steps")
         if steps:
             return float(steps * cfg["train"]["global_batch_sequences"] * cfg["train"]["seq_len"])
     raise RunnerError("no exposure tokens: neither ledger.json counters.total.exposure nor "

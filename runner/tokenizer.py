@@ -26,8 +26,6 @@ EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id
 UINT16_MAX_VOCAB = 65536
 
 
-file_sha256 = sha256_file
-
 
 def token_dtype_for(vocab_size: int) -> str:
     """`uint16` when every id fits (vocab_size <= 65,536), else `uint32`; never truncates."""
@@ -44,7 +42,7 @@ def load_tokenizer(path: str | os.PathLike, expected_sha256: str | None = None):
     if not path.is_file():
         raise RunnerError("tokenizer file not found", file=str(path))
     if expected_sha256 is not None:
-        actual = file_sha256(path)
+        actual = sha256_file(path)
         if actual != expected_sha256:
             raise RunnerError(f"file sha256 is {actual}, the recipe pins {expected_sha256}",
                               file=str(path), key="tokenizer.sha256")
@@ -73,7 +71,7 @@ def tokenizer_info(path: str | os.PathLike) -> dict:
     """`{sha256, vocab_size, eos_id, token_dtype}` of a tokenizer file."""
     tokenizer = load_tokenizer(path)
     vocab_size = vocab_size_of(tokenizer)
-    return {"sha256": file_sha256(path), "vocab_size": vocab_size,
+    return {"sha256": sha256_file(path), "vocab_size": vocab_size,
             "eos_id": eos_id_of(tokenizer, str(path)), "token_dtype": token_dtype_for(vocab_size)}
 
 

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from runner.fsio import atomic_write, read_jsonl
+
 PENDING = Path("journal") / "mlflow-pending.jsonl"
 RETRY_AFTER_SECONDS = 10.0  # after a failed send, queue without trying, so a hung server costs one timeout
 _BATCH = 100  # MLflow's per-request limit for params and tags (metrics allow 1000)
@@ -123,15 +125,8 @@ class Tracker:
             f.write(json.dumps(entry) + "\n")
 
     def _read_pending(self) -> list[dict]:
-        if not self.pending_path.exists():
-            return []
-        entries = []
-        for line in self.pending_path.read_text().splitlines():
-            try:
-                entries.append(json.loads(line))
-            except ValueError:
-                continue  # a line torn by a kill mid-write; its data is re-sent by the next step's entry
-        return entries
+        # A line torn by a kill mid-write is skipped; its data is re-sent by the next step's entry.
+        return read_jsonl(self.pending_path, skip_torn=True)
 
     def _send(self, entry: dict) -> None:
         from mlflow.entities import Metric, Param, RunTag
@@ -141,18 +136,12 @@ class Tracker:
             self._ensure_run(entry["experiment_name"], entry["run_name"])
             return
         if kind == "metrics":
-            metrics = [Metric(k, float(v), int(entry["timestamp_ms"]), int(entry["step"]))
-                       for k, v in entry["metrics"].items()]
-            for i in range(0, len(metrics), 1000):
-                self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=True)
+            self._log_batch("metrics", [Metric(k, float(v), int(entry["timestamp_ms"]), int(entry["step"]))
+                                        for k, v in entry["metrics"].items()], 1000)
         elif kind == "params":
-            params = [Param(k, v) for k, v in entry["params"].items()]
-            for i in range(0, len(params), _BATCH):
-                self.client.log_batch(self.run_id, params=params[i:i + _BATCH], synchronous=True)
+            self._log_batch("params", [Param(k, v) for k, v in entry["params"].items()], _BATCH)
         elif kind == "tags":
-            tags = [RunTag(k, str(v)) for k, v in entry["tags"].items()]
-            for i in range(0, len(tags), _BATCH):
-                self.client.log_batch(self.run_id, tags=tags[i:i + _BATCH], synchronous=True)
+            self._log_batch("tags", [RunTag(k, str(v)) for k, v in entry["tags"].items()], _BATCH)
         elif kind == "artifacts":
             path = Path(entry["path"])
             if path.is_dir():
@@ -161,6 +150,10 @@ class Tracker:
                 self.client.log_artifact(self.run_id, str(path), entry.get("artifact_path"))
         elif kind == "status":
             self.client.set_terminated(self.run_id, entry["status"])
+
+    def _log_batch(self, kind: str, items: list, limit: int) -> None:
+        for i in range(0, len(items), limit):
+            self.client.log_batch(self.run_id, **{kind: items[i:i + limit]}, synchronous=True)
 
     def _deliver(self, entries: list[dict]) -> bool:
         """Send `entries` (after any pending ones); on failure everything unsent is journaled."""
@@ -183,8 +176,7 @@ class Tracker:
             self._retry_at = time.monotonic() + RETRY_AFTER_SECONDS
             self.last_error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             if not self._warned and not self._syncing:  # a sync reports its own outcome; it journals nothing new
-                self.report(f"mlflow: {self.tracking_uri} unavailable ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:160] if str(e) else ''}); journaling to {PENDING}")
+                self.report(f"mlflow: {self.tracking_uri} unavailable ({self.last_error}); journaling to {PENDING}")
                 self._warned = True
             self._rewrite_pending(queue[sent:])
             return False
@@ -197,13 +189,7 @@ class Tracker:
 
     def _rewrite_pending(self, entries: list[dict]) -> None:
         self.pending_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.pending_path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            for e in _dedupe(entries):
-                f.write(json.dumps(e) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.pending_path)
+        atomic_write(self.pending_path, "".join(json.dumps(e) + "\n" for e in _dedupe(entries)).encode())
 
     # ---- public API ---------------------------------------------------------------------------
 

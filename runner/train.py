@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from runner import recipe as rrecipe
 from runner.checkpoint import Checkpointer, rng_state, set_rng_state
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
-from runner.fsio import atomic_write, repair_jsonl_tail
+from runner.fsio import atomic_write_json, read_json, read_jsonl, repair_jsonl_tail
 
 # ---- run folder ---------------------------------------------------------------------------------
 
@@ -43,37 +43,25 @@ class RunFolder:
         return self.path / "run.json"
 
     def read(self) -> dict:
-        return json.loads(self.run_json.read_text())
+        return read_json(self.run_json)
 
     def update(self, **fields) -> dict:
         info = self.read()
         info.update(fields)
         if self.writer:
-            write_json_atomic(self.run_json, info)
+            atomic_write_json(self.run_json, info)
         return info
 
     def journal_path(self) -> Path:
         return self.path / "journal" / "processed.jsonl"
 
     def journal_entries(self) -> list[dict]:
-        path = self.journal_path()
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # torn by a kill mid-write; repair_journal drops it before appending
-        return out
+        # A line torn by a kill mid-write is skipped; repair_journal drops it before appending.
+        return read_jsonl(self.journal_path(), skip_torn=True)
 
     def repair_journal(self) -> None:
         if self.writer:
             repair_jsonl_tail(self.journal_path())
-
-
-def write_json_atomic(path: Path, data) -> None:
-    atomic_write(path, json.dumps(data, indent=1).encode())
 
 
 # ---- schedule -----------------------------------------------------------------------------------
@@ -136,7 +124,6 @@ class Data:
     val_reader: object | None
     val_samples: dict[str, int]
     byte_lengths: np.ndarray
-    manifests: dict[str, object]
 
 
 def load_data(exp, seq_len: int) -> Data:
@@ -146,27 +133,24 @@ def load_data(exp, seq_len: int) -> Data:
 
     cfg = exp.config
     manifests, _ = load_experiment_manifests(exp)
-    pools, val_pools = {}, {}
-    for d, m in manifests.items():
-        pools[d] = Pool(m, "train")
-        val_pools[d] = Pool(m, "validation") if m.validation_shards else None
+    pools = {d: Pool(m, "train") for d, m in manifests.items()}
+    val_pools = {d: Pool(m, "validation") for d, m in manifests.items() if m.validation_shards}
     samples = {d: num_samples(p.tokens, seq_len) for d, p in pools.items()}
     ratios = {d: float(v.target_ratio) for d, v in cfg.mixture.domains.items()}
     sampler = MixtureSampler(samples, ratios, int(cfg.seed), int(cfg.train.global_batch_sequences))
     val_samples = {d: min(int(cfg.eval.samples_per_domain), num_samples(p.tokens, seq_len))
-                   for d, p in val_pools.items() if p is not None}
-    present = {d: p for d, p in val_pools.items() if p is not None}
+                   for d, p in val_pools.items()}
     tok = load_tokenizer(exp.resolve_path(cfg.tokenizer.path), cfg.tokenizer.sha256)
     return Data(domains=list(sampler.domains), samples=samples, sampler=sampler,
                 reader=BatchReader(pools, seq_len),
-                val_reader=BatchReader(present, seq_len) if present else None,
+                val_reader=BatchReader(val_pools, seq_len) if val_pools else None,
                 val_samples={d: n for d, n in val_samples.items() if n > 0},
-                byte_lengths=np.asarray(token_byte_lengths(tok), dtype=np.int64), manifests=manifests)
+                byte_lengths=np.asarray(token_byte_lengths(tok), dtype=np.int64))
 
 
 def domain_positions(pairs, domains: list[str], seq_len: int) -> dict[str, int]:
-    """Input positions per domain of a list of (domain_id, sample) pairs."""
-    counts = np.bincount(np.array([p[0] for p in pairs], dtype=np.int64), minlength=len(domains))
+    """Input positions per domain of (domain_id, sample) pairs: a list, or an array [..., 2]."""
+    counts = np.bincount(np.asarray(pairs, dtype=np.int64).reshape(-1, 2)[:, 0], minlength=len(domains))
     return {d: int(counts[i]) * seq_len for i, d in enumerate(domains)}
 
 
@@ -324,7 +308,7 @@ class _Step:
     loss: float                           # nats per useful target, global batch
     grad_norm: float                      # before clipping
     lr: float
-    global_pairs: list                    # the whole global batch: the ledger commits all ranks' pairs
+    global_pairs: np.ndarray              # the whole global batch [B, 2]: the ledger commits all ranks' pairs
     useful: dict[str, int]                # useful targets per domain, all ranks
     useful_tokens: float
 
@@ -416,10 +400,7 @@ def _resume(run: _Run) -> None:
     for e in journal:
         for d, n in e.get("processed", {}).items():
             spent[d] = spent.get(d, 0) + int(n)
-    current = ledger.counters()
-    catch_up = {d: spent[d] - int(current[d]["processed"]) for d in data.domains}
-    if any(v > 0 for v in catch_up.values()):
-        ledger.record_processed({d: max(v, 0) for d, v in catch_up.items()})
+    _catch_up_processed(ledger, spent)
     by_attempt: dict[int, float] = {}
     for e in journal:  # wall time of earlier attempts, crashed ones included (SPEC: wall basis)
         by_attempt[int(e.get("attempt", 0))] = max(by_attempt.get(int(e.get("attempt", 0)), 0.0),
@@ -466,20 +447,14 @@ def _to_device(array, device: torch.device, pin: bool) -> torch.Tensor:
     return t.to(device)
 
 
-def _processed_by_micro(run: _Run, global_pairs: list) -> list[dict[str, int]]:
-    """Input positions per domain of micro step m, summed over ALL ranks (processed is global work)."""
-    # rank_slice cuts the global batch into contiguous [rank][micro step][sequence] blocks.
-    grid = np.array([d for d, _ in global_pairs], dtype=np.int64).reshape(run.world, run.accum, run.micro)
-    domains = run.data.domains
-    return [{d: int(n) * run.seq_len for d, n in zip(domains, np.bincount(grid[:, m].ravel(), minlength=len(domains)))}
-            for m in range(run.accum)]
-
-
 def _train_step(run: _Run, step: int) -> _Step:
     """Forward/backward of one global batch; each micro step's processed work is journaled as it is spent."""
     acc, data, model, opts = run.acc, run.data, run.model, run.opts
-    global_pairs = data.sampler.global_batch(step)
-    batch = data.reader.read(data.sampler.rank_slice(step, run.rank, run.world))
+    # The global batch, drawn once per step, as the sampler's rank_slice cuts it: contiguous
+    # [rank][micro step][sequence] blocks. This rank reads its block; processed counts every rank's.
+    global_pairs = np.stack(data.sampler.step_arrays(step), axis=1)
+    grid = global_pairs.reshape(run.world, run.accum, run.micro, 2)
+    batch = data.reader.read(grid[run.rank])
     x, y, mask = (_to_device(a, acc.device, run.pin) for a in (batch.input_ids, batch.labels, batch.loss_mask))
     # Useful targets per domain of the whole global batch: the loss divisor and the ledger's useful.
     useful = torch.zeros(len(data.domains), dtype=torch.float64)
@@ -489,7 +464,7 @@ def _train_step(run: _Run, step: int) -> _Step:
     lr = lr_at(step, run.cfg.optim, run.schedule_steps_at(step), run.warmup_steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    processed = _processed_by_micro(run, global_pairs)
+    processed = [domain_positions(grid[:, m], data.domains, run.seq_len) for m in range(run.accum)]
     loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
     for m in range(run.accum):
         sl = slice(m * run.micro, (m + 1) * run.micro)
@@ -538,13 +513,14 @@ def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, co
 
 def _checkpoint_state(run: _Run, step: int) -> dict:
     cfg, tracker = run.cfg, run.tracker
+    segment_steps = run.schedule_steps_at(step)
     # The resolved config rides along (as in OLMo-core) so an edited experiment.yaml can be diffed.
     return {"sampler_step": step, "rng": rng_state(), "fingerprint": run.exp.fingerprint,
             "config": run.resolved_config, "segment": len(run.info.get("segments", [])) - 1, "attempt": run.attempt,
             "scheduler": {"schedule": str(cfg.optim.schedule), "schedule_steps": run.schedule_steps,
                           "warmup_steps": run.warmup_steps,
-                          "segment_schedule_steps": run.schedule_steps_at(step),
-                          "next_lr": lr_at(step, cfg.optim, run.schedule_steps_at(step), run.warmup_steps)},
+                          "segment_schedule_steps": segment_steps,
+                          "next_lr": lr_at(step, cfg.optim, segment_steps, run.warmup_steps)},
             "mlflow_run_id": tracker.run_id if tracker is not None else None,
             "step_seconds_total": run.step_seconds_total, "world_size": run.world}
 
@@ -685,14 +661,18 @@ def _rollback_to_last_checkpoint(run: _Run) -> int:
     ckpt = run.checkpointer.latest_valid(report=run.say)
     if ckpt is not None:
         ledger.load_state_dict(ckpt.ledger_state())
-    kept = ledger.counters()
-    ledger.record_processed({d: spent[d] - int(kept[d]["processed"]) for d in run.data.domains})
+    _catch_up_processed(ledger, spent)
     run.ledger = ledger
     return ckpt.step if ckpt is not None else 0
 
 
-def ledger_committed_steps(counters: dict, global_batch: int, seq_len: int) -> int:
-    return int(counters["total"]["exposure"]) // (global_batch * seq_len)
+def _catch_up_processed(ledger, spent: dict[str, int]) -> None:
+    """Raise the ledger's processed counters to `spent` per domain: work done after its
+    checkpoint, then lost, still counts as processed (SPEC)."""
+    current = ledger.counters()
+    catch_up = {d: max(spent[d] - int(current[d]["processed"]), 0) for d in ledger.domains}
+    if any(catch_up.values()):
+        ledger.record_processed(catch_up)
 
 
 def write_ledger_json(run_dir: Path, ledger) -> None:
@@ -705,6 +685,6 @@ def write_ledger_json(run_dir: Path, ledger) -> None:
         if isinstance(x, (np.floating,)):
             return float(x)
         return x
-    write_json_atomic(Path(run_dir) / "ledger.json", {"counters": plain(ledger.counters()),
+    atomic_write_json(Path(run_dir) / "ledger.json", {"counters": plain(ledger.counters()),
                                                       "histogram": plain(ledger.histogram()),
                                                       "realized_ratios": plain(ledger.realized_ratios())})

@@ -11,7 +11,8 @@ import yaml
 from datafixtures import run_cli
 from runner.builtin.build import ASSETS, TOKENIZER_PATH, build_builtin
 from runner.manifest import Pool, load_manifest
-from runner.tokenizer import file_sha256, tokenizer_info
+from runner.fsio import sha256_file
+from runner.tokenizer import tokenizer_info
 
 # The values the shipped recipes pin: a build that no longer reproduces them breaks the CPU experiment.
 _REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ MANIFEST_SHA256 = {d: pin["sha256"] for d, pin in
 
 def test_shipped_tokenizer_matches_its_recipe():
     recipe = TOKENIZER_RECIPE
-    assert file_sha256(TOKENIZER_PATH) == recipe["sha256"] == TOKENIZER_SHA256
+    assert sha256_file(TOKENIZER_PATH) == recipe["sha256"] == TOKENIZER_SHA256
     assert tokenizer_info(TOKENIZER_PATH) == {k: recipe[k] for k in ("sha256", "vocab_size", "eos_id", "token_dtype")}
     assert recipe["vocab_size"] == 4096 and recipe["path"] == "runner/builtin/assets/tokenizer.json"
 

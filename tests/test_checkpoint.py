@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from runner.checkpoint import Checkpointer, flatten_optimizer, rng_state, set_rng_state, unflatten_optimizer
-from runner.fsio import sha256_file
-from trainfixtures import env, launch, make_project, read_jsonl
+from runner.fsio import read_jsonl, sha256_file
+from trainfixtures import env, launch, make_project
 
 STEPS = 16
 COUNTS = ("exposure", "useful", "unique")

@@ -9,7 +9,8 @@ import subprocess
 import pytest
 from safetensors.torch import load_file
 
-from trainfixtures import env, launch, make_project, read_jsonl
+from runner.fsio import read_jsonl
+from trainfixtures import env, launch, make_project
 
 
 @pytest.mark.slow

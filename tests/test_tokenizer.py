@@ -10,7 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from datafixtures import CORPUS, documents, make_tokenizer, run_cli, write_jsonl
 from runner.errors import RunnerError
-from runner.tokenizer import (file_sha256, load_tokenizer, token_byte_lengths, token_dtype_for,
+from runner.fsio import sha256_file
+from runner.tokenizer import (load_tokenizer, token_byte_lengths, token_dtype_for,
                               tokenizer_info)
 
 
@@ -22,7 +23,7 @@ def test_train_cli_writes_tokenizer_and_ready_recipe(tmp_path):
     assert set(recipe) == {"name", "version", "description", "path", "sha256", "vocab_size", "eos_id",
                            "token_dtype"}
     assert recipe["name"] == "tiny" and recipe["version"] == 1
-    assert recipe["sha256"] == file_sha256(tmp_path / "tok" / "tokenizer.json")
+    assert recipe["sha256"] == sha256_file(tmp_path / "tok" / "tokenizer.json")
     assert recipe["vocab_size"] == 300 and recipe["token_dtype"] == "uint16"
     tok = load_tokenizer(tmp_path / "tok" / "tokenizer.json", recipe["sha256"])
     assert tok.token_to_id("<|endoftext|>") == recipe["eos_id"]
@@ -42,7 +43,7 @@ def test_70k_vocab_tokenizer_is_uint32(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     info = tokenizer_info(tmp_path / "tokenizer.json")
-    assert info == {"sha256": file_sha256(tmp_path / "tokenizer.json"), "vocab_size": 70_001,
+    assert info == {"sha256": sha256_file(tmp_path / "tokenizer.json"), "vocab_size": 70_001,
                     "eos_id": 0, "token_dtype": "uint32"}
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from runner.tracking import Tracker, flatten
-from trainfixtures import env, make_project, read_jsonl
+from runner.fsio import read_jsonl
+from trainfixtures import env, make_project
 
 
 def metric_rows(db: Path, run_id: str) -> list[tuple]:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from runner.fsio import read_jsonl
 from runner.train import lr_at
-from trainfixtures import env, launch, make_project, read_jsonl
+from trainfixtures import env, launch, make_project
 
 STEPS = 8
 

@@ -7,8 +7,6 @@ hidden size 32; a step takes milliseconds on one core.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -17,15 +15,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from runner.fsio import sha256_file
 from runner.manifest import write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "runner" / "builtin" / "assets" / "tokenizer.json"
 VOCAB = 4096
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def write_pool(folder: Path, domain: str, train_tokens: int, val_tokens: int, seed: int) -> tuple[Path, str]:
@@ -38,8 +33,8 @@ def write_pool(folder: Path, domain: str, train_tokens: int, val_tokens: int, se
             continue
         path = folder / f"{split}-00000.bin"
         rng.integers(1, VOCAB, size=n, dtype=np.uint16).tofile(path)
-        shards[split] = [{"path": path.name, "tokens": n, "documents": 1, "sha256": _sha(path)}]
-    fields = {"format": "runner-manifest/1", "domain": domain, "tokenizer_sha256": _sha(TOKENIZER),
+        shards[split] = [{"path": path.name, "tokens": n, "documents": 1, "sha256": sha256_file(path)}]
+    fields = {"format": "runner-manifest/1", "domain": domain, "tokenizer_sha256": sha256_file(TOKENIZER),
               "token_dtype": "uint16", "vocab_size": VOCAB, "eos_id": 0,
               "shards": shards["train"], "validation_shards": shards["validation"],
               "validation": {"fraction": 0.1, "rule": "test"}, "pool_tokens": train_tokens, "documents": 1,
@@ -54,7 +49,7 @@ def make_project(root: Path, *, steps: int = 8, seq_len: int = 16, global_batch:
     pools = pools or {"a": (0.5, 4000, 400), "b": (0.5, 3000, 300)}
     recipes = {
         "tokenizer": {"name": "tok", "version": 1, "description": "built-in", "path": str(TOKENIZER),
-                      "sha256": _sha(TOKENIZER), "vocab_size": VOCAB, "eos_id": 0, "token_dtype": "uint16"},
+                      "sha256": sha256_file(TOKENIZER), "vocab_size": VOCAB, "eos_id": 0, "token_dtype": "uint16"},
         "mixture": {"name": "mix", "version": 1, "description": "two domains",
                     "domains": {d: {"target_ratio": r, "max_repetition_ratio": 50.0} for d, (r, _, _) in pools.items()}},
         "model": {"name": "m", "version": 1, "description": "tiny", "hidden_size": 32, "n_layers": 2,
@@ -105,7 +100,3 @@ def launch(tmp: Path, *args, check: bool = True, timeout: float = 120, **env_ext
     if check and proc.returncode != 0:
         raise AssertionError(f"launch exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

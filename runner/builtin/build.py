@@ -15,8 +15,8 @@ import re
 import shutil
 from pathlib import Path
 
+from runner.fsio import sha256_file
 from runner.prepare import prepare
-from runner.tokenizer import file_sha256
 
 ASSETS = Path(__file__).parent / "assets"
 TOKENIZER_PATH = ASSETS / "tokenizer.json"
@@ -57,7 +57,7 @@ def build_builtin(out_dir: str | Path = "data/builtin", progress: bool | None = 
     """Build every built-in domain under `out_dir`; returns {domain: (manifest path, manifest_sha256)}."""
     out_dir = Path(out_dir)
     inputs = write_sources(out_dir / "sources")
-    tokenizer_sha256 = file_sha256(TOKENIZER_PATH)
+    tokenizer_sha256 = sha256_file(TOKENIZER_PATH)
     # In-process tokenization: the corpus is small, and worker start-up would dominate.
     return {domain: prepare(domain, TOKENIZER_PATH, out_dir / domain, [inputs[domain]],
                             tokenizer_sha256=tokenizer_sha256, validation_fraction=VALIDATION_FRACTION,

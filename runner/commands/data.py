@@ -91,9 +91,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_builtin(args: argparse.Namespace) -> int:
     from runner.builtin.build import TOKENIZER_PATH, build_builtin
-    from runner.tokenizer import file_sha256
+    from runner.fsio import sha256_file
 
-    print(f"tokenizer: {TOKENIZER_PATH} sha256={file_sha256(TOKENIZER_PATH)}")
+    print(f"tokenizer: {TOKENIZER_PATH} sha256={sha256_file(TOKENIZER_PATH)}")
     for domain, (path, sha256) in build_builtin(Path(args.out), progress=None).items():
         print(f"{domain}: {path} manifest_sha256={sha256}")
     return 0

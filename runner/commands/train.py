@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import shutil
 import signal
 import statistics
@@ -19,6 +18,7 @@ import sys
 from pathlib import Path
 
 from runner.errors import EXIT_OK, RunnerError, display_path
+from runner.fsio import read_json, read_jsonl, sha256_file
 
 
 def register(subparsers) -> None:
@@ -101,22 +101,25 @@ def _resolve(args) -> tuple[object, Path | None, bool]:
     return exp, run_dir, False
 
 
-def _make_tracker(run_dir: Path, main: bool):
+def _tracker_of(folder, tracking_uri: str | None, **kwargs):
+    """The Tracker continuing the MLflow run recorded in run.json, recording it there when the URI
+    it tracks to is not the one recorded (a first launch, or a server that moved)."""
     from runner.tracking import Tracker
-    from runner.train import RunFolder
 
-    folder = RunFolder(run_dir, writer=main)
     saved = folder.read().get("mlflow") or {}
-
-    def remember(info: dict) -> None:
-        folder.update(mlflow=info)
-
-    tracker = Tracker(run_dir, enabled=main, tracking_uri=saved.get("tracking_uri"), run_id=saved.get("run_id"),
-                      experiment_id=saved.get("experiment_id"), on_run_id=remember,
-                      report=lambda m: print(m, file=sys.stderr))
-    if main and not saved.get("tracking_uri"):
+    tracker = Tracker(folder.path, tracking_uri=tracking_uri or saved.get("tracking_uri"), run_id=saved.get("run_id"),
+                      experiment_id=saved.get("experiment_id"), on_run_id=lambda info: folder.update(mlflow=info),
+                      **kwargs)
+    if tracker.tracking_uri != saved.get("tracking_uri"):
         folder.update(mlflow=tracker.info())
     return tracker
+
+
+def _make_tracker(run_dir: Path, main: bool):
+    from runner.train import RunFolder
+
+    return _tracker_of(RunFolder(run_dir, writer=main), None, enabled=main,
+                       report=lambda m: print(m, file=sys.stderr))
 
 
 def _tags(exp, run_dir: Path) -> dict:
@@ -151,7 +154,7 @@ def _is_rank0() -> bool:
 
 def _finished_line(run_dir: Path) -> str | None:
     """The no-op line for a finished run relaunched without --extend-to, else None."""
-    info = json.loads((run_dir / "run.json").read_text())
+    info = read_json(run_dir / "run.json")
     if info.get("status") != "finished":
         return None
     return (f"run {run_dir}: already finished at step {int(info.get('committed_steps', 0))} "
@@ -177,7 +180,7 @@ def check_world(cfg, world: int) -> str | None:
 def _launch(args) -> int:
     from accelerate.utils import broadcast_object_list
 
-    from runner.recipe import to_yaml
+    from runner.recipe import global_batch_tokens, to_yaml
     from runner.tracking import flatten
     from runner.train import Options, RunFolder, train
 
@@ -230,8 +233,8 @@ def _launch(args) -> int:
         info = RunFolder(run_dir).read()
         status = info.get("status")
         hard_stop = exp.config.train.hard_stop_tokens
-        at_hard_stop = hard_stop is not None and int(info.get("committed_steps", 0)) * int(
-            exp.config.train.global_batch_sequences) * int(exp.config.train.seq_len) == int(hard_stop)
+        at_hard_stop = hard_stop is not None and int(info.get("committed_steps", 0)) * global_batch_tokens(
+            exp.config) == int(hard_stop)
         if status == "finished" or at_hard_stop:  # the run's end as the user chose it: report it
             _write_report(run_dir, tracker)
         if tracker is not None:
@@ -252,17 +255,12 @@ def _print_summary(run_dir: Path) -> None:
     info = RunFolder(run_dir).read()
     ledger_path = run_dir / "ledger.json"
     if ledger_path.exists():
-        total = json.loads(ledger_path.read_text())["counters"]["total"]
+        total = read_json(ledger_path)["counters"]["total"]
         print("  tokens: " + "  ".join(f"{k} {total[k]:,}" for k in ("processed", "exposure", "useful", "unique", "lost")))
-    eval_path = run_dir / "metrics" / "eval.jsonl"
-    if eval_path.exists():
-        last: dict = {}
-        for line in eval_path.read_text().splitlines():
-            row = json.loads(line)
-            last[row["domain"]] = row
-        if last:
-            print("  validation loss nats / bpb: " + "  ".join(
-                f"{d} {r['loss_nats']:.3f} / {r['bpb']:.3f}" for d, r in sorted(last.items())))
+    last = {row["domain"]: row for row in read_jsonl(run_dir / "metrics" / "eval.jsonl")}
+    if last:
+        print("  validation loss nats / bpb: " + "  ".join(
+            f"{d} {r['loss_nats']:.3f} / {r['bpb']:.3f}" for d, r in sorted(last.items())))
     conv = info.get("conventions") or {}
     if info.get("mfu") is not None:
         print(f"  MFU {info['mfu']:.1%} ({conv.get('flops_formula')}, params {conv.get('params_counted')}, "
@@ -291,20 +289,14 @@ def _write_report(run_dir: Path, tracker) -> None:
 
 
 def cmd_sync(args) -> int:
-    from runner.tracking import Tracker
     from runner.train import RunFolder
 
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
         raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(run_dir))
-    folder = RunFolder(run_dir)
-    saved = folder.read().get("mlflow") or {}
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or saved.get("tracking_uri")
-    tracker = Tracker(run_dir, tracking_uri=uri, run_id=saved.get("run_id"),
-                      experiment_id=saved.get("experiment_id"), on_run_id=lambda info: folder.update(mlflow=info),
-                      report=lambda m: None)
-    if tracker.tracking_uri != saved.get("tracking_uri"):
-        folder.update(mlflow=tracker.info())  # the server moved: later resumes and syncs go there
+    # A server that moved is recorded in run.json: later resumes and syncs go there.
+    tracker = _tracker_of(RunFolder(run_dir), args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"),
+                          report=lambda m: None)
     sent, left = tracker.sync()
     line = f"{run_dir}: sent {sent} pending MLflow entries to {tracker.tracking_uri}; "
     if not left:
@@ -366,17 +358,16 @@ def cmd_smoke(args) -> int:
     if rc != EXIT_OK:
         problems.append(f"resumed run exited {rc}")
     final = dirname(steps)
-    from runner.fsio import sha256_file
     a, b = ref / "checkpoints" / final / "model.safetensors", res / "checkpoints" / final / "model.safetensors"
     same_weights = a.exists() and b.exists() and sha256_file(a) == sha256_file(b)
     if not same_weights:
         problems.append("weights after kill+resume differ from the uninterrupted run")
-    la, lb = (json.loads((d / "ledger.json").read_text())["counters"] for d in (ref, res))
+    la, lb = (read_json(d / "ledger.json")["counters"] for d in (ref, res))
     for d in la:
         for k in ("exposure", "useful", "unique"):
             if la[d][k] != lb[d][k]:
                 problems.append(f"ledger {d}.{k}: {la[d][k]} uninterrupted vs {lb[d][k]} resumed")
-    rows = [json.loads(x) for x in (ref / "metrics" / "train.jsonl").read_text().splitlines()]
+    rows = read_jsonl(ref / "metrics" / "train.jsonl")
     steady = rows[2:] or rows
     tps = statistics.median(r["tokens_per_second"] for r in steady)
     mfu = statistics.median(r["mfu"] for r in steady)
