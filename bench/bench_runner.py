@@ -26,10 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 
-def project(tmp: Path, steps: int, hidden: int) -> Path:
+def project(tmp: Path, steps: int, hidden: int, log_every: int = 1) -> Path:
     from trainfixtures import make_project
 
     exp = make_project(tmp, steps=steps, seq_len=128, global_batch=16, micro=8, checkpoint_every=10 ** 6,
+                       train_extra={"log_interval_steps": log_every},
                        eval_every=10 ** 6, pools={"a": (0.5, 400_000, 2_000), "b": (0.5, 300_000, 2_000)})
     model = tmp / "recipes" / "model" / "m.yaml"
     body = yaml.safe_load(model.read_text())
@@ -128,16 +129,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--log-every", default="1,10",
+                    help="MLflow logging intervals to compare (steps); the shipped recipes log every 10")
     args = ap.parse_args()
+    intervals = [int(x) for x in args.log_every.split(",")]
     from runner.recipe import load_experiment
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
-        exp_path = project(tmp, args.steps, args.hidden)
-        exp = load_experiment(exp_path)
-        bare = bare_tokens_per_second(exp, args.steps)
-        ours, _ = runner_tokens_per_second(exp_path, tmp / "run")
+        ours = {}
+        for n in intervals:
+            exp_path = project(tmp / f"log{n}", args.steps, args.hidden, log_every=n)
+            exp = load_experiment(exp_path)
+            if n == intervals[0]:
+                bare = bare_tokens_per_second(exp, args.steps)
+            ours[n], _ = runner_tokens_per_second(exp_path, tmp / f"run{n}")
         bare2 = bare_tokens_per_second(exp, args.steps)  # again: the shared machine's speed drifts
         bare = statistics.mean([bare, bare2])
         book = bookkeeping_seconds(exp, tmp, args.steps)
@@ -146,8 +153,9 @@ def main() -> int:
           f"{torch.get_num_threads()} threads")
     print(f"{'loop':<28}{'tokens/s':>12}")
     print(f"{'bare PyTorch':<28}{bare:>12,.0f}")
-    print(f"{'runner launch (tracked)':<28}{ours:>12,.0f}")
-    print(f"ratio runner / bare: {ours / bare:.3f} (target >= 0.95)")
+    for n, tps in ours.items():
+        print(f"{f'runner, MLflow every {n} step' + ('s' if n > 1 else ''):<28}{tps:>12,.0f}   "
+              f"ratio runner / bare: {tps / bare:.3f} (target >= 0.95)")
     print(f"\nrunner bookkeeping per step at 16 x 128 (1p3b step: {int(cfg.train.global_batch_sequences)} x "
           f"{int(cfg.train.seq_len)}, planned {step_1p3b:.2f} s at MFU {float(cfg.hardware.default_mfu):.0%} "
           f"on {cfg.hardware.device_name})")
