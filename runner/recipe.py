@@ -553,8 +553,15 @@ def global_batch_tokens(cfg) -> int:
     return int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len)
 
 
-def grad_accum(cfg) -> int:
-    return int(cfg.train.global_batch_sequences) // (int(cfg.train.micro_batch_sequences) * devices(cfg))
+def grad_accum(cfg, world: int | None = None) -> int:
+    """Micro steps per optimizer step over `world` processes (default: the recipe's devices). A global
+    batch that does not split is a RunnerError on train.micro_batch_sequences, never a rounding."""
+    world = devices(cfg) if world is None else int(world)
+    batch, micro = int(cfg.train.global_batch_sequences), int(cfg.train.micro_batch_sequences)
+    if batch % (micro * world):
+        raise RunnerError(f"global batch {batch} does not divide into micro batches of {micro} x {world} "
+                          "device(s)", key="train.micro_batch_sequences")
+    return batch // (micro * world)
 
 
 def total_steps(cfg) -> int:
@@ -675,10 +682,10 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
             problems.add(path, f"train.{k}", f"must be >= 1, got {t[k]}")
     if problems.lines:
         return notes
-    per_step = t.micro_batch_sequences * devices(cfg)
-    if t.global_batch_sequences % per_step:
-        problems.add(path, "train.micro_batch_sequences",
-                     f"global batch {t.global_batch_sequences} does not divide into micro batches of {t.micro_batch_sequences} x {devices(cfg)} device(s)")
+    try:
+        grad_accum(cfg)
+    except RunnerError as e:
+        problems.add(path, e.key, e.detail)
     batch_tokens = global_batch_tokens(cfg)
     for key in ("exposure_tokens", "max_duration_tokens", "hard_stop_tokens"):
         val = t[key]

@@ -335,9 +335,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
 
     cfg, world = exp.config, acc.num_processes
     B, L, micro = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len), int(cfg.train.micro_batch_sequences)
-    if B % (micro * world):
-        raise RunnerError(f"global batch {B} is not a multiple of micro batch {micro} x {world} processes",
-                          key="train.micro_batch_sequences")
+    accum = rrecipe.grad_accum(cfg, world)  # a guard for callers that skip launch's check
     # natural_end is the budget's last step; a hard stop ends this attempt earlier but leaves the
     # run resumable (not finished), so removing the hard stop continues it on the same schedule.
     natural_end = end_step = rrecipe.total_steps(cfg)
@@ -358,7 +356,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     return _Run(exp=exp, acc=acc, opts=opts, folder=RunFolder(run_dir, writer=acc.is_main_process),
                 say=opts.report if acc.is_main_process else (lambda msg: None),
                 global_batch=B, seq_len=L, micro=micro,
-                accum=B // (micro * world),               # e.g. 16 seq / (8 micro * 1 proc) = 2 micro steps
+                accum=accum,                              # e.g. 16 seq / (8 micro * 1 proc) = 2 micro steps
                 schedule_steps=rrecipe.max_duration_tokens(cfg) // (B * L),
                 warmup_steps=int(cfg.optim.warmup_tokens) // (B * L),
                 natural_end=natural_end, end_step=end_step, runtime=runtime, data=data,

@@ -164,12 +164,9 @@ def _finished_line(run_dir: Path) -> str | None:
 def check_world(cfg, world: int) -> str | None:
     """Refuse a global batch that does not split over `world` processes; the warning line when the
     processes held differ from the recipe's plan (None when they agree)."""
-    from runner.recipe import devices
+    from runner.recipe import devices, grad_accum
 
-    B, micro = int(cfg.train.global_batch_sequences), int(cfg.train.micro_batch_sequences)
-    if B % (micro * world):
-        raise RunnerError(f"global batch {B} sequences does not divide into micro batch {micro} x "
-                          f"{world} processes (world size)", key="train.micro_batch_sequences")
+    grad_accum(cfg, world)
     planned = devices(cfg)
     if world == planned:
         return None
