@@ -29,7 +29,7 @@ from runner.fsio import read_json
 from runner.manifest import manifest_sha256, num_samples
 from runner.recipe import devices
 from runner import report as rpt
-from schemas.report_tables import SCHEMAS, validate_tables
+from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 INFO = "INFO"  # a fact a reader should see next to the checks; never fails
@@ -166,6 +166,13 @@ def _close(a: float, b: float, rel: float = REL_TOL) -> bool:
 
 
 def _check_schemas(res: AuditResult, tables: dict[str, pd.DataFrame]) -> bool:
+    summary = tables.get("run_summary")
+    written = sorted({str(v) for v in summary["schema_version"]}) if summary is not None \
+        and "schema_version" in summary else ["none"]
+    if written != [SCHEMA_VERSION]:  # an older runner's report: recounting its columns would be guesswork
+        res.add("schema version", [f"report written under {', '.join(written)}, this runner audits {SCHEMA_VERSION}; "
+                                   "rebuild it with `runner report RUN_DIR` (the run folder holds every input)"])
+        return False
     failures = validate_tables(tables)
     for name in SCHEMAS:
         res.add(f"schema: {name}", [str(f) for f in failures if f.table == name and "sum of domains" not in f.check
@@ -316,11 +323,15 @@ def _check_compute(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
     peak = (dense if dense is not None and not measured else recorded) * 1e12
     # The devices the run held, from run.json, not the summary's own column: the recount must not
     # trust the figure it is checking.
-    devices = rpt.devices_held(inp.run, inp.cfg)
+    # Device-seconds likewise from run.json (each attempt with the devices it held).
+    device_wall, device_step = rpt.device_seconds(inp.run, inp.cfg, float(s["wall_seconds"]),
+                                                  float(s["step_seconds_total"]))
     want = {
-        "mfu": fpt * int(s["processed_tokens"]) / (float(s["step_seconds_total"]) * peak * devices),
-        "goodput_mfu": fpt * int(s["useful_tokens"]) / (float(s["wall_seconds"]) * peak * devices),
-        "cost_per_billion_useful_tokens": devices * float(s["price_per_device_hour"]) * float(s["wall_seconds"])
+        "device_wall_seconds": device_wall,
+        "device_step_seconds": device_step,
+        "mfu": fpt * int(s["processed_tokens"]) / (device_step * peak),
+        "goodput_mfu": fpt * int(s["useful_tokens"]) / (device_wall * peak),
+        "cost_per_billion_useful_tokens": float(s["price_per_device_hour"]) * device_wall
         / 3600.0 / (int(s["useful_tokens"]) / 1e9) if int(s["useful_tokens"]) else 0.0,
     }
     for key, value in want.items():

@@ -361,3 +361,52 @@ def restore_default_settings() -> None:
         torch.backends.cudnn.conv.fp32_precision = "none"
         torch.backends.cudnn.rnn.fp32_precision = "none"
 
+
+
+# ---- sharding -----------------------------------------------------------------------------------
+
+SHARD_NONE = "none"
+SHARD_ACCELERATE = "accelerate-fsdp2"     # accelerate's FSDP2 plugin wraps the model in prepare()
+SHARD_RUNNER_CPU = "runner-fsdp2-cpu"     # CPU processes: the runner applies the same FSDP2 wrapping
+
+
+def sharding_mode(hardware_cfg: Any, acc: Any, *, file: str | None = None) -> str:
+    """Which code shards the model, checked against the recipe's `hardware.distributed`.
+
+    accelerate offers FSDP only on accelerators: on CPU processes it sets up DDP (MULTI_CPU) even
+    when asked for FSDP. There the runner applies FSDP2 itself, exactly as accelerate's
+    `fsdp2_prepare_model` does (`fully_shard` per decoder layer, then the root, resharding after
+    forward), so the sharded path (gather, checkpoint, resume) runs and is tested on CPU."""
+    wanted = str(_get(hardware_cfg, "distributed", "none"))
+    kind = acc.distributed_type.name
+    world = int(acc.num_processes)
+    if kind == "FSDP":
+        if wanted != "fsdp":
+            raise RunnerError(f"accelerate is set up for FSDP but the recipe says distributed: {wanted}; "
+                              "use a distributed: fsdp hardware recipe or a DDP accelerate config",
+                              file=file, key="hardware.distributed")
+        version = int(getattr(acc.state.fsdp_plugin, "fsdp_version", 1) or 1)
+        if version != 2:
+            raise RunnerError(f"accelerate's FSDP plugin is version {version}; the runner supports FSDP2 "
+                              "(fsdp_version: 2, as in recipes/hardware/accelerate/fsdp2-*.yaml)",
+                              file=file, key="hardware.distributed")
+        return SHARD_ACCELERATE
+    if wanted != "fsdp" or world == 1:
+        return SHARD_NONE  # one process holds the whole model whatever the recipe plans
+    if acc.device.type == "cpu":
+        return SHARD_RUNNER_CPU
+    raise RunnerError(f"the recipe says distributed: fsdp but accelerate set up {kind} over {world} processes; "
+                      "launch with --config_file recipes/hardware/accelerate/fsdp2-1x8.yaml (or fsdp2-Nx8.yaml)",
+                      file=file, key="hardware.distributed")
+
+
+def shard_fsdp2_cpu(model: torch.nn.Module, world: int) -> torch.nn.Module:
+    """FSDP2 full shard over `world` CPU (gloo) processes: each decoder layer is one unit, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model

@@ -4,6 +4,12 @@ Owns the folder layout `checkpoints/step-NNNNNNN/`, the interval policy, the ato
 (temp folder, fsync every file, rename, `COMPLETE` marker last), pruning to the last K, and
 finding the newest checkpoint that verifies. Must never unpickle anything: tensors go through
 safetensors, everything else through JSON.
+
+Format 2 (current) holds FULL, unsharded state keyed by parameter name (torch.distributed.checkpoint's
+full state dict): one process, DDP and FSDP2 write the same files, and a run may resume with a
+different world size or sharding. Gathering it is a collective under FSDP (every rank calls
+`gather_full_state`; rank 0 receives the tensors and writes). Format 1 (model via safetensors'
+save_model, optimizer keyed by parameter index) is still read for runs begun before format 2.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.numpy import load_file as load_numpy, save_file as save_numpy
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, load_model, save_file
 
 from runner.fsio import fsync_dir, fsync_file, sha256_file
 
 MARKER = "COMPLETE"
+FORMAT = 2
 FILES = ("model.safetensors", "optimizer.safetensors", "ledger.safetensors", "optimizer.json")
 
 
@@ -35,7 +42,8 @@ def dirname(step: int) -> str:
 # ---- optimizer state <-> flat tensors (no pickle) --------------------------------------------
 
 def flatten_optimizer(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """AdamW state as `state.<param>.<key>` tensors plus a JSON index (param groups, scalars)."""
+    """AdamW state as `state.<param>.<key>` tensors plus a JSON index (param groups, scalars).
+    <param> is a parameter name (format 2) or index (format 1); <key> never holds a dot."""
     tensors, scalars = {}, {}
     for pid, entry in state_dict["state"].items():
         for key, value in entry.items():
@@ -49,13 +57,52 @@ def flatten_optimizer(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
 
 def unflatten_optimizer(tensors: dict[str, torch.Tensor], index: dict) -> dict:
     state: dict[int, dict] = {}
+    def param(pid: str):
+        return int(pid) if pid.isdigit() else pid
+
     for name, value in tensors.items():
-        _, pid, key = name.split(".", 2)
-        state.setdefault(int(pid), {})[key] = value
+        pid, key = name.removeprefix("state.").rsplit(".", 1)
+        state.setdefault(param(pid), {})[key] = value
     for name, value in index.get("scalars", {}).items():
-        pid, key = name.split(".", 1)
-        state.setdefault(int(pid), {})[key] = value
+        pid, key = name.rsplit(".", 1)
+        state.setdefault(param(pid), {})[key] = value
     return {"state": state, "param_groups": index["param_groups"]}
+
+
+# ---- full (unsharded) state, whatever the wrapping -------------------------------------------
+
+def _options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def gather_full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """(model state, optimizer state), unsharded, on CPU, keyed by parameter name.
+
+    `model` is the unwrapped module (plain, or FSDP2-sharded in place). A collective when the
+    parameters are sharded: EVERY rank must call it; rank 0 receives the tensors, the others get
+    empty dicts (cpu_offload keeps one copy in host memory, on the writer)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    options = _options(cpu_offload=distributed)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if not distributed:  # one process: cpu_offload needs a process group, so copy to host here
+        model_state = {k: v.detach().cpu() for k, v in model_state.items()}
+    return model_state, optim_state
+
+
+def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, tied weights stored once per name (safetensors refuses shared memory)."""
+    seen, out = set(), {}
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        out[name] = t.clone() if key in seen else t
+        seen.add(key)
+    return out
 
 
 # ---- RNG state as JSON ------------------------------------------------------------------------
@@ -92,8 +139,34 @@ class Checkpoint:
     step: int
     state: dict
 
+    @property
+    def format(self) -> int:
+        return int(self.state.get("format", 1))
+
     def load_model_into(self, model) -> None:
-        load_model(model, str(self.path / "model.safetensors"), strict=True)
+        """Model weights only (unsharded `model`): evaluation, inspection, tests."""
+        if self.format >= 2:
+            model.load_state_dict(load_file(str(self.path / "model.safetensors")), strict=True)
+        else:
+            load_model(model, str(self.path / "model.safetensors"), strict=True)
+
+    def load_into(self, model, optimizer) -> None:
+        """Weights and optimizer state into `model` (plain or FSDP2-sharded) and its optimizer.
+        Every rank calls it and reads the files (run folders live on shared storage); each keeps its
+        own shard. The world size and sharding need not match the writer's."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        if self.format < 2:
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for p in model.parameters()):
+                raise ValueError("a format-1 checkpoint cannot be loaded into a sharded model; "
+                                 "resume it without FSDP once (it then writes format 2)")
+            load_model(model, str(self.path / "model.safetensors"), strict=True)
+            optimizer.load_state_dict(self.optimizer_state())
+            return
+        set_model_state_dict(model, load_file(str(self.path / "model.safetensors")), options=_options(strict=True))
+        set_optimizer_state_dict(model, optimizer, self.optimizer_state(), options=_options())
 
     def optimizer_state(self) -> dict:
         index = json.loads((self.path / "optimizer.json").read_text())
@@ -120,22 +193,23 @@ class Checkpointer:
             return True
         return bool(self.interval_seconds) and time.monotonic() - self.last_save_time >= self.interval_seconds
 
-    def save(self, step: int, model, optimizer_state: dict, ledger_state: dict[str, np.ndarray],
-             state: dict) -> Path:
+    def save(self, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
+             ledger_state: dict[str, np.ndarray], state: dict) -> Path:
+        """Write one checkpoint (rank 0 only) from full state dicts (see gather_full_state)."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / dirname(step)
         tmp = self.root / f".tmp-{dirname(step)}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        save_model(model, str(tmp / "model.safetensors"))
+        save_file(_unaliased(model_state), str(tmp / "model.safetensors"))
         tensors, index = flatten_optimizer(optimizer_state)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "optimizer.json").write_text(json.dumps(index))
         save_numpy({k: np.ascontiguousarray(v) for k, v in ledger_state.items()}, str(tmp / "ledger.safetensors"))
         for name in FILES:
             fsync_file(tmp / name)
-        full_state = dict(state, step=step, files={name: sha256_file(tmp / name) for name in FILES})
+        full_state = dict(state, step=step, format=FORMAT, files={name: sha256_file(tmp / name) for name in FILES})
         (tmp / "state.json").write_text(json.dumps(full_state, indent=1, sort_keys=True))
         fsync_file(tmp / "state.json")
         fsync_dir(tmp)

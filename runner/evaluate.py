@@ -3,7 +3,8 @@
 Owns which validation samples are scored (the first `samples_per_domain` windows of each
 domain's validation pool, clipped to what exists: the same ones at every evaluation) and the
 bits-per-byte arithmetic (summed loss / ln 2 / UTF-8 bytes of the target tokens). Work is split
-across ranks and summed. Never changes the model's weights or any RNG state.
+across ranks and summed; every rank runs the same number of forwards. Never changes the model's
+weights or any RNG state.
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ def evaluate(model, data, acc, micro_batch: int, step: int, exposure_tokens: int
     model.eval()
     byte_lengths = torch.as_tensor(data.byte_lengths)
     for j, d in enumerate(names):
-        pairs = [(ids[d], k) for k in range(data.val_samples[d])][rank::world]
-        for i in range(0, len(pairs), micro_batch):
-            batch = data.val_reader.read(pairs[i:i + micro_batch])
+        n = data.val_samples[d]
+        pairs = [(ids[d], k) for k in range(n)][rank::world]
+        # Every rank runs the same number of forwards (FSDP gathers weights collectively in each);
+        # a rank short of samples scores its first one again with a zero mask.
+        for i in range(0, micro_batch * math.ceil(math.ceil(n / world) / micro_batch), micro_batch):
+            chunk = pairs[i:i + micro_batch]
+            batch = data.val_reader.read(chunk or [(ids[d], 0)])
             x = torch.as_tensor(batch.input_ids).to(acc.device)
             y = torch.as_tensor(batch.labels)
             mask = torch.as_tensor(batch.loss_mask)
+            if not chunk:
+                mask = torch.zeros_like(mask)
             with acc.autocast():
                 logits = model(input_ids=x).logits
             per_token = F.cross_entropy(logits.float().flatten(0, 1), y.to(acc.device).flatten(),

@@ -244,7 +244,8 @@ def cpu_theoretical_tflops(threads: int | None = None, *, measure_seconds: float
 
 def mfu(flops_per_token: float, tokens: float, seconds: float, peak_tflops: float, devices: int) -> float:
     """flops_per_token * tokens / (seconds * peak * devices). Use processed tokens and step time
-    for `mfu`, useful tokens and wall time for `goodput_mfu` (SPEC)."""
+    for `mfu`, useful tokens and wall time for `goodput_mfu` (SPEC). `seconds` may be device-seconds
+    (summed over attempts that held different device counts) with `devices=1`."""
     if seconds <= 0 or peak_tflops <= 0 or devices <= 0:
         raise RunnerError(f"mfu needs positive seconds, peak and devices, got {seconds}, {peak_tflops}, {devices}")
     return flops_per_token * tokens / (seconds * peak_tflops * 1e12 * devices)

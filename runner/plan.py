@@ -246,13 +246,14 @@ def read_calibration(run_dir: str | Path, cfg: Mapping[str, Any],
     elif not same:
         note = "calibration run differs in model/hardware/seq_len: its MFU is carried over, not its tokens/s"
     mfu_value = None
-    conventions = {}
-    run_json = run_dir / "run.json"
-    if run_json.exists():
-        conventions = (read_json(run_json).get("conventions") or {})
+    run_info = read_json(run_dir / "run.json") if (run_dir / "run.json").exists() else {}
+    conventions = run_info.get("conventions") or {}
+    # The devices that ran the measured steps (rows record them; a launcher may differ from the recipe).
+    held = [int(r["devices"]) for r in steady if r.get("devices")]
+    n_devices = int(statistics.median_low(held)) if held else int(run_info.get("devices") or devices(run_cfg))
     try:
         peak = float(conventions.get("peak_tflops") or resolve_peak(run_cfg["hardware"]).peak_tflops)
-        mfu_value = tps * flops_per_token(run_cfg, convention) / (peak * 1e12 * devices(run_cfg))
+        mfu_value = tps * flops_per_token(run_cfg, convention) / (peak * 1e12 * n_devices)
     except RunnerError as e:
         note = (note + "; " if note else "") + f"MFU not derivable: {e}"
     return Calibration(str(run_dir), len(rows), tps, useful_fraction, overhead, mfu_value, same, note)

@@ -91,6 +91,18 @@ def conventions_of(run: dict, cfg: dict) -> dict:
     return conv
 
 
+def device_seconds(run: dict, cfg: dict, wall_seconds: float, step_seconds_total: float) -> tuple[float, float]:
+    """(device_wall_seconds, device_step_seconds): time x devices held, summed over attempts.
+
+    run.json's figures when recorded (the trainer sums each attempt with its own world size),
+    else the seconds x the devices held (runs recorded before; one world size throughout)."""
+    held = devices_held(run, cfg)
+    wall = run.get("device_wall_seconds")
+    step = run.get("device_step_seconds_total")
+    return (float(wall) if wall is not None else wall_seconds * held,
+            float(step) if step is not None else step_seconds_total * held)
+
+
 def _ledger_counters(ledger: dict, domains: list[str], file: str) -> tuple[dict, dict]:
     counters = ledger.get("counters")
     hist = ledger.get("histogram")
@@ -178,6 +190,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     # the one in the model's lineage.
     train_rows = list({int(r["step"]): r for r in read_jsonl(run_dir / "metrics" / "train.jsonl")}.values())
     wall_seconds, step_seconds_total = _run_times(run, train_rows)
+    device_wall, device_step = device_seconds(run, cfg, wall_seconds, step_seconds_total)
     fpt = flops_per_token(cfg, convention, seq_len=seq_len)
     n_params = params_of_config(cfg).get(convention.params_counted)
     totals = {k: int(accounting[f"{k}_tokens"].sum())
@@ -197,10 +210,12 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
         **{f"{k}_tokens": v for k, v in totals.items()},
         "wall_seconds": wall_seconds,
         "step_seconds_total": step_seconds_total,
+        "device_wall_seconds": device_wall,
+        "device_step_seconds": device_step,
         "params": int(n_params),
         "flops_per_token": float(fpt),
-        "mfu": fpt * totals["processed"] / (step_seconds_total * peak_flops * int(conv["devices_counted"])),
-        "goodput_mfu": fpt * useful / (wall_seconds * peak_flops * int(conv["devices_counted"])),
+        "mfu": fpt * totals["processed"] / (device_step * peak_flops),
+        "goodput_mfu": fpt * useful / (device_wall * peak_flops),
         "flops_formula": convention.flops_formula,
         "params_counted": convention.params_counted,
         "attention_causal_half": bool(convention.attention_causal_half),
@@ -213,8 +228,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
         "device_name": str(hw.get("device_name", hw.get("name", ""))),
         "devices": devices,
         "price_per_device_hour": price,
-        "cost_per_billion_useful_tokens":
-            devices * price * (wall_seconds / 3600.0) / (useful / 1e9) if useful else 0.0,
+        "cost_per_billion_useful_tokens": price * (device_wall / 3600.0) / (useful / 1e9) if useful else 0.0,
     }])
 
     eval_rows = list({(int(r["step"]), str(r["domain"])): r
@@ -344,7 +358,8 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
         lines += ["No evaluation was recorded.", ""]
     lines += [
         "## How fast, at what cost", "",
-        f"- Wall time {s.wall_seconds:.1f} s, of which training steps {s.step_seconds_total:.1f} s.",
+        f"- Wall time {s.wall_seconds:.1f} s, of which training steps {s.step_seconds_total:.1f} s; "
+        f"device-seconds {s.device_wall_seconds:.1f} held, {s.device_step_seconds:.1f} in steps.",
         f"- MFU {100 * s.mfu:.3g}% (step time), goodput MFU {100 * s.goodput_mfu:.3g}% (wall time, useful tokens).",
         f"- FLOPs per token {s.flops_per_token:.4g} ({s.flops_formula}, params {s.params_counted}).",
         f"- {s.devices} x {s.device_name} at ${s.price_per_device_hour:.2f}/device-hour: "
@@ -359,9 +374,13 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
         lines.append(f"| {key} | {s[key]} |")
     lines += [
         "",
-        "- `mfu` = flops_per_token * processed / (step_seconds_total * peak * devices).",
-        "- `goodput_mfu` = flops_per_token * useful / (wall_seconds * peak * devices).",
-        "- `cost_per_billion_useful_tokens` = devices * price per device-hour * wall hours / (useful / 1e9).",
+        "- `mfu` = flops_per_token * processed / (device_step_seconds * peak), where device_step_seconds =",
+        "  sum over steps of step time * devices held (= step_seconds_total * devices when the world size",
+        "  never changed; an attempt resumed on another world size counts its own devices).",
+        "- `goodput_mfu` = flops_per_token * useful / (device_wall_seconds * peak), device_wall_seconds =",
+        "  sum over attempts of wall time * devices held.",
+        "- `cost_per_billion_useful_tokens` = price per device-hour * device_wall_seconds / 3600 / (useful / 1e9).",
+        "- `devices` / `devices_counted`: the world size of the latest attempt.",
         "",
         "Token kinds (exact integers, input positions unless stated):",
         "",

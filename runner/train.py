@@ -259,11 +259,14 @@ class _Run:
     ledger: object
     checkpointer: Checkpointer
     resolved_config: dict
+    sharding: str                         # backends.SHARD_*: who shards the model, if anyone
     info: dict = field(default_factory=dict)        # run.json as this attempt found it
     start_step: int = 0
     attempt: int = 1
     prior_wall_seconds: float = 0.0                 # earlier attempts, crashed ones included
+    prior_device_wall_seconds: float = 0.0          # the same, each attempt's wall x the devices it held
     step_seconds_total: float = 0.0                 # all attempts: committed steps and the work lost after them
+    device_step_seconds_total: float = 0.0          # the same, each step's time x the devices that ran it
     step_t0: float = 0.0                            # when the current step started
     t_attempt: float = 0.0                          # perf_counter at this attempt's first step
     last_saved: int = 0
@@ -291,6 +294,18 @@ class _Run:
         return self.acc.is_main_process
 
     @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's wrapper
+
+    def no_sync(self):
+        """Hold gradient reduction during the micro steps before the last (DDP or FSDP2)."""
+        from runner.backends import SHARD_RUNNER_CPU
+
+        if self.sharding != SHARD_RUNNER_CPU:
+            return self.acc.no_sync(self.model)
+        return _fsdp2_no_sync(self.raw_model)
+
+    @property
     def pin(self) -> bool:
         # The runtime record only says pin_memory on a GPU; the device check keeps CPU copies synchronous.
         return bool(self.runtime.get("pin_memory")) and self.acc.device.type == "cuda"
@@ -301,6 +316,11 @@ class _Run:
 
     def wall_seconds(self) -> float:
         return self.prior_wall_seconds + time.perf_counter() - self.t_attempt
+
+    def device_wall_seconds(self) -> float:
+        """Device-seconds held so far: the goodput MFU and cost denominator. A run resumed with another
+        world size counts each attempt with its own device count."""
+        return self.prior_device_wall_seconds + (time.perf_counter() - self.t_attempt) * self.world
 
 
 @dataclass
@@ -321,6 +341,20 @@ class _StopFlag:
         self.signum = signum
 
 
+@contextlib.contextmanager
+def _fsdp2_no_sync(module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _scalar(t) -> float:
+    """A 0-d tensor as float; a DTensor (a norm over sharded gradients) is reduced first."""
+    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
 def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
     if acc.num_processes > 1:
         torch.distributed.all_reduce(t)
@@ -329,7 +363,7 @@ def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
 
 def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume."""
-    from runner.backends import apply_runtime_settings
+    from runner.backends import SHARD_RUNNER_CPU, apply_runtime_settings, shard_fsdp2_cpu, sharding_mode
     from runner.ledger import TokenLedger
     from runner.model import build_model
 
@@ -343,12 +377,15 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         end_step = min(end_step, int(cfg.train.hard_stop_tokens) // (B * L))
 
     runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
+    sharding = runtime["sharding"] = sharding_mode(cfg.hardware, acc)
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
     data = load_data(exp, L)
     torch.manual_seed(int(cfg.seed))
     model = build_model(cfg)
+    if sharding == SHARD_RUNNER_CPU:
+        shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = make_optimizer(model, cfg, fused=bool(runtime.get("adamw_fused")))
     ledger = TokenLedger(data.samples, L)
     checkpointer = Checkpointer(run_dir, cfg.train.checkpoint.interval_steps,
@@ -361,30 +398,39 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
                 warmup_steps=int(cfg.optim.warmup_tokens) // (B * L),
                 natural_end=natural_end, end_step=end_step, runtime=runtime, data=data,
                 model=model, raw_model=None, optimizer=optimizer, ledger=ledger, checkpointer=checkpointer,
-                resolved_config=exp.to_container())
+                resolved_config=exp.to_container(), sharding=sharding)
 
 
 def _resume(run: _Run) -> None:
     """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work."""
+    from runner.backends import SHARD_RUNNER_CPU
     from runner.model import maybe_compile
 
     acc, ledger, data = run.acc, run.ledger, run.data
     run.info = run.folder.read()
     fingerprints = {s["fingerprint"] for s in run.info.get("segments", [])} | {run.exp.fingerprint}
     ckpt = run.checkpointer.latest_valid(report=run.say)
-    run.model, run.optimizer = acc.prepare(run.model, run.optimizer)
+    if run.sharding == SHARD_RUNNER_CPU:
+        run.optimizer = acc.prepare(run.optimizer)  # preparing the model would wrap it in DDP too
+    else:
+        run.model, run.optimizer = acc.prepare(run.model, run.optimizer)
     run.raw_model = acc.unwrap_model(run.model)
     if ckpt is not None:
         if ckpt.state.get("fingerprint") not in fingerprints:
             raise RunnerError(f"checkpoint {ckpt.path.name} was written by fingerprint "
                               f"{str(ckpt.state.get('fingerprint'))[:12]}, not by this run's",
                               file=str(run.folder.path))
-        ckpt.load_model_into(run.raw_model)
-        run.optimizer.load_state_dict(ckpt.optimizer_state())
+        try:
+            ckpt.load_into(run.raw_model, run.inner_optimizer)
+        except (ValueError, RuntimeError, KeyError) as e:  # verified files that do not fit this model
+            raise RunnerError(f"checkpoint {ckpt.path.name} does not fit this run's model: "
+                              f"{str(e).splitlines()[0]}", file=str(ckpt.path)) from None
         ledger.load_state_dict(ckpt.ledger_state())
         set_rng_state(ckpt.state["rng"])
         run.start_step = ckpt.step
         run.step_seconds_total = float(ckpt.state.get("step_seconds_total", 0.0))
+        run.device_step_seconds_total = float(ckpt.state.get(
+            "device_step_seconds_total", run.step_seconds_total * int(ckpt.state.get("world_size", run.world))))
         run.say(f"resuming from {ckpt.path.name} (step {run.start_step})")
     acc.wait_for_everyone()
     if run.main:
@@ -399,14 +445,18 @@ def _resume(run: _Run) -> None:
         for d, n in e.get("processed", {}).items():
             spent[d] = spent.get(d, 0) + int(n)
     _catch_up_processed(ledger, spent)
-    by_attempt: dict[int, float] = {}
+    by_attempt: dict[int, tuple[float, int]] = {}
     for e in journal:  # wall time of earlier attempts, crashed ones included (SPEC: wall basis)
-        by_attempt[int(e.get("attempt", 0))] = max(by_attempt.get(int(e.get("attempt", 0)), 0.0),
-                                                   float(e.get("wall_seconds", 0.0)))
-    run.prior_wall_seconds = sum(by_attempt.values())
+        a, world = int(e.get("attempt", 0)), int(e.get("world", run.world))  # journals before "world": this one's
+        by_attempt[a] = (max(by_attempt.get(a, (0.0, world))[0], float(e.get("wall_seconds", 0.0))), world)
+    run.prior_wall_seconds = sum(wall for wall, _ in by_attempt.values())
+    run.prior_device_wall_seconds = sum(wall * world for wall, world in by_attempt.values())
     # Step time of work lost after the checkpoint was spent too: MFU divides processed tokens (lost
     # ones included) by it, so it continues from the last micro batch the journal saw.
     run.step_seconds_total = max([run.step_seconds_total] + [float(e.get("step_seconds_total", 0.0)) for e in journal])
+    run.device_step_seconds_total = max(
+        [run.device_step_seconds_total] + [float(e.get("device_step_seconds_total", float(e.get("step_seconds_total", 0.0))
+                                                       * int(e.get("world", run.world)))) for e in journal])
     run.model = maybe_compile(run.model, run.cfg)
 
 
@@ -466,7 +516,7 @@ def _train_step(run: _Run, step: int) -> _Step:
     loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
     for m in range(run.accum):
         sl = slice(m * run.micro, (m + 1) * run.micro)
-        sync = contextlib.nullcontext() if m == run.accum - 1 else acc.no_sync(model)
+        sync = contextlib.nullcontext() if m == run.accum - 1 else run.no_sync()
         with sync:
             logits = model(input_ids=x[sl]).logits
             per_token = F.cross_entropy(logits.float().flatten(0, 1), y[sl].flatten(), reduction="none")
@@ -478,17 +528,18 @@ def _train_step(run: _Run, step: int) -> _Step:
         loss_sum += summed.detach().double()
         run.ledger.record_processed(processed[m])
         if run.journal_file is not None:
-            run.journal_file.write(json.dumps({"attempt": run.attempt, "step": step, "micro": m,
-                                               "processed": processed[m],
-                                               "wall_seconds": round(time.perf_counter() - run.t_attempt, 3),
-                                               "step_seconds_total": round(run.step_seconds_total + time.perf_counter()
-                                                                           - run.step_t0, 3)}) + "\n")
+            in_step = time.perf_counter() - run.step_t0
+            run.journal_file.write(json.dumps({
+                "attempt": run.attempt, "world": run.world, "step": step, "micro": m, "processed": processed[m],
+                "wall_seconds": round(time.perf_counter() - run.t_attempt, 3),
+                "step_seconds_total": round(run.step_seconds_total + in_step, 3),
+                "device_step_seconds_total": round(run.device_step_seconds_total + in_step * run.world, 3)}) + "\n")
             run.journal_file.flush()
         if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
     loss = float(_all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
     clip = float(run.cfg.optim.grad_clip)
-    grad_norm = float(acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
+    grad_norm = _scalar(acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
     return _Step(loss=loss, grad_norm=grad_norm, lr=lr, global_pairs=global_pairs,
                  useful={d: int(useful[i]) for i, d in enumerate(data.domains)}, useful_tokens=n_useful)
 
@@ -500,12 +551,12 @@ def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, co
     tokens = run.global_batch * run.seq_len
     fpt, peak_tflops = run.flops_per_token, run.peak.peak_tflops
     return {"step": committed, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
-            "step_seconds": step_seconds, "wall_seconds": wall_seconds,
+            "step_seconds": step_seconds, "wall_seconds": wall_seconds, "devices": run.world,
             "tokens_processed": tokens, "tokens_useful": int(s.useful_tokens),
             "tokens_per_second": tokens / step_seconds,
             "tokens_per_second_useful": s.useful_tokens / step_seconds,
             "mfu": hardware.mfu(fpt, tokens, step_seconds, peak_tflops, run.world),
-            "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], wall_seconds, peak_tflops, run.world),
+            "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], run.device_wall_seconds(), peak_tflops, 1),
             "exposure_tokens": int(counters["total"]["exposure"])}
 
 
@@ -520,16 +571,22 @@ def _checkpoint_state(run: _Run, step: int) -> dict:
                           "segment_schedule_steps": segment_steps,
                           "next_lr": lr_at(step, cfg.optim, segment_steps, run.warmup_steps)},
             "mlflow_run_id": tracker.run_id if tracker is not None else None,
-            "step_seconds_total": run.step_seconds_total, "world_size": run.world}
+            "step_seconds_total": run.step_seconds_total, "device_step_seconds_total": run.device_step_seconds_total,
+            "world_size": run.world}
 
 
 def _save(run: _Run, step: int) -> None:
+    from runner.checkpoint import gather_full_state
+
+    # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
+    model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
-        run.checkpointer.save(step, run.raw_model, run.optimizer.state_dict(), run.ledger.state_dict(),
+        run.checkpointer.save(step, model_state, optimizer_state, run.ledger.state_dict(),
                               _checkpoint_state(run, step))
         write_ledger_json(run.folder.path, run.ledger)
         run.folder.update(committed_steps=step, step_seconds_total=run.step_seconds_total,
-                          wall_seconds=run.wall_seconds())
+                          device_step_seconds_total=run.device_step_seconds_total,
+                          wall_seconds=run.wall_seconds(), device_wall_seconds=run.device_wall_seconds())
     run.acc.wait_for_everyone()
     run.last_saved = step
 
@@ -581,6 +638,7 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
             committed = step + 1
             step_seconds = time.perf_counter() - t0
             run.step_seconds_total += step_seconds
+            run.device_step_seconds_total += step_seconds * run.world
             # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
             broken = run.ledger.check_invariants(run.global_batch, run.seq_len, committed, ratios, caps)
             if broken:
@@ -625,22 +683,26 @@ def _finish(run: _Run, exit_code: int) -> None:
     if exit_code == EXIT_NONFINITE:
         committed = _rollback_to_last_checkpoint(run)
     counters = run.ledger.counters()
-    wall_seconds = run.wall_seconds()
+    wall_seconds, device_wall_seconds = run.wall_seconds(), run.device_wall_seconds()
     useful_total = int(counters["total"]["useful"])
     finished = exit_code == EXIT_OK and run.last_saved == run.natural_end
     status = {EXIT_NONFINITE: "failed", EXIT_PREEMPTED: "preempted"}.get(
         exit_code, "finished" if finished else "preempted")
     summary = {"committed_steps": committed,
                "wall_seconds": wall_seconds, "step_seconds_total": run.step_seconds_total,
+               "device_wall_seconds": device_wall_seconds, "device_step_seconds_total": run.device_step_seconds_total,
                "exposure_tokens": int(counters["total"]["exposure"]), "useful_tokens": useful_total,
                "processed_tokens": int(counters["total"]["processed"]),
                "lost_tokens": int(counters["total"]["lost"])}
-    fpt, peak_tflops, world = run.flops_per_token, run.peak.peak_tflops, run.world
+    fpt, peak_tflops = run.flops_per_token, run.peak.peak_tflops
     if useful_total and run.step_seconds_total:
-        summary["mfu"] = hardware.mfu(fpt, counters["total"]["processed"], run.step_seconds_total, peak_tflops, world)
-        summary["goodput_mfu"] = hardware.mfu(fpt, useful_total, wall_seconds, peak_tflops, world)
+        # Device-seconds (time x devices held, summed over attempts): a run resumed on another world
+        # size is measured against what each attempt held. Same as seconds x devices otherwise.
+        summary["mfu"] = hardware.mfu(fpt, counters["total"]["processed"], run.device_step_seconds_total,
+                                      peak_tflops, 1)
+        summary["goodput_mfu"] = hardware.mfu(fpt, useful_total, device_wall_seconds, peak_tflops, 1)
         summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
-            world, float(run.cfg.hardware.price_per_device_hour_usd), wall_seconds, useful_total)
+            1, float(run.cfg.hardware.price_per_device_hour_usd), device_wall_seconds, useful_total)
     if run.main:
         write_ledger_json(run.folder.path, run.ledger)
         run.folder.update(status=status, **summary)

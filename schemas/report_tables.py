@@ -20,7 +20,7 @@ import pandas as pd
 import pandera.pandas as pa
 from pandera.extensions import register_check_method
 
-SCHEMA_VERSION = "runner-report/1"
+SCHEMA_VERSION = "runner-report/2"  # 2: device-seconds columns; MFU and cost over them
 """Bumped whenever a column is added, removed, renamed or changes meaning."""
 
 # Float equalities in derived columns (ratios, epochs, MFU) are recomputed from exact integers,
@@ -123,26 +123,32 @@ def step_time_within_wall(df):
 
 
 @register_check_method(supported_types=pd.DataFrame)
+def device_seconds_cover_seconds(df):
+    """At least one device held through every second: device-seconds >= seconds, steps <= wall."""
+    return ((df["device_step_seconds"] >= df["step_seconds_total"] * (1 - 1e-9))
+            & (df["device_wall_seconds"] >= df["wall_seconds"] * (1 - 1e-9))
+            & (df["device_step_seconds"] <= df["device_wall_seconds"] * (1 + 1e-6)))
+
+
+@register_check_method(supported_types=pd.DataFrame)
 def mfu_matches_definition(df):
-    """SPEC: mfu = flops_per_token * processed / (step time * peak * devices)."""
-    want = df["flops_per_token"] * df["processed_tokens"] / (
-        df["step_seconds_total"] * df["peak_tflops"] * 1e12 * df["devices"])
+    """SPEC: mfu = flops_per_token * processed / (step time * peak * devices), the time x devices
+    being device-seconds summed over attempts (a resume may hold another device count)."""
+    want = df["flops_per_token"] * df["processed_tokens"] / (df["device_step_seconds"] * df["peak_tflops"] * 1e12)
     return pd.Series(_close(df["mfu"], want, 1e-6), index=df.index)
 
 
 @register_check_method(supported_types=pd.DataFrame)
 def goodput_mfu_matches_definition(df):
-    """SPEC: goodput_mfu = flops_per_token * useful / (wall time * peak * devices)."""
-    want = df["flops_per_token"] * df["useful_tokens"] / (
-        df["wall_seconds"] * df["peak_tflops"] * 1e12 * df["devices"])
+    """SPEC: goodput_mfu = flops_per_token * useful / (wall time * peak * devices), as device-seconds."""
+    want = df["flops_per_token"] * df["useful_tokens"] / (df["device_wall_seconds"] * df["peak_tflops"] * 1e12)
     return pd.Series(_close(df["goodput_mfu"], want, 1e-6), index=df.index)
 
 
 @register_check_method(supported_types=pd.DataFrame)
 def cost_matches_definition(df):
-    """SPEC: cost = devices * price per device-hour * wall hours / (useful / 1e9)."""
-    want = df["devices"] * df["price_per_device_hour"] * (df["wall_seconds"] / 3600.0) / (
-        df["useful_tokens"] / 1e9)
+    """SPEC: cost = devices * price per device-hour * wall hours / (useful / 1e9), as device-hours."""
+    want = df["price_per_device_hour"] * (df["device_wall_seconds"] / 3600.0) / (df["useful_tokens"] / 1e9)
     return pd.Series(_close(df["cost_per_billion_useful_tokens"], want, 1e-6), index=df.index)
 
 
@@ -213,10 +219,12 @@ RUN_SUMMARY = pa.DataFrameSchema(
         "lost_tokens": _tokens("processed - exposure"),
         "wall_seconds": _finite_positive("Elapsed seconds of the run: steps, eval, checkpoints, stalls, recovery."),
         "step_seconds_total": _finite_positive("Seconds spent in training steps only (sum of step times)."),
+        "device_wall_seconds": _finite_positive("Sum over attempts of wall seconds x devices held (= wall_seconds x devices when the world size never changed)."),
+        "device_step_seconds": _finite_positive("Sum over steps (lost ones included) of step seconds x devices that ran it."),
         "params": pa.Column("int64", pa.Check.gt(0), description="N: parameters counted by `params_counted`."),
         "flops_per_token": _finite_positive("Training FLOPs per token under `flops_formula` (6N or 6N+attn)."),
-        "mfu": _fraction("flops_per_token * processed / (step_seconds_total * peak * devices); time_basis step."),
-        "goodput_mfu": _fraction("flops_per_token * useful / (wall_seconds * peak * devices); time_basis wall."),
+        "mfu": _fraction("flops_per_token * processed / (device_step_seconds * peak); time_basis step."),
+        "goodput_mfu": _fraction("flops_per_token * useful / (device_wall_seconds * peak); time_basis wall."),
         "flops_formula": pa.Column(str, pa.Check.isin(["6N", "6N+attn"]), description="6N (Kaplan/Chinchilla) or 6N+attn (PaLM appendix B)."),
         "params_counted": pa.Column(str, pa.Check.isin(["all", "non_embedding", "active"]), description="Which parameters N counts."),
         "attention_causal_half": pa.Column(bool, description="Whether the attention term is halved for the causal mask."),
@@ -224,12 +232,12 @@ RUN_SUMMARY = pa.DataFrameSchema(
         "peak_tflops": _finite_positive("Dense peak TFLOP/s of one device for peak_dtype; never the sparse figure."),
         "peak_dtype": pa.Column(str, description="Compute dtype the peak is for (bf16, fp32)."),
         "peak_source": pa.Column(str, description="Where the peak comes from (datasheet, recipe, measured)."),
-        "devices_counted": pa.Column("int64", pa.Check.gt(0), description="Devices in the MFU denominator: every device the run held, idle ones included."),
+        "devices_counted": pa.Column("int64", pa.Check.gt(0), description="Devices in the MFU denominator: every device the run held, idle ones included (latest attempt; device-seconds carry earlier ones)."),
         "time_basis": pa.Column(str, pa.Check.eq("step"), description="Time basis of `mfu` (goodput_mfu is always wall)."),
         "device_name": pa.Column(str, description="Accelerator model the peak belongs to."),
-        "devices": pa.Column("int64", pa.Check.gt(0), description="Devices the run held: run.json `devices` (the world size), which a launcher may make differ from the recipe's devices_per_node * nodes."),
+        "devices": pa.Column("int64", pa.Check.gt(0), description="Devices the run held in its latest attempt: run.json `devices` (the world size), which a launcher may make differ from the recipe's devices_per_node * nodes."),
         "price_per_device_hour": pa.Column("float64", pa.Check.ge(0.0), description="USD per device-hour from the hardware recipe."),
-        "cost_per_billion_useful_tokens": pa.Column("float64", pa.Check.ge(0.0), description="USD: devices * price * wall hours / (useful / 1e9)."),
+        "cost_per_billion_useful_tokens": pa.Column("float64", pa.Check.ge(0.0), description="USD: price * device_wall_seconds / 3600 / (useful / 1e9)."),
     },
     checks=[
         pa.Check.counters_ordered(error="invariant 1: unique <= exposure <= processed, useful <= exposure"),
@@ -240,9 +248,10 @@ RUN_SUMMARY = pa.DataFrameSchema(
         pa.Check(lambda df: df["devices_counted"] == df["devices"], name="all_devices_counted",
                  error="devices_counted = devices held"),
         pa.Check.step_time_within_wall(error="step_seconds_total <= wall_seconds"),
-        pa.Check.mfu_matches_definition(error="mfu = flops_per_token * processed / (step s * peak * devices)"),
-        pa.Check.goodput_mfu_matches_definition(error="goodput_mfu = flops_per_token * useful / (wall s * peak * devices)"),
-        pa.Check.cost_matches_definition(error="cost = devices * price * wall h / (useful / 1e9)"),
+        pa.Check.device_seconds_cover_seconds(error="device-seconds >= seconds, steps <= wall"),
+        pa.Check.mfu_matches_definition(error="mfu = flops_per_token * processed / (device step s * peak)"),
+        pa.Check.goodput_mfu_matches_definition(error="goodput_mfu = flops_per_token * useful / (device wall s * peak)"),
+        pa.Check.cost_matches_definition(error="cost = price * device wall h / (useful / 1e9)"),
         pa.Check(lambda df: len(df) == 1, name="one_row", error="run_summary has exactly one row"),
     ],
 )

@@ -229,3 +229,34 @@ def test_launch_turns_the_config_into_an_fsdp2_plugin(name, monkeypatch):
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+
+
+def _acc(kind: str, world: int, device: str = "cuda", fsdp_version: int = 2):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(distributed_type=SimpleNamespace(name=kind), num_processes=world,
+                           device=torch.device(device) if device == "cpu" else SimpleNamespace(type=device),
+                           state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version)))
+
+
+@pytest.mark.parametrize("distributed, acc, expected", [
+    ("fsdp", _acc("FSDP", 8), backends.SHARD_ACCELERATE),          # accelerate launch --config_file fsdp2-1x8.yaml
+    ("fsdp", _acc("MULTI_CPU", 2, "cpu"), backends.SHARD_RUNNER_CPU),  # torchrun on CPU: accelerate would do DDP
+    ("fsdp", _acc("NO", 1, "cpu"), backends.SHARD_NONE),             # one process holds the whole model
+    ("fsdp", _acc("NO", 1), backends.SHARD_NONE),
+    ("ddp", _acc("MULTI_GPU", 8), backends.SHARD_NONE),
+    ("none", _acc("MULTI_CPU", 2, "cpu"), backends.SHARD_NONE),
+])
+def test_sharding_mode_follows_recipe_and_accelerator(distributed, acc, expected):
+    assert backends.sharding_mode({"distributed": distributed}, acc) == expected
+
+
+@pytest.mark.parametrize("distributed, acc, says", [
+    ("ddp", _acc("FSDP", 8), "accelerate is set up for FSDP but the recipe says distributed: ddp"),
+    ("fsdp", _acc("FSDP", 8, fsdp_version=1), "FSDP plugin is version 1"),
+    ("fsdp", _acc("MULTI_GPU", 8), "accelerate set up MULTI_GPU over 8 processes; launch with --config_file"),
+])
+def test_sharding_mismatch_is_one_line_naming_the_key(distributed, acc, says):
+    with pytest.raises(RunnerError) as e:
+        backends.sharding_mode({"distributed": distributed}, acc, file="recipes/hardware/x.yaml")
+    assert says in str(e.value) and e.value.key == "hardware.distributed"

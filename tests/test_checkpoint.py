@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner.checkpoint import Checkpointer, flatten_optimizer, rng_state, set_rng_state, unflatten_optimizer
+from runner.checkpoint import (Checkpointer, flatten_optimizer, gather_full_state, rng_state, set_rng_state,
+                               unflatten_optimizer)
 from runner.fsio import read_jsonl, sha256_file
 from trainfixtures import env, launch, make_project
 
@@ -29,12 +30,18 @@ def counters(run: Path) -> dict:
     return json.loads((run / "ledger.json").read_text())["counters"]
 
 
-def _tiny_state():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+def _tiny_state(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     return model, opt
+
+
+def _save(ck, step, model, opt):
+    model_state, optim_state = gather_full_state(model, opt)
+    return ck.save(step, model_state, optim_state, {"counts": np.arange(3, dtype=np.uint8)}, {"fingerprint": "f"})
 
 
 def test_optimizer_and_rng_roundtrip_without_pickle():
@@ -57,16 +64,58 @@ def test_save_verify_prune_and_skip_unfinished(tmp_path):
     ck = Checkpointer(tmp_path, interval_steps=2, interval_minutes=0, keep_last=2)
     assert ck.due(4) and not ck.due(3)
     for step in (2, 4, 6):
-        ck.save(step, model, opt.state_dict(), {"counts": np.arange(3, dtype=np.uint8)}, {"fingerprint": "f"})
+        _save(ck, step, model, opt)
     assert [p.name for p in ck.candidates()] == ["step-0000006", "step-0000004"]  # last 2 kept
     (tmp_path / "checkpoints" / "step-0000006" / "COMPLETE").unlink()        # killed before the marker
     seen = []
     got = ck.latest_valid(report=seen.append)
     assert got.step == 4 and seen == ["checkpoint step-0000006 unusable (no COMPLETE marker); trying the previous one"]
-    restored, _ = _tiny_state()
-    got.load_model_into(restored)
+    restored, restored_opt = _tiny_state(seed=1)
+    got.load_into(restored, restored_opt)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values()))
+    for a, b in zip(opt.state.values(), restored_opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
     assert got.ledger_state()["counts"].tolist() == [0, 1, 2]
+    assert got.format == 2 and "0.weight" in got.optimizer_state()["state"]  # keyed by name, not index
+
+
+def test_tied_weights_are_written_and_read_back(tmp_path):
+    emb = torch.nn.Embedding(5, 3)
+    head = torch.nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight                                   # tied, as llama-tiny's embeddings
+    tied = torch.nn.ModuleDict({"emb": emb, "head": head})
+    topt = torch.optim.AdamW(tied.parameters(), lr=0.1)
+    head(emb(torch.tensor([1, 2]))).sum().backward()
+    topt.step()
+    path = _save(Checkpointer(tmp_path, 1, 0, 1), 1, tied, topt)
+    fresh = torch.nn.ModuleDict({"emb": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5, bias=False)})
+    fresh["head"].weight = fresh["emb"].weight
+    fopt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    Checkpointer(tmp_path, 1, 0, 1).latest_valid().load_into(fresh, fopt)
+    assert path.name == "step-0000001" and torch.equal(fresh["emb"].weight, emb.weight)
+    assert fresh["head"].weight is fresh["emb"].weight
+
+
+def test_format_1_checkpoints_of_older_runs_still_load(tmp_path):
+    from safetensors.torch import save_file, save_model
+
+    model, opt = _tiny_state()
+    path = _save(Checkpointer(tmp_path, 1, 0, 1), 1, model, opt)
+    # Rewrite it as the previous release did: save_model, optimizer keyed by parameter index, no format.
+    save_model(model, str(path / "model.safetensors"))
+    tensors, index = flatten_optimizer(opt.state_dict())
+    save_file(tensors, str(path / "optimizer.safetensors"))
+    (path / "optimizer.json").write_text(json.dumps(index))
+    state = json.loads((path / "state.json").read_text())
+    state.pop("format")
+    state["files"] = {name: sha256_file(path / name) for name in state["files"]}
+    (path / "state.json").write_text(json.dumps(state))
+    got = Checkpointer(tmp_path, 1, 0, 1).latest_valid()
+    restored, restored_opt = _tiny_state(seed=1)
+    got.load_into(restored, restored_opt)
+    assert got.format == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values()))
+    assert torch.equal(opt.state[model[0].weight]["exp_avg"], restored_opt.state[restored[0].weight]["exp_avg"])
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path):
@@ -117,12 +166,12 @@ def test_save_removes_incomplete_and_temporary_folders(tmp_path):
     model, opt = _tiny_state()
     ck = Checkpointer(tmp_path, interval_steps=2, interval_minutes=0, keep_last=2)
     for step in (2, 4, 6):
-        ck.save(step, model, opt.state_dict(), {"counts": np.arange(3, dtype=np.uint8)}, {"fingerprint": "f"})
+        _save(ck, step, model, opt)
     root = tmp_path / "checkpoints"
     (root / "step-0000006" / "COMPLETE").unlink()          # lost its marker: a resume falls back past it
     (root / ".tmp-step-0000010-12345").mkdir()              # left by a kill mid-write
     assert ck.latest_valid(report=lambda m: None).step == 4
-    ck.save(8, model, opt.state_dict(), {"counts": np.arange(3, dtype=np.uint8)}, {"fingerprint": "f"})
+    _save(ck, 8, model, opt)
     assert sorted(p.name for p in root.iterdir()) == ["step-0000004", "step-0000008"]
 
 

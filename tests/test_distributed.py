@@ -7,8 +7,10 @@ import shutil
 import subprocess
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
+from runner.audit import audit
 from runner.fsio import read_jsonl
 from trainfixtures import env, launch, make_project
 
@@ -39,3 +41,72 @@ def test_two_processes_match_one(tmp_path):
     wb = load_file(str(two / "checkpoints" / "step-0000006" / "model.safetensors"))
     for k in wa:
         assert (wa[k] - wb[k]).abs().max() < 1e-4
+
+
+def _torchrun(tmp_path, *args) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "runner", "launch",
+                           *map(str, args), "--no-tracking"], cwd=tmp_path, env=env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _update(root, kind: str, **fields) -> None:
+    recipe = next((root / "recipes" / kind).glob("*.yaml"))
+    recipe.write_text(yaml.safe_dump({**yaml.safe_load(recipe.read_text()), **fields}))
+
+
+def _weights(run, step):
+    return load_file(str(run / "checkpoints" / f"step-{step:07d}" / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
+def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tmp_path):
+    # micro 2 of a global 8 over 2 ranks: 2 micro steps each, so gradient sync is held, then released.
+    ref_root, root = tmp_path / "ref", tmp_path / "fsdp"
+    ref_exp = make_project(ref_root, steps=6, micro=2, checkpoint_every=3, eval_every=3)
+    exp = make_project(root, steps=6, micro=2, checkpoint_every=3, eval_every=3)
+    _update(root, "hardware", distributed="fsdp")
+    for r in (ref_root, root):  # 9 samples over 2 ranks in micro batches of 2: 3 forwards on one, 2 on the other
+        _update(r, "eval", samples_per_domain=9, micro_batch_sequences=2)
+    launch(ref_root, ref_exp, "--run-dir", "runs/one", "--no-tracking")
+    one = ref_root / "runs" / "one"
+
+    _torchrun(root, exp, "--run-dir", "runs/sharded")
+    sharded = root / "runs" / "sharded"
+    info = json.loads((sharded / "run.json").read_text())
+    assert info["runtime"]["sharding"] == "runner-fsdp2-cpu" and info["devices"] == 2
+    assert json.loads((one / "ledger.json").read_text()) == json.loads((sharded / "ledger.json").read_text())
+    for name, key in (("train.jsonl", "loss"), ("eval.jsonl", "loss_nats")):
+        a, b = read_jsonl(one / "metrics" / name), read_jsonl(sharded / "metrics" / name)
+        assert len(a) == len(b) and all(x[key] == pytest.approx(y[key], rel=1e-5) for x, y in zip(a, b))
+    # The checkpoint holds the FULL model (gathered from both shards), named as a one-process run's.
+    wa, wb = _weights(one, 6), _weights(sharded, 6)
+    assert set(wa) == set(wb) and all(wa[k].shape == wb[k].shape for k in wa)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+
+    # Sharded -> one process: stop the 2-rank FSDP run at step 3, finish it as a single process.
+    _torchrun(root, exp, "--run-dir", "runs/down", "--max-steps", 3)
+    proc = launch(root, root / "runs" / "down", "--no-tracking")
+    assert "resuming from step-0000003" in proc.stderr
+    # One process -> sharded: the full checkpoint is split over two ranks on load.
+    launch(root, exp, "--run-dir", "runs/up", "--max-steps", 3, "--no-tracking")
+    proc = _torchrun(root, root / "runs" / "up")
+    assert "resuming from step-0000003" in proc.stderr
+    for run in (root / "runs" / "down", root / "runs" / "up"):
+        info = json.loads((run / "run.json").read_text())
+        assert info["status"] == "finished"
+        assert json.loads((run / "ledger.json").read_text()) == json.loads((one / "ledger.json").read_text())
+        w = _weights(run, 6)
+        assert max(float((wa[k] - w[k]).abs().max()) for k in wa) < 1e-4
+        # MFU and cost over what each attempt held: 3 steps on 2 devices, 3 on 1 (in either order).
+        rows = read_jsonl(run / "metrics" / "train.jsonl")
+        assert sorted(r["devices"] for r in rows) == [1, 1, 1, 2, 2, 2]
+        device_step = sum(r["step_seconds"] * r["devices"] for r in rows)
+        assert info["device_step_seconds_total"] == pytest.approx(device_step, rel=1e-6)
+        assert info["step_seconds_total"] < device_step < 2 * info["step_seconds_total"]
+        peak = info["conventions"]["peak_tflops"] * 1e12
+        assert info["mfu"] == pytest.approx(info["flops_per_token"] * info["processed_tokens"] / (device_step * peak))
+        result = audit(run, check_mlflow=False)
+        assert result.passed, result.render()

@@ -112,17 +112,7 @@ def _retokenized(project: Path) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def _fsdp(project: Path) -> None:
-    import yaml
-
-    path = project / "experiments/cpu-tiny.yaml"
-    data = yaml.safe_load(path.read_text())
-    data["overrides"] = {"hardware": {"distributed": "fsdp"}}
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
 LAUNCH_REFUSALS = [
-    (_fsdp, "experiments/cpu-tiny.yaml: hardware.distributed: FSDP runs are not supported yet"),
     (_truncate_a_shard, "data/builtin/code/train-00000.bin"),
     (lambda p: _unpin(p, "data.manifests.prose.sha256"), "experiments/cpu-tiny.yaml: data.manifests.prose.sha256: not pinned"),
     (_retokenized, "experiments/cpu-tiny.yaml: data.manifests.legal: data/builtin/legal/manifest.json was tokenized with tokenizer cdcdcdcdcdcd"),

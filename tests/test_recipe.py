@@ -169,10 +169,17 @@ def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(proj
     out = _check_pr(project)
     assert out.returncode == 2 and "experiments/cpu-tiny.yaml: version: changed" in out.stderr
 
-    edit(project / "experiments/cpu-tiny.yaml", _set("version", 2))
+    edit(project / "experiments/cpu-tiny.yaml", _set("version", 2))  # its dependants must follow in turn
+    out = _check_pr(project)
+    assert out.returncode == 2
+    assert "experiments/cpu-tiny-fsdp.yaml: base: names cpu-tiny@1 but experiments/cpu-tiny.yaml is version 2" in out.stderr
+
+    edit(project / "experiments/cpu-tiny-fsdp.yaml", _set("base", "cpu-tiny@2"))
+    edit(project / "experiments/cpu-tiny-fsdp.yaml", _set("version", 2))
     out = _check_pr(project)
     assert out.returncode == 0, out.stderr
     assert "meaning changed: experiments/cpu-tiny.yaml" in out.stdout
+    assert "meaning changed: experiments/cpu-tiny-fsdp.yaml" in out.stdout
 
 
 def test_check_pr_catches_meaning_change_through_a_base_experiment(project: Path):

@@ -70,15 +70,11 @@ def _timestamp() -> str:
 def make_accelerator(cfg):
     from accelerate import Accelerator
 
-    from runner.backends import accelerate_mixed_precision
+    from runner.backends import accelerate_mixed_precision, sharding_mode
 
     acc = Accelerator(cpu=str(cfg.hardware.accelerator) == "cpu",
                       mixed_precision=accelerate_mixed_precision(cfg.hardware))
-    if acc.distributed_type.name == "FSDP" or str(cfg.hardware.distributed) == "fsdp":
-        # Rank 0 alone writes checkpoints; under FSDP that would hang the gather or save a shard
-        # as if it were the model. Refuse until checkpoints gather the full state on every rank.
-        raise RunnerError("FSDP runs are not supported yet: checkpoints are written by rank 0 alone "
-                          "(DDP-correct); use distributed: ddp", key="hardware.distributed")
+    sharding_mode(cfg.hardware, acc)  # a recipe/accelerate mismatch fails here, before any folder is written
     return acc
 
 
