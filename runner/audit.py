@@ -331,11 +331,12 @@ def _check_compute(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
         "device_step_seconds": device_step,
         "mfu": fpt * int(s["processed_tokens"]) / (device_step * peak),
         "goodput_mfu": fpt * int(s["useful_tokens"]) / (device_wall * peak),
+        "hfu": rpt.hfu_flops_per_token(inp.cfg, conv, seq_len) * int(s["processed_tokens"]) / (device_step * peak),
         "cost_per_billion_useful_tokens": float(s["price_per_device_hour"]) * device_wall
         / 3600.0 / (int(s["useful_tokens"]) / 1e9) if int(s["useful_tokens"]) else 0.0,
     }
     for key, value in want.items():
-        ok = _close(s[key], value)
+        ok = _close(s[key], value) or (math.isnan(float(s[key])) and math.isnan(value))  # hfu: both empty
         res.add(f"{key} recomputed", [] if ok else [f"report {float(s[key]):.6g}, recomputed {value:.6g}"],
                 ok_detail=f"{value:.6g}")
 
@@ -442,7 +443,7 @@ def _check_mlflow(res: AuditResult, inp: AuditInput) -> None:
         leaf = key.rsplit("/", 1)[-1]
         want = None
         if leaf in s.index and isinstance(s[leaf], (int, float, np.integer, np.floating)) \
-                and not isinstance(s[leaf], (bool, np.bool_)) and leaf not in ("mfu", "goodput_mfu"):
+                and not isinstance(s[leaf], (bool, np.bool_)) and leaf not in ("mfu", "goodput_mfu", "hfu"):
             want = float(s[leaf])
         elif leaf == "loss_nats":
             dom = [d for d in losses if f"/{d}/" in f"/{key}/"]

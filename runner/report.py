@@ -91,6 +91,14 @@ def conventions_of(run: dict, cfg: dict) -> dict:
     return conv
 
 
+def hfu_flops_per_token(cfg: dict, convention: Convention, seq_len: int) -> float:
+    """FLOPs per token the hardware executes with activation checkpointing (the forward run twice:
+    8N where the model needs 6N); NaN without activation checkpointing, where HFU = MFU is not reported."""
+    if not bool((cfg.get("model") or {}).get("activation_checkpointing")):
+        return float("nan")
+    return flops_per_token(cfg, Convention(**{**convention.to_dict(), "recompute_counted": True}), seq_len=seq_len)
+
+
 def device_seconds(run: dict, cfg: dict, wall_seconds: float, step_seconds_total: float) -> tuple[float, float]:
     """(device_wall_seconds, device_step_seconds): time x devices held, summed over attempts.
 
@@ -192,6 +200,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     wall_seconds, step_seconds_total = _run_times(run, train_rows)
     device_wall, device_step = device_seconds(run, cfg, wall_seconds, step_seconds_total)
     fpt = flops_per_token(cfg, convention, seq_len=seq_len)
+    hfu_fpt = hfu_flops_per_token(cfg, convention, seq_len)
     n_params = params_of_config(cfg).get(convention.params_counted)
     totals = {k: int(accounting[f"{k}_tokens"].sum())
               for k in ("pool", "processed", "exposure", "useful", "unique", "lost")}
@@ -216,6 +225,8 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
         "flops_per_token": float(fpt),
         "mfu": fpt * totals["processed"] / (device_step * peak_flops),
         "goodput_mfu": fpt * useful / (device_wall * peak_flops),
+        "hfu_flops_per_token": hfu_fpt,
+        "hfu": hfu_fpt * totals["processed"] / (device_step * peak_flops),
         "flops_formula": convention.flops_formula,
         "params_counted": convention.params_counted,
         "attention_causal_half": bool(convention.attention_causal_half),
@@ -360,7 +371,9 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
         "## How fast, at what cost", "",
         f"- Wall time {s.wall_seconds:.1f} s, of which training steps {s.step_seconds_total:.1f} s; "
         f"device-seconds {s.device_wall_seconds:.1f} held, {s.device_step_seconds:.1f} in steps.",
-        f"- MFU {100 * s.mfu:.3g}% (step time), goodput MFU {100 * s.goodput_mfu:.3g}% (wall time, useful tokens).",
+        f"- MFU {100 * s.mfu:.3g}% (step time), goodput MFU {100 * s.goodput_mfu:.3g}% (wall time, useful tokens)"
+        + (f"; HFU {100 * s.hfu:.3g}% (activation checkpointing: the recomputed forward counted, 8N)."
+           if s.hfu == s.hfu else "."),
         f"- FLOPs per token {s.flops_per_token:.4g} ({s.flops_formula}, params {s.params_counted}).",
         f"- {s.devices} x {s.device_name} at ${s.price_per_device_hour:.2f}/device-hour: "
         f"${s.cost_per_billion_useful_tokens:.4g} per billion useful tokens.",
@@ -381,6 +394,8 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
         "  sum over attempts of wall time * devices held.",
         "- `cost_per_billion_useful_tokens` = price per device-hour * device_wall_seconds / 3600 / (useful / 1e9).",
         "- `devices` / `devices_counted`: the world size of the latest attempt.",
+        "- `hfu` (activation checkpointing only, else empty) = hfu_flops_per_token * processed / (device_step_seconds",
+        "  * peak), hfu_flops_per_token counting the recomputed forward (8N instead of 6N); MFU never counts it.",
         "",
         "Token kinds (exact integers, input positions unless stated):",
         "",

@@ -203,7 +203,7 @@ class TrackingCallback(Callback):
         if record["step"] % self.every:
             return
         m = {k: record[k] for k in ("loss", "lr", "grad_norm", "step_seconds", "tokens_per_second",
-                                    "tokens_per_second_useful", "mfu", "goodput_mfu") if record.get(k) is not None}
+                                    "tokens_per_second_useful", "mfu", "goodput_mfu", "hfu") if record.get(k) is not None}
         for d, c in counters.items():
             for name in ("processed", "exposure", "useful", "unique", "lost"):
                 m[f"tokens.{d}.{name}"] = c[name]
@@ -272,6 +272,7 @@ class _Run:
     last_saved: int = 0
     last_eval: int = 0
     flops_per_token: float = 0.0
+    hfu_flops_per_token: float | None = None        # with activation checkpointing: recomputation counted
     peak: object = None
     tracker: object = None
     callbacks: list = field(default_factory=list)
@@ -475,16 +476,25 @@ def _conventions(run: _Run, tracker) -> None:
     else:
         run.peak = hardware.resolve_peak(run.cfg.hardware, measure_seconds=run.opts.peak_measure_seconds)
     conventions = hardware.convention_record(convention, run.peak, run.world, "step")
+    hfu_fields = {}
+    if bool(run.cfg.model.activation_checkpointing):
+        # The forward is run again in backward: the hardware does 8N per token where the model needs 6N.
+        hfu_convention = Convention(recompute_counted=True)
+        run.hfu_flops_per_token = flops_per_token(run.cfg, hfu_convention)
+        hfu_fields = {"hfu_flops_per_token": run.hfu_flops_per_token,
+                      "conventions_hfu": hardware.convention_record(hfu_convention, run.peak, run.world, "step")}
     if run.main:
         # `devices` is what the run HELD (the world size), not the recipe's plan: MFU and cost count it.
         run.folder.update(status="running", conventions=conventions, runtime=run.runtime, world_size=run.world,
                           devices=int(run.world), attempts=run.attempt, flops_per_token=run.flops_per_token,
-                          conventions_goodput=hardware.convention_record(convention, run.peak, run.world, "wall"))
+                          conventions_goodput=hardware.convention_record(convention, run.peak, run.world, "wall"),
+                          **hfu_fields)
     run.tracker = tracker
     run.callbacks = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
     if tracker is not None:
         run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
-        tracker.log_tags({**{f"mfu.{k}": v for k, v in conventions.items()}, "attempts": run.attempt})
+        tracker.log_tags({**{f"mfu.{k}": v for k, v in conventions.items()}, "attempts": run.attempt,
+                          **{f"hfu.{k}": v for k, v in hfu_fields.get("conventions_hfu", {}).items()}})
 
 
 def _to_device(array, device: torch.device, pin: bool) -> torch.Tensor:
@@ -557,7 +567,9 @@ def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, co
             "tokens_per_second_useful": s.useful_tokens / step_seconds,
             "mfu": hardware.mfu(fpt, tokens, step_seconds, peak_tflops, run.world),
             "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], run.device_wall_seconds(), peak_tflops, 1),
-            "exposure_tokens": int(counters["total"]["exposure"])}
+            "exposure_tokens": int(counters["total"]["exposure"]),
+            **({"hfu": hardware.mfu(run.hfu_flops_per_token, tokens, step_seconds, peak_tflops, run.world)}
+               if run.hfu_flops_per_token else {})}
 
 
 def _checkpoint_state(run: _Run, step: int) -> dict:
@@ -701,6 +713,9 @@ def _finish(run: _Run, exit_code: int) -> None:
         summary["mfu"] = hardware.mfu(fpt, counters["total"]["processed"], run.device_step_seconds_total,
                                       peak_tflops, 1)
         summary["goodput_mfu"] = hardware.mfu(fpt, useful_total, device_wall_seconds, peak_tflops, 1)
+        if run.hfu_flops_per_token:
+            summary["hfu"] = hardware.mfu(run.hfu_flops_per_token, counters["total"]["processed"],
+                                          run.device_step_seconds_total, peak_tflops, 1)
         summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
             1, float(run.cfg.hardware.price_per_device_hour_usd), device_wall_seconds, useful_total)
     if run.main:

@@ -139,6 +139,15 @@ def mfu_matches_definition(df):
 
 
 @register_check_method(supported_types=pd.DataFrame)
+def hfu_matches_definition(df):
+    """HFU (activation checkpointing) counts the recomputed forward: never below MFU. Empty = not reported."""
+    want = df["hfu_flops_per_token"] * df["processed_tokens"] / (df["device_step_seconds"] * df["peak_tflops"] * 1e12)
+    both_empty = df["hfu"].isna() & df["hfu_flops_per_token"].isna()
+    ok = pd.Series(_close(df["hfu"], want, 1e-6), index=df.index) & (df["hfu"] >= df["mfu"] * (1 - 1e-9))
+    return both_empty | ok
+
+
+@register_check_method(supported_types=pd.DataFrame)
 def goodput_mfu_matches_definition(df):
     """SPEC: goodput_mfu = flops_per_token * useful / (wall time * peak * devices), as device-seconds."""
     want = df["flops_per_token"] * df["useful_tokens"] / (df["device_wall_seconds"] * df["peak_tflops"] * 1e12)
@@ -225,6 +234,8 @@ RUN_SUMMARY = pa.DataFrameSchema(
         "flops_per_token": _finite_positive("Training FLOPs per token under `flops_formula` (6N or 6N+attn)."),
         "mfu": _fraction("flops_per_token * processed / (device_step_seconds * peak); time_basis step."),
         "goodput_mfu": _fraction("flops_per_token * useful / (device_wall_seconds * peak); time_basis wall."),
+        "hfu_flops_per_token": pa.Column("float64", pa.Check.gt(0.0), nullable=True, description="With activation checkpointing: FLOPs per token counting the recomputed forward (8N + attention); empty otherwise."),
+        "hfu": pa.Column("float64", [pa.Check.ge(0.0), pa.Check.le(1.0)], nullable=True, description="With activation checkpointing: hfu_flops_per_token * processed / (device_step_seconds * peak); empty otherwise."),
         "flops_formula": pa.Column(str, pa.Check.isin(["6N", "6N+attn"]), description="6N (Kaplan/Chinchilla) or 6N+attn (PaLM appendix B)."),
         "params_counted": pa.Column(str, pa.Check.isin(["all", "non_embedding", "active"]), description="Which parameters N counts."),
         "attention_causal_half": pa.Column(bool, description="Whether the attention term is halved for the causal mask."),
@@ -245,6 +256,7 @@ RUN_SUMMARY = pa.DataFrameSchema(
         pa.Check.lost_is_processed_minus_exposure(error="lost = processed - exposure"),
         pa.Check.exposure_is_whole_steps(error="invariant 3: exposure = steps * global_batch * L"),
         pa.Check.goodput_within_mfu(error="goodput_mfu <= mfu"),
+        pa.Check.hfu_matches_definition(error="hfu = hfu_flops_per_token * processed / (device step s * peak) >= mfu"),
         pa.Check(lambda df: df["devices_counted"] == df["devices"], name="all_devices_counted",
                  error="devices_counted = devices held"),
         pa.Check.step_time_within_wall(error="step_seconds_total <= wall_seconds"),

@@ -49,6 +49,7 @@ BAD = [
     ("run_summary", lambda df: df.assign(cost_per_billion_useful_tokens=df["cost_per_billion_useful_tokens"] * 2),
      "cost = price * device wall h"),
     ("run_summary", lambda df: df.assign(device_step_seconds=df["step_seconds_total"] / 2), "device-seconds >= seconds"),
+    ("run_summary", lambda df: df.assign(hfu=df["mfu"] * 0.5), "hfu = hfu_flops_per_token"),
     ("run_summary", lambda df: df.assign(device_wall_seconds=df["device_step_seconds"] / 2), "steps <= wall"),
     ("run_summary", lambda df: df.assign(devices_counted=1), "devices_counted = devices held"),
     ("run_summary", lambda df: pd.concat([df, df]), "exactly one row"),

@@ -49,6 +49,36 @@ def test_launch_writes_run_folder_and_mlflow(tmp_path):
     assert params["train.seq_len"] == "16" and params["model.hidden_size"] == "32"
     tags = dict(db.execute("select key, value from tags where run_uuid=?", (run_id,)).fetchall())
     assert tags["fingerprint"] == info["fingerprint"] and tags["mfu.flops_formula"] == "6N+attn"
+    assert "hfu" not in info and "hfu" not in keys  # no activation checkpointing: nothing is recomputed
+
+
+def test_activation_checkpointing_reports_hfu_besides_mfu(tmp_path):
+    import yaml
+
+    import pandas as pd
+
+    from runner.audit import audit
+
+    exp = make_project(tmp_path, steps=4, checkpoint_every=4)
+    model = tmp_path / "recipes" / "model" / "m.yaml"
+    model.write_text(yaml.safe_dump({**yaml.safe_load(model.read_text()), "activation_checkpointing": True}))
+    run = tmp_path / "runs" / "ac"
+    proc = launch(tmp_path, exp, "--run-dir", run)
+    assert "HFU " in proc.stdout and "(recomputed forward counted)" in proc.stdout
+    info = json.loads((run / "run.json").read_text())
+    assert info["conventions"]["recompute_counted"] is False and info["conventions_hfu"]["recompute_counted"] is True
+    ratio = info["hfu_flops_per_token"] / info["flops_per_token"]
+    assert ratio == pytest.approx(8 / 6)  # the forward runs twice: 8N (+ its attention) where the model needs 6N
+    assert info["hfu"] == pytest.approx(info["mfu"] * ratio)
+    assert all(r["hfu"] == pytest.approx(r["mfu"] * ratio) for r in read_jsonl(run / "metrics" / "train.jsonl"))
+    summary = pd.read_parquet(run / "report" / "run_summary.parquet").iloc[0]
+    assert summary["hfu"] == pytest.approx(info["hfu"]) and summary["recompute_counted"] == False  # noqa: E712
+    result = audit(run)
+    assert result.passed, result.render()
+    assert next(c for c in result.checks if c.name == "hfu recomputed").status == "PASS"
+    db = sqlite3.connect(tmp_path / "mlflow.db")
+    tags = dict(db.execute("select key, value from tags where run_uuid=?", (info["mlflow"]["run_id"],)).fetchall())
+    assert tags["hfu.recompute_counted"] == "True" and tags["mfu.recompute_counted"] == "False"
 
 
 def test_fingerprint_mismatch_refuses_resume_naming_keys(tmp_path):

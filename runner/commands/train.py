@@ -256,9 +256,10 @@ def _print_summary(run_dir: Path) -> None:
             f"{d} {r['loss_nats']:.3f} / {r['bpb']:.3f}" for d, r in sorted(last.items())))
     conv = info.get("conventions") or {}
     if info.get("mfu") is not None:
+        hfu = f"HFU {info['hfu']:.1%} (recomputed forward counted); " if info.get("hfu") is not None else ""
         print(f"  MFU {info['mfu']:.1%} ({conv.get('flops_formula')}, params {conv.get('params_counted')}, "
               f"{conv.get('time_basis')} time, peak {conv.get('peak_tflops'):.4g} TFLOP/s {conv.get('peak_dtype')}: "
-              f"{conv.get('peak_source')}); goodput MFU {info.get('goodput_mfu', 0):.1%}; "
+              f"{conv.get('peak_source')}); goodput MFU {info.get('goodput_mfu', 0):.1%}; {hfu}"
               f"${info.get('cost_per_billion_useful_tokens', 0):,.2f} per billion useful tokens")
     if (run_dir / "report" / "report.md").exists():
         print(f"  report: {run_dir / 'report' / 'report.md'}  (check it: runner audit {run_dir})")
