@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -127,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except RunnerError as e:
-        for msg in str(e).splitlines():
-            print(f"error: {msg}", file=sys.stderr)
+        # Under torchrun every rank meets the same bad input: one line per node, not one per process
+        # (a node-local problem, such as a shard missing on one node, is still said by that node).
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            for msg in str(e).splitlines():
+                print(f"error: {msg}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -110,3 +110,17 @@ def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tm
         assert info["mfu"] == pytest.approx(info["flops_per_token"] * info["processed_tokens"] / (device_step * peak))
         result = audit(run, check_mlflow=False)
         assert result.passed, result.render()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
+def test_bad_input_under_torchrun_is_said_once_not_once_per_process(tmp_path):
+    exp = make_project(tmp_path, steps=4)  # global batch 8 in micro batches of 4: 3 processes cannot split it
+    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "3", "-m", "runner", "launch", str(exp),
+                           "--no-tracking"], cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    assert "t.yaml: train.micro_batch_sequences: global batch 8 does not divide into micro batches of 4 x 3" in errors[0]
+    assert not (tmp_path / "runs").exists()
