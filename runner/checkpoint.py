@@ -143,13 +143,6 @@ class Checkpoint:
     def format(self) -> int:
         return int(self.state.get("format", 1))
 
-    def load_model_into(self, model) -> None:
-        """Model weights only (unsharded `model`): evaluation, inspection, tests."""
-        if self.format >= 2:
-            model.load_state_dict(load_file(str(self.path / "model.safetensors")), strict=True)
-        else:
-            load_model(model, str(self.path / "model.safetensors"), strict=True)
-
     def load_into(self, model, optimizer) -> None:
         """Weights and optimizer state into `model` (plain or FSDP2-sharded) and its optimizer.
         Every rank calls it and reads the files (run folders live on shared storage); each keeps its
