@@ -526,6 +526,14 @@ def fetch_mlflow_run(run_id: str, dst: str | Path) -> Path:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow
 
+    from runner.tracking import default_tracking_uri
+
+    # The store launch writes to by default; a missing SQLite file is reported, never created empty.
+    uri = default_tracking_uri()
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        raise RunnerError(f"no MLflow store at {uri[len('sqlite:///'):]} to look up run {run_id} in "
+                          "(set MLFLOW_TRACKING_URI to the server or sqlite:///path/mlflow.db that holds it)")
+    mlflow.set_tracking_uri(uri)
     try:
         local = Path(mlflow.artifacts.download_artifacts(run_id=run_id, dst_path=str(dst)))
     except Exception as err:  # mlflow raises its own and requests' errors for unknown runs/servers

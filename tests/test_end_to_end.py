@@ -64,6 +64,14 @@ def test_readme_main_job_end_to_end(tmp_path: Path):
     out = runner(project, "audit", str(run_dir), env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "MLflow final metrics agree" in out.stdout and "0 failed" in out.stdout
+    # By MLflow run id, from the default store launch wrote to; elsewhere, one line and no empty store.
+    out = runner(project, "audit", info["mlflow"]["run_id"], env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = runner(elsewhere, "audit", info["mlflow"]["run_id"], env=env)
+    assert out.returncode == 2 and out.stderr.startswith("error: no MLflow store at ") and "Traceback" not in out.stderr
+    assert not (elsewhere / "mlflow.db").exists()
 
     out = runner(project, "publish", str(run_dir), "--reports-dir", str(project / "reports"), env=env)
     assert out.returncode == 0, out.stderr
