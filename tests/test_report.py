@@ -177,7 +177,13 @@ def test_report_from_an_mlflow_run_id_renders_the_logged_report(run_dir, tmp_pat
 
 
 def test_report_of_an_unknown_mlflow_run_names_the_store(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(RunnerError, match=f"no MLflow store at {tmp_path / 'mlflow.db'} to look up run {'ab' * 16}"):
+        _cli(["report", "ab" * 16])
+    assert not (tmp_path / "mlflow.db").exists()  # a mistyped store path is said, never created empty
+    MlflowClient(tracking_uri=uri).search_experiments()  # now the store exists, without that run
     with pytest.raises(RunnerError, match=f"cannot download artifacts of MLflow run {'ab' * 16} from {uri}"):
         _cli(["report", "ab" * 16])
