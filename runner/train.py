@@ -356,6 +356,26 @@ def _scalar(t) -> float:
     return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
+def _all_gather_ints(acc, value: int) -> list[int]:
+    """`value` of every rank, in rank order (a list of one without a process group)."""
+    if acc.num_processes == 1:
+        return [int(value)]
+    mine = torch.tensor([int(value)], dtype=torch.int64, device=acc.device)
+    every = [torch.zeros_like(mine) for _ in range(acc.num_processes)]
+    torch.distributed.all_gather(every, mine)
+    return [int(t.item()) for t in every]
+
+
+def check_same_checkpoint(steps_by_rank: list[int], run_dir: Path) -> None:
+    """Every rank must resume from the same checkpoint: a node that sees another run folder (not on
+    shared storage, or a stale copy) would train from another step, desynchronise and hang."""
+    if len(set(steps_by_rank)) <= 1:
+        return
+    seen = ", ".join(f"rank {r}: {'none' if s < 0 else f'step {s}'}" for r, s in enumerate(steps_by_rank))
+    raise RunnerError(f"ranks see different newest checkpoints ({seen}); the run folder must be on storage "
+                      "every node shares", file=str(run_dir))
+
+
 def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
     if acc.num_processes > 1:
         torch.distributed.all_reduce(t)
@@ -411,6 +431,7 @@ def _resume(run: _Run) -> None:
     run.info = run.folder.read()
     fingerprints = {s["fingerprint"] for s in run.info.get("segments", [])} | {run.exp.fingerprint}
     ckpt = run.checkpointer.latest_valid(report=run.say)
+    check_same_checkpoint(_all_gather_ints(acc, ckpt.step if ckpt is not None else -1), run.folder.path)
     if run.sharding == SHARD_RUNNER_CPU:
         run.optimizer = acc.prepare(run.optimizer)  # preparing the model would wrap it in DDP too
     else:

@@ -195,3 +195,19 @@ def test_step_time_of_lost_work_is_counted_so_mfu_is_not_overstated(tmp_path):
     expected = info["flops_per_token"] * c["processed"] / (
         info["step_seconds_total"] * info["conventions"]["peak_tflops"] * 1e12 * info["devices"])
     assert info["mfu"] == __import__("pytest").approx(expected, rel=1e-9)
+
+
+def test_ranks_that_see_different_checkpoints_are_refused_naming_them(tmp_path):
+    from runner.errors import RunnerError
+    from runner.train import check_same_checkpoint
+
+    check_same_checkpoint([40, 40, 40, 40], tmp_path)
+    check_same_checkpoint([-1], tmp_path)
+    # Node 2 (ranks 2-3) holds its own copy of the run folder, without the newest checkpoints.
+    try:
+        check_same_checkpoint([40, 40, -1, -1], tmp_path)
+    except RunnerError as e:
+        assert "rank 0: step 40, rank 1: step 40, rank 2: none, rank 3: none" in str(e)
+        assert "storage every node shares" in str(e) and str(tmp_path) in str(e)
+    else:
+        raise AssertionError("different checkpoints across ranks must be refused")
