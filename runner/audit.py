@@ -331,7 +331,7 @@ def _check_compute(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
         "device_step_seconds": device_step,
         "mfu": fpt * int(s["processed_tokens"]) / (device_step * peak),
         "goodput_mfu": fpt * int(s["useful_tokens"]) / (device_wall * peak),
-        "hfu": rpt.hfu_flops_per_token(inp.cfg, conv, seq_len) * int(s["processed_tokens"]) / (device_step * peak),
+        "hfu": rpt.hfu_flops_per_token_or_nan(inp.cfg, conv, seq_len) * int(s["processed_tokens"]) / (device_step * peak),
         "cost_per_billion_useful_tokens": float(s["price_per_device_hour"]) * device_wall
         / 3600.0 / (int(s["useful_tokens"]) / 1e9) if int(s["useful_tokens"]) else 0.0,
     }

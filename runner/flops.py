@@ -8,7 +8,7 @@ Never: reads hardware, times anything, or builds a model (counting is arithmetic
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
 from runner.errors import RunnerError
@@ -215,3 +215,18 @@ def flops_per_token(cfg: Mapping[str, Any], convention: Convention = DEFAULT_CON
     if convention.flops_formula == "6N+attn" and not (isinstance(seq_len, int) and seq_len > 0):
         raise RunnerError(f"must be a positive integer for 6N+attn, got {seq_len!r}", key="train.seq_len")
     return flops_per_token_from_counts(counts, seq_len or 0, cfg["model"]["hidden_size"], convention)
+
+
+def hfu_convention(convention: Convention = DEFAULT_CONVENTION) -> Convention:
+    """The same convention with the recomputed forward counted: HFU's, never MFU's."""
+    return replace(convention, recompute_counted=True)
+
+
+def hfu_flops_per_token(cfg: Mapping[str, Any], convention: Convention = DEFAULT_CONVENTION,
+                        *, seq_len: int | None = None) -> float | None:
+    """FLOPs per token the hardware executes when activation checkpointing runs the forward again in
+    backward (8N where the model needs 6N): the HFU numerator. None without activation checkpointing."""
+    cfg = as_plain(cfg)
+    if not bool((cfg.get("model") or {}).get("activation_checkpointing")):
+        return None
+    return flops_per_token(cfg, hfu_convention(convention), seq_len=seq_len)

@@ -21,7 +21,7 @@ import pandas as pd
 
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml
-from runner.flops import Convention, flops_per_token, params_of_config
+from runner.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
 from runner.manifest import num_samples
 from runner.recipe import devices
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
@@ -91,12 +91,10 @@ def conventions_of(run: dict, cfg: dict) -> dict:
     return conv
 
 
-def hfu_flops_per_token(cfg: dict, convention: Convention, seq_len: int) -> float:
-    """FLOPs per token the hardware executes with activation checkpointing (the forward run twice:
-    8N where the model needs 6N); NaN without activation checkpointing, where HFU = MFU is not reported."""
-    if not bool((cfg.get("model") or {}).get("activation_checkpointing")):
-        return float("nan")
-    return flops_per_token(cfg, Convention(**{**convention.to_dict(), "recompute_counted": True}), seq_len=seq_len)
+def hfu_flops_per_token_or_nan(cfg: dict, convention: Convention, seq_len: int) -> float:
+    """flops.hfu_flops_per_token as a table cell: NaN (empty) without activation checkpointing."""
+    hfu = hfu_flops_per_token(cfg, convention, seq_len=seq_len)
+    return float("nan") if hfu is None else hfu
 
 
 def device_seconds(run: dict, cfg: dict, wall_seconds: float, step_seconds_total: float) -> tuple[float, float]:
@@ -200,7 +198,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     wall_seconds, step_seconds_total = _run_times(run, train_rows)
     device_wall, device_step = device_seconds(run, cfg, wall_seconds, step_seconds_total)
     fpt = flops_per_token(cfg, convention, seq_len=seq_len)
-    hfu_fpt = hfu_flops_per_token(cfg, convention, seq_len)
+    hfu_fpt = hfu_flops_per_token_or_nan(cfg, convention, seq_len)
     n_params = params_of_config(cfg).get(convention.params_counted)
     totals = {k: int(accounting[f"{k}_tokens"].sum())
               for k in ("pool", "processed", "exposure", "useful", "unique", "lost")}

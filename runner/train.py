@@ -485,7 +485,7 @@ def _resume(run: _Run) -> None:
 def _conventions(run: _Run, tracker) -> None:
     """FLOPs per token and the peak behind every MFU figure; recorded in run.json and as MLflow tags."""
     from runner import hardware
-    from runner.flops import Convention, flops_per_token
+    from runner.flops import Convention, flops_per_token, hfu_convention, hfu_flops_per_token
 
     convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
     run.flops_per_token = flops_per_token(run.cfg, convention)
@@ -498,12 +498,11 @@ def _conventions(run: _Run, tracker) -> None:
         run.peak = hardware.resolve_peak(run.cfg.hardware, measure_seconds=run.opts.peak_measure_seconds)
     conventions = hardware.convention_record(convention, run.peak, run.world, "step")
     hfu_fields = {}
-    if bool(run.cfg.model.activation_checkpointing):
-        # The forward is run again in backward: the hardware does 8N per token where the model needs 6N.
-        hfu_convention = Convention(recompute_counted=True)
-        run.hfu_flops_per_token = flops_per_token(run.cfg, hfu_convention)
+    run.hfu_flops_per_token = hfu_flops_per_token(run.cfg, convention)  # None without activation checkpointing
+    if run.hfu_flops_per_token is not None:
         hfu_fields = {"hfu_flops_per_token": run.hfu_flops_per_token,
-                      "conventions_hfu": hardware.convention_record(hfu_convention, run.peak, run.world, "step")}
+                      "conventions_hfu": hardware.convention_record(hfu_convention(convention), run.peak, run.world,
+                                                                    "step")}
     if run.main:
         # `devices` is what the run HELD (the world size), not the recipe's plan: MFU and cost count it.
         run.folder.update(status="running", conventions=conventions, runtime=run.runtime, world_size=run.world,
