@@ -20,8 +20,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
 
-from runner.ledger import TokenLedger  # noqa: E402
-from runner.sampler import MixtureSampler  # noqa: E402
+from runner.data.sampler import MixtureSampler
+from runner.training.ledger import TokenLedger
 
 SEQ_LEN, GLOBAL_BATCH = 2048, 512
 SAMPLES = {"web": 9_000_000, "code": 2_500_000, "math": 1_200_000}
@@ -42,8 +42,7 @@ def main() -> None:
     sampler = MixtureSampler(SAMPLES, RATIOS, seed=0, global_batch_sequences=GLOBAL_BATCH)
     batches = [sampler.step_arrays(s) for s in range(START_STEP, START_STEP + STEPS)]
     pairs = [list(zip(d.tolist(), k.tolist())) for d, k in batches]
-    positions = [{sampler.domains[d]: n * SEQ_LEN for d, n in Counter(dom.tolist()).items()}
-                 for dom, _ in batches]
+    positions = [{sampler.domains[d]: n * SEQ_LEN for d, n in Counter(dom.tolist()).items()} for dom, _ in batches]
     ledger = TokenLedger(SAMPLES, SEQ_LEN)
 
     t0 = time.perf_counter()
@@ -52,18 +51,21 @@ def main() -> None:
         ledger.commit(p, pos)
     step_seconds = (time.perf_counter() - t0) / STEPS
     state_seconds = _timed(ledger.state_dict, 5)
-    check_seconds = _timed(lambda: ledger.check_invariants(GLOBAL_BATCH, SEQ_LEN, STEPS, RATIOS,
-                                                           CAPS), 5)
+    check_seconds = _timed(lambda: ledger.check_invariants(GLOBAL_BATCH, SEQ_LEN, STEPS, RATIOS, CAPS), 5)
     histogram_seconds = _timed(ledger.histogram, 5)
 
-    print(f"1p3b shape: seq {SEQ_LEN}, global batch {GLOBAL_BATCH}, {sum(SAMPLES.values()):,} "
-          f"samples ({sum(SAMPLES.values()) / 1e6:.1f} MB of counters), 1 thread")
+    print(
+        f"1p3b shape: seq {SEQ_LEN}, global batch {GLOBAL_BATCH}, {sum(SAMPLES.values()):,} "
+        f"samples ({sum(SAMPLES.values()) / 1e6:.1f} MB of counters), 1 thread"
+    )
     print(f"{'operation':<44}{'ms':>10}{'share of a 1p3b step':>24}")
     print(f"{'1p3b step on H200 at 40% MFU':<44}{STEP_SECONDS * 1e3:>10.0f}{1.0:>24.2e}")
-    for name, seconds in (("record_processed + commit (every step)", step_seconds),
-                          ("state_dict (every checkpoint)", state_seconds),
-                          ("histogram (reports)", histogram_seconds),
-                          ("check_invariants (audit)", check_seconds)):
+    for name, seconds in (
+        ("record_processed + commit (every step)", step_seconds),
+        ("state_dict (every checkpoint)", state_seconds),
+        ("histogram (reports)", histogram_seconds),
+        ("check_invariants (audit)", check_seconds),
+    ):
         print(f"{name:<44}{seconds * 1e3:>10.3f}{seconds / STEP_SECONDS:>24.2e}")
 
 

@@ -3,7 +3,7 @@
     python bench/bench_prepare.py [--mb 32] [--workers 2] [--batch-docs 256] [--repeats 3]
 
 Raw: Tokenizer.encode_batch over the documents already in memory, with the tokenizers thread
-pool limited to --workers threads. Prepare: the whole `runner.prepare.prepare` call on the same
+pool limited to --workers threads. Prepare: the whole `runner.data.prepare.prepare` call on the same
 documents stored as jsonl (reading, worker start-up, tokenizing, shard writing, hashing,
 manifest) with --workers processes. The two alternate --repeats times and each keeps its best
 time (shared machines are noisy). Prints tokens/s for both and their ratio (target >= 0.85).
@@ -32,17 +32,17 @@ def main() -> None:
     import gzip
     import json
 
-    from runner.builtin.build import ASSETS, TOKENIZER_PATH
-    from runner.prepare import prepare
-    from runner.tokenizer import load_tokenizer
-
     import pyarrow.parquet as pq
+
+    from runner.data.builtin.build import ASSETS, TOKENIZER_PATH
+    from runner.data.prepare import prepare
+    from runner.data.tokenizer import load_tokenizer
 
     base = pq.read_table(ASSETS / "code.parquet", columns=["text"]).column("text").to_pylist()
     with gzip.open(ASSETS / "prose.jsonl.gz", "rt", encoding="utf-8") as f:
         base += [json.loads(line)["text"] for line in f]
     # Split into ~4 KB documents (web-page sized) and repeat with distinct ids up to --mb.
-    chunks = [t[i:i + 4096] for t in base for i in range(0, len(t), 4096)]
+    chunks = [t[i : i + 4096] for t in base for i in range(0, len(t), 4096)]
     target_bytes, texts, size = int(args.mb * 1e6), [], 0
     while size < target_bytes:
         for c in chunks:
@@ -57,7 +57,7 @@ def main() -> None:
         t0 = time.perf_counter()
         tokens = 0
         for i in range(0, len(texts), args.batch_docs):
-            encodings = tok.encode_batch(texts[i:i + args.batch_docs], add_special_tokens=False)
+            encodings = tok.encode_batch(texts[i : i + args.batch_docs], add_special_tokens=False)
             tokens += sum(len(e.ids) for e in encodings)
         return tokens, time.perf_counter() - t0
 
@@ -69,9 +69,16 @@ def main() -> None:
 
         def runner_prepare() -> tuple[int, float]:
             t0 = time.perf_counter()
-            manifest_path, _ = prepare("bench", TOKENIZER_PATH, Path(tmp) / "out", [src],
-                                       validation_fraction=0.0, workers=args.workers,
-                                       batch_docs=args.batch_docs, progress=False)
+            manifest_path, _ = prepare(
+                "bench",
+                TOKENIZER_PATH,
+                Path(tmp) / "out",
+                [src],
+                validation_fraction=0.0,
+                workers=args.workers,
+                batch_docs=args.batch_docs,
+                progress=False,
+            )
             seconds = time.perf_counter() - t0
             return json.loads(manifest_path.read_text())["pool_tokens"], seconds
 
@@ -85,8 +92,10 @@ def main() -> None:
     raw_rate, prep_rate = raw_tokens / raw_seconds, prep_tokens / prep_seconds
     print(f"text: {size / 1e6:.1f} MB, {len(texts)} documents, cores: {args.workers}, batch: {args.batch_docs}")
     print(f"raw encode_batch : {raw_tokens:>11,} tokens in {raw_seconds:7.2f} s = {raw_rate:12,.0f} tokens/s")
-    print(f"runner prepare   : {prep_tokens:>11,} tokens in {prep_seconds:7.2f} s = {prep_rate:12,.0f} tokens/s"
-          f" (pool includes one EOS per document)")
+    print(
+        f"runner prepare   : {prep_tokens:>11,} tokens in {prep_seconds:7.2f} s = {prep_rate:12,.0f} tokens/s"
+        f" (pool includes one EOS per document)"
+    )
     print(f"ratio prepare/raw: {prep_rate / raw_rate:.2f} (target >= 0.85)")
 
 

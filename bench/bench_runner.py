@@ -29,9 +29,17 @@ sys.path.insert(0, str(REPO / "tests"))
 def project(tmp: Path, steps: int, hidden: int, log_every: int = 1) -> Path:
     from trainfixtures import make_project
 
-    exp = make_project(tmp, steps=steps, seq_len=128, global_batch=16, micro=8, checkpoint_every=10 ** 6,
-                       train_extra={"log_interval_steps": log_every},
-                       eval_every=10 ** 6, pools={"a": (0.5, 400_000, 2_000), "b": (0.5, 300_000, 2_000)})
+    exp = make_project(
+        tmp,
+        steps=steps,
+        seq_len=128,
+        global_batch=16,
+        micro=8,
+        checkpoint_every=10**6,
+        train_extra={"log_interval_steps": log_every},
+        eval_every=10**6,
+        pools={"a": (0.5, 400_000, 2_000), "b": (0.5, 300_000, 2_000)},
+    )
     model = tmp / "recipes" / "model" / "m.yaml"
     body = yaml.safe_load(model.read_text())
     body.update(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 16 * 16, n_heads=4, n_kv_heads=2)
@@ -51,8 +59,9 @@ def runner_tokens_per_second(exp_path: Path, run_dir: Path) -> tuple[float, list
 
 def bare_tokens_per_second(exp, steps: int) -> float:
     """The same model, optimizer, batches and loss with nothing else: no ledger, journal or tracking."""
-    from runner.model import build_model
-    from runner.train import load_data, make_optimizer
+    from runner.training.loop import load_data
+    from runner.training.model import build_model
+    from runner.training.schedule import make_optimizer
 
     cfg = exp.config
     B, L, micro = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len), int(cfg.train.micro_batch_sequences)
@@ -78,9 +87,9 @@ def bare_tokens_per_second(exp, steps: int) -> float:
 
 def bookkeeping_seconds(exp, tmp: Path, steps: int) -> dict[str, float]:
     """Per-step seconds of what the runner adds, each timed alone at this experiment's batch."""
-    from runner.ledger import TokenLedger
-    from runner.tracking import Tracker
-    from runner.train import domain_positions, load_data
+    from runner.training.ledger import TokenLedger
+    from runner.training.loop import domain_positions, load_data
+    from runner.training.tracking import Tracker
 
     cfg = exp.config
     L = int(cfg.train.seq_len)
@@ -114,9 +123,9 @@ def bookkeeping_seconds(exp, tmp: Path, steps: int) -> dict[str, float]:
 
 
 def planned_1p3b_step_seconds() -> tuple[float, dict]:
-    from runner.flops import flops_per_token
-    from runner.hardware import resolve_peak
-    from runner.recipe import load_experiment
+    from runner.config.load import load_experiment
+    from runner.planning.flops import flops_per_token
+    from runner.planning.hardware import resolve_peak
 
     exp = load_experiment(REPO / "experiments" / "1p3b.yaml", check_files=False)
     cfg = exp.config
@@ -129,11 +138,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--log-every", default="1,10",
-                    help="MLflow logging intervals to compare (steps); the shipped recipes log every 10")
+    ap.add_argument(
+        "--log-every",
+        default="1,10",
+        help="MLflow logging intervals to compare (steps); the shipped recipes log every 10",
+    )
     args = ap.parse_args()
     intervals = [int(x) for x in args.log_every.split(",")]
-    from runner.recipe import load_experiment
+    from runner.config.load import load_experiment
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -149,22 +161,33 @@ def main() -> int:
         bare = statistics.mean([bare, bare2])
         book = bookkeeping_seconds(exp, tmp, args.steps)
         step_1p3b, cfg = planned_1p3b_step_seconds()
-    print(f"model: 2 layers, hidden {args.hidden}; 16 x 128 tokens per step; {args.steps} steps; "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"model: 2 layers, hidden {args.hidden}; 16 x 128 tokens per step; {args.steps} steps; "
+        f"{torch.get_num_threads()} threads"
+    )
     print(f"{'loop':<28}{'tokens/s':>12}")
     print(f"{'bare PyTorch':<28}{bare:>12,.0f}")
     for n, tps in ours.items():
-        print(f"{f'runner, MLflow every {n} step' + ('s' if n > 1 else ''):<28}{tps:>12,.0f}   "
-              f"ratio runner / bare: {tps / bare:.3f} (target >= 0.95)")
-    print(f"\nrunner bookkeeping per step at 16 x 128 (1p3b step: {int(cfg.train.global_batch_sequences)} x "
-          f"{int(cfg.train.seq_len)}, planned {step_1p3b:.2f} s at MFU {float(cfg.hardware.default_mfu):.0%} "
-          f"on {cfg.hardware.device_name})")
+        print(
+            f"{f'runner, MLflow every {n} step' + ('s' if n > 1 else ''):<28}{tps:>12,.0f}   "
+            f"ratio runner / bare: {tps / bare:.3f} (target >= 0.95)"
+        )
+    print(
+        f"\nrunner bookkeeping per step at 16 x 128 (1p3b step: {int(cfg.train.global_batch_sequences)} x "
+        f"{int(cfg.train.seq_len)}, planned {step_1p3b:.2f} s at MFU {float(cfg.hardware.default_mfu):.0%} "
+        f"on {cfg.hardware.device_name})"
+    )
     # The sampler and ledger grow with sequences per step, the batch read with tokens per step.
-    scale = {"sampler": int(cfg.train.global_batch_sequences) / 16, "ledger+journal": int(cfg.train.global_batch_sequences) / 16,
-             "batch_read": int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len) / (16 * 128)}
+    scale = {
+        "sampler": int(cfg.train.global_batch_sequences) / 16,
+        "ledger+journal": int(cfg.train.global_batch_sequences) / 16,
+        "batch_read": int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len) / (16 * 128),
+    }
     for name, sec in book.items():
         at_1p3b = sec * scale.get(name, 1.0)
-        print(f"  {name:<28}{sec * 1e3:>9.3f} ms   ~{at_1p3b * 1e3:>8.2f} ms at 1p3b = {at_1p3b / step_1p3b:.3%} of its step")
+        print(
+            f"  {name:<28}{sec * 1e3:>9.3f} ms   ~{at_1p3b * 1e3:>8.2f} ms at 1p3b = {at_1p3b / step_1p3b:.3%} of its step"
+        )
     return 0
 
 

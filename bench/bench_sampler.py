@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from runner.sampler import BatchReader, MixtureSampler, MixtureSchedule  # noqa: E402
+from runner.data.sampler import BatchReader, MixtureSampler, MixtureSchedule
 
 SEQ_LEN, GLOBAL_BATCH = 2048, 512
 SAMPLES = {"web": 9_000_000, "code": 2_500_000, "math": 1_200_000}  # 12.7M samples
@@ -35,7 +35,7 @@ STEPS, COLD_STEPS, START_STEP = 20, 3, 25_000
 
 
 class MemmapPool:
-    """The duck type of runner.manifest.Pool over one memory-mapped file."""
+    """The duck type of runner.data.manifest.Pool over one memory-mapped file."""
 
     def __init__(self, path: Path, tokens: int):
         with open(path, "wb") as f:
@@ -74,16 +74,22 @@ def main() -> None:
             reader.read(pairs)
         read_seconds = (time.perf_counter() - t0) / STEPS
 
-    rows = [("sampler only (pairs per step)", sample_seconds),
-            ("assembly, cold sparse pages", cold_seconds),
-            ("assembly, warm (read + tensors)", read_seconds),
-            ("sampler + warm assembly", sample_seconds + read_seconds)]
-    print(f"1p3b shape: seq {SEQ_LEN}, global batch {GLOBAL_BATCH} ({step_tokens:,} tokens/step), "
-          f"{sum(SAMPLES.values()):,} samples, 1 thread")
+    rows = [
+        ("sampler only (pairs per step)", sample_seconds),
+        ("assembly, cold sparse pages", cold_seconds),
+        ("assembly, warm (read + tensors)", read_seconds),
+        ("sampler + warm assembly", sample_seconds + read_seconds),
+    ]
+    print(
+        f"1p3b shape: seq {SEQ_LEN}, global batch {GLOBAL_BATCH} ({step_tokens:,} tokens/step), "
+        f"{sum(SAMPLES.values()):,} samples, 1 thread"
+    )
     print(f"random access to step {START_STEP:,} from a fresh schedule: {jump_seconds * 1e3:.1f} ms")
     print(f"{'stage':<40}{'ms/step':>10}{'tokens/s':>16}{'x H200 need':>14}")
-    print(f"{'H200 1p3b at 40% MFU (consumer)':<40}{step_tokens / CONSUMER_TOKENS_PER_SECOND * 1e3:>10.0f}"
-          f"{CONSUMER_TOKENS_PER_SECOND:>16,.0f}{1.0:>14.1f}")
+    print(
+        f"{'H200 1p3b at 40% MFU (consumer)':<40}{step_tokens / CONSUMER_TOKENS_PER_SECOND * 1e3:>10.0f}"
+        f"{CONSUMER_TOKENS_PER_SECOND:>16,.0f}{1.0:>14.1f}"
+    )
     for name, seconds in rows:
         rate = step_tokens / seconds
         print(f"{name:<40}{seconds * 1e3:>10.2f}{rate:>16,.0f}{rate / CONSUMER_TOKENS_PER_SECOND:>14.1f}")

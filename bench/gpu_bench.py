@@ -35,27 +35,52 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402  (after the path tweak so `runner` resolves to this checkout)
 
-# Used only when runner.hardware is absent (a bare checkout of this script). Same SPEC figures.
-FALLBACK_PEAKS_TFLOPS = {"A100": 312.0, "H100": 989.4, "H200": 989.4, "MI300X": 1307.4, "MI325X": 1307.4,
-                         "MI355X": 2516.6, "B200": 2250.0}
-DEFAULT_SHAPE = {"hidden_size": 2048, "n_layers": 24, "n_heads": 16, "n_kv_heads": 16,
-                 "intermediate_size": 5504, "vocab_size": 50304, "seq_len": 2048, "tie_embeddings": False,
-                 "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
-TINY_SHAPE = {"hidden_size": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "intermediate_size": 176,
-              "vocab_size": 512, "seq_len": 64, "tie_embeddings": False, "rope_theta": 10000.0,
-              "rms_norm_eps": 1e-5}
+# Used only when runner.planning.hardware is absent (a bare checkout of this script). Same SPEC figures.
+FALLBACK_PEAKS_TFLOPS = {
+    "A100": 312.0,
+    "H100": 989.4,
+    "H200": 989.4,
+    "MI300X": 1307.4,
+    "MI325X": 1307.4,
+    "MI355X": 2516.6,
+    "B200": 2250.0,
+}
+DEFAULT_SHAPE = {
+    "hidden_size": 2048,
+    "n_layers": 24,
+    "n_heads": 16,
+    "n_kv_heads": 16,
+    "intermediate_size": 5504,
+    "vocab_size": 50304,
+    "seq_len": 2048,
+    "tie_embeddings": False,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+}
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 4,
+    "intermediate_size": 176,
+    "vocab_size": 512,
+    "seq_len": 64,
+    "tie_embeddings": False,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+}
 
 
 @dataclass
 class Variant:
     name: str
     micro_batch: int
-    attn: str = "sdpa"                 # transformers attn_implementation
+    attn: str = "sdpa"  # transformers attn_implementation
     sdpa_kernel: str | None = "flash"  # pinned SDPA kernel when attn == sdpa
     compile: bool = False
     fused_adamw: bool = True
     autocast_bf16: bool = True
-    budget_factor: float = 1.0         # compile pays its compilation inside the variant's time box
+    budget_factor: float = 1.0  # compile pays its compilation inside the variant's time box
 
 
 @dataclass
@@ -66,7 +91,7 @@ class Row:
     compile: bool
     fused_adamw: bool
     autocast_bf16: bool
-    status: str = "ok"                 # ok | oom | unavailable | error | skipped
+    status: str = "ok"  # ok | oom | unavailable | error | skipped
     detail: str = ""
     steps_timed: int = 0
     step_seconds: float | None = None
@@ -81,6 +106,7 @@ class Row:
 
 # --- device and environment ----------------------------------------------------------------
 
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -88,31 +114,53 @@ def _sync(device: torch.device) -> None:
 
 def device_facts() -> dict[str, Any]:
     """Name, arch, versions and driver of the device this process uses (CPU when no GPU)."""
-    facts: dict[str, Any] = {"torch_version": str(torch.__version__), "python": platform.python_version(),
-                             "cuda_version": torch.version.cuda, "hip_version": getattr(torch.version, "hip", None),
-                             "host": platform.node()}
+    facts: dict[str, Any] = {
+        "torch_version": str(torch.__version__),
+        "python": platform.python_version(),
+        "cuda_version": torch.version.cuda,
+        "hip_version": getattr(torch.version, "hip", None),
+        "host": platform.node(),
+    }
     try:
         import transformers
+
         facts["transformers_version"] = transformers.__version__
     except ImportError:
         facts["transformers_version"] = None
     if not torch.cuda.is_available():
-        facts.update(accelerator="cpu", device_name=platform.processor() or "cpu", arch=None, device_count=0,
-                     driver=None, threads=torch.get_num_threads())
+        facts.update(
+            accelerator="cpu",
+            device_name=platform.processor() or "cpu",
+            arch=None,
+            device_count=0,
+            driver=None,
+            threads=torch.get_num_threads(),
+        )
         return facts
     props = torch.cuda.get_device_properties(0)
     rocm = bool(facts["hip_version"])
-    arch = (str(getattr(props, "gcnArchName", "")).split(":")[0] or None) if rocm else \
-        "sm_%d%d" % torch.cuda.get_device_capability(0)
-    facts.update(accelerator="rocm" if rocm else "cuda", device_name=props.name, arch=arch,
-                 device_count=torch.cuda.device_count(), memory_gib=round(props.total_memory / 2**30, 1),
-                 driver=_driver_version(rocm))
+    arch = (
+        (str(getattr(props, "gcnArchName", "")).split(":")[0] or None)
+        if rocm
+        else "sm_{}{}".format(*torch.cuda.get_device_capability(0))
+    )
+    facts.update(
+        accelerator="rocm" if rocm else "cuda",
+        device_name=props.name,
+        arch=arch,
+        device_count=torch.cuda.device_count(),
+        memory_gib=round(props.total_memory / 2**30, 1),
+        driver=_driver_version(rocm),
+    )
     return facts
 
 
 def _driver_version(rocm: bool) -> str | None:
-    cmd = ["rocm-smi", "--showdriverversion"] if rocm else \
-        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    cmd = (
+        ["rocm-smi", "--showdriverversion"]
+        if rocm
+        else ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    )
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -124,16 +172,16 @@ def _driver_version(rocm: bool) -> str | None:
 
 
 def datasheet_peak(device_name: str | None, arch: str | None) -> tuple[float | None, str]:
-    """Dense BF16 peak of one device and its source, from runner.hardware; None for unknown parts."""
+    """Dense BF16 peak of one device and its source, from runner.planning.hardware; None for unknown parts."""
     try:
-        from runner.hardware import PEAKS, ROCM_ARCH, canonical_device
+        from runner.planning.hardware import PEAKS, ROCM_ARCH, canonical_device
     except ImportError:
         tokens = (device_name or "").upper().replace("-", " ").split()
         if any(t in ("PCIE", "NVL") for t in tokens):
             return None, "unknown part (PCIe/NVL variants have other peaks)"
         for key, tflops in FALLBACK_PEAKS_TFLOPS.items():
             if key in tokens:
-                return tflops, f"bench fallback table ({key}); runner.hardware not importable"
+                return tflops, f"bench fallback table ({key}); runner.planning.hardware not importable"
         return None, f"no datasheet peak known for {device_name!r}"
     key = canonical_device(device_name) or (ROCM_ARCH.get(arch) if arch else None)
     if key is None:
@@ -143,18 +191,28 @@ def datasheet_peak(device_name: str | None, arch: str | None) -> tuple[float | N
 
 # --- model shape and FLOPs -------------------------------------------------------------------
 
+
 def load_shape(experiment: Path) -> tuple[dict[str, Any], str]:
     """The model section + vocab + seq_len of `experiment`; defaults (and why) when it can't be read."""
     try:
-        from runner.recipe import load_experiment, model_vocab_size
+        from runner.config.load import load_experiment
+        from runner.config.rules import model_vocab_size
+
         cfg = load_experiment(experiment).config
         m = cfg.model
-        shape = {"hidden_size": int(m.hidden_size), "n_layers": int(m.n_layers), "n_heads": int(m.n_heads),
-                 "n_kv_heads": int(m.n_kv_heads), "intermediate_size": int(m.intermediate_size),
-                 "vocab_size": int(model_vocab_size(cfg)), "seq_len": int(cfg.train.seq_len),
-                 "tie_embeddings": bool(m.tie_embeddings), "rope_theta": float(m.rope_theta),
-                 "rms_norm_eps": float(m.rms_norm_eps)}
-        return shape, f"{experiment} (runner.recipe)"
+        shape = {
+            "hidden_size": int(m.hidden_size),
+            "n_layers": int(m.n_layers),
+            "n_heads": int(m.n_heads),
+            "n_kv_heads": int(m.n_kv_heads),
+            "intermediate_size": int(m.intermediate_size),
+            "vocab_size": int(model_vocab_size(cfg)),
+            "seq_len": int(cfg.train.seq_len),
+            "tie_embeddings": bool(m.tie_embeddings),
+            "rope_theta": float(m.rope_theta),
+            "rms_norm_eps": float(m.rms_norm_eps),
+        }
+        return shape, f"{experiment} (runner.config)"
     except Exception as exc:  # no omegaconf, no recipe, a bad recipe: measure the documented shape
         return dict(DEFAULT_SHAPE), f"built-in 1p3b defaults ({type(exc).__name__}: {str(exc)[:120]})"
 
@@ -163,10 +221,18 @@ def flops_per_token(shape: dict[str, Any]) -> tuple[float, int, str]:
     """(FLOPs per token, non-embedding params, formula): SPEC's 6N+attn, non-embedding, no causal halving."""
     d, layers, seq = shape["hidden_size"], shape["n_layers"], shape["seq_len"]
     try:
-        from runner.flops import Convention, count_params, flops_per_token_from_counts
-        counts = count_params({"arch": "llama", **{k: shape[k] for k in (
-            "hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "tie_embeddings")}},
-            shape["vocab_size"])
+        from runner.planning.flops import Convention, count_params, flops_per_token_from_counts
+
+        counts = count_params(
+            {
+                "arch": "llama",
+                **{
+                    k: shape[k]
+                    for k in ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "tie_embeddings")
+                },
+            },
+            shape["vocab_size"],
+        )
         n = counts.non_embedding
         fpt = flops_per_token_from_counts(counts, seq, d, Convention("6N+attn", "non_embedding", False, False))
     except ImportError:
@@ -174,12 +240,15 @@ def flops_per_token(shape: dict[str, Any]) -> tuple[float, int, str]:
         layer = 2 * d * d + 2 * d * kv + 3 * d * shape["intermediate_size"] + 2 * d
         n = layers * layer + d + shape["vocab_size"] * d
         fpt = 6 * n + 12 * layers * d * seq
-    formula = (f"6N+attn (PaLM B), N non-embedding = {n:,}: 6*{n:,} + 12*{layers}*{d}*{seq} "
-               f"= {fpt:,.0f} FLOPs/token; attention_causal_half=false, recompute_counted=false")
+    formula = (
+        f"6N+attn (PaLM B), N non-embedding = {n:,}: 6*{n:,} + 12*{layers}*{d}*{seq} "
+        f"= {fpt:,.0f} FLOPs/token; attention_causal_half=false, recompute_counted=false"
+    )
     return float(fpt), n, formula
 
 
 # --- measurements ----------------------------------------------------------------------------
+
 
 def matmul_ceiling(device: torch.device, size: int, seconds: float) -> dict[str, Any]:
     """Best and median TFLOP/s of repeated size^3 matmuls in bf16 (fp32 on CPU), synchronized."""
@@ -202,20 +271,26 @@ def matmul_ceiling(device: torch.device, size: int, seconds: float) -> dict[str,
         for _ in range(reps):
             torch.mm(a, b, out=out)
         _sync(device)
-        rates.append(2 * size ** 3 * reps / (time.perf_counter() - t0) / 1e12)
+        rates.append(2 * size**3 * reps / (time.perf_counter() - t0) / 1e12)
         if len(rates) >= 50:
             break
     rates.sort()
     del a, b, out
-    return {"size": size, "dtype": str(dtype).replace("torch.", ""), "bursts": len(rates), "matmuls_per_burst": reps,
-            "best_tflops": rates[-1], "median_tflops": rates[len(rates) // 2]}
+    return {
+        "size": size,
+        "dtype": str(dtype).replace("torch.", ""),
+        "bursts": len(rates),
+        "matmuls_per_burst": reps,
+        "best_tflops": rates[-1],
+        "median_tflops": rates[len(rates) // 2],
+    }
 
 
 def _check_backend(v: Variant, device: torch.device) -> str | None:
     """Why the variant's attention cannot run here (None when it can); no fallback, no download."""
     try:
-        from runner.backends import check_attention_backend
         from runner.errors import RunnerError
+        from runner.training.backends import check_attention_backend
     except ImportError:
         if v.attn in ("flash_attention_2", "flash_attention_3"):
             package = "flash_attn" if v.attn == "flash_attention_2" else "flash_attn_interface"
@@ -223,8 +298,9 @@ def _check_backend(v: Variant, device: torch.device) -> str | None:
                 return f"{v.attn}: {package} not installed or no GPU"
         return None
     try:
-        check_attention_backend(v.attn, "cuda" if device.type == "cuda" else "cpu",
-                                sdpa_kernel=v.sdpa_kernel if v.attn == "sdpa" else None)
+        check_attention_backend(
+            v.attn, "cuda" if device.type == "cuda" else "cpu", sdpa_kernel=v.sdpa_kernel if v.attn == "sdpa" else None
+        )
     except RunnerError as exc:
         return str(exc)
     return None
@@ -234,19 +310,38 @@ def _attention_context(v: Variant):
     if v.attn != "sdpa" or v.sdpa_kernel is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[v.sdpa_kernel])
+
+    return sdpa_kernel(
+        {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH,
+        }[v.sdpa_kernel]
+    )
 
 
 def build_model(shape: dict[str, Any], attn: str, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
-        vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"], num_hidden_layers=shape["n_layers"],
-        num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"],
-        intermediate_size=shape["intermediate_size"], tie_word_embeddings=shape["tie_embeddings"],
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        num_hidden_layers=shape["n_layers"],
+        num_attention_heads=shape["n_heads"],
+        num_key_value_heads=shape["n_kv_heads"],
+        intermediate_size=shape["intermediate_size"],
+        tie_word_embeddings=shape["tie_embeddings"],
         rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]},
-        rms_norm_eps=shape["rms_norm_eps"], max_position_embeddings=shape["seq_len"], attention_bias=False,
-        mlp_bias=False, use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        rms_norm_eps=shape["rms_norm_eps"],
+        max_position_embeddings=shape["seq_len"],
+        attention_bias=False,
+        mlp_bias=False,
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     with device:  # initialise on the device: a 1.4B CPU init alone would eat a tenth of the budget
         model = LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=torch.float32)
     return model.train()
@@ -262,11 +357,27 @@ def train_step(model, optimizer, input_ids, v: Variant, device: torch.device) ->
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_variant(v: Variant, shape: dict[str, Any], device: torch.device, *, deadline: float, warmup_steps: int,
-                timed_steps: int, fpt: float, peak_tflops: float | None, ceiling_tflops: float | None) -> Row:
+def run_variant(
+    v: Variant,
+    shape: dict[str, Any],
+    device: torch.device,
+    *,
+    deadline: float,
+    warmup_steps: int,
+    timed_steps: int,
+    fpt: float,
+    peak_tflops: float | None,
+    ceiling_tflops: float | None,
+) -> Row:
     """Measure one variant inside [now, deadline]; every failure is a row, never an exception."""
-    row = Row(v.name, v.micro_batch, v.attn + (f"/{v.sdpa_kernel}" if v.attn == "sdpa" and v.sdpa_kernel else ""),
-              v.compile, v.fused_adamw, v.autocast_bf16)
+    row = Row(
+        v.name,
+        v.micro_batch,
+        v.attn + (f"/{v.sdpa_kernel}" if v.attn == "sdpa" and v.sdpa_kernel else ""),
+        v.compile,
+        v.fused_adamw,
+        v.autocast_bf16,
+    )
     why = _check_backend(v, device)
     if why:
         row.status, row.detail = "unavailable", why
@@ -277,8 +388,9 @@ def run_variant(v: Variant, shape: dict[str, Any], device: torch.device, *, dead
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         model = build_model(shape, v.attn, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                      fused=v.fused_adamw)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=v.fused_adamw
+        )
         if v.compile:
             model = torch.compile(model)
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -307,7 +419,10 @@ def run_variant(v: Variant, shape: dict[str, Any], device: torch.device, *, dead
     except torch.OutOfMemoryError as exc:
         row.status, row.detail = "oom", str(exc).strip().splitlines()[0][:200]
     except Exception as exc:  # a kernel or compile failure is a finding about this variant, not a crash
-        row.status, row.detail = "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+        row.status, row.detail = (
+            "error",
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}",
+        )
     finally:
         del model, optimizer, input_ids
         gc.collect()
@@ -323,15 +438,18 @@ def variants(tiny: bool, micro_batches: list[int]) -> list[Variant]:
     """In priority order: what is cut by the budget comes last."""
     mid = micro_batches[len(micro_batches) // 2]
     out = [Variant(f"sdpa-flash mb{mb}", mb) for mb in micro_batches]
-    out += [Variant(f"sdpa-efficient mb{mid}", mid, sdpa_kernel="efficient"),
-            Variant(f"fa3 mb{mid}", mid, attn="flash_attention_3", sdpa_kernel=None),
-            Variant(f"sdpa-flash mb{mid} unfused-adamw", mid, fused_adamw=False),
-            Variant(f"sdpa-flash mb{mid} compile", mid, compile=True, budget_factor=3.0),
-            Variant(f"sdpa-flash mb{micro_batches[0]} fp32 (no autocast)", micro_batches[0], autocast_bf16=False)]
+    out += [
+        Variant(f"sdpa-efficient mb{mid}", mid, sdpa_kernel="efficient"),
+        Variant(f"fa3 mb{mid}", mid, attn="flash_attention_3", sdpa_kernel=None),
+        Variant(f"sdpa-flash mb{mid} unfused-adamw", mid, fused_adamw=False),
+        Variant(f"sdpa-flash mb{mid} compile", mid, compile=True, budget_factor=3.0),
+        Variant(f"sdpa-flash mb{micro_batches[0]} fp32 (no autocast)", micro_batches[0], autocast_bf16=False),
+    ]
     return out
 
 
 # --- reporting -------------------------------------------------------------------------------
+
 
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
@@ -339,22 +457,30 @@ def _fmt(value: Any, spec: str) -> str:
 
 def print_table(result: dict[str, Any]) -> None:
     mm = result["matmul"]
-    print(f"device: {result['device']['device_name']} ({result['device']['accelerator']}, "
-          f"{result['device'].get('arch')}), torch {result['device']['torch_version']}, "
-          f"driver {result['device'].get('driver')}")
-    print(f"matmul {mm['size']}^3 {mm['dtype']}: best {mm['best_tflops']:.1f} TFLOP/s, median "
-          f"{mm['median_tflops']:.1f}; datasheet peak {_fmt(result['peak_tflops'], '.1f')} "
-          f"-> {_fmt(mm.get('fraction_of_peak'), '.1%')} of peak")
+    print(
+        f"device: {result['device']['device_name']} ({result['device']['accelerator']}, "
+        f"{result['device'].get('arch')}), torch {result['device']['torch_version']}, "
+        f"driver {result['device'].get('driver')}"
+    )
+    print(
+        f"matmul {mm['size']}^3 {mm['dtype']}: best {mm['best_tflops']:.1f} TFLOP/s, median "
+        f"{mm['median_tflops']:.1f}; datasheet peak {_fmt(result['peak_tflops'], '.1f')} "
+        f"-> {_fmt(mm.get('fraction_of_peak'), '.1%')} of peak"
+    )
     print(f"model: {result['model_source']}\nMFU: {result['flops_formula']}")
-    head = (f"{'variant':38} {'status':11} {'tok/s':>10} {'step_s':>7} {'TFLOP/s':>8} {'MFU':>6} "
-            f"{'of_mm':>6} {'mem_GiB':>8}")
+    head = (
+        f"{'variant':38} {'status':11} {'tok/s':>10} {'step_s':>7} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'of_mm':>6} {'mem_GiB':>8}"
+    )
     print(head)
     print("-" * len(head))
     for r in result["rows"]:
-        print(f"{r['variant'][:38]:38} {r['status']:11} {_fmt(r['tokens_per_second'], ',.0f'):>10} "
-              f"{_fmt(r['step_seconds'], '.3f'):>7} {_fmt(r['model_tflops'], '.1f'):>8} {_fmt(r['mfu'], '.1%'):>6} "
-              f"{_fmt(r['fraction_of_matmul'], '.1%'):>6} {_fmt(r['peak_memory_gib'], '.1f'):>8}"
-              + (f"  {r['detail'][:110]}" if r["detail"] and r["status"] != "ok" else ""))
+        print(
+            f"{r['variant'][:38]:38} {r['status']:11} {_fmt(r['tokens_per_second'], ',.0f'):>10} "
+            f"{_fmt(r['step_seconds'], '.3f'):>7} {_fmt(r['model_tflops'], '.1f'):>8} {_fmt(r['mfu'], '.1%'):>6} "
+            f"{_fmt(r['fraction_of_matmul'], '.1%'):>6} {_fmt(r['peak_memory_gib'], '.1f'):>8}"
+            + (f"  {r['detail'][:110]}" if r["detail"] and r["status"] != "ok" else "")
+        )
     print(f"elapsed {result['elapsed_seconds']:.1f} s of a {result['budget_seconds']:.0f} s budget")
 
 
@@ -383,29 +509,76 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for v in variants(tiny, micro_batches):
         remaining = global_deadline - time.perf_counter()
         if tiny and v.compile:
-            rows.append(Row(v.name, v.micro_batch, v.attn + "/" + str(v.sdpa_kernel), True, v.fused_adamw,
-                            v.autocast_bf16, status="skipped",
-                            detail="torch.compile skipped in --cpu-tiny (needs a C++ toolchain and minutes)"))
+            rows.append(
+                Row(
+                    v.name,
+                    v.micro_batch,
+                    v.attn + "/" + str(v.sdpa_kernel),
+                    True,
+                    v.fused_adamw,
+                    v.autocast_bf16,
+                    status="skipped",
+                    detail="torch.compile skipped in --cpu-tiny (needs a C++ toolchain and minutes)",
+                )
+            )
             continue
         box = args.variant_s * v.budget_factor
         if remaining < box * 0.5:  # compile cannot be interrupted: start it only with room to finish
-            rows.append(Row(v.name, v.micro_batch, v.attn, v.compile, v.fused_adamw, v.autocast_bf16,
-                            status="skipped", detail=f"global budget: {max(remaining, 0):.0f} s left"))
+            rows.append(
+                Row(
+                    v.name,
+                    v.micro_batch,
+                    v.attn,
+                    v.compile,
+                    v.fused_adamw,
+                    v.autocast_bf16,
+                    status="skipped",
+                    detail=f"global budget: {max(remaining, 0):.0f} s left",
+                )
+            )
             continue
-        row = run_variant(v, shape, device, deadline=time.perf_counter() + min(box, remaining), warmup_steps=warmup,
-                          timed_steps=timed, fpt=fpt, peak_tflops=peak, ceiling_tflops=mm["best_tflops"])
+        row = run_variant(
+            v,
+            shape,
+            device,
+            deadline=time.perf_counter() + min(box, remaining),
+            warmup_steps=warmup,
+            timed_steps=timed,
+            fpt=fpt,
+            peak_tflops=peak,
+            ceiling_tflops=mm["best_tflops"],
+        )
         rows.append(row)
         print(f"  {row.variant}: {row.status} {_fmt(row.tokens_per_second, ',.0f')} tok/s", flush=True)
 
-    return {"format": "runner-gpu-bench/1", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "mode": "cpu-tiny" if tiny else "gpu", "device": facts, "peak_tflops": peak, "peak_dtype": "bf16",
-            "peak_source": peak_source, "matmul": mm, "model_source": source, "model_shape": shape,
-            "params_non_embedding": n_params, "flops_per_token": fpt, "flops_formula": formula,
-            "convention": {"flops_formula": "6N+attn", "params_counted": "non_embedding",
-                           "attention_causal_half": False, "recompute_counted": False, "devices_counted": 1,
-                           "time_basis": "step"},
-            "warmup_steps": warmup, "timed_steps": timed, "budget_seconds": args.budget_s,
-            "elapsed_seconds": time.perf_counter() - t_begin, "rows": [asdict(r) for r in rows]}
+    return {
+        "format": "runner-gpu-bench/1",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "mode": "cpu-tiny" if tiny else "gpu",
+        "device": facts,
+        "peak_tflops": peak,
+        "peak_dtype": "bf16",
+        "peak_source": peak_source,
+        "matmul": mm,
+        "model_source": source,
+        "model_shape": shape,
+        "params_non_embedding": n_params,
+        "flops_per_token": fpt,
+        "flops_formula": formula,
+        "convention": {
+            "flops_formula": "6N+attn",
+            "params_counted": "non_embedding",
+            "attention_causal_half": False,
+            "recompute_counted": False,
+            "devices_counted": 1,
+            "time_basis": "step",
+        },
+        "warmup_steps": warmup,
+        "timed_steps": timed,
+        "budget_seconds": args.budget_s,
+        "elapsed_seconds": time.perf_counter() - t_begin,
+        "rows": [asdict(r) for r in rows],
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

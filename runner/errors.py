@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,34 @@ class RunnerError(Exception):
 
 class MixtureInfeasible(RunnerError):
     """A mixture that cannot meet its target ratios within the budget and repetition caps."""
+
+
+class Problems:
+    """Collects every problem in a file so the user sees all of them at once."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, file: Any, key: str, message: str) -> None:
+        file = display_path(file)
+        line = f"{file}: {key}: {message}" if key else f"{file}: {message}"
+        if line not in self.lines:
+            self.lines.append(line)
+
+    def raise_if_any(self) -> None:
+        if self.lines:
+            raise RunnerError("\n".join(self.lines))
+
+
+def did_you_mean(word: str, options) -> str:
+    """' (did you mean 'x'?)' for the closest option, else ''."""
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def join_key(prefix: str, key: str) -> str:
+    """A dotted key: `join_key("train", "seq_len")` -> "train.seq_len"."""
+    return f"{prefix}.{key}" if prefix else str(key)
 
 
 class Preempted(Exception):

@@ -4,7 +4,7 @@ Owns the column names, dtypes and descriptions of every report table, and the fr
 that encode the SPEC's accounting invariants (1-5) inside one table, plus `validate_tables`, which
 adds the checks that need two tables (invariant 2: totals equal the sum of domains; histogram
 versus counters). Never reads or writes files and never recomputes anything from a config: that is
-runner.audit's job.
+runner.reports.audit's job.
 
 Token counters are exact integers in tokens (input positions, SPEC "Token counters"); `L` (the
 sequence length) is recovered inside the accounting table as `pool_tokens / samples`, because the
@@ -34,6 +34,7 @@ def _close(a, b, rel: float = REL_TOL):
 
 
 # ---- invariant checks (registered so they have names in failure reports) ----------------------
+
 
 @register_check_method(supported_types=pd.DataFrame)
 def counters_ordered(df):
@@ -125,9 +126,11 @@ def step_time_within_wall(df):
 @register_check_method(supported_types=pd.DataFrame)
 def device_seconds_cover_seconds(df):
     """At least one device held through every second: device-seconds >= seconds, steps <= wall."""
-    return ((df["device_step_seconds"] >= df["step_seconds_total"] * (1 - 1e-9))
-            & (df["device_wall_seconds"] >= df["wall_seconds"] * (1 - 1e-9))
-            & (df["device_step_seconds"] <= df["device_wall_seconds"] * (1 + 1e-6)))
+    return (
+        (df["device_step_seconds"] >= df["step_seconds_total"] * (1 - 1e-9))
+        & (df["device_wall_seconds"] >= df["wall_seconds"] * (1 - 1e-9))
+        & (df["device_step_seconds"] <= df["device_wall_seconds"] * (1 + 1e-6))
+    )
 
 
 @register_check_method(supported_types=pd.DataFrame)
@@ -191,6 +194,7 @@ def steps_strictly_increase(df):
 
 # ---- the tables ---------------------------------------------------------------------------------
 
+
 def _tokens(description: str) -> pa.Column:
     return pa.Column("int64", pa.Check.ge(0), description=description + " (tokens, exact integer)")
 
@@ -201,9 +205,9 @@ def _fraction(description: str, *, positive: bool = False) -> pa.Column:
 
 
 def _finite_positive(description: str) -> pa.Column:
-    return pa.Column("float64", [pa.Check.gt(0.0), pa.Check(np.isfinite, element_wise=False,
-                                                              name="finite")],
-                     description=description)
+    return pa.Column(
+        "float64", [pa.Check.gt(0.0), pa.Check(np.isfinite, element_wise=False, name="finite")], description=description
+    )
 
 
 RUN_SUMMARY = pa.DataFrameSchema(
@@ -211,15 +215,23 @@ RUN_SUMMARY = pa.DataFrameSchema(
     description="One row: what was trained, how much, how fast, at what cost, under which MFU convention.",
     strict=True,
     columns={
-        "schema_version": pa.Column(str, pa.Check.eq(SCHEMA_VERSION), description="Report schema version of this table."),
+        "schema_version": pa.Column(
+            str, pa.Check.eq(SCHEMA_VERSION), description="Report schema version of this table."
+        ),
         "experiment": pa.Column(str, description="Experiment name from the recipe."),
         "version": pa.Column(str, description="Experiment version from the recipe."),
-        "fingerprint": pa.Column(str, pa.Check.str_matches(r"^[0-9a-f]{64}$"), description="sha256 of the resolved config."),
+        "fingerprint": pa.Column(
+            str, pa.Check.str_matches(r"^[0-9a-f]{64}$"), description="sha256 of the resolved config."
+        ),
         "run_id": pa.Column(str, description="Run folder id."),
-        "status": pa.Column(str, pa.Check.isin(["running", "finished", "preempted", "failed"]), description="Run status from run.json."),
+        "status": pa.Column(
+            str, pa.Check.isin(["running", "finished", "preempted", "failed"]), description="Run status from run.json."
+        ),
         "steps": pa.Column("int64", pa.Check.ge(0), description="Committed optimizer steps."),
         "seq_len": pa.Column("int64", pa.Check.gt(0), description="L: input positions per sample."),
-        "global_batch_sequences": pa.Column("int64", pa.Check.gt(0), description="Samples per committed step over all devices."),
+        "global_batch_sequences": pa.Column(
+            "int64", pa.Check.gt(0), description="Samples per committed step over all devices."
+        ),
         "pool_tokens": _tokens("Sum over domains of samples * L"),
         "processed_tokens": _tokens("Input positions through forward+backward in any step, lost ones included"),
         "exposure_tokens": _tokens("Input positions in committed steps, repeats included"),
@@ -228,27 +240,61 @@ RUN_SUMMARY = pa.DataFrameSchema(
         "lost_tokens": _tokens("processed - exposure"),
         "wall_seconds": _finite_positive("Elapsed seconds of the run: steps, eval, checkpoints, stalls, recovery."),
         "step_seconds_total": _finite_positive("Seconds spent in training steps only (sum of step times)."),
-        "device_wall_seconds": _finite_positive("Sum over attempts of wall seconds x devices held (= wall_seconds x devices when the world size never changed)."),
-        "device_step_seconds": _finite_positive("Sum over steps (lost ones included) of step seconds x devices that ran it."),
+        "device_wall_seconds": _finite_positive(
+            "Sum over attempts of wall seconds x devices held (= wall_seconds x devices when the world size never changed)."
+        ),
+        "device_step_seconds": _finite_positive(
+            "Sum over steps (lost ones included) of step seconds x devices that ran it."
+        ),
         "params": pa.Column("int64", pa.Check.gt(0), description="N: parameters counted by `params_counted`."),
         "flops_per_token": _finite_positive("Training FLOPs per token under `flops_formula` (6N or 6N+attn)."),
         "mfu": _fraction("flops_per_token * processed / (device_step_seconds * peak); time_basis step."),
         "goodput_mfu": _fraction("flops_per_token * useful / (device_wall_seconds * peak); time_basis wall."),
-        "hfu_flops_per_token": pa.Column("float64", pa.Check.gt(0.0), nullable=True, description="With activation checkpointing: FLOPs per token counting the recomputed forward (8N + attention); empty otherwise."),
-        "hfu": pa.Column("float64", [pa.Check.ge(0.0), pa.Check.le(1.0)], nullable=True, description="With activation checkpointing: hfu_flops_per_token * processed / (device_step_seconds * peak); empty otherwise."),
-        "flops_formula": pa.Column(str, pa.Check.isin(["6N", "6N+attn"]), description="6N (Kaplan/Chinchilla) or 6N+attn (PaLM appendix B)."),
-        "params_counted": pa.Column(str, pa.Check.isin(["all", "non_embedding", "active"]), description="Which parameters N counts."),
-        "attention_causal_half": pa.Column(bool, description="Whether the attention term is halved for the causal mask."),
+        "hfu_flops_per_token": pa.Column(
+            "float64",
+            pa.Check.gt(0.0),
+            nullable=True,
+            description="With activation checkpointing: FLOPs per token counting the recomputed forward (8N + attention); empty otherwise.",
+        ),
+        "hfu": pa.Column(
+            "float64",
+            [pa.Check.ge(0.0), pa.Check.le(1.0)],
+            nullable=True,
+            description="With activation checkpointing: hfu_flops_per_token * processed / (device_step_seconds * peak); empty otherwise.",
+        ),
+        "flops_formula": pa.Column(
+            str, pa.Check.isin(["6N", "6N+attn"]), description="6N (Kaplan/Chinchilla) or 6N+attn (PaLM appendix B)."
+        ),
+        "params_counted": pa.Column(
+            str, pa.Check.isin(["all", "non_embedding", "active"]), description="Which parameters N counts."
+        ),
+        "attention_causal_half": pa.Column(
+            bool, description="Whether the attention term is halved for the causal mask."
+        ),
         "recompute_counted": pa.Column(bool, pa.Check.eq(False), description="False for MFU (true would make it HFU)."),
         "peak_tflops": _finite_positive("Dense peak TFLOP/s of one device for peak_dtype; never the sparse figure."),
         "peak_dtype": pa.Column(str, description="Compute dtype the peak is for (bf16, fp32)."),
         "peak_source": pa.Column(str, description="Where the peak comes from (datasheet, recipe, measured)."),
-        "devices_counted": pa.Column("int64", pa.Check.gt(0), description="Devices in the MFU denominator: every device the run held, idle ones included (latest attempt; device-seconds carry earlier ones)."),
-        "time_basis": pa.Column(str, pa.Check.eq("step"), description="Time basis of `mfu` (goodput_mfu is always wall)."),
+        "devices_counted": pa.Column(
+            "int64",
+            pa.Check.gt(0),
+            description="Devices in the MFU denominator: every device the run held, idle ones included (latest attempt; device-seconds carry earlier ones).",
+        ),
+        "time_basis": pa.Column(
+            str, pa.Check.eq("step"), description="Time basis of `mfu` (goodput_mfu is always wall)."
+        ),
         "device_name": pa.Column(str, description="Accelerator model the peak belongs to."),
-        "devices": pa.Column("int64", pa.Check.gt(0), description="Devices the run held in its latest attempt: run.json `devices` (the world size), which a launcher may make differ from the recipe's devices_per_node * nodes."),
-        "price_per_device_hour": pa.Column("float64", pa.Check.ge(0.0), description="USD per device-hour from the hardware recipe."),
-        "cost_per_billion_useful_tokens": pa.Column("float64", pa.Check.ge(0.0), description="USD: price * device_wall_seconds / 3600 / (useful / 1e9)."),
+        "devices": pa.Column(
+            "int64",
+            pa.Check.gt(0),
+            description="Devices the run held in its latest attempt: run.json `devices` (the world size), which a launcher may make differ from the recipe's devices_per_node * nodes.",
+        ),
+        "price_per_device_hour": pa.Column(
+            "float64", pa.Check.ge(0.0), description="USD per device-hour from the hardware recipe."
+        ),
+        "cost_per_billion_useful_tokens": pa.Column(
+            "float64", pa.Check.ge(0.0), description="USD: price * device_wall_seconds / 3600 / (useful / 1e9)."
+        ),
     },
     checks=[
         pa.Check.counters_ordered(error="invariant 1: unique <= exposure <= processed, useful <= exposure"),
@@ -257,12 +303,17 @@ RUN_SUMMARY = pa.DataFrameSchema(
         pa.Check.exposure_is_whole_steps(error="invariant 3: exposure = steps * global_batch * L"),
         pa.Check.goodput_within_mfu(error="goodput_mfu <= mfu"),
         pa.Check.hfu_matches_definition(error="hfu = hfu_flops_per_token * processed / (device step s * peak) >= mfu"),
-        pa.Check(lambda df: df["devices_counted"] == df["devices"], name="all_devices_counted",
-                 error="devices_counted = devices held"),
+        pa.Check(
+            lambda df: df["devices_counted"] == df["devices"],
+            name="all_devices_counted",
+            error="devices_counted = devices held",
+        ),
         pa.Check.step_time_within_wall(error="step_seconds_total <= wall_seconds"),
         pa.Check.device_seconds_cover_seconds(error="device-seconds >= seconds, steps <= wall"),
         pa.Check.mfu_matches_definition(error="mfu = flops_per_token * processed / (device step s * peak)"),
-        pa.Check.goodput_mfu_matches_definition(error="goodput_mfu = flops_per_token * useful / (device wall s * peak)"),
+        pa.Check.goodput_mfu_matches_definition(
+            error="goodput_mfu = flops_per_token * useful / (device wall s * peak)"
+        ),
         pa.Check.cost_matches_definition(error="cost = price * device wall h / (useful / 1e9)"),
         pa.Check(lambda df: len(df) == 1, name="one_row", error="run_summary has exactly one row"),
     ],
@@ -283,7 +334,9 @@ ACCOUNTING = pa.DataFrameSchema(
         "unique_tokens": _tokens("Distinct pool input positions of this domain among the exposures"),
         "lost_tokens": _tokens("processed - exposure"),
         "epochs": pa.Column("float64", pa.Check.ge(0.0), description="exposure / pool."),
-        "max_repetition_ratio": pa.Column("float64", pa.Check.ge(1.0), description="Cap on epochs from the mixture recipe."),
+        "max_repetition_ratio": pa.Column(
+            "float64", pa.Check.ge(1.0), description="Cap on epochs from the mixture recipe."
+        ),
         "tail_tokens": _tokens("pool_tokens_in_manifest - samples * L - 1: the tail that fits no sample"),
         "samples": pa.Column("int64", pa.Check.gt(0), description="floor((manifest pool tokens - 1) / L)."),
     },
@@ -306,9 +359,14 @@ REPETITION = pa.DataFrameSchema(
     strict=True,
     columns={
         "domain": pa.Column(str, description="Domain name."),
-        "times_seen": pa.Column("int64", [pa.Check.ge(0), pa.Check.le(255)],
-                                description="Times a sample was in a committed step (ledger counter saturates at 255)."),
-        "samples": pa.Column("int64", pa.Check.ge(0), description="Samples of the domain seen exactly times_seen times."),
+        "times_seen": pa.Column(
+            "int64",
+            [pa.Check.ge(0), pa.Check.le(255)],
+            description="Times a sample was in a committed step (ledger counter saturates at 255).",
+        ),
+        "samples": pa.Column(
+            "int64", pa.Check.ge(0), description="Samples of the domain seen exactly times_seen times."
+        ),
     },
     checks=[pa.Check.histogram_keys_unique(error="one row per (domain, times_seen)")],
 )
@@ -377,8 +435,15 @@ def _schema_failures(name: str, df: pd.DataFrame) -> list[TableFailure]:
     except pa.errors.SchemaErrors as err:
         out = []
         for row in err.failure_cases.itertuples(index=False):
-            out.append(TableFailure(name, str(row.check), None if row.column in (None, name) else str(row.column),
-                                    row.index, row.failure_case))
+            out.append(
+                TableFailure(
+                    name,
+                    str(row.check),
+                    None if row.column in (None, name) else str(row.column),
+                    row.index,
+                    row.failure_case,
+                )
+            )
         return out
     return []
 
@@ -389,22 +454,35 @@ def cross_table_failures(tables: dict[str, pd.DataFrame]) -> list[TableFailure]:
     summary, acct, hist = tables["run_summary"], tables["accounting"], tables["repetition"]
     if len(summary) == 1 and len(acct):
         row = summary.iloc[0]
-        for counter in ("pool_tokens", "processed_tokens", "exposure_tokens", "useful_tokens",
-                        "unique_tokens", "lost_tokens"):
+        for counter in (
+            "pool_tokens",
+            "processed_tokens",
+            "exposure_tokens",
+            "useful_tokens",
+            "unique_tokens",
+            "lost_tokens",
+        ):
             total, summed = int(row[counter]), int(acct[counter].sum())
             if total != summed:
-                out.append(TableFailure("run_summary", "invariant 2: total = sum of domains",
-                                        counter, 0, f"{total} != {summed}"))
+                out.append(
+                    TableFailure(
+                        "run_summary", "invariant 2: total = sum of domains", counter, 0, f"{total} != {summed}"
+                    )
+                )
     if len(acct) and len(summary) == 1:
         seq_len = int(summary.iloc[0]["seq_len"])
         for d in acct.itertuples(index=False):
             h = hist[hist["domain"] == d.domain]
             checks = {
                 "histogram samples = domain samples": (int(h["samples"].sum()), int(d.samples)),
-                "histogram exposure = exposure": (int((h["times_seen"] * h["samples"]).sum()) * seq_len,
-                                                   int(d.exposure_tokens)),
-                "histogram seen samples = unique": (int(h.loc[h["times_seen"] > 0, "samples"].sum()) * seq_len,
-                                                    int(d.unique_tokens)),
+                "histogram exposure = exposure": (
+                    int((h["times_seen"] * h["samples"]).sum()) * seq_len,
+                    int(d.exposure_tokens),
+                ),
+                "histogram seen samples = unique": (
+                    int(h.loc[h["times_seen"] > 0, "samples"].sum()) * seq_len,
+                    int(d.unique_tokens),
+                ),
             }
             for check, (got, want) in checks.items():
                 if got != want:

@@ -24,7 +24,7 @@ def project(tmp_path: Path) -> Path:
 @pytest.fixture()
 def project_with_data(project: Path) -> Path:
     """`project` plus the built-in corpus, built as `runner data builtin` does."""
-    from runner.builtin.build import build_builtin
+    from runner.data.builtin.build import build_builtin
 
     build_builtin(project / "data/builtin")
     return project

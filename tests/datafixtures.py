@@ -9,10 +9,21 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from runner.tokenizer import train_tokenizer, write_trained
+from runner.data.tokenizer import train_tokenizer, write_trained
 
-FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "file_path", "language", "language_score",
-                   "token_count", "score", "int_score")
+FINEWEB_COLUMNS = (
+    "text",
+    "id",
+    "dump",
+    "url",
+    "date",
+    "file_path",
+    "language",
+    "language_score",
+    "token_count",
+    "score",
+    "int_score",
+)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -28,21 +39,29 @@ CORPUS = [
 
 def documents(n: int, seed: int = 0) -> list[dict]:
     """n distinct documents with ids, varied lengths."""
-    return [{"id": f"doc-{seed}-{i}", "text": f"{CORPUS[i % len(CORPUS)]} (document {i}) " * (1 + i % 4)}
-            for i in range(n)]
+    return [
+        {"id": f"doc-{seed}-{i}", "text": f"{CORPUS[i % len(CORPUS)]} (document {i}) " * (1 + i % 4)} for i in range(n)
+    ]
 
 
 def write_parquet(path: Path, docs: list[dict], row_group_size: int = 7) -> Path:
     """FineWeb-Edu layout, several row groups."""
     n = len(docs)
-    table = pa.table({
-        "text": [d["text"] for d in docs], "id": [d["id"] for d in docs],
-        "dump": ["CC-MAIN-2024-10"] * n, "url": [f"https://example.org/{d['id']}" for d in docs],
-        "date": ["2024-02-20T00:00:00Z"] * n, "file_path": ["s3://bucket/x.parquet"] * n,
-        "language": ["en"] * n, "language_score": pa.array([0.97] * n, pa.float64()),
-        "token_count": pa.array([len(d["text"]) // 4 for d in docs], pa.int64()),
-        "score": pa.array([3.1] * n, pa.float64()), "int_score": pa.array([3] * n, pa.int64()),
-    })
+    table = pa.table(
+        {
+            "text": [d["text"] for d in docs],
+            "id": [d["id"] for d in docs],
+            "dump": ["CC-MAIN-2024-10"] * n,
+            "url": [f"https://example.org/{d['id']}" for d in docs],
+            "date": ["2024-02-20T00:00:00Z"] * n,
+            "file_path": ["s3://bucket/x.parquet"] * n,
+            "language": ["en"] * n,
+            "language_score": pa.array([0.97] * n, pa.float64()),
+            "token_count": pa.array([len(d["text"]) // 4 for d in docs], pa.int64()),
+            "score": pa.array([3.1] * n, pa.float64()),
+            "int_score": pa.array([3] * n, pa.int64()),
+        }
+    )
     assert tuple(table.column_names) == FINEWEB_COLUMNS
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path, row_group_size=row_group_size)
@@ -51,8 +70,7 @@ def write_parquet(path: Path, docs: list[dict], row_group_size: int = 7) -> Path
 
 def write_jsonl(path: Path, docs: list[dict], with_id: bool = True) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(d if with_id else {"text": d["text"]}) + "\n" for d in docs),
-                    encoding="utf-8")
+    path.write_text("".join(json.dumps(d if with_id else {"text": d["text"]}) + "\n" for d in docs), encoding="utf-8")
     return path
 
 
@@ -71,7 +89,7 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 320) -> Path:
 
 def run_cli(*argv: str) -> int:
     """Parse and dispatch through the data commands' own `register`, as runner/cli.py does."""
-    from runner.commands.data import register
+    from runner.cli.data import register
 
     parser = argparse.ArgumentParser(prog="runner")
     register(parser.add_subparsers(dest="command", required=True))

@@ -7,12 +7,12 @@ import shutil
 
 import pandas as pd
 import pytest
-
 from runfixtures import SEQ_LEN, make_run, run_commands
-from runner.audit import audit
-from runner.commands.report import register
+
+from runner.cli.report import register
 from runner.errors import RunnerError
-from runner.report import write_report
+from runner.reports.audit import audit
+from runner.reports.tables import write_report
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,13 @@ def test_clean_run_passes_from_run_folder_and_report_folder(run_dir, capsys):
     result = audit(run_dir)
     assert result.passed, result.render()
     names = {c.name for c in result.checks}
-    assert {"replay: exposure per domain", "replay: repetition histogram", "peak is the device's dense peak",
-            "mfu recomputed", "report matches the run folder"} <= names
+    assert {
+        "replay: exposure per domain",
+        "replay: repetition histogram",
+        "peak is the device's dense peak",
+        "mfu recomputed",
+        "report matches the run folder",
+    } <= names
     assert audit(run_dir / "report").passed
     assert _cli(["audit", str(run_dir / "report")]) == 0
     assert "PASS" in capsys.readouterr().out
@@ -78,8 +83,9 @@ def _tamper_histogram(t):
     assert {k: n for k, n in zip(h.loc[math, "times_seen"], h.loc[math, "samples"]) if n} == {1: 6, 2: 3}
     h.loc[math & (h["times_seen"] == 1), "samples"] = 7
     h.loc[math & (h["times_seen"] == 2), "samples"] = 1
-    t["repetition"] = pd.concat([h, pd.DataFrame([{"domain": "math", "times_seen": 3, "samples": 1}])],
-                                ignore_index=True)
+    t["repetition"] = pd.concat(
+        [h, pd.DataFrame([{"domain": "math", "times_seen": 3, "samples": 1}])], ignore_index=True
+    )
 
 
 def _tamper_devices(t):
@@ -201,6 +207,7 @@ def _csv_set(table, row, col, value):
     def edit(df):
         df.loc[row, col] = value
         return df
+
     return table, edit
 
 
@@ -208,20 +215,31 @@ def _csv_scale(table, col, factor):
     def edit(df):
         df[col] = [repr(float(v) * factor) for v in df[col]]
         return df
+
     return table, edit
 
 
 CSV_TAMPERINGS = [
-    ("code unique tokens", *_csv_set("accounting", 0, "unique_tokens", "9000"),
-     "accounting: row 0, unique_tokens: csv '9000', parquet "),
+    (
+        "code unique tokens",
+        *_csv_set("accounting", 0, "unique_tokens", "9000"),
+        "accounting: row 0, unique_tokens: csv '9000', parquet ",
+    ),
     ("mfu off by 1e-6", *_csv_scale("run_summary", "mfu", 1 + 1e-6), "run_summary: row 0, mfu: csv "),
     ("domain renamed", *_csv_set("validation", 1, "domain", "wab"), "validation: row 1, domain: csv 'wab'"),
-    ("bool flipped", *_csv_set("run_summary", 0, "attention_causal_half", "True"),
-     "run_summary: row 0, attention_causal_half: csv 'True', parquet False"),
+    (
+        "bool flipped",
+        *_csv_set("run_summary", 0, "attention_causal_half", "True"),
+        "run_summary: row 0, attention_causal_half: csv 'True', parquet False",
+    ),
     ("int not a number", *_csv_set("repetition", 2, "samples", "x"), "repetition: row 2, samples: csv 'x'"),
     ("row dropped", "throughput", lambda df: df.iloc[:-1], "throughput: csv has 5 rows, parquet 6"),
-    ("column dropped", "repetition", lambda df: df.drop(columns=["samples"]),
-     "repetition: csv columns ['domain', 'times_seen'], parquet ['domain', 'times_seen', 'samples']"),
+    (
+        "column dropped",
+        "repetition",
+        lambda df: df.drop(columns=["samples"]),
+        "repetition: csv columns ['domain', 'times_seen'], parquet ['domain', 'times_seen', 'samples']",
+    ),
 ]
 
 
@@ -241,8 +259,7 @@ def test_csv_copy_rounded_within_tolerance_passes_and_missing_copy_fails(run_dir
     report = tmp_path / "report"
     shutil.copytree(run_dir / "report", report)
     for name in ("run_summary", "throughput"):
-        pd.read_parquet(report / f"{name}.parquet").to_csv(report / f"{name}.csv", index=False,
-                                                           float_format="%.15g")
+        pd.read_parquet(report / f"{name}.parquet").to_csv(report / f"{name}.csv", index=False, float_format="%.15g")
     result = audit(report)
     assert result.passed, result.render()
     (report / "accounting.csv").unlink()
@@ -262,7 +279,7 @@ def _repeak(s, peak_tflops, source):
 
 
 def test_cpu_peak_derived_on_the_machine_is_accepted_a_datasheet_device_is_not(run_dir, tmp_path):
-    # A CPU has no datasheet row: its peak is cores x clock x FLOP/cycle (runner.hardware, cpu_peak:
+    # A CPU has no datasheet row: its peak is cores x clock x FLOP/cycle (runner.planning.hardware, cpu_peak:
     # theoretical) or a timed matmul (measured), recorded with how it was derived.
     report = tmp_path / "report"
     shutil.copytree(run_dir / "report", report)

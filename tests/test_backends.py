@@ -1,4 +1,4 @@
-"""runner.backends and the accelerate launch configs, on CPU, with simulated H200 / MI300X identities."""
+"""runner.training.backends and the accelerate launch configs, on CPU, with simulated H200 / MI300X identities."""
 
 from __future__ import annotations
 
@@ -8,18 +8,16 @@ import pytest
 import torch
 import yaml
 
-from runner import backends
 from runner.errors import RunnerError
+from runner.training import backends
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCEL_DIR = ROOT / "recipes" / "hardware" / "accelerate"
 H200 = "cuda:NVIDIA H200"
 MI300X = "rocm:AMD Instinct MI300X:gfx942"
 
-H200_HW = {"accelerator": "cuda", "device_name": "H200 SXM", "precision": "bf16", "tf32": True,
-           "pin_memory": True}
-MI300X_HW = {"accelerator": "rocm", "device_name": "MI300X", "precision": "bf16", "tf32": False,
-             "pin_memory": True}
+H200_HW = {"accelerator": "cuda", "device_name": "H200 SXM", "precision": "bf16", "tf32": True, "pin_memory": True}
+MI300X_HW = {"accelerator": "rocm", "device_name": "MI300X", "precision": "bf16", "tf32": False, "pin_memory": True}
 CPU_HW = {"accelerator": "cpu", "device_name": "cpu", "precision": "fp32", "tf32": True, "pin_memory": True}
 MODEL = {"attn_implementation": "sdpa", "compile": False}
 
@@ -32,6 +30,7 @@ def _restore_torch_flags(monkeypatch):
 
 
 # --- device identity -------------------------------------------------------------------------
+
 
 def test_simulated_identities_carry_the_facts_attention_checks_need():
     h200 = backends.device_identity(H200)
@@ -49,6 +48,7 @@ def test_env_var_simulation_is_what_detection_returns(monkeypatch):
 
 
 # --- attention backends ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("device,hint", [(H200, "Dao-AILab/flash-attention"), (MI300X, "ROCm/flash-attention")])
 def test_missing_flash_attention_3_is_one_line_naming_the_key_and_the_install(device, hint):
@@ -100,12 +100,12 @@ def test_sdpa_context_pins_the_kernel_instead_of_falling_back():
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     # A kernel the CPU lacks fails loudly inside the pin: the pin is real, not advisory.
     pinned = backends.AttentionBackend("sdpa", "efficient", "cpu")
-    with pytest.raises(RuntimeError):
-        with pinned.context():
-            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with pytest.raises(RuntimeError), pinned.context():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
 
 
 # --- runtime settings ------------------------------------------------------------------------
+
 
 def _matmul_tf32_on() -> bool:
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
@@ -130,8 +130,9 @@ def test_cpu_recipe_leaves_tf32_alone_and_does_not_pin_memory():
 
 
 def test_gpu_record_has_pinning_compile_and_attention():
-    record = backends.apply_runtime_settings(H200_HW, {**MODEL, "compile": True}, optim_cfg={"fused": True},
-                                             device=H200)
+    record = backends.apply_runtime_settings(
+        H200_HW, {**MODEL, "compile": True}, optim_cfg={"fused": True}, device=H200
+    )
     assert record["pin_memory"] is True and record["non_blocking"] is True
     assert record["compile"] is True and record["compile_mode"] == "default"
     assert record["adamw_fused"] is True and record["attn_implementation"] == "sdpa"
@@ -157,13 +158,19 @@ def test_recipe_for_another_device_is_refused():
 
 def test_missing_backend_in_model_recipe_fails_settings():
     with pytest.raises(RunnerError, match="model.attn_implementation"):
-        backends.apply_runtime_settings(MI300X_HW, {**MODEL, "attn_implementation": "flash_attention_2"},
-                                        device=MI300X)
+        backends.apply_runtime_settings(MI300X_HW, {**MODEL, "attn_implementation": "flash_attention_2"}, device=MI300X)
 
 
-@pytest.mark.parametrize("hw,expected", [
-    (H200_HW, "bf16"), (MI300X_HW, "bf16"), ({**H200_HW, "precision": "fp32"}, "no"),
-    ({**CPU_HW, "precision": "bf16"}, "no"), (CPU_HW, "no")])
+@pytest.mark.parametrize(
+    "hw,expected",
+    [
+        (H200_HW, "bf16"),
+        (MI300X_HW, "bf16"),
+        ({**H200_HW, "precision": "fp32"}, "no"),
+        ({**CPU_HW, "precision": "bf16"}, "no"),
+        (CPU_HW, "no"),
+    ],
+)
 def test_accelerate_mixed_precision(hw, expected):
     assert backends.accelerate_mixed_precision(hw) == expected
 
@@ -174,6 +181,7 @@ def test_bad_precision_is_a_runner_error():
 
 
 # --- accelerate launch configs ---------------------------------------------------------------
+
 
 def _configs():
     return sorted(ACCEL_DIR.glob("*.yaml"))
@@ -218,7 +226,8 @@ def test_launch_turns_the_config_into_an_fsdp2_plugin(name, monkeypatch):
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     args = launch_command_parser().parse_args(
-        ["--config_file", str(ACCEL_DIR / name), "-m", "runner", "launch", "experiments/1p3b.yaml"])
+        ["--config_file", str(ACCEL_DIR / name), "-m", "runner", "launch", "experiments/1p3b.yaml"]
+    )
     args, _, _ = _validate_launch_command(args)
     assert args.use_fsdp and args.module
     env = prepare_multi_gpu_env(args)
@@ -234,28 +243,37 @@ def test_launch_turns_the_config_into_an_fsdp2_plugin(name, monkeypatch):
 def _acc(kind: str, world: int, device: str = "cuda", fsdp_version: int = 2):
     from types import SimpleNamespace
 
-    return SimpleNamespace(distributed_type=SimpleNamespace(name=kind), num_processes=world,
-                           device=torch.device(device) if device == "cpu" else SimpleNamespace(type=device),
-                           state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version)))
+    return SimpleNamespace(
+        distributed_type=SimpleNamespace(name=kind),
+        num_processes=world,
+        device=torch.device(device) if device == "cpu" else SimpleNamespace(type=device),
+        state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version)),
+    )
 
 
-@pytest.mark.parametrize("distributed, acc, expected", [
-    ("fsdp", _acc("FSDP", 8), backends.SHARD_ACCELERATE),          # accelerate launch --config_file fsdp2-1x8.yaml
-    ("fsdp", _acc("MULTI_CPU", 2, "cpu"), backends.SHARD_RUNNER_CPU),  # torchrun on CPU: accelerate would do DDP
-    ("fsdp", _acc("NO", 1, "cpu"), backends.SHARD_NONE),             # one process holds the whole model
-    ("fsdp", _acc("NO", 1), backends.SHARD_NONE),
-    ("ddp", _acc("MULTI_GPU", 8), backends.SHARD_NONE),
-    ("none", _acc("MULTI_CPU", 2, "cpu"), backends.SHARD_NONE),
-])
+@pytest.mark.parametrize(
+    "distributed, acc, expected",
+    [
+        ("fsdp", _acc("FSDP", 8), backends.SHARD_ACCELERATE),  # accelerate launch --config_file fsdp2-1x8.yaml
+        ("fsdp", _acc("MULTI_CPU", 2, "cpu"), backends.SHARD_RUNNER_CPU),  # torchrun on CPU: accelerate would do DDP
+        ("fsdp", _acc("NO", 1, "cpu"), backends.SHARD_NONE),  # one process holds the whole model
+        ("fsdp", _acc("NO", 1), backends.SHARD_NONE),
+        ("ddp", _acc("MULTI_GPU", 8), backends.SHARD_NONE),
+        ("none", _acc("MULTI_CPU", 2, "cpu"), backends.SHARD_NONE),
+    ],
+)
 def test_sharding_mode_follows_recipe_and_accelerator(distributed, acc, expected):
     assert backends.sharding_mode({"distributed": distributed}, acc) == expected
 
 
-@pytest.mark.parametrize("distributed, acc, says", [
-    ("ddp", _acc("FSDP", 8), "accelerate is set up for FSDP but the recipe says distributed: ddp"),
-    ("fsdp", _acc("FSDP", 8, fsdp_version=1), "FSDP plugin is version 1"),
-    ("fsdp", _acc("MULTI_GPU", 8), "accelerate set up MULTI_GPU over 8 processes; launch with --config_file"),
-])
+@pytest.mark.parametrize(
+    "distributed, acc, says",
+    [
+        ("ddp", _acc("FSDP", 8), "accelerate is set up for FSDP but the recipe says distributed: ddp"),
+        ("fsdp", _acc("FSDP", 8, fsdp_version=1), "FSDP plugin is version 1"),
+        ("fsdp", _acc("MULTI_GPU", 8), "accelerate set up MULTI_GPU over 8 processes; launch with --config_file"),
+    ],
+)
 def test_sharding_mismatch_is_one_line_naming_the_key(distributed, acc, says):
     with pytest.raises(RunnerError) as e:
         backends.sharding_mode({"distributed": distributed}, acc, file="recipes/hardware/x.yaml")

@@ -7,19 +7,21 @@ import time
 from pathlib import Path
 
 import yaml
-
 from datafixtures import run_cli
-from runner.builtin.build import ASSETS, TOKENIZER_PATH, build_builtin
-from runner.manifest import Pool, load_manifest
+
+from runner.data.builtin.build import ASSETS, TOKENIZER_PATH, build_builtin
+from runner.data.manifest import Pool, load_manifest
+from runner.data.tokenizer import tokenizer_info
 from runner.fsio import sha256_file
-from runner.tokenizer import tokenizer_info
 
 # The values the shipped recipes pin: a build that no longer reproduces them breaks the CPU experiment.
 _REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_RECIPE = yaml.safe_load((_REPO / "recipes/tokenizer/builtin-bpe-4k.yaml").read_text())
 TOKENIZER_SHA256 = TOKENIZER_RECIPE["sha256"]
-MANIFEST_SHA256 = {d: pin["sha256"] for d, pin in
-                   yaml.safe_load((_REPO / "experiments/cpu-tiny.yaml").read_text())["data"]["manifests"].items()}
+MANIFEST_SHA256 = {
+    d: pin["sha256"]
+    for d, pin in yaml.safe_load((_REPO / "experiments/cpu-tiny.yaml").read_text())["data"]["manifests"].items()
+}
 
 
 def test_shipped_tokenizer_matches_its_recipe():
@@ -44,7 +46,7 @@ def test_two_builds_are_identical_fast_and_pinned(tmp_path):
     assert time.monotonic() - start < 60  # two builds; one is < 30 s
     assert {d: sha for d, (_, sha) in first.items()} == {d: sha for d, (_, sha) in second.items()}
     assert {d: sha for d, (_, sha) in first.items()} == MANIFEST_SHA256
-    for domain, (path, sha) in first.items():
+    for domain, (path, _sha) in first.items():
         assert path == tmp_path / "a" / domain / "manifest.json"
         assert path.read_bytes() == (tmp_path / "b" / domain / "manifest.json").read_bytes()
 
@@ -52,8 +54,9 @@ def test_two_builds_are_identical_fast_and_pinned(tmp_path):
 def test_builtin_domains_use_every_reader_and_legal_is_small(tmp_path, capsys):
     assert run_cli("data", "builtin", "--out", str(tmp_path)) == 0
     printed = capsys.readouterr().out
-    manifests = {d: load_manifest(tmp_path / d / "manifest.json", MANIFEST_SHA256[d], verify="full")
-                 for d in MANIFEST_SHA256}
+    manifests = {
+        d: load_manifest(tmp_path / d / "manifest.json", MANIFEST_SHA256[d], verify="full") for d in MANIFEST_SHA256
+    }
     assert all(MANIFEST_SHA256[d] in printed for d in manifests)
     kinds = {d: {s["kind"] for s in m.data["sources"]} for d, m in manifests.items()}
     assert kinds == {"code": {"parquet"}, "prose": {"jsonl"}, "legal": {"text"}}

@@ -12,11 +12,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from runner.checkpoint import (Checkpointer, flatten_optimizer, gather_full_state, rng_state, set_rng_state,
-                               unflatten_optimizer)
-from runner.fsio import read_jsonl, sha256_file
 from trainfixtures import env, launch, make_project
+
+from runner.fsio import read_jsonl, sha256_file
+from runner.training.checkpoint import (
+    Checkpointer,
+    flatten_optimizer,
+    gather_full_state,
+    rng_state,
+    set_rng_state,
+    unflatten_optimizer,
+)
 
 STEPS = 16
 COUNTS = ("exposure", "useful", "unique")
@@ -66,7 +72,7 @@ def test_save_verify_prune_and_skip_unfinished(tmp_path):
     for step in (2, 4, 6):
         _save(ck, step, model, opt)
     assert [p.name for p in ck.candidates()] == ["step-0000006", "step-0000004"]  # last 2 kept
-    (tmp_path / "checkpoints" / "step-0000006" / "COMPLETE").unlink()        # killed before the marker
+    (tmp_path / "checkpoints" / "step-0000006" / "COMPLETE").unlink()  # killed before the marker
     seen = []
     got = ck.latest_valid(report=seen.append)
     assert got.step == 4 and seen == ["checkpoint step-0000006 unusable (no COMPLETE marker); trying the previous one"]
@@ -82,7 +88,7 @@ def test_save_verify_prune_and_skip_unfinished(tmp_path):
 def test_tied_weights_are_written_and_read_back(tmp_path):
     emb = torch.nn.Embedding(5, 3)
     head = torch.nn.Linear(3, 5, bias=False)
-    head.weight = emb.weight                                   # tied, as llama-tiny's embeddings
+    head.weight = emb.weight  # tied, as llama-tiny's embeddings
     tied = torch.nn.ModuleDict({"emb": emb, "head": head})
     topt = torch.optim.AdamW(tied.parameters(), lr=0.1)
     head(emb(torch.tensor([1, 2]))).sum().backward()
@@ -143,8 +149,13 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path):
     journal = run / "journal" / "processed.jsonl"
     for _ in range(2):
         before = journal.read_text().count("\n")
-        p = subprocess.Popen([sys.executable, "-m", "runner", "launch", str(run), "--no-tracking"], cwd=tmp_path,
-                             env=env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "runner", "launch", str(run), "--no-tracking"],
+            cwd=tmp_path,
+            env=env(tmp_path),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         while p.poll() is None and journal.read_text().count("\n") == before:
             time.sleep(0.01)  # training of this attempt has started
         time.sleep(rng.uniform(0.0, 0.4))
@@ -156,7 +167,7 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path):
     a, b = counters(ref), counters(run)
     for d in a:
         assert {k: a[d][k] for k in COUNTS} == {k: b[d][k] for k in COUNTS}
-    assert b["total"]["processed"] > a["total"]["processed"]          # the killed step's work was spent...
+    assert b["total"]["processed"] > a["total"]["processed"]  # the killed step's work was spent...
     assert b["total"]["lost"] == b["total"]["processed"] - b["total"]["exposure"] > 0  # ...and lost
     journal = read_jsonl(run / "journal" / "processed.jsonl")
     assert sum(sum(e["processed"].values()) for e in journal) == b["total"]["processed"]
@@ -168,8 +179,8 @@ def test_save_removes_incomplete_and_temporary_folders(tmp_path):
     for step in (2, 4, 6):
         _save(ck, step, model, opt)
     root = tmp_path / "checkpoints"
-    (root / "step-0000006" / "COMPLETE").unlink()          # lost its marker: a resume falls back past it
-    (root / ".tmp-step-0000010-12345").mkdir()              # left by a kill mid-write
+    (root / "step-0000006" / "COMPLETE").unlink()  # lost its marker: a resume falls back past it
+    (root / ".tmp-step-0000010-12345").mkdir()  # left by a kill mid-write
     assert ck.latest_valid(report=lambda m: None).step == 4
     _save(ck, 8, model, opt)
     assert sorted(p.name for p in root.iterdir()) == ["step-0000004", "step-0000008"]
@@ -187,19 +198,22 @@ def test_step_time_of_lost_work_is_counted_so_mfu_is_not_overstated(tmp_path):
     assert spent_before_kill >= sum(r["step_seconds"] for r in step_rows) > 0
     launch(tmp_path, run, "--no-tracking")
     info = json.loads((run / "run.json").read_text())
-    retrained = [r for r in read_jsonl(run / "metrics" / "train.jsonl")][len(step_rows):]
+    retrained = [r for r in read_jsonl(run / "metrics" / "train.jsonl")][len(step_rows) :]
     # The run's step time is the lost attempt's plus every step of the resumed one.
     assert info["step_seconds_total"] >= spent_before_kill + sum(r["step_seconds"] for r in retrained) - 1e-3
     c = counters(run)["total"]
     assert c["lost"] > 0
-    expected = info["flops_per_token"] * c["processed"] / (
-        info["step_seconds_total"] * info["conventions"]["peak_tflops"] * 1e12 * info["devices"])
+    expected = (
+        info["flops_per_token"]
+        * c["processed"]
+        / (info["step_seconds_total"] * info["conventions"]["peak_tflops"] * 1e12 * info["devices"])
+    )
     assert info["mfu"] == __import__("pytest").approx(expected, rel=1e-9)
 
 
 def test_ranks_that_see_different_checkpoints_are_refused_naming_them(tmp_path):
     from runner.errors import RunnerError
-    from runner.train import check_same_checkpoint
+    from runner.training.loop import check_same_checkpoint
 
     check_same_checkpoint([40, 40, 40, 40], tmp_path)
     check_same_checkpoint([-1], tmp_path)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from runner.claims import audit_claim, audit_claims
-from runner.commands.report import register
+from runner.cli.report import register
 from runner.errors import RunnerError
+from runner.reports.claims import audit_claim, audit_claims
 
 SEEDS = Path(__file__).resolve().parents[1] / "reports" / "claims" / "seeds.yaml"
 
@@ -48,8 +48,10 @@ def test_seed_flawed_claims_are_flagged_and_exit_1(capsys):
 
 def test_clean_claims_file_exits_0(tmp_path):
     path = tmp_path / "ok.yaml"
-    path.write_text("- {name: a, model_params: 1.45e+9, tokens_per_second: 42000, token_kind: exposure,\n"
-                    "   hardware: NVIDIA H200, devices: 1, mfu: 0.36, tokens: '29e9'}\n")
+    path.write_text(
+        "- {name: a, model_params: 1.45e+9, tokens_per_second: 42000, token_kind: exposure,\n"
+        "   hardware: NVIDIA H200, devices: 1, mfu: 0.36, tokens: '29e9'}\n"
+    )
     assert _cli(["audit-claims", str(path)]) == 0
     r = audit_claims(path)[0]
     assert r.tokens_per_param == pytest.approx(20)
@@ -57,11 +59,21 @@ def test_clean_claims_file_exits_0(tmp_path):
 
 
 def test_implied_days_from_stated_mfu_and_over_100_percent():
-    r = audit_claim({"name": "x", "model_params": 1e9, "tokens": 1e12, "token_kind": "unique",
-                     "hardware": "MI355X", "devices": 8, "mfu": 0.4})
+    r = audit_claim(
+        {
+            "name": "x",
+            "model_params": 1e9,
+            "tokens": 1e12,
+            "token_kind": "unique",
+            "hardware": "MI355X",
+            "devices": 8,
+            "mfu": 0.4,
+        }
+    )
     assert r.implied_days == pytest.approx(6e21 / (0.4 * 2516.6e12 * 8) / 86400)
-    assert audit_claim({"name": "y", "model_params": 1e9, "mfu": 1.2, "token_kind": "useful",
-                        "hardware": "B200"}).impossible
+    assert audit_claim(
+        {"name": "y", "model_params": 1e9, "mfu": 1.2, "token_kind": "useful", "hardware": "B200"}
+    ).impossible
 
 
 def test_bad_claims_are_runner_errors(tmp_path):

@@ -3,26 +3,44 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
 from safetensors.torch import load_file
-
-from runner.audit import audit
-from runner.fsio import read_jsonl
 from trainfixtures import env, launch, make_project
+
+from runner.fsio import read_jsonl
+from runner.reports.audit import audit
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_two_processes_match_one(tmp_path):
     exp = make_project(tmp_path, steps=6, checkpoint_every=3, eval_every=3)
     launch(tmp_path, exp, "--run-dir", "runs/one", "--no-tracking")
-    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "runner", "launch", str(exp),
-                           "--run-dir", "runs/two", "--no-tracking"], cwd=tmp_path, env=env(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "runner",
+            "launch",
+            str(exp),
+            "--run-dir",
+            "runs/two",
+            "--no-tracking",
+        ],
+        cwd=tmp_path,
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = tmp_path / "runs" / "one", tmp_path / "runs" / "two"
     info = json.loads((two / "run.json").read_text())
@@ -44,9 +62,26 @@ def test_two_processes_match_one(tmp_path):
 
 
 def _torchrun(tmp_path, *args) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "runner", "launch",
-                           *map(str, args), "--no-tracking"], cwd=tmp_path, env=env(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "runner",
+            "launch",
+            *map(str, args),
+            "--no-tracking",
+        ],
+        cwd=tmp_path,
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -61,7 +96,6 @@ def _weights(run, step):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tmp_path):
     # micro 2 of a global 8 over 2 ranks: 2 micro steps each, so gradient sync is held, then released.
     ref_root, root = tmp_path / "ref", tmp_path / "fsdp"
@@ -113,14 +147,20 @@ def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tm
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_bad_input_under_torchrun_is_said_once_not_once_per_process(tmp_path):
     exp = make_project(tmp_path, steps=4)  # global batch 8 in micro batches of 4: 3 processes cannot split it
-    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "3", "-m", "runner", "launch", str(exp),
-                           "--no-tracking"], cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        ["torchrun", "--standalone", "--nproc_per_node", "3", "-m", "runner", "launch", str(exp), "--no-tracking"],
+        cwd=tmp_path,
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, proc.stderr[-2000:]
-    assert "t.yaml: train.micro_batch_sequences: global batch 8 does not divide into micro batches of 4 x 3" in errors[0]
+    assert (
+        "t.yaml: train.micro_batch_sequences: global batch 8 does not divide into micro batches of 4 x 3" in errors[0]
+    )
     assert not (tmp_path / "runs").exists()

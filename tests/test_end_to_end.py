@@ -20,8 +20,9 @@ RUNNER = shutil.which("runner", path=str(Path(sys.executable).parent)) or shutil
 
 
 def runner(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([RUNNER, *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run(
+        [RUNNER, *args], cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600
+    )
 
 
 def test_readme_main_job_end_to_end(tmp_path: Path):
@@ -45,7 +46,12 @@ def test_readme_main_job_end_to_end(tmp_path: Path):
     assert info["status"] == "finished" and info["committed_steps"] == 150
     assert info["conventions"]["peak_source"].startswith("theoretical: ")  # stable, unlike a matmul burst
     ledger = json.loads((run_dir / "ledger.json").read_text())["counters"]
-    assert {d: c["exposure"] for d, c in ledger.items()} == {"code": 153_600, "prose": 122_880, "legal": 30_720, "total": 307_200}
+    assert {d: c["exposure"] for d, c in ledger.items()} == {
+        "code": 153_600,
+        "prose": 122_880,
+        "legal": 30_720,
+        "total": 307_200,
+    }
     assert ledger["legal"]["unique"] == ledger["legal"]["pool"]  # the small domain is repeated: every sample seen
     for name in ("report.md", "accounting.parquet", "accounting.csv", "validation.parquet", "loss_by_domain.png"):
         assert (run_dir / "report" / name).stat().st_size > 0
@@ -108,7 +114,7 @@ def _unpin(project: Path, key: str) -> None:
 def _retokenized(project: Path) -> None:
     import yaml
 
-    from runner.manifest import write_manifest
+    from runner.data.manifest import write_manifest
 
     mpath = project / "data/builtin/legal/manifest.json"
     fields = json.loads(mpath.read_text())
@@ -122,8 +128,14 @@ def _retokenized(project: Path) -> None:
 
 LAUNCH_REFUSALS = [
     (_truncate_a_shard, "data/builtin/code/train-00000.bin"),
-    (lambda p: _unpin(p, "data.manifests.prose.sha256"), "experiments/cpu-tiny.yaml: data.manifests.prose.sha256: not pinned"),
-    (_retokenized, "experiments/cpu-tiny.yaml: data.manifests.legal: data/builtin/legal/manifest.json was tokenized with tokenizer cdcdcdcdcdcd"),
+    (
+        lambda p: _unpin(p, "data.manifests.prose.sha256"),
+        "experiments/cpu-tiny.yaml: data.manifests.prose.sha256: not pinned",
+    ),
+    (
+        _retokenized,
+        "experiments/cpu-tiny.yaml: data.manifests.legal: data/builtin/legal/manifest.json was tokenized with tokenizer cdcdcdcdcdcd",
+    ),
 ]
 
 

@@ -3,13 +3,21 @@
 import pytest
 
 from runner.errors import RunnerError
-from runner.flops import (DEFAULT_CONVENTION, Convention, count_params, flops_per_token,
-                          params_of_config)
+from runner.planning.flops import DEFAULT_CONVENTION, Convention, count_params, flops_per_token, params_of_config
 
 
 def tiny_model(**kw):
-    m = dict(arch="llama", hidden_size=64, n_layers=3, n_heads=4, n_kv_heads=2,
-             intermediate_size=160, tie_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5)
+    m = dict(
+        arch="llama",
+        hidden_size=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        intermediate_size=160,
+        tie_embeddings=False,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+    )
     m.update(kw)
     return m
 
@@ -17,13 +25,21 @@ def tiny_model(**kw):
 def hf_numel(model, vocab):
     torch = pytest.importorskip("torch")
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     hf_cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=model["hidden_size"], num_hidden_layers=model["n_layers"],
-        num_attention_heads=model["n_heads"], num_key_value_heads=model["n_kv_heads"],
-        intermediate_size=model["intermediate_size"], tie_word_embeddings=model["tie_embeddings"],
+        vocab_size=vocab,
+        hidden_size=model["hidden_size"],
+        num_hidden_layers=model["n_layers"],
+        num_attention_heads=model["n_heads"],
+        num_key_value_heads=model["n_kv_heads"],
+        intermediate_size=model["intermediate_size"],
+        tie_word_embeddings=model["tie_embeddings"],
         rope_parameters={"rope_type": "default", "rope_theta": model["rope_theta"]},
-        rms_norm_eps=model["rms_norm_eps"], attention_bias=False, mlp_bias=False)
+        rms_norm_eps=model["rms_norm_eps"],
+        attention_bias=False,
+        mlp_bias=False,
+    )
     hf = LlamaForCausalLM(hf_cfg)
     return sum(p.numel() for p in hf.parameters())
 
@@ -38,18 +54,18 @@ def test_count_matches_transformers_llama(tied, n_kv_heads):
 
 def test_hand_count_untied_and_tied():
     # d=64, L=3, heads 4 (head_dim 16), kv 2 -> kv_dim 32, ff=160, V=300
-    attn = 64 * 64 + 2 * 64 * 32 + 64 * 64      # 12288
-    mlp = 3 * 64 * 160                           # 30720
-    layer = attn + mlp + 2 * 64                  # 43136
-    body = 3 * layer + 64                        # 129472
-    emb = 300 * 64                               # 19200
+    attn = 64 * 64 + 2 * 64 * 32 + 64 * 64  # 12288
+    mlp = 3 * 64 * 160  # 30720
+    layer = attn + mlp + 2 * 64  # 43136
+    body = 3 * layer + 64  # 129472
+    emb = 300 * 64  # 19200
     untied = count_params(tiny_model(), 300)
     assert untied.layer.total == layer
     assert untied.all == emb + body + emb
     assert untied.non_embedding == body + emb
     tied = count_params(tiny_model(tie_embeddings=True), 300)
-    assert tied.all == emb + body               # shared matrix counted once
-    assert tied.non_embedding == body + emb     # the head is counted, the lookup is not
+    assert tied.all == emb + body  # shared matrix counted once
+    assert tied.non_embedding == body + emb  # the head is counted, the lookup is not
 
 
 def test_flops_per_token_conventions_by_hand():
@@ -60,8 +76,9 @@ def test_flops_per_token_conventions_by_hand():
     assert flops_per_token(cfg, Convention("6N", "all")) == 6 * n_all
     assert flops_per_token(cfg, Convention("6N", "non_embedding")) == 6 * n_ne
     assert flops_per_token(cfg, Convention("6N+attn", "non_embedding")) == 6 * n_ne + attn
-    assert flops_per_token(cfg, Convention("6N+attn", "non_embedding", attention_causal_half=True)) \
-        == 6 * n_ne + attn / 2
+    assert (
+        flops_per_token(cfg, Convention("6N+attn", "non_embedding", attention_causal_half=True)) == 6 * n_ne + attn / 2
+    )
     hfu = Convention("6N+attn", "all", recompute_counted=True)
     assert hfu.kind == "HFU"
     assert flops_per_token(cfg, hfu) == 8 * n_all + attn * 8 / 6

@@ -31,8 +31,13 @@ def bench():
 def tiny_result(tmp_path_factory):
     """One standalone run, as a user would start it (a subprocess, not an import)."""
     out = tmp_path_factory.mktemp("bench") / "result.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-tiny", "--out", str(out), "--budget-s", "60",
-                           "--matmul-s", "0.5"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-tiny", "--out", str(out), "--budget-s", "60", "--matmul-s", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -77,9 +82,17 @@ def test_oom_becomes_a_row_not_a_crash(bench, monkeypatch):
 
     monkeypatch.setattr(bench, "build_model", lambda shape, attn, device: torch.nn.Linear(2, 2))
     monkeypatch.setattr(bench, "train_step", oom)
-    row = bench.run_variant(bench.Variant("sdpa-flash mb1", 1), bench.TINY_SHAPE, torch.device("cpu"),
-                            deadline=float("inf"), warmup_steps=1, timed_steps=1, fpt=1.0, peak_tflops=None,
-                            ceiling_tflops=None)
+    row = bench.run_variant(
+        bench.Variant("sdpa-flash mb1", 1),
+        bench.TINY_SHAPE,
+        torch.device("cpu"),
+        deadline=float("inf"),
+        warmup_steps=1,
+        timed_steps=1,
+        fpt=1.0,
+        peak_tflops=None,
+        ceiling_tflops=None,
+    )
     assert row.status == "oom" and "out of memory" in row.detail and row.tokens_per_second is None
 
 
@@ -89,9 +102,16 @@ def test_spent_budget_skips_variants(bench, tmp_path):
     assert statuses == {"skipped"} and any("budget" in r["detail"] for r in result["rows"])
 
 
-@pytest.mark.parametrize("name,arch,peak", [("NVIDIA H200", "sm_90", 989.4), ("AMD Instinct MI300X", "gfx942", 1307.4),
-                                            ("", "gfx942", 1307.4), ("NVIDIA H100 PCIe", "sm_90", None),
-                                            ("NVIDIA RTX 4090", "sm_89", None)])
+@pytest.mark.parametrize(
+    "name,arch,peak",
+    [
+        ("NVIDIA H200", "sm_90", 989.4),
+        ("AMD Instinct MI300X", "gfx942", 1307.4),
+        ("", "gfx942", 1307.4),
+        ("NVIDIA H100 PCIe", "sm_90", None),
+        ("NVIDIA RTX 4090", "sm_89", None),
+    ],
+)
 def test_peak_is_the_datasheet_figure_or_none(bench, name, arch, peak):
     assert bench.datasheet_peak(name, arch)[0] == peak
 

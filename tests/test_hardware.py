@@ -3,30 +3,62 @@
 import pytest
 
 from runner.errors import RunnerError
-from runner.flops import DEFAULT_CONVENTION
-from runner.hardware import (PEAKS, Peak, canonical_device, check_device_matches,
-                             convention_record, cost_per_billion_useful_tokens, detect_device,
-                             measure_cpu_matmul_tflops, mfu, resolve_peak)
+from runner.planning.flops import DEFAULT_CONVENTION
+from runner.planning.hardware import (
+    PEAKS,
+    Peak,
+    canonical_device,
+    check_device_matches,
+    convention_record,
+    cost_per_billion_useful_tokens,
+    detect_device,
+    measure_cpu_matmul_tflops,
+    mfu,
+    resolve_peak,
+)
 
 
 def hw(**kw):
-    d = dict(accelerator="cuda", device_name="NVIDIA H200", peak_tflops=None, peak_dtype="bf16",
-             peak_source=None, memory_gib=141, cpu_peak=None)
+    d = dict(
+        accelerator="cuda",
+        device_name="NVIDIA H200",
+        peak_tflops=None,
+        peak_dtype="bf16",
+        peak_source=None,
+        memory_gib=141,
+        cpu_peak=None,
+    )
     d.update(kw)
     return d
 
 
 def test_spec_peaks_table():
     assert {k: e.dense_bf16_tflops for k, e in PEAKS.items()} == {
-        "A100": 312.0, "H100 SXM": 989.4, "H200 SXM": 989.4, "MI300X": 1307.4,
-        "MI325X": 1307.4, "MI355X": 2516.6, "B200": 2250.0}
+        "A100": 312.0,
+        "H100 SXM": 989.4,
+        "H200 SXM": 989.4,
+        "MI300X": 1307.4,
+        "MI325X": 1307.4,
+        "MI355X": 2516.6,
+        "B200": 2250.0,
+    }
     assert all(e.source for e in PEAKS.values())
 
 
-@pytest.mark.parametrize("name,key", [
-    ("NVIDIA H200", "H200 SXM"), ("NVIDIA H100 80GB HBM3", "H100 SXM"),
-    ("NVIDIA A100-SXM4-80GB", "A100"), ("AMD Instinct MI300X", "MI300X"), ("NVIDIA B200", "B200"),
-    ("NVIDIA H100 PCIe", None), ("NVIDIA H200 NVL", None), ("NVIDIA L4", None), ("AMD Instinct MI300A", None)])
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("AMD Instinct MI300X", "MI300X"),
+        ("NVIDIA B200", "B200"),
+        ("NVIDIA H100 PCIe", None),
+        ("NVIDIA H200 NVL", None),
+        ("NVIDIA L4", None),
+        ("AMD Instinct MI300A", None),
+    ],
+)
 def test_canonical_device_names(name, key):
     assert canonical_device(name) == key
 
@@ -51,8 +83,9 @@ def test_unknown_device_is_an_error_not_a_fallback():
 
 
 def test_cpu_peak_is_measured():
-    p = resolve_peak(hw(accelerator="cpu", device_name="cpu", peak_dtype="fp32", cpu_peak="measured"),
-                     measure_seconds=0.05)
+    p = resolve_peak(
+        hw(accelerator="cpu", device_name="cpu", peak_dtype="fp32", cpu_peak="measured"), measure_seconds=0.05
+    )
     assert p.peak_dtype == "fp32" and p.peak_source.startswith("measured: ")
     assert 1e-4 < p.peak_tflops < 100
     assert measure_cpu_matmul_tflops(seconds=0.02, size=64).peak_tflops > 0
@@ -76,8 +109,7 @@ def test_check_device_matches():
     with pytest.raises(RunnerError, match="hardware.accelerator"):
         check_device_matches(hw(), detect_device("cpu"))
     with pytest.raises(RunnerError, match="hardware.device_name"):
-        check_device_matches(hw(accelerator="rocm", device_name="AMD Instinct MI355X"),
-                             detect_device("rocm::gfx942"))
+        check_device_matches(hw(accelerator="rocm", device_name="AMD Instinct MI355X"), detect_device("rocm::gfx942"))
     check_device_matches(hw(accelerator="cpu", device_name="cpu"), detect_device("cpu"))
 
 
@@ -92,23 +124,33 @@ def test_mfu_and_cost_by_hand():
 
 def test_convention_record_has_every_spec_field():
     rec = convention_record(DEFAULT_CONVENTION, Peak(989.4, "bf16", "x"), 8, "step")
-    assert set(rec) == {"flops_formula", "params_counted", "attention_causal_half", "recompute_counted",
-                        "peak_tflops", "peak_dtype", "peak_source", "devices_counted", "time_basis"}
+    assert set(rec) == {
+        "flops_formula",
+        "params_counted",
+        "attention_causal_half",
+        "recompute_counted",
+        "peak_tflops",
+        "peak_dtype",
+        "peak_source",
+        "devices_counted",
+        "time_basis",
+    }
 
 
 def test_cpu_theoretical_peak_is_cores_x_clock_x_flops_per_cycle(monkeypatch):
-    from runner import hardware
+    from runner.planning import hardware
 
     monkeypatch.setattr(hardware, "_cpu_flags", lambda: {"fpu", "avx", "avx2", "fma"})
     monkeypatch.setattr(hardware, "_cpu_clock_ghz", lambda: 3.0)
     p = resolve_peak(hw(accelerator="cpu", device_name="cpu", peak_dtype="fp32", cpu_peak="theoretical"))
     import torch
+
     assert p.peak_tflops == pytest.approx(torch.get_num_threads() * 3.0e9 * 32 / 1e12)
     assert p.peak_source.startswith(f"theoretical: {torch.get_num_threads()} cores x 3.000 GHz x 32")
 
 
 def test_cpu_theoretical_peak_bounds_what_a_matmul_achieves():
-    from runner.hardware import cpu_theoretical_tflops
+    from runner.planning.hardware import cpu_theoretical_tflops
 
     theoretical = cpu_theoretical_tflops()
     if theoretical.peak_source.startswith("theoretical"):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from runner.ledger import TokenLedger
-from runner.sampler import MixtureSampler, replay
+from runner.data.sampler import MixtureSampler, replay
+from runner.training.ledger import TokenLedger
 
 SAMPLES = {"web": 40, "code": 9, "math": 2}
 RATIOS = {"web": 0.75, "code": 0.2, "math": 0.05}

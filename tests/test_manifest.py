@@ -6,19 +6,18 @@ import json
 
 import numpy as np
 import pytest
-
 from datafixtures import documents, make_tokenizer, run_cli, write_jsonl
+
+from runner.data.manifest import Pool, load_manifest, manifest_sha256, num_samples
+from runner.data.prepare import prepare
 from runner.errors import RunnerError
-from runner.manifest import Pool, load_manifest, manifest_sha256, num_samples
-from runner.prepare import prepare
 
 
 @pytest.fixture()
 def prepared(tmp_path):
     tok = make_tokenizer(tmp_path / "tok")
     src = write_jsonl(tmp_path / "a.jsonl", documents(40))
-    path, sha = prepare("web", tok, tmp_path / "out", [src], validation_fraction=0.1,
-                        shard_tokens=64, workers=0)
+    path, sha = prepare("web", tok, tmp_path / "out", [src], validation_fraction=0.1, shard_tokens=64, workers=0)
     return path, sha
 
 
@@ -33,14 +32,33 @@ def refused(*args, **kwargs) -> str:
 def test_manifest_has_the_design_shape(prepared):
     path, sha = prepared
     data = json.loads(path.read_text())
-    assert set(data) == {"format", "domain", "tokenizer_sha256", "token_dtype", "vocab_size", "eos_id",
-                         "shards", "validation_shards", "validation", "pool_tokens", "documents",
-                         "validation_tokens", "validation_documents", "sources", "manifest_sha256"}
+    assert set(data) == {
+        "format",
+        "domain",
+        "tokenizer_sha256",
+        "token_dtype",
+        "vocab_size",
+        "eos_id",
+        "shards",
+        "validation_shards",
+        "validation",
+        "pool_tokens",
+        "documents",
+        "validation_tokens",
+        "validation_documents",
+        "sources",
+        "manifest_sha256",
+    }
     assert data["manifest_sha256"] == sha == manifest_sha256(data)
     assert all(set(s) == {"path", "tokens", "documents", "sha256"} for s in data["shards"])
     m = load_manifest(path, sha, verify="full")
     assert (m.domain, m.token_dtype, m.pool_tokens, m.sha256, m.dir) == (
-        "web", "uint16", data["pool_tokens"], sha, path.parent)
+        "web",
+        "uint16",
+        data["pool_tokens"],
+        sha,
+        path.parent,
+    )
 
 
 def test_truncated_shard_refused_naming_it(prepared):

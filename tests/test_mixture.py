@@ -2,9 +2,9 @@
 
 import pytest
 
+from runner.data.mixture import plan_mixture
+from runner.data.sampler import MixtureSampler
 from runner.errors import MixtureInfeasible, RunnerError
-from runner.mixture import plan_mixture
-from runner.sampler import MixtureSampler
 
 # 100,000 samples x 1,000 tokens = a 100M-token pool; global batch 1,000 x 1,000 = 1M tokens.
 SAMPLES = {"math": 100_000, "web": 10_000_000}
@@ -60,8 +60,7 @@ def test_largest_feasible_budget_and_smallest_cap_are_tight():
     caps = {"rare": 2.5, "bulk": 4.0}
     seq_len, batch = 8, 5
     message = _refusal(samples, ratios, caps, 40 * 400, seq_len, batch)
-    budget = int(message.split("largest feasible budget at these ratios: ")[1].split(" ")[0]
-                 .replace(",", ""))
+    budget = int(message.split("largest feasible budget at these ratios: ")[1].split(" ")[0].replace(",", ""))
     assert budget % (seq_len * batch) == 0 and budget > 0
     plan_mixture(samples, ratios, caps, budget, seq_len, batch)  # the offered budget fits
     _refusal(samples, ratios, caps, budget + seq_len * batch, seq_len, batch)  # one more doesn't
@@ -70,27 +69,32 @@ def test_largest_feasible_budget_and_smallest_cap_are_tight():
 
 
 def test_other_domains_over_their_cap_are_named_too():
-    message = _refusal({"a": 10, "b": 10}, {"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 2.0},
-                       10 * 60, 10, 6)
+    message = _refusal({"a": 10, "b": 10}, {"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 2.0}, 10 * 60, 10, 6)
     assert "'a'" in message and "also over cap: b needs 3 > 2" in message
 
 
-@pytest.mark.parametrize("budget, key", [
-    (1_000_001 * 1000, "train.exposure_tokens"),  # not a whole number of batches
-    (0, "train.exposure_tokens"),
-])
+@pytest.mark.parametrize(
+    "budget, key",
+    [
+        (1_000_001 * 1000, "train.exposure_tokens"),  # not a whole number of batches
+        (0, "train.exposure_tokens"),
+    ],
+)
 def test_budget_must_be_whole_global_batches(budget, key):
     with pytest.raises(RunnerError, match=key):
         plan_mixture(SAMPLES, RATIOS, {"math": 30.0, "web": 1.0}, budget, 1000, 1000)
 
 
-@pytest.mark.parametrize("ratios, caps, key", [
-    ({"math": 0.3, "web": 0.6}, {"math": 30, "web": 1}, "mixture.domains: target ratios sum"),
-    ({"math": 0.3 + 1e-8, "web": 0.7}, {"math": 30, "web": 1}, "mixture.domains: target ratios"),
-    ({"math": -0.3, "web": 1.3}, {"math": 30, "web": 1}, "mixture.domains.math.target_ratio"),
-    ({"math": 0.3, "web": 0.7}, {"math": 30, "web": 0.9}, "mixture.domains.web.max_repetition_ratio"),
-    ({"math": 0.3, "web": 0.7}, {"math": 30}, "mixture.domains: domains differ"),
-])
+@pytest.mark.parametrize(
+    "ratios, caps, key",
+    [
+        ({"math": 0.3, "web": 0.6}, {"math": 30, "web": 1}, "mixture.domains: target ratios sum"),
+        ({"math": 0.3 + 1e-8, "web": 0.7}, {"math": 30, "web": 1}, "mixture.domains: target ratios"),
+        ({"math": -0.3, "web": 1.3}, {"math": 30, "web": 1}, "mixture.domains.math.target_ratio"),
+        ({"math": 0.3, "web": 0.7}, {"math": 30, "web": 0.9}, "mixture.domains.web.max_repetition_ratio"),
+        ({"math": 0.3, "web": 0.7}, {"math": 30}, "mixture.domains: domains differ"),
+    ],
+)
 def test_ratios_and_caps_are_validated(ratios, caps, key):
     with pytest.raises(RunnerError, match=key):
         plan_mixture(SAMPLES, ratios, caps, TEN_B, 1000, 1000)
@@ -98,6 +102,5 @@ def test_ratios_and_caps_are_validated(ratios, caps, key):
 
 def test_ratios_within_tolerance_of_one_are_accepted():
     ratios = {"a": 0.3333333333, "b": 0.3333333333, "c": 0.3333333334}
-    plan = plan_mixture({d: 10_000 for d in ratios}, ratios, {d: 1.0 for d in ratios},
-                        30 * 100 * 10, 10, 30)
+    plan = plan_mixture({d: 10_000 for d in ratios}, ratios, {d: 1.0 for d in ratios}, 30 * 100 * 10, 10, 30)
     assert sum(p.exposure_samples for p in plan.domains.values()) == 3000

@@ -7,18 +7,36 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.errors import RunnerError
-from runner.flops import params_of_config
-from runner.model import build_model
+from runner.planning.flops import params_of_config
+from runner.training.model import build_model
 
 
 def cfg(**model):
-    base = {"arch": "llama", "hidden_size": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-            "intermediate_size": 64, "tie_embeddings": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-            "init_std": 0.02, "pad_vocab_multiple": 1, "attn_implementation": "sdpa",
-            "activation_checkpointing": False, "compile": False}
+    base = {
+        "arch": "llama",
+        "hidden_size": 32,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "intermediate_size": 64,
+        "tie_embeddings": True,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "init_std": 0.02,
+        "pad_vocab_multiple": 1,
+        "attn_implementation": "sdpa",
+        "activation_checkpointing": False,
+        "compile": False,
+    }
     base.update(model)
-    return OmegaConf.create({"model": base, "tokenizer": {"vocab_size": 100, "eos_id": 0},
-                             "train": {"seq_len": 16}, "hardware": {"accelerator": "cpu"}})
+    return OmegaConf.create(
+        {
+            "model": base,
+            "tokenizer": {"vocab_size": 100, "eos_id": 0},
+            "train": {"seq_len": 16},
+            "hardware": {"accelerator": "cpu"},
+        }
+    )
 
 
 @pytest.mark.parametrize("tie", [True, False])

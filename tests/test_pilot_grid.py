@@ -7,8 +7,7 @@ import pytest
 import yaml
 
 from runner.errors import RunnerError
-from runner.pilot_grid import (llama_intermediate_size, parse_size, parse_tokens, round_budget,
-                               write_pilot_grid)
+from runner.planning.pilot_grid import llama_intermediate_size, parse_size, parse_tokens, round_budget, write_pilot_grid
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_parse_tokens_and_rounding():
     assert parse_tokens("300K") == 300_000
     assert parse_tokens("2.5M") == 2_500_000
-    assert parse_tokens("1e9") == 10 ** 9
+    assert parse_tokens("1e9") == 10**9
     assert parse_tokens("1_000") == 1000
     with pytest.raises(RunnerError, match="--budgets"):
         parse_tokens("lots")
@@ -44,15 +43,15 @@ def project(tmp_path):
 
 
 def test_grid_loads_and_varies_only_size_and_budget(project):
-    from runner.recipe import load_experiment
+    from runner.config.load import load_experiment
+
     base_path = project / "experiments" / "cpu-tiny.yaml"
     base = load_experiment(base_path, check_files=False).to_container()
     out = project / "experiments" / "pilots"
-    files = write_pilot_grid(base_path, ["llama-tiny@1", "hidden_size=128+n_layers=3"],
-                             ["100K", "200000"], out)
+    files = write_pilot_grid(base_path, ["llama-tiny@1", "hidden_size=128+n_layers=3"], ["100K", "200000"], out)
     assert [f.name for f in files][-1] == "README.md" and len(files) == 5
     readme = (out / "README.md").read_text()
-    assert "98,304" in readme and "1,696" in readme          # 100K rounded down, drop stated
+    assert "98,304" in readme and "1,696" in readme  # 100K rounded down, drop stated
     seen = set()
     for f in files[:-1]:
         exp = load_experiment(f, check_files=False).to_container()
@@ -69,7 +68,8 @@ def test_grid_loads_and_varies_only_size_and_budget(project):
 
 
 def test_copy_when_base_is_outside_experiments(project):
-    from runner.recipe import load_experiment
+    from runner.config.load import load_experiment
+
     moved = project / "elsewhere.yaml"
     shutil.copy(project / "experiments" / "cpu-tiny.yaml", moved)
     files = write_pilot_grid(moved, ["llama-tiny@1"], ["40960"], project / "experiments" / "p")
@@ -94,9 +94,23 @@ def test_refusals(project):
 
 def test_cli_pilot_grid(project, capsys, monkeypatch):
     from runner.cli import main
+
     monkeypatch.chdir(project)
-    assert main(["pilot-grid", "experiments/cpu-tiny.yaml", "--sizes", "llama-tiny@1,n_layers=4",
-                 "--budgets", "100K,400K", "--out", "experiments/pilots"]) == 0
+    assert (
+        main(
+            [
+                "pilot-grid",
+                "experiments/cpu-tiny.yaml",
+                "--sizes",
+                "llama-tiny@1,n_layers=4",
+                "--budgets",
+                "100K,400K",
+                "--out",
+                "experiments/pilots",
+            ]
+        )
+        == 0
+    )
     assert len(list((project / "experiments" / "pilots").glob("*.yaml"))) == 4
     assert "4 pilot experiments" in capsys.readouterr().out
     assert main(["pilot-grid", "experiments/cpu-tiny.yaml", "--sizes", "x", "--budgets", "1M"]) == 2
@@ -104,10 +118,12 @@ def test_cli_pilot_grid(project, capsys, monkeypatch):
 
 def test_grid_refuses_a_budget_the_mixture_cannot_meet(project_with_data):
     from runner.errors import RunnerError
-    from runner.pilot_grid import write_pilot_grid
+    from runner.planning.pilot_grid import write_pilot_grid
 
     out = project_with_data / "experiments/pilots"
-    with pytest.raises(RunnerError, match=r"--budgets: budget 1M .*legal.*largest feasible budget at these ratios: 378,880"):
+    with pytest.raises(
+        RunnerError, match=r"--budgets: budget 1M .*legal.*largest feasible budget at these ratios: 378,880"
+    ):
         write_pilot_grid(project_with_data / "experiments/cpu-tiny.yaml", ["llama-tiny@1"], ["100K", "1M"], out)
     assert not out.exists() or not any(out.iterdir())
 
@@ -115,9 +131,14 @@ def test_grid_refuses_a_budget_the_mixture_cannot_meet(project_with_data):
 def test_cli_pilot_grid_says_how_to_launch_and_fit(project, capsys, monkeypatch):
     # Runs land in runs/<pilot name>/<run_id>/, so the fit command is not guessable from --out.
     from runner.cli import main
+
     monkeypatch.chdir(project)
-    assert main(["pilot-grid", "experiments/cpu-tiny.yaml", "--sizes", "llama-tiny@1,n_layers=4",
-                 "--budgets", "100K,400K"]) == 0
+    assert (
+        main(
+            ["pilot-grid", "experiments/cpu-tiny.yaml", "--sizes", "llama-tiny@1,n_layers=4", "--budgets", "100K,400K"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert 'next: for f in experiments/pilots/*.yaml; do runner launch "$f"; done' in out
     assert "runner fit runs/cpu-tiny-pilot-*/ --flops C" in out

@@ -4,20 +4,29 @@ import json
 import math
 
 import pytest
-
 from conftest import REPO
 
 from runner.errors import RunnerError
-from runner.flops import params_of_config
-from runner.plan import (build_plan, chinchilla_optimal_tokens, effective_tokens, format_plan,
-                         memory_per_device, pure_training_seconds, read_calibration, training_days_6n,
-                         training_flops, wall_clock_seconds)
+from runner.planning.flops import params_of_config
+from runner.planning.plan import (
+    build_plan,
+    chinchilla_optimal_tokens,
+    effective_tokens,
+    format_plan,
+    memory_per_device,
+    pure_training_seconds,
+    read_calibration,
+    training_days_6n,
+    training_flops,
+    wall_clock_seconds,
+)
 
 H200 = 989.4
 
 
-@pytest.mark.parametrize("params,tokens,days", [
-    (0.76e9, 25e9, 3.3), (1.3e9, 26e9, 6.0), (7e9, 140e9, 172.0), (13e9, 260e9, 590.0)])
+@pytest.mark.parametrize(
+    "params,tokens,days", [(0.76e9, 25e9, 3.3), (1.3e9, 26e9, 6.0), (7e9, 140e9, 172.0), (13e9, 260e9, 590.0)]
+)
 def test_seed_training_days_at_40_percent_of_one_h200(params, tokens, days):
     assert training_days_6n(params, tokens, 0.40, H200) == pytest.approx(days, rel=0.02)
 
@@ -44,21 +53,52 @@ def test_effective_tokens_under_repetition():
 
 
 def config(**train):
-    t = dict(seq_len=128, global_batch_sequences=16, micro_batch_sequences=4, exposure_tokens=16 * 128 * 100,
-             checkpoint={"keep_last": 2})
+    t = dict(
+        seq_len=128,
+        global_batch_sequences=16,
+        micro_batch_sequences=4,
+        exposure_tokens=16 * 128 * 100,
+        checkpoint={"keep_last": 2},
+    )
     t.update(train)
     return {
-        "name": "tiny", "version": 1,
+        "name": "tiny",
+        "version": 1,
         "tokenizer": {"vocab_size": 4096, "token_dtype": "uint16"},
-        "model": dict(arch="llama", hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=172,
-                      tie_embeddings=True, attn_implementation="sdpa", activation_checkpointing=False),
-        "hardware": dict(accelerator="cuda", device_name="H200 SXM", peak_tflops=None, peak_dtype="bf16",
-                         memory_gib=141, price_per_device_hour_usd=3.0, devices_per_node=1, nodes=1,
-                         precision="bf16", distributed="none", default_mfu=0.4),
+        "model": dict(
+            arch="llama",
+            hidden_size=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            intermediate_size=172,
+            tie_embeddings=True,
+            attn_implementation="sdpa",
+            activation_checkpointing=False,
+        ),
+        "hardware": dict(
+            accelerator="cuda",
+            device_name="H200 SXM",
+            peak_tflops=None,
+            peak_dtype="bf16",
+            memory_gib=141,
+            price_per_device_hour_usd=3.0,
+            devices_per_node=1,
+            nodes=1,
+            precision="bf16",
+            distributed="none",
+            default_mfu=0.4,
+        ),
         "mixture": {"domains": {"web": {"target_ratio": 1.0, "max_repetition_ratio": 1.0}}},
-        "train": t, "data": {"manifests": {}},
-        "plan": dict(checkpoint_overhead_fraction=0.02, eval_overhead_fraction=0.03,
-                     recovery_overhead_fraction=0.05, raw_bytes_per_token=4.2, inference_tokens=0),
+        "train": t,
+        "data": {"manifests": {}},
+        "plan": dict(
+            checkpoint_overhead_fraction=0.02,
+            eval_overhead_fraction=0.03,
+            recovery_overhead_fraction=0.05,
+            raw_bytes_per_token=4.2,
+            inference_tokens=0,
+        ),
     }
 
 
@@ -81,7 +121,9 @@ def test_plan_of_a_config_is_consistent(tmp_path):
     text = format_plan(plan)
     assert "no data.manifests pinned" in text and "fits" in text
     # --mfu halves the throughput when the MFU halves
-    assert build_plan(cfg, mfu=0.2, root=tmp_path)["time"]["assumed"]["pure_hours"] == pytest.approx(2 * a["pure_hours"])
+    assert build_plan(cfg, mfu=0.2, root=tmp_path)["time"]["assumed"]["pure_hours"] == pytest.approx(
+        2 * a["pure_hours"]
+    )
 
 
 def test_memory_by_hand_and_the_fit_verdict():
@@ -96,7 +138,7 @@ def test_memory_by_hand_and_the_fit_verdict():
     assert mem["activation_bytes_checkpointed"] == (2 * s * b * h + layer) * 2 + head
     assert mem["fits"]
     # room for the state and checkpointed activations, not for the full activations
-    cfg["hardware"]["memory_gib"] = (18 * n + mem["activation_bytes_checkpointed"] + 1) / 2 ** 30
+    cfg["hardware"]["memory_gib"] = (18 * n + mem["activation_bytes_checkpointed"] + 1) / 2**30
     mem = memory_per_device(cfg)
     assert not mem["fits"] and mem["fits_with_checkpointing"]
     cfg["hardware"].update(distributed="fsdp", devices_per_node=8)
@@ -117,16 +159,34 @@ def write_run(folder, rows, run_cfg=None):
     (folder / "run.json").write_text(json.dumps({"conventions": {}}))
     if run_cfg is not None:
         import yaml
+
         (folder / "experiment.yaml").write_text(yaml.safe_dump(run_cfg))
 
 
 def test_calibration_replaces_assumptions(tmp_path):
     cfg = config()
     # first step slow (compile), then 1000 tokens/s for 1 s steps; wall 5 s over 4 s of steps
-    rows = [dict(step=1, tokens_per_second=100.0, step_seconds=1.0, wall_seconds=1.5,
-                 tokens_processed=2048, tokens_useful=2040)]
-    rows += [dict(step=i, tokens_per_second=1000.0, step_seconds=1.0, wall_seconds=1.5 + (i - 1) * 1.1666667,
-                  tokens_processed=2048 * i, tokens_useful=2040 * i) for i in range(2, 5)]
+    rows = [
+        dict(
+            step=1,
+            tokens_per_second=100.0,
+            step_seconds=1.0,
+            wall_seconds=1.5,
+            tokens_processed=2048,
+            tokens_useful=2040,
+        )
+    ]
+    rows += [
+        dict(
+            step=i,
+            tokens_per_second=1000.0,
+            step_seconds=1.0,
+            wall_seconds=1.5 + (i - 1) * 1.1666667,
+            tokens_processed=2048 * i,
+            tokens_useful=2040 * i,
+        )
+        for i in range(2, 5)
+    ]
     write_run(tmp_path / "run", rows, cfg)
     cal = read_calibration(tmp_path / "run", cfg)
     assert cal.processed_tokens_per_second == 1000.0
@@ -158,17 +218,29 @@ def test_calibration_needs_metrics(tmp_path):
 
 def write_manifest_on_disk(root, domain, pool_tokens):
     import numpy as np
-    from runner.manifest import write_manifest
+
+    from runner.data.manifest import write_manifest
+
     folder = root / "data" / domain
     folder.mkdir(parents=True)
     np.zeros(pool_tokens, dtype=np.uint16).tofile(folder / "train-00000.bin")
     np.zeros(10, dtype=np.uint16).tofile(folder / "val-00000.bin")
-    fields = {"format": "runner-manifest/1", "domain": domain, "tokenizer_sha256": "t", "token_dtype": "uint16",
-              "vocab_size": 4096, "eos_id": 0,
-              "shards": [{"path": "train-00000.bin", "tokens": pool_tokens, "documents": 1, "sha256": "x"}],
-              "validation_shards": [{"path": "val-00000.bin", "tokens": 10, "documents": 1, "sha256": "y"}],
-              "validation": {"fraction": 0.02, "rule": "test"}, "pool_tokens": pool_tokens, "documents": 1,
-              "validation_tokens": 10, "validation_documents": 1, "sources": []}
+    fields = {
+        "format": "runner-manifest/1",
+        "domain": domain,
+        "tokenizer_sha256": "t",
+        "token_dtype": "uint16",
+        "vocab_size": 4096,
+        "eos_id": 0,
+        "shards": [{"path": "train-00000.bin", "tokens": pool_tokens, "documents": 1, "sha256": "x"}],
+        "validation_shards": [{"path": "val-00000.bin", "tokens": 10, "documents": 1, "sha256": "y"}],
+        "validation": {"fraction": 0.02, "rule": "test"},
+        "pool_tokens": pool_tokens,
+        "documents": 1,
+        "validation_tokens": 10,
+        "validation_documents": 1,
+        "sources": [],
+    }
     return write_manifest(folder / "manifest.json", fields)
 
 
@@ -177,10 +249,14 @@ def test_mixture_plan_with_manifests_on_disk(tmp_path):
     web_sha = write_manifest_on_disk(tmp_path, "web", 20 * 128 + 1)
     write_manifest_on_disk(tmp_path, "code", 10 * 128 + 1)
     cfg = config()
-    cfg["mixture"]["domains"] = {"web": {"target_ratio": 0.75, "max_repetition_ratio": 100.0},
-                                 "code": {"target_ratio": 0.25, "max_repetition_ratio": 100.0}}
-    cfg["data"]["manifests"] = {"web": {"path": "data/web/manifest.json", "sha256": web_sha},
-                                "code": {"path": "data/code/manifest.json", "sha256": "0" * 64}}
+    cfg["mixture"]["domains"] = {
+        "web": {"target_ratio": 0.75, "max_repetition_ratio": 100.0},
+        "code": {"target_ratio": 0.25, "max_repetition_ratio": 100.0},
+    }
+    cfg["data"]["manifests"] = {
+        "web": {"path": "data/web/manifest.json", "sha256": web_sha},
+        "code": {"path": "data/code/manifest.json", "sha256": "0" * 64},
+    }
     plan = build_plan(cfg, root=tmp_path)
     mix = plan["mixture"]
     assert mix["status"] == "planned"
@@ -201,7 +277,9 @@ def test_mixture_plan_with_manifests_on_disk(tmp_path):
 
 def test_cli_plan_json_on_a_project_experiment(capsys):
     from pathlib import Path
+
     from runner.cli import main
+
     exp = Path(__file__).resolve().parents[1] / "experiments" / "1p3b.yaml"
     if not exp.exists():
         pytest.skip("experiments/1p3b.yaml not written yet")
@@ -221,8 +299,13 @@ def test_plan_of_an_infeasible_mixture_prints_the_plan_and_exits_2(project_with_
     data = yaml.safe_load(path.read_text())
     data["domains"]["legal"]["max_repetition_ratio"] = 1.0
     path.write_text(yaml.safe_dump(data))
-    out = subprocess.run([sys.executable, "-m", "runner", "plan", "experiments/cpu-tiny.yaml"], cwd=project_with_data,
-                         capture_output=True, text=True, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "-m", "runner", "plan", "experiments/cpu-tiny.yaml"],
+        cwd=project_with_data,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 2
     assert "pool tokens of the manifests" in out.stdout
     assert "mixture: INFEASIBLE" in out.stderr and "largest feasible budget" in out.stderr

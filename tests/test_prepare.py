@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from datafixtures import documents, make_tokenizer, run_cli, write_jsonl, write_parquet, write_text_dir
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from datafixtures import documents, make_tokenizer, run_cli, write_jsonl, write_parquet, write_text_dir
+from runner.data.manifest import Pool, load_manifest
+from runner.data.prepare import SPLIT_RULE, is_validation, prepare
+from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
-from runner.manifest import Pool, load_manifest
-from runner.prepare import SPLIT_RULE, is_validation, prepare
-from runner.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,9 @@ def test_pool_is_documents_plus_eos_in_order(tmp_path, tok_path, fmt):
         src, key = write_jsonl(tmp_path / "src" / "a.jsonl", docs), lambda d: d["id"]
     else:
         src, key = write_text_dir(tmp_path / "src", docs), lambda d: d["text"]  # no id: text decides
-    path, sha = prepare("web", tok_path, tmp_path / "out", [src], validation_fraction=0.2,
-                        shard_tokens=97, workers=0, batch_docs=5)
+    path, sha = prepare(
+        "web", tok_path, tmp_path / "out", [src], validation_fraction=0.2, shard_tokens=97, workers=0, batch_docs=5
+    )
     m = load_manifest(path, sha, verify="full")
     train, val = expected_pool(tok_path, docs, 0.2, key)
     assert len(m.shards) > 1  # the pool spans shard boundaries
@@ -79,8 +80,7 @@ def test_output_independent_of_workers_and_batch_and_deterministic(tmp_path, tok
     runs = [dict(workers=0, batch_docs=3), dict(workers=0, batch_docs=64), dict(workers=2, batch_docs=7)]
     shas = []
     for i, kw in enumerate(runs):
-        _, sha = prepare("web", tok_path, tmp_path / f"out{i}", [src], validation_fraction=0.1,
-                         shard_tokens=128, **kw)
+        _, sha = prepare("web", tok_path, tmp_path / f"out{i}", [src], validation_fraction=0.1, shard_tokens=128, **kw)
         shas.append(sha)
     assert len(set(shas)) == 1
     assert dir_bytes(tmp_path / "out0") == dir_bytes(tmp_path / "out2")
@@ -94,8 +94,13 @@ def test_sources_in_order_recorded_by_name_and_sha(tmp_path, tok_path):
     c = write_text_dir(tmp_path / "src" / "texts", documents(3, seed=3))
     path, _ = prepare("web", tok_path, tmp_path / "out", [b, a, c], validation_fraction=0.0, workers=0)
     m = load_manifest(path)
-    assert [s["path"] for s in m.data["sources"]] == ["b.jsonl", "a.parquet", "texts/0000.txt",
-                                                      "texts/0001.txt", "texts/0002.txt"]
+    assert [s["path"] for s in m.data["sources"]] == [
+        "b.jsonl",
+        "a.parquet",
+        "texts/0000.txt",
+        "texts/0001.txt",
+        "texts/0002.txt",
+    ]
     docs = documents(10, seed=2) + documents(10, seed=1) + documents(3, seed=3)
     train, _ = expected_pool(tok_path, docs, 0.0)
     assert np.array_equal(Pool(m).read(0, m.pool_tokens), train)
@@ -115,8 +120,7 @@ def test_large_vocab_writes_uint32_without_truncation(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     src = write_jsonl(tmp_path / "a.jsonl", [{"id": "x", "text": "w69999 w5 w65536"}])
-    path, _ = prepare("big", tmp_path / "tokenizer.json", tmp_path / "out", [src],
-                      validation_fraction=0.0, workers=0)
+    path, _ = prepare("big", tmp_path / "tokenizer.json", tmp_path / "out", [src], validation_fraction=0.0, workers=0)
     m = load_manifest(path)
     assert m.token_dtype == "uint32" and m.shards[0].path.stat().st_size == 4 * 4
     assert list(Pool(m).read(0, 4)) == [70_000, 6, 65_537, 0]
@@ -129,9 +133,26 @@ def test_nanogpt_bin_pool(tmp_path, tok_path):
     val = rng.integers(1, 320, size=50).astype("<u2")
     train.tofile(tmp_path / "train.bin")
     val.tofile(tmp_path / "val.bin")
-    assert run_cli("data", "prepare", "--domain", "web", "--tokenizer", str(tok_path), "--out",
-                   str(tmp_path / "out"), "--input-format", "nanogpt-bin", "--shard-tokens", "300",
-                   "--input", str(tmp_path / "train.bin"), str(tmp_path / "val.bin")) == 0
+    assert (
+        run_cli(
+            "data",
+            "prepare",
+            "--domain",
+            "web",
+            "--tokenizer",
+            str(tok_path),
+            "--out",
+            str(tmp_path / "out"),
+            "--input-format",
+            "nanogpt-bin",
+            "--shard-tokens",
+            "300",
+            "--input",
+            str(tmp_path / "train.bin"),
+            str(tmp_path / "val.bin"),
+        )
+        == 0
+    )
     m = load_manifest(tmp_path / "out" / "manifest.json", verify="full")
     assert np.array_equal(Pool(m).read(0, m.pool_tokens), train)
     assert np.array_equal(Pool(m, "validation").read(0, 50), val)
@@ -157,7 +178,7 @@ def test_failure_mid_way_then_rerun_is_byte_identical(tmp_path, tok_path, monkey
     kw = dict(validation_fraction=0.1, shard_tokens=100, workers=0, batch_docs=4)
     _, clean_sha = prepare("web", tok_path, tmp_path / "clean", [src], **kw)
 
-    import runner.prepare as prep
+    import runner.data.prepare as prep
 
     real_replace, renames = os.replace, []
 
@@ -179,8 +200,10 @@ def test_failure_mid_way_then_rerun_is_byte_identical(tmp_path, tok_path, monkey
 def test_sigkill_then_rerun_is_byte_identical(tmp_path, tok_path):
     src = write_jsonl(tmp_path / "a.jsonl", documents(3000))
     kw = dict(validation_fraction=0.05, shard_tokens=2000, workers=0, batch_docs=8)
-    code = ("import sys; from runner.prepare import prepare; "
-            f"prepare('web', {str(tok_path)!r}, sys.argv[1], [{str(src)!r}], **{kw!r})")
+    code = (
+        "import sys; from runner.data.prepare import prepare; "
+        f"prepare('web', {str(tok_path)!r}, sys.argv[1], [{str(src)!r}], **{kw!r})"
+    )
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", code, str(out)])
     deadline = time.monotonic() + 30
@@ -207,7 +230,8 @@ def test_rerun_over_old_output_drops_stale_shards(tmp_path, tok_path):
 def _pdeathsig_after_die_with_parent() -> int:
     import ctypes
 
-    from runner.prepare import PR_GET_PDEATHSIG, die_with_parent
+    from runner.data.prepare import PR_GET_PDEATHSIG, die_with_parent
+
     die_with_parent()
     value = ctypes.c_int(0)
     ctypes.CDLL(None).prctl(PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0)

@@ -8,12 +8,12 @@ import shutil
 
 import pandas as pd
 import pytest
-
 from runfixtures import GLOBAL_BATCH, SEQ_LEN, STEPS, make_run, run_commands
-from runner.commands.report import register
+
+from runner.cli.report import register
 from runner.errors import RunnerError
-from runner.publish import audit_reports, publish
-from runner.report import PLOTS, TABLES, build_tables, write_report
+from runner.reports.publish import audit_reports, publish
+from runner.reports.tables import PLOTS, TABLES, build_tables, write_report
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,17 @@ def test_report_folder_has_tables_plots_and_audit_inputs(run_dir):
     md = (out / "report.md").read_text()
     fp = (run_dir / "fingerprint.txt").read_text().strip()
     sha = json.loads((run_dir / "manifests" / "web.json").read_text())["manifest_sha256"]
-    for needle in (fp, sha, "flops_formula", "peak_source", "time_basis", "`unique`", "`lost`",
-                   "per billion useful tokens", "loss_by_domain.png"):
+    for needle in (
+        fp,
+        sha,
+        "flops_formula",
+        "peak_source",
+        "time_basis",
+        "`unique`",
+        "`lost`",
+        "per billion useful tokens",
+        "loss_by_domain.png",
+    ):
         assert needle in md, needle
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from runner.data.sampler import BatchReader, MixtureSampler, MixtureSchedule, permute, replay
 from runner.errors import RunnerError
-from runner.sampler import BatchReader, MixtureSampler, MixtureSchedule, permute, replay
 
 
 def _random_mixture(rng, k):
@@ -40,7 +40,7 @@ def test_every_step_is_within_one_sample_of_the_exact_target(case):
 
 def test_tiny_domain_gets_its_share_even_below_one_sample_per_step():
     schedule = MixtureSchedule({"big": 0.999, "tiny": 0.001}, 8)  # 0.008 samples per step
-    counts = [schedule.counts(s)[1] for s in range(0, 1001)]
+    counts = [schedule.counts(s)[1] for s in range(1001)]
     assert counts[125] == 1 and counts[1000] == 8  # targets exactly 1.0 and 8.0
     assert all(abs(c - 0.008 * s) <= 1 for s, c in enumerate(counts))
 
@@ -48,7 +48,7 @@ def test_tiny_domain_gets_its_share_even_below_one_sample_per_step():
 def test_random_access_equals_sequential_and_is_fast():
     ratios = {"code": 0.25, "math": 0.05, "web": 0.6999, "rare": 0.0001}
     walked = MixtureSchedule(ratios, 512)
-    sequential = [walked.counts(s) for s in range(0, 25_001)]
+    sequential = [walked.counts(s) for s in range(25_001)]
     fresh = MixtureSchedule(ratios, 512)
     start = time.perf_counter()
     assert fresh.counts(25_000) == sequential[25_000]
@@ -58,8 +58,7 @@ def test_random_access_equals_sequential_and_is_fast():
 
 
 def _sampler(seed=3, batch=16):
-    return MixtureSampler({"web": 50, "code": 7, "math": 3}, {"web": 0.7, "code": 0.2, "math": 0.1},
-                          seed, batch)
+    return MixtureSampler({"web": 50, "code": 7, "math": 3}, {"web": 0.7, "code": 0.2, "math": 0.1}, seed, batch)
 
 
 def test_sampler_is_a_pure_function_of_its_inputs():
@@ -77,8 +76,7 @@ def test_each_domain_walks_seeded_permutations_epoch_by_epoch():
         before = sampler.cumulative_counts(step)
         batch = sampler.global_batch(step)
         assert len(batch) == 16
-        assert (np.bincount([d for d, _ in batch], minlength=3)
-                == sampler.cumulative_counts(step + 1) - before).all()
+        assert (np.bincount([d for d, _ in batch], minlength=3) == sampler.cumulative_counts(step + 1) - before).all()
         # The batch is shuffled, so rebuild each domain's exposure order from the definition.
         for d in range(3):
             got = sorted(k for dd, k in batch if dd == d)
@@ -88,8 +86,8 @@ def test_each_domain_walks_seeded_permutations_epoch_by_epoch():
     for d, n in enumerate(sampler.samples.tolist()):
         seq = per_domain[d]
         for epoch in range(len(seq) // n):
-            assert sorted(seq[epoch * n:(epoch + 1) * n]) == list(range(n))
-        tail = seq[(len(seq) // n) * n:]
+            assert sorted(seq[epoch * n : (epoch + 1) * n]) == list(range(n))
+        tail = seq[(len(seq) // n) * n :]
         assert len(set(tail)) == len(tail), "a fractional epoch must not repeat a sample"
     # Consecutive epochs use different orders (the web domain has 50 samples).
     web = per_domain[2]
@@ -108,7 +106,7 @@ def test_permutation_is_random_access_on_huge_domains():
     n = 12_700_000
     picks = np.array([0, 5, n - 1, 12_345_678])
     out = permute(n, picks, "sample", 0, "web", 2)
-    assert ((0 <= out) & (out < n)).all() and len(set(out.tolist())) == 4
+    assert ((out >= 0) & (out < n)).all() and len(set(out.tolist())) == 4
     assert (permute(n, picks[::-1], "sample", 0, "web", 2) == out[::-1]).all()
 
 
@@ -135,14 +133,13 @@ def test_replay_counts_match_stepping_through_every_batch():
     for step in range(37):
         for d, k in sampler.global_batch(step):
             counts[sampler.domains[d]][k] += 1
-    replayed = replay({"web": 50, "code": 7, "math": 3}, {"web": 0.7, "code": 0.2, "math": 0.1},
-                      3, 16, 37)
+    replayed = replay({"web": 50, "code": 7, "math": 3}, {"web": 0.7, "code": 0.2, "math": 0.1}, 3, 16, 37)
     for d in counts:
         assert (replayed[d] == counts[d]).all()
 
 
 class FakePool:
-    """In-memory stand-in for runner.manifest.Pool."""
+    """In-memory stand-in for runner.data.manifest.Pool."""
 
     def __init__(self, tokens):
         self.array = np.asarray(tokens, dtype=np.uint16)

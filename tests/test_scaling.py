@@ -8,8 +8,18 @@ import pytest
 import yaml
 
 from runner.errors import RunnerError
-from runner.scaling import (Fit, Point, compute_optimal, extrapolation_warning, fit_loss, fit_report,
-                            holdout_errors, inference_optimal, plot_fit, read_point)
+from runner.planning.scaling import (
+    Fit,
+    Point,
+    compute_optimal,
+    extrapolation_warning,
+    fit_loss,
+    fit_report,
+    holdout_errors,
+    inference_optimal,
+    plot_fit,
+    read_point,
+)
 
 TRUE = Fit(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28, objective=0.0, points=0)  # Chinchilla
 
@@ -28,7 +38,7 @@ def test_recovers_known_parameters_from_noisy_losses():
     fit = fit_loss(synthetic())
     assert fit.alpha == pytest.approx(TRUE.alpha, abs=0.05)
     assert fit.beta == pytest.approx(TRUE.beta, abs=0.05)
-    assert fit.E == pytest.approx(TRUE.E, abs=0.1)
+    assert pytest.approx(TRUE.E, abs=0.1) == fit.E
     # and predicts a held-out point 10x beyond the grid within 2%
     far = Point("far", 1e10, 1e12, float(TRUE.loss(1e10, 1e12)))
     assert abs(holdout_errors(fit, [far])[0]["relative_error"]) < 0.02
@@ -73,10 +83,19 @@ def test_too_few_points_is_an_error():
 
 def write_run(folder, n_layers, steps, losses):
     (folder / "metrics").mkdir(parents=True)
-    cfg = {"tokenizer": {"vocab_size": 256},
-           "model": dict(arch="llama", hidden_size=32, n_layers=n_layers, n_heads=4, n_kv_heads=4,
-                         intermediate_size=64, tie_embeddings=False),
-           "train": {"seq_len": 16, "global_batch_sequences": 4}}
+    cfg = {
+        "tokenizer": {"vocab_size": 256},
+        "model": dict(
+            arch="llama",
+            hidden_size=32,
+            n_layers=n_layers,
+            n_heads=4,
+            n_kv_heads=4,
+            intermediate_size=64,
+            tie_embeddings=False,
+        ),
+        "train": {"seq_len": 16, "global_batch_sequences": 4},
+    }
     (folder / "experiment.yaml").write_text(yaml.safe_dump(cfg))
     (folder / "run.json").write_text(json.dumps({"committed_steps": steps}))
     rows = [{"step": 1, "domain": d, "loss_nats": 9.0} for d in losses]
@@ -101,8 +120,7 @@ def test_read_point_from_a_run_folder_and_full_report(tmp_path):
     assert set(report["domains"]) == {"code", "web"}
     assert len(report["holdout"]) == 1 and report["warnings"]
     assert report["inference_optimal"]["params"] <= report["compute_optimal"]["params"] * 1.001
-    png = plot_fit(fit_loss(points), points, tmp_path / "out" / "fit.png",
-                   compute_optimal(fit_loss(points), 1e12))
+    png = plot_fit(fit_loss(points), points, tmp_path / "out" / "fit.png", compute_optimal(fit_loss(points), 1e12))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(RunnerError, match="not a finished run folder"):
         read_point(tmp_path)
@@ -110,14 +128,19 @@ def test_read_point_from_a_run_folder_and_full_report(tmp_path):
 
 def test_cli_fit_writes_json_and_png(tmp_path, capsys):
     from runner.cli import main
+
     runs = []
     for i, (layers, steps) in enumerate([(1, 100), (2, 100), (4, 100), (1, 400), (2, 400), (4, 400)]):
         n_ne = layers * (4 * 32 * 32 + 3 * 32 * 64 + 64) + 32 + 256 * 32
         write_run(tmp_path / f"r{i}", layers, steps, {"web": float(TRUE.loss(n_ne, steps * 64))})
         runs.append(str(tmp_path / f"r{i}"))
     out = tmp_path / "fit"
-    assert main(["fit", *runs[:5], "--holdout", runs[5], "--flops", "1e15", "--inference-tokens", "1e9",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            ["fit", *runs[:5], "--holdout", runs[5], "--flops", "1e15", "--inference-tokens", "1e9", "--out", str(out)]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert "compute-optimal at C = 1e+15" in captured.out and "held out r5" in captured.out
     assert "orders of magnitude" in captured.err
@@ -129,14 +152,19 @@ def test_cli_fit_writes_json_and_png(tmp_path, capsys):
 
 def test_read_point_from_a_report_folder(tmp_path):
     import pandas as pd
+
     rep = tmp_path / "report"
     rep.mkdir()
-    pd.DataFrame([{"run_id": "r1", "params": 1000, "params_counted": "non_embedding",
-                   "exposure_tokens": 64000}]).to_parquet(rep / "run_summary.parquet")
-    pd.DataFrame([{"step": 5, "exposure_tokens": 1, "domain": "web", "loss_nats": 9.0, "bpb": 1.0},
-                  {"step": 10, "exposure_tokens": 2, "domain": "web", "loss_nats": 4.0, "bpb": 1.0},
-                  {"step": 10, "exposure_tokens": 2, "domain": "code", "loss_nats": 3.0, "bpb": 1.0}]
-                 ).to_parquet(rep / "validation.parquet")
+    pd.DataFrame(
+        [{"run_id": "r1", "params": 1000, "params_counted": "non_embedding", "exposure_tokens": 64000}]
+    ).to_parquet(rep / "run_summary.parquet")
+    pd.DataFrame(
+        [
+            {"step": 5, "exposure_tokens": 1, "domain": "web", "loss_nats": 9.0, "bpb": 1.0},
+            {"step": 10, "exposure_tokens": 2, "domain": "web", "loss_nats": 4.0, "bpb": 1.0},
+            {"step": 10, "exposure_tokens": 2, "domain": "code", "loss_nats": 3.0, "bpb": 1.0},
+        ]
+    ).to_parquet(rep / "validation.parquet")
     p = read_point(tmp_path)  # a run folder holding only its report/
     assert (p.run, p.params, p.tokens, p.loss) == ("r1", 1000.0, 64000.0, 3.5)
     assert p.domain_losses == {"web": 4.0, "code": 3.0}
@@ -160,6 +188,7 @@ GRID = [(1, 100), (2, 100), (4, 100), (1, 400), (2, 400), (4, 400)]
 def test_cli_fit_takes_experiment_run_folders_and_names_held_out_runs(tmp_path, capsys):
     # `runner launch` puts runs in runs/EXPERIMENT/RUN_ID: the user passes runs/pilot-*/.
     from runner.cli import main
+
     runs = _grid_runs(tmp_path, GRID)
     experiments = [str(r.parent) for r in runs]
     assert main(["fit", *experiments[:5], "--holdout", experiments[5], "--out", str(tmp_path / "fit")]) == 0
@@ -172,6 +201,7 @@ def test_cli_fit_takes_experiment_run_folders_and_names_held_out_runs(tmp_path, 
 
 def test_cli_fit_refuses_meaningless_budget_flags(tmp_path, capsys):
     from runner.cli import main
+
     runs = [str(r) for r in _grid_runs(tmp_path, GRID)]
     assert main(["fit", *runs, "--inference-tokens", "1e9", "--out", str(tmp_path / "fit")]) == 2
     assert "--inference-tokens: needs --flops" in capsys.readouterr().err
@@ -180,9 +210,12 @@ def test_cli_fit_refuses_meaningless_budget_flags(tmp_path, capsys):
 
 
 def test_fit_warns_when_a_grid_has_too_few_sizes_or_budgets():
-    pts = [Point(f"p{i}", n, d, float(TRUE.loss(n, d))) for i, (n, d) in
-           enumerate([(1e7, 1e9), (1e7, 3e9), (1e7, 1e10), (1e8, 1e9), (1e8, 3e9), (1e8, 1e10)])]
+    pts = [
+        Point(f"p{i}", n, d, float(TRUE.loss(n, d)))
+        for i, (n, d) in enumerate([(1e7, 1e9), (1e7, 3e9), (1e7, 1e10), (1e8, 1e9), (1e8, 3e9), (1e8, 1e10)])
+    ]
     warnings = fit_report(pts)["warnings"]
-    assert warnings == ["only 2 distinct model sizes among the fitted runs: alpha is not determined by "
-                        "the data (use 3 or more)"]
+    assert warnings == [
+        "only 2 distinct model sizes among the fitted runs: alpha is not determined by the data (use 3 or more)"
+    ]
     assert fit_report(synthetic())["warnings"] == []

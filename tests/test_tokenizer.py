@@ -2,26 +2,36 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import yaml
+from datafixtures import CORPUS, documents, make_tokenizer, run_cli, write_jsonl
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from datafixtures import CORPUS, documents, make_tokenizer, run_cli, write_jsonl
+from runner.data.tokenizer import load_tokenizer, token_byte_lengths, token_dtype_for, tokenizer_info
 from runner.errors import RunnerError
 from runner.fsio import sha256_file
-from runner.tokenizer import (load_tokenizer, token_byte_lengths, token_dtype_for,
-                              tokenizer_info)
 
 
 def test_train_cli_writes_tokenizer_and_ready_recipe(tmp_path):
     src = write_jsonl(tmp_path / "src" / "a.jsonl", documents(30))
-    assert run_cli("tokenizer", "train", "--input", str(src), "--vocab-size", "300",
-                   "--out", str(tmp_path / "tok"), "--name", "tiny") == 0
+    assert (
+        run_cli(
+            "tokenizer",
+            "train",
+            "--input",
+            str(src),
+            "--vocab-size",
+            "300",
+            "--out",
+            str(tmp_path / "tok"),
+            "--name",
+            "tiny",
+        )
+        == 0
+    )
     recipe = yaml.safe_load((tmp_path / "tok" / "tiny.yaml").read_text())
-    assert set(recipe) == {"name", "version", "description", "path", "sha256", "vocab_size", "eos_id",
-                           "token_dtype"}
+    assert set(recipe) == {"name", "version", "description", "path", "sha256", "vocab_size", "eos_id", "token_dtype"}
     assert recipe["name"] == "tiny" and recipe["version"] == 1
     assert recipe["sha256"] == sha256_file(tmp_path / "tok" / "tokenizer.json")
     assert recipe["vocab_size"] == 300 and recipe["token_dtype"] == "uint16"
@@ -43,8 +53,12 @@ def test_70k_vocab_tokenizer_is_uint32(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     info = tokenizer_info(tmp_path / "tokenizer.json")
-    assert info == {"sha256": sha256_file(tmp_path / "tokenizer.json"), "vocab_size": 70_001,
-                    "eos_id": 0, "token_dtype": "uint32"}
+    assert info == {
+        "sha256": sha256_file(tmp_path / "tokenizer.json"),
+        "vocab_size": 70_001,
+        "eos_id": 0,
+        "token_dtype": "uint32",
+    }
 
 
 def test_wrong_sha_refused_naming_file_and_key(tmp_path):
@@ -87,8 +101,21 @@ def test_byte_lengths_for_a_non_byte_level_tokenizer(tmp_path):
 
 def test_train_cli_says_when_the_corpus_cannot_reach_the_asked_vocab(tmp_path, capsys):
     src = write_jsonl(tmp_path / "src" / "a.jsonl", documents(5))
-    assert run_cli("tokenizer", "train", "--input", str(src), "--vocab-size", "70000",
-                   "--out", str(tmp_path / "tok"), "--name", "big") == 0
+    assert (
+        run_cli(
+            "tokenizer",
+            "train",
+            "--input",
+            str(src),
+            "--vocab-size",
+            "70000",
+            "--out",
+            str(tmp_path / "tok"),
+            "--name",
+            "big",
+        )
+        == 0
+    )
     recipe = yaml.safe_load((tmp_path / "tok" / "big.yaml").read_text())
     assert recipe["vocab_size"] < 70_000 and recipe["token_dtype"] == "uint16"
     assert f"vocab {recipe['vocab_size']}," in recipe["description"]  # not the asked 70000

@@ -11,15 +11,17 @@ import time
 from pathlib import Path
 
 import pytest
-
-from runner.tracking import Tracker, flatten
-from runner.fsio import read_jsonl
 from trainfixtures import env, make_project
+
+from runner.fsio import read_jsonl
+from runner.training.tracking import Tracker, flatten
 
 
 def metric_rows(db: Path, run_id: str) -> list[tuple]:
     with sqlite3.connect(db) as c:
-        return c.execute("select key, step, value from metrics where run_uuid=? order by key, step", (run_id,)).fetchall()
+        return c.execute(
+            "select key, step, value from metrics where run_uuid=? order by key, step", (run_id,)
+        ).fetchall()
 
 
 def test_flatten_gives_dotted_string_params():
@@ -84,11 +86,30 @@ def _free_port() -> int:
 
 
 def _server(tmp: Path, port: int) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                          "--backend-store-uri", f"sqlite:///{tmp / 'server.db'}",
-                          "--default-artifact-root", str(tmp / "artifacts"), "--workers", "1"],
-                         cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp / 'server.db'}",
+            "--default-artifact-root",
+            str(tmp / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        cwd=tmp,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     import urllib.request
+
     deadline = time.time() + 90
     while time.time() < deadline:
         try:
@@ -103,6 +124,7 @@ def _server(tmp: Path, port: int) -> subprocess.Popen:
 def _stop(p: subprocess.Popen) -> None:
     import os
     import signal
+
     os.killpg(p.pid, signal.SIGKILL)  # the server's own process group (gunicorn/uvicorn workers)
     p.wait()
 
@@ -114,8 +136,14 @@ def test_real_server_killed_mid_run_every_metric_exactly_once(tmp_path):
     exp = make_project(tmp_path, steps=300, checkpoint_every=100, eval_every=100)
     run = tmp_path / "runs" / "s"
     e = env(tmp_path, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{port}")
-    p = subprocess.Popen([sys.executable, "-m", "runner", "launch", str(exp), "--run-dir", str(run)],
-                         cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "runner", "launch", str(exp), "--run-dir", str(run)],
+        cwd=tmp_path,
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     train_log = run / "metrics" / "train.jsonl"
     while p.poll() is None and not (train_log.exists() and len(read_jsonl(train_log)) > 20):
         time.sleep(0.2)
@@ -126,8 +154,9 @@ def test_real_server_killed_mid_run_every_metric_exactly_once(tmp_path):
     try:
         assert p.returncode == 0, err
         assert "unavailable" in err
-        subprocess.run([sys.executable, "-m", "runner", "sync", str(run)], cwd=tmp_path, env=e, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "runner", "sync", str(run)], cwd=tmp_path, env=e, check=True, capture_output=True
+        )
         info = json.loads((run / "run.json").read_text())
         rows = metric_rows(tmp_path / "server.db", info["mlflow"]["run_id"])
         loss_steps = [s for k, s, _ in rows if k == "loss"]
@@ -142,7 +171,7 @@ def test_real_server_killed_mid_run_every_metric_exactly_once(tmp_path):
 def test_sync_sends_to_a_moved_server_and_records_it(tmp_path, monkeypatch, capsys, via):
     import argparse
 
-    from runner.commands.train import cmd_sync
+    from runner.cli.train import cmd_sync
 
     dead = f"http://127.0.0.1:{_free_port()}"
     run = tmp_path / "run"

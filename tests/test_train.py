@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from trainfixtures import env, launch, make_project
 
 from runner.fsio import read_jsonl
-from runner.train import lr_at
-from trainfixtures import env, launch, make_project
+from runner.training.schedule import lr_at
 
 STEPS = 8
 
@@ -40,10 +40,19 @@ def test_launch_writes_run_folder_and_mlflow(tmp_path):
     db = sqlite3.connect(tmp / "mlflow.db")
     run_id = info["mlflow"]["run_id"]
     keys = {k for (k,) in db.execute("select distinct key from metrics where run_uuid=?", (run_id,))}
-    assert {"loss", "lr", "mfu", "goodput_mfu", "tokens.total.exposure", "val_loss.a", "val_bpb.b",
-            "realized_ratio.a"} <= keys
-    losses = db.execute("select step, count(*) from metrics where run_uuid=? and key='loss' group by step",
-                        (run_id,)).fetchall()
+    assert {
+        "loss",
+        "lr",
+        "mfu",
+        "goodput_mfu",
+        "tokens.total.exposure",
+        "val_loss.a",
+        "val_bpb.b",
+        "realized_ratio.a",
+    } <= keys
+    losses = db.execute(
+        "select step, count(*) from metrics where run_uuid=? and key='loss' group by step", (run_id,)
+    ).fetchall()
     assert losses == [(s, 1) for s in range(1, STEPS + 1)]
     params = dict(db.execute("select key, value from params where run_uuid=?", (run_id,)).fetchall())
     assert params["train.seq_len"] == "16" and params["model.hidden_size"] == "32"
@@ -53,11 +62,10 @@ def test_launch_writes_run_folder_and_mlflow(tmp_path):
 
 
 def test_activation_checkpointing_reports_hfu_besides_mfu(tmp_path):
+    import pandas as pd
     import yaml
 
-    import pandas as pd
-
-    from runner.audit import audit
+    from runner.reports.audit import audit
 
     exp = make_project(tmp_path, steps=4, checkpoint_every=4)
     model = tmp_path / "recipes" / "model" / "m.yaml"
@@ -110,8 +118,14 @@ def test_nonfinite_loss_stops_with_exit_4_keeping_last_good_checkpoint(tmp_path)
 def test_sigterm_saves_checkpoint_and_exits_3(tmp_path):
     exp = make_project(tmp_path, steps=400, checkpoint_every=1000)
     run = tmp_path / "runs" / "p"
-    p = subprocess.Popen([sys.executable, "-m", "runner", "launch", str(exp), "--run-dir", str(run), "--no-tracking"],
-                         cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "runner", "launch", str(exp), "--run-dir", str(run), "--no-tracking"],
+        cwd=tmp_path,
+        env=env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 60
     while time.time() < deadline and not (run / "metrics" / "train.jsonl").exists():
         time.sleep(0.2)
@@ -140,6 +154,7 @@ def test_schedules_follow_max_duration():
     class O:
         lr, min_lr_ratio, decay_fraction = 1.0, 0.1, 0.2
         schedule = "cosine"
+
     assert lr_at(0, O, 100, 10) == pytest.approx(0.1)
     assert lr_at(9, O, 100, 10) == pytest.approx(1.0)
     assert lr_at(99, O, 100, 10) == pytest.approx(0.1, abs=1e-3)
@@ -162,8 +177,9 @@ def test_relaunching_a_finished_run_is_a_no_op(tmp_path):
     db = tmp_path / "mlflow.db"
     count = sqlite3.connect(db).execute("select count(*) from metrics").fetchone()[0]
     proc = launch(tmp_path, "runs/x/done")
-    assert proc.stdout.strip() == ("run runs/x/done: already finished at step 4 (exposure 512 tokens); "
-                                   "extend it with --extend-to TOKENS")
+    assert proc.stdout.strip() == (
+        "run runs/x/done: already finished at step 4 (exposure 512 tokens); extend it with --extend-to TOKENS"
+    )
     assert _snapshot(run) == before
     assert sqlite3.connect(db).execute("select count(*) from metrics").fetchone()[0] == count
     # A bad --extend-to names the run's experiment file and the key it is about.
@@ -201,23 +217,23 @@ def test_infeasible_mixture_error_names_the_experiment_file(tmp_path):
 
 
 def test_world_size_must_split_the_global_batch_and_differing_devices_warn(tmp_path):
-    from runner.commands.train import check_world
+    from runner.cli.train import check_world
+    from runner.config.load import load_experiment
     from runner.errors import RunnerError
-    from runner.recipe import load_experiment
 
     cfg = load_experiment(make_project(tmp_path, global_batch=8, micro=4)).config
-    assert check_world(cfg, 1) is None                         # the recipe plans 1 device
+    assert check_world(cfg, 1) is None  # the recipe plans 1 device
     warning = check_world(cfg, 2)
     assert "2 devices" in warning and "plans 1" in warning and "MFU" in warning and "cost" in warning
     with pytest.raises(RunnerError) as e:
-        check_world(cfg, 4)                                    # 8 sequences != 4 micro x 4 processes
+        check_world(cfg, 4)  # 8 sequences != 4 micro x 4 processes
     assert e.value.key == "train.micro_batch_sequences"
 
 
 def test_smoke_times_in_a_fitting_unit_and_every_argument_has_help():
     import argparse
 
-    from runner.commands.train import format_hours, register
+    from runner.cli.train import format_hours, register
 
     assert format_hours(0.5) == "30.0 min" and format_hours(1.99) == "119.4 min"
     assert format_hours(5) == "5.00 h" and format_hours(72) == "3.0 days"
@@ -247,6 +263,7 @@ def test_hard_stop_leaves_run_resumable_and_removing_it_continues_the_same_sched
 
     class O:
         lr, min_lr_ratio, schedule = 3e-3, 0.1, "cosine"
+
     rows = read_jsonl(run / "metrics" / "train.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 9))
     # The hard stop never changed the schedule: every step's lr is the 8-step cosine's.
@@ -271,10 +288,12 @@ def test_nonfinite_stop_rolls_the_ledger_back_to_the_last_checkpoint(tmp_path):
 
 
 def test_each_segment_keeps_the_schedule_it_was_trained_under():
-    from runner.train import segment_schedule_steps
+    from runner.training.schedule import segment_schedule_steps
 
-    segments = [{"index": 0, "start_step": 0, "max_duration_tokens": 4 * 128},
-                {"index": 1, "start_step": 4, "max_duration_tokens": 10 * 128}]
+    segments = [
+        {"index": 0, "start_step": 0, "max_duration_tokens": 4 * 128},
+        {"index": 1, "start_step": 4, "max_duration_tokens": 10 * 128},
+    ]
     assert [segment_schedule_steps(segments, s, 128, 99) for s in (0, 3, 4, 9)] == [4, 4, 10, 10]
     assert segment_schedule_steps([], 5, 128, 99) == 99
 
@@ -290,7 +309,7 @@ def test_extension_after_fallback_to_a_pre_extension_checkpoint_replays_old_lrs(
         (run / "checkpoints" / name / "COMPLETE").unlink()
     launch(tmp_path, run, "--no-tracking")
     rows = read_jsonl(run / "metrics" / "train.jsonl")
-    replayed = [r for r in rows[len(first) + 1:] if r["step"] <= 4]
+    replayed = [r for r in rows[len(first) + 1 :] if r["step"] <= 4]
     assert [r["step"] for r in replayed] == [3, 4]
     assert [r["lr"] for r in replayed] == [first[3], first[4]]
     info = json.loads((run / "run.json").read_text())

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from runner.data.manifest import write_manifest
 from runner.fsio import sha256_file
-from runner.manifest import write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "runner" / "builtin" / "assets" / "tokenizer.json"
@@ -34,34 +34,101 @@ def write_pool(folder: Path, domain: str, train_tokens: int, val_tokens: int, se
         path = folder / f"{split}-00000.bin"
         rng.integers(1, VOCAB, size=n, dtype=np.uint16).tofile(path)
         shards[split] = [{"path": path.name, "tokens": n, "documents": 1, "sha256": sha256_file(path)}]
-    fields = {"format": "runner-manifest/1", "domain": domain, "tokenizer_sha256": sha256_file(TOKENIZER),
-              "token_dtype": "uint16", "vocab_size": VOCAB, "eos_id": 0,
-              "shards": shards["train"], "validation_shards": shards["validation"],
-              "validation": {"fraction": 0.1, "rule": "test"}, "pool_tokens": train_tokens, "documents": 1,
-              "validation_tokens": val_tokens, "validation_documents": 1 if val_tokens else 0, "sources": []}
+    fields = {
+        "format": "runner-manifest/1",
+        "domain": domain,
+        "tokenizer_sha256": sha256_file(TOKENIZER),
+        "token_dtype": "uint16",
+        "vocab_size": VOCAB,
+        "eos_id": 0,
+        "shards": shards["train"],
+        "validation_shards": shards["validation"],
+        "validation": {"fraction": 0.1, "rule": "test"},
+        "pool_tokens": train_tokens,
+        "documents": 1,
+        "validation_tokens": val_tokens,
+        "validation_documents": 1 if val_tokens else 0,
+        "sources": [],
+    }
     return folder / "manifest.json", write_manifest(folder / "manifest.json", fields)
 
 
-def make_project(root: Path, *, steps: int = 8, seq_len: int = 16, global_batch: int = 8, micro: int = 4,
-                 lr: float = 3e-3, checkpoint_every: int = 2, keep_last: int = 3, eval_every: int = 4,
-                 pools: dict | None = None, train_extra: dict | None = None, name: str = "t") -> Path:
+def make_project(
+    root: Path,
+    *,
+    steps: int = 8,
+    seq_len: int = 16,
+    global_batch: int = 8,
+    micro: int = 4,
+    lr: float = 3e-3,
+    checkpoint_every: int = 2,
+    keep_last: int = 3,
+    eval_every: int = 4,
+    pools: dict | None = None,
+    train_extra: dict | None = None,
+    name: str = "t",
+) -> Path:
     """Write recipes/, experiments/<name>.yaml and data/ under `root`; returns the experiment path."""
     pools = pools or {"a": (0.5, 4000, 400), "b": (0.5, 3000, 300)}
     recipes = {
-        "tokenizer": {"name": "tok", "version": 1, "description": "built-in", "path": str(TOKENIZER),
-                      "sha256": sha256_file(TOKENIZER), "vocab_size": VOCAB, "eos_id": 0, "token_dtype": "uint16"},
-        "mixture": {"name": "mix", "version": 1, "description": "two domains",
-                    "domains": {d: {"target_ratio": r, "max_repetition_ratio": 50.0} for d, (r, _, _) in pools.items()}},
-        "model": {"name": "m", "version": 1, "description": "tiny", "hidden_size": 32, "n_layers": 2,
-                  "n_heads": 4, "n_kv_heads": 2, "intermediate_size": 64, "tie_embeddings": True},
-        "optim": {"name": "o", "version": 1, "description": "adamw", "lr": lr, "schedule": "cosine",
-                  "warmup_tokens": 2 * global_batch * seq_len},
-        "hardware": {"name": "cpu", "version": 1, "description": "test cpu", "accelerator": "cpu",
-                     "device_name": "cpu", "peak_tflops": 0.05, "peak_dtype": "fp32", "peak_source": "test figure",
-                     "memory_gib": 4, "price_per_device_hour_usd": 0.1, "precision": "fp32", "tf32": False,
-                     "pin_memory": False},
-        "eval": {"name": "e", "version": 1, "description": "eval", "interval_steps": eval_every,
-                 "samples_per_domain": 8, "micro_batch_sequences": 8},
+        "tokenizer": {
+            "name": "tok",
+            "version": 1,
+            "description": "built-in",
+            "path": str(TOKENIZER),
+            "sha256": sha256_file(TOKENIZER),
+            "vocab_size": VOCAB,
+            "eos_id": 0,
+            "token_dtype": "uint16",
+        },
+        "mixture": {
+            "name": "mix",
+            "version": 1,
+            "description": "two domains",
+            "domains": {d: {"target_ratio": r, "max_repetition_ratio": 50.0} for d, (r, _, _) in pools.items()},
+        },
+        "model": {
+            "name": "m",
+            "version": 1,
+            "description": "tiny",
+            "hidden_size": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "intermediate_size": 64,
+            "tie_embeddings": True,
+        },
+        "optim": {
+            "name": "o",
+            "version": 1,
+            "description": "adamw",
+            "lr": lr,
+            "schedule": "cosine",
+            "warmup_tokens": 2 * global_batch * seq_len,
+        },
+        "hardware": {
+            "name": "cpu",
+            "version": 1,
+            "description": "test cpu",
+            "accelerator": "cpu",
+            "device_name": "cpu",
+            "peak_tflops": 0.05,
+            "peak_dtype": "fp32",
+            "peak_source": "test figure",
+            "memory_gib": 4,
+            "price_per_device_hour_usd": 0.1,
+            "precision": "fp32",
+            "tf32": False,
+            "pin_memory": False,
+        },
+        "eval": {
+            "name": "e",
+            "version": 1,
+            "description": "eval",
+            "interval_steps": eval_every,
+            "samples_per_domain": 8,
+            "micro_batch_sequences": 8,
+        },
     }
     refs = {}
     for kind, body in recipes.items():
@@ -73,12 +140,24 @@ def make_project(root: Path, *, steps: int = 8, seq_len: int = 16, global_batch:
     for i, (d, (_, train_tokens, val_tokens)) in enumerate(pools.items()):
         path, sha = write_pool(root / "data" / d, d, train_tokens, val_tokens, seed=i)
         manifests[d] = {"path": str(path), "sha256": sha}
-    train = {"seq_len": seq_len, "global_batch_sequences": global_batch, "micro_batch_sequences": micro,
-             "exposure_tokens": steps * global_batch * seq_len, "log_interval_steps": 1,
-             "checkpoint": {"interval_steps": checkpoint_every, "interval_minutes": 0, "keep_last": keep_last}}
+    train = {
+        "seq_len": seq_len,
+        "global_batch_sequences": global_batch,
+        "micro_batch_sequences": micro,
+        "exposure_tokens": steps * global_batch * seq_len,
+        "log_interval_steps": 1,
+        "checkpoint": {"interval_steps": checkpoint_every, "interval_minutes": 0, "keep_last": keep_last},
+    }
     train.update(train_extra or {})
-    exp = {"name": name, "version": 1, "description": "trainer test", "seed": 7, "recipes": refs,
-           "train": train, "data": {"manifests": manifests}}
+    exp = {
+        "name": name,
+        "version": 1,
+        "description": "trainer test",
+        "seed": 7,
+        "recipes": refs,
+        "train": train,
+        "data": {"manifests": manifests},
+    }
     (root / "experiments").mkdir(parents=True, exist_ok=True)
     path = root / "experiments" / f"{name}.yaml"
     path.write_text(yaml.safe_dump(exp, sort_keys=False))
@@ -88,15 +167,26 @@ def make_project(root: Path, *, steps: int = 8, seq_len: int = 16, global_batch:
 def env(tmp: Path, **extra) -> dict:
     """Subprocess environment: one thread (shared cores; also the bit-identity reference), local MLflow."""
     e = dict(os.environ)
-    e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-             MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}", PYTHONUNBUFFERED="1")
+    e.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}",
+        PYTHONUNBUFFERED="1",
+    )
     e.update({k: str(v) for k, v in extra.items()})
     return e
 
 
 def launch(tmp: Path, *args, check: bool = True, timeout: float = 120, **env_extra) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "runner", "launch", *map(str, args)], cwd=tmp,
-                          env=env(tmp, **env_extra), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "launch", *map(str, args)],
+        cwd=tmp,
+        env=env(tmp, **env_extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"launch exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -1,0 +1,148 @@
+"""The `runner` command: argument parsing and error presentation only; every verb calls a module.
+
+Bad input (RunnerError) prints one `error: file: key: message` line per problem and exits 2, with
+no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from runner.errors import EXIT_USAGE, RunnerError, display_path
+
+#: modules under runner/cli that add their verbs through `register(subparsers)`
+COMMAND_MODULES = ("data", "train", "report", "plan")
+
+
+def _cmd_validate(args) -> int:
+    paths = [Path(p) for p in args.paths] or default_targets(Path.cwd())
+    failed = 0
+    for path in paths:
+        try:
+            line, notes = validate_one(path)
+            print(line)
+            for n in notes:
+                print(f"  note: {n}")
+        except RunnerError as e:
+            failed += 1
+            for msg in str(e).splitlines():
+                print(f"error: {msg}", file=sys.stderr)
+    print(f"{len(paths) - failed} valid, {failed} invalid")
+    return EXIT_USAGE if failed else 0
+
+
+def default_targets(cwd: Path) -> list[Path]:
+    from runner.config.load import find_project_root
+    from runner.config.schema import KINDS
+
+    root = find_project_root(cwd)
+    out = [p for k in KINDS for p in sorted((root / "recipes" / k).glob("*.yaml"))]
+    # rglob: `runner pilot-grid` writes its experiments to experiments/pilots/, and they must
+    # validate as well as the hand-written ones (a bumped base breaks them).
+    return out + sorted((root / "experiments").rglob("*.yaml"))
+
+
+def validate_one(path: Path) -> tuple[str, list[str]]:
+    """Validate a recipe (kind from its folder) or an experiment. Returns the OK line and notes."""
+    from runner.config.load import load_experiment, load_recipe_file
+    from runner.config.schema import KINDS
+    from runner.errors import Problems
+
+    if path.parent.name in KINDS:
+        problems = Problems()
+        load_recipe_file(path, path.parent.name, problems)
+        problems.raise_if_any()
+        return f"ok  {display_path(path)}", []
+    from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
+
+    exp = load_experiment(path)
+    manifests, notes = load_experiment_manifests(exp, missing_ok=True)
+    if len(manifests) == len(exp.config.mixture.domains):
+        plan_experiment_mixture(exp, manifests)
+    return f"ok  {display_path(path)}  fingerprint {exp.fingerprint}", exp.notes + notes
+
+
+def _cmd_show(args) -> int:
+    from runner.config.load import experiment_from_dict, load_experiment, to_yaml
+    from runner.fsio import read_yaml
+
+    path = Path(args.experiment)
+    if path.is_dir():  # a run folder: its resolved experiment.yaml
+        path = path / "experiment.yaml"
+    data = read_yaml(path)
+    if isinstance(data, dict) and isinstance(data.get("tokenizer"), dict) and isinstance(data.get("recipes"), dict):
+        exp = experiment_from_dict(data, path=path)  # already resolved (a run's copy)
+    else:
+        exp = load_experiment(path)
+    if args.json:
+        print(json.dumps({"fingerprint": exp.fingerprint, "config": exp.to_container()}, indent=2))
+    else:
+        print(f"# fingerprint: {exp.fingerprint}")
+        print(to_yaml(exp.config), end="")
+        for n in exp.notes:
+            print(f"# note: {n}")
+    return 0
+
+
+def _cmd_check_pr(args) -> int:
+    from runner.config.pr import check_pr
+
+    problems, report = check_pr(args.base, Path.cwd())
+    for line in report:
+        print(line)
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    print("check-pr: " + ("FAIL" if problems else "PASS"))
+    return EXIT_USAGE if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="runner", description="LLM pretraining experiments as data, with provable token accounting."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("validate", help="validate recipes and experiments (default: all of them)")
+    p.add_argument("paths", nargs="*", help="recipe or experiment YAML files")
+    p.set_defaults(func=_cmd_validate)
+    p = sub.add_parser("show", help="print an experiment's resolved config and fingerprint")
+    p.add_argument("experiment", help="experiments/NAME.yaml, or a run folder (its resolved experiment.yaml)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_show)
+    p = sub.add_parser("check-pr", help="what a pull request must satisfy, against a base git ref")
+    p.add_argument("--base", required=True, help="git ref to compare with, e.g. origin/main")
+    p.set_defaults(func=_cmd_check_pr)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"runner.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"runner.cli.{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except RunnerError as e:
+        # Under torchrun every rank meets the same bad input: one line per node, not one per process
+        # (a node-local problem, such as a shard missing on one node, is still said by that node).
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            for msg in str(e).splitlines():
+                print(f"error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""CLI for data: `runner tokenizer train`, `runner data prepare|verify|builtin`.
+
+Owns: argument parsing and printing for the data commands; the work is in runner.data.tokenizer,
+runner.data.prepare, runner.data.manifest and runner.data.builtin. Never holds logic of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    tok = subparsers.add_parser("tokenizer", help="train and inspect tokenizers")
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
+    train = tok_sub.add_parser("train", help="train a byte-level BPE and write tokenizer.json + a recipe")
+    train.add_argument("--input", nargs="+", required=True, help="parquet/jsonl/text files or folders")
+    train.add_argument("--vocab-size", type=int, required=True, help="ids including the EOS token")
+    train.add_argument("--out", required=True, help="folder for tokenizer.json and <name>.yaml")
+    train.add_argument("--name", default="bpe", help="recipe name (file <name>.yaml)")
+    train.set_defaults(func=cmd_tokenizer_train)
+
+    data = subparsers.add_parser("data", help="prepare, verify and build token pools")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="tokenize sources into shards and a manifest")
+    prep.add_argument("--domain", required=True, help="domain name recorded in the manifest")
+    prep.add_argument("--tokenizer", required=True, help="tokenizer.json")
+    prep.add_argument("--tokenizer-sha256", default=None, help="refuse any other tokenizer file")
+    prep.add_argument("--out", required=True, help="output folder (shards + manifest.json)")
+    prep.add_argument("--input", nargs="+", required=True, help="files or folders, in pool order")
+    prep.add_argument(
+        "--input-format",
+        default="auto",
+        choices=["auto", "nanogpt-bin"],
+        help="auto: by extension (.parquet, .jsonl, else text); nanogpt-bin: uint16 tokens",
+    )
+    prep.add_argument("--validation-fraction", type=float, default=0.02, help="documents held out")
+    prep.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard")
+    prep.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: cores)")
+    prep.add_argument("--batch-docs", type=int, default=256, help="documents per encode_batch call")
+    prep.set_defaults(func=cmd_prepare)
+
+    verify = data_sub.add_parser("verify", help="check a manifest and every shard's sha256")
+    verify.add_argument("manifest", help="manifest.json")
+    verify.add_argument("--sha256", default=None, help="the manifest_sha256 a recipe pins")
+    verify.set_defaults(func=cmd_verify)
+
+    builtin = data_sub.add_parser("builtin", help="build the built-in three-domain corpus offline")
+    builtin.add_argument("--out", default="data/builtin", help="output folder")
+    builtin.set_defaults(func=cmd_builtin)
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from runner.data.prepare import find_sources, iter_documents
+    from runner.data.tokenizer import train_tokenizer, vocab_size_of, write_trained
+
+    sources = find_sources(args.input)
+    documents = (text for source in sources for _, text in iter_documents(source))
+    tokenizer = train_tokenizer(documents, args.vocab_size)
+    vocab_size = vocab_size_of(tokenizer)
+    names = ", ".join(s.name for s in sources[:3]) + (f" and {len(sources) - 3} more files" if len(sources) > 3 else "")
+    tokenizer_path, recipe_path = write_trained(
+        tokenizer, args.out, args.name, f"byte-level BPE, vocab {vocab_size}, trained on {names}"
+    )
+    print(f"tokenizer: {tokenizer_path}\nrecipe: {recipe_path}")
+    if vocab_size < args.vocab_size:
+        # BPE stops when no pair is left to merge: the recipe records the size actually reached,
+        # and the token dtype follows it (a 70K request on a small corpus stays uint16).
+        print(
+            f"note: {recipe_path}: vocab_size: {vocab_size:,} ids, not the {args.vocab_size:,} asked: "
+            f"the corpus ran out of pairs to merge (train on more text for a larger vocabulary)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from runner.data.prepare import prepare
+
+    path, sha256 = prepare(
+        args.domain,
+        args.tokenizer,
+        args.out,
+        args.input,
+        tokenizer_sha256=args.tokenizer_sha256,
+        validation_fraction=args.validation_fraction,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        batch_docs=args.batch_docs,
+        input_format=args.input_format,
+    )
+    print(f"manifest: {path}\nmanifest_sha256: {sha256}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from runner.data.manifest import load_manifest
+
+    m = load_manifest(args.manifest, args.sha256, verify="full")
+    print(
+        f"ok: {m.path} domain={m.domain} pool_tokens={m.pool_tokens} "
+        f"validation_tokens={m.validation_tokens} shards={len(m.shards) + len(m.validation_shards)} "
+        f"manifest_sha256={m.sha256}"
+    )
+    return 0
+
+
+def cmd_builtin(args: argparse.Namespace) -> int:
+    from runner.data.builtin.build import TOKENIZER_PATH, build_builtin
+    from runner.fsio import sha256_file
+
+    print(f"tokenizer: {TOKENIZER_PATH} sha256={sha256_file(TOKENIZER_PATH)}")
+    for domain, (path, sha256) in build_builtin(Path(args.out), progress=None).items():
+        print(f"{domain}: {path} manifest_sha256={sha256}")
+    return 0

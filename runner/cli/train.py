@@ -1,0 +1,436 @@
+"""CLI for training: `runner launch`, `runner smoke`, `runner sync`.
+
+Owns: choosing the run folder (its records are runner.runs'), the accelerate set-up, the MLflow
+run's start/finish, the terminal summary, and the smoke test's kill-and-resume comparison. The loop
+is runner.training.loop's; never trains or counts tokens here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from runner.errors import EXIT_OK, RunnerError, display_path
+from runner.fsio import read_json, read_jsonl, sha256_file
+from runner.runs import (
+    check_mixture_feasible,
+    check_same_experiment,
+    checked_experiment_of_run,
+    create_run_folder,
+    extend_run,
+    is_run_dir,
+)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("launch", help="train an experiment, or resume/extend a run folder")
+    p.add_argument("target", help="experiments/NAME.yaml, or an existing run folder to resume")
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="run folder (default runs/<experiment>/<timestamp>); resumed when it holds a run",
+    )
+    p.add_argument("--run-name", default=None, help="run id / MLflow run name (default: a timestamp)")
+    p.add_argument(
+        "--extend-to",
+        type=_tokens,
+        default=None,
+        metavar="TOKENS",
+        help="raise max_duration and exposure of a finished run to TOKENS (a new segment)",
+    )
+    p.add_argument("--max-steps", type=int, default=None, help="stop after N steps in this attempt (tests)")
+    p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (smoke, bench)")
+    p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
+    p.set_defaults(func=cmd_launch)
+
+    s = subparsers.add_parser(
+        "smoke",
+        help="a few steps of an experiment: NaN check, kill+resume "
+        "identity, measured tokens/s, MFU and the full run's re-estimated time and cost",
+    )
+    s.add_argument("experiment", help="experiments/NAME.yaml to smoke-test")
+    s.add_argument("--steps", type=int, default=20, help="steps of each smoke run (at least 4; default 20)")
+    s.add_argument("--out", default=None, help="folder for the smoke runs (default runs/<exp>/smoke-<ts>)")
+    s.set_defaults(func=cmd_smoke)
+
+    y = subparsers.add_parser("sync", help="send a run's pending MLflow journal")
+    y.add_argument("run_dir", help="the run folder whose journal/mlflow-pending.jsonl to send")
+    y.add_argument(
+        "--tracking-uri",
+        default=None,
+        metavar="URI",
+        help="send to this MLflow server (one that moved) and record it in run.json; "
+        "default: $MLFLOW_TRACKING_URI, else the URI in run.json",
+    )
+    y.set_defaults(func=cmd_sync)
+
+
+def _tokens(text: str) -> int:
+    value = float(text.replace("_", ""))
+    if value != int(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive whole number of tokens: {text}")
+    return int(value)
+
+
+def _timestamp() -> str:
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+# ---- launch -------------------------------------------------------------------------------------
+
+
+def make_accelerator(cfg):
+    from accelerate import Accelerator
+
+    from runner.training.backends import accelerate_mixed_precision, sharding_mode
+
+    acc = Accelerator(
+        cpu=str(cfg.hardware.accelerator) == "cpu", mixed_precision=accelerate_mixed_precision(cfg.hardware)
+    )
+    sharding_mode(cfg.hardware, acc)  # a recipe/accelerate mismatch fails here, before any folder is written
+    return acc
+
+
+def _resolve(args) -> tuple[object, Path | None, bool]:
+    """(experiment, run folder or None for a new default one, whether the folder holds a run)."""
+    from runner.config.load import load_experiment
+
+    target = Path(args.target)
+    if target.is_dir():
+        if not is_run_dir(target):
+            raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(target))
+        if args.run_dir and Path(args.run_dir).resolve() != target.resolve():
+            raise RunnerError("give either a run folder or --run-dir, not two different folders", file=str(target))
+        return checked_experiment_of_run(target), target, True
+    exp = load_experiment(target)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if run_dir is not None and is_run_dir(run_dir):
+        check_same_experiment(exp, run_dir)
+        return exp, run_dir, True
+    return exp, run_dir, False
+
+
+def _tracker_of(folder, tracking_uri: str | None, **kwargs):
+    """The Tracker continuing the MLflow run recorded in run.json, recording it there when the URI
+    it tracks to is not the one recorded (a first launch, or a server that moved)."""
+    from runner.training.tracking import Tracker
+
+    saved = folder.read().get("mlflow") or {}
+    tracker = Tracker(
+        folder.path,
+        tracking_uri=tracking_uri or saved.get("tracking_uri"),
+        run_id=saved.get("run_id"),
+        experiment_id=saved.get("experiment_id"),
+        on_run_id=lambda info: folder.update(mlflow=info),
+        **kwargs,
+    )
+    if tracker.tracking_uri != saved.get("tracking_uri"):
+        folder.update(mlflow=tracker.info())
+    return tracker
+
+
+def _make_tracker(run_dir: Path, main: bool):
+    from runner.runs import RunFolder
+
+    return _tracker_of(RunFolder(run_dir, writer=main), None, enabled=main, report=lambda m: print(m, file=sys.stderr))
+
+
+def _tags(exp, run_dir: Path) -> dict:
+    from runner.training.tracking import git_commit
+
+    cfg = exp.config
+    tags = {
+        "fingerprint": exp.fingerprint,
+        "run_dir": str(run_dir.resolve()),
+        "tokenizer.sha256": cfg.tokenizer.sha256,
+        "git_commit": git_commit(exp.project_root) or "none",
+    }
+    tags.update({f"recipe.{k}": v for k, v in cfg.recipes.items()})
+    tags.update({f"manifest.{d}.sha256": pin.sha256 for d, pin in cfg.data.manifests.items()})
+    return tags
+
+
+def _error_file(args) -> str:
+    target = Path(args.target)
+    return display_path(target / "experiment.yaml" if target.is_dir() else target)
+
+
+def cmd_launch(args) -> int:
+    try:
+        return _launch(args)
+    except RunnerError as e:
+        if e.file:
+            raise
+        # `file: dotted.key: message`: a launch error without a file is about the experiment.
+        raise type(e)(e.detail, file=_error_file(args), key=e.key) from e
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _finished_line(run_dir: Path) -> str | None:
+    """The no-op line for a finished run relaunched without --extend-to, else None."""
+    info = read_json(run_dir / "run.json")
+    if info.get("status") != "finished":
+        return None
+    return (
+        f"run {run_dir}: already finished at step {int(info.get('committed_steps', 0))} "
+        f"(exposure {int(info.get('exposure_tokens', 0)):,} tokens); extend it with --extend-to TOKENS"
+    )
+
+
+def check_world(cfg, world: int) -> str | None:
+    """Refuse a global batch that does not split over `world` processes; the warning line when the
+    processes held differ from the recipe's plan (None when they agree)."""
+    from runner.config.rules import devices, grad_accum
+
+    grad_accum(cfg, world)
+    planned = devices(cfg)
+    if world == planned:
+        return None
+    return (
+        f"warning: running on {world} devices (world size) but the hardware recipe plans {planned} "
+        f"(devices_per_node x nodes); MFU, goodput MFU and cost count the {world} held"
+    )
+
+
+def _launch(args) -> int:
+    from accelerate.utils import broadcast_object_list
+
+    from runner.config.load import to_yaml
+    from runner.config.rules import global_batch_tokens
+    from runner.runs import RunFolder
+    from runner.training.loop import Options, train
+    from runner.training.tracking import flatten
+
+    exp, run_dir, existing = _resolve(args)
+    if existing and args.extend_to is None:
+        line = _finished_line(run_dir)
+        if line is not None:  # nothing to do: touch nothing (no peak re-measure, report, MLflow)
+            if _is_rank0():
+                print(line)
+            return EXIT_OK
+    if args.extend_to is not None:
+        if not existing:
+            raise RunnerError("--extend-to needs an existing run folder", key="--extend-to")
+        exp = extend_run(run_dir, args.extend_to, write=False)  # validate on every rank before any write
+    acc = make_accelerator(exp.config)
+    main = acc.is_main_process
+    warning = check_world(exp.config, acc.num_processes)  # before any folder is written
+    if warning and main:
+        print(warning, file=sys.stderr)
+    if run_dir is None:
+        name = args.run_name or _timestamp()
+        chosen = [str(Path("runs") / str(exp.config.name) / name)]
+        if acc.num_processes > 1:
+            broadcast_object_list(chosen)  # ranks must agree on one timestamped folder
+        run_dir = Path(chosen[0])
+    if main:
+        if args.extend_to is not None:
+            extend_run(run_dir, args.extend_to, write=True)
+        elif not existing:
+            check_mixture_feasible(exp)
+            create_run_folder(exp, run_dir, args.run_name or run_dir.name)
+        elif args.target != str(run_dir):
+            # Same fingerprint, maybe other operational keys (checkpoint interval, hard stop): use them.
+            (run_dir / "experiment.yaml").write_text(to_yaml(exp.config))
+    acc.wait_for_everyone()
+    tracker = None if args.no_tracking else _make_tracker(run_dir, main)
+    first_start = not existing
+    if tracker is not None:
+        tracker.start(
+            str(exp.config.name),
+            RunFolder(run_dir).read()["run_id"],
+            params=flatten(exp.to_container()) if first_start else None,
+            tags=_tags(exp, run_dir),
+            artifacts=[run_dir / "experiment.yaml"] if first_start else [],
+        )
+        if args.extend_to is not None:
+            info = RunFolder(run_dir).read()
+            seg = info["segments"][-1]
+            tracker.log_tags({f"segment.{seg['index']}.{k}": v for k, v in seg.items() if k != "index"})
+    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=args.kill_at_step)
+    code = train(exp, run_dir, acc, tracker, opts)
+    if main:
+        info = RunFolder(run_dir).read()
+        status = info.get("status")
+        hard_stop = exp.config.train.hard_stop_tokens
+        at_hard_stop = hard_stop is not None and int(info.get("committed_steps", 0)) * global_batch_tokens(
+            exp.config
+        ) == int(hard_stop)
+        if status == "finished" or at_hard_stop:  # the run's end as the user chose it: report it
+            _write_report(run_dir, tracker)
+        if tracker is not None:
+            done = tracker.finish({"finished": "FINISHED", "failed": "FAILED"}.get(status, "KILLED"))
+            if not done:
+                print(f"mlflow: some data is still pending; send it with `runner sync {run_dir}`", file=sys.stderr)
+        print(f"run {run_dir}: {status}")
+        _print_summary(run_dir)
+    acc.wait_for_everyone()
+    acc.end_training()
+    return code
+
+
+def _print_summary(run_dir: Path) -> None:
+    """What a user wants on the terminal after a run: the counters, losses, speed and where things are."""
+    from runner.runs import RunFolder
+
+    info = RunFolder(run_dir).read()
+    ledger_path = run_dir / "ledger.json"
+    if ledger_path.exists():
+        total = read_json(ledger_path)["counters"]["total"]
+        print(
+            "  tokens: " + "  ".join(f"{k} {total[k]:,}" for k in ("processed", "exposure", "useful", "unique", "lost"))
+        )
+    last = {row["domain"]: row for row in read_jsonl(run_dir / "metrics" / "eval.jsonl")}
+    if last:
+        print(
+            "  validation loss nats / bpb: "
+            + "  ".join(f"{d} {r['loss_nats']:.3f} / {r['bpb']:.3f}" for d, r in sorted(last.items()))
+        )
+    conv = info.get("conventions") or {}
+    if info.get("mfu") is not None:
+        hfu = f"HFU {info['hfu']:.1%} (recomputed forward counted); " if info.get("hfu") is not None else ""
+        print(
+            f"  MFU {info['mfu']:.1%} ({conv.get('flops_formula')}, params {conv.get('params_counted')}, "
+            f"{conv.get('time_basis')} time, peak {conv.get('peak_tflops'):.4g} TFLOP/s {conv.get('peak_dtype')}: "
+            f"{conv.get('peak_source')}); goodput MFU {info.get('goodput_mfu', 0):.1%}; {hfu}"
+            f"${info.get('cost_per_billion_useful_tokens', 0):,.2f} per billion useful tokens"
+        )
+    if (run_dir / "report" / "report.md").exists():
+        print(f"  report: {run_dir / 'report' / 'report.md'}  (check it: runner audit {run_dir})")
+    ml = info.get("mlflow") or {}
+    if ml.get("run_id"):
+        print(
+            f"  mlflow: run {ml['run_id']} in {ml.get('tracking_uri')}  (browse: mlflow ui --backend-store-uri {ml.get('tracking_uri')})"
+        )
+
+
+def _write_report(run_dir: Path, tracker) -> None:
+    try:
+        from runner.reports.tables import write_report
+    except ImportError:
+        return
+    try:
+        out = write_report(run_dir)
+    except RunnerError as e:
+        print(f"report: not written ({e})", file=sys.stderr)
+        return
+    if tracker is not None:
+        tracker.log_artifacts(Path(out), "report")
+
+
+def cmd_sync(args) -> int:
+    from runner.runs import RunFolder
+
+    run_dir = Path(args.run_dir)
+    if not is_run_dir(run_dir):
+        raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(run_dir))
+    # A server that moved is recorded in run.json: later resumes and syncs go there.
+    tracker = _tracker_of(
+        RunFolder(run_dir), args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None
+    )
+    sent, left = tracker.sync()
+    line = f"{run_dir}: sent {sent} pending MLflow entries to {tracker.tracking_uri}; "
+    if not left:
+        print(line + "none left")
+        return EXIT_OK
+    print(
+        line + f"{left} still pending in {run_dir / 'journal' / 'mlflow-pending.jsonl'} ({tracker.last_error}); "
+        f"retry with `runner sync {run_dir}` (or --tracking-uri URI)"
+    )
+    return 1
+
+
+# ---- smoke --------------------------------------------------------------------------------------
+
+
+def format_hours(hours: float) -> str:
+    """A wall time in a unit that fits: minutes under 2 h, hours under 48 h, else days."""
+    hours = float(hours)
+    if hours < 2:
+        return f"{hours * 60:.1f} min"
+    if hours < 48:
+        return f"{hours:.2f} h"
+    return f"{hours / 24:.1f} days"
+
+
+def _launch_cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "runner", "launch", str(run_dir), "--no-tracking", *extra]
+
+
+def cmd_smoke(args) -> int:
+    from runner.config.load import experiment_from_dict, load_experiment
+    from runner.planning.plan import build_plan, read_calibration
+    from runner.training.checkpoint import dirname
+
+    full = load_experiment(args.experiment)
+    cfg = full.config
+    steps = max(4, int(args.steps))
+    B, L = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len)
+    small = full.to_container()
+    small["train"].update(exposure_tokens=steps * B * L, max_duration_tokens=steps * B * L, hard_stop_tokens=None)
+    small["train"]["checkpoint"].update(interval_steps=steps // 2, interval_minutes=0, keep_last=2)
+    small["eval"].update(interval_steps=steps)
+    exp = experiment_from_dict(small, project_root=full.project_root, path=full.path)
+    out = Path(args.out) if args.out else Path("runs") / str(cfg.name) / f"smoke-{_timestamp()}"
+    ref, res = out / "reference", out / "resumed"
+    for d in (ref, res):
+        if d.exists():
+            shutil.rmtree(d)
+        create_run_folder(exp, d, d.name)
+    print(f"smoke: {steps} steps of {cfg.name} x2 in {out}")
+    rc = subprocess.run(_launch_cmd(ref)).returncode
+    if rc != EXIT_OK:
+        print(f"smoke: FAILED: reference run exited {rc}" + (" (non-finite loss)" if rc == 4 else ""))
+        return rc or 1
+    kill_at = steps // 2 + 1  # one step past the forced checkpoint at steps // 2
+    killed = subprocess.run(_launch_cmd(res, "--kill-at-step", str(kill_at))).returncode
+    rc = subprocess.run(_launch_cmd(res)).returncode
+    problems = []
+    if killed != -signal.SIGKILL:
+        problems.append(f"fault injection did not kill the run (exit {killed})")
+    if rc != EXIT_OK:
+        problems.append(f"resumed run exited {rc}")
+    final = dirname(steps)
+    a, b = ref / "checkpoints" / final / "model.safetensors", res / "checkpoints" / final / "model.safetensors"
+    same_weights = a.exists() and b.exists() and sha256_file(a) == sha256_file(b)
+    if not same_weights:
+        problems.append("weights after kill+resume differ from the uninterrupted run")
+    la, lb = (read_json(d / "ledger.json")["counters"] for d in (ref, res))
+    for d in la:
+        for k in ("exposure", "useful", "unique"):
+            if la[d][k] != lb[d][k]:
+                problems.append(f"ledger {d}.{k}: {la[d][k]} uninterrupted vs {lb[d][k]} resumed")
+    rows = read_jsonl(ref / "metrics" / "train.jsonl")
+    steady = rows[2:] or rows
+    tps = statistics.median(r["tokens_per_second"] for r in steady)
+    mfu = statistics.median(r["mfu"] for r in steady)
+    print(f"smoke: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, all finite")
+    print(
+        f"smoke: kill at step {kill_at} + resume: weights {'bit-identical' if same_weights else 'DIFFERENT'}, "
+        f"lost tokens {lb['total']['lost']}"
+    )
+    print(f"smoke: measured {tps:,.0f} tokens/s, MFU {mfu:.2%} (median of steps 3..{steps})")
+    try:
+        plan = build_plan(cfg, calibration=read_calibration(ref, cfg), root=full.project_root)
+        t = plan["time"]
+        print(
+            f"full run ({int(cfg.train.exposure_tokens):,} tokens): planned {format_hours(t['assumed']['wall_hours'])}, "
+            f"${t['assumed']['cost_usd']:,.2f} at MFU {t['assumed']['mfu']:.0%}; measured "
+            f"{format_hours(t['measured']['wall_hours'])}, ${t['measured']['cost_usd']:,.2f} at MFU "
+            f"{t['measured']['mfu']:.1%}"
+        )
+    except RunnerError as e:
+        print(f"smoke: no plan comparison ({e})")
+    for p in problems:
+        print(f"smoke: FAILED: {p}")
+    return 1 if problems else EXIT_OK

@@ -1,1 +1,0 @@
-"""CLI verbs, one module per area; each exposes register(subparsers)."""

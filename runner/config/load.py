@@ -1,0 +1,370 @@
+"""Loading recipes and experiments: reading YAML, checking it against the schema, composing.
+
+Owns: reading `recipes/<kind>/<name>.yaml` and `experiments/<name>.yaml`, merging them in a fixed
+order (schema defaults, tokenizer, mixture, model, optim, hardware, eval, the experiment's own
+sections, then overrides), refusing anything that is not pure, well-typed data with
+`file: dotted.key: message`, and rebuilding an experiment from a run's saved resolved config.
+Never touches data, models or trackers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.config.fingerprint import fingerprint
+from runner.config.rules import validate_rules
+from runner.config.schema import EXPERIMENT_KEYS, KINDS, LABEL_KEYS, RECIPE_SCHEMAS, ExperimentSchema
+from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
+
+_RESOLVER_CALL = re.compile(r"\$\{[^}]*:")  # ${name:...} runs code; ${a.b} is plain data
+
+
+@dataclass
+class Experiment:
+    """A resolved, validated experiment."""
+
+    config: DictConfig
+    fingerprint: str
+    path: Path | None
+    project_root: Path
+    recipe_files: dict[str, Path] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  #: non-fatal findings (e.g. pins not verifiable here)
+
+    def to_container(self) -> dict:
+        return OmegaConf.to_container(self.config, resolve=True)  # type: ignore[return-value]
+
+    def resolve_path(self, p: str) -> Path:
+        q = Path(p)
+        return q if q.is_absolute() else self.project_root / q
+
+
+def find_project_root(start: Path) -> Path:
+    """The nearest folder at or above `start` that holds `recipes/`; else the current folder."""
+    start = start.resolve()
+    for d in [start, *start.parents]:
+        if (d / "recipes").is_dir():
+            return d
+    return Path.cwd().resolve()
+
+
+def _read_yaml(path: Path, problems: Problems) -> dict | None:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        problems.add(path, "", "file not found")
+        return None
+    except OSError as e:
+        problems.add(path, "", f"cannot read: {e.strerror}")
+        return None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "YAML"
+        problems.add(path, where, f"not valid YAML: {getattr(e, 'problem', e)}")
+        return None
+    if not isinstance(data, dict):
+        problems.add(path, "", "must be a YAML mapping")
+        return None
+    _check_pure(data, "", path, problems)
+    return data
+
+
+def _check_pure(node: Any, key: str, path: Path, problems: Problems) -> None:
+    """Recipes are data: no resolvers (env lookups, code), no object paths."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if not isinstance(k, str):
+                problems.add(path, f"{key}{k}", "keys must be strings")
+                continue
+            if k in ("_target_", "_CLASS_", "_partial_"):
+                problems.add(path, join_key(key, k), "object paths are not allowed: recipes are pure data")
+            _check_pure(v, join_key(key, k), path, problems)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _check_pure(v, f"{key}[{i}]", path, problems)
+    elif isinstance(node, str) and _RESOLVER_CALL.search(node):
+        problems.add(
+            path, key, f"'{node}' calls a resolver: recipes are pure data, only ${{other.key}} interpolation is allowed"
+        )
+
+
+def _schema_fields(schema) -> dict[str, Any]:
+    """Field name -> resolved type (the module uses postponed annotations, so resolve them)."""
+    return typing.get_type_hints(schema)
+
+
+def _check_keys(node: Any, schema, prefix: str, file: Path, problems: Problems) -> None:
+    """Unknown keys and wrong types, with the dotted key and a 'did you mean'."""
+    if not isinstance(node, dict):
+        problems.add(file, prefix, f"must be a mapping, got {type(node).__name__}")
+        return
+    fields = _schema_fields(schema)
+    for k, v in node.items():
+        key = join_key(prefix, k)
+        if k not in fields:
+            problems.add(file, key, f"unknown key{did_you_mean(k, fields)}")
+            continue
+        _check_value(v, fields[k], key, file, problems)
+
+
+_SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _scalar_ok(v: Any, typ: type) -> bool:
+    if typ is bool:
+        return isinstance(v, bool)
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, (int, float)) if typ is float else isinstance(v, typ)
+
+
+def _check_value(v: Any, typ: Any, key: str, file: Path, problems: Problems) -> None:
+    args = typing.get_args(typ)
+    optional = typing.get_origin(typ) in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        typ = next(a for a in args if a is not type(None))
+    if v is None:
+        if not optional:
+            problems.add(file, key, "must not be null")
+        return
+    if isinstance(v, str) and (v.startswith("${") or v == "???"):
+        return  # interpolation (checked after resolution) or missing (reported later)
+    origin = typing.get_origin(typ)
+    if dataclasses.is_dataclass(typ):
+        _check_keys(v, typ, key, file, problems)
+    elif origin is dict:
+        if not isinstance(v, dict):
+            problems.add(file, key, f"must be a mapping, got {type(v).__name__}")
+            return
+        item_type = typing.get_args(typ)[1]
+        for name, item in v.items():
+            _check_value(item, item_type, join_key(key, name), file, problems)
+    elif origin is list:
+        item_type = typing.get_args(typ)[0]
+        if not isinstance(v, list) or not all(_scalar_ok(x, item_type) for x in v):
+            problems.add(file, key, f"must be a list of {_SCALARS[item_type].split(' ', 1)[1]}s, got {v!r}")
+    elif typ in _SCALARS and not _scalar_ok(v, typ):
+        hint = " (quote it: YAML read it as a number)" if typ is str and isinstance(v, (int, float)) else ""
+        problems.add(file, key, f"must be {_SCALARS[typ]}, got {v!r}{hint}")
+
+
+def parse_ref(ref: Any) -> tuple[str, int]:
+    """`llama-1p3b@2` -> ('llama-1p3b', 2)."""
+    if not isinstance(ref, str) or ref.count("@") != 1:
+        raise ValueError(f"'{ref}' must be NAME@VERSION, e.g. llama-tiny@1")
+    name, ver = ref.split("@")
+    if not name or not ver.isdigit():
+        raise ValueError(f"'{ref}' must be NAME@VERSION with an integer version")
+    return name, int(ver)
+
+
+def load_recipe_file(path: Path, kind: str, problems: Problems) -> dict | None:
+    """Read and check one recipe against its kind's schema (types, unknown keys, labels)."""
+    data = _read_yaml(path, problems)
+    if data is None:
+        return None
+    _check_keys(data, RECIPE_SCHEMAS[kind], "", path, problems)
+    for label in LABEL_KEYS:
+        if label not in data:
+            problems.add(path, label, "missing: every recipe has name, version and description")
+    if "name" in data and data["name"] != path.stem:
+        problems.add(path, "name", f"'{data['name']}' differs from the file name '{path.stem}'")
+    v = data.get("version")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        problems.add(path, "version", f"must be an integer >= 1, got {v!r}")
+    return data
+
+
+def recipe_path(root: Path, kind: str, name: str) -> Path:
+    return root / "recipes" / kind / f"{name}.yaml"
+
+
+def available_recipes(root: Path, kind: str) -> list[str]:
+    return sorted(p.stem for p in (root / "recipes" / kind).glob("*.yaml"))
+
+
+def load_experiment(path: str | Path, *, check_files: bool = True) -> Experiment:
+    """Resolve and validate `experiments/NAME.yaml`. Raises RunnerError listing every problem."""
+    path = Path(path)
+    root = find_project_root(path.parent)
+    problems = Problems()
+    data = _read_yaml(path, problems)
+    problems.raise_if_any()
+    assert data is not None
+    data = _apply_base(data, path, root, problems, seen=(path.resolve(),))
+    problems.raise_if_any()
+    return compose(data, path, root, problems, check_files=check_files)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _apply_base(data: dict, path: Path, root: Path, problems: Problems, seen: tuple) -> dict:
+    """`base: other@N` starts from another experiment's file; this one's keys win."""
+    if "base" not in data:
+        return data
+    try:
+        name, version = parse_ref(data["base"])
+    except ValueError as e:
+        problems.add(path, "base", str(e))
+        return data
+    bpath = root / "experiments" / f"{name}.yaml"
+    if not bpath.exists():
+        names = sorted(p.stem for p in (root / "experiments").glob("*.yaml"))
+        problems.add(path, "base", f"no experiment '{name}' in experiments/{did_you_mean(name, names)}")
+        return data
+    if bpath.resolve() in seen:
+        problems.add(path, "base", f"cycle through {bpath.name}")
+        return data
+    bdata = _read_yaml(bpath, problems)
+    if bdata is None:
+        return data
+    if bdata.get("version") != version:
+        problems.add(
+            path, "base", f"names {name}@{version} but {bpath.relative_to(root)} is version {bdata.get('version')}"
+        )
+    bdata = _apply_base(bdata, bpath, root, problems, seen + (bpath.resolve(),))
+    own = {k: v for k, v in data.items() if k != "base"}
+    merged = _deep_merge({k: v for k, v in bdata.items() if k not in LABEL_KEYS}, own)
+    return merged
+
+
+def compose(
+    data: dict, path: Path, root: Path, problems: Problems | None = None, *, check_files: bool = True
+) -> Experiment:
+    problems = problems or Problems()
+    for k in data:
+        if k not in EXPERIMENT_KEYS:
+            problems.add(
+                path,
+                k,
+                f"unknown key{did_you_mean(k, EXPERIMENT_KEYS + KINDS)}"
+                + (" (recipes are named under 'recipes:', changes go under 'overrides:')" if k in KINDS else ""),
+            )
+    for label in LABEL_KEYS + ("seed",):
+        if label not in data:
+            problems.add(path, label, "missing")
+    if "name" in data and path.suffix == ".yaml" and path.parent.name == "experiments" and data["name"] != path.stem:
+        problems.add(path, "name", f"'{data['name']}' differs from the file name '{path.stem}'")
+    refs = data.get("recipes") or {}
+    if not isinstance(refs, dict):
+        problems.add(path, "recipes", "must be a mapping of kind -> NAME@VERSION")
+        refs = {}
+    for k in refs:
+        if k not in KINDS:
+            problems.add(path, f"recipes.{k}", f"unknown recipe kind{did_you_mean(k, KINDS)}")
+
+    merged: dict[str, Any] = {}
+    files: dict[str, Path] = {}
+    for kind in KINDS:
+        if kind not in refs:
+            problems.add(path, f"recipes.{kind}", "missing: every experiment names one recipe of each kind")
+            continue
+        try:
+            name, version = parse_ref(refs[kind])
+        except ValueError as e:
+            problems.add(path, f"recipes.{kind}", str(e))
+            continue
+        rpath = recipe_path(root, kind, name)
+        if not rpath.exists():
+            problems.add(
+                path,
+                f"recipes.{kind}",
+                f"no recipe '{name}' in recipes/{kind}/" + did_you_mean(name, available_recipes(root, kind)),
+            )
+            continue
+        recipe = load_recipe_file(rpath, kind, problems)
+        if recipe is None:
+            continue
+        if recipe.get("version") != version:
+            problems.add(
+                path,
+                f"recipes.{kind}",
+                f"names {name}@{version} but {rpath.relative_to(root)} is version {recipe.get('version')}",
+            )
+        merged[kind] = recipe
+        files[kind] = rpath
+
+    for section in ("train", "data", "plan"):
+        if section in data:
+            _check_value(data[section], _schema_fields(ExperimentSchema)[section], section, path, problems)
+    overrides = data.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        problems.add(path, "overrides", "must be a mapping of section -> keys")
+        overrides = {}
+    for section, body in overrides.items():
+        if section not in KINDS + ("train", "data", "plan"):
+            problems.add(
+                path,
+                f"overrides.{section}",
+                f"unknown section{did_you_mean(section, KINDS + ('train', 'data', 'plan'))}",
+            )
+            continue
+        if isinstance(body, dict) and any(k in body for k in LABEL_KEYS):
+            problems.add(path, f"overrides.{section}", "may not change a recipe's name, version or description")
+        _check_value(body, _schema_fields(ExperimentSchema)[section], f"overrides.{section}", path, problems)
+    problems.raise_if_any()
+
+    top = {k: data[k] for k in ("name", "version", "description", "seed", "train", "data", "plan") if k in data}
+    top["recipes"] = dict(refs)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(ExperimentSchema), merged, top, overrides)
+        resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", "") or ""
+        msg = str(e).splitlines()[0]
+        raise RunnerError(f"{display_path(path)}: {key}: {msg}") from None
+    cfg = OmegaConf.create(resolved)
+    _check_missing(resolved, "", path, problems)
+    problems.raise_if_any()
+    notes = validate_rules(cfg, path, root, problems, check_files=check_files)
+    problems.raise_if_any()
+    OmegaConf.set_readonly(cfg, True)
+    return Experiment(
+        config=cfg, fingerprint=fingerprint(cfg), path=path, project_root=root, recipe_files=files, notes=notes
+    )
+
+
+def _check_missing(node: Any, key: str, path: Path, problems: Problems) -> None:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _check_missing(v, join_key(key, k), path, problems)
+    elif node == "???":
+        problems.add(path, key, "missing value")
+
+
+def experiment_from_dict(resolved: dict, project_root: Path | None = None, path: Path | None = None) -> Experiment:
+    """Rebuild an Experiment from a saved resolved config (run folders, report folders)."""
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(ExperimentSchema), resolved)
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    except OmegaConfBaseException as e:
+        raise RunnerError(
+            f"does not fit this runner's experiment schema: {str(e).splitlines()[0]}",
+            file=str(path) if path else None,
+            key=getattr(e, "full_key", None) or None,
+        ) from None
+    OmegaConf.set_readonly(cfg, True)
+    return Experiment(
+        config=cfg, fingerprint=fingerprint(cfg), path=path, project_root=project_root or Path.cwd().resolve()
+    )
+
+
+def to_yaml(cfg) -> str:
+    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, (DictConfig, ListConfig)) else cfg
+    return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,79 @@
+"""Built-in data: a small, real, three-domain corpus built offline into pools and manifests.
+
+Owns: turning the shipped snapshot (runner/builtin/assets/) into sources in three formats
+(code -> parquet in FineWeb-Edu columns, prose -> jsonl, legal -> one text file per document)
+and running the real `prepare` on each, so every reader is exercised. Same snapshot and
+tokenizer -> byte-identical manifests on every run and machine. Never reads the user's Python
+installation (that is the maintainer's `snapshot.py`) and never touches the network.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shutil
+from pathlib import Path
+
+from runner.data.prepare import prepare
+from runner.fsio import sha256_file
+
+ASSETS = (
+    Path(__file__).resolve().parents[2] / "builtin" / "assets"
+)  # runner/builtin/assets: package data, a path recipes pin
+TOKENIZER_PATH = ASSETS / "tokenizer.json"
+DOMAINS = ("code", "prose", "legal")
+VALIDATION_FRACTION = 0.05
+# Small shards, so the built-in code pool spans several and readers cross shard boundaries.
+SHARD_TOKENS = 1 << 18
+
+
+def _jsonl_records(name: str) -> list[dict]:
+    with gzip.open(ASSETS / name, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def write_sources(sources_dir: Path) -> dict[str, Path]:
+    """Write each domain's source in its own format; returns domain -> input path for prepare."""
+    code = sources_dir / "code" / "code.parquet"
+    code.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(ASSETS / "code.parquet", code)
+
+    prose = sources_dir / "prose" / "prose.jsonl"
+    prose.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        json.dumps({"id": r["id"], "text": r["text"]}, ensure_ascii=False) + "\n"
+        for r in _jsonl_records("prose.jsonl.gz")
+    ]
+    prose.write_bytes("".join(lines).encode("utf-8"))
+
+    legal = sources_dir / "legal"
+    if legal.exists():
+        shutil.rmtree(legal)  # a stale file would silently join the domain
+    legal.mkdir(parents=True)
+    for i, record in enumerate(_jsonl_records("legal.jsonl.gz")):
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", record["id"].removeprefix("cpython-3.11/")).strip("-")
+        (legal / f"{i:03d}-{slug}.txt").write_bytes(record["text"].encode("utf-8"))
+    return {"code": code, "prose": prose, "legal": legal}
+
+
+def build_builtin(out_dir: str | Path = "data/builtin", progress: bool | None = False) -> dict[str, tuple[Path, str]]:
+    """Build every built-in domain under `out_dir`; returns {domain: (manifest path, manifest_sha256)}."""
+    out_dir = Path(out_dir)
+    inputs = write_sources(out_dir / "sources")
+    tokenizer_sha256 = sha256_file(TOKENIZER_PATH)
+    # In-process tokenization: the corpus is small, and worker start-up would dominate.
+    return {
+        domain: prepare(
+            domain,
+            TOKENIZER_PATH,
+            out_dir / domain,
+            [inputs[domain]],
+            tokenizer_sha256=tokenizer_sha256,
+            validation_fraction=VALIDATION_FRACTION,
+            shard_tokens=SHARD_TOKENS,
+            workers=0,
+            progress=progress,
+        )
+        for domain in DOMAINS
+    }

@@ -1,0 +1,384 @@
+"""Data preparation: sources -> tokenized shards + a manifest that pins them.
+
+Owns: reading documents (parquet `text` columns, jsonl lines, plain text files, nanoGPT `.bin`
+token files), the deterministic validation split, batch tokenization over worker processes,
+crash-safe shard writing and the manifest. Output depends only on the inputs and the tokenizer:
+never on worker count, batch size, timestamps or absolute paths. Never holds more than a few
+batches of text in memory, and never lets a manifest name a shard that is not complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runner.data.manifest import DTYPES, FORMAT, write_manifest
+from runner.data.tokenizer import load_tokenizer, tokenizer_info
+from runner.errors import RunnerError
+from runner.fsio import fsync_dir, sha256_file
+
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
+KINDS = {".parquet": "parquet", ".jsonl": "jsonl"}
+SPLIT_RULE = (
+    "validation iff int.from_bytes(sha256(utf8(id if the document has one else text))[:8], 'big') / 2**64 < fraction"
+)
+DEFAULT_SHARD_TOKENS = 100_000_000
+BIN_CHUNK_TOKENS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path
+    name: str  # recorded in the manifest: relative to the input it was found under
+    kind: str  # parquet | jsonl | text | nanogpt-bin
+
+
+def find_sources(inputs: list[str | os.PathLike], input_format: str = "auto") -> list[Source]:
+    """Expand inputs (files or folders, walked in sorted order) into sources, in order."""
+    sources = []
+    for given in inputs:
+        root = Path(given)
+        if root.is_dir():
+            files = sorted(
+                (p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")),
+                key=lambda p: p.relative_to(root).as_posix(),
+            )
+            for p in files:
+                kind = _kind(p, input_format, strict=False)
+                if kind:
+                    sources.append(Source(p, f"{root.resolve().name}/{p.relative_to(root).as_posix()}", kind))
+        elif root.is_file():
+            sources.append(Source(root, root.name, _kind(root, input_format, strict=True)))
+        else:
+            raise RunnerError("input not found", file=str(root))
+    if not sources:
+        raise RunnerError(f"no readable sources in {', '.join(map(str, inputs))}", key="input")
+    return sources
+
+
+def _kind(path: Path, input_format: str, strict: bool) -> str | None:
+    if input_format == "nanogpt-bin":
+        return "nanogpt-bin" if (strict or path.suffix == ".bin") else None
+    if input_format != "auto":
+        raise RunnerError(f"unknown input format {input_format!r} (auto or nanogpt-bin)", key="input_format")
+    if path.suffix in KINDS:
+        return KINDS[path.suffix]
+    if strict or path.suffix in TEXT_SUFFIXES:
+        return "text"
+    return None
+
+
+def iter_documents(source: Source, batch_docs: int = 1024) -> Iterator[tuple[str, str]]:
+    """Yield (split key, text) per document: the key is the document id, or its text without one."""
+    if source.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(source.path)
+        except Exception as e:
+            raise RunnerError(f"not a parquet file: {e}", file=str(source.path)) from None
+        names = pf.schema_arrow.names
+        if "text" not in names:
+            raise RunnerError(f"no `text` column (columns: {', '.join(names)})", file=str(source.path), key="text")
+        columns = ["text"] + (["id"] if "id" in names else [])
+        row = 0
+        for batch in pf.iter_batches(batch_size=batch_docs, columns=columns):
+            texts = batch.column("text").to_pylist()
+            ids = batch.column("id").to_pylist() if "id" in columns else [None] * len(texts)
+            for doc_id, text in zip(ids, texts):
+                if text is None:
+                    raise RunnerError(f"row {row}: text is null", file=str(source.path), key="text")
+                yield (text if doc_id is None else str(doc_id)), text
+                row += 1
+    elif source.kind == "jsonl":
+        with open(source.path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    text = record["text"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise RunnerError(
+                        f"line {line_no}: needs a JSON object with `text` ({e})", file=str(source.path)
+                    ) from None
+                if not isinstance(text, str):
+                    raise RunnerError(f"line {line_no}: `text` is not a string", file=str(source.path), key="text")
+                doc_id = record.get("id")
+                yield (text if doc_id is None else str(doc_id)), text
+    elif source.kind == "text":
+        try:
+            text = source.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise RunnerError(f"not UTF-8 text: {e}", file=str(source.path)) from None
+        yield text, text
+    else:
+        raise ValueError(f"{source.kind} sources hold tokens, not documents")
+
+
+def is_validation(key: str, fraction: float) -> bool:
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2**64 < fraction
+
+
+class ShardWriter:
+    """Writes one split as fixed-size shards: temp file, fsync, rename. Boundaries depend only on
+    the token stream, so any batching gives the same bytes."""
+
+    def __init__(self, out_dir: Path, prefix: str, shard_tokens: int, dtype: np.dtype):
+        self.out_dir, self.prefix, self.shard_tokens, self.dtype = out_dir, prefix, shard_tokens, dtype
+        self.shards: list[dict] = []
+        self._file = None
+
+    def _open(self) -> None:
+        self._final = self.out_dir / f"{self.prefix}-{len(self.shards):05d}.bin"
+        self._tmp = self.out_dir / f".{self._final.name}.tmp"
+        self._file = open(self._tmp, "wb")
+        self._tokens, self._documents, self._hash = 0, 0, hashlib.sha256()
+
+    def _close(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        os.replace(self._tmp, self._final)
+        fsync_dir(self.out_dir)
+        self.shards.append(
+            {
+                "path": self._final.name,
+                "tokens": self._tokens,
+                "documents": self._documents,
+                "sha256": self._hash.hexdigest(),
+            }
+        )
+
+    def write(self, tokens: np.ndarray, doc_ends: np.ndarray) -> None:
+        """Append tokens; `doc_ends` are offsets (exclusive) in `tokens` where documents end."""
+        tokens = tokens.astype(self.dtype, copy=False)
+        pos = 0
+        while pos < len(tokens):
+            if self._file is None:
+                self._open()
+            take = min(self.shard_tokens - self._tokens, len(tokens) - pos)
+            chunk = tokens[pos : pos + take].tobytes()
+            self._file.write(chunk)
+            self._hash.update(chunk)
+            self._documents += int(np.count_nonzero((doc_ends > pos) & (doc_ends <= pos + take)))
+            self._tokens += take
+            pos += take
+            if self._tokens == self.shard_tokens:
+                self._close()
+
+    def finish(self) -> list[dict]:
+        if self._file is not None:
+            self._close()
+        return self.shards
+
+
+# Worker state: each process loads the tokenizer once.
+_TOKENIZER = None
+_EOS_ID = None
+_DTYPE = None
+
+
+PR_SET_PDEATHSIG = 1
+PR_GET_PDEATHSIG = 2
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this worker when its parent dies. A SIGKILLed prepare (finished by rerunning
+    it) otherwise leaves workers that print BrokenPipeError tracebacks and tokenize on for nothing."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: workers still end when their task pipe closes
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _init_worker(tokenizer_path: str, eos_id: int, dtype: str, threads_ok: bool) -> None:
+    global _TOKENIZER, _EOS_ID, _DTYPE
+    die_with_parent()
+    if not threads_ok:
+        # One process per core already: tokenizers' own thread pool would oversubscribe them.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _TOKENIZER = load_tokenizer(tokenizer_path)
+    # Document text that spells "<|endoftext|>" must stay text, never become a separator.
+    _TOKENIZER.encode_special_tokens = True
+    _EOS_ID, _DTYPE = eos_id, DTYPES[dtype]
+
+
+def tokenize_batch(batch: tuple[list[str], list[str], float]):
+    """Batch of documents -> per split (tokens with EOS after each document, document lengths)."""
+    keys, texts, fraction = batch
+    encode = getattr(_TOKENIZER, "encode_batch_fast", _TOKENIZER.encode_batch)  # no offsets needed
+    encodings = encode(texts, add_special_tokens=False)
+    out = {True: ([], []), False: ([], [])}
+    for key, enc in zip(keys, encodings):
+        ids, lengths = out[is_validation(key, fraction)]
+        doc = enc.ids
+        doc.append(_EOS_ID)
+        ids.extend(doc)
+        lengths.append(len(doc))
+    return {
+        split: (np.array(ids, dtype=_DTYPE), np.array(lengths, dtype=np.int64)) for split, (ids, lengths) in out.items()
+    }
+
+
+def _batches(sources: list[Source], batch_docs: int, fraction: float):
+    keys, texts = [], []
+    for source in sources:
+        for key, text in iter_documents(source, batch_docs):
+            keys.append(key)
+            texts.append(text)
+            if len(texts) == batch_docs:
+                yield keys, texts, fraction
+                keys, texts = [], []
+    if texts:
+        yield keys, texts, fraction
+
+
+def _ordered_results(batches, workers: int, init_args: tuple):
+    """Tokenize batches in order; at most 2 batches per worker in flight keeps memory flat."""
+    if workers <= 1:
+        _init_worker(*init_args[:3], threads_ok=True)
+        yield from map(tokenize_batch, batches)
+        return
+    ctx = multiprocessing.get_context("spawn")  # no inherited tokenizer thread pools
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(*init_args[:3], False)) as pool:
+        pending = deque()
+        for batch in batches:
+            pending.append(pool.apply_async(tokenize_batch, (batch,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _clear_outputs(out_dir: Path) -> None:
+    """A rerun rewrites every shard; drop the old manifest first so it never names a shard mid-rewrite."""
+    manifest = out_dir / "manifest.json"
+    if manifest.exists():
+        manifest.unlink()
+        fsync_dir(out_dir)
+    for p in out_dir.iterdir():
+        if p.name.startswith((".train-", ".validation-")) and p.name.endswith(".bin.tmp"):
+            p.unlink()
+
+
+def _remove_stale_shards(out_dir: Path, keep: set[str]) -> None:
+    for p in out_dir.iterdir():
+        if p.name.startswith(("train-", "validation-")) and p.suffix == ".bin" and p.name not in keep:
+            p.unlink()
+
+
+def prepare(
+    domain: str,
+    tokenizer_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    inputs: list[str | os.PathLike],
+    tokenizer_sha256: str | None = None,
+    validation_fraction: float = 0.02,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    workers: int | None = None,
+    batch_docs: int = 256,
+    input_format: str = "auto",
+    progress: bool | None = None,
+) -> tuple[Path, str]:
+    """Tokenize `inputs` into `out_dir`; returns (manifest path, manifest_sha256)."""
+    from tqdm import tqdm
+
+    if not 0.0 <= validation_fraction < 1.0:
+        raise RunnerError(f"must be in [0, 1), got {validation_fraction}", key="validation_fraction")
+    if shard_tokens <= 0 or batch_docs <= 0:
+        raise RunnerError("shard_tokens and batch_docs must be positive", key="shard_tokens")
+    load_tokenizer(tokenizer_path, tokenizer_sha256)  # refuses a tokenizer that is not the pinned one
+    info = tokenizer_info(tokenizer_path)
+    dtype = DTYPES[info["token_dtype"]]
+    sources = find_sources(inputs, input_format)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _clear_outputs(out_dir)
+    writers = {
+        False: ShardWriter(out_dir, "train", shard_tokens, dtype),
+        True: ShardWriter(out_dir, "validation", shard_tokens, dtype),
+    }
+    documents = {False: 0, True: 0}
+    bar = tqdm(
+        desc=f"prepare {domain}",
+        unit="tok",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=(None if progress is None else not progress),
+    )
+    with bar:
+        if input_format == "nanogpt-bin":
+            for source in sources:
+                split = source.path.name.startswith("val")  # nanoGPT's train.bin / val.bin
+                documents[split] += _copy_bin(source, writers[split], info, bar)
+        else:
+            workers = (os.cpu_count() or 1) if workers is None else workers
+            init = (str(tokenizer_path), info["eos_id"], info["token_dtype"])
+            for result in _ordered_results(_batches(sources, batch_docs, validation_fraction), workers, init):
+                for split, (tokens, lengths) in result.items():
+                    writers[split].write(tokens, np.cumsum(lengths))
+                    documents[split] += len(lengths)
+                    bar.update(len(tokens))
+    shards, validation_shards = writers[False].finish(), writers[True].finish()
+    _remove_stale_shards(out_dir, {s["path"] for s in shards + validation_shards})
+    fields = {
+        "format": FORMAT,
+        "domain": domain,
+        "tokenizer_sha256": info["sha256"],
+        "token_dtype": info["token_dtype"],
+        "vocab_size": info["vocab_size"],
+        "eos_id": info["eos_id"],
+        "shards": shards,
+        "validation_shards": validation_shards,
+        "validation": {
+            "fraction": validation_fraction,
+            "rule": "nanoGPT val*.bin files" if input_format == "nanogpt-bin" else SPLIT_RULE,
+        },
+        "pool_tokens": sum(s["tokens"] for s in shards),
+        "documents": documents[False],
+        "validation_tokens": sum(s["tokens"] for s in validation_shards),
+        "validation_documents": documents[True],
+        "sources": [{"path": s.name, "kind": s.kind, "sha256": sha256_file(s.path)} for s in sources],
+    }
+    manifest_path = out_dir / "manifest.json"
+    return manifest_path, write_manifest(manifest_path, fields)
+
+
+def _copy_bin(source: Source, writer: ShardWriter, info: dict, bar) -> int:
+    """Re-shard a nanoGPT uint16 token file; documents are counted by their EOS tokens."""
+    size_bytes = source.path.stat().st_size
+    if size_bytes % 2:
+        raise RunnerError(f"{size_bytes} bytes is not a whole number of uint16 tokens", file=str(source.path))
+    if size_bytes == 0:
+        return 0
+    tokens = np.memmap(source.path, dtype="<u2", mode="r")
+    documents = 0
+    for start in range(0, len(tokens), BIN_CHUNK_TOKENS):
+        chunk = np.asarray(tokens[start : start + BIN_CHUNK_TOKENS])
+        if int(chunk.max()) >= info["vocab_size"]:
+            raise RunnerError(
+                f"token id {int(chunk.max())} is outside the tokenizer's vocabulary of {info['vocab_size']}",
+                file=str(source.path),
+            )
+        ends = np.flatnonzero(chunk == info["eos_id"]) + 1
+        writer.write(chunk, ends)
+        documents += len(ends)
+        bar.update(len(chunk))
+    return documents

@@ -1,0 +1,282 @@
+"""A grid of pilot experiments for a scaling fit: model sizes x exposure budgets.
+
+Owns: turning one experiment into size x budget experiment files that keep the tokenizer,
+mixture, eval, optimizer, hardware, sequence length and global batch fixed and change only the
+model and the budget (each rounded down to whole global batches, the rounding stated), plus a
+README.md saying what is fixed and why.
+Never: launches runs, or edits the base experiment or any recipe.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runner.errors import RunnerError
+from runner.planning.flops import as_plain, params_of_config
+
+SIZE_KEYS = ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")
+_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_tokens(text: str) -> int:
+    """`300K`, `2.5M`, `1B`, `1e9`, `1_000_000` -> an integer token count."""
+    m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([KMBGT]?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise RunnerError(f"budget {text!r} is not a token count like 300K, 2.5M, 1B or 1e9", key="--budgets")
+    value = float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).upper()]
+    if value <= 0:
+        raise RunnerError(f"budget {text!r} must be positive", key="--budgets")
+    return int(value)
+
+
+def _token_label(tokens: int) -> str:
+    for factor, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if tokens >= factor:
+            return f"{tokens / factor:.3g}{suffix}".replace(".", "p")
+    return str(tokens)
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model size: a model recipe reference, or overrides of the base model's shape."""
+
+    label: str
+    recipe: str | None = None
+    overrides: tuple[tuple[str, int], ...] = ()
+
+
+def parse_size(text: str) -> Size:
+    """`llama-tiny@1` (a model recipe) or `hidden_size=128+n_layers=4` (shape overrides)."""
+    text = text.strip()
+    if "=" not in text:
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+@[0-9]+", text):
+            raise RunnerError(f"size {text!r} is neither NAME@VERSION nor key=value[+key=value]", key="--sizes")
+        return Size(label=text.split("@")[0], recipe=text)
+    pairs = []
+    for part in text.split("+"):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in SIZE_KEYS:
+            raise RunnerError(f"size {text!r}: {key!r} is not one of {', '.join(SIZE_KEYS)}", key="--sizes")
+        if not value.strip().isdigit() or int(value) <= 0:
+            raise RunnerError(f"size {text!r}: {key} must be a positive integer", key="--sizes")
+        pairs.append((key, int(value)))
+    short = {"hidden_size": "h", "n_layers": "l", "n_heads": "a", "n_kv_heads": "kv", "intermediate_size": "f"}
+    return Size(label="-".join(f"{short[k]}{v}" for k, v in pairs), overrides=tuple(pairs))
+
+
+def llama_intermediate_size(hidden_size: int, multiple: int = 16) -> int:
+    """SwiGLU width of Llama: 8/3 of the hidden size (same FLOPs as a 4x GELU MLP), rounded up."""
+    return -(-(8 * hidden_size // 3) // multiple) * multiple
+
+
+def _model_of(
+    size: Size, base_model: Mapping[str, Any], root: Path | None, base_overrides: Mapping[str, Any] = ()
+) -> dict[str, Any]:
+    """The model section a size resolves to (for checks and the README's parameter counts)."""
+    if size.recipe:
+        if root is None:
+            raise RunnerError(f"size {size.recipe!r} needs the project's recipes/ folder", key="--sizes")
+        name, version = size.recipe.split("@")
+        path = root / "recipes" / "model" / f"{name}.yaml"
+        if not path.exists():
+            raise RunnerError(f"no model recipe {name!r} in recipes/model/", key="--sizes")
+        model = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if model.get("version") != int(version):
+            raise RunnerError(f"names {size.recipe} but {path.name} is version {model.get('version')}", key="--sizes")
+        # Schema defaults under the recipe, then the base experiment's model overrides (they apply too).
+        return {"arch": "llama", "pad_vocab_multiple": 1, **model, **dict(base_overrides)}
+    model = dict(base_model)
+    model.update(dict(size.overrides))
+    return model
+
+
+def size_overrides(size: Size, base_model: Mapping[str, Any]) -> dict[str, int]:
+    """The model keys a shape-override size writes, filling the ones its change implies."""
+    o = dict(size.overrides)
+    if "hidden_size" in o:
+        if "intermediate_size" not in o:
+            o["intermediate_size"] = llama_intermediate_size(o["hidden_size"])
+        if o["hidden_size"] % o.get("n_heads", base_model["n_heads"]):
+            raise RunnerError(
+                f"size {size.label}: hidden_size {o['hidden_size']} is not divisible by n_heads "
+                f"{o.get('n_heads', base_model['n_heads'])}; give n_heads too",
+                key="--sizes",
+            )
+    heads = o.get("n_heads", base_model["n_heads"])
+    if heads % o.get("n_kv_heads", base_model["n_kv_heads"]):
+        raise RunnerError(
+            f"size {size.label}: n_heads {heads} is not divisible by n_kv_heads; give n_kv_heads", key="--sizes"
+        )
+    return o
+
+
+def round_budget(tokens: int, global_batch_tokens: int) -> int:
+    """Whole global batches only (SPEC: a budget is a whole number of global batches)."""
+    return tokens // global_batch_tokens * global_batch_tokens
+
+
+def write_pilot_grid(
+    base_path: str | Path,
+    sizes: Sequence[str],
+    budgets: Sequence[str],
+    out_dir: str | Path,
+    *,
+    resolved: Mapping[str, Any] | None = None,
+    root: str | Path | None = None,
+) -> list[Path]:
+    """Write one experiment YAML per (size, budget) and a README.md; return the files written.
+
+    `resolved` is the base experiment's resolved config (read with runner.config when omitted);
+    `root` the project root holding recipes/ and experiments/."""
+    base_path = Path(base_path)
+    try:
+        raw = yaml.safe_load(base_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunnerError("experiment not found", file=str(base_path)) from None
+    if not isinstance(raw, dict) or "name" not in raw or "version" not in raw:
+        raise RunnerError("not an experiment file (needs name and version)", file=str(base_path))
+    if resolved is None:
+        from runner.config.load import load_experiment
+
+        exp = load_experiment(base_path, check_files=False)
+        resolved, root = exp.to_container(), exp.project_root if root is None else root
+    resolved = as_plain(resolved)
+    root = Path(root) if root is not None else None
+    parsed_sizes = [parse_size(s) for s in sizes]
+    requested = [parse_tokens(b) for b in budgets]
+    if not parsed_sizes or not requested:
+        raise RunnerError("give at least one size and one budget", key="--sizes")
+    train = resolved["train"]
+    batch_tokens = int(train["global_batch_sequences"]) * int(train["seq_len"])
+    warmup = int((resolved.get("optim") or {}).get("warmup_tokens") or 0)
+    rounded = []
+    for text, tokens in zip(budgets, requested):
+        r = round_budget(tokens, batch_tokens)
+        if r == 0:
+            raise RunnerError(f"budget {text} is less than one global batch ({batch_tokens:,} tokens)", key="--budgets")
+        if r <= warmup:
+            raise RunnerError(
+                f"budget {text} ({r:,} tokens) is not longer than optim.warmup_tokens "
+                f"({warmup:,}): the schedule would never leave warm-up",
+                key="--budgets",
+            )
+        rounded.append(r)
+    _check_budgets_feasible(resolved, root, dict(zip(budgets, rounded)))
+
+    # Base by reference when the loader can find it (experiments/NAME.yaml); otherwise a full copy.
+    by_reference = root is not None and (root / "experiments" / f"{raw['name']}.yaml").resolve() == base_path.resolve()
+    base_model = resolved["model"]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prepared = []  # every size is checked before any file is written
+    for size in parsed_sizes:
+        model_keys = size_overrides(size, base_model) if not size.recipe else {}
+        base_model_overrides = (raw.get("overrides") or {}).get("model") or {}
+        model = _model_of(size, base_model, root, base_model_overrides) if size.recipe else {**base_model, **model_keys}
+        prepared.append((size, model_keys, params_of_config({"model": model, "tokenizer": resolved["tokenizer"]})))
+    written, rows = [], []
+    for size, model_keys, params in prepared:
+        for text, tokens, budget in zip(budgets, requested, rounded):
+            name = f"{raw['name']}-pilot-{size.label}-{_token_label(budget)}"
+            doc: dict[str, Any] = {"name": name, "version": 1}
+            rounding = "" if budget == tokens else f" (requested {tokens:,}, rounded down to whole global batches)"
+            doc["description"] = (
+                f"Pilot of {raw['name']}@{raw['version']}: model {size.recipe or size.label}, "
+                f"{budget:,} exposure tokens{rounding}."
+            )
+            if by_reference:
+                doc["base"] = f"{raw['name']}@{raw['version']}"
+            else:
+                doc.update({k: v for k, v in raw.items() if k not in ("name", "version", "description")})
+            if size.recipe:
+                doc["recipes"] = {**(doc.get("recipes") or {}), "model": size.recipe}
+            else:
+                overrides = dict(doc.get("overrides") or {})
+                overrides["model"] = {**(overrides.get("model") or {}), **model_keys}
+                doc["overrides"] = overrides
+            # The schedule spans the pilot's own budget (Hoffmann et al. 2022: a cosine longer than
+            # the run overestimates the loss), so max duration = exposure, and no early stop.
+            doc["train"] = {
+                **(doc.get("train") or {}),
+                "exposure_tokens": budget,
+                "max_duration_tokens": budget,
+                "hard_stop_tokens": None,
+            }
+            path = out_dir / f"{name}.yaml"
+            path.write_text(
+                f"# written by `runner pilot-grid` from {base_path.name}\n" + yaml.safe_dump(doc, sort_keys=False),
+                encoding="utf-8",
+            )
+            written.append(path)
+            rows.append((path.name, size.recipe or size.label, params.non_embedding, text, tokens, budget))
+    readme = out_dir / "README.md"
+    readme.write_text(_readme(raw, resolved, rows, batch_tokens, by_reference, base_path), encoding="utf-8")
+    return written + [readme]
+
+
+def _readme(raw: dict, resolved: dict, rows: list, batch_tokens: int, by_reference: bool, base_path: Path) -> str:
+    t = resolved["train"]
+    r = resolved.get("recipes") or {}
+    lines = [
+        f"# Pilot grid of {raw['name']}@{raw['version']}",
+        "",
+        "Written by `runner pilot-grid`. The pilots are the points of a scaling fit",
+        "(`runner fit RUN...`), so everything but the model size and the budget stays fixed:",
+        "",
+        f"- tokenizer `{r.get('tokenizer')}`, mixture `{r.get('mixture')}`, eval `{r.get('eval')}`: the loss must be",
+        "  measured on the same data, with the same tokens, on the same held-out samples at every point;",
+        f"- global batch {t['global_batch_sequences']} sequences x seq_len {t['seq_len']} = {batch_tokens:,} tokens,",
+        f"  optimizer `{r.get('optim')}`, hardware `{r.get('hardware')}`, seed {resolved.get('seed')}: a change of",
+        "  batch or learning rate between points would be fitted as a change of N or D;",
+        "- each pilot's learning-rate schedule spans its own budget (`max_duration_tokens` = `exposure_tokens`),",
+        "  as Hoffmann et al. 2022 do: a schedule longer than the run leaves the loss too high.",
+        "",
+        "The base experiment is referenced (`base:`), so its later versions do not leak in."
+        if by_reference
+        else f"The base experiment ({base_path}) is copied into each file.",
+        "",
+        "Budgets are exposure tokens rounded DOWN to whole global batches (a budget must be a whole",
+        "number of global batches):",
+        "",
+        "| file | model | non-embedding params | requested | rounded to | steps | tokens dropped |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for file, model, params, text, tokens, budget in rows:
+        lines.append(
+            f"| {file} | {model} | {params:,} | {text} ({tokens:,}) | {budget:,} | "
+            f"{budget // batch_tokens:,} | {tokens - budget:,} |"
+        )
+    if (raw.get("overrides") or {}).get("model"):
+        lines += ["", f"Note: the base's `overrides.model` ({raw['overrides']['model']}) applies to every pilot."]
+    lines += [
+        "",
+        "Shape overrides that change hidden_size without intermediate_size get Llama's SwiGLU width,",
+        "8/3 x hidden_size rounded up to a multiple of 16.",
+        "Check each pilot with `runner plan` before launching (memory, mixture feasibility, time).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _check_budgets_feasible(resolved: Mapping[str, Any], root: Path | None, budgets: dict[str, int]) -> None:
+    """With the manifests on disk, refuse a budget the mixture cannot meet under its repetition caps."""
+    from runner.config.load import experiment_from_dict
+    from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
+    from runner.errors import MixtureInfeasible
+
+    exp = experiment_from_dict(dict(resolved), project_root=root)
+    manifests, _ = load_experiment_manifests(exp, missing_ok=True)
+    if len(manifests) != len(resolved["mixture"]["domains"]):
+        return
+    for text, tokens in budgets.items():
+        try:
+            plan_experiment_mixture(exp, manifests, tokens)
+        except MixtureInfeasible as e:
+            raise RunnerError(f"budget {text} ({tokens:,} tokens): {e}", key="--budgets") from None

@@ -1,0 +1,423 @@
+"""Scaling-law fits from finished pilot runs, and what they predict.
+
+Owns: reading (N, D, loss) points from run folders, fitting L(N, D) = E + A/N^alpha + B/D^beta as
+Hoffmann et al. 2022 (Huber loss, delta 1e-3, on log residuals, log-sum-exp parametrization,
+L-BFGS-B from a grid of starts), held-out error, the compute-optimal N, D for C = 6ND (closed
+form), the inference-aware optimum (Sardana et al. 2023), extrapolation warnings and the plot.
+Never: trains, or edits run folders; N is the non-embedding parameter count, D exposure tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runner.errors import RunnerError
+from runner.fsio import read_json, read_jsonl, read_yaml
+from runner.planning.flops import params_of_config
+
+HUBER_DELTA = 1e-3
+MIN_POINTS = 5  # five free parameters
+EXTRAPOLATION_WARN_FACTOR = 100.0  # two orders of magnitude in compute
+# Hoffmann et al. 2022 appendix D.2 grid of initialisations (a = log A, b = log B, e = log E).
+START_GRID = {
+    "alpha": (0.0, 0.5, 1.0, 1.5, 2.0),
+    "beta": (0.0, 0.5, 1.0, 1.5, 2.0),
+    "e": (-1.0, -0.5, 0.0, 0.5, 1.0),
+    "a": (0.0, 5.0, 10.0, 15.0, 20.0, 25.0),
+    "b": (0.0, 5.0, 10.0, 15.0, 20.0, 25.0),
+}
+BEST_STARTS = 24  # L-BFGS-B runs from the best grid points only: the rest land in the same basins
+EXTRAPOLATION_ASSUMPTIONS = (
+    "the data mixture, tokenizer and data quality stay those of the pilots",
+    "no data repetition beyond what the pilots saw (D counts unique tokens at the target scale)",
+    "hyperparameters (lr, schedule, batch size) stay near-optimal as N and D grow",
+    "the model shape (depth/width ratio, GQA, vocab) scales the way the pilots did",
+    "the power law holds with no new regime (instability, loss spikes, saturation near E)",
+)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One finished run: non-embedding params, exposure tokens, final mean validation loss."""
+
+    run: str
+    params: float
+    tokens: float
+    loss: float
+    domain_losses: dict = field(default_factory=dict)
+    experiment: str = ""  # the experiment's name, when the run folder records it
+
+    @property
+    def label(self) -> str:
+        """What a user recognises: run ids are timestamps, so name the experiment too."""
+        return f"{self.run} ({self.experiment})" if self.experiment and self.experiment != self.run else self.run
+
+    @property
+    def flops(self) -> float:
+        return 6.0 * self.params * self.tokens
+
+
+@dataclass(frozen=True)
+class Fit:
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    objective: float
+    points: int
+
+    def loss(self, params: Any, tokens: Any) -> Any:
+        return self.E + self.A / np.power(params, self.alpha) + self.B / np.power(tokens, self.beta)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- reading points
+def read_report_point(report_dir: Path) -> Point:
+    """A point from a report folder: run_summary.parquet (N, D) and validation.parquet (final loss)."""
+    import pandas as pd
+
+    summary = pd.read_parquet(report_dir / "run_summary.parquet").iloc[0]
+    if summary.get("params_counted") not in ("non_embedding", "active"):
+        raise RunnerError(
+            f"run_summary counts {summary.get('params_counted')!r} params; the fit needs "
+            "non-embedding N: pass the run folder instead",
+            file=str(report_dir),
+        )
+    validation = pd.read_parquet(report_dir / "validation.parquet")
+    if validation.empty:
+        raise RunnerError("no evaluation recorded", file=str(report_dir / "validation.parquet"))
+    final = validation[validation["step"] == validation["step"].max()]
+    losses = {str(d): float(v) for d, v in zip(final["domain"], final["loss_nats"])}
+    name = str(summary.get("run_id") or report_dir.name)
+    return Point(
+        name,
+        float(summary["params"]),
+        float(summary["exposure_tokens"]),
+        float(np.mean(list(losses.values()))),
+        losses,
+        str(summary.get("experiment") or ""),
+    )
+
+
+def read_point(run_dir: str | Path) -> Point:
+    """A point from a run folder: experiment.yaml (N), ledger.json / run.json (D), metrics/eval.jsonl
+    (loss); or from a report folder (run_summary.parquet), or a run folder holding only report/."""
+    run_dir = Path(run_dir)
+    if (run_dir / "run_summary.parquet").exists():
+        return read_report_point(run_dir)
+    if not (run_dir / "experiment.yaml").exists() and (run_dir / "report" / "run_summary.parquet").exists():
+        return read_report_point(run_dir / "report")
+    exp = run_dir / "experiment.yaml"
+    evals = run_dir / "metrics" / "eval.jsonl"
+    for needed in (exp, evals):
+        if not needed.exists():
+            raise RunnerError(f"missing {needed.relative_to(run_dir)}: not a finished run folder", file=str(run_dir))
+    cfg = read_yaml(exp)
+    params = params_of_config(cfg).non_embedding
+    tokens = _exposure_tokens(run_dir, cfg)
+    rows = read_jsonl(evals)
+    if not rows:
+        raise RunnerError("no evaluation recorded", file=str(evals))
+    last_step = max(int(r["step"]) for r in rows)
+    final = {r["domain"]: float(r["loss_nats"]) for r in rows if int(r["step"]) == last_step}
+    if not final:
+        raise RunnerError("no per-domain loss at the final evaluation", file=str(evals))
+    loss = float(np.mean(list(final.values())))
+    if not math.isfinite(loss):
+        raise RunnerError(f"final validation loss is {loss}", file=str(evals))
+    return Point(run_dir.name, float(params), float(tokens), loss, final, str(cfg.get("name") or ""))
+
+
+def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
+    """Run folders from what a user types: a run folder as is, and `runs/EXPERIMENT` (the folder
+    `runner launch` puts an experiment's runs in) as every finished run inside it."""
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise RunnerError("no such run folder", file=str(path))
+        if (
+            (path / "experiment.yaml").exists()
+            or (path / "run_summary.parquet").exists()
+            or (path / "report" / "run_summary.parquet").exists()
+        ):
+            out.append(path)
+            continue
+        inner = sorted(p for p in path.iterdir() if p.is_dir() and (p / "metrics" / "eval.jsonl").exists())
+        if not inner:
+            raise RunnerError(
+                "neither a finished run folder (experiment.yaml, metrics/eval.jsonl) nor a folder "
+                "of runs (runs/EXPERIMENT)",
+                file=str(path),
+            )
+        out.extend(inner)
+    return out
+
+
+def _exposure_tokens(run_dir: Path, cfg: dict) -> float:
+    ledger = run_dir / "ledger.json"
+    if ledger.exists():
+        data = read_json(ledger)
+        total = (data.get("counters") or {}).get("total") or {}
+        if total.get("exposure"):
+            return float(total["exposure"])
+    run_json = run_dir / "run.json"
+    if run_json.exists():
+        steps = read_json(run_json).get("committed_steps")
+        if steps:
+            return float(steps * cfg["train"]["global_batch_sequences"] * cfg["train"]["seq_len"])
+    raise RunnerError(
+        "no exposure tokens: neither ledger.json counters.total.exposure nor run.json committed_steps",
+        file=str(run_dir),
+    )
+
+
+# ---------------------------------------------------------------- fitting
+def _huber(r: np.ndarray, delta: float) -> tuple[np.ndarray, np.ndarray]:
+    a = np.abs(r)
+    value = np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))
+    grad = np.where(a <= delta, r, delta * np.sign(r))
+    return value, grad
+
+
+def _objective(
+    theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray, delta: float
+) -> tuple[float, np.ndarray]:
+    """Sum of Huber(LSE(a - alpha log N, b - beta log D, e) - log L) and its gradient."""
+    a, b, e, alpha, beta = theta
+    terms = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])
+    top = terms.max(axis=0)
+    w = np.exp(terms - top)
+    lse = top + np.log(w.sum(axis=0))
+    soft = w / w.sum(axis=0)
+    value, g = _huber(lse - log_l, delta)
+    grad = np.array(
+        [
+            (g * soft[0]).sum(),
+            (g * soft[1]).sum(),
+            (g * soft[2]).sum(),
+            -(g * soft[0] * log_n).sum(),
+            -(g * soft[1] * log_d).sum(),
+        ]
+    )
+    return float(value.sum()), grad
+
+
+def fit_loss(points: Sequence[Point], *, delta: float = HUBER_DELTA, losses: Sequence[float] | None = None) -> Fit:
+    """Hoffmann et al. 2022 fit. `losses` replaces the points' mean loss (per-domain fits)."""
+    from scipy.optimize import minimize
+
+    if len(points) < MIN_POINTS:
+        raise RunnerError(f"a fit of E, A, B, alpha, beta needs at least {MIN_POINTS} runs, got {len(points)}")
+    log_n = np.log([p.params for p in points])
+    log_d = np.log([p.tokens for p in points])
+    log_l = np.log(np.asarray(losses if losses is not None else [p.loss for p in points], dtype=float))
+    grid = np.array(
+        list(
+            itertools.product(
+                START_GRID["a"], START_GRID["b"], START_GRID["e"], START_GRID["alpha"], START_GRID["beta"]
+            )
+        )
+    )
+    # Evaluate every grid start at once; optimise only from the best ones.
+    a, b, e, al, be = (grid[:, i : i + 1] for i in range(5))
+    t = np.stack(np.broadcast_arrays(a - al * log_n, b - be * log_d, e + 0 * log_n))
+    lse = np.logaddexp.reduce(t, axis=0)
+    start_values = _huber(lse - log_l, delta)[0].sum(axis=1)
+    order = np.argsort(start_values)[:BEST_STARTS]
+    bounds = [(-10, 60), (-10, 60), (-5, 5), (0.0, 3.0), (0.0, 3.0)]
+    best = None
+    for i in order:
+        res = minimize(
+            _objective, grid[i], args=(log_n, log_d, log_l, delta), jac=True, method="L-BFGS-B", bounds=bounds
+        )
+        if best is None or res.fun < best.fun:
+            best = res
+    a, b, e, alpha, beta = best.x
+    return Fit(
+        E=math.exp(e),
+        A=math.exp(a),
+        B=math.exp(b),
+        alpha=float(alpha),
+        beta=float(beta),
+        objective=float(best.fun),
+        points=len(points),
+    )
+
+
+def holdout_errors(fit: Fit, points: Iterable[Point]) -> list[dict]:
+    """Predicted vs measured loss of runs the fit did not see."""
+    out = []
+    for p in points:
+        predicted = float(fit.loss(p.params, p.tokens))
+        out.append(
+            {
+                "run": p.run,
+                "experiment": p.experiment,
+                "params": p.params,
+                "tokens": p.tokens,
+                "loss": p.loss,
+                "predicted": predicted,
+                "relative_error": (predicted - p.loss) / p.loss,
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------- predictions
+def compute_optimal(fit: Fit, flops: float) -> dict:
+    """Chinchilla closed form for C = 6ND: G = (alpha A / (beta B))^(1/(alpha+beta)),
+    N = G (C/6)^(beta/(alpha+beta)), D = G^-1 (C/6)^(alpha/(alpha+beta))."""
+    s = fit.alpha + fit.beta
+    if fit.alpha <= 0 or fit.beta <= 0:
+        raise RunnerError(f"no compute-optimal split with alpha={fit.alpha:.3g}, beta={fit.beta:.3g} (need > 0)")
+    g = (fit.alpha * fit.A / (fit.beta * fit.B)) ** (1.0 / s)
+    n = g * (flops / 6.0) ** (fit.beta / s)
+    d = (flops / 6.0) ** (fit.alpha / s) / g
+    return {"flops": flops, "params": n, "tokens": d, "loss": float(fit.loss(n, d)), "tokens_per_param": d / n}
+
+
+def inference_optimal(fit: Fit, target_loss: float, inference_tokens: float) -> dict:
+    """Sardana et al. 2023: the N, D reaching `target_loss` with least 6ND + 2N * inference_tokens."""
+    from scipy.optimize import minimize_scalar
+
+    gap = target_loss - fit.E
+    if gap <= 0:
+        raise RunnerError(f"target loss {target_loss:.4g} is not above the fitted floor E={fit.E:.4g}")
+    # Smallest N that can reach the loss at all (with infinite data), then search above it.
+    n_min = (fit.A / gap) ** (1.0 / fit.alpha)
+
+    def tokens_for(n: float) -> float:
+        rest = gap - fit.A / n**fit.alpha
+        return (fit.B / rest) ** (1.0 / fit.beta) if rest > 0 else math.inf
+
+    def total(log_n: float) -> float:
+        n = math.exp(log_n)
+        d = tokens_for(n)
+        return math.log(6 * n * d + 2 * n * inference_tokens) if math.isfinite(d) else 1e300
+
+    lo = math.log(n_min) + 1e-9
+    res = minimize_scalar(total, bounds=(lo, lo + math.log(1e6)), method="bounded", options={"xatol": 1e-10})
+    n = math.exp(res.x)
+    d = tokens_for(n)
+    return {
+        "params": n,
+        "tokens": d,
+        "loss": float(fit.loss(n, d)),
+        "train_flops": 6 * n * d,
+        "inference_flops": 2 * n * inference_tokens,
+        "total_flops": 6 * n * d + 2 * n * inference_tokens,
+        "inference_tokens": inference_tokens,
+    }
+
+
+def extrapolation_warning(points: Sequence[Point], flops: float) -> str | None:
+    """A warning when `flops` is more than 100x the largest pilot's compute."""
+    largest = max(p.flops for p in points)
+    factor = flops / largest
+    if factor <= EXTRAPOLATION_WARN_FACTOR:
+        return None
+    return (
+        f"extrapolating {factor:.3g}x ({math.log10(factor):.1f} orders of magnitude) beyond the largest "
+        f"pilot ({largest:.3g} FLOPs); assumptions most likely to break: " + "; ".join(EXTRAPOLATION_ASSUMPTIONS)
+    )
+
+
+def plot_fit(
+    fit: Fit, points: Sequence[Point], path: Path, optimum: dict | None = None, holdout: Sequence[Point] = ()
+) -> Path:
+    """Loss against compute: the pilots, the fitted curve of each pilot size, the optimum."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sizes = sorted({p.params for p in points})
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(sizes)))
+    c_all = [p.flops for p in list(points) + list(holdout)] + ([optimum["flops"]] if optimum else [])
+    for n, color in zip(sizes, colors):
+        d = np.geomspace(min(c_all) / 6 / n / 3, max(c_all) / 6 / n * 3, 100)
+        ax.plot(6 * n * d, fit.loss(n, d), color=color, lw=1, label=f"N={n:.3g}")
+        pts = [p for p in points if p.params == n]
+        ax.scatter([p.flops for p in pts], [p.loss for p in pts], color=color, zorder=3)
+    if holdout:
+        ax.scatter(
+            [p.flops for p in holdout], [p.loss for p in holdout], marker="x", color="red", zorder=4, label="held out"
+        )
+    if optimum:
+        ax.scatter(
+            [optimum["flops"]],
+            [optimum["loss"]],
+            marker="*",
+            s=150,
+            color="black",
+            zorder=5,
+            label=f"optimum N={optimum['params']:.3g} D={optimum['tokens']:.3g}",
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute 6ND (FLOPs)")
+    ax.set_ylabel("validation loss (nats)")
+    ax.set_title(f"L = {fit.E:.3g} + {fit.A:.3g}/N^{fit.alpha:.3g} + {fit.B:.3g}/D^{fit.beta:.3g}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def fit_report(
+    points: Sequence[Point], holdout: Sequence[Point] = (), *, flops: float | None = None, inference_tokens: float = 0.0
+) -> dict:
+    """The whole `runner fit` result: the fit, per-domain fits, held-out error, predictions, warnings."""
+    if flops is not None and not (math.isfinite(flops) and flops > 0):
+        raise RunnerError(f"--flops: must be a positive number of FLOPs, got {flops:g}")
+    if inference_tokens and flops is None:
+        raise RunnerError(
+            "--inference-tokens: needs --flops (the inference-aware optimum reaches the loss "
+            "of the compute-optimal model at that budget)"
+        )
+    if inference_tokens < 0 or not math.isfinite(inference_tokens):
+        raise RunnerError(f"--inference-tokens: must be a non-negative number of tokens, got {inference_tokens:g}")
+    fit = fit_loss(points)
+    report: dict[str, Any] = {
+        "fit": fit.to_dict(),
+        "points": [asdict(p) for p in points],
+        "holdout": holdout_errors(fit, holdout),
+        "warnings": [],
+        "domains": {},
+    }
+    # Five parameters fit any five points; an exponent is only measured across 3+ distinct values.
+    for what, symbol, values in (
+        ("model sizes", "alpha", {p.params for p in points}),
+        ("budgets", "beta", {p.tokens for p in points}),
+    ):
+        if len(values) < 3:
+            report["warnings"].append(
+                f"only {len(values)} distinct {what} among the fitted runs: {symbol} is "
+                f"not determined by the data (use 3 or more)"
+            )
+    domains = set.intersection(*(set(p.domain_losses) for p in points)) if points else set()
+    for d in sorted(domains):
+        if len(domains) > 1:
+            report["domains"][d] = fit_loss(points, losses=[p.domain_losses[d] for p in points]).to_dict()
+    if flops is not None:
+        opt = compute_optimal(fit, flops)
+        report["compute_optimal"] = opt
+        warning = extrapolation_warning(points, flops)
+        if warning:
+            report["warnings"].append(warning)
+        if inference_tokens:
+            report["inference_optimal"] = inference_optimal(fit, opt["loss"], inference_tokens)
+    return report

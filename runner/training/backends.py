@@ -1,0 +1,508 @@
+"""Device identity, attention-backend checks and the torch runtime settings of a run.
+
+Owns: which accelerator this process runs on (real, or simulated through RUNNER_SIMULATE_DEVICE so
+CPU tests can stand in for an H200 or an MI300X), whether a requested attention implementation can
+run there, turning the hardware/model recipe flags into torch settings (TF32, fused AdamW, pinned
+memory, torch.compile) and the accelerate mixed-precision string. Returns a plain record of what was
+applied, which the trainer logs with the run.
+Never: installs or downloads anything (transformers' hub "kernels" fallback included), falls back
+to another attention backend than the one asked for, or holds a table of device peaks (that is
+runner.planning.hardware's). Imports only torch, runner.errors and runner.planning.hardware at module level, so bench/gpu_bench.py can
+use it on a machine with nothing but the repository, torch and transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from runner.errors import RunnerError
+from runner.planning.hardware import DeviceIdentity, check_device_matches, detect_device, parse_simulated
+
+ACCELERATORS = ("cpu", "cuda", "rocm")
+ATTENTION_BACKENDS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")
+PRECISIONS = ("bf16", "fp32")
+
+# Compute capability of CUDA parts, for simulated names given without an `sm_XY` arch.
+CUDA_CAPABILITY = {
+    "A100": (8, 0),
+    "H100": (9, 0),
+    "H200": (9, 0),
+    "GH200": (9, 0),
+    "B200": (10, 0),
+    "GB200": (10, 0),
+    "B300": (10, 3),
+}
+
+_INSTALL = {
+    ("flash_attention_2", "cuda"): "pip install flash-attn --no-build-isolation",
+    ("flash_attention_2", "rocm"): (
+        "build ROCm's CK flash-attention: GPU_ARCHS=<gfx942|gfx950> pip install "
+        "--no-build-isolation git+https://github.com/ROCm/flash-attention"
+    ),
+    ("flash_attention_3", "cuda"): (
+        "build FlashAttention-3 from the hopper/ folder of "
+        "https://github.com/Dao-AILab/flash-attention (cd hopper && python setup.py "
+        "install), which provides flash_attn_interface"
+    ),
+    ("flash_attention_3", "rocm"): (
+        "install ROCm's FlashAttention-3 build (CK/aiter backend, "
+        "https://github.com/ROCm/flash-attention) that provides flash_attn_interface"
+    ),
+}
+_PACKAGE = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+_TRANSFORMERS_CHECK = {
+    "flash_attention_2": "is_flash_attn_2_available",
+    "flash_attention_3": "is_flash_attn_3_available",
+}
+
+
+def device_identity(simulate: str | None = None) -> DeviceIdentity:
+    """runner.planning.hardware's detection: `simulate`, else $RUNNER_SIMULATE_DEVICE, else what torch sees."""
+    return detect_device(simulate)
+
+
+def is_gpu(dev: DeviceIdentity) -> bool:
+    return dev.accelerator in ("cuda", "rocm")
+
+
+def torch_device_type(dev: DeviceIdentity) -> str:
+    # ROCm builds of torch expose HIP devices under the "cuda" device type.
+    return "cuda" if is_gpu(dev) else "cpu"
+
+
+def describe(dev: DeviceIdentity) -> str:
+    arch = f" ({dev.arch})" if dev.arch else ""
+    return f"{dev.accelerator} {dev.name or dev.canonical or 'unnamed'}{arch}" + (
+        " [simulated]" if dev.simulated else ""
+    )
+
+
+def cuda_capability(dev: DeviceIdentity) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device: from torch when real, from `sm_XY` or the part name when simulated."""
+    if dev.accelerator != "cuda":
+        return None
+    if not dev.simulated:
+        return tuple(torch.cuda.get_device_capability(0))
+    arch = (dev.arch or "").lower()
+    if arch.startswith("sm_") and arch[3:].isdigit() and len(arch) >= 5:
+        return int(arch[3:-1]), int(arch[-1])
+    tokens = (dev.name or "").upper().replace("-", " ").split()
+    return next((CUDA_CAPABILITY[t] for t in tokens if t in CUDA_CAPABILITY), None)
+
+
+def _as_device(device: DeviceIdentity | str | None) -> DeviceIdentity:
+    if isinstance(device, DeviceIdentity):
+        return device
+    if device is None:
+        return device_identity()
+    text = str(device)
+    if text == "cpu":
+        return DeviceIdentity("cpu", "cpu")
+    head, _, tail = text.partition(":")
+    if head in ("cuda", "rocm") and (not tail or tail.isdigit()):  # "cuda:0" is an index, not a name
+        real = detect_device("")
+        if not is_gpu(real):
+            raise RunnerError(f"asked for {text} but torch sees no GPU on this machine", key="hardware.accelerator")
+        return real
+    return parse_simulated(text)
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A checked attention choice: the transformers `attn_implementation` and the SDPA kernel pin."""
+
+    attn_implementation: str
+    sdpa_kernel: str | None
+    device: str
+    package: str | None = None
+    package_version: str | None = None
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Wrap forward/backward in this to pin SDPA to the checked kernel (no silent fallback)."""
+        if self.attn_implementation != "sdpa" or self.sdpa_kernel is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import sdpa_kernel
+
+        return sdpa_kernel(_sdpa_backend(self.sdpa_kernel))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sdpa_backend(kernel: str):
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[kernel]
+
+
+def _sdpa_kernel_supported(kernel: str, dev: DeviceIdentity) -> str | None:
+    """Why `kernel` cannot run on `dev` (None when it can), from the device identity alone."""
+    if kernel == "math":
+        return None
+    if dev.accelerator == "cpu":
+        return None if kernel == "flash" else f"SDPA {kernel} has no CPU kernel (flash and math do)"
+    if dev.accelerator == "rocm":
+        return "SDPA cudnn is CUDA-only" if kernel == "cudnn" else None
+    cap = cuda_capability(dev) or (0, 0)
+    if kernel in ("flash", "cudnn") and cap < (8, 0):
+        return f"SDPA {kernel} needs compute capability 8.0+, {dev.name} is {cap[0]}.{cap[1]}"
+    return None
+
+
+def _probe_sdpa(kernel: str, dev: DeviceIdentity) -> str | None:
+    """Run one tiny causal SDPA pinned to `kernel` on the real device; the error text if it fails."""
+    from torch.nn.attention import sdpa_kernel
+
+    dtype = torch.bfloat16 if is_gpu(dev) else torch.float32
+    q = torch.randn(1, 2, 16, 64, device=torch_device_type(dev), dtype=dtype)
+    try:
+        with sdpa_kernel(_sdpa_backend(kernel)):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except RuntimeError as exc:
+        return str(exc).strip().splitlines()[0]
+    return None
+
+
+def _package_problem(backend: str, dev: DeviceIdentity) -> tuple[str | None, str | None]:
+    """(why the flash-attention package of `backend` is unusable or None, its version)."""
+    package = _PACKAGE[backend]
+    if importlib.util.find_spec(package) is None:
+        return f"the {package} package is not installed", None
+    version = None
+    try:
+        from importlib.metadata import PackageNotFoundError, packages_distributions
+        from importlib.metadata import version as dist_version
+
+        for dist in packages_distributions().get(package, []):
+            with contextlib.suppress(PackageNotFoundError):
+                version = dist_version(dist)
+                break
+    except ImportError:
+        pass
+    if dev.simulated:
+        return None, version  # importing would load GPU libraries this machine does not have
+    try:
+        importlib.import_module(package)
+    except Exception as exc:  # a broken build fails here with ImportError/OSError/RuntimeError
+        return (
+            f"the {package} package is installed but fails to import ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})",
+            version,
+        )
+    from transformers.utils import import_utils
+
+    if not getattr(import_utils, _TRANSFORMERS_CHECK[backend])():
+        # transformers would then reach for its hub "kernels" fallback: refuse instead.
+        return (
+            f"{package} imports but transformers does not accept it as {backend} "
+            f"(check the distribution name/version it was built under)"
+        ), version
+    return None, version
+
+
+def check_attention_backend(
+    name: str,
+    device: DeviceIdentity | str | torch.device | None = None,
+    *,
+    sdpa_kernel: str | None = None,
+    file: str | None = None,
+) -> AttentionBackend:
+    """Check that attention backend `name` (and SDPA kernel) can run on `device`, or raise RunnerError.
+
+    `device`: a DeviceIdentity, "cpu", "cuda", or a simulation spec such as "rocm:AMD Instinct
+    MI300X:gfx942"; None detects it (honouring $RUNNER_SIMULATE_DEVICE).
+    """
+    key = "model.attn_implementation"
+    if name not in ATTENTION_BACKENDS:
+        raise RunnerError(f"unknown attention backend {name!r}; one of {list(ATTENTION_BACKENDS)}", file=file, key=key)
+    dev = _as_device(device)
+    if sdpa_kernel is not None:
+        if name != "sdpa":
+            raise RunnerError(
+                f"an SDPA kernel ({sdpa_kernel!r}) only applies to attn_implementation sdpa, not {name}",
+                file=file,
+                key="model.sdpa_kernel",
+            )
+        if sdpa_kernel not in SDPA_KERNELS:
+            raise RunnerError(
+                f"unknown SDPA kernel {sdpa_kernel!r}; one of {list(SDPA_KERNELS)}", file=file, key="model.sdpa_kernel"
+            )
+        why = _sdpa_kernel_supported(sdpa_kernel, dev)
+        if why is None and not dev.simulated:
+            why = _probe_sdpa(sdpa_kernel, dev)
+        if why:
+            raise RunnerError(
+                f"sdpa with the {sdpa_kernel} kernel cannot run on {describe(dev)}: {why}; "
+                f"choose another model.sdpa_kernel (math always runs) or leave it unset",
+                file=file,
+                key=key,
+            )
+        return AttentionBackend("sdpa", sdpa_kernel, describe(dev))
+    if name in ("sdpa", "eager"):
+        return AttentionBackend(name, None, describe(dev))
+    if not is_gpu(dev):
+        raise RunnerError(
+            f"{name} needs a CUDA or ROCm GPU, this run is on {describe(dev)}; use sdpa", file=file, key=key
+        )
+    cap = cuda_capability(dev)
+    if dev.accelerator == "cuda" and cap is not None:
+        if cap < (8, 0):
+            raise RunnerError(
+                f"{name} needs compute capability 8.0+, {dev.name} is {cap[0]}.{cap[1]}; use sdpa", file=file, key=key
+            )
+        if name == "flash_attention_3" and cap >= (10, 0):
+            raise RunnerError(
+                f"flash_attention_3 is built for Hopper (sm_90); {dev.name} is sm_{cap[0]}{cap[1]}: "
+                "use sdpa or flash_attention_2",
+                file=file,
+                key=key,
+            )
+    problem, version = _package_problem(name, dev)
+    if problem:
+        raise RunnerError(
+            f"{name} unavailable on {describe(dev)}: {problem}; nothing is downloaded. "
+            f"Install: {_INSTALL[(name, dev.accelerator)]}; or set it to sdpa",
+            file=file,
+            key=key,
+        )
+    return AttentionBackend(name, None, describe(dev), package=_PACKAGE[name], package_version=version)
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    """Read `key` from a dict or an OmegaConf node (struct mode included) without raising."""
+    if cfg is None:
+        return default
+    try:
+        value = cfg.get(key, default)
+    except Exception:  # OmegaConf struct mode raises on unknown keys in some versions
+        return default
+    return default if value is None else value
+
+
+def _accelerator(hw: Any, file: str | None) -> str:
+    accelerator = str(_get(hw, "accelerator", "cpu"))
+    if accelerator not in ACCELERATORS:
+        raise RunnerError(
+            f"must be one of {list(ACCELERATORS)}, got {accelerator!r}", file=file, key="hardware.accelerator"
+        )
+    return accelerator
+
+
+def accelerate_mixed_precision(hw: Any, *, file: str | None = None) -> str:
+    """accelerate's `mixed_precision`: 'bf16' on a GPU recipe with precision bf16, else 'no'."""
+    precision = str(_get(hw, "precision", "fp32"))
+    if precision not in PRECISIONS:
+        raise RunnerError(f"must be one of {list(PRECISIONS)}, got {precision!r}", file=file, key="hardware.precision")
+    if _accelerator(hw, file) == "cpu":
+        return "no"  # CPU runs are the fp32 reference; bf16 autocast there is slower, not faster
+    return "bf16" if precision == "bf16" else "no"
+
+
+def fused_adamw_available(dev: DeviceIdentity) -> bool:
+    """Whether torch.optim.AdamW(fused=True) has a kernel for the device type this run uses."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return torch_device_type(dev) in _get_fused_kernels_supported_devices()
+    except ImportError:  # very old torch: fused AdamW was CUDA-only
+        return torch_device_type(dev) == "cuda"
+
+
+def _set_tf32(enabled: bool) -> dict[str, Any]:
+    """Set TF32 for matmul and cuDNN, with the API this torch has (mixing old and new raises in 2.9+)."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        mode = "tf32" if enabled else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+        torch.backends.cudnn.rnn.fp32_precision = mode
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
+        return {
+            "tf32_api": "fp32_precision",
+            "matmul_fp32_precision": torch.backends.cuda.matmul.fp32_precision,
+            "cudnn_fp32_precision": torch.backends.cudnn.conv.fp32_precision,
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        }
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    return {
+        "tf32_api": "allow_tf32",
+        "matmul_fp32_precision": "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
+        "cudnn_fp32_precision": "tf32" if torch.backends.cudnn.allow_tf32 else "ieee",
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def _str_or_none(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def apply_runtime_settings(
+    hardware_cfg: Any,
+    model_cfg: Any,
+    *,
+    optim_cfg: Any = None,
+    device: DeviceIdentity | str | None = None,
+    file: str | None = None,
+) -> dict[str, Any]:
+    """Apply the recipe's torch settings for this process and return the record of what was applied.
+
+    The record is flat and JSON-serialisable (log it as run params). `optim_cfg`, when given, makes
+    a requested-but-unavailable fused AdamW an error instead of a silent unfused optimizer.
+    """
+    accelerator = _accelerator(hardware_cfg, file)
+    dev = _as_device(device)
+    if accelerator != "cpu":
+        # The recipe's peak and memory describe one part; running it on another would make MFU lie.
+        try:
+            check_device_matches(hardware_cfg, dev)
+        except RunnerError as exc:
+            raise RunnerError(exc.detail, file=file, key=exc.key) from None
+    # A CPU recipe on a GPU machine computes on the CPU: every check below is about that device.
+    run_dev = dev if accelerator != "cpu" else DeviceIdentity("cpu", "cpu", simulated=dev.simulated)
+    record: dict[str, Any] = {
+        "device_accelerator": run_dev.accelerator,
+        "device_name": run_dev.name,
+        "device_arch": run_dev.arch,
+        "device_canonical": run_dev.canonical,
+        "device_count": torch.cuda.device_count() if is_gpu(run_dev) and not run_dev.simulated else 1,
+        "device_simulated": run_dev.simulated,
+        "torch_version": str(torch.__version__),
+        "cuda_version": _str_or_none(torch.version.cuda),
+        "hip_version": _str_or_none(getattr(torch.version, "hip", None)),
+        "mixed_precision": accelerate_mixed_precision(hardware_cfg, file=file),
+    }
+
+    tf32 = bool(_get(hardware_cfg, "tf32", False))
+    if is_gpu(run_dev):
+        record["tf32"] = tf32
+        record.update(_set_tf32(tf32))
+    else:
+        # No TF32 units on a CPU; leaving the flags alone keeps fp32 CPU matmuls exact.
+        record.update(
+            tf32=False,
+            tf32_api=None,
+            matmul_fp32_precision=None,
+            cudnn_fp32_precision=None,
+            float32_matmul_precision=torch.get_float32_matmul_precision(),
+        )
+
+    attention = check_attention_backend(
+        str(_get(model_cfg, "attn_implementation", "sdpa")),
+        run_dev,
+        sdpa_kernel=_get(model_cfg, "sdpa_kernel"),
+        file=file,
+    )
+    record.update(
+        attn_implementation=attention.attn_implementation,
+        sdpa_kernel=attention.sdpa_kernel,
+        attention_package=attention.package,
+        attention_package_version=attention.package_version,
+    )
+
+    fused_ok = fused_adamw_available(run_dev)
+    fused_wanted = bool(_get(optim_cfg, "fused", False))
+    if fused_wanted and not fused_ok:
+        raise RunnerError(
+            f"fused AdamW has no kernel for {torch_device_type(run_dev)} in torch {torch.__version__}; "
+            "set optim.fused: false",
+            file=file,
+            key="optim.fused",
+        )
+    record.update(fused_adamw_available=fused_ok, adamw_fused=fused_wanted and fused_ok)
+
+    # Pinned host memory only pays off when a copy to a GPU follows; non_blocking needs it to be async.
+    pin = bool(_get(hardware_cfg, "pin_memory", False)) and is_gpu(run_dev)
+    record.update(pin_memory=pin, non_blocking=pin)
+
+    compile_on = bool(_get(model_cfg, "compile", False))
+    if compile_on and is_gpu(run_dev) and not run_dev.simulated and importlib.util.find_spec("triton") is None:
+        raise RunnerError(
+            "torch.compile on a GPU needs the triton package, which is not installed; "
+            "set model.compile: false or install the triton matching this torch",
+            file=file,
+            key="model.compile",
+        )
+    record.update(
+        compile=compile_on, compile_mode=str(_get(model_cfg, "compile_mode", "default")) if compile_on else None
+    )
+    return record
+
+
+def restore_default_settings() -> None:
+    """Undo what apply_runtime_settings set globally (tests and benchmarks that switch recipes)."""
+    _set_tf32(False)
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.cudnn.conv.fp32_precision = "none"
+        torch.backends.cudnn.rnn.fp32_precision = "none"
+
+
+# ---- sharding -----------------------------------------------------------------------------------
+
+SHARD_NONE = "none"
+SHARD_ACCELERATE = "accelerate-fsdp2"  # accelerate's FSDP2 plugin wraps the model in prepare()
+SHARD_RUNNER_CPU = "runner-fsdp2-cpu"  # CPU processes: the runner applies the same FSDP2 wrapping
+
+
+def sharding_mode(hardware_cfg: Any, acc: Any, *, file: str | None = None) -> str:
+    """Which code shards the model, checked against the recipe's `hardware.distributed`.
+
+    accelerate offers FSDP only on accelerators: on CPU processes it sets up DDP (MULTI_CPU) even
+    when asked for FSDP. There the runner applies FSDP2 itself, exactly as accelerate's
+    `fsdp2_prepare_model` does (`fully_shard` per decoder layer, then the root, resharding after
+    forward), so the sharded path (gather, checkpoint, resume) runs and is tested on CPU."""
+    wanted = str(_get(hardware_cfg, "distributed", "none"))
+    kind = acc.distributed_type.name
+    world = int(acc.num_processes)
+    if kind == "FSDP":
+        if wanted != "fsdp":
+            raise RunnerError(
+                f"accelerate is set up for FSDP but the recipe says distributed: {wanted}; "
+                "use a distributed: fsdp hardware recipe or a DDP accelerate config",
+                file=file,
+                key="hardware.distributed",
+            )
+        version = int(getattr(acc.state.fsdp_plugin, "fsdp_version", 1) or 1)
+        if version != 2:
+            raise RunnerError(
+                f"accelerate's FSDP plugin is version {version}; the runner supports FSDP2 "
+                "(fsdp_version: 2, as in recipes/hardware/accelerate/fsdp2-*.yaml)",
+                file=file,
+                key="hardware.distributed",
+            )
+        return SHARD_ACCELERATE
+    if wanted != "fsdp" or world == 1:
+        return SHARD_NONE  # one process holds the whole model whatever the recipe plans
+    if acc.device.type == "cpu":
+        return SHARD_RUNNER_CPU
+    raise RunnerError(
+        f"the recipe says distributed: fsdp but accelerate set up {kind} over {world} processes; "
+        "launch with --config_file recipes/hardware/accelerate/fsdp2-1x8.yaml (or fsdp2-Nx8.yaml)",
+        file=file,
+        key="hardware.distributed",
+    )
+
+
+def shard_fsdp2_cpu(model: torch.nn.Module, world: int) -> torch.nn.Module:
+    """FSDP2 full shard over `world` CPU (gloo) processes: each decoder layer is one unit, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model

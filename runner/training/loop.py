@@ -1,0 +1,737 @@
+"""The training loop: sampler -> batches -> forward/backward -> optimizer step -> ledger commit.
+
+Owns the loop itself (nanoGPT-shaped: one screen per idea), the learning-rate schedule, the loss
+normalisation (summed over useful target positions, divided by the GLOBAL count, so 1 or N
+processes compute the same gradient), the processed-token journal, resume, the non-finite stop and
+the preemption stop. Checkpoint files, MLflow, metrics files and evaluation are calls out of it.
+Never decides what data a step sees (the sampler does) and never writes outside its run folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runner.config.rules import grad_accum, max_duration_tokens, total_steps
+from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
+from runner.runs import RunFolder, write_ledger_json
+from runner.training.callbacks import MetricsFiles, TrackingCallback
+from runner.training.checkpoint import Checkpointer, rng_state, set_rng_state
+from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Data:
+    domains: list[str]
+    samples: dict[str, int]
+    sampler: object
+    reader: object
+    val_reader: object | None
+    val_samples: dict[str, int]
+    byte_lengths: np.ndarray
+
+
+def load_data(exp, seq_len: int) -> Data:
+    from runner.data.manifest import Pool, load_experiment_manifests, num_samples
+    from runner.data.sampler import BatchReader, MixtureSampler
+    from runner.data.tokenizer import load_tokenizer, token_byte_lengths
+
+    cfg = exp.config
+    manifests, _ = load_experiment_manifests(exp)
+    pools = {d: Pool(m, "train") for d, m in manifests.items()}
+    val_pools = {d: Pool(m, "validation") for d, m in manifests.items() if m.validation_shards}
+    samples = {d: num_samples(p.tokens, seq_len) for d, p in pools.items()}
+    ratios = {d: float(v.target_ratio) for d, v in cfg.mixture.domains.items()}
+    sampler = MixtureSampler(samples, ratios, int(cfg.seed), int(cfg.train.global_batch_sequences))
+    val_samples = {
+        d: min(int(cfg.eval.samples_per_domain), num_samples(p.tokens, seq_len)) for d, p in val_pools.items()
+    }
+    tok = load_tokenizer(exp.resolve_path(cfg.tokenizer.path), cfg.tokenizer.sha256)
+    return Data(
+        domains=list(sampler.domains),
+        samples=samples,
+        sampler=sampler,
+        reader=BatchReader(pools, seq_len),
+        val_reader=BatchReader(val_pools, seq_len) if val_pools else None,
+        val_samples={d: n for d, n in val_samples.items() if n > 0},
+        byte_lengths=np.asarray(token_byte_lengths(tok), dtype=np.int64),
+    )
+
+
+def domain_positions(pairs, domains: list[str], seq_len: int) -> dict[str, int]:
+    """Input positions per domain of (domain_id, sample) pairs: a list, or an array [..., 2]."""
+    counts = np.bincount(np.asarray(pairs, dtype=np.int64).reshape(-1, 2)[:, 0], minlength=len(domains))
+    return {d: int(counts[i]) * seq_len for i, d in enumerate(domains)}
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    max_steps: int | None = None  # stop after this many steps in this attempt (tests, smoke)
+    report: Callable[[str], None] = print
+    nonfinite_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None  # tests: poison a loss
+    peak_measure_seconds: float = 1.0
+    callbacks: list = field(default_factory=list)
+    kill_at_step: int | None = None  # fault injection: SIGKILL itself mid-step (smoke, tests)
+
+
+@dataclass
+class _Run:
+    """What one attempt holds. _setup builds it, _resume and _conventions fill it in, the loop advances it."""
+
+    exp: object
+    acc: object
+    opts: Options
+    folder: RunFolder
+    say: Callable[[str], None]
+    global_batch: int  # sequences per optimizer step, all ranks
+    seq_len: int
+    micro: int  # sequences per forward/backward on one rank
+    accum: int  # micro steps per optimizer step on one rank
+    schedule_steps: int
+    warmup_steps: int
+    natural_end: int  # the run's last step; end_step may stop short (--max-steps)
+    end_step: int
+    runtime: dict
+    data: Data
+    model: object
+    raw_model: object
+    optimizer: torch.optim.Optimizer
+    ledger: object
+    checkpointer: Checkpointer
+    resolved_config: dict
+    sharding: str  # backends.SHARD_*: who shards the model, if anyone
+    info: dict = field(default_factory=dict)  # run.json as this attempt found it
+    start_step: int = 0
+    attempt: int = 1
+    prior_wall_seconds: float = 0.0  # earlier attempts, crashed ones included
+    prior_device_wall_seconds: float = 0.0  # the same, each attempt's wall x the devices it held
+    step_seconds_total: float = 0.0  # all attempts: committed steps and the work lost after them
+    device_step_seconds_total: float = 0.0  # the same, each step's time x the devices that ran it
+    step_t0: float = 0.0  # when the current step started
+    t_attempt: float = 0.0  # perf_counter at this attempt's first step
+    last_saved: int = 0
+    last_eval: int = 0
+    flops_per_token: float = 0.0
+    hfu_flops_per_token: float | None = None  # with activation checkpointing: recomputation counted
+    peak: object = None
+    tracker: object = None
+    callbacks: list = field(default_factory=list)
+    journal_file: object = None
+
+    @property
+    def cfg(self):
+        return self.exp.config
+
+    @property
+    def rank(self) -> int:
+        return self.acc.process_index
+
+    @property
+    def world(self) -> int:
+        return self.acc.num_processes
+
+    @property
+    def main(self) -> bool:
+        return self.acc.is_main_process
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's wrapper
+
+    def no_sync(self):
+        """Hold gradient reduction during the micro steps before the last (DDP or FSDP2)."""
+        from runner.training.backends import SHARD_RUNNER_CPU
+
+        if self.sharding != SHARD_RUNNER_CPU:
+            return self.acc.no_sync(self.model)
+        return _fsdp2_no_sync(self.raw_model)
+
+    @property
+    def pin(self) -> bool:
+        # The runtime record only says pin_memory on a GPU; the device check keeps CPU copies synchronous.
+        return bool(self.runtime.get("pin_memory")) and self.acc.device.type == "cuda"
+
+    def schedule_steps_at(self, step: int) -> int:
+        return segment_schedule_steps(
+            self.info.get("segments", []), step, self.global_batch * self.seq_len, self.schedule_steps
+        )
+
+    def wall_seconds(self) -> float:
+        return self.prior_wall_seconds + time.perf_counter() - self.t_attempt
+
+    def device_wall_seconds(self) -> float:
+        """Device-seconds held so far: the goodput MFU and cost denominator. A run resumed with another
+        world size counts each attempt with its own device count."""
+        return self.prior_device_wall_seconds + (time.perf_counter() - self.t_attempt) * self.world
+
+
+@dataclass
+class _Step:
+    loss: float  # nats per useful target, global batch
+    grad_norm: float  # before clipping
+    lr: float
+    global_pairs: np.ndarray  # the whole global batch [B, 2]: the ledger commits all ranks' pairs
+    useful: dict[str, int]  # useful targets per domain, all ranks
+    useful_tokens: float
+
+
+class _StopFlag:
+    def __init__(self):
+        self.signum = None
+
+    def __call__(self, signum, frame):
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _scalar(t) -> float:
+    """A 0-d tensor as float; a DTensor (a norm over sharded gradients) is reduced first."""
+    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def _all_gather_ints(acc, value: int) -> list[int]:
+    """`value` of every rank, in rank order (a list of one without a process group)."""
+    if acc.num_processes == 1:
+        return [int(value)]
+    mine = torch.tensor([int(value)], dtype=torch.int64, device=acc.device)
+    every = [torch.zeros_like(mine) for _ in range(acc.num_processes)]
+    torch.distributed.all_gather(every, mine)
+    return [int(t.item()) for t in every]
+
+
+def check_same_checkpoint(steps_by_rank: list[int], run_dir: Path) -> None:
+    """Every rank must resume from the same checkpoint: a node that sees another run folder (not on
+    shared storage, or a stale copy) would train from another step, desynchronise and hang."""
+    if len(set(steps_by_rank)) <= 1:
+        return
+    seen = ", ".join(f"rank {r}: {'none' if s < 0 else f'step {s}'}" for r, s in enumerate(steps_by_rank))
+    raise RunnerError(
+        f"ranks see different newest checkpoints ({seen}); the run folder must be on storage every node shares",
+        file=str(run_dir),
+    )
+
+
+def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
+    if acc.num_processes > 1:
+        torch.distributed.all_reduce(t)
+    return t
+
+
+def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
+    """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume."""
+    from runner.training.backends import SHARD_RUNNER_CPU, apply_runtime_settings, shard_fsdp2_cpu, sharding_mode
+    from runner.training.ledger import TokenLedger
+    from runner.training.model import build_model
+
+    cfg, world = exp.config, acc.num_processes
+    B, L, micro = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len), int(cfg.train.micro_batch_sequences)
+    accum = grad_accum(cfg, world)  # a guard for callers that skip launch's check
+    # natural_end is the budget's last step; a hard stop ends this attempt earlier but leaves the
+    # run resumable (not finished), so removing the hard stop continues it on the same schedule.
+    natural_end = end_step = total_steps(cfg)
+    if cfg.train.hard_stop_tokens is not None:
+        end_step = min(end_step, int(cfg.train.hard_stop_tokens) // (B * L))
+
+    runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
+    sharding = runtime["sharding"] = sharding_mode(cfg.hardware, acc)
+    if acc.device.type == "cpu":
+        # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    data = load_data(exp, L)
+    torch.manual_seed(int(cfg.seed))
+    model = build_model(cfg)
+    if sharding == SHARD_RUNNER_CPU:
+        shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
+    optimizer = make_optimizer(model, cfg, fused=bool(runtime.get("adamw_fused")))
+    ledger = TokenLedger(data.samples, L)
+    checkpointer = Checkpointer(
+        run_dir,
+        cfg.train.checkpoint.interval_steps,
+        cfg.train.checkpoint.interval_minutes,
+        cfg.train.checkpoint.keep_last,
+    )
+    return _Run(
+        exp=exp,
+        acc=acc,
+        opts=opts,
+        folder=RunFolder(run_dir, writer=acc.is_main_process),
+        say=opts.report if acc.is_main_process else (lambda msg: None),
+        global_batch=B,
+        seq_len=L,
+        micro=micro,
+        accum=accum,  # e.g. 16 seq / (8 micro * 1 proc) = 2 micro steps
+        schedule_steps=max_duration_tokens(cfg) // (B * L),
+        warmup_steps=int(cfg.optim.warmup_tokens) // (B * L),
+        natural_end=natural_end,
+        end_step=end_step,
+        runtime=runtime,
+        data=data,
+        model=model,
+        raw_model=None,
+        optimizer=optimizer,
+        ledger=ledger,
+        checkpointer=checkpointer,
+        resolved_config=exp.to_container(),
+        sharding=sharding,
+    )
+
+
+def _resume(run: _Run) -> None:
+    """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work."""
+    from runner.training.backends import SHARD_RUNNER_CPU
+    from runner.training.model import maybe_compile
+
+    acc, ledger, data = run.acc, run.ledger, run.data
+    run.info = run.folder.read()
+    fingerprints = {s["fingerprint"] for s in run.info.get("segments", [])} | {run.exp.fingerprint}
+    ckpt = run.checkpointer.latest_valid(report=run.say)
+    check_same_checkpoint(_all_gather_ints(acc, ckpt.step if ckpt is not None else -1), run.folder.path)
+    if run.sharding == SHARD_RUNNER_CPU:
+        run.optimizer = acc.prepare(run.optimizer)  # preparing the model would wrap it in DDP too
+    else:
+        run.model, run.optimizer = acc.prepare(run.model, run.optimizer)
+    run.raw_model = acc.unwrap_model(run.model)
+    if ckpt is not None:
+        if ckpt.state.get("fingerprint") not in fingerprints:
+            raise RunnerError(
+                f"checkpoint {ckpt.path.name} was written by fingerprint "
+                f"{str(ckpt.state.get('fingerprint'))[:12]}, not by this run's",
+                file=str(run.folder.path),
+            )
+        try:
+            ckpt.load_into(run.raw_model, run.inner_optimizer)
+        except (ValueError, RuntimeError, KeyError) as e:  # verified files that do not fit this model
+            raise RunnerError(
+                f"checkpoint {ckpt.path.name} does not fit this run's model: {str(e).splitlines()[0]}",
+                file=str(ckpt.path),
+            ) from None
+        ledger.load_state_dict(ckpt.ledger_state())
+        set_rng_state(ckpt.state["rng"])
+        run.start_step = ckpt.step
+        run.step_seconds_total = float(ckpt.state.get("step_seconds_total", 0.0))
+        run.device_step_seconds_total = float(
+            ckpt.state.get(
+                "device_step_seconds_total", run.step_seconds_total * int(ckpt.state.get("world_size", run.world))
+            )
+        )
+        run.say(f"resuming from {ckpt.path.name} (step {run.start_step})")
+    acc.wait_for_everyone()
+    if run.main:
+        run.checkpointer.clean_temporaries()
+        run.folder.repair_journal()
+    acc.wait_for_everyone()
+    # processed survives SIGKILL through the journal: work after the checkpoint was spent, then lost.
+    journal = run.folder.journal_entries()
+    run.attempt = 1 + max((int(e.get("attempt", 0)) for e in journal), default=0)
+    spent = {d: 0 for d in data.domains}
+    for e in journal:
+        for d, n in e.get("processed", {}).items():
+            spent[d] = spent.get(d, 0) + int(n)
+    _catch_up_processed(ledger, spent)
+    by_attempt: dict[int, tuple[float, int]] = {}
+    for e in journal:  # wall time of earlier attempts, crashed ones included (SPEC: wall basis)
+        a, world = int(e.get("attempt", 0)), int(e.get("world", run.world))  # journals before "world": this one's
+        by_attempt[a] = (max(by_attempt.get(a, (0.0, world))[0], float(e.get("wall_seconds", 0.0))), world)
+    run.prior_wall_seconds = sum(wall for wall, _ in by_attempt.values())
+    run.prior_device_wall_seconds = sum(wall * world for wall, world in by_attempt.values())
+    # Step time of work lost after the checkpoint was spent too: MFU divides processed tokens (lost
+    # ones included) by it, so it continues from the last micro batch the journal saw.
+    run.step_seconds_total = max([run.step_seconds_total] + [float(e.get("step_seconds_total", 0.0)) for e in journal])
+    run.device_step_seconds_total = max(
+        [run.device_step_seconds_total]
+        + [
+            float(
+                e.get(
+                    "device_step_seconds_total",
+                    float(e.get("step_seconds_total", 0.0)) * int(e.get("world", run.world)),
+                )
+            )
+            for e in journal
+        ]
+    )
+    run.model = maybe_compile(run.model, run.cfg)
+
+
+def _conventions(run: _Run, tracker) -> None:
+    """FLOPs per token and the peak behind every MFU figure; recorded in run.json and as MLflow tags."""
+    from runner.planning import hardware
+    from runner.planning.flops import Convention, flops_per_token, hfu_convention, hfu_flops_per_token
+
+    convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
+    run.flops_per_token = flops_per_token(run.cfg, convention)
+    recorded = run.info.get("conventions") or {}
+    if str(recorded.get("peak_source", "")).startswith(("measured", "theoretical")):
+        # A run keeps the CPU peak it found first: its MFU denominators never change across resumes.
+        run.peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"], "cpu")
+    else:
+        run.peak = hardware.resolve_peak(run.cfg.hardware, measure_seconds=run.opts.peak_measure_seconds)
+    conventions = hardware.convention_record(convention, run.peak, run.world, "step")
+    hfu_fields = {}
+    run.hfu_flops_per_token = hfu_flops_per_token(run.cfg, convention)  # None without activation checkpointing
+    if run.hfu_flops_per_token is not None:
+        hfu_fields = {
+            "hfu_flops_per_token": run.hfu_flops_per_token,
+            "conventions_hfu": hardware.convention_record(hfu_convention(convention), run.peak, run.world, "step"),
+        }
+    if run.main:
+        # `devices` is what the run HELD (the world size), not the recipe's plan: MFU and cost count it.
+        run.folder.update(
+            status="running",
+            conventions=conventions,
+            runtime=run.runtime,
+            world_size=run.world,
+            devices=int(run.world),
+            attempts=run.attempt,
+            flops_per_token=run.flops_per_token,
+            conventions_goodput=hardware.convention_record(convention, run.peak, run.world, "wall"),
+            **hfu_fields,
+        )
+    run.tracker = tracker
+    run.callbacks = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
+    if tracker is not None:
+        run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
+        tracker.log_tags(
+            {
+                **{f"mfu.{k}": v for k, v in conventions.items()},
+                "attempts": run.attempt,
+                **{f"hfu.{k}": v for k, v in hfu_fields.get("conventions_hfu", {}).items()},
+            }
+        )
+
+
+def _to_device(array, device: torch.device, pin: bool) -> torch.Tensor:
+    t = torch.as_tensor(array)
+    if pin:
+        # Page-locked memory makes the copy asynchronous: it overlaps the host work that follows.
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _train_step(run: _Run, step: int) -> _Step:
+    """Forward/backward of one global batch; each micro step's processed work is journaled as it is spent."""
+    acc, data, model, opts = run.acc, run.data, run.model, run.opts
+    # The global batch, drawn once per step, as the sampler's rank_slice cuts it: contiguous
+    # [rank][micro step][sequence] blocks. This rank reads its block; processed counts every rank's.
+    global_pairs = np.stack(data.sampler.step_arrays(step), axis=1)
+    grid = global_pairs.reshape(run.world, run.accum, run.micro, 2)
+    batch = data.reader.read(grid[run.rank])
+    x, y, mask = (_to_device(a, acc.device, run.pin) for a in (batch.input_ids, batch.labels, batch.loss_mask))
+    # Useful targets per domain of the whole global batch: the loss divisor and the ledger's useful.
+    useful = torch.zeros(len(data.domains), dtype=torch.float64)
+    useful.index_add_(0, torch.as_tensor(batch.domain_ids), mask.sum(1).double().cpu())
+    useful = _all_reduce(acc, useful.to(acc.device)).cpu()
+    n_useful = float(useful.sum())
+    lr = lr_at(step, run.cfg.optim, run.schedule_steps_at(step), run.warmup_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    processed = [domain_positions(grid[:, m], data.domains, run.seq_len) for m in range(run.accum)]
+    loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
+    for m in range(run.accum):
+        sl = slice(m * run.micro, (m + 1) * run.micro)
+        sync = contextlib.nullcontext() if m == run.accum - 1 else run.no_sync()
+        with sync:
+            logits = model(input_ids=x[sl]).logits
+            per_token = F.cross_entropy(logits.float().flatten(0, 1), y[sl].flatten(), reduction="none")
+            summed = (per_token * mask[sl].flatten()).sum()
+            if opts.nonfinite_hook is not None:
+                summed = opts.nonfinite_hook(step, summed)
+            # x world: DDP averages gradients over ranks; we want sum / global useful.
+            acc.backward(summed * (run.world / max(n_useful, 1.0)))
+        loss_sum += summed.detach().double()
+        run.ledger.record_processed(processed[m])
+        if run.journal_file is not None:
+            in_step = time.perf_counter() - run.step_t0
+            run.journal_file.write(
+                json.dumps(
+                    {
+                        "attempt": run.attempt,
+                        "world": run.world,
+                        "step": step,
+                        "micro": m,
+                        "processed": processed[m],
+                        "wall_seconds": round(time.perf_counter() - run.t_attempt, 3),
+                        "step_seconds_total": round(run.step_seconds_total + in_step, 3),
+                        "device_step_seconds_total": round(run.device_step_seconds_total + in_step * run.world, 3),
+                    }
+                )
+                + "\n"
+            )
+            run.journal_file.flush()
+        if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+    loss = float(_all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
+    clip = float(run.cfg.optim.grad_clip)
+    grad_norm = _scalar(acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
+    return _Step(
+        loss=loss,
+        grad_norm=grad_norm,
+        lr=lr,
+        global_pairs=global_pairs,
+        useful={d: int(useful[i]) for i, d in enumerate(data.domains)},
+        useful_tokens=n_useful,
+    )
+
+
+def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, counters: dict) -> dict:
+    from runner.planning import hardware
+
+    wall_seconds = run.wall_seconds()
+    tokens = run.global_batch * run.seq_len
+    fpt, peak_tflops = run.flops_per_token, run.peak.peak_tflops
+    return {
+        "step": committed,
+        "loss": s.loss,
+        "lr": s.lr,
+        "grad_norm": s.grad_norm,
+        "step_seconds": step_seconds,
+        "wall_seconds": wall_seconds,
+        "devices": run.world,
+        "tokens_processed": tokens,
+        "tokens_useful": int(s.useful_tokens),
+        "tokens_per_second": tokens / step_seconds,
+        "tokens_per_second_useful": s.useful_tokens / step_seconds,
+        "mfu": hardware.mfu(fpt, tokens, step_seconds, peak_tflops, run.world),
+        "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], run.device_wall_seconds(), peak_tflops, 1),
+        "exposure_tokens": int(counters["total"]["exposure"]),
+        **(
+            {"hfu": hardware.mfu(run.hfu_flops_per_token, tokens, step_seconds, peak_tflops, run.world)}
+            if run.hfu_flops_per_token
+            else {}
+        ),
+    }
+
+
+def _checkpoint_state(run: _Run, step: int) -> dict:
+    cfg, tracker = run.cfg, run.tracker
+    segment_steps = run.schedule_steps_at(step)
+    # The resolved config rides along (as in OLMo-core) so an edited experiment.yaml can be diffed.
+    return {
+        "sampler_step": step,
+        "rng": rng_state(),
+        "fingerprint": run.exp.fingerprint,
+        "config": run.resolved_config,
+        "segment": len(run.info.get("segments", [])) - 1,
+        "attempt": run.attempt,
+        "scheduler": {
+            "schedule": str(cfg.optim.schedule),
+            "schedule_steps": run.schedule_steps,
+            "warmup_steps": run.warmup_steps,
+            "segment_schedule_steps": segment_steps,
+            "next_lr": lr_at(step, cfg.optim, segment_steps, run.warmup_steps),
+        },
+        "mlflow_run_id": tracker.run_id if tracker is not None else None,
+        "step_seconds_total": run.step_seconds_total,
+        "device_step_seconds_total": run.device_step_seconds_total,
+        "world_size": run.world,
+    }
+
+
+def _save(run: _Run, step: int) -> None:
+    from runner.training.checkpoint import gather_full_state
+
+    # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
+    model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
+    if run.main:
+        run.checkpointer.save(step, model_state, optimizer_state, run.ledger.state_dict(), _checkpoint_state(run, step))
+        write_ledger_json(run.folder.path, run.ledger)
+        run.folder.update(
+            committed_steps=step,
+            step_seconds_total=run.step_seconds_total,
+            device_step_seconds_total=run.device_step_seconds_total,
+            wall_seconds=run.wall_seconds(),
+            device_wall_seconds=run.device_wall_seconds(),
+        )
+    run.acc.wait_for_everyone()
+    run.last_saved = step
+
+
+def _evaluate(run: _Run, step: int) -> None:
+    from runner.training import evaluate
+
+    rows = evaluate.evaluate(
+        run.raw_model,
+        run.data,
+        run.acc,
+        int(run.cfg.eval.micro_batch_sequences),
+        step,
+        int(run.ledger.counters()["total"]["exposure"]),
+    )
+    for cb in run.callbacks:
+        cb.on_eval(step, rows[0]["exposure_tokens"] if rows else 0, rows)
+    run.last_eval = step
+
+
+def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
+    """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE)."""
+    opts = opts or Options()
+    run = _setup(exp, Path(run_dir), acc, opts)
+    _resume(run)
+    _conventions(run, tracker)
+    flag = _StopFlag()
+    old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
+    run.journal_file = open(run.folder.journal_path(), "a") if run.main else None
+    run.t_attempt = time.perf_counter()
+    eval_every = int(run.cfg.eval.interval_steps)
+    run.last_saved = run.last_eval = run.start_step
+    if opts.max_steps is not None:
+        run.end_step = min(run.end_step, run.start_step + int(opts.max_steps))
+
+    mix = run.cfg.mixture.domains
+    ratios = {d: float(mix[d].target_ratio) for d in run.data.domains}
+    caps = {d: float(mix[d].max_repetition_ratio) for d in run.data.domains}
+    exit_code = EXIT_OK
+    try:
+        run.model.train()
+        for step in range(run.start_step, run.end_step):
+            t0 = run.step_t0 = time.perf_counter()
+            s = _train_step(run, step)
+            if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
+                run.optimizer.zero_grad(set_to_none=True)
+                candidates = run.checkpointer.candidates()
+                run.say(
+                    f"non-finite loss at step {step + 1} (loss={s.loss}, grad_norm={s.grad_norm}); stopped, "
+                    f"step not committed; last good checkpoint: {candidates[0].name if candidates else 'none'}"
+                )
+                exit_code = EXIT_NONFINITE
+                break
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.ledger.commit(s.global_pairs, s.useful)
+            committed = step + 1
+            step_seconds = time.perf_counter() - t0
+            run.step_seconds_total += step_seconds
+            run.device_step_seconds_total += step_seconds * run.world
+            # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
+            broken = run.ledger.check_invariants(run.global_batch, run.seq_len, committed, ratios, caps)
+            if broken:
+                raise RuntimeError(f"token accounting broke at step {committed}: " + "; ".join(broken))
+            counters = run.ledger.counters()
+            record = _metrics_record(run, committed, s, step_seconds, counters)
+            for cb in run.callbacks:
+                cb.on_step(record, counters, run.ledger.realized_ratios())
+            if eval_every and committed % eval_every == 0 and run.data.val_reader is not None:
+                _evaluate(run, committed)
+            # Minutes-based intervals differ per rank's clock: rank 0 decides for all.
+            due = torch.tensor(
+                [float(run.checkpointer.due(committed)) if run.main else 0.0, float(flag.signum is not None)],
+                device=acc.device,
+            )
+            due = _all_reduce(acc, due)
+            if due[1] > 0:
+                _save(run, committed)
+                run.say(
+                    f"stopped by signal at step {committed}; checkpoint saved, resume with "
+                    f"`runner launch {run.folder.path}`"
+                )
+                exit_code = EXIT_PREEMPTED
+                break
+            if due[0] > 0 and committed < run.end_step:
+                _save(run, committed)
+        else:
+            if run.data.val_reader is not None and run.last_eval != run.end_step:
+                _evaluate(run, run.end_step)
+            if run.last_saved != run.end_step:
+                _save(run, run.end_step)
+    finally:
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        if run.journal_file is not None:
+            run.journal_file.close()
+    _finish(run, exit_code)
+    return exit_code
+
+
+def _finish(run: _Run, exit_code: int) -> None:
+    """The attempt's summary: run.json status and totals, ledger.json, and the callbacks' on_end."""
+    from runner.planning import hardware
+
+    committed = run.last_saved
+    if exit_code == EXIT_NONFINITE:
+        committed = _rollback_to_last_checkpoint(run)
+    counters = run.ledger.counters()
+    wall_seconds, device_wall_seconds = run.wall_seconds(), run.device_wall_seconds()
+    useful_total = int(counters["total"]["useful"])
+    finished = exit_code == EXIT_OK and run.last_saved == run.natural_end
+    status = {EXIT_NONFINITE: "failed", EXIT_PREEMPTED: "preempted"}.get(
+        exit_code, "finished" if finished else "preempted"
+    )
+    summary = {
+        "committed_steps": committed,
+        "wall_seconds": wall_seconds,
+        "step_seconds_total": run.step_seconds_total,
+        "device_wall_seconds": device_wall_seconds,
+        "device_step_seconds_total": run.device_step_seconds_total,
+        "exposure_tokens": int(counters["total"]["exposure"]),
+        "useful_tokens": useful_total,
+        "processed_tokens": int(counters["total"]["processed"]),
+        "lost_tokens": int(counters["total"]["lost"]),
+    }
+    fpt, peak_tflops = run.flops_per_token, run.peak.peak_tflops
+    if useful_total and run.step_seconds_total:
+        # Device-seconds (time x devices held, summed over attempts): a run resumed on another world
+        # size is measured against what each attempt held. Same as seconds x devices otherwise.
+        summary["mfu"] = hardware.mfu(
+            fpt, counters["total"]["processed"], run.device_step_seconds_total, peak_tflops, 1
+        )
+        summary["goodput_mfu"] = hardware.mfu(fpt, useful_total, device_wall_seconds, peak_tflops, 1)
+        if run.hfu_flops_per_token:
+            summary["hfu"] = hardware.mfu(
+                run.hfu_flops_per_token, counters["total"]["processed"], run.device_step_seconds_total, peak_tflops, 1
+            )
+        summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
+            1, float(run.cfg.hardware.price_per_device_hour_usd), device_wall_seconds, useful_total
+        )
+    if run.main:
+        write_ledger_json(run.folder.path, run.ledger)
+        run.folder.update(status=status, **summary)
+    for cb in run.callbacks:
+        cb.on_end(summary)
+
+
+def _rollback_to_last_checkpoint(run: _Run) -> int:
+    """After a non-finite stop the run's lineage is its last good checkpoint (what a relaunch resumes
+    from): steps committed in memory after it are discarded, so their exposure becomes lost work.
+    The ledger is reset to that checkpoint's, keeping every processed token. Returns its step."""
+    from runner.training.ledger import TokenLedger
+
+    spent = {d: int(c["processed"]) for d, c in run.ledger.counters().items() if d != "total"}
+    ledger = TokenLedger(run.data.samples, run.seq_len)
+    ckpt = run.checkpointer.latest_valid(report=run.say)
+    if ckpt is not None:
+        ledger.load_state_dict(ckpt.ledger_state())
+    _catch_up_processed(ledger, spent)
+    run.ledger = ledger
+    return ckpt.step if ckpt is not None else 0
+
+
+def _catch_up_processed(ledger, spent: dict[str, int]) -> None:
+    """Raise the ledger's processed counters to `spent` per domain: work done after its
+    checkpoint, then lost, still counts as processed (SPEC)."""
+    current = ledger.counters()
+    catch_up = {d: max(spent[d] - int(current[d]["processed"]), 0) for d in ledger.domains}
+    if any(catch_up.values()):
+        ledger.record_processed(catch_up)
