@@ -178,6 +178,25 @@ def test_base_experiment_composes(project: Path):
     assert grad_accum(exp.config) == 32
 
 
+#: Fingerprints of the shipped experiments. A code change (schema defaults, loading, canonical form)
+#: that moves one silently changes what every saved run of that experiment means; recipe edits are
+#: check-pr's to catch, code edits this test's.
+SHIPPED_FINGERPRINTS = {
+    "1p3b-1x8-ddp.yaml": "77700e94f72f6e930b9e0637287570035f427fb8c6ecb905ad022326f123ab5a",
+    "1p3b-1x8-fsdp.yaml": "12ca7dd6385655275213ff0b7be585e8f0f235dc5fc8ff057b743f81f9610230",
+    "1p3b-4x8-fsdp.yaml": "f4d4de843c63f822aa976020857e9808608a41fb32a63c247e0aa73f32199dff",
+    "1p3b-mi300x.yaml": "01269cfc341bbefad53ba5f19760551a214c62266f16e74b0458796829641bde",
+    "1p3b.yaml": "899aa9fbf7f3c857650d2ba746ae88fb93ac4bfb9c5524d49ecedb8f2a0df291",
+    "cpu-tiny-fsdp.yaml": "44dd4132a8054a99c8062b5cfc8e99da0992ca39819da950d5e2ae7c9ed7e355",
+    "cpu-tiny.yaml": "4f70b16fe06fec74b7cd229c09683bf5eb96022517ab5cca3a4d29ac512799b4",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_FINGERPRINTS))
+def test_shipped_experiment_fingerprints_are_unchanged(name):
+    assert load_experiment(REPO / "experiments" / name).fingerprint == SHIPPED_FINGERPRINTS[name]
+
+
 def test_shipped_1p3b_is_the_seed_run():
     exp = load_experiment(REPO / "experiments/1p3b.yaml")
     c = exp.config
