@@ -221,16 +221,16 @@ def flops_per_token(shape: dict[str, Any]) -> tuple[float, int, str]:
     """(FLOPs per token, non-embedding params, formula): SPEC's 6N+attn, non-embedding, no causal halving."""
     d, layers, seq = shape["hidden_size"], shape["n_layers"], shape["seq_len"]
     try:
+        from runner.config.schema import ModelRecipe
         from runner.planning.flops import Convention, count_params, flops_per_token_from_counts
 
         counts = count_params(
-            {
-                "arch": "llama",
+            ModelRecipe(
                 **{
                     k: shape[k]
                     for k in ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "tie_embeddings")
-                },
-            },
+                }
+            ),
             shape["vocab_size"],
         )
         n = counts.non_embedding

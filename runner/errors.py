@@ -18,10 +18,10 @@ def display_path(path: Any) -> str:
 class RunnerError(Exception):
     """Bad input a user can act on: `file: dotted.key: message`. The CLI exits 2 on it."""
 
-    def __init__(self, message: str, *, file: str | None = None, key: str | None = None):
-        file = display_path(file) if file else file
-        parts = [p for p in (file, key) if p]
-        self.file, self.key, self.detail = file, key, message
+    def __init__(self, message: str, *, file: str | Path | None = None, key: str | None = None):
+        shown = display_path(file) if file else None
+        parts = [p for p in (shown, key) if p]
+        self.file, self.key, self.detail = shown, key, message
         super().__init__(": ".join(parts + [message]))
 
 
@@ -57,8 +57,9 @@ def join_key(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
 
 
-class Preempted(Exception):
-    """Raised inside the training loop after SIGTERM/SIGINT, once a checkpoint is saved."""
-
-
-EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE, EXIT_PREEMPTED, EXIT_NONFINITE = 0, 1, 2, 3, 4
+#: Exit codes of the `runner` command.
+EXIT_OK = 0
+EXIT_DISCREPANCY = 1  #: ran on good input and found a problem: an audit failed, a smoke run differed, data is pending
+EXIT_USAGE = 2  #: unusable input (a RunnerError)
+EXIT_PREEMPTED = 3  #: a run stopped by a signal after saving a checkpoint (resume it)
+EXIT_NONFINITE = 4  #: a run stopped at a non-finite loss, the step not committed

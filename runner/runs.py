@@ -1,8 +1,11 @@
-"""Run folders: creating one, reading back the experiment it trains, refusing a different one,
-and extending a finished run as a new segment.
+"""Run folders: creating one, reading back what it trained and recorded, refusing a different
+experiment, and extending a finished run as a new segment.
 
 Owns the lifecycle records of a run folder (experiment.yaml, fingerprint.txt, run.json segments,
-manifest copies). Never trains, tracks or reports.
+manifest copies, ledger.json) and the one way to read them back: the saved experiment through the
+schema, the manifest copies, the devices held, the MFU convention and the times a run recorded
+(runner.reports.tables and runner.reports.audit read a run through these). Never trains, tracks or
+builds a report.
 """
 
 from __future__ import annotations
@@ -13,23 +16,28 @@ from pathlib import Path
 
 import numpy as np
 
+from runner.config.fingerprint import canonical_meaning, diff_keys
+from runner.config.load import Experiment, experiment_from_dict, find_project_root, to_yaml
+from runner.config.rules import devices, global_batch_tokens, max_duration_tokens
+from runner.config.schema import ExperimentSchema
+from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
 from runner.errors import RunnerError
 from runner.fsio import atomic_write_json, read_json, read_jsonl, read_yaml, repair_jsonl_tail
+from runner.planning.flops import Convention
+from runner.training.ledger import TokenLedger
 
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _segment(index: int, start_step: int, exp) -> dict:
+def _segment(index: int, start_step: int, exp: Experiment) -> dict:
     """run.json's record of one segment: the budget and fingerprint the run trains under from `start_step`."""
-    from runner.config.rules import max_duration_tokens
-
     return {
         "index": index,
         "start_step": start_step,
         "max_duration_tokens": max_duration_tokens(exp.config),
-        "exposure_tokens": int(exp.config.train.exposure_tokens),
+        "exposure_tokens": exp.config.train.exposure_tokens,
         "fingerprint": exp.fingerprint,
         "started_at": _now(),
     }
@@ -71,7 +79,7 @@ class RunFolder:
             repair_jsonl_tail(self.journal_path())
 
 
-def write_ledger_json(run_dir: Path, ledger) -> None:
+def write_ledger_json(run_dir: Path, ledger: TokenLedger) -> None:
     """ledger.json: counters, repetition histogram and realized ratios (plain JSON for report/audit)."""
 
     def plain(x):
@@ -94,27 +102,37 @@ def write_ledger_json(run_dir: Path, ledger) -> None:
 
 
 def is_run_dir(path: Path) -> bool:
+    """A run folder `runner launch` can resume: run.json and the experiment it trains."""
     return (Path(path) / "run.json").exists() and (Path(path) / "experiment.yaml").exists()
 
 
-def experiment_of_run(run_dir: Path):
-    """The resolved experiment a run folder trains (its own copy, not the file in experiments/)."""
-    from runner.config.load import experiment_from_dict, find_project_root
+def is_reportable_run(path: Path) -> bool:
+    """A run folder a report can be built from: run.json and the ledger.json of its counters."""
+    return (Path(path) / "run.json").exists() and (Path(path) / "ledger.json").exists()
 
-    resolved = read_yaml(run_dir / "experiment.yaml")
+
+def load_saved_experiment(path: Path, project_root: Path | None = None) -> Experiment:
+    """A saved resolved experiment.yaml (a run's or a report's copy), typed by the schema."""
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise RunnerError("expected a mapping (the resolved experiment config)", file=str(path))
+    return experiment_from_dict(data, project_root=project_root, path=Path(path))
+
+
+def experiment_of_run(run_dir: Path) -> Experiment:
+    """The resolved experiment a run folder trains (its own copy, not the file in experiments/)."""
     info = read_json(run_dir / "run.json")
     root = Path(info.get("project_root") or find_project_root(Path.cwd()))
-    return experiment_from_dict(resolved, project_root=root, path=run_dir / "experiment.yaml")
+    return load_saved_experiment(run_dir / "experiment.yaml", project_root=root)
 
 
-def checked_experiment_of_run(run_dir: Path):
+def checked_experiment_of_run(run_dir: Path) -> Experiment:
     """The run folder's experiment, refused when its experiment.yaml was edited into another run.
 
     The file must resolve to the fingerprint of the run's current segment; operational keys
     (hard stop, checkpoint cadence, log interval) may change. The differing keys are found against
     the resolved config saved in the newest valid checkpoint."""
-    from runner.config.fingerprint import canonical_meaning, diff_keys
-    from runner.training.checkpoint import Checkpointer
+    from runner.training.checkpoint import Checkpointer  # noqa: PLC0415  (torch: off the report's and audit's path)
 
     exp = experiment_of_run(run_dir)
     info = read_json(run_dir / "run.json")
@@ -136,10 +154,8 @@ def checked_experiment_of_run(run_dir: Path):
     )
 
 
-def check_same_experiment(exp, run_dir: Path) -> None:
+def check_same_experiment(exp: Experiment, run_dir: Path) -> None:
     """Refuse to resume a run folder with a different experiment, naming the differing keys."""
-    from runner.config.fingerprint import canonical_meaning, diff_keys
-
     saved = experiment_of_run(run_dir)
     if saved.fingerprint == exp.fingerprint:
         return
@@ -151,18 +167,14 @@ def check_same_experiment(exp, run_dir: Path) -> None:
     )
 
 
-def check_mixture_feasible(exp) -> None:
+def check_mixture_feasible(exp: Experiment) -> None:
     """Before a folder is written: every pin present and matching, each pool made with the pinned
     tokenizer, and a mixture the budget and repetition caps allow."""
-    from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
-
     manifests, _ = load_experiment_manifests(exp)
     plan_experiment_mixture(exp, manifests)
 
 
-def create_run_folder(exp, run_dir: Path, run_id: str) -> None:
-    from runner.config.load import to_yaml
-
+def create_run_folder(exp: Experiment, run_dir: Path, run_id: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     for sub in ("checkpoints", "journal", "metrics", "manifests"):
         (run_dir / sub).mkdir(exist_ok=True)
@@ -174,7 +186,7 @@ def create_run_folder(exp, run_dir: Path, run_id: str) -> None:
         run_dir / "run.json",
         {
             "run_id": run_id,
-            "experiment": str(exp.config.name),
+            "experiment": exp.config.name,
             "fingerprint": exp.fingerprint,
             "experiment_file": str(exp.path) if exp.path else None,
             "project_root": str(exp.project_root),
@@ -188,11 +200,8 @@ def create_run_folder(exp, run_dir: Path, run_id: str) -> None:
     )
 
 
-def extend_run(run_dir: Path, tokens: int, write: bool):
+def extend_run(run_dir: Path, tokens: int, write: bool) -> Experiment:
     """A finished run's experiment with exposure and max_duration raised to `tokens` (a new segment)."""
-    from runner.config.load import experiment_from_dict, to_yaml
-    from runner.config.rules import global_batch_tokens
-
     exp = checked_experiment_of_run(run_dir)
     info = read_json(run_dir / "run.json")
     cfg = exp.config
@@ -203,9 +212,9 @@ def extend_run(run_dir: Path, tokens: int, write: bool):
             file=str(run_dir / "run.json"),
             key="status",
         )
-    if tokens <= int(cfg.train.exposure_tokens) or tokens % step_tokens:
+    if tokens <= cfg.train.exposure_tokens or tokens % step_tokens:
         raise RunnerError(
-            f"--extend-to {tokens} must exceed the current budget {int(cfg.train.exposure_tokens)} "
+            f"--extend-to {tokens} must exceed the current budget {cfg.train.exposure_tokens} "
             f"and be a whole number of global batches ({step_tokens} tokens)",
             key="train.exposure_tokens",
         )
@@ -222,3 +231,88 @@ def extend_run(run_dir: Path, tokens: int, write: bool):
         info.update(segments=segments, fingerprint=new.fingerprint, status="running")
         atomic_write_json(run_dir / "run.json", info)
     return new
+
+
+# ---- reading what a run recorded ----------------------------------------------------------------
+
+
+def read_manifest_copies(folder: Path, domains: list[str]) -> dict[str, dict]:
+    """The manifest JSON of each domain from `folder/<domain>.json` (a run's or a report's copies;
+    shards not needed)."""
+    out = {}
+    for d in domains:
+        out[d] = read_json(folder / f"{d}.json")
+        if not isinstance(out[d], dict) or "pool_tokens" not in out[d]:
+            raise RunnerError("pool_tokens: missing", file=str(folder / f"{d}.json"))
+    return out
+
+
+def devices_held(run: dict, cfg: ExperimentSchema) -> int:
+    """Devices the run held: run.json `devices` (the trainer's world size), else
+    conventions.devices_counted, else the hardware recipe (runs recorded before either existed).
+
+    The recipe is only a last resort because a launcher (torchrun --nproc-per-node) can start more
+    processes than the recipe names, and MFU and cost are over what was held.
+    """
+    if run.get("devices") is not None:
+        return int(run["devices"])
+    recorded = (run.get("conventions") or {}).get("devices_counted")
+    if recorded is not None:
+        return int(recorded)
+    return devices(cfg)
+
+
+def conventions_of(run: dict, cfg: ExperimentSchema) -> dict:
+    """The MFU convention record: run.json's `conventions`, peak fields defaulting to the hardware
+    recipe and devices_counted to the devices held."""
+    recorded = dict(run.get("conventions") or {})
+    conv = Convention.from_dict(recorded).to_dict()
+    hw = cfg.hardware
+    conv["peak_tflops"] = recorded.get("peak_tflops", hw.peak_tflops)
+    conv["peak_dtype"] = recorded.get("peak_dtype", hw.peak_dtype)
+    conv["peak_source"] = recorded.get("peak_source", hw.peak_source)
+    conv["devices_counted"] = int(recorded.get("devices_counted", devices_held(run, cfg)))
+    conv["time_basis"] = recorded.get("time_basis", "step")
+    if conv["peak_tflops"] is None:
+        raise RunnerError(
+            "no peak_tflops recorded in run.json conventions or hardware recipe", key="conventions.peak_tflops"
+        )
+    return conv
+
+
+def device_seconds(
+    run: dict, cfg: ExperimentSchema, wall_seconds: float, step_seconds_total: float
+) -> tuple[float, float]:
+    """(device_wall_seconds, device_step_seconds): time x devices held, summed over attempts.
+
+    run.json's figures when recorded (the trainer sums each attempt with its own world size),
+    else the seconds x the devices held (runs recorded before; one world size throughout)."""
+    held = devices_held(run, cfg)
+    wall = run.get("device_wall_seconds")
+    step = run.get("device_step_seconds_total")
+    return (
+        float(wall) if wall is not None else wall_seconds * held,
+        float(step) if step is not None else step_seconds_total * held,
+    )
+
+
+def run_times(run: dict, train_rows: list[dict]) -> tuple[float, float]:
+    """(wall_seconds, step_seconds_total): run.json's totals when recorded, else from train.jsonl.
+
+    A train.jsonl row's step_seconds is taken to stand for each step since the previous row
+    (log_interval_steps > 1 logs one row per interval).
+    """
+    wall = run.get("wall_seconds")
+    step_total = run.get("step_seconds_total")
+    if train_rows and (wall is None or step_total is None):
+        rows = sorted(train_rows, key=lambda r: r["step"])
+        prev, summed = 0, 0.0
+        for r in rows:
+            span = max(int(r["step"]) - prev, 1)
+            summed += float(r["step_seconds"]) * span
+            prev = int(r["step"])
+        wall = wall if wall is not None else max(float(r["wall_seconds"]) for r in rows)
+        step_total = step_total if step_total is not None else summed
+    if wall is None or step_total is None:
+        raise RunnerError("no wall_seconds/step_seconds_total and no metrics/train.jsonl rows", file="run.json")
+    return float(wall), float(step_total)

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from runner.config.fingerprint import fingerprint
+from runner.config.load import experiment_from_dict
 from runner.data.manifest import manifest_sha256, num_samples
 from runner.data.sampler import MixtureSampler
 from runner.planning.flops import DEFAULT_CONVENTION, flops_per_token
@@ -202,9 +203,10 @@ def make_run(
     ratios = {d: r for d, (r, _, _, _) in DOMAINS.items()}
     sampler = MixtureSampler(samples, ratios, cfg["seed"], GLOBAL_BATCH)
     ledger = TokenLedger(samples, SEQ_LEN)
-    peak = resolve_peak(cfg["hardware"])
+    typed = experiment_from_dict(cfg).config
+    peak = resolve_peak(typed.hardware)
     devices = 2
-    fpt = flops_per_token(cfg, DEFAULT_CONVENTION, seq_len=SEQ_LEN)
+    fpt = flops_per_token(typed, DEFAULT_CONVENTION, seq_len=SEQ_LEN)
 
     train_rows, eval_rows, journal = [], [], []
     wall_seconds = step_seconds_total = 0.0

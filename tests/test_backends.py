@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from runner.config.schema import HardwareRecipe, ModelRecipe, OptimRecipe
 from runner.errors import RunnerError
 from runner.training import backends
 
@@ -16,10 +18,11 @@ ACCEL_DIR = ROOT / "recipes" / "hardware" / "accelerate"
 H200 = "cuda:NVIDIA H200"
 MI300X = "rocm:AMD Instinct MI300X:gfx942"
 
-H200_HW = {"accelerator": "cuda", "device_name": "H200 SXM", "precision": "bf16", "tf32": True, "pin_memory": True}
-MI300X_HW = {"accelerator": "rocm", "device_name": "MI300X", "precision": "bf16", "tf32": False, "pin_memory": True}
-CPU_HW = {"accelerator": "cpu", "device_name": "cpu", "precision": "fp32", "tf32": True, "pin_memory": True}
-MODEL = {"attn_implementation": "sdpa", "compile": False}
+H200_HW = HardwareRecipe(accelerator="cuda", device_name="H200 SXM", precision="bf16", tf32=True, pin_memory=True)
+MI300X_HW = HardwareRecipe(accelerator="rocm", device_name="MI300X", precision="bf16", tf32=False, pin_memory=True)
+CPU_HW = HardwareRecipe(accelerator="cpu", device_name="cpu", precision="fp32", tf32=True, pin_memory=True)
+MODEL = ModelRecipe(attn_implementation="sdpa", compile=False)
+FUSED = OptimRecipe(fused=True)
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +120,7 @@ def test_tf32_flag_is_applied_and_recorded_on_a_gpu_recipe():
     record = backends.apply_runtime_settings(H200_HW, MODEL, device=H200)
     assert record["tf32"] is True and record["matmul_fp32_precision"] == "tf32" and _matmul_tf32_on()
     assert torch.get_float32_matmul_precision() == "high"
-    record = backends.apply_runtime_settings({**H200_HW, "tf32": False}, MODEL, device=H200)
+    record = backends.apply_runtime_settings(replace(H200_HW, tf32=False), MODEL, device=H200)
     assert record["matmul_fp32_precision"] == "ieee" and not _matmul_tf32_on()
 
 
@@ -130,9 +133,7 @@ def test_cpu_recipe_leaves_tf32_alone_and_does_not_pin_memory():
 
 
 def test_gpu_record_has_pinning_compile_and_attention():
-    record = backends.apply_runtime_settings(
-        H200_HW, {**MODEL, "compile": True}, optim_cfg={"fused": True}, device=H200
-    )
+    record = backends.apply_runtime_settings(H200_HW, replace(MODEL, compile=True), optim_cfg=FUSED, device=H200)
     assert record["pin_memory"] is True and record["non_blocking"] is True
     assert record["compile"] is True and record["compile_mode"] == "default"
     assert record["adamw_fused"] is True and record["attn_implementation"] == "sdpa"
@@ -141,24 +142,26 @@ def test_gpu_record_has_pinning_compile_and_attention():
 
 
 def test_fused_adamw_request_is_honoured_or_refused(monkeypatch):
-    record = backends.apply_runtime_settings(CPU_HW, MODEL, optim_cfg={"fused": True}, device="cpu")
+    record = backends.apply_runtime_settings(CPU_HW, MODEL, optim_cfg=FUSED, device="cpu")
     assert record["fused_adamw_available"] is True and record["adamw_fused"] is True
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=record["adamw_fused"])
     monkeypatch.setattr(backends, "fused_adamw_available", lambda dev: False)
     with pytest.raises(RunnerError, match="optim.fused"):
-        backends.apply_runtime_settings(CPU_HW, MODEL, optim_cfg={"fused": True}, device="cpu")
+        backends.apply_runtime_settings(CPU_HW, MODEL, optim_cfg=FUSED, device="cpu")
 
 
 def test_recipe_for_another_device_is_refused():
     with pytest.raises(RunnerError, match="hardware.accelerator"):
         backends.apply_runtime_settings(MI300X_HW, MODEL, device=H200)
     with pytest.raises(RunnerError, match="hardware.device_name"):
-        backends.apply_runtime_settings({**H200_HW, "device_name": "A100"}, MODEL, device=H200)
+        backends.apply_runtime_settings(replace(H200_HW, device_name="A100"), MODEL, device=H200)
 
 
 def test_missing_backend_in_model_recipe_fails_settings():
     with pytest.raises(RunnerError, match="model.attn_implementation"):
-        backends.apply_runtime_settings(MI300X_HW, {**MODEL, "attn_implementation": "flash_attention_2"}, device=MI300X)
+        backends.apply_runtime_settings(
+            MI300X_HW, replace(MODEL, attn_implementation="flash_attention_2"), device=MI300X
+        )
 
 
 @pytest.mark.parametrize(
@@ -166,8 +169,8 @@ def test_missing_backend_in_model_recipe_fails_settings():
     [
         (H200_HW, "bf16"),
         (MI300X_HW, "bf16"),
-        ({**H200_HW, "precision": "fp32"}, "no"),
-        ({**CPU_HW, "precision": "bf16"}, "no"),
+        (replace(H200_HW, precision="fp32"), "no"),
+        (replace(CPU_HW, precision="bf16"), "no"),
         (CPU_HW, "no"),
     ],
 )
@@ -177,7 +180,7 @@ def test_accelerate_mixed_precision(hw, expected):
 
 def test_bad_precision_is_a_runner_error():
     with pytest.raises(RunnerError, match="hardware.precision"):
-        backends.accelerate_mixed_precision({**H200_HW, "precision": "fp8"})
+        backends.accelerate_mixed_precision(replace(H200_HW, precision="fp8"))
 
 
 # --- accelerate launch configs ---------------------------------------------------------------
@@ -263,7 +266,7 @@ def _acc(kind: str, world: int, device: str = "cuda", fsdp_version: int = 2):
     ],
 )
 def test_sharding_mode_follows_recipe_and_accelerator(distributed, acc, expected):
-    assert backends.sharding_mode({"distributed": distributed}, acc) == expected
+    assert backends.sharding_mode(HardwareRecipe(distributed=distributed), acc) == expected
 
 
 @pytest.mark.parametrize(
@@ -276,5 +279,5 @@ def test_sharding_mode_follows_recipe_and_accelerator(distributed, acc, expected
 )
 def test_sharding_mismatch_is_one_line_naming_the_key(distributed, acc, says):
     with pytest.raises(RunnerError) as e:
-        backends.sharding_mode({"distributed": distributed}, acc, file="recipes/hardware/x.yaml")
+        backends.sharding_mode(HardwareRecipe(distributed=distributed), acc, file="recipes/hardware/x.yaml")
     assert says in str(e.value) and e.value.key == "hardware.distributed"

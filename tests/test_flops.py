@@ -1,7 +1,10 @@
 """Parameter counts match transformers' Llama exactly; FLOPs per token match hand counts."""
 
 import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from runner.config.schema import ExperimentSchema, ModelRecipe, TokenizerRecipe, TrainSection
 from runner.errors import RunnerError
 from runner.planning.flops import DEFAULT_CONVENTION, Convention, count_params, flops_per_token, params_of_config
 
@@ -19,24 +22,21 @@ def tiny_model(**kw):
         rms_norm_eps=1e-5,
     )
     m.update(kw)
-    return m
+    return ModelRecipe(**m)
 
 
 def hf_numel(model, vocab):
-    torch = pytest.importorskip("torch")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
     hf_cfg = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=model["hidden_size"],
-        num_hidden_layers=model["n_layers"],
-        num_attention_heads=model["n_heads"],
-        num_key_value_heads=model["n_kv_heads"],
-        intermediate_size=model["intermediate_size"],
-        tie_word_embeddings=model["tie_embeddings"],
-        rope_parameters={"rope_type": "default", "rope_theta": model["rope_theta"]},
-        rms_norm_eps=model["rms_norm_eps"],
+        hidden_size=model.hidden_size,
+        num_hidden_layers=model.n_layers,
+        num_attention_heads=model.n_heads,
+        num_key_value_heads=model.n_kv_heads,
+        intermediate_size=model.intermediate_size,
+        tie_word_embeddings=model.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+        rms_norm_eps=model.rms_norm_eps,
         attention_bias=False,
         mlp_bias=False,
     )
@@ -69,7 +69,9 @@ def test_hand_count_untied_and_tied():
 
 
 def test_flops_per_token_conventions_by_hand():
-    cfg = {"model": tiny_model(), "tokenizer": {"vocab_size": 300}, "train": {"seq_len": 128}}
+    cfg = ExperimentSchema(
+        model=tiny_model(), tokenizer=TokenizerRecipe(vocab_size=300), train=TrainSection(seq_len=128)
+    )
     counts = params_of_config(cfg)
     n_all, n_ne = counts.all, counts.non_embedding
     attn = 12 * 3 * 64 * 128
@@ -99,10 +101,10 @@ def test_bad_shapes_name_the_key():
     with pytest.raises(RunnerError, match="model.n_kv_heads"):
         count_params(tiny_model(n_kv_heads=3), 300)
     with pytest.raises(RunnerError, match="tokenizer.vocab_size"):
-        params_of_config({"model": tiny_model(), "tokenizer": {}})
+        params_of_config(ExperimentSchema(model=tiny_model(), tokenizer=TokenizerRecipe()))
 
 
 def test_padded_vocab_rows_are_counted():
-    cfg = {"model": tiny_model(pad_vocab_multiple=64), "tokenizer": {"vocab_size": 300}}
+    cfg = ExperimentSchema(model=tiny_model(pad_vocab_multiple=64), tokenizer=TokenizerRecipe(vocab_size=300))
     assert params_of_config(cfg).embedding == 320 * 64
     assert params_of_config(cfg).all == count_params(tiny_model(), 320).all

@@ -1,8 +1,14 @@
 """Peaks resolve from the recipe or the table, never from another device; MFU/cost arithmetic."""
 
-import pytest
+from pathlib import Path
 
-from runner.errors import RunnerError
+import pytest
+import torch
+
+from runner.config.load import load_recipe_file
+from runner.config.schema import HardwareRecipe
+from runner.errors import Problems, RunnerError
+from runner.planning import hardware
 from runner.planning.flops import DEFAULT_CONVENTION
 from runner.planning.hardware import (
     PEAKS,
@@ -29,7 +35,7 @@ def hw(**kw):
         cpu_peak=None,
     )
     d.update(kw)
-    return d
+    return HardwareRecipe(**d)
 
 
 def test_spec_peaks_table():
@@ -74,8 +80,6 @@ def test_resolve_peak_from_table_and_from_recipe():
 def test_unknown_device_is_an_error_not_a_fallback():
     with pytest.raises(RunnerError, match="hardware.device_name: unknown device 'NVIDIA H100 PCIe'"):
         resolve_peak(hw(device_name="NVIDIA H100 PCIe"))
-    with pytest.raises(RunnerError, match="hardware.sparse"):
-        resolve_peak(hw(sparse=True))
     with pytest.raises(RunnerError, match="hardware.peak_dtype"):
         resolve_peak(hw(peak_dtype="fp8"))
     with pytest.raises(RunnerError, match="hardware.peak_tflops"):
@@ -137,21 +141,25 @@ def test_convention_record_has_every_spec_field():
     }
 
 
-def test_cpu_theoretical_peak_is_cores_x_clock_x_flops_per_cycle(monkeypatch):
-    from runner.planning import hardware
+def test_a_sparse_peak_cannot_reach_the_denominator(tmp_path: Path):
+    # No recipe key can mark a peak as sparse: the loader refuses one, and the table holds dense figures.
+    recipe = tmp_path / "h200.yaml"
+    recipe.write_text("name: h200\nversion: 1\ndescription: x\naccelerator: cuda\nsparse: true\n")
+    problems = Problems()
+    load_recipe_file(recipe, "hardware", problems)
+    assert any("sparse: unknown key" in line for line in problems.lines)
+    assert resolve_peak(hw()).peak_tflops == PEAKS["H200 SXM"].dense_bf16_tflops
 
+
+def test_cpu_theoretical_peak_is_cores_x_clock_x_flops_per_cycle(monkeypatch):
     monkeypatch.setattr(hardware, "_cpu_flags", lambda: {"fpu", "avx", "avx2", "fma"})
     monkeypatch.setattr(hardware, "_cpu_clock_ghz", lambda: 3.0)
     p = resolve_peak(hw(accelerator="cpu", device_name="cpu", peak_dtype="fp32", cpu_peak="theoretical"))
-    import torch
-
     assert p.peak_tflops == pytest.approx(torch.get_num_threads() * 3.0e9 * 32 / 1e12)
     assert p.peak_source.startswith(f"theoretical: {torch.get_num_threads()} cores x 3.000 GHz x 32")
 
 
 def test_cpu_theoretical_peak_bounds_what_a_matmul_achieves():
-    from runner.planning.hardware import cpu_theoretical_tflops
-
-    theoretical = cpu_theoretical_tflops()
+    theoretical = hardware.cpu_theoretical_tflops()
     if theoretical.peak_source.startswith("theoretical"):
         assert measure_cpu_matmul_tflops(seconds=0.3).peak_tflops <= theoretical.peak_tflops

@@ -4,9 +4,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from recount import replay
 from safetensors.numpy import load_file, save_file
 
-from runner.data.sampler import MixtureSampler, replay
+from runner.data.sampler import MixtureSampler
 from runner.training.ledger import TokenLedger
 
 SAMPLES = {"web": 40, "code": 9, "math": 2}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from runner.config.schema import ExperimentSchema, HardwareRecipe, ModelRecipe, TokenizerRecipe, TrainSection
 from runner.errors import RunnerError
 from runner.planning.flops import params_of_config
 from runner.training.model import build_model
@@ -29,13 +29,11 @@ def cfg(**model):
         "compile": False,
     }
     base.update(model)
-    return OmegaConf.create(
-        {
-            "model": base,
-            "tokenizer": {"vocab_size": 100, "eos_id": 0},
-            "train": {"seq_len": 16},
-            "hardware": {"accelerator": "cpu"},
-        }
+    return ExperimentSchema(
+        model=ModelRecipe(**base),
+        tokenizer=TokenizerRecipe(vocab_size=100, eos_id=0),
+        train=TrainSection(seq_len=16),
+        hardware=HardwareRecipe(accelerator="cpu"),
     )
 
 

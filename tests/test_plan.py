@@ -6,6 +6,7 @@ import math
 import pytest
 from conftest import REPO
 
+from runner.config.load import experiment_from_dict
 from runner.errors import RunnerError
 from runner.planning.flops import params_of_config
 from runner.planning.plan import (
@@ -61,11 +62,23 @@ def config(**train):
         checkpoint={"keep_last": 2},
     )
     t.update(train)
+    labels = {"version": 1, "description": "planner test"}
     return {
         "name": "tiny",
-        "version": 1,
-        "tokenizer": {"vocab_size": 4096, "token_dtype": "uint16"},
+        **labels,
+        "seed": 1,
+        "tokenizer": {
+            "name": "tok",
+            **labels,
+            "path": "tokenizer.json",
+            "sha256": None,
+            "vocab_size": 4096,
+            "eos_id": 0,
+            "token_dtype": "uint16",
+        },
         "model": dict(
+            name="llama-tiny",
+            **labels,
             arch="llama",
             hidden_size=64,
             n_layers=2,
@@ -76,7 +89,11 @@ def config(**train):
             attn_implementation="sdpa",
             activation_checkpointing=False,
         ),
+        "optim": {"name": "adamw", **labels, "lr": 1e-3},
+        "eval": {"name": "eval", **labels, "interval_steps": 10, "samples_per_domain": 4},
         "hardware": dict(
+            name="h200",
+            **labels,
             accelerator="cuda",
             device_name="H200 SXM",
             peak_tflops=None,
@@ -89,7 +106,7 @@ def config(**train):
             distributed="none",
             default_mfu=0.4,
         ),
-        "mixture": {"domains": {"web": {"target_ratio": 1.0, "max_repetition_ratio": 1.0}}},
+        "mixture": {"name": "web", **labels, "domains": {"web": {"target_ratio": 1.0, "max_repetition_ratio": 1.0}}},
         "train": t,
         "data": {"manifests": {}},
         "plan": dict(
@@ -102,12 +119,17 @@ def config(**train):
     }
 
 
+def typed(cfg: dict):
+    """The planner reads the config the loader makes of a resolved dict."""
+    return experiment_from_dict(cfg).config
+
+
 def test_plan_of_a_config_is_consistent(tmp_path):
     cfg = config()
-    plan = build_plan(cfg, root=tmp_path)
-    n = params_of_config(cfg).all
+    plan = build_plan(typed(cfg), root=tmp_path)
+    n = params_of_config(typed(cfg)).all
     tokens = 16 * 128 * 100
-    assert plan["compute"]["flops_6n"] == pytest.approx(6 * params_of_config(cfg).non_embedding * tokens)
+    assert plan["compute"]["flops_6n"] == pytest.approx(6 * params_of_config(typed(cfg)).non_embedding * tokens)
     assert plan["compute"]["tokens_per_param"] == pytest.approx(tokens / n)
     a = plan["time"]["assumed"]
     assert a["tokens_per_second"] == pytest.approx(0.4 * H200 * 1e12 / plan["compute"]["flops_per_token"])
@@ -121,15 +143,15 @@ def test_plan_of_a_config_is_consistent(tmp_path):
     text = format_plan(plan)
     assert "no data.manifests pinned" in text and "fits" in text
     # --mfu halves the throughput when the MFU halves
-    assert build_plan(cfg, mfu=0.2, root=tmp_path)["time"]["assumed"]["pure_hours"] == pytest.approx(
+    assert build_plan(typed(cfg), mfu=0.2, root=tmp_path)["time"]["assumed"]["pure_hours"] == pytest.approx(
         2 * a["pure_hours"]
     )
 
 
 def test_memory_by_hand_and_the_fit_verdict():
     cfg = config()
-    n = params_of_config(cfg).all
-    mem = memory_per_device(cfg)
+    n = params_of_config(typed(cfg)).all
+    mem = memory_per_device(typed(cfg))
     assert mem["model_state_total_bytes"] == 18 * n
     s, b, h, kv, f, v = 128, 4, 64, 32, 172, 4096
     layer = s * b * (6 * h + 2 * kv + 4 * f)
@@ -139,16 +161,16 @@ def test_memory_by_hand_and_the_fit_verdict():
     assert mem["fits"]
     # room for the state and checkpointed activations, not for the full activations
     cfg["hardware"]["memory_gib"] = (18 * n + mem["activation_bytes_checkpointed"] + 1) / 2**30
-    mem = memory_per_device(cfg)
+    mem = memory_per_device(typed(cfg))
     assert not mem["fits"] and mem["fits_with_checkpointing"]
     cfg["hardware"].update(distributed="fsdp", devices_per_node=8)
-    assert memory_per_device(cfg)["model_state_total_bytes"] == pytest.approx(18 * n / 8)
+    assert memory_per_device(typed(cfg))["model_state_total_bytes"] == pytest.approx(18 * n / 8)
 
 
 def test_manifests_named_but_not_on_disk_is_one_line(tmp_path):
     cfg = config()
     cfg["data"]["manifests"] = {"web": {"path": "data/web/manifest.json", "sha256": None}}
-    plan = build_plan(cfg, root=tmp_path)
+    plan = build_plan(typed(cfg), root=tmp_path)
     assert plan["mixture"]["status"] == "absent"
     assert "not on disk for web" in plan["mixture"]["line"]
 
@@ -188,12 +210,12 @@ def test_calibration_replaces_assumptions(tmp_path):
         for i in range(2, 5)
     ]
     write_run(tmp_path / "run", rows, cfg)
-    cal = read_calibration(tmp_path / "run", cfg)
+    cal = read_calibration(tmp_path / "run", typed(cfg))
     assert cal.processed_tokens_per_second == 1000.0
     assert cal.overhead_fraction == pytest.approx(0.25, abs=1e-4)
     assert cal.useful_fraction == pytest.approx(2040 / 2048)
     assert cal.same_experiment
-    plan = build_plan(cfg, calibration=cal, root=tmp_path)
+    plan = build_plan(typed(cfg), calibration=cal, root=tmp_path)
     m = plan["time"]["measured"]
     assert m["pure_hours"] == pytest.approx(16 * 128 * 100 / 1000 / 3600)
     assert m["wall_hours"] == pytest.approx(m["pure_hours"] * 1.25, rel=1e-4)
@@ -205,15 +227,15 @@ def test_calibration_from_another_model_carries_its_mfu(tmp_path):
     other = config()
     other["model"]["n_layers"] = 4
     write_run(tmp_path / "run", [dict(tokens_per_second=1e6, step_seconds=1.0, wall_seconds=1.0)], other)
-    cal = read_calibration(tmp_path / "run", cfg)
+    cal = read_calibration(tmp_path / "run", typed(cfg))
     assert not cal.same_experiment and "MFU is carried over" in cal.note
-    m = build_plan(cfg, calibration=cal, root=tmp_path)["time"]["measured"]
+    m = build_plan(typed(cfg), calibration=cal, root=tmp_path)["time"]["measured"]
     assert m["mfu"] == pytest.approx(cal.mfu)
 
 
 def test_calibration_needs_metrics(tmp_path):
     with pytest.raises(RunnerError, match="metrics/train.jsonl"):
-        read_calibration(tmp_path, config())
+        read_calibration(tmp_path, typed(config()))
 
 
 def write_manifest_on_disk(root, domain, pool_tokens):
@@ -257,7 +279,7 @@ def test_mixture_plan_with_manifests_on_disk(tmp_path):
         "web": {"path": "data/web/manifest.json", "sha256": web_sha},
         "code": {"path": "data/code/manifest.json", "sha256": "0" * 64},
     }
-    plan = build_plan(cfg, root=tmp_path)
+    plan = build_plan(typed(cfg), root=tmp_path)
     mix = plan["mixture"]
     assert mix["status"] == "planned"
     web, code = mix["domains"]["web"], mix["domains"]["code"]
@@ -271,7 +293,7 @@ def test_mixture_plan_with_manifests_on_disk(tmp_path):
     assert "effective" in text and "warning: web: 60.0 epochs" in text
     # caps below the needed epochs: the plan says infeasible instead of failing
     cfg["mixture"]["domains"]["web"]["max_repetition_ratio"] = 2.0
-    plan = build_plan(cfg, root=tmp_path)
+    plan = build_plan(typed(cfg), root=tmp_path)
     assert plan["mixture"]["status"] == "infeasible" and "INFEASIBLE" in format_plan(plan)
 
 
@@ -281,8 +303,6 @@ def test_cli_plan_json_on_a_project_experiment(capsys):
     from runner.cli import main
 
     exp = Path(__file__).resolve().parents[1] / "experiments" / "1p3b.yaml"
-    if not exp.exists():
-        pytest.skip("experiments/1p3b.yaml not written yet")
     assert main(["plan", str(exp), "--json", "--mfu", "0.5"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["time"]["assumed"]["mfu"] == 0.5 and plan["hardware"]["peak_tflops"] == 989.4
@@ -314,7 +334,7 @@ def test_plan_of_an_infeasible_mixture_prints_the_plan_and_exits_2(project_with_
 def test_a_pilot_far_below_one_token_per_parameter_does_not_print_zero(tmp_path):
     cfg = config()
     cfg["train"]["exposure_tokens"] = 16 * 128 * 2  # two steps: a smoke run
-    plan = build_plan(cfg, root=tmp_path)
+    plan = build_plan(typed(cfg), root=tmp_path)
     tpp = plan["compute"]["tokens_per_param"]
     assert 0 < tpp < 0.05
     line = next(l for l in format_plan(plan).splitlines() if "tokens per parameter" in l)

@@ -356,3 +356,72 @@ def test_validate_refuses_an_infeasible_mixture(project_with_data: Path):
     out = _validate(project_with_data, "experiments/cpu-tiny.yaml")
     assert out.returncode == 2
     assert "experiments/cpu-tiny.yaml: mixture.domains.legal.max_repetition_ratio: mixture infeasible" in out.stderr
+
+
+def test_the_config_is_typed_frozen_and_saves_as_before():
+    from dataclasses import FrozenInstanceError
+
+    from runner.config.load import experiment_from_dict, to_yaml
+    from runner.config.schema import DomainRecipe, ExperimentSchema, ModelRecipe
+
+    exp = load_experiment(REPO / "experiments/cpu-tiny.yaml")
+    cfg = exp.config
+    assert isinstance(cfg, ExperimentSchema) and isinstance(cfg.model, ModelRecipe)
+    assert isinstance(cfg.mixture.domains["code"], DomainRecipe)
+    assert isinstance(cfg.model.rope_theta, float) and isinstance(cfg.train.seq_len, int)
+    with pytest.raises(FrozenInstanceError):
+        cfg.train.seq_len = 64  # type: ignore[misc]
+    # What a run folder saves (experiment.yaml) reads back to the same config and fingerprint.
+    saved = exp.to_container()
+    assert list(saved) == ["name", "version", "description", "seed", "recipes", "tokenizer", "mixture", "model"] + [
+        "optim",
+        "hardware",
+        "eval",
+        "train",
+        "data",
+        "plan",
+    ]
+    again = experiment_from_dict(yaml.safe_load(to_yaml(cfg)))
+    assert again.config == cfg and again.fingerprint == exp.fingerprint == SHIPPED_FINGERPRINTS["cpu-tiny.yaml"]
+
+
+def test_published_reports_read_back_through_the_schema_to_their_recorded_fingerprint():
+    from runner.runs import load_saved_experiment
+
+    saved = sorted(REPO.glob("reports/*/*/experiment.yaml"))
+    assert saved
+    for path in saved:
+        recorded = json.loads((path.parent / "run.json").read_text())["fingerprint"]
+        assert load_saved_experiment(path).fingerprint == recorded, path
+
+
+def test_a_choice_is_refused_where_recipe_and_overrides_meet(project: Path):
+    edit(project / "experiments/cpu-tiny.yaml", _set("overrides", {"optim": {"schedule": "cosin"}}))
+    with pytest.raises(RunnerError) as err:
+        load_experiment(project / "experiments/cpu-tiny.yaml")
+    assert str(err.value).endswith(
+        "experiments/cpu-tiny.yaml: optim.schedule: 'cosin' is not one of cosine, wsd, constant (did you mean 'cosine'?)"
+    )
+    assert "\n" not in str(err.value)
+
+
+def test_each_section_validates_its_own_values_naming_the_key():
+    from runner.config.schema import HardwareRecipe, ModelRecipe, TrainSection
+    from runner.errors import Problems
+
+    problems = Problems()
+    ModelRecipe(version=1, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=3, intermediate_size=128).validate(
+        problems, "m.yaml", "model"
+    )
+    HardwareRecipe(version=1, accelerator="cpu", precision="bf16", peak_tflops=None).validate(
+        problems, "m.yaml", "hardware"
+    )
+    TrainSection(
+        seq_len=16, global_batch_sequences=4, micro_batch_sequences=2, exposure_tokens=640, hard_stop_tokens=1024
+    ).validate(problems, "m.yaml", "train")
+    assert problems.lines == [
+        "m.yaml: model.n_kv_heads: n_heads 4 is not divisible by n_kv_heads 3",
+        "m.yaml: hardware.cpu_peak: a CPU has no datasheet peak: state peak_tflops, or set cpu_peak: theoretical | measured",
+        "m.yaml: hardware.precision: CPU training runs in fp32",
+        "m.yaml: train.hard_stop_tokens: must be in (0, exposure_tokens], got 1,024",
+    ]

@@ -5,8 +5,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from recount import replay
 
-from runner.data.sampler import BatchReader, MixtureSampler, MixtureSchedule, permute, replay
+from runner.data.sampler import BatchReader, MixtureSampler, MixtureSchedule, permute
 from runner.errors import RunnerError
 
 

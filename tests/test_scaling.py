@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import yaml
+from runfixtures import config
 
 from runner.errors import RunnerError
 from runner.planning.scaling import (
@@ -83,19 +84,11 @@ def test_too_few_points_is_an_error():
 
 def write_run(folder, n_layers, steps, losses):
     (folder / "metrics").mkdir(parents=True)
-    cfg = {
-        "tokenizer": {"vocab_size": 256},
-        "model": dict(
-            arch="llama",
-            hidden_size=32,
-            n_layers=n_layers,
-            n_heads=4,
-            n_kv_heads=4,
-            intermediate_size=64,
-            tie_embeddings=False,
-        ),
-        "train": {"seq_len": 16, "global_batch_sequences": 4},
-    }
+    cfg = config({})  # a resolved experiment.yaml, as a run folder holds
+    cfg["tokenizer"]["vocab_size"] = 256
+    cfg["model"].update(hidden_size=32, n_layers=n_layers, n_heads=4, n_kv_heads=4, intermediate_size=64)
+    cfg["model"]["tie_embeddings"] = False
+    cfg["train"].update(seq_len=16, global_batch_sequences=4, micro_batch_sequences=2)
     (folder / "experiment.yaml").write_text(yaml.safe_dump(cfg))
     (folder / "run.json").write_text(json.dumps({"committed_steps": steps}))
     rows = [{"step": 1, "domain": d, "loss_nats": 9.0} for d in losses]

@@ -1,22 +1,23 @@
 """The `runner` command: argument parsing and error presentation only; every verb calls a module.
 
 Bad input (RunnerError) prints one `error: file: key: message` line per problem and exits 2, with
-no traceback.
+no traceback. Each verb imports the modules it calls when it runs (the one place in the package
+where imports are deferred): `runner --help` and every verb pay only for their own imports.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 from pathlib import Path
 
-from runner.errors import EXIT_USAGE, RunnerError, display_path
+from runner.cli import data, plan, report, train
+from runner.errors import EXIT_OK, EXIT_USAGE, RunnerError, display_path
 
 #: modules under runner/cli that add their verbs through `register(subparsers)`
-COMMAND_MODULES = ("data", "train", "report", "plan")
+COMMAND_MODULES = (data, train, report, plan)
 
 
 def _cmd_validate(args) -> int:
@@ -33,7 +34,7 @@ def _cmd_validate(args) -> int:
             for msg in str(e).splitlines():
                 print(f"error: {msg}", file=sys.stderr)
     print(f"{len(paths) - failed} valid, {failed} invalid")
-    return EXIT_USAGE if failed else 0
+    return EXIT_USAGE if failed else EXIT_OK
 
 
 def default_targets(cwd: Path) -> list[Path]:
@@ -86,7 +87,7 @@ def _cmd_show(args) -> int:
         print(to_yaml(exp.config), end="")
         for n in exp.notes:
             print(f"# note: {n}")
-    return 0
+    return EXIT_OK
 
 
 def _cmd_check_pr(args) -> int:
@@ -98,7 +99,7 @@ def _cmd_check_pr(args) -> int:
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
     print("check-pr: " + ("FAIL" if problems else "PASS"))
-    return EXIT_USAGE if problems else 0
+    return EXIT_USAGE if problems else EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,13 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-pr", help="what a pull request must satisfy, against a base git ref")
     p.add_argument("--base", required=True, help="git ref to compare with, e.g. origin/main")
     p.set_defaults(func=_cmd_check_pr)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"runner.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"runner.cli.{name}":
-                raise
-            continue
+    for module in COMMAND_MODULES:
         module.register(sub)
     return parser
 
@@ -131,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        return int(args.func(args) or EXIT_OK)
     except RunnerError as e:
         # Under torchrun every rank meets the same bad input: one line per node, not one per process
         # (a node-local problem, such as a shard missing on one node, is still said by that node).

@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from runner.errors import EXIT_OK
+
 
 def register(subparsers) -> None:
     tok = subparsers.add_parser("tokenizer", help="train and inspect tokenizers")
@@ -72,7 +74,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
             f"the corpus ran out of pairs to merge (train on more text for a larger vocabulary)",
             file=sys.stderr,
         )
-    return 0
+    return EXIT_OK
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -91,7 +93,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         input_format=args.input_format,
     )
     print(f"manifest: {path}\nmanifest_sha256: {sha256}")
-    return 0
+    return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -103,7 +105,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         f"validation_tokens={m.validation_tokens} shards={len(m.shards) + len(m.validation_shards)} "
         f"manifest_sha256={m.sha256}"
     )
-    return 0
+    return EXIT_OK
 
 
 def cmd_builtin(args: argparse.Namespace) -> int:
@@ -113,4 +115,4 @@ def cmd_builtin(args: argparse.Namespace) -> int:
     print(f"tokenizer: {TOKENIZER_PATH} sha256={sha256_file(TOKENIZER_PATH)}")
     for domain, (path, sha256) in build_builtin(Path(args.out), progress=None).items():
         print(f"{domain}: {path} manifest_sha256={sha256}")
-    return 0
+    return EXIT_OK

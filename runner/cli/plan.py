@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from runner.errors import EXIT_USAGE, RunnerError
+from runner.errors import EXIT_OK, EXIT_USAGE, RunnerError
 
 
 def _float(text: str, flag: str) -> float:
@@ -21,7 +21,7 @@ def cmd_plan(args) -> int:
     from runner.planning.plan import build_plan, format_plan, read_calibration
 
     exp = load_experiment(args.experiment, check_files=False)
-    cfg = exp.to_container()
+    cfg = exp.config
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise RunnerError(f"--mfu: must be in (0, 1], got {args.mfu}")
     calibration = read_calibration(args.calibrate, cfg) if args.calibrate else None
@@ -34,7 +34,7 @@ def cmd_plan(args) -> int:
     if plan["mixture"].get("status") == "infeasible":
         print(f"error: {exp.path}: {plan['mixture']['line']}", file=sys.stderr)
         return EXIT_USAGE
-    return 0
+    return EXIT_OK
 
 
 def cmd_fit(args) -> int:
@@ -52,7 +52,7 @@ def cmd_fit(args) -> int:
     (out / "scaling_fit.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
+        return EXIT_OK
     f = report["fit"]
     print(
         f"fit of {len(points)} runs: L(N, D) = {f['E']:.4g} + {f['A']:.4g} / N^{f['alpha']:.4g} "
@@ -81,7 +81,7 @@ def cmd_fit(args) -> int:
     for w in report["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     print(f"wrote {out / 'scaling_fit.json'} and {report['plot']}")
-    return 0
+    return EXIT_OK
 
 
 def cmd_pilot_grid(args) -> int:
@@ -97,7 +97,7 @@ def cmd_pilot_grid(args) -> int:
     folder = Path(files[0]).parent
     prefix = Path(files[0]).stem.split("-pilot-")[0] + "-pilot-"
     print(f'next: for f in {folder}/*.yaml; do runner launch "$f"; done\n      runner fit runs/{prefix}*/ --flops C')
-    return 0
+    return EXIT_OK
 
 
 def register(subparsers) -> None:

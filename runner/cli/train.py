@@ -2,7 +2,8 @@
 
 Owns: choosing the run folder (its records are runner.runs'), the accelerate set-up, the MLflow
 run's start/finish, the terminal summary, and the smoke test's kill-and-resume comparison. The loop
-is runner.training.loop's; never trains or counts tokens here.
+is runner.training.loop's; never trains or counts tokens here. Verbs import what they call when
+they run (runner.cli's rule: `runner --help` stays fast).
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from runner.errors import EXIT_OK, RunnerError, display_path
+from runner.errors import EXIT_DISCREPANCY, EXIT_NONFINITE, EXIT_OK, RunnerError, display_path
 from runner.fsio import read_json, read_jsonl, sha256_file
-from runner.runs import (
-    check_mixture_feasible,
-    check_same_experiment,
-    checked_experiment_of_run,
-    create_run_folder,
-    extend_run,
-    is_run_dir,
-)
+
+if TYPE_CHECKING:
+    from runner.config.load import Experiment
+    from runner.config.schema import ExperimentSchema
+    from runner.runs import RunFolder
+    from runner.training.tracking import Tracker
 
 
 def register(subparsers) -> None:
@@ -86,21 +86,20 @@ def _timestamp() -> str:
 # ---- launch -------------------------------------------------------------------------------------
 
 
-def make_accelerator(cfg):
+def make_accelerator(cfg: ExperimentSchema):
     from accelerate import Accelerator
 
     from runner.training.backends import accelerate_mixed_precision, sharding_mode
 
-    acc = Accelerator(
-        cpu=str(cfg.hardware.accelerator) == "cpu", mixed_precision=accelerate_mixed_precision(cfg.hardware)
-    )
+    acc = Accelerator(cpu=cfg.hardware.accelerator == "cpu", mixed_precision=accelerate_mixed_precision(cfg.hardware))
     sharding_mode(cfg.hardware, acc)  # a recipe/accelerate mismatch fails here, before any folder is written
     return acc
 
 
-def _resolve(args) -> tuple[object, Path | None, bool]:
+def _resolve(args) -> tuple[Experiment, Path | None, bool]:
     """(experiment, run folder or None for a new default one, whether the folder holds a run)."""
     from runner.config.load import load_experiment
+    from runner.runs import check_same_experiment, checked_experiment_of_run, is_run_dir
 
     target = Path(args.target)
     if target.is_dir():
@@ -117,7 +116,7 @@ def _resolve(args) -> tuple[object, Path | None, bool]:
     return exp, run_dir, False
 
 
-def _tracker_of(folder, tracking_uri: str | None, **kwargs):
+def _tracker_of(folder: RunFolder, tracking_uri: str | None, **kwargs) -> Tracker:
     """The Tracker continuing the MLflow run recorded in run.json, recording it there when the URI
     it tracks to is not the one recorded (a first launch, or a server that moved)."""
     from runner.training.tracking import Tracker
@@ -136,13 +135,13 @@ def _tracker_of(folder, tracking_uri: str | None, **kwargs):
     return tracker
 
 
-def _make_tracker(run_dir: Path, main: bool):
+def _make_tracker(run_dir: Path, main: bool) -> Tracker:
     from runner.runs import RunFolder
 
     return _tracker_of(RunFolder(run_dir, writer=main), None, enabled=main, report=lambda m: print(m, file=sys.stderr))
 
 
-def _tags(exp, run_dir: Path) -> dict:
+def _tags(exp: Experiment, run_dir: Path) -> dict:
     from runner.training.tracking import git_commit
 
     cfg = exp.config
@@ -187,7 +186,7 @@ def _finished_line(run_dir: Path) -> str | None:
     )
 
 
-def check_world(cfg, world: int) -> str | None:
+def check_world(cfg: ExperimentSchema, world: int) -> str | None:
     """Refuse a global batch that does not split over `world` processes; the warning line when the
     processes held differ from the recipe's plan (None when they agree)."""
     from runner.config.rules import devices, grad_accum
@@ -207,19 +206,20 @@ def _launch(args) -> int:
 
     from runner.config.load import to_yaml
     from runner.config.rules import global_batch_tokens
-    from runner.runs import RunFolder
+    from runner.runs import RunFolder, check_mixture_feasible, create_run_folder, extend_run
     from runner.training.loop import Options, train
     from runner.training.tracking import flatten
 
     exp, run_dir, existing = _resolve(args)
     if existing and args.extend_to is None:
+        assert run_dir is not None  # a run folder found is a folder named
         line = _finished_line(run_dir)
         if line is not None:  # nothing to do: touch nothing (no peak re-measure, report, MLflow)
             if _is_rank0():
                 print(line)
             return EXIT_OK
     if args.extend_to is not None:
-        if not existing:
+        if not existing or run_dir is None:
             raise RunnerError("--extend-to needs an existing run folder", key="--extend-to")
         exp = extend_run(run_dir, args.extend_to, write=False)  # validate on every rank before any write
     acc = make_accelerator(exp.config)
@@ -229,7 +229,7 @@ def _launch(args) -> int:
         print(warning, file=sys.stderr)
     if run_dir is None:
         name = args.run_name or _timestamp()
-        chosen = [str(Path("runs") / str(exp.config.name) / name)]
+        chosen = [str(Path("runs") / exp.config.name / name)]
         if acc.num_processes > 1:
             broadcast_object_list(chosen)  # ranks must agree on one timestamped folder
         run_dir = Path(chosen[0])
@@ -247,7 +247,7 @@ def _launch(args) -> int:
     first_start = not existing
     if tracker is not None:
         tracker.start(
-            str(exp.config.name),
+            exp.config.name,
             RunFolder(run_dir).read()["run_id"],
             params=flatten(exp.to_container()) if first_start else None,
             tags=_tags(exp, run_dir),
@@ -263,13 +263,13 @@ def _launch(args) -> int:
         info = RunFolder(run_dir).read()
         status = info.get("status")
         hard_stop = exp.config.train.hard_stop_tokens
-        at_hard_stop = hard_stop is not None and int(info.get("committed_steps", 0)) * global_batch_tokens(
-            exp.config
-        ) == int(hard_stop)
+        at_hard_stop = (
+            hard_stop is not None and int(info.get("committed_steps", 0)) * global_batch_tokens(exp.config) == hard_stop
+        )
         if status == "finished" or at_hard_stop:  # the run's end as the user chose it: report it
             _write_report(run_dir, tracker)
         if tracker is not None:
-            done = tracker.finish({"finished": "FINISHED", "failed": "FAILED"}.get(status, "KILLED"))
+            done = tracker.finish({"finished": "FINISHED", "failed": "FAILED"}.get(str(status), "KILLED"))
             if not done:
                 print(f"mlflow: some data is still pending; send it with `runner sync {run_dir}`", file=sys.stderr)
         print(f"run {run_dir}: {status}")
@@ -314,11 +314,9 @@ def _print_summary(run_dir: Path) -> None:
         )
 
 
-def _write_report(run_dir: Path, tracker) -> None:
-    try:
-        from runner.reports.tables import write_report
-    except ImportError:
-        return
+def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
+    from runner.reports.tables import write_report
+
     try:
         out = write_report(run_dir)
     except RunnerError as e:
@@ -329,7 +327,7 @@ def _write_report(run_dir: Path, tracker) -> None:
 
 
 def cmd_sync(args) -> int:
-    from runner.runs import RunFolder
+    from runner.runs import RunFolder, is_run_dir
 
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
@@ -347,7 +345,7 @@ def cmd_sync(args) -> int:
         line + f"{left} still pending in {run_dir / 'journal' / 'mlflow-pending.jsonl'} ({tracker.last_error}); "
         f"retry with `runner sync {run_dir}` (or --tracking-uri URI)"
     )
-    return 1
+    return EXIT_DISCREPANCY
 
 
 # ---- smoke --------------------------------------------------------------------------------------
@@ -370,18 +368,19 @@ def _launch_cmd(run_dir: Path, *extra: str) -> list[str]:
 def cmd_smoke(args) -> int:
     from runner.config.load import experiment_from_dict, load_experiment
     from runner.planning.plan import build_plan, read_calibration
+    from runner.runs import create_run_folder
     from runner.training.checkpoint import dirname
 
     full = load_experiment(args.experiment)
     cfg = full.config
-    steps = max(4, int(args.steps))
-    B, L = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len)
+    steps = max(4, args.steps)
+    B, L = cfg.train.global_batch_sequences, cfg.train.seq_len
     small = full.to_container()
     small["train"].update(exposure_tokens=steps * B * L, max_duration_tokens=steps * B * L, hard_stop_tokens=None)
     small["train"]["checkpoint"].update(interval_steps=steps // 2, interval_minutes=0, keep_last=2)
     small["eval"].update(interval_steps=steps)
     exp = experiment_from_dict(small, project_root=full.project_root, path=full.path)
-    out = Path(args.out) if args.out else Path("runs") / str(cfg.name) / f"smoke-{_timestamp()}"
+    out = Path(args.out) if args.out else Path("runs") / cfg.name / f"smoke-{_timestamp()}"
     ref, res = out / "reference", out / "resumed"
     for d in (ref, res):
         if d.exists():
@@ -390,8 +389,8 @@ def cmd_smoke(args) -> int:
     print(f"smoke: {steps} steps of {cfg.name} x2 in {out}")
     rc = subprocess.run(_launch_cmd(ref)).returncode
     if rc != EXIT_OK:
-        print(f"smoke: FAILED: reference run exited {rc}" + (" (non-finite loss)" if rc == 4 else ""))
-        return rc or 1
+        print(f"smoke: FAILED: reference run exited {rc}" + (" (non-finite loss)" if rc == EXIT_NONFINITE else ""))
+        return rc or EXIT_DISCREPANCY
     kill_at = steps // 2 + 1  # one step past the forced checkpoint at steps // 2
     killed = subprocess.run(_launch_cmd(res, "--kill-at-step", str(kill_at))).returncode
     rc = subprocess.run(_launch_cmd(res)).returncode
@@ -424,7 +423,7 @@ def cmd_smoke(args) -> int:
         plan = build_plan(cfg, calibration=read_calibration(ref, cfg), root=full.project_root)
         t = plan["time"]
         print(
-            f"full run ({int(cfg.train.exposure_tokens):,} tokens): planned {format_hours(t['assumed']['wall_hours'])}, "
+            f"full run ({cfg.train.exposure_tokens:,} tokens): planned {format_hours(t['assumed']['wall_hours'])}, "
             f"${t['assumed']['cost_usd']:,.2f} at MFU {t['assumed']['mfu']:.0%}; measured "
             f"{format_hours(t['measured']['wall_hours'])}, ${t['measured']['cost_usd']:,.2f} at MFU "
             f"{t['measured']['mfu']:.1%}"
@@ -433,4 +432,4 @@ def cmd_smoke(args) -> int:
         print(f"smoke: no plan comparison ({e})")
     for p in problems:
         print(f"smoke: FAILED: {p}")
-    return 1 if problems else EXIT_OK
+    return EXIT_DISCREPANCY if problems else EXIT_OK

@@ -6,13 +6,12 @@ left out) and its hash; the keys two configs differ in. Never reads files.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-
-from runner.config.schema import LABEL_KEYS, OPERATIONAL_KEYS
+from runner.config.schema import LABEL_KEYS, OPERATIONAL_KEYS, ExperimentSchema
 from runner.errors import join_key
 from runner.fsio import canonical_json
 
@@ -39,20 +38,17 @@ def _strip_labels(node: Any) -> Any:
     return node
 
 
-def canonical_meaning(cfg) -> dict:
-    """What the experiment trains: the resolved config less labels and operational keys."""
-    data = (
-        OmegaConf.to_container(cfg, resolve=True)
-        if isinstance(cfg, (DictConfig, ListConfig))
-        else json.loads(json.dumps(cfg))
-    )
+def canonical_meaning(cfg: ExperimentSchema | dict[str, Any]) -> dict[str, Any]:
+    """What the experiment trains: the resolved config (typed, or as saved in a checkpoint) less
+    labels and operational keys."""
+    data = dataclasses.asdict(cfg) if isinstance(cfg, ExperimentSchema) else json.loads(json.dumps(cfg))
     data = _strip_labels(data)
     for key in OPERATIONAL_KEYS:
         _drop(data, key.split("."))
     return data
 
 
-def fingerprint(cfg) -> str:
+def fingerprint(cfg: ExperimentSchema | dict[str, Any]) -> str:
     """sha256 of the canonical resolved form (sorted keys, resolved interpolations, numbers as
     JSON). Labels (name, version, description), recipe references and operational keys
     (OPERATIONAL_KEYS) are left out: two files that resolve to the same training share it."""

@@ -3,8 +3,10 @@
 Owns: reading `recipes/<kind>/<name>.yaml` and `experiments/<name>.yaml`, merging them in a fixed
 order (schema defaults, tokenizer, mixture, model, optim, hardware, eval, the experiment's own
 sections, then overrides), refusing anything that is not pure, well-typed data with
-`file: dotted.key: message`, and rebuilding an experiment from a run's saved resolved config.
-Never touches data, models or trackers.
+`file: dotted.key: message`, turning the result into the schema's frozen dataclasses (the typed
+config every stage reads), and rebuilding an experiment from a run's saved resolved config.
+Types (choices included) are checked here, generically from the schema's annotations; value rules
+are each section's `validate` and runner.config.rules'. Never touches data, models or trackers.
 """
 
 from __future__ import annotations
@@ -18,12 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config.fingerprint import fingerprint
-from runner.config.rules import validate_rules
-from runner.config.schema import EXPERIMENT_KEYS, KINDS, LABEL_KEYS, RECIPE_SCHEMAS, ExperimentSchema
+from runner.config.rules import validate_experiment
+from runner.config.schema import (
+    EXPERIMENT_KEYS,
+    KINDS,
+    LABEL_KEYS,
+    RECIPE_SCHEMAS,
+    ExperimentSchema,
+    literal_choices,
+)
 from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
 
 _RESOLVER_CALL = re.compile(r"\$\{[^}]*:")  # ${name:...} runs code; ${a.b} is plain data
@@ -31,17 +40,17 @@ _RESOLVER_CALL = re.compile(r"\$\{[^}]*:")  # ${name:...} runs code; ${a.b} is p
 
 @dataclass
 class Experiment:
-    """A resolved, validated experiment."""
+    """A resolved, validated experiment: its typed config (frozen) and its fingerprint."""
 
-    config: DictConfig
+    config: ExperimentSchema
     fingerprint: str
     path: Path | None
     project_root: Path
-    recipe_files: dict[str, Path] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  #: non-fatal findings (e.g. pins not verifiable here)
 
-    def to_container(self) -> dict:
-        return OmegaConf.to_container(self.config, resolve=True)  # type: ignore[return-value]
+    def to_container(self) -> dict[str, Any]:
+        """The resolved config as plain data, in schema order: what a run folder saves as experiment.yaml."""
+        return dataclasses.asdict(self.config)
 
     def resolve_path(self, p: str) -> Path:
         q = Path(p)
@@ -104,7 +113,7 @@ def _schema_fields(schema) -> dict[str, Any]:
     return typing.get_type_hints(schema)
 
 
-def _check_keys(node: Any, schema, prefix: str, file: Path, problems: Problems) -> None:
+def _check_keys(node: Any, schema, prefix: str, file: Path, problems: Problems, *, choices: bool = False) -> None:
     """Unknown keys and wrong types, with the dotted key and a 'did you mean'."""
     if not isinstance(node, dict):
         problems.add(file, prefix, f"must be a mapping, got {type(node).__name__}")
@@ -115,7 +124,7 @@ def _check_keys(node: Any, schema, prefix: str, file: Path, problems: Problems) 
         if k not in fields:
             problems.add(file, key, f"unknown key{did_you_mean(k, fields)}")
             continue
-        _check_value(v, fields[k], key, file, problems)
+        _check_value(v, fields[k], key, file, problems, choices=choices)
 
 
 _SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -129,7 +138,9 @@ def _scalar_ok(v: Any, typ: type) -> bool:
     return isinstance(v, (int, float)) if typ is float else isinstance(v, typ)
 
 
-def _check_value(v: Any, typ: Any, key: str, file: Path, problems: Problems) -> None:
+def _check_value(v: Any, typ: Any, key: str, file: Path, problems: Problems, *, choices: bool = False) -> None:
+    """`v` against the field type `typ`. A `Literal` is a string here; with `choices` (the composed
+    experiment, where a recipe's value and the overrides meet) it must also be one of its values."""
     args = typing.get_args(typ)
     optional = typing.get_origin(typ) in (typing.Union, types.UnionType) and type(None) in args
     if optional:
@@ -141,15 +152,21 @@ def _check_value(v: Any, typ: Any, key: str, file: Path, problems: Problems) -> 
     if isinstance(v, str) and (v.startswith("${") or v == "???"):
         return  # interpolation (checked after resolution) or missing (reported later)
     origin = typing.get_origin(typ)
-    if dataclasses.is_dataclass(typ):
-        _check_keys(v, typ, key, file, problems)
+    options = literal_choices(typ)
+    if options is not None:
+        if not isinstance(v, str):
+            problems.add(file, key, f"must be one of {', '.join(options)}, got {v!r}")
+        elif choices and v not in options:
+            problems.add(file, key, f"'{v}' is not one of {', '.join(options)}{did_you_mean(v, options)}")
+    elif dataclasses.is_dataclass(typ):
+        _check_keys(v, typ, key, file, problems, choices=choices)
     elif origin is dict:
         if not isinstance(v, dict):
             problems.add(file, key, f"must be a mapping, got {type(v).__name__}")
             return
         item_type = typing.get_args(typ)[1]
         for name, item in v.items():
-            _check_value(item, item_type, join_key(key, name), file, problems)
+            _check_value(item, item_type, join_key(key, name), file, problems, choices=choices)
     elif origin is list:
         item_type = typing.get_args(typ)[0]
         if not isinstance(v, list) or not all(_scalar_ok(x, item_type) for x in v):
@@ -197,11 +214,19 @@ def available_recipes(root: Path, kind: str) -> list[str]:
 def load_experiment(path: str | Path, *, check_files: bool = True) -> Experiment:
     """Resolve and validate `experiments/NAME.yaml`. Raises RunnerError listing every problem."""
     path = Path(path)
-    root = find_project_root(path.parent)
     problems = Problems()
     data = _read_yaml(path, problems)
     problems.raise_if_any()
     assert data is not None
+    return load_experiment_data(data, path, find_project_root(path.parent), check_files=check_files)
+
+
+def load_experiment_data(data: dict, path: Path, root: Path, *, check_files: bool = True) -> Experiment:
+    """An experiment file's content (not yet written to `path`, e.g. a pilot), resolved and validated
+    exactly as `load_experiment` would resolve the file."""
+    problems = Problems()
+    _check_pure(data, "", path, problems)
+    problems.raise_if_any()
     data = _apply_base(data, path, root, problems, seen=(path.resolve(),))
     problems.raise_if_any()
     return compose(data, path, root, problems, check_files=check_files)
@@ -244,10 +269,8 @@ def _apply_base(data: dict, path: Path, root: Path, problems: Problems, seen: tu
     return merged
 
 
-def compose(
-    data: dict, path: Path, root: Path, problems: Problems | None = None, *, check_files: bool = True
-) -> Experiment:
-    problems = problems or Problems()
+def _check_experiment_keys(data: dict, path: Path, problems: Problems) -> dict[str, Any]:
+    """The experiment file's own top-level keys and labels; returns its recipe references."""
     for k in data:
         if k not in EXPERIMENT_KEYS:
             problems.add(
@@ -264,13 +287,16 @@ def compose(
     refs = data.get("recipes") or {}
     if not isinstance(refs, dict):
         problems.add(path, "recipes", "must be a mapping of kind -> NAME@VERSION")
-        refs = {}
+        return {}
     for k in refs:
         if k not in KINDS:
             problems.add(path, f"recipes.{k}", f"unknown recipe kind{did_you_mean(k, KINDS)}")
+    return refs
 
-    merged: dict[str, Any] = {}
-    files: dict[str, Path] = {}
+
+def _load_recipes(refs: dict[str, Any], path: Path, root: Path, problems: Problems) -> dict[str, dict]:
+    """Each kind's recipe file named by `refs`, checked against its schema and its version."""
+    recipes: dict[str, dict] = {}
     for kind in KINDS:
         if kind not in refs:
             problems.add(path, f"recipes.{kind}", "missing: every experiment names one recipe of each kind")
@@ -297,16 +323,20 @@ def compose(
                 f"recipes.{kind}",
                 f"names {name}@{version} but {rpath.relative_to(root)} is version {recipe.get('version')}",
             )
-        merged[kind] = recipe
-        files[kind] = rpath
+        recipes[kind] = recipe
+    return recipes
 
+
+def _check_sections(data: dict, path: Path, problems: Problems) -> dict[str, Any]:
+    """The experiment's own train/data/plan sections and its overrides; returns the overrides."""
+    sections = _schema_fields(ExperimentSchema)
     for section in ("train", "data", "plan"):
         if section in data:
-            _check_value(data[section], _schema_fields(ExperimentSchema)[section], section, path, problems)
+            _check_value(data[section], sections[section], section, path, problems)
     overrides = data.get("overrides") or {}
     if not isinstance(overrides, dict):
         problems.add(path, "overrides", "must be a mapping of section -> keys")
-        overrides = {}
+        return {}
     for section, body in overrides.items():
         if section not in KINDS + ("train", "data", "plan"):
             problems.add(
@@ -317,27 +347,47 @@ def compose(
             continue
         if isinstance(body, dict) and any(k in body for k in LABEL_KEYS):
             problems.add(path, f"overrides.{section}", "may not change a recipe's name, version or description")
-        _check_value(body, _schema_fields(ExperimentSchema)[section], f"overrides.{section}", path, problems)
-    problems.raise_if_any()
+        _check_value(body, sections[section], f"overrides.{section}", path, problems)
+    return overrides
 
-    top = {k: data[k] for k in ("name", "version", "description", "seed", "train", "data", "plan") if k in data}
-    top["recipes"] = dict(refs)
+
+def _typed(layers: list[dict], path: Path, problems: Problems) -> ExperimentSchema:
+    """Schema defaults, then each layer, resolved into the schema's dataclasses. OmegaConf does the
+    merge so that numbers take their field's type (an int under a float field becomes a float): the
+    fingerprint hashes exactly these values."""
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(ExperimentSchema), merged, top, overrides)
+        cfg = OmegaConf.merge(OmegaConf.structured(ExperimentSchema), *layers)
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        _check_missing(resolved, "", path, problems)
+        problems.raise_if_any()
+        typed = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", "") or ""
         msg = str(e).splitlines()[0]
         raise RunnerError(f"{display_path(path)}: {key}: {msg}") from None
-    cfg = OmegaConf.create(resolved)
-    _check_missing(resolved, "", path, problems)
+    assert isinstance(typed, ExperimentSchema)
+    return typed
+
+
+def compose(
+    data: dict, path: Path, root: Path, problems: Problems | None = None, *, check_files: bool = True
+) -> Experiment:
+    """An experiment file's data (base applied) composed with its recipes, typed and validated."""
+    problems = problems or Problems()
+    refs = _check_experiment_keys(data, path, problems)
+    recipes = _load_recipes(refs, path, root, problems)
+    overrides = _check_sections(data, path, problems)
     problems.raise_if_any()
-    notes = validate_rules(cfg, path, root, problems, check_files=check_files)
+    top = {k: data[k] for k in ("name", "version", "description", "seed", "train", "data", "plan") if k in data}
+    top["recipes"] = dict(refs)
+    # Choices are judged where a recipe's value and the experiment's overrides meet.
+    composed = _deep_merge(_deep_merge(recipes, top), overrides)
+    _check_keys(composed, ExperimentSchema, "", path, problems, choices=True)
     problems.raise_if_any()
-    OmegaConf.set_readonly(cfg, True)
-    return Experiment(
-        config=cfg, fingerprint=fingerprint(cfg), path=path, project_root=root, recipe_files=files, notes=notes
-    )
+    cfg = _typed([recipes, top, overrides], path, problems)
+    notes = validate_experiment(cfg, path, root, problems, check_files=check_files)
+    problems.raise_if_any()
+    return Experiment(config=cfg, fingerprint=fingerprint(cfg), path=path, project_root=root, notes=notes)
 
 
 def _check_missing(node: Any, key: str, path: Path, problems: Problems) -> None:
@@ -349,22 +399,24 @@ def _check_missing(node: Any, key: str, path: Path, problems: Problems) -> None:
 
 
 def experiment_from_dict(resolved: dict, project_root: Path | None = None, path: Path | None = None) -> Experiment:
-    """Rebuild an Experiment from a saved resolved config (run folders, report folders)."""
+    """Rebuild an Experiment from a saved resolved config (run folders, report folders). Typed by
+    the schema (keys a saved config lacks take its defaults); the value rules are not re-run, so a
+    run saved under older rules still reads back."""
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(ExperimentSchema), resolved)
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ExperimentSchema), resolved))
     except OmegaConfBaseException as e:
         raise RunnerError(
             f"does not fit this runner's experiment schema: {str(e).splitlines()[0]}",
             file=str(path) if path else None,
             key=getattr(e, "full_key", None) or None,
         ) from None
-    OmegaConf.set_readonly(cfg, True)
+    assert isinstance(typed, ExperimentSchema)
     return Experiment(
-        config=cfg, fingerprint=fingerprint(cfg), path=path, project_root=project_root or Path.cwd().resolve()
+        config=typed, fingerprint=fingerprint(typed), path=path, project_root=project_root or Path.cwd().resolve()
     )
 
 
-def to_yaml(cfg) -> str:
-    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, (DictConfig, ListConfig)) else cfg
+def to_yaml(cfg: ExperimentSchema | dict) -> str:
+    """The resolved config as YAML in schema order (a run folder's experiment.yaml)."""
+    data = dataclasses.asdict(cfg) if isinstance(cfg, ExperimentSchema) else cfg
     return yaml.safe_dump(data, sort_keys=False)

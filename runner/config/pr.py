@@ -57,33 +57,19 @@ def _materialize(root: Path, base: str, dest: Path) -> None:
         tar.extractall(dest, filter="data")
 
 
-def check_pr(base: str, cwd: Path) -> tuple[list[str], list[str]]:
-    """Returns (problems, report lines). Problems are `file: key: message` lines."""
-    root = Path(_git(cwd, "rev-parse", "--show-toplevel").strip())
-    _git(root, "rev-parse", "--verify", f"{base}^{{commit}}")
-    problems: list[str] = []
-    report: list[str] = []
-
+def _changed_files(root: Path, base: str) -> dict[str, str]:
+    """Recipe and experiment files changed since `base` (committed or not), with their git status letter."""
     changed: dict[str, str] = {}
     for line in _git(root, "diff", "--name-status", "--no-renames", base, "--", *TRACKED).splitlines():
         status, rel = line.split("\t", 1)
         changed[rel] = status[0]
     for rel in _git(root, "ls-files", "--others", "--exclude-standard", "--", *TRACKED).splitlines():
         changed[rel] = "A"
+    return changed
 
-    for rel, status in sorted(changed.items()):
-        if not _is_config(rel):
-            continue
-        report.append(f"{ {'A': 'added', 'M': 'modified', 'D': 'deleted'}.get(status, status) }: {rel}")
-        if status != "M":
-            continue
-        old = _version(_git(root, "show", f"{base}:{rel}"))
-        new = _version((root / rel).read_text())
-        if not isinstance(new, int) or not isinstance(old, int) or new <= old:
-            problems.append(
-                f"{rel}: version: changed since {base} but its version was not bumped (was {old}, now {new})"
-            )
 
+def _validate_head(root: Path, problems: list[str]) -> dict[str, str]:
+    """Every recipe and experiment at the head validates; returns each experiment's fingerprint."""
     head_targets = [p for k in KINDS for p in sorted((root / "recipes" / k).glob("*.yaml"))]
     head_targets += sorted((root / "experiments").rglob("*.yaml"))  # pilots live in experiments/pilots/
     head_fp: dict[str, str] = {}
@@ -98,6 +84,29 @@ def check_pr(base: str, cwd: Path) -> tuple[list[str], list[str]]:
                 head_fp[rel] = load_experiment(path).fingerprint
         except RunnerError as e:
             problems.extend(l.replace(str(root) + "/", "") for l in str(e).splitlines())
+    return head_fp
+
+
+def check_pr(base: str, cwd: Path) -> tuple[list[str], list[str]]:
+    """Returns (problems, report lines). Problems are `file: key: message` lines."""
+    root = Path(_git(cwd, "rev-parse", "--show-toplevel").strip())
+    _git(root, "rev-parse", "--verify", f"{base}^{{commit}}")
+    problems: list[str] = []
+    report: list[str] = []
+    changed = _changed_files(root, base)
+    for rel, status in sorted(changed.items()):
+        if not _is_config(rel):
+            continue
+        report.append(f"{ {'A': 'added', 'M': 'modified', 'D': 'deleted'}.get(status, status) }: {rel}")
+        if status != "M":
+            continue
+        old = _version(_git(root, "show", f"{base}:{rel}"))
+        new = _version((root / rel).read_text())
+        if not isinstance(new, int) or not isinstance(old, int) or new <= old:
+            problems.append(
+                f"{rel}: version: changed since {base} but its version was not bumped (was {old}, now {new})"
+            )
+    head_fp = _validate_head(root, problems)
 
     with tempfile.TemporaryDirectory() as tmp:
         base_root = Path(tmp)

@@ -1,164 +1,348 @@
-"""The one schema of recipes and experiments: every field, its type, default and a one-line doc.
+"""The one schema of recipes and experiments: every field, its type, default and a one-line doc,
+and the rules each section's values obey on their own.
 
-Owns: the dataclasses each recipe kind and the experiment resolve into, the allowed choices and the
-keys left out of the fingerprint. Never reads files (runner.config.load does) or judges values across
-keys (runner.config.rules does).
+Owns: the frozen dataclasses each recipe kind and the experiment resolve into (the typed config
+every stage reads by attribute: `cfg.train.seq_len`), the allowed choices (`Literal` types), the
+keys left out of the fingerprint, and each section's `validate` (ranges, divisibility, formats)
+next to its fields. Never reads files (runner.config.load does) and never judges values across
+sections or against other modules' tables (runner.config.rules does).
+Imports nothing but the standard library and runner.errors, so a script with only torch can build
+these objects (bench/gpu_bench.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal
 
+from runner.errors import Problems, join_key
+
+#: OmegaConf's marker of a value a recipe or experiment must give (no default)
+MISSING: Any = "???"
 KINDS = ("tokenizer", "mixture", "model", "optim", "hardware", "eval")
+#: ids a token dtype holds: a vocabulary must fit (SPEC: never silently truncate)
 TOKEN_DTYPES = {"uint16": 65_536, "uint32": 4_294_967_296}
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+TokenDtype = Literal["uint16", "uint32"]
+Arch = Literal["llama"]
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
+SdpaKernel = Literal["flash", "efficient", "cudnn", "math"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+Schedule = Literal["cosine", "wsd", "constant"]
+Accelerator = Literal["cpu", "cuda", "rocm"]
+Precision = Literal["bf16", "fp32"]
+Distributed = Literal["none", "ddp", "fsdp"]
+CpuPeak = Literal["theoretical", "measured"]
+
+File = Path | str | None
 
 
-@dataclass
-class TokenizerRecipe:
-    name: str = "???"
-    version: int = "???"  # type: ignore[assignment]
-    description: str = "???"
-    path: str = "???"  #: tokenizer.json, relative to the project root or absolute
-    sha256: str | None = "???"  #: sha256 of that file; null = not pinned yet (launch refuses)
-    vocab_size: int = "???"  # type: ignore[assignment]
-    eos_id: int = "???"  # type: ignore[assignment]
-    token_dtype: str = "???"  #: uint16 (vocab <= 65,536) or uint32
+class Section:
+    """A section of the resolved config. `validate` adds a `file: prefix.key: message` problem per
+    value its type cannot rule out; a section without such rules keeps this one."""
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        """No rule beyond the field types."""
 
 
-@dataclass
-class DomainRecipe:
-    target_ratio: float = "???"  # type: ignore[assignment]
+def _at_least_one(problems: Problems, file: File, prefix: str, section: Any, keys: tuple[str, ...]) -> None:
+    for k in keys:
+        value = getattr(section, k)
+        if value < 1:
+            problems.add(file, join_key(prefix, k), f"must be >= 1, got {value}")
+
+
+def _sha256_format(problems: Problems, file: File, key: str, value: str | None) -> None:
+    if value is not None and not SHA256_HEX.match(str(value)):
+        problems.add(file, key, "must be 64 lowercase hex characters")
+
+
+@dataclass(frozen=True)
+class Recipe(Section):
+    """The labels every recipe carries; the experiment's `recipes:` names it as name@version."""
+
+    name: str = MISSING
+    version: int = MISSING
+    description: str = MISSING
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        if self.version < 1:
+            problems.add(file, join_key(prefix, "version"), f"must be an integer >= 1, got {self.version!r}")
+
+
+@dataclass(frozen=True)
+class TokenizerRecipe(Recipe):
+    path: str = MISSING  #: tokenizer.json, relative to the project root or absolute
+    sha256: str | None = MISSING  #: sha256 of that file; null = not pinned yet (launch refuses)
+    vocab_size: int = MISSING  #: ids the tokenizer emits, EOS included
+    eos_id: int = MISSING  #: the id appended after every document
+    token_dtype: TokenDtype = MISSING  #: uint16 (vocab <= 65,536) or uint32
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        super().validate(problems, file, prefix)
+        limit = TOKEN_DTYPES[self.token_dtype]
+        if self.vocab_size > limit:
+            problems.add(
+                file,
+                join_key(prefix, "token_dtype"),
+                f"{self.token_dtype} holds ids below {limit:,} but vocab_size is {self.vocab_size:,}: use uint32",
+            )
+        if not 0 <= self.eos_id < self.vocab_size:
+            problems.add(
+                file, join_key(prefix, "eos_id"), f"{self.eos_id} is outside the vocabulary (size {self.vocab_size})"
+            )
+        _sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
+
+
+@dataclass(frozen=True)
+class DomainRecipe(Section):
+    target_ratio: float = MISSING  #: share of the exposure tokens, in (0, 1]; a mixture's sum to 1
     max_repetition_ratio: float = 1.0  #: max epochs over the domain's pool (>= 1.0)
 
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        if not 0.0 < self.target_ratio <= 1.0:
+            problems.add(file, join_key(prefix, "target_ratio"), f"must be in (0, 1], got {self.target_ratio}")
+        if self.max_repetition_ratio < 1.0:
+            problems.add(
+                file,
+                join_key(prefix, "max_repetition_ratio"),
+                f"must be >= 1.0 (epochs), got {self.max_repetition_ratio}",
+            )
 
-@dataclass
-class MixtureRecipe:
-    name: str = "???"
-    version: int = "???"  # type: ignore[assignment]
-    description: str = "???"
-    domains: dict[str, DomainRecipe] = field(default_factory=dict)
+
+@dataclass(frozen=True)
+class MixtureRecipe(Recipe):
+    domains: dict[str, DomainRecipe] = field(default_factory=dict)  #: domain name -> its ratio and cap
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        super().validate(problems, file, prefix)
+        key = join_key(prefix, "domains")
+        if not self.domains:
+            problems.add(file, key, "at least one domain is required")
+            return
+        for d, spec in self.domains.items():
+            spec.validate(problems, file, join_key(key, d))
+        total = sum(spec.target_ratio for spec in self.domains.values())
+        if abs(total - 1.0) > 1e-9:
+            problems.add(file, key, f"target ratios sum to {total:.6g}, not 1")
 
 
-@dataclass
-class ModelRecipe:
-    name: str = "???"
-    version: int = "???"  # type: ignore[assignment]
-    description: str = "???"
-    arch: str = "llama"
-    hidden_size: int = "???"  # type: ignore[assignment]
-    n_layers: int = "???"  # type: ignore[assignment]
-    n_heads: int = "???"  # type: ignore[assignment]
-    n_kv_heads: int = "???"  # type: ignore[assignment]
-    intermediate_size: int = "???"  # type: ignore[assignment]
+@dataclass(frozen=True)
+class ModelRecipe(Recipe):
+    arch: Arch = "llama"
+    hidden_size: int = MISSING
+    n_layers: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: int = MISSING  #: grouped-query attention: key/value heads (n_heads = plain attention)
+    intermediate_size: int = MISSING  #: SwiGLU width
     tie_embeddings: bool = False
     rope_theta: float = 10_000.0
     rms_norm_eps: float = 1e-5
     init_std: float = 0.02
     pad_vocab_multiple: int = 1  #: embedding rows = tokenizer vocab rounded up to this multiple
-    attn_implementation: str = "sdpa"  #: sdpa | eager | flash_attention_2 | flash_attention_3
-    sdpa_kernel: str | None = None  #: sdpa only: pin flash | efficient | cudnn | math (null = torch picks)
+    attn_implementation: AttnImplementation = "sdpa"  #: sdpa | eager | flash_attention_2 | flash_attention_3
+    sdpa_kernel: SdpaKernel | None = None  #: sdpa only: pin flash | efficient | cudnn | math (null = torch picks)
     activation_checkpointing: bool = False
     compile: bool = False
-    compile_mode: str = "default"  #: torch.compile mode: default | reduce-overhead | max-autotune
+    compile_mode: CompileMode = "default"  #: torch.compile mode: default | reduce-overhead | max-autotune
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        super().validate(problems, file, prefix)
+        _at_least_one(
+            problems,
+            file,
+            prefix,
+            self,
+            ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "pad_vocab_multiple"),
+        )
+        heads, kv = self.n_heads, self.n_kv_heads
+        if heads >= 1 and self.hidden_size % heads:
+            problems.add(
+                file,
+                join_key(prefix, "n_heads"),
+                f"hidden_size {self.hidden_size} is not divisible by n_heads {heads}",
+            )
+        elif heads >= 1 and (self.hidden_size // heads) % 2:
+            problems.add(
+                file, join_key(prefix, "n_heads"), f"head dim {self.hidden_size // heads} must be even for RoPE"
+            )
+        if kv >= 1 and heads % kv:
+            problems.add(file, join_key(prefix, "n_kv_heads"), f"n_heads {heads} is not divisible by n_kv_heads {kv}")
+        if self.sdpa_kernel is not None and self.attn_implementation != "sdpa":
+            problems.add(
+                file,
+                join_key(prefix, "sdpa_kernel"),
+                f"only applies to attn_implementation sdpa, not {self.attn_implementation}",
+            )
 
 
-@dataclass
-class OptimRecipe:
-    name: str = "???"
-    version: int = "???"  # type: ignore[assignment]
-    description: str = "???"
-    lr: float = "???"  # type: ignore[assignment]
+@dataclass(frozen=True)
+class OptimRecipe(Recipe):
+    lr: float = MISSING  #: peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  #: final lr = lr * min_lr_ratio
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  #: on matrices only; norms' gains are not decayed
     grad_clip: float = 1.0  #: max global grad norm; 0 disables clipping
     fused: bool = False
-    schedule: str = "cosine"  #: cosine | wsd | constant, over train.max_duration_tokens
+    schedule: Schedule = "cosine"  #: cosine | wsd | constant, over train.max_duration_tokens
     warmup_tokens: int = 0
     decay_fraction: float = 0.2  #: wsd only: share of max_duration spent decaying
 
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        super().validate(problems, file, prefix)
+        if self.lr <= 0:
+            problems.add(file, join_key(prefix, "lr"), f"must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            problems.add(file, join_key(prefix, "betas"), f"must be two numbers in [0, 1), got {list(self.betas)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            problems.add(file, join_key(prefix, "min_lr_ratio"), f"must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 < self.decay_fraction <= 1:
+            problems.add(file, join_key(prefix, "decay_fraction"), f"must be in (0, 1], got {self.decay_fraction}")
 
-@dataclass
-class HardwareRecipe:
-    name: str = "???"
-    version: int = "???"  # type: ignore[assignment]
-    description: str = "???"
-    accelerator: str = "???"  #: cpu | cuda | rocm
-    device_name: str = "???"  #: e.g. "H200 SXM", "MI300X"; must match the detected device
+
+@dataclass(frozen=True)
+class HardwareRecipe(Recipe):
+    accelerator: Accelerator = MISSING  #: cpu | cuda | rocm
+    device_name: str = MISSING  #: e.g. "H200 SXM", "MI300X"; must match the detected device
     peak_tflops: float | None = None  #: dense peak for peak_dtype; null = from the peak table
-    peak_dtype: str = "bf16"
-    peak_source: str | None = None
-    memory_gib: float = "???"  # type: ignore[assignment]
-    price_per_device_hour_usd: float = "???"  # type: ignore[assignment]
+    peak_dtype: str = "bf16"  #: the dtype peak_tflops is for (the peak table holds bf16)
+    peak_source: str | None = None  #: where a stated peak_tflops comes from (datasheet, measurement)
+    memory_gib: float = MISSING  #: memory of one device
+    price_per_device_hour_usd: float = MISSING  #: for cost per useful token
     devices_per_node: int = 1
     nodes: int = 1
-    precision: str = "bf16"  #: bf16 (mixed, fp32 master weights) | fp32
-    distributed: str = "none"  #: none | ddp | fsdp
+    precision: Precision = "bf16"  #: bf16 (mixed, fp32 master weights) | fp32
+    distributed: Distributed = "none"  #: none | ddp | fsdp
     tf32: bool = True
     pin_memory: bool = True
     default_mfu: float = 0.4  #: what the planner assumes before a measurement exists
-    cpu_peak: str | None = (
-        None  #: CPU, when peak_tflops is null: theoretical (cores x clock x FLOP/cycle) | measured (best fp32 matmul burst)
-    )
+    #: CPU, when peak_tflops is null: theoretical (cores x clock x FLOP/cycle) | measured (best fp32 matmul burst)
+    cpu_peak: CpuPeak | None = None
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        super().validate(problems, file, prefix)
+        _at_least_one(problems, file, prefix, self, ("devices_per_node", "nodes"))
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            problems.add(file, join_key(prefix, "peak_tflops"), f"must be > 0, got {self.peak_tflops}")
+        if self.peak_tflops is not None and not self.peak_source:
+            problems.add(
+                file, join_key(prefix, "peak_source"), "a stated peak_tflops needs its source (datasheet, measurement)"
+            )
+        if self.accelerator != "cpu":
+            return
+        if self.peak_tflops is None and self.cpu_peak is None:
+            problems.add(
+                file,
+                join_key(prefix, "cpu_peak"),
+                "a CPU has no datasheet peak: state peak_tflops, or set cpu_peak: theoretical | measured",
+            )
+        if self.precision != "fp32":
+            problems.add(file, join_key(prefix, "precision"), "CPU training runs in fp32")
 
 
-@dataclass
-class EvalRecipe:
-    name: str = "???"
-    version: int = "???"  # type: ignore[assignment]
-    description: str = "???"
-    interval_steps: int = "???"  # type: ignore[assignment]
-    samples_per_domain: int = "???"  # type: ignore[assignment]
+@dataclass(frozen=True)
+class EvalRecipe(Recipe):
+    interval_steps: int = MISSING  #: evaluate every this many committed steps (and at the end)
+    samples_per_domain: int = MISSING  #: held-out samples scored per domain, the same every time
     micro_batch_sequences: int = 8
 
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        super().validate(problems, file, prefix)
+        if self.interval_steps < 1 or self.samples_per_domain < 1:
+            problems.add(file, prefix, "interval_steps and samples_per_domain must be >= 1")
 
-@dataclass
-class CheckpointSection:
+
+@dataclass(frozen=True)
+class CheckpointSection(Section):
     interval_steps: int = 1000
     interval_minutes: float = 60.0
     keep_last: int = 3
 
 
-@dataclass
-class TrainSection:
-    seq_len: int = "???"  # type: ignore[assignment]
-    global_batch_sequences: int = "???"  # type: ignore[assignment]
-    micro_batch_sequences: int = "???"  # type: ignore[assignment]
-    exposure_tokens: int = "???"  # type: ignore[assignment]
+@dataclass(frozen=True)
+class TrainSection(Section):
+    seq_len: int = MISSING  #: L: input positions per sample
+    global_batch_sequences: int = MISSING  #: sequences per optimizer step, all devices
+    micro_batch_sequences: int = MISSING  #: sequences per forward/backward on one device
+    exposure_tokens: int = MISSING  #: the exposure budget: a whole number of global batches
     max_duration_tokens: int | None = None  #: lr-schedule length; null = exposure_tokens
     hard_stop_tokens: int | None = None  #: stop early without changing the schedule
     log_interval_steps: int = 1
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        keys = ("seq_len", "global_batch_sequences", "micro_batch_sequences", "exposure_tokens", "log_interval_steps")
+        before = len(problems.lines)
+        _at_least_one(problems, file, prefix, self, keys)
+        if len(problems.lines) > before:
+            return  # the budget arithmetic below divides by these
+        batch = self.global_batch_sequences * self.seq_len
+        for k in ("exposure_tokens", "max_duration_tokens", "hard_stop_tokens"):
+            tokens = getattr(self, k)
+            if tokens is not None and tokens % batch:
+                lo = tokens // batch * batch
+                problems.add(
+                    file,
+                    join_key(prefix, k),
+                    f"{tokens:,} is not a whole number of global batches of {batch:,} tokens "
+                    f"({self.global_batch_sequences} x {self.seq_len}): use {lo:,} or {lo + batch:,}",
+                )
+        if self.max_duration_tokens is not None and self.max_duration_tokens < self.exposure_tokens:
+            problems.add(
+                file,
+                join_key(prefix, "max_duration_tokens"),
+                f"{self.max_duration_tokens:,} is below exposure_tokens {self.exposure_tokens:,}: "
+                "use hard_stop_tokens to stop early",
+            )
+        if self.hard_stop_tokens is not None and not 0 < self.hard_stop_tokens <= self.exposure_tokens:
+            problems.add(
+                file,
+                join_key(prefix, "hard_stop_tokens"),
+                f"must be in (0, exposure_tokens], got {self.hard_stop_tokens:,}",
+            )
 
-@dataclass
-class ManifestPin:
-    path: str = "???"  #: manifest.json, relative to the project root or absolute
-    sha256: str | None = "???"  #: its manifest_sha256; null = not pinned yet (launch refuses)
+
+@dataclass(frozen=True)
+class ManifestPin(Section):
+    path: str = MISSING  #: manifest.json, relative to the project root or absolute
+    sha256: str | None = MISSING  #: its manifest_sha256; null = not pinned yet (launch refuses)
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        _sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
 
 
-@dataclass
-class DataSection:
-    manifests: dict[str, ManifestPin] = field(default_factory=dict)
+@dataclass(frozen=True)
+class DataSection(Section):
+    manifests: dict[str, ManifestPin] = field(default_factory=dict)  #: domain -> its pinned manifest
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        for d, pin in self.manifests.items():
+            pin.validate(problems, file, join_key(join_key(prefix, "manifests"), d))
 
 
-@dataclass
-class PlanSection:
-    checkpoint_overhead_fraction: float = 0.02
+@dataclass(frozen=True)
+class PlanSection(Section):
+    checkpoint_overhead_fraction: float = 0.02  #: checkpoint time as a fraction of pure training time
     eval_overhead_fraction: float = 0.03
-    recovery_overhead_fraction: float = 0.05
-    raw_bytes_per_token: float = 4.2
-    inference_tokens: float = 0.0
+    recovery_overhead_fraction: float = 0.05  #: restarts and lost work
+    raw_bytes_per_token: float = 4.2  #: UTF-8 bytes of source text per token, for storage
+    inference_tokens: float = 0.0  #: tokens the model will serve (scaling fits' inference-aware optimum)
 
 
-@dataclass
-class ExperimentSchema:
-    name: str = "???"
-    version: int = "???"  # type: ignore[assignment]
-    description: str = "???"
-    seed: int = "???"  # type: ignore[assignment]
-    recipes: dict[str, str] = field(default_factory=dict)
+@dataclass(frozen=True)
+class ExperimentSchema(Section):
+    """The resolved experiment: every section present, defaults filled, interpolations resolved."""
+
+    name: str = MISSING
+    version: int = MISSING
+    description: str = MISSING
+    seed: int = MISSING
+    recipes: dict[str, str] = field(default_factory=dict)  #: kind -> name@version of each recipe used
     tokenizer: TokenizerRecipe = field(default_factory=TokenizerRecipe)
     mixture: MixtureRecipe = field(default_factory=MixtureRecipe)
     model: ModelRecipe = field(default_factory=ModelRecipe)
@@ -169,8 +353,15 @@ class ExperimentSchema:
     data: DataSection = field(default_factory=DataSection)
     plan: PlanSection = field(default_factory=PlanSection)
 
+    def validate(self, problems: Problems, file: File, prefix: str = "") -> None:
+        """Every section's own rules (the rules across sections are runner.config.rules')."""
+        for f in fields(self):
+            section = getattr(self, f.name)
+            if isinstance(section, Section):
+                section.validate(problems, file, join_key(prefix, f.name))
 
-RECIPE_SCHEMAS = {
+
+RECIPE_SCHEMAS: dict[str, type[Recipe]] = {
     "tokenizer": TokenizerRecipe,
     "mixture": MixtureRecipe,
     "model": ModelRecipe,
@@ -180,16 +371,32 @@ RECIPE_SCHEMAS = {
 }
 #: keys an experiment file may hold at top level (the rest come from recipes)
 EXPERIMENT_KEYS = ("name", "version", "description", "base", "seed", "recipes", "overrides", "train", "data", "plan")
-CHOICES = {
-    "model.arch": ("llama",),
-    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flash_attention_3"),
-    "model.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
-    "optim.schedule": ("cosine", "wsd", "constant"),
-    "hardware.accelerator": ("cpu", "cuda", "rocm"),
-    "hardware.precision": ("bf16", "fp32"),
-    "hardware.distributed": ("none", "ddp", "fsdp"),
-    "tokenizer.token_dtype": tuple(TOKEN_DTYPES),
-}
+
+
+def literal_choices(typ: Any) -> tuple[str, ...] | None:
+    """The choices of a `Literal[...]` (or `Literal[...] | None`) field type, else None."""
+    if typing.get_origin(typ) is Literal:
+        return typing.get_args(typ)
+    for arg in typing.get_args(typ):
+        if typing.get_origin(arg) is Literal:
+            return typing.get_args(arg)
+    return None
+
+
+def _choices(schema: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for name, typ in typing.get_type_hints(schema).items():
+        key = join_key(prefix, name)
+        options = literal_choices(typ)
+        if options is not None:
+            out[key] = options
+        elif isinstance(typ, type) and is_dataclass(typ):
+            out.update(_choices(typ, key))
+    return out
+
+
+#: dotted key -> allowed values, read off the `Literal` field types (the one place choices live)
+CHOICES = _choices(ExperimentSchema)
 #: keys that say how a run is operated, not what it trains: left out of the fingerprint, so
 #: relocating data, stopping early or checkpointing more often never changes an experiment's identity.
 OPERATIONAL_KEYS = (

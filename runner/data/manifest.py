@@ -16,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from runner.errors import RunnerError
+from runner.config.load import Experiment
+from runner.data.mixture import MixturePlan, plan_mixture
+from runner.errors import MixtureInfeasible, RunnerError, display_path
 from runner.fsio import atomic_write, canonical_json, sha256_file
 
 FORMAT = "runner-manifest/1"
@@ -38,7 +40,7 @@ REQUIRED_KEYS = (
     "manifest_sha256",
 )
 SHARD_KEYS = ("path", "tokens", "documents", "sha256")
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 def manifest_sha256(fields: dict) -> str:
@@ -116,6 +118,26 @@ def _check_shard(shard: Shard, itemsize: int, full: bool) -> None:
             raise RunnerError(f"shard sha256 is {actual}, the manifest says {shard.sha256}", file=str(shard.path))
 
 
+def _read_manifest_json(path: Path, key: str | None) -> dict:
+    """The manifest's JSON object, with every required key; `key` names the pin in errors."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RunnerError(
+            "manifest not found (run `runner data prepare` or `runner data builtin`)", file=path, key=key
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RunnerError(f"not valid JSON: {e}", file=path) from None
+    if not isinstance(data, dict):
+        raise RunnerError("manifest must be a JSON object", file=path)
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    if missing:
+        raise RunnerError(f"missing keys: {', '.join(missing)}", file=path)
+    return data
+
+
 def load_manifest(
     path: str | os.PathLike, expected_sha256: str | None = None, verify: str = "size", key: str | None = None
 ) -> Manifest:
@@ -125,21 +147,7 @@ def load_manifest(
         raise ValueError(f"verify must be 'size' or 'full', got {verify!r}")
     path = Path(path)
     file = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RunnerError(
-            "manifest not found (run `runner data prepare` or `runner data builtin`)", file=file, key=key
-        ) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RunnerError(f"not valid JSON: {e}", file=file) from None
-    if not isinstance(data, dict):
-        raise RunnerError("manifest must be a JSON object", file=file)
-    missing = [k for k in REQUIRED_KEYS if k not in data]
-    if missing:
-        raise RunnerError(f"missing keys: {', '.join(missing)}", file=file)
+    data = _read_manifest_json(path, key)
     if data["format"] != FORMAT:
         raise RunnerError(f"unknown format {data['format']!r}, expected {FORMAT!r}", file=file, key="format")
     actual = manifest_sha256(data)
@@ -222,15 +230,13 @@ class Pool:
 
 
 def load_experiment_manifests(
-    exp, *, verify: str = "size", missing_ok: bool = False
+    exp: Experiment, *, verify: str = "size", missing_ok: bool = False
 ) -> tuple[dict[str, Manifest], list[str]]:
     """The manifests an experiment pins, each checked against its pin and against the experiment's
     tokenizer (a pool tokenized with another tokenizer would train on wrong ids).
 
     With `missing_ok` (validation on a machine without the data), unpinned or absent manifests
     become notes; otherwise (launch) they are errors. Returns (manifests by domain, notes)."""
-    from runner.errors import display_path
-
     cfg = exp.config
     where = exp.path
     manifests: dict[str, Manifest] = {}
@@ -273,22 +279,21 @@ def load_experiment_manifests(
     return manifests, notes
 
 
-def plan_experiment_mixture(exp, manifests: dict[str, Manifest], exposure_tokens: int | None = None):
+def plan_experiment_mixture(
+    exp: Experiment, manifests: dict[str, Manifest], exposure_tokens: int | None = None
+) -> MixturePlan:
     """The mixture plan of an experiment over its manifests, at its own budget or at
     `exposure_tokens` (a pilot's); MixtureInfeasible names the file."""
-    from runner.data.mixture import plan_mixture
-    from runner.errors import MixtureInfeasible
-
     cfg = exp.config
-    L = int(cfg.train.seq_len)
+    L = cfg.train.seq_len
     try:
         return plan_mixture(
             {d: num_samples(m.pool_tokens, L) for d, m in manifests.items()},
-            {d: float(v.target_ratio) for d, v in cfg.mixture.domains.items()},
-            {d: float(v.max_repetition_ratio) for d, v in cfg.mixture.domains.items()},
-            int(cfg.train.exposure_tokens if exposure_tokens is None else exposure_tokens),
+            {d: v.target_ratio for d, v in cfg.mixture.domains.items()},
+            {d: v.max_repetition_ratio for d, v in cfg.mixture.domains.items()},
+            cfg.train.exposure_tokens if exposure_tokens is None else exposure_tokens,
             L,
-            int(cfg.train.global_batch_sequences),
+            cfg.train.global_batch_sequences,
         )
     except MixtureInfeasible as e:
         if e.file is not None or exp.path is None:

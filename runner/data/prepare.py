@@ -9,17 +9,22 @@ batches of text in memory, and never lets a manifest name a shard that is not co
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO, Literal, overload
 
 import numpy as np
+import pyarrow.parquet as pq
+from tqdm import tqdm
 
 from runner.data.manifest import DTYPES, FORMAT, write_manifest
 from runner.data.tokenizer import load_tokenizer, tokenizer_info
@@ -65,7 +70,12 @@ def find_sources(inputs: list[str | os.PathLike], input_format: str = "auto") ->
     return sources
 
 
+@overload
+def _kind(path: Path, input_format: str, strict: Literal[True]) -> str: ...
+@overload
+def _kind(path: Path, input_format: str, strict: Literal[False]) -> str | None: ...
 def _kind(path: Path, input_format: str, strict: bool) -> str | None:
+    """The reader of `path`; with `strict` (a file named on its own) every file has one."""
     if input_format == "nanogpt-bin":
         return "nanogpt-bin" if (strict or path.suffix == ".bin") else None
     if input_format != "auto":
@@ -80,8 +90,6 @@ def _kind(path: Path, input_format: str, strict: bool) -> str | None:
 def iter_documents(source: Source, batch_docs: int = 1024) -> Iterator[tuple[str, str]]:
     """Yield (split key, text) per document: the key is the document id, or its text without one."""
     if source.kind == "parquet":
-        import pyarrow.parquet as pq
-
         try:
             pf = pq.ParquetFile(source.path)
         except Exception as e:
@@ -136,19 +144,22 @@ class ShardWriter:
     def __init__(self, out_dir: Path, prefix: str, shard_tokens: int, dtype: np.dtype):
         self.out_dir, self.prefix, self.shard_tokens, self.dtype = out_dir, prefix, shard_tokens, dtype
         self.shards: list[dict] = []
-        self._file = None
+        self._file: BinaryIO | None = None
 
-    def _open(self) -> None:
+    def _open(self) -> BinaryIO:
         self._final = self.out_dir / f"{self.prefix}-{len(self.shards):05d}.bin"
         self._tmp = self.out_dir / f".{self._final.name}.tmp"
         self._file = open(self._tmp, "wb")
         self._tokens, self._documents, self._hash = 0, 0, hashlib.sha256()
+        return self._file
 
     def _close(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._file = None
+        f, self._file = self._file, None
+        if f is None:
+            return
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
         os.replace(self._tmp, self._final)
         fsync_dir(self.out_dir)
         self.shards.append(
@@ -165,11 +176,10 @@ class ShardWriter:
         tokens = tokens.astype(self.dtype, copy=False)
         pos = 0
         while pos < len(tokens):
-            if self._file is None:
-                self._open()
+            f = self._file or self._open()
             take = min(self.shard_tokens - self._tokens, len(tokens) - pos)
             chunk = tokens[pos : pos + take].tobytes()
-            self._file.write(chunk)
+            f.write(chunk)
             self._hash.update(chunk)
             self._documents += int(np.count_nonzero((doc_ends > pos) & (doc_ends <= pos + take)))
             self._tokens += take
@@ -184,9 +194,9 @@ class ShardWriter:
 
 
 # Worker state: each process loads the tokenizer once.
-_TOKENIZER = None
-_EOS_ID = None
-_DTYPE = None
+_TOKENIZER: Any = None  # a tokenizers.Tokenizer once _init_worker ran
+_EOS_ID: int | None = None
+_DTYPE: np.dtype | None = None
 
 
 PR_SET_PDEATHSIG = 1
@@ -196,9 +206,6 @@ PR_GET_PDEATHSIG = 2
 def die_with_parent() -> None:
     """Linux: SIGKILL this worker when its parent dies. A SIGKILLed prepare (finished by rerunning
     it) otherwise leaves workers that print BrokenPipeError tracebacks and tokenize on for nothing."""
-    import ctypes
-    import signal
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -225,7 +232,7 @@ def tokenize_batch(batch: tuple[list[str], list[str], float]):
     keys, texts, fraction = batch
     encode = getattr(_TOKENIZER, "encode_batch_fast", _TOKENIZER.encode_batch)  # no offsets needed
     encodings = encode(texts, add_special_tokens=False)
-    out = {True: ([], []), False: ([], [])}
+    out: dict[bool, tuple[list[int], list[int]]] = {True: ([], []), False: ([], [])}
     for key, enc in zip(keys, encodings):
         ids, lengths = out[is_validation(key, fraction)]
         doc = enc.ids
@@ -250,15 +257,15 @@ def _batches(sources: list[Source], batch_docs: int, fraction: float):
         yield keys, texts, fraction
 
 
-def _ordered_results(batches, workers: int, init_args: tuple):
+def _ordered_results(batches, workers: int, init_args: tuple[str, int, str]):
     """Tokenize batches in order; at most 2 batches per worker in flight keeps memory flat."""
     if workers <= 1:
-        _init_worker(*init_args[:3], threads_ok=True)
+        _init_worker(*init_args, threads_ok=True)
         yield from map(tokenize_batch, batches)
         return
     ctx = multiprocessing.get_context("spawn")  # no inherited tokenizer thread pools
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(*init_args[:3], False)) as pool:
-        pending = deque()
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(*init_args, False)) as pool:
+        pending: deque = deque()
         for batch in batches:
             pending.append(pool.apply_async(tokenize_batch, (batch,)))
             if len(pending) >= 2 * workers:
@@ -298,8 +305,6 @@ def prepare(
     progress: bool | None = None,
 ) -> tuple[Path, str]:
     """Tokenize `inputs` into `out_dir`; returns (manifest path, manifest_sha256)."""
-    from tqdm import tqdm
-
     if not 0.0 <= validation_fraction < 1.0:
         raise RunnerError(f"must be in [0, 1), got {validation_fraction}", key="validation_fraction")
     if shard_tokens <= 0 or batch_docs <= 0:
@@ -338,6 +343,7 @@ def prepare(
                     bar.update(len(tokens))
     shards, validation_shards = writers[False].finish(), writers[True].finish()
     _remove_stale_shards(out_dir, {s["path"] for s in shards + validation_shards})
+    split_rule = "nanoGPT val*.bin files" if input_format == "nanogpt-bin" else SPLIT_RULE
     fields = {
         "format": FORMAT,
         "domain": domain,
@@ -345,20 +351,24 @@ def prepare(
         "token_dtype": info["token_dtype"],
         "vocab_size": info["vocab_size"],
         "eos_id": info["eos_id"],
-        "shards": shards,
-        "validation_shards": validation_shards,
-        "validation": {
-            "fraction": validation_fraction,
-            "rule": "nanoGPT val*.bin files" if input_format == "nanogpt-bin" else SPLIT_RULE,
-        },
-        "pool_tokens": sum(s["tokens"] for s in shards),
-        "documents": documents[False],
-        "validation_tokens": sum(s["tokens"] for s in validation_shards),
-        "validation_documents": documents[True],
+        **_pool_fields(shards, validation_shards, documents, {"fraction": validation_fraction, "rule": split_rule}),
         "sources": [{"path": s.name, "kind": s.kind, "sha256": sha256_file(s.path)} for s in sources],
     }
     manifest_path = out_dir / "manifest.json"
     return manifest_path, write_manifest(manifest_path, fields)
+
+
+def _pool_fields(shards: list[dict], validation_shards: list[dict], documents: dict[bool, int], split: dict) -> dict:
+    """The manifest's shards and totals of both splits (validation: True in `documents`)."""
+    return {
+        "shards": shards,
+        "validation_shards": validation_shards,
+        "validation": split,
+        "pool_tokens": sum(s["tokens"] for s in shards),
+        "documents": documents[False],
+        "validation_tokens": sum(s["tokens"] for s in validation_shards),
+        "validation_documents": documents[True],
+    }
 
 
 def _copy_bin(source: Source, writer: ShardWriter, info: dict, bar) -> int:

@@ -27,11 +27,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from runner.errors import RunnerError
+
+if TYPE_CHECKING:
+    import torch
+
+    from runner.data.manifest import Pool
 
 _CHECKPOINT_EVERY_STEPS = 256  # replay snapshots: random access replays at most this many steps
 _FEISTEL_ROUNDS = 6
@@ -123,15 +128,6 @@ class MixtureSchedule:
     def samples_per_step(self, d: int) -> Fraction:
         """Exact target samples of domain d per step: ratio_d * B."""
         return Fraction(self._numerators[d] * self.global_batch, self._denominator)
-
-    def targets(self, step: int) -> list[Fraction]:
-        """Exact targets ratio_d * step * B (in samples)."""
-        return [Fraction(n * step * self.global_batch, self._denominator) for n in self._numerators]
-
-
-def mixture_counts(ratios: Mapping[str, float], global_batch_sequences: int, steps: int) -> np.ndarray:
-    """Per-domain samples (sorted domain order) the sampler produces over `steps` steps."""
-    return np.array(MixtureSchedule(ratios, global_batch_sequences).counts(steps), dtype=np.int64)
 
 
 # --- keyed random-access permutations ----------------------------------------------------
@@ -248,26 +244,6 @@ class MixtureSampler:
         return self.global_batch(step)[rank * per_rank : (rank + 1) * per_rank]
 
 
-def replay(
-    samples: Mapping[str, int], ratios: Mapping[str, float], seed: int, global_batch: int, steps: int
-) -> dict[str, np.ndarray]:
-    """Exposure count per sample of every domain after `steps` committed steps (int64, unsaturated).
-
-    Recounts from the sampler's definition alone (full epochs plus a seeded prefix of the
-    last permutation), so the audit can check a ledger without trusting it.
-    """
-    sampler = MixtureSampler(samples, ratios, seed, global_batch)
-    totals = sampler.cumulative_counts(steps)
-    out = {}
-    for d, name in enumerate(sampler.domains):
-        n, exposures = int(sampler.samples[d]), int(totals[d])
-        full_epochs = exposures // n
-        counts = np.full(n, full_epochs, dtype=np.int64)
-        counts[sampler.exposures_to_samples(d, full_epochs * n, exposures)] += 1
-        out[name] = counts
-    return out
-
-
 # --- reading windows -----------------------------------------------------------------------
 
 
@@ -284,13 +260,15 @@ class Batch:
 class BatchReader:
     """Reads sample windows `pool[k*L : k*L+L+1]` from pools keyed by domain name."""
 
-    def __init__(self, pools: Mapping[str, object], seq_len: int):
+    def __init__(self, pools: Mapping[str, Pool], seq_len: int):
         self.domains = sorted(pools)
         self.pools = [pools[d] for d in self.domains]
         self.seq_len = int(seq_len)
         self.samples = [(int(p.tokens) - 1) // self.seq_len for p in self.pools]
 
     def read(self, pairs: Sequence[tuple[int, int]] | np.ndarray) -> Batch:
+        import torch  # noqa: PLC0415  (torch: the planner and the audit use this module without it)
+
         pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
         seq_len = self.seq_len
         windows = np.empty((len(pairs), seq_len + 1), dtype=np.int64)

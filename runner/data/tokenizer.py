@@ -15,6 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from runner.errors import RunnerError
 from runner.fsio import sha256_file
@@ -45,8 +47,6 @@ def token_dtype_for(vocab_size: int) -> str:
 
 def load_tokenizer(path: str | os.PathLike, expected_sha256: str | None = None):
     """Load a `tokenizer.json`; refuse it when its sha256 is not the pinned one."""
-    from tokenizers import Tokenizer
-
     path = Path(path)
     if not path.is_file():
         raise RunnerError("tokenizer file not found", file=str(path))
@@ -133,8 +133,6 @@ def token_byte_lengths(tokenizer) -> np.ndarray:
 
 def train_tokenizer(documents: Iterable[str], vocab_size: int):
     """Byte-level BPE with `<|endoftext|>` as its only special token (id 0)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if vocab_size < 257 + 1:
         raise RunnerError(f"vocab_size {vocab_size} is below the 256 bytes plus EOS", key="vocab_size")
     tokenizer = Tokenizer(models.BPE())
@@ -161,8 +159,6 @@ def recipe_path_value(path: Path) -> str:
 
 def write_trained(tokenizer, out_dir: str | os.PathLike, name: str, description: str) -> tuple[Path, Path]:
     """Save `tokenizer.json` and a ready tokenizer recipe `<name>.yaml` next to it."""
-    import yaml
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer_path = out_dir / "tokenizer.json"

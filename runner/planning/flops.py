@@ -12,21 +12,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from runner.config.schema import ExperimentSchema, ModelRecipe
 from runner.errors import RunnerError
 
 FLOPS_FORMULAS = ("6N", "6N+attn")
 PARAMS_COUNTED = ("all", "non_embedding", "active")
-
-
-def as_plain(cfg: Any) -> Any:
-    """A plain dict/list from an OmegaConf config (or the value itself), for uniform access."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # omegaconf is a dependency; this keeps the arithmetic importable alone
-        return cfg
-    if isinstance(cfg, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(cfg, resolve=True)
-    return cfg
 
 
 @dataclass(frozen=True)
@@ -145,29 +135,25 @@ class ParamCounts:
         }
 
 
-def _int(model: Mapping[str, Any], key: str) -> int:
-    value = model.get(key)
+def _positive(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise RunnerError(f"must be a positive integer, got {value!r}", key=f"model.{key}")
+        raise RunnerError(f"must be a positive integer, got {value!r}", key=key)
     return value
 
 
-def count_params(model: Mapping[str, Any], vocab_size: int) -> ParamCounts:
+def count_params(model: ModelRecipe, vocab_size: int) -> ParamCounts:
     """Exact parameter counts of the Llama model section (q,k,v,o with GQA; SwiGLU; RMSNorm; no biases)."""
-    model = as_plain(model)
-    arch = model.get("arch", "llama")
-    if arch != "llama":
-        raise RunnerError(f"only 'llama' is counted, got {arch!r}", key="model.arch")
-    d_model, n_layers = _int(model, "hidden_size"), _int(model, "n_layers")
-    n_heads = _int(model, "n_heads")
-    n_kv_heads = model.get("n_kv_heads") or n_heads
-    d_ff = _int(model, "intermediate_size")
+    if model.arch != "llama":
+        raise RunnerError(f"only 'llama' is counted, got {model.arch!r}", key="model.arch")
+    d_model, n_layers = _positive(model.hidden_size, "model.hidden_size"), _positive(model.n_layers, "model.n_layers")
+    n_heads = _positive(model.n_heads, "model.n_heads")
+    n_kv_heads = _positive(model.n_kv_heads, "model.n_kv_heads")
+    d_ff = _positive(model.intermediate_size, "model.intermediate_size")
     if d_model % n_heads:
         raise RunnerError(f"hidden_size {d_model} is not divisible by n_heads {n_heads}", key="model.n_heads")
     if n_heads % n_kv_heads:
         raise RunnerError(f"n_heads {n_heads} is not divisible by n_kv_heads {n_kv_heads}", key="model.n_kv_heads")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
-        raise RunnerError(f"must be a positive integer, got {vocab_size!r}", key="tokenizer.vocab_size")
+    vocab_size = _positive(vocab_size, "tokenizer.vocab_size")
     head_dim = d_model // n_heads
     kv_dim = n_kv_heads * head_dim
     layer = LayerParams(
@@ -181,7 +167,7 @@ def count_params(model: Mapping[str, Any], vocab_size: int) -> ParamCounts:
         input_norm=d_model,
         post_attention_norm=d_model,
     )
-    tied = bool(model.get("tie_embeddings", False))
+    tied = model.tie_embeddings
     embedding = vocab_size * d_model
     lm_head = vocab_size * d_model
     body = n_layers * layer.total + d_model
@@ -200,16 +186,15 @@ def count_params(model: Mapping[str, Any], vocab_size: int) -> ParamCounts:
     )
 
 
-def params_of_config(cfg: Mapping[str, Any]) -> ParamCounts:
-    """`count_params` of a resolved experiment config: embedding rows are tokenizer.vocab_size
-    rounded up to model.pad_vocab_multiple (as `runner.config.rules.model_vocab_size`)."""
-    cfg = as_plain(cfg)
-    vocab = (cfg.get("tokenizer") or {}).get("vocab_size")
-    model = cfg.get("model") or {}
-    multiple = model.get("pad_vocab_multiple") or 1
-    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
-        vocab = -(-vocab // multiple) * multiple
-    return count_params(model, vocab)
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """Embedding rows: the tokenizer's `vocab_size` rounded up to `multiple` (model.pad_vocab_multiple)."""
+    vocab, multiple = _positive(vocab_size, "tokenizer.vocab_size"), _positive(multiple, "model.pad_vocab_multiple")
+    return -(-vocab // multiple) * multiple
+
+
+def params_of_config(cfg: ExperimentSchema) -> ParamCounts:
+    """`count_params` of a resolved experiment config, over its padded vocabulary."""
+    return count_params(cfg.model, padded_vocab_size(cfg.tokenizer.vocab_size, cfg.model.pad_vocab_multiple))
 
 
 def attention_flops_per_token(n_layers: int, d_model: int, seq_len: int) -> int:
@@ -224,7 +209,7 @@ def flops_per_token_from_counts(
     n_params = counts.get(convention.params_counted)
     # Forward 2N + backward 4N; recomputation repeats the forward: 8N (HFU).
     passes = 8 if convention.recompute_counted else 6
-    flops = passes * n_params
+    flops: float = passes * n_params
     if convention.flops_formula == "6N+attn":
         attn = attention_flops_per_token(counts.n_layers, d_model, seq_len) * passes / 6
         if convention.attention_causal_half:
@@ -234,16 +219,15 @@ def flops_per_token_from_counts(
 
 
 def flops_per_token(
-    cfg: Mapping[str, Any], convention: Convention = DEFAULT_CONVENTION, *, seq_len: int | None = None
+    cfg: ExperimentSchema, convention: Convention = DEFAULT_CONVENTION, *, seq_len: int | None = None
 ) -> float:
     """FLOPs per processed token of a resolved experiment config under `convention`."""
-    cfg = as_plain(cfg)
     counts = params_of_config(cfg)
     if seq_len is None:
-        seq_len = (cfg.get("train") or {}).get("seq_len")
+        seq_len = cfg.train.seq_len
     if convention.flops_formula == "6N+attn" and not (isinstance(seq_len, int) and seq_len > 0):
         raise RunnerError(f"must be a positive integer for 6N+attn, got {seq_len!r}", key="train.seq_len")
-    return flops_per_token_from_counts(counts, seq_len or 0, cfg["model"]["hidden_size"], convention)
+    return flops_per_token_from_counts(counts, seq_len or 0, cfg.model.hidden_size, convention)
 
 
 def hfu_convention(convention: Convention = DEFAULT_CONVENTION) -> Convention:
@@ -252,11 +236,10 @@ def hfu_convention(convention: Convention = DEFAULT_CONVENTION) -> Convention:
 
 
 def hfu_flops_per_token(
-    cfg: Mapping[str, Any], convention: Convention = DEFAULT_CONVENTION, *, seq_len: int | None = None
+    cfg: ExperimentSchema, convention: Convention = DEFAULT_CONVENTION, *, seq_len: int | None = None
 ) -> float | None:
     """FLOPs per token the hardware executes when activation checkpointing runs the forward again in
     backward (8N where the model needs 6N): the HFU numerator. None without activation checkpointing."""
-    cfg = as_plain(cfg)
-    if not bool((cfg.get("model") or {}).get("activation_checkpointing")):
+    if not cfg.model.activation_checkpointing:
         return None
     return flops_per_token(cfg, hfu_convention(convention), seq_len=seq_len)

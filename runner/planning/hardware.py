@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from runner.config.schema import HardwareRecipe
 from runner.errors import RunnerError
-from runner.planning.flops import Convention, as_plain
+from runner.planning.flops import Convention
 
 SIMULATE_ENV = "RUNNER_SIMULATE_DEVICE"
 
@@ -83,37 +83,32 @@ class Peak:
         return asdict(self)
 
 
-def resolve_peak(hardware: Mapping[str, Any], *, measure_seconds: float = 1.0) -> Peak:
+def resolve_peak(hw: HardwareRecipe, *, measure_seconds: float = 1.0) -> Peak:
     """The recipe's stated peak if any; else a measured CPU peak if asked; else the table by device name."""
-    hw = as_plain(hardware) or {}
-    if hw.get("sparse"):
-        raise RunnerError("sparse peaks are never an MFU denominator; state the dense peak", key="hardware.sparse")
-    dtype = hw.get("peak_dtype") or "bf16"
-    stated = hw.get("peak_tflops")
-    if stated is not None:
+    if hw.peak_tflops is not None:
+        stated = hw.peak_tflops
         if isinstance(stated, bool) or not isinstance(stated, (int, float)) or stated <= 0:
             raise RunnerError(f"must be a positive number, got {stated!r}", key="hardware.peak_tflops")
-        source = hw.get("peak_source") or "stated in the hardware recipe (no source given)"
-        return Peak(float(stated), dtype, str(source), hw.get("device_name"))
-    if hw.get("accelerator") == "cpu":
-        method = hw.get("cpu_peak")
-        if method == "theoretical":
+        source = hw.peak_source or "stated in the hardware recipe (no source given)"
+        return Peak(float(stated), hw.peak_dtype, source, hw.device_name)
+    if hw.accelerator == "cpu":
+        if hw.cpu_peak == "theoretical":
             return cpu_theoretical_tflops(measure_seconds=measure_seconds)
-        if method == "measured":
+        if hw.cpu_peak == "measured":
             return measure_cpu_matmul_tflops(seconds=measure_seconds)
         raise RunnerError(
             "a CPU has no datasheet peak: state hardware.peak_tflops or set hardware.cpu_peak: theoretical | measured",
             key="hardware.peak_tflops",
         )
-    key = canonical_device(hw.get("device_name"))
+    key = canonical_device(hw.device_name)
     if key is None:
         raise RunnerError(
-            f"unknown device {hw.get('device_name')!r} and no hardware.peak_tflops stated (known: {', '.join(PEAKS)})",
+            f"unknown device {hw.device_name!r} and no hardware.peak_tflops stated (known: {', '.join(PEAKS)})",
             key="hardware.device_name",
         )
-    if dtype != "bf16":
+    if hw.peak_dtype != "bf16":
         raise RunnerError(
-            f"the peak table holds dense bf16 figures; for {dtype!r} state hardware.peak_tflops",
+            f"the peak table holds dense bf16 figures; for {hw.peak_dtype!r} state hardware.peak_tflops",
             key="hardware.peak_dtype",
         )
     entry = PEAKS[key]
@@ -156,7 +151,7 @@ def detect_device(simulate: str | None = None) -> DeviceIdentity:
     spec = simulate if simulate is not None else os.environ.get(SIMULATE_ENV)
     if spec:
         return parse_simulated(spec)
-    import torch
+    import torch  # noqa: PLC0415  (torch: kept off the loader's and the planner's start-up)
 
     if not torch.cuda.is_available():
         return DeviceIdentity("cpu", "cpu")
@@ -166,19 +161,17 @@ def detect_device(simulate: str | None = None) -> DeviceIdentity:
     return DeviceIdentity("cuda", props.name)
 
 
-def check_device_matches(hardware: Mapping[str, Any], detected: DeviceIdentity) -> None:
+def check_device_matches(hw: HardwareRecipe, detected: DeviceIdentity) -> None:
     """Refuse to run a recipe written for one device on another (its peak and memory would lie)."""
-    hw = as_plain(hardware) or {}
-    want_accel = hw.get("accelerator")
-    if want_accel and want_accel != detected.accelerator:
+    if hw.accelerator != detected.accelerator:
         raise RunnerError(
-            f"recipe says {want_accel} ({hw.get('device_name')}), this process runs on "
+            f"recipe says {hw.accelerator} ({hw.device_name}), this process runs on "
             f"{detected.accelerator} ({detected.name})",
             key="hardware.accelerator",
         )
     if detected.accelerator == "cpu":
         return
-    want = hw.get("device_name")
+    want = hw.device_name
     want_key = canonical_device(want)
     if want_key is not None:
         if detected.canonical != want_key:
@@ -187,13 +180,13 @@ def check_device_matches(hardware: Mapping[str, Any], detected: DeviceIdentity) 
                 f"{' (' + detected.arch + ')' if detected.arch else ''}",
                 key="hardware.device_name",
             )
-    elif want and (detected.name or "").strip().lower() != str(want).strip().lower():
+    elif (detected.name or "").strip().lower() != want.strip().lower():
         raise RunnerError(f"recipe says {want!r}, detected {detected.name!r}", key="hardware.device_name")
 
 
 def measure_cpu_matmul_tflops(seconds: float = 1.0, size: int = 1024) -> Peak:
     """A measured fp32 matmul rate of this CPU: the best of repeated timed `torch.mm` bursts."""
-    import torch
+    import torch  # noqa: PLC0415  (torch: kept off the loader's and the planner's start-up)
 
     a = torch.randn(size, size, dtype=torch.float32)
     b = torch.randn(size, size, dtype=torch.float32)
@@ -252,7 +245,7 @@ def cpu_theoretical_tflops(threads: int | None = None, *, measure_seconds: float
     Stable where a measured matmul burst is not (a shared machine measured 12x apart), and an
     upper bound, so MFU stays below 100%. Where the CPU does not describe itself (no /proc/cpuinfo,
     e.g. macOS), falls back to a measured burst and says so in the source."""
-    import torch
+    import torch  # noqa: PLC0415  (torch: kept off the loader's and the planner's start-up)
 
     threads = threads or torch.get_num_threads()
     ghz, flags = _cpu_clock_ghz(), _cpu_flags()

@@ -10,15 +10,18 @@ Never: launches runs, or edits the base experiment or any recipe.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from runner.errors import RunnerError
-from runner.planning.flops import as_plain, params_of_config
+from runner.config.load import Experiment, load_experiment, load_experiment_data
+from runner.config.schema import ModelRecipe
+from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
+from runner.errors import MixtureInfeasible, RunnerError
+from runner.planning.flops import params_of_config
 
 SIZE_KEYS = ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -76,41 +79,20 @@ def llama_intermediate_size(hidden_size: int, multiple: int = 16) -> int:
     return -(-(8 * hidden_size // 3) // multiple) * multiple
 
 
-def _model_of(
-    size: Size, base_model: Mapping[str, Any], root: Path | None, base_overrides: Mapping[str, Any] = ()
-) -> dict[str, Any]:
-    """The model section a size resolves to (for checks and the README's parameter counts)."""
-    if size.recipe:
-        if root is None:
-            raise RunnerError(f"size {size.recipe!r} needs the project's recipes/ folder", key="--sizes")
-        name, version = size.recipe.split("@")
-        path = root / "recipes" / "model" / f"{name}.yaml"
-        if not path.exists():
-            raise RunnerError(f"no model recipe {name!r} in recipes/model/", key="--sizes")
-        model = yaml.safe_load(path.read_text(encoding="utf-8"))
-        if model.get("version") != int(version):
-            raise RunnerError(f"names {size.recipe} but {path.name} is version {model.get('version')}", key="--sizes")
-        # Schema defaults under the recipe, then the base experiment's model overrides (they apply too).
-        return {"arch": "llama", "pad_vocab_multiple": 1, **model, **dict(base_overrides)}
-    model = dict(base_model)
-    model.update(dict(size.overrides))
-    return model
-
-
-def size_overrides(size: Size, base_model: Mapping[str, Any]) -> dict[str, int]:
+def size_overrides(size: Size, base_model: ModelRecipe) -> dict[str, int]:
     """The model keys a shape-override size writes, filling the ones its change implies."""
     o = dict(size.overrides)
     if "hidden_size" in o:
         if "intermediate_size" not in o:
             o["intermediate_size"] = llama_intermediate_size(o["hidden_size"])
-        if o["hidden_size"] % o.get("n_heads", base_model["n_heads"]):
+        if o["hidden_size"] % o.get("n_heads", base_model.n_heads):
             raise RunnerError(
                 f"size {size.label}: hidden_size {o['hidden_size']} is not divisible by n_heads "
-                f"{o.get('n_heads', base_model['n_heads'])}; give n_heads too",
+                f"{o.get('n_heads', base_model.n_heads)}; give n_heads too",
                 key="--sizes",
             )
-    heads = o.get("n_heads", base_model["n_heads"])
-    if heads % o.get("n_kv_heads", base_model["n_kv_heads"]):
+    heads = o.get("n_heads", base_model.n_heads)
+    if heads % o.get("n_kv_heads", base_model.n_kv_heads):
         raise RunnerError(
             f"size {size.label}: n_heads {heads} is not divisible by n_kv_heads; give n_kv_heads", key="--sizes"
         )
@@ -122,40 +104,41 @@ def round_budget(tokens: int, global_batch_tokens: int) -> int:
     return tokens // global_batch_tokens * global_batch_tokens
 
 
-def write_pilot_grid(
-    base_path: str | Path,
-    sizes: Sequence[str],
-    budgets: Sequence[str],
-    out_dir: str | Path,
-    *,
-    resolved: Mapping[str, Any] | None = None,
-    root: str | Path | None = None,
-) -> list[Path]:
-    """Write one experiment YAML per (size, budget) and a README.md; return the files written.
+def _pilot_doc(raw: dict, size: Size, model_keys: dict[str, int], budget: int, tokens: int, by_reference: bool) -> dict:
+    """One pilot experiment file: the base (by reference or copied), the size's model, the budget."""
+    name = f"{raw['name']}-pilot-{size.label}-{_token_label(budget)}"
+    doc: dict[str, Any] = {"name": name, "version": 1}
+    rounding = "" if budget == tokens else f" (requested {tokens:,}, rounded down to whole global batches)"
+    doc["description"] = (
+        f"Pilot of {raw['name']}@{raw['version']}: model {size.recipe or size.label}, "
+        f"{budget:,} exposure tokens{rounding}."
+    )
+    if by_reference:
+        doc["base"] = f"{raw['name']}@{raw['version']}"
+    else:
+        doc.update({k: v for k, v in raw.items() if k not in ("name", "version", "description")})
+    if size.recipe:
+        doc["recipes"] = {**(doc.get("recipes") or {}), "model": size.recipe}
+    else:
+        overrides = dict(doc.get("overrides") or {})
+        overrides["model"] = {**(overrides.get("model") or {}), **model_keys}
+        doc["overrides"] = overrides
+    # The schedule spans the pilot's own budget (Hoffmann et al. 2022: a cosine longer than
+    # the run overestimates the loss), so max duration = exposure, and no early stop.
+    doc["train"] = {
+        **(doc.get("train") or {}),
+        "exposure_tokens": budget,
+        "max_duration_tokens": budget,
+        "hard_stop_tokens": None,
+    }
+    return doc
 
-    `resolved` is the base experiment's resolved config (read with runner.config when omitted);
-    `root` the project root holding recipes/ and experiments/."""
-    base_path = Path(base_path)
-    try:
-        raw = yaml.safe_load(base_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise RunnerError("experiment not found", file=str(base_path)) from None
-    if not isinstance(raw, dict) or "name" not in raw or "version" not in raw:
-        raise RunnerError("not an experiment file (needs name and version)", file=str(base_path))
-    if resolved is None:
-        from runner.config.load import load_experiment
 
-        exp = load_experiment(base_path, check_files=False)
-        resolved, root = exp.to_container(), exp.project_root if root is None else root
-    resolved = as_plain(resolved)
-    root = Path(root) if root is not None else None
-    parsed_sizes = [parse_size(s) for s in sizes]
-    requested = [parse_tokens(b) for b in budgets]
-    if not parsed_sizes or not requested:
-        raise RunnerError("give at least one size and one budget", key="--sizes")
-    train = resolved["train"]
-    batch_tokens = int(train["global_batch_sequences"]) * int(train["seq_len"])
-    warmup = int((resolved.get("optim") or {}).get("warmup_tokens") or 0)
+def _rounded_budgets(base: Experiment, budgets: Sequence[str], requested: list[int]) -> list[int]:
+    """Each budget rounded down to whole global batches; refused when nothing or only warm-up is left."""
+    train = base.config.train
+    batch_tokens = train.global_batch_sequences * train.seq_len
+    warmup = base.config.optim.warmup_tokens
     rounded = []
     for text, tokens in zip(budgets, requested):
         r = round_budget(tokens, batch_tokens)
@@ -168,62 +151,74 @@ def write_pilot_grid(
                 key="--budgets",
             )
         rounded.append(r)
-    _check_budgets_feasible(resolved, root, dict(zip(budgets, rounded)))
+    return rounded
+
+
+def write_pilot_grid(
+    base_path: str | Path, sizes: Sequence[str], budgets: Sequence[str], out_dir: str | Path
+) -> list[Path]:
+    """Write one experiment YAML per (size, budget) and a README.md; return the files written.
+
+    Every pilot is resolved by the loader, as `runner launch` will resolve it, before any file is
+    written."""
+    base_path = Path(base_path)
+    try:
+        raw = yaml.safe_load(base_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunnerError("experiment not found", file=str(base_path)) from None
+    if not isinstance(raw, dict) or "name" not in raw or "version" not in raw:
+        raise RunnerError("not an experiment file (needs name and version)", file=str(base_path))
+    base = load_experiment(base_path, check_files=False)
+    root = base.project_root
+    parsed_sizes = [parse_size(s) for s in sizes]
+    requested = [parse_tokens(b) for b in budgets]
+    if not parsed_sizes or not requested:
+        raise RunnerError("give at least one size and one budget", key="--sizes")
+    rounded = _rounded_budgets(base, budgets, requested)
+    _check_budgets_feasible(base, dict(zip(budgets, rounded)))
 
     # Base by reference when the loader can find it (experiments/NAME.yaml); otherwise a full copy.
-    by_reference = root is not None and (root / "experiments" / f"{raw['name']}.yaml").resolve() == base_path.resolve()
-    base_model = resolved["model"]
+    by_reference = (root / "experiments" / f"{raw['name']}.yaml").resolve() == base_path.resolve()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    prepared = []  # every size is checked before any file is written
+    pilots = []  # every pilot is resolved before any file is written
     for size in parsed_sizes:
-        model_keys = size_overrides(size, base_model) if not size.recipe else {}
-        base_model_overrides = (raw.get("overrides") or {}).get("model") or {}
-        model = _model_of(size, base_model, root, base_model_overrides) if size.recipe else {**base_model, **model_keys}
-        prepared.append((size, model_keys, params_of_config({"model": model, "tokenizer": resolved["tokenizer"]})))
-    written, rows = [], []
-    for size, model_keys, params in prepared:
+        model_keys = size_overrides(size, base.config.model) if not size.recipe else {}
         for text, tokens, budget in zip(budgets, requested, rounded):
-            name = f"{raw['name']}-pilot-{size.label}-{_token_label(budget)}"
-            doc: dict[str, Any] = {"name": name, "version": 1}
-            rounding = "" if budget == tokens else f" (requested {tokens:,}, rounded down to whole global batches)"
-            doc["description"] = (
-                f"Pilot of {raw['name']}@{raw['version']}: model {size.recipe or size.label}, "
-                f"{budget:,} exposure tokens{rounding}."
-            )
-            if by_reference:
-                doc["base"] = f"{raw['name']}@{raw['version']}"
-            else:
-                doc.update({k: v for k, v in raw.items() if k not in ("name", "version", "description")})
-            if size.recipe:
-                doc["recipes"] = {**(doc.get("recipes") or {}), "model": size.recipe}
-            else:
-                overrides = dict(doc.get("overrides") or {})
-                overrides["model"] = {**(overrides.get("model") or {}), **model_keys}
-                doc["overrides"] = overrides
-            # The schedule spans the pilot's own budget (Hoffmann et al. 2022: a cosine longer than
-            # the run overestimates the loss), so max duration = exposure, and no early stop.
-            doc["train"] = {
-                **(doc.get("train") or {}),
-                "exposure_tokens": budget,
-                "max_duration_tokens": budget,
-                "hard_stop_tokens": None,
-            }
-            path = out_dir / f"{name}.yaml"
-            path.write_text(
-                f"# written by `runner pilot-grid` from {base_path.name}\n" + yaml.safe_dump(doc, sort_keys=False),
-                encoding="utf-8",
-            )
-            written.append(path)
-            rows.append((path.name, size.recipe or size.label, params.non_embedding, text, tokens, budget))
+            doc = _pilot_doc(raw, size, model_keys, budget, tokens, by_reference)
+            path = out_dir / f"{doc['name']}.yaml"
+            pilots.append((path, doc, size, _resolve_pilot(doc, path, root, size), text, tokens, budget))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written, rows = [], []
+    for path, doc, size, pilot, text, tokens, budget in pilots:
+        path.write_text(
+            f"# written by `runner pilot-grid` from {base_path.name}\n" + yaml.safe_dump(doc, sort_keys=False),
+            encoding="utf-8",
+        )
+        written.append(path)
+        params = params_of_config(pilot.config).non_embedding
+        rows.append((path.name, size.recipe or size.label, params, text, tokens, budget))
+    batch_tokens = base.config.train.global_batch_sequences * base.config.train.seq_len
     readme = out_dir / "README.md"
-    readme.write_text(_readme(raw, resolved, rows, batch_tokens, by_reference, base_path), encoding="utf-8")
+    readme.write_text(_readme(raw, base, rows, batch_tokens, by_reference, base_path), encoding="utf-8")
     return written + [readme]
 
 
-def _readme(raw: dict, resolved: dict, rows: list, batch_tokens: int, by_reference: bool, base_path: Path) -> str:
-    t = resolved["train"]
-    r = resolved.get("recipes") or {}
+def _resolve_pilot(doc: dict, path: Path, root: Path, size: Size) -> Experiment:
+    """The pilot as the loader resolves it; a size whose model recipe is missing names --sizes."""
+    if size.recipe:
+        name, version = size.recipe.split("@")
+        recipe = root / "recipes" / "model" / f"{name}.yaml"
+        if not recipe.exists():
+            raise RunnerError(f"no model recipe {name!r} in recipes/model/", key="--sizes")
+        found = yaml.safe_load(recipe.read_text(encoding="utf-8")).get("version")
+        if found != int(version):
+            raise RunnerError(f"names {size.recipe} but {recipe.name} is version {found}", key="--sizes")
+    return load_experiment_data(doc, path, root, check_files=False)
+
+
+def _readme(raw: dict, base: Experiment, rows: list, batch_tokens: int, by_reference: bool, base_path: Path) -> str:
+    cfg = base.config
+    t, r = cfg.train, cfg.recipes
     lines = [
         f"# Pilot grid of {raw['name']}@{raw['version']}",
         "",
@@ -232,8 +227,8 @@ def _readme(raw: dict, resolved: dict, rows: list, batch_tokens: int, by_referen
         "",
         f"- tokenizer `{r.get('tokenizer')}`, mixture `{r.get('mixture')}`, eval `{r.get('eval')}`: the loss must be",
         "  measured on the same data, with the same tokens, on the same held-out samples at every point;",
-        f"- global batch {t['global_batch_sequences']} sequences x seq_len {t['seq_len']} = {batch_tokens:,} tokens,",
-        f"  optimizer `{r.get('optim')}`, hardware `{r.get('hardware')}`, seed {resolved.get('seed')}: a change of",
+        f"- global batch {t.global_batch_sequences} sequences x seq_len {t.seq_len} = {batch_tokens:,} tokens,",
+        f"  optimizer `{r.get('optim')}`, hardware `{r.get('hardware')}`, seed {cfg.seed}: a change of",
         "  batch or learning rate between points would be fitted as a change of N or D;",
         "- each pilot's learning-rate schedule spans its own budget (`max_duration_tokens` = `exposure_tokens`),",
         "  as Hoffmann et al. 2022 do: a schedule longer than the run leaves the loss too high.",
@@ -265,18 +260,13 @@ def _readme(raw: dict, resolved: dict, rows: list, batch_tokens: int, by_referen
     return "\n".join(lines)
 
 
-def _check_budgets_feasible(resolved: Mapping[str, Any], root: Path | None, budgets: dict[str, int]) -> None:
+def _check_budgets_feasible(base: Experiment, budgets: dict[str, int]) -> None:
     """With the manifests on disk, refuse a budget the mixture cannot meet under its repetition caps."""
-    from runner.config.load import experiment_from_dict
-    from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
-    from runner.errors import MixtureInfeasible
-
-    exp = experiment_from_dict(dict(resolved), project_root=root)
-    manifests, _ = load_experiment_manifests(exp, missing_ok=True)
-    if len(manifests) != len(resolved["mixture"]["domains"]):
+    manifests, _ = load_experiment_manifests(base, missing_ok=True)
+    if len(manifests) != len(base.config.mixture.domains):
         return
     for text, tokens in budgets.items():
         try:
-            plan_experiment_mixture(exp, manifests, tokens)
+            plan_experiment_mixture(base, manifests, tokens)
         except MixtureInfeasible as e:
             raise RunnerError(f"budget {text} ({tokens:,} tokens): {e}", key="--budgets") from None

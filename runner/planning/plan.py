@@ -19,10 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from runner.config.rules import devices
-from runner.errors import RunnerError
-from runner.fsio import read_json, read_jsonl, read_yaml
-from runner.planning.flops import DEFAULT_CONVENTION, Convention, as_plain, flops_per_token, params_of_config
-from runner.planning.hardware import resolve_peak
+from runner.config.schema import ExperimentSchema
+from runner.data.manifest import load_manifest, num_samples
+from runner.data.mixture import plan_mixture
+from runner.errors import MixtureInfeasible, RunnerError
+from runner.fsio import read_json, read_jsonl
+from runner.planning import hardware
+from runner.planning.flops import DEFAULT_CONVENTION, Convention, flops_per_token, params_of_config
+from runner.runs import load_saved_experiment
 
 SECONDS_PER_HOUR = 3600.0
 SECONDS_PER_DAY = 86400.0
@@ -33,6 +37,14 @@ CHINCHILLA_TOKENS_PER_PARAM = 20.0
 REPETITION_R_STAR = 15.4
 REPETITION_WARN_EPOCHS = 4.0
 TOKEN_DTYPE_BYTES = {"uint16": 2, "uint32": 4}
+#: what memory_per_device counts, by hardware.precision
+MEMORY_ASSUMPTIONS = {
+    "bf16": "bf16 mixed: fp32 master weights + fp32 grads + 2 fp32 AdamW moments "
+    "+ transient bf16 weight copies; activations per Korthikanti et al. 2022 "
+    "method for a Llama block with fused attention; no framework overhead",
+    "fp32": "fp32: weights + grads + 2 AdamW moments at 4 B; activations per Korthikanti "
+    "et al. 2022 method at 4 B; no framework overhead",
+}
 
 
 # ---------------------------------------------------------------- pure arithmetic
@@ -80,7 +92,7 @@ def effective_tokens(unique_tokens: float, epochs: float, r_star: float = REPETI
 
 
 # ---------------------------------------------------------------- memory
-def memory_per_device(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def memory_per_device(cfg: ExperimentSchema) -> dict[str, Any]:
     """Bytes per device of model state and activations, with the assumptions stated in the result.
 
     Model state (per parameter): bf16 mixed precision keeps fp32 master weights (4 B), fp32
@@ -98,34 +110,33 @@ def memory_per_device(cfg: Mapping[str, Any]) -> dict[str, Any]:
     The head adds s*b*V for logits plus two fp32 s*b*V tensors (upcast, log-softmax) for the loss.
     Not counted: CUDA context, allocator fragmentation, communication buffers.
     """
-    cfg = as_plain(cfg)
-    model, train, hw = cfg["model"], cfg["train"], cfg["hardware"]
+    model, train, hw = cfg.model, cfg.train, cfg.hardware
     counts = params_of_config(cfg)
     n_params = counts.all
-    precision = hw.get("precision", "bf16")
+    precision = hw.precision
     act_bytes = 2 if precision == "bf16" else 4
     state_bytes_per_param = {"weights (fp32 master)": 4, "grads (fp32)": 4, "adamw moments (2 x fp32)": 8}
     if precision == "bf16":
         state_bytes_per_param["bf16 autocast weight copies"] = 2
-    shard = devices(cfg) if hw.get("distributed") == "fsdp" else 1
+    shard = devices(cfg) if hw.distributed == "fsdp" else 1
     state = {k: v * n_params / shard for k, v in state_bytes_per_param.items()}
 
-    s, b = int(train["seq_len"]), int(train["micro_batch_sequences"])
-    h, f, a = int(model["hidden_size"]), int(model["intermediate_size"]), int(model["n_heads"])
-    kv = int(model.get("n_kv_heads") or a) * (h // a)
+    s, b = train.seq_len, train.micro_batch_sequences
+    h, f, a = model.hidden_size, model.intermediate_size, model.n_heads
+    kv = model.n_kv_heads * (h // a)
     vocab_rows = counts.embedding // h
     layer_elems = s * b * (6 * h + 2 * kv + 4 * f)
-    if model.get("attn_implementation") == "eager":
+    if model.attn_implementation == "eager":
         layer_elems += a * s * s * b
     head_bytes = s * b * vocab_rows * (act_bytes + 4 + 4)
     layers = counts.n_layers
     full = layers * layer_elems * act_bytes + head_bytes
     checkpointed = (layers * s * b * h + layer_elems) * act_bytes + head_bytes
-    checkpointing = bool(model.get("activation_checkpointing"))
+    checkpointing = model.activation_checkpointing
     activations = checkpointed if checkpointing else full
     state_total = sum(state.values())
     total = state_total + activations
-    capacity = float(hw.get("memory_gib") or 0) * GIB
+    capacity = hw.memory_gib * GIB
     return {
         "precision": precision,
         "sharded_over_devices": shard,
@@ -142,27 +153,17 @@ def memory_per_device(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "capacity_bytes": capacity,
         "fits": bool(capacity) and total <= capacity,
         "fits_with_checkpointing": bool(capacity) and state_total + checkpointed <= capacity,
-        "assumptions": (
-            "bf16 mixed: fp32 master weights + fp32 grads + 2 fp32 AdamW moments "
-            "+ transient bf16 weight copies; activations per Korthikanti et al. 2022 "
-            "method for a Llama block with fused attention; no framework overhead"
-        )
-        if precision == "bf16"
-        else (
-            "fp32: weights + grads + 2 AdamW moments at 4 B; activations per Korthikanti "
-            "et al. 2022 method at 4 B; no framework overhead"
-        ),
+        "assumptions": MEMORY_ASSUMPTIONS[precision],
     }
 
 
 # ---------------------------------------------------------------- mixture
-def mixture_plan(cfg: Mapping[str, Any], root: Path) -> dict[str, Any]:
+def mixture_plan(cfg: ExperimentSchema, root: Path) -> dict[str, Any]:
     """Per-domain exposure, epochs and effective tokens from the pinned manifests, or why not."""
-    cfg = as_plain(cfg)
-    pins = (cfg.get("data") or {}).get("manifests") or {}
+    pins = cfg.data.manifests
     if not pins:
         return {"status": "absent", "line": "mixture: no data.manifests pinned; per-domain plan skipped"}
-    paths = {d: (Path(p["path"]) if Path(p["path"]).is_absolute() else root / p["path"]) for d, p in pins.items()}
+    paths = {d: (Path(p.path) if Path(p.path).is_absolute() else root / p.path) for d, p in pins.items()}
     missing = sorted(d for d, p in paths.items() if not p.exists())
     if missing:
         return {
@@ -170,32 +171,20 @@ def mixture_plan(cfg: Mapping[str, Any], root: Path) -> dict[str, Any]:
             "line": f"mixture: manifests not on disk for {', '.join(missing)}; per-domain plan skipped "
             "(run `runner data prepare` first)",
         }
-    from runner.data.manifest import load_manifest, num_samples
-    from runner.data.mixture import plan_mixture
-    from runner.errors import MixtureInfeasible
-
-    seq_len = int(cfg["train"]["seq_len"])
+    seq_len = cfg.train.seq_len
     manifests = {d: load_manifest(paths[d], verify="size") for d in sorted(paths)}
     # A stale pin does not change the arithmetic; it is reported, and launch refuses it.
     pin_warnings = [
-        f"data.manifests.{d}.sha256: pinned {pins[d].get('sha256')}, on disk {m.sha256} "
-        "(launch will refuse until re-pinned)"
+        f"data.manifests.{d}.sha256: pinned {pins[d].sha256}, on disk {m.sha256} (launch will refuse until re-pinned)"
         for d, m in manifests.items()
-        if pins[d].get("sha256") not in (None, m.sha256)
+        if pins[d].sha256 not in (None, m.sha256)
     ]
-    domains = cfg["mixture"]["domains"]
+    domains = cfg.mixture.domains
     samples = {d: num_samples(m.pool_tokens, seq_len) for d, m in manifests.items()}
-    ratios = {d: float(domains[d]["target_ratio"]) for d in domains}
-    caps = {d: float(domains[d].get("max_repetition_ratio", 1.0)) for d in domains}
+    ratios = {d: spec.target_ratio for d, spec in domains.items()}
+    caps = {d: spec.max_repetition_ratio for d, spec in domains.items()}
     try:
-        plan = plan_mixture(
-            samples,
-            ratios,
-            caps,
-            int(cfg["train"]["exposure_tokens"]),
-            seq_len,
-            int(cfg["train"]["global_batch_sequences"]),
-        )
+        plan = plan_mixture(samples, ratios, caps, cfg.train.exposure_tokens, seq_len, cfg.train.global_batch_sequences)
     except MixtureInfeasible as e:
         return {
             "status": "infeasible",
@@ -246,7 +235,7 @@ class Calibration:
 
 
 def read_calibration(
-    run_dir: str | Path, cfg: Mapping[str, Any], convention: Convention = DEFAULT_CONVENTION
+    run_dir: str | Path, cfg: ExperimentSchema, convention: Convention = DEFAULT_CONVENTION
 ) -> Calibration:
     """Measured throughput (median tokens_per_second after the first step), overheads
     (wall / sum of step time - 1) and useful fraction of a run folder."""
@@ -270,19 +259,14 @@ def read_calibration(
     if last.get("tokens_useful") and last.get("tokens_processed"):
         useful_fraction = float(last["tokens_useful"]) / float(last["tokens_processed"])
 
-    target = as_plain(cfg)
-    run_cfg, note = None, ""
     exp_file = run_dir / "experiment.yaml"
-    if exp_file.exists():
-        run_cfg = read_yaml(exp_file)
-    same = run_cfg is None or (
-        run_cfg.get("model") == target.get("model")
-        and run_cfg.get("hardware") == target.get("hardware")
-        and run_cfg.get("train", {}).get("seq_len") == target["train"]["seq_len"]
+    run_cfg = load_saved_experiment(exp_file).config if exp_file.exists() else cfg
+    same = run_cfg is cfg or (
+        run_cfg.model == cfg.model and run_cfg.hardware == cfg.hardware and run_cfg.train.seq_len == cfg.train.seq_len
     )
-    if run_cfg is None:
+    note = ""
+    if run_cfg is cfg:
         note = "run folder has no experiment.yaml: assumed to be this experiment"
-        run_cfg = target
     elif not same:
         note = "calibration run differs in model/hardware/seq_len: its MFU is carried over, not its tokens/s"
     mfu_value = None
@@ -292,8 +276,8 @@ def read_calibration(
     held = [int(r["devices"]) for r in steady if r.get("devices")]
     n_devices = int(statistics.median_low(held)) if held else int(run_info.get("devices") or devices(run_cfg))
     try:
-        peak = float(conventions.get("peak_tflops") or resolve_peak(run_cfg["hardware"]).peak_tflops)
-        mfu_value = tps * flops_per_token(run_cfg, convention) / (peak * 1e12 * n_devices)
+        peak = float(conventions.get("peak_tflops") or hardware.resolve_peak(run_cfg.hardware).peak_tflops)
+        mfu_value = hardware.mfu(flops_per_token(run_cfg, convention), tps, 1.0, peak, n_devices)
     except RunnerError as e:
         note = (note + "; " if note else "") + f"MFU not derivable: {e}"
     return Calibration(str(run_dir), len(rows), tps, useful_fraction, overhead, mfu_value, same, note)
@@ -316,8 +300,57 @@ def _time_block(tokens: float, tps: float, overhead_fraction: float, devices: in
     }
 
 
+def _time_plans(
+    cfg: ExperimentSchema, tokens: float, fpt: float, peak_tflops: float, mfu: float, calibration: Calibration | None
+) -> tuple[dict, dict | None]:
+    """(assumed, measured) time and cost of the `tokens` budget: at `mfu`, and at the calibration
+    run's throughput (its MFU carried over when it trained another model or hardware)."""
+    n_devices, price, plan = devices(cfg), cfg.hardware.price_per_device_hour_usd, cfg.plan
+    overheads = plan.checkpoint_overhead_fraction + plan.eval_overhead_fraction + plan.recovery_overhead_fraction
+    assumed_tps = mfu * peak_tflops * 1e12 * n_devices / fpt
+    assumed = _time_block(tokens, assumed_tps, overheads, n_devices, price)
+    assumed["mfu"] = mfu
+    n_all = params_of_config(cfg).all
+    assumed["pure_hours_6n_all"] = (
+        compute_seconds(training_flops(n_all, tokens), mfu, peak_tflops, n_devices) / SECONDS_PER_HOUR
+    )
+    if calibration is None:
+        return assumed, None
+    if calibration.same_experiment or calibration.mfu is None:
+        tps = calibration.processed_tokens_per_second
+    else:
+        tps = calibration.mfu * peak_tflops * 1e12 * n_devices / fpt
+    measured = _time_block(tokens, tps, calibration.overhead_fraction, n_devices, price)
+    measured["mfu"] = hardware.mfu(fpt, tps, 1.0, peak_tflops, n_devices)
+    measured["useful_fraction"] = calibration.useful_fraction
+    return assumed, measured
+
+
+def _storage(cfg: ExperimentSchema, tokens: float, all_params: int, pool_tokens: float | None) -> dict[str, Any]:
+    """Bytes of raw text, token shards and checkpoints the experiment needs (`tokens`: the budget)."""
+    raw_bpt = cfg.plan.raw_bytes_per_token
+    dtype_bytes = TOKEN_DTYPE_BYTES[cfg.tokenizer.token_dtype]
+    # Without manifests the unique tokens needed are at most the budget (no repetition).
+    data_tokens = pool_tokens if pool_tokens is not None else tokens
+    keep_last = cfg.train.checkpoint.keep_last
+    checkpoint_bytes = 12.0 * all_params  # fp32 weights + two fp32 AdamW moments
+    return {
+        "data_tokens": data_tokens,
+        "data_tokens_basis": "pool tokens of the manifests"
+        if pool_tokens is not None
+        else "exposure budget (manifests absent; no repetition assumed)",
+        "raw_text_bytes": data_tokens * raw_bpt,
+        "raw_bytes_per_token": raw_bpt,
+        "token_shard_bytes": data_tokens * dtype_bytes,
+        "token_dtype_bytes": dtype_bytes,
+        "checkpoint_bytes": checkpoint_bytes,
+        "keep_last": keep_last,
+        "checkpoints_bytes": checkpoint_bytes * keep_last,
+    }
+
+
 def build_plan(
-    cfg: Mapping[str, Any],
+    cfg: ExperimentSchema,
     *,
     mfu: float | None = None,
     calibration: Calibration | None = None,
@@ -325,82 +358,43 @@ def build_plan(
     convention: Convention = DEFAULT_CONVENTION,
 ) -> dict[str, Any]:
     """Everything `runner plan` prints, as one JSON-able dict."""
-    cfg = as_plain(cfg)
-    train, hw, plan_cfg = cfg["train"], cfg["hardware"], cfg.get("plan") or {}
+    hw, plan = cfg.hardware, cfg.plan
     counts = params_of_config(cfg)
-    tokens = float(train["exposure_tokens"])
-    n_devices = devices(cfg)
-    peak = resolve_peak(hw)
-    mfu = float(mfu if mfu is not None else hw.get("default_mfu", 0.4))
+    tokens = float(cfg.train.exposure_tokens)  # the plan (and its JSON) counts in floats: 2.6e10, not 26000000000
+    peak = hardware.resolve_peak(hw)
     fpt = flops_per_token(cfg, convention)
-    fpt_6n = flops_per_token(cfg, Convention("6N", convention.params_counted))
-    fpt_attn = flops_per_token(cfg, Convention("6N+attn", convention.params_counted))
-    price = float(hw.get("price_per_device_hour_usd") or 0.0)
-    fractions = {
-        k: float(plan_cfg.get(k, 0.0))
-        for k in ("checkpoint_overhead_fraction", "eval_overhead_fraction", "recovery_overhead_fraction")
-    }
-    assumed_tps = mfu * peak.peak_tflops * 1e12 * n_devices / fpt
-    time_assumed = _time_block(tokens, assumed_tps, sum(fractions.values()), n_devices, price)
-    time_assumed["mfu"] = mfu
-    time_assumed["pure_hours_6n_all"] = (
-        compute_seconds(training_flops(counts.all, tokens), mfu, peak.peak_tflops, n_devices) / SECONDS_PER_HOUR
-    )
-    time_measured = None
-    if calibration is not None:
-        if calibration.same_experiment or calibration.mfu is None:
-            tps = calibration.processed_tokens_per_second
-        else:
-            tps = calibration.mfu * peak.peak_tflops * 1e12 * n_devices / fpt
-        time_measured = _time_block(tokens, tps, calibration.overhead_fraction, n_devices, price)
-        time_measured["mfu"] = tps * fpt / (peak.peak_tflops * 1e12 * n_devices)
-        time_measured["useful_fraction"] = calibration.useful_fraction
+    mfu = hw.default_mfu if mfu is None else mfu
+    assumed, measured = _time_plans(cfg, tokens, fpt, peak.peak_tflops, mfu, calibration)
     mix = mixture_plan(cfg, Path(root))
-    pool_tokens = mix.get("pool_tokens")
-    raw_bpt = float(plan_cfg.get("raw_bytes_per_token", 4.2))
-    dtype_bytes = TOKEN_DTYPE_BYTES.get(cfg.get("tokenizer", {}).get("token_dtype"), 4)
-    # Without manifests the unique tokens needed are at most the budget (no repetition).
-    data_tokens = pool_tokens if pool_tokens is not None else tokens
-    keep_last = int((train.get("checkpoint") or {}).get("keep_last", 1))
-    checkpoint_bytes = 12.0 * counts.all  # fp32 weights + two fp32 AdamW moments
-    warnings = list(mix.get("warnings", []))
     return {
-        "experiment": {"name": cfg.get("name"), "version": cfg.get("version")},
+        "experiment": {"name": cfg.name, "version": cfg.version},
         "params": counts.to_dict(),
         "convention": convention.to_dict(),
         "compute": {
             "exposure_tokens": tokens,
             "flops_per_token": fpt,
-            "flops_6n": fpt_6n * tokens,
-            "flops_6n_attn": fpt_attn * tokens,
+            "flops_6n": flops_per_token(cfg, Convention("6N", convention.params_counted)) * tokens,
+            "flops_6n_attn": flops_per_token(cfg, Convention("6N+attn", convention.params_counted)) * tokens,
             "tokens_per_param": tokens / counts.all,
             "chinchilla_optimal_tokens": chinchilla_optimal_tokens(counts.all),
         },
         "hardware": {
-            "device_name": hw.get("device_name"),
-            "devices": n_devices,
+            "device_name": hw.device_name,
+            "devices": devices(cfg),
             **peak.to_dict(),
-            "price_per_device_hour_usd": price,
+            "price_per_device_hour_usd": hw.price_per_device_hour_usd,
         },
-        "overheads_assumed": fractions,
-        "time": {"assumed": time_assumed, "measured": time_measured},
+        "overheads_assumed": {
+            "checkpoint_overhead_fraction": plan.checkpoint_overhead_fraction,
+            "eval_overhead_fraction": plan.eval_overhead_fraction,
+            "recovery_overhead_fraction": plan.recovery_overhead_fraction,
+        },
+        "time": {"assumed": assumed, "measured": measured},
         "calibration": asdict(calibration) if calibration else None,
         "memory": memory_per_device(cfg),
-        "storage": {
-            "data_tokens": data_tokens,
-            "data_tokens_basis": "pool tokens of the manifests"
-            if pool_tokens is not None
-            else "exposure budget (manifests absent; no repetition assumed)",
-            "raw_text_bytes": data_tokens * raw_bpt,
-            "raw_bytes_per_token": raw_bpt,
-            "token_shard_bytes": data_tokens * dtype_bytes,
-            "token_dtype_bytes": dtype_bytes,
-            "checkpoint_bytes": checkpoint_bytes,
-            "keep_last": keep_last,
-            "checkpoints_bytes": checkpoint_bytes * keep_last,
-        },
+        "storage": _storage(cfg, tokens, counts.all, mix.get("pool_tokens")),
         "mixture": mix,
-        "warnings": warnings,
+        "warnings": list(mix.get("warnings", [])),
     }
 
 
@@ -421,104 +415,96 @@ def _gib(x: float) -> str:
     return f"{x / GIB:,.2f} GiB"
 
 
-def format_plan(plan: Mapping[str, Any]) -> str:
-    """The human table of a plan."""
-    p, c, hw, mem, st = plan["params"], plan["compute"], plan["hardware"], plan["memory"], plan["storage"]
-    conv = plan["convention"]
-    out = [f"plan: {plan['experiment']['name']}@{plan['experiment']['version']}", ""]
+def _row(out: list[str], label: str, *values: str, note: str = "") -> None:
+    out.append((f"  {label:<34}" + "".join(f"{v:>22}" for v in values) + (f"   {note}" if note else "")).rstrip())
 
-    def row(label: str, *values: str, note: str = "") -> None:
-        out.append((f"  {label:<34}" + "".join(f"{v:>22}" for v in values) + (f"   {note}" if note else "")).rstrip())
 
+def _format_model_and_compute(plan: Mapping[str, Any], out: list[str]) -> None:
+    p, c, hw, conv = plan["params"], plan["compute"], plan["hardware"], plan["convention"]
     out.append("model")
-    row("params (all)", f"{p['all']:,}")
-    row("params (non-embedding)", f"{p['non_embedding']:,}")
-    row(
-        "per layer (attn / mlp / norms)",
-        f"{p['per_layer']['attention']:,} / {p['per_layer']['mlp']:,} / {p['per_layer']['norms']:,}",
-    )
+    _row(out, "params (all)", f"{p['all']:,}")
+    _row(out, "params (non-embedding)", f"{p['non_embedding']:,}")
+    layer = p["per_layer"]
+    _row(out, "per layer (attn / mlp / norms)", f"{layer['attention']:,} / {layer['mlp']:,} / {layer['norms']:,}")
     out.append("compute")
-    row("exposure tokens", _si(c["exposure_tokens"]))
+    _row(out, "exposure tokens", _si(c["exposure_tokens"]))
     # Pilots and smoke runs sit far below one token per parameter: keep 3 significant digits.
     tpp = c["tokens_per_param"]
-    row("tokens per parameter", f"{tpp:.1f}" if tpp >= 1 else f"{tpp:.3g}")
-    row("Chinchilla-optimal tokens (20 N)", _si(c["chinchilla_optimal_tokens"]))
-    row("FLOPs 6N", f"{c['flops_6n']:.3e}")
-    row("FLOPs 6N+attn", f"{c['flops_6n_attn']:.3e}")
-    row(
-        "FLOPs per token",
-        f"{c['flops_per_token']:.4g}",
-        note=f"convention {conv['flops_formula']}, params {conv['params_counted']}",
-    )
+    _row(out, "tokens per parameter", f"{tpp:.1f}" if tpp >= 1 else f"{tpp:.3g}")
+    _row(out, "Chinchilla-optimal tokens (20 N)", _si(c["chinchilla_optimal_tokens"]))
+    _row(out, "FLOPs 6N", f"{c['flops_6n']:.3e}")
+    _row(out, "FLOPs 6N+attn", f"{c['flops_6n_attn']:.3e}")
+    note = f"convention {conv['flops_formula']}, params {conv['params_counted']}"
+    _row(out, "FLOPs per token", f"{c['flops_per_token']:.4g}", note=note)
     out.append("hardware")
-    row("device x count", f"{hw['device_name']} x {hw['devices']}")
-    row("peak (dense)", f"{hw['peak_tflops']:g} TFLOP/s {hw['peak_dtype']}")
+    _row(out, "device x count", f"{hw['device_name']} x {hw['devices']}")
+    _row(out, "peak (dense)", f"{hw['peak_tflops']:g} TFLOP/s {hw['peak_dtype']}")
     out.append(f"  peak source: {hw['peak_source']}")
+
+
+def _format_time(plan: Mapping[str, Any], out: list[str]) -> None:
     t = plan["time"]
     cols = [("assumed", t["assumed"])] + ([("measured", t["measured"])] if t["measured"] else [])
     out.append(f"{'time and cost':<36}" + "".join(f"{name:>22}" for name, _ in cols))
-    row("MFU", *(f"{b['mfu']:.1%}" for _, b in cols))
-    row("tokens/s (processed)", *(_si(b["tokens_per_second"]) for _, b in cols))
-    row("pure training", *(_duration(b["pure_hours"]) for _, b in cols))
-    row(
-        "  same at 6N, N = all params", _duration(t["assumed"]["pure_hours_6n_all"]), note="(the seed-table convention)"
-    )
-    row("overheads (fraction of pure)", *(f"{b['overhead_fraction']:.1%}" for _, b in cols))
-    row("wall clock", *(_duration(b["wall_hours"]) for _, b in cols))
-    row("device-hours", *(f"{b['device_hours']:,.1f}" for _, b in cols))
-    row("cost (USD)", *(f"{b['cost_usd']:,.0f}" if b["cost_usd"] >= 100 else f"{b['cost_usd']:.2f}" for _, b in cols))
+    _row(out, "MFU", *(f"{b['mfu']:.1%}" for _, b in cols))
+    _row(out, "tokens/s (processed)", *(_si(b["tokens_per_second"]) for _, b in cols))
+    _row(out, "pure training", *(_duration(b["pure_hours"]) for _, b in cols))
+    seed_convention = _duration(t["assumed"]["pure_hours_6n_all"])
+    _row(out, "  same at 6N, N = all params", seed_convention, note="(the seed-table convention)")
+    _row(out, "overheads (fraction of pure)", *(f"{b['overhead_fraction']:.1%}" for _, b in cols))
+    _row(out, "wall clock", *(_duration(b["wall_hours"]) for _, b in cols))
+    _row(out, "device-hours", *(f"{b['device_hours']:,.1f}" for _, b in cols))
+    costs = (f"{b['cost_usd']:,.0f}" if b["cost_usd"] >= 100 else f"{b['cost_usd']:.2f}" for _, b in cols)
+    _row(out, "cost (USD)", *costs)
     if plan.get("calibration") and plan["calibration"].get("note"):
         out.append(f"  calibration: {plan['calibration']['note']}")
+
+
+def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
+    mem, st = plan["memory"], plan["storage"]
     out.append(f"memory per device (micro batch {mem['micro_batch_sequences']} x {mem['seq_len']})")
     for k, v in mem["model_state_bytes"].items():
-        row(k, _gib(v))
-    row("activations (no checkpointing)", _gib(mem["activation_bytes_full"]))
-    row("activations (checkpointing)", _gib(mem["activation_bytes_checkpointed"]))
-    row("total (as configured)", _gib(mem["total_bytes"]), note=f"of {_gib(mem['capacity_bytes'])}")
-    verdict = (
-        "fits"
-        if mem["fits"]
-        else (
-            "does NOT fit"
-            + (
-                "; fits with activation checkpointing"
-                if mem["fits_with_checkpointing"] and not mem["activation_checkpointing"]
-                else ""
-            )
-        )
-    )
-    row("verdict", verdict)
+        _row(out, k, _gib(v))
+    _row(out, "activations (no checkpointing)", _gib(mem["activation_bytes_full"]))
+    _row(out, "activations (checkpointing)", _gib(mem["activation_bytes_checkpointed"]))
+    _row(out, "total (as configured)", _gib(mem["total_bytes"]), note=f"of {_gib(mem['capacity_bytes'])}")
+    verdict = "fits"
+    if not mem["fits"]:
+        verdict = "does NOT fit"
+        if mem["fits_with_checkpointing"] and not mem["activation_checkpointing"]:
+            verdict += "; fits with activation checkpointing"
+    _row(out, "verdict", verdict)
     out.append(f"  assumes: {mem['assumptions']}")
     out.append("storage")
-    row("data tokens", _si(st["data_tokens"]), note=st["data_tokens_basis"])
-    row("raw text", _gib(st["raw_text_bytes"]), note=f"{st['raw_bytes_per_token']:g} B/token")
-    row("token shards", _gib(st["token_shard_bytes"]), note=f"{st['token_dtype_bytes']} B/token")
-    row(
-        f"checkpoints (keep_last {st['keep_last']})",
-        _gib(st["checkpoints_bytes"]),
-        note=f"{_gib(st['checkpoint_bytes'])} each (fp32 weights + AdamW moments)",
-    )
-    mix = plan["mixture"]
+    _row(out, "data tokens", _si(st["data_tokens"]), note=st["data_tokens_basis"])
+    _row(out, "raw text", _gib(st["raw_text_bytes"]), note=f"{st['raw_bytes_per_token']:g} B/token")
+    _row(out, "token shards", _gib(st["token_shard_bytes"]), note=f"{st['token_dtype_bytes']} B/token")
+    each = f"{_gib(st['checkpoint_bytes'])} each (fp32 weights + AdamW moments)"
+    _row(out, f"checkpoints (keep_last {st['keep_last']})", _gib(st["checkpoints_bytes"]), note=each)
+
+
+def _format_mixture(mix: Mapping[str, Any], out: list[str]) -> None:
     if mix["status"] != "planned":
         out.append(mix["line"])
-    else:
-        out.append(
-            "mixture" + " " * 28 + "".join(f"{h:>14}" for h in ("ratio", "pool", "exposure", "epochs", "effective"))
+        return
+    out.append("mixture" + " " * 28 + "".join(f"{h:>14}" for h in ("ratio", "pool", "exposure", "epochs", "effective")))
+    for d, r in mix["domains"].items():
+        cells = (
+            f"{r['target_ratio']:.3f}",
+            _si(r["pool_tokens"]),
+            _si(r["exposure_tokens"]),
+            f"{r['epochs']:.2f}",
+            _si(r["effective_tokens"]),
         )
-        for d, r in mix["domains"].items():
-            out.append(
-                f"  {d:<33}"
-                + "".join(
-                    f"{v:>14}"
-                    for v in (
-                        f"{r['target_ratio']:.3f}",
-                        _si(r["pool_tokens"]),
-                        _si(r["exposure_tokens"]),
-                        f"{r['epochs']:.2f}",
-                        _si(r["effective_tokens"]),
-                    )
-                )
-            )
-    for w in plan["warnings"]:
-        out.append(f"warning: {w}")
+        out.append(f"  {d:<33}" + "".join(f"{v:>14}" for v in cells))
+
+
+def format_plan(plan: Mapping[str, Any]) -> str:
+    """The human table of a plan."""
+    out = [f"plan: {plan['experiment']['name']}@{plan['experiment']['version']}", ""]
+    _format_model_and_compute(plan, out)
+    _format_time(plan, out)
+    _format_memory_and_storage(plan, out)
+    _format_mixture(plan["mixture"], out)
+    out += [f"warning: {w}" for w in plan["warnings"]]
     return "\n".join(out)

@@ -17,10 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
+from scipy.optimize import minimize, minimize_scalar
 
+from runner.config.schema import ExperimentSchema
 from runner.errors import RunnerError
-from runner.fsio import read_json, read_jsonl, read_yaml
+from runner.fsio import read_json, read_jsonl
 from runner.planning.flops import params_of_config
+from runner.runs import load_saved_experiment
 
 HUBER_DELTA = 1e-3
 MIN_POINTS = 5  # five free parameters
@@ -84,8 +88,6 @@ class Fit:
 # ---------------------------------------------------------------- reading points
 def read_report_point(report_dir: Path) -> Point:
     """A point from a report folder: run_summary.parquet (N, D) and validation.parquet (final loss)."""
-    import pandas as pd
-
     summary = pd.read_parquet(report_dir / "run_summary.parquet").iloc[0]
     if summary.get("params_counted") not in ("non_embedding", "active"):
         raise RunnerError(
@@ -122,7 +124,7 @@ def read_point(run_dir: str | Path) -> Point:
     for needed in (exp, evals):
         if not needed.exists():
             raise RunnerError(f"missing {needed.relative_to(run_dir)}: not a finished run folder", file=str(run_dir))
-    cfg = read_yaml(exp)
+    cfg = load_saved_experiment(exp).config
     params = params_of_config(cfg).non_embedding
     tokens = _exposure_tokens(run_dir, cfg)
     rows = read_jsonl(evals)
@@ -135,7 +137,7 @@ def read_point(run_dir: str | Path) -> Point:
     loss = float(np.mean(list(final.values())))
     if not math.isfinite(loss):
         raise RunnerError(f"final validation loss is {loss}", file=str(evals))
-    return Point(run_dir.name, float(params), float(tokens), loss, final, str(cfg.get("name") or ""))
+    return Point(run_dir.name, float(params), float(tokens), loss, final, cfg.name)
 
 
 def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
@@ -164,7 +166,7 @@ def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def _exposure_tokens(run_dir: Path, cfg: dict) -> float:
+def _exposure_tokens(run_dir: Path, cfg: ExperimentSchema) -> float:
     ledger = run_dir / "ledger.json"
     if ledger.exists():
         data = read_json(ledger)
@@ -175,7 +177,7 @@ def _exposure_tokens(run_dir: Path, cfg: dict) -> float:
     if run_json.exists():
         steps = read_json(run_json).get("committed_steps")
         if steps:
-            return float(steps * cfg["train"]["global_batch_sequences"] * cfg["train"]["seq_len"])
+            return float(steps * cfg.train.global_batch_sequences * cfg.train.seq_len)
     raise RunnerError(
         "no exposure tokens: neither ledger.json counters.total.exposure nor run.json committed_steps",
         file=str(run_dir),
@@ -215,8 +217,6 @@ def _objective(
 
 def fit_loss(points: Sequence[Point], *, delta: float = HUBER_DELTA, losses: Sequence[float] | None = None) -> Fit:
     """Hoffmann et al. 2022 fit. `losses` replaces the points' mean loss (per-domain fits)."""
-    from scipy.optimize import minimize
-
     if len(points) < MIN_POINTS:
         raise RunnerError(f"a fit of E, A, B, alpha, beta needs at least {MIN_POINTS} runs, got {len(points)}")
     log_n = np.log([p.params for p in points])
@@ -243,6 +243,7 @@ def fit_loss(points: Sequence[Point], *, delta: float = HUBER_DELTA, losses: Seq
         )
         if best is None or res.fun < best.fun:
             best = res
+    assert best is not None  # MIN_POINTS > 0 points give a non-empty grid of starts
     a, b, e, alpha, beta = best.x
     return Fit(
         E=math.exp(e),
@@ -289,8 +290,6 @@ def compute_optimal(fit: Fit, flops: float) -> dict:
 
 def inference_optimal(fit: Fit, target_loss: float, inference_tokens: float) -> dict:
     """Sardana et al. 2023: the N, D reaching `target_loss` with least 6ND + 2N * inference_tokens."""
-    from scipy.optimize import minimize_scalar
-
     gap = target_loss - fit.E
     if gap <= 0:
         raise RunnerError(f"target loss {target_loss:.4g} is not above the fitted floor E={fit.E:.4g}")
@@ -337,10 +336,10 @@ def plot_fit(
     fit: Fit, points: Sequence[Point], path: Path, optimum: dict | None = None, holdout: Sequence[Point] = ()
 ) -> Path:
     """Loss against compute: the pilots, the fitted curve of each pilot size, the optimum."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (heavy, and its backend must be chosen before pyplot loads)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     sizes = sorted({p.params for p in points})

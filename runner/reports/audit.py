@@ -1,7 +1,10 @@
 """Audit a run's report against its own inputs: schemas, invariants, sampler replay, FLOPs and MFU.
 
 Owns: the named checks a report must pass before anyone believes or publishes it. Every figure is
-recounted from what the run was given, independently of what it logged: exposure, unique and the
+recounted from what the run was given, independently of what it logged. What it was given is the
+saved experiment.yaml, read through the schema (runner.runs.load_saved_experiment): it is the
+complete resolved config the run trained under, so the schema supplies no value the run did not
+record; the run's other records are read as they are. The recount: exposure, unique and the
 repetition histogram by replaying the sampler (experiment.yaml + manifests' sample counts);
 params and FLOPs per token from the model config; MFU, goodput MFU and cost from the recorded
 convention, times, the devices the run held (run.json) and the device peak table; the CSV copies
@@ -24,11 +27,15 @@ import numpy as np
 import pandas as pd
 
 from runner.config.rules import devices
+from runner.config.schema import ExperimentSchema
 from runner.data.manifest import manifest_sha256, num_samples
+from runner.data.sampler import MixtureSampler
 from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.planning.flops import Convention, flops_per_token, params_of_config
+from runner.planning.hardware import PEAKS, canonical_device
 from runner.reports import tables as rpt
+from runner.runs import device_seconds, devices_held, is_reportable_run, load_saved_experiment, read_manifest_copies
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -90,7 +97,7 @@ class AuditInput:
 
     source: str
     tables: dict[str, pd.DataFrame]
-    cfg: dict
+    cfg: ExperimentSchema
     run: dict
     manifests: dict[str, dict]
     rebuilt: dict[str, pd.DataFrame] | None = None  # tables rebuilt from a run folder's raw files
@@ -103,19 +110,19 @@ def load_input(target: str | Path) -> AuditInput:
     if path.is_dir():
         if rpt.is_report_dir(path):
             return _from_report_dir(path)
-        if rpt.is_run_dir(path):
+        if is_reportable_run(path):
             rebuilt = rpt.build_tables(path)
             if rpt.is_report_dir(path / rpt.REPORT_DIR):
                 found = _from_report_dir(path / rpt.REPORT_DIR)
                 found.rebuilt = rebuilt
                 return found
-            cfg = rpt.read_experiment_yaml(path / "experiment.yaml")
+            cfg = load_saved_experiment(path / "experiment.yaml").config
             return AuditInput(
                 str(path),
                 rebuilt,
                 cfg,
                 read_json(path / "run.json"),
-                rpt.load_manifests(path / "manifests", sorted(cfg["mixture"]["domains"])),
+                read_manifest_copies(path / "manifests", sorted(cfg.mixture.domains)),
             )
         raise RunnerError(
             "neither a run folder (run.json, ledger.json) nor a report folder (run_summary.parquet)", file=str(path)
@@ -127,11 +134,11 @@ def load_input(target: str | Path) -> AuditInput:
 
 
 def _from_report_dir(path: Path) -> AuditInput:
-    cfg = rpt.read_experiment_yaml(path / "experiment.yaml")
+    cfg = load_saved_experiment(path / "experiment.yaml").config
     run = read_json(path / "run.json") if (path / "run.json").exists() else {}
-    domains = sorted(rpt._get(cfg, "mixture.domains", str(path / "experiment.yaml")))
+    domains = sorted(cfg.mixture.domains)
     return AuditInput(
-        str(path), rpt.read_tables(path), cfg, run, rpt.load_manifests(path / "manifests", domains), report_dir=path
+        str(path), rpt.read_tables(path), cfg, run, read_manifest_copies(path / "manifests", domains), report_dir=path
     )
 
 
@@ -156,8 +163,6 @@ def replay(
     samples: dict[str, int], ratios: dict[str, float], seed: int, global_batch_sequences: int, steps: int
 ) -> Replay:
     """Regenerate every committed step's (domain, sample) pairs and count them (SPEC invariant 6)."""
-    from runner.data.sampler import MixtureSampler
-
     sampler = MixtureSampler(samples, ratios, seed, global_batch_sequences)
     domains = list(sampler.domains)
     seen = {d: np.zeros(samples[d], dtype=np.int64) for d in domains}
@@ -171,9 +176,9 @@ def replay(
         drawn += np.bincount(domain_ids, minlength=len(domains))
         # In samples: |exposure_d - r_d * total| <= L  <=>  |n_d - r_d * n| <= 1.
         off = np.abs(drawn - target * drawn.sum())
-        for i in np.nonzero(off > 1 + 1e-9)[0]:
+        for j in np.nonzero(off > 1 + 1e-9)[0]:
             violations.append(
-                f"step {step + 1}: {domains[i]} {drawn[i]} samples vs target {target[i] * drawn.sum():.2f}"
+                f"step {step + 1}: {domains[j]} {drawn[j]} samples vs target {target[j] * drawn.sum():.2f}"
             )
     return Replay(domains, {d: int(seen[d].sum()) for d in domains}, seen, violations)
 
@@ -219,14 +224,14 @@ def _check_schemas(res: AuditResult, tables: dict[str, pd.DataFrame]) -> bool:
 
 def _check_manifests(res: AuditResult, inp: AuditInput) -> None:
     problems = []
-    pinned = (inp.cfg.get("data") or {}).get("manifests") or {}
+    pinned = inp.cfg.data.manifests
     for d, m in inp.manifests.items():
         recomputed = manifest_sha256(m)
         if recomputed != m.get("manifest_sha256"):
             problems.append(
                 f"{d}: manifest content hashes to {recomputed[:12]}, says {str(m.get('manifest_sha256'))[:12]}"
             )
-        want = (pinned.get(d) or {}).get("sha256")
+        want = pinned[d].sha256 if d in pinned else None
         if want is not None and want != m.get("manifest_sha256"):
             problems.append(f"{d}: experiment pins {want[:12]}, manifest is {str(m.get('manifest_sha256'))[:12]}")
     res.add("manifests match the experiment's pins", problems)
@@ -234,7 +239,7 @@ def _check_manifests(res: AuditResult, inp: AuditInput) -> None:
 
 def _check_config_agreement(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
     acct, s = inp.tables["accounting"], inp.tables["run_summary"].iloc[0]
-    mix = inp.cfg["mixture"]["domains"]
+    mix = inp.cfg.mixture.domains
     problems = []
     if sorted(acct["domain"]) != sorted(mix):
         problems.append(f"domains {sorted(acct['domain'])} != mixture {sorted(mix)}")
@@ -242,27 +247,26 @@ def _check_config_agreement(res: AuditResult, inp: AuditInput, seq_len: int) -> 
         if r.domain not in mix:
             continue
         samples = num_samples(int(inp.manifests[r.domain]["pool_tokens"]), seq_len)
-        expect = {
+        expect: dict[str, Any] = {
             "samples": samples,
             "pool_tokens": samples * seq_len,
             "tail_tokens": max(int(inp.manifests[r.domain]["pool_tokens"]) - samples * seq_len - 1, 0),
-            "target_ratio": float(mix[r.domain]["target_ratio"]),
-            "max_repetition_ratio": float(mix[r.domain].get("max_repetition_ratio", 1.0)),
+            "target_ratio": mix[r.domain].target_ratio,
+            "max_repetition_ratio": mix[r.domain].max_repetition_ratio,
         }
         for col, want in expect.items():
             if not _close(getattr(r, col), want, 1e-12):
                 problems.append(f"{r.domain}.{col} = {getattr(r, col)}, manifest/mixture say {want}")
     res.add("accounting matches manifests and mixture", problems)
 
-    hw = inp.cfg.get("hardware") or {}
-    train = inp.cfg["train"]
+    hw, train = inp.cfg.hardware, inp.cfg.train
     expect = {
-        "experiment": inp.cfg.get("name"),
-        "version": str(inp.cfg.get("version")),
-        "seq_len": int(train["seq_len"]),
-        "global_batch_sequences": int(train["global_batch_sequences"]),
-        "devices": rpt.devices_held(inp.run, inp.cfg),
-        "price_per_device_hour": float(hw.get("price_per_device_hour_usd") or 0.0),
+        "experiment": inp.cfg.name,
+        "version": str(inp.cfg.version),
+        "seq_len": train.seq_len,
+        "global_batch_sequences": train.global_batch_sequences,
+        "devices": devices_held(inp.run, inp.cfg),
+        "price_per_device_hour": hw.price_per_device_hour_usd,
     }
     if inp.run.get("fingerprint"):
         expect["fingerprint"] = inp.run["fingerprint"]
@@ -276,7 +280,7 @@ def _check_config_agreement(res: AuditResult, inp: AuditInput, seq_len: int) -> 
     # A launcher may start more processes than the recipe names (torchrun --nproc-per-node 2 on a
     # 1-device recipe): not an error, since MFU and cost are over what was held, but worth seeing.
     res.checks.append(
-        Check("devices held vs recipe", INFO, f"held {rpt.devices_held(inp.run, inp.cfg)}, recipe {devices(inp.cfg)}")
+        Check("devices held vs recipe", INFO, f"held {devices_held(inp.run, inp.cfg)}, recipe {devices(inp.cfg)}")
     )
 
 
@@ -284,14 +288,12 @@ def _check_replay(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
     s = inp.tables["run_summary"].iloc[0]
     acct = inp.tables["accounting"].set_index("domain")
     hist = inp.tables["repetition"]
-    mix = inp.cfg["mixture"]["domains"]
+    mix = inp.cfg.mixture.domains
     domains = sorted(mix)
     samples = {d: num_samples(int(inp.manifests[d]["pool_tokens"]), seq_len) for d in domains}
-    ratios = {d: float(mix[d]["target_ratio"]) for d in domains}
+    ratios = {d: mix[d].target_ratio for d in domains}
     try:
-        rep = replay(
-            samples, ratios, int(inp.cfg["seed"]), int(inp.cfg["train"]["global_batch_sequences"]), int(s["steps"])
-        )
+        rep = replay(samples, ratios, inp.cfg.seed, inp.cfg.train.global_batch_sequences, int(s["steps"]))
     except RunnerError as err:
         res.add("replay: sampler", [f"sampler refused the recorded inputs: {err}"])
         return
@@ -308,7 +310,7 @@ def _check_replay(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
         if int(got["unique_tokens"]) != want_unique:
             unique.append(f"{d}: report {int(got['unique_tokens'])}, replay {want_unique}")
         # The ledger's counters saturate at 255, so the replay is clipped the same way.
-        want_h = {}
+        want_h: dict[int, int] = {}
         for k, n in rep.histogram(d).items():
             want_h[min(k, 255)] = want_h.get(min(k, 255), 0) + n
         g = hist[hist["domain"] == d]
@@ -323,12 +325,10 @@ def _check_replay(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
 
 
 def _dense_peak(inp: AuditInput, device_name: str) -> tuple[float | None, str]:
-    from runner.planning.hardware import PEAKS, canonical_device
-
     key = canonical_device(device_name)
     if key is not None:
         return PEAKS[key].dense_bf16_tflops, f"{key} dense bf16 from the peak table"
-    stated = (inp.cfg.get("hardware") or {}).get("peak_tflops")
+    stated = inp.cfg.hardware.peak_tflops
     if stated is not None:
         return float(stated), "stated in the hardware recipe (device not in the table)"
     return None, "not in the table and not stated in the recipe"
@@ -379,7 +379,7 @@ def _check_compute(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
     # The devices the run held, from run.json, not the summary's own column: the recount must not
     # trust the figure it is checking.
     # Device-seconds likewise from run.json (each attempt with the devices it held).
-    device_wall, device_step = rpt.device_seconds(
+    device_wall, device_step = device_seconds(
         inp.run, inp.cfg, float(s["wall_seconds"]), float(s["step_seconds_total"])
     )
     want = {
@@ -499,7 +499,7 @@ def _check_mlflow(res: AuditResult, inp: AuditInput) -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     try:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: only when run.json names a run)
 
         metrics = MlflowClient(tracking_uri=uri).get_run(run_id).data.metrics
     except Exception as err:  # unreachable server, missing run, bad URI: the check cannot run
@@ -536,7 +536,7 @@ def audit_input(inp: AuditInput, *, check_mlflow: bool = True) -> AuditResult:
     res = AuditResult(inp.source)
     if not _check_schemas(res, inp.tables):
         return res
-    seq_len = int(inp.cfg["train"]["seq_len"])
+    seq_len = inp.cfg.train.seq_len
     _check_manifests(res, inp)
     _check_config_agreement(res, inp, seq_len)
     _check_replay(res, inp, seq_len)

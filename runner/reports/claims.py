@@ -17,13 +17,12 @@ from typing import Any
 
 from runner.errors import RunnerError
 from runner.fsio import read_yaml
-from runner.planning.hardware import PEAKS, canonical_device
+from runner.planning.hardware import PEAKS, canonical_device, mfu
+from runner.planning.plan import CHINCHILLA_TOKENS_PER_PARAM, SECONDS_PER_DAY
 
 TOKEN_KINDS = ("exposure", "unique", "useful", "processed")
-CHINCHILLA_TOKENS_PER_PARAM = 20.0
 DISAGREE_REL = 0.10
 CONVENTION = "6N (Kaplan/Chinchilla): flops_per_token = 6 * params as claimed; dense bf16 peak per device"
-SECONDS_PER_DAY = 86400.0
 KEYS = (
     "name",
     "source",
@@ -83,27 +82,7 @@ def _number(claim: dict, key: str, where: str, *, positive: bool = True) -> floa
     return x
 
 
-def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
-    """Implied figures and flags of one claim (see the module docstring)."""
-    unknown = set(claim) - set(KEYS)
-    if unknown:
-        raise RunnerError(f"unknown keys {sorted(unknown)} (known: {', '.join(KEYS)})", file=where)
-    name = str(claim.get("name") or "").strip()
-    if not name:
-        raise RunnerError("missing", file=where, key="name")
-    n_params = _number(claim, "model_params", where)
-    if n_params is None:
-        raise RunnerError("missing", file=where, key="model_params")
-    tokens = _number(claim, "tokens", where)
-    tps = _number(claim, "tokens_per_second", where)
-    days = _number(claim, "days", where)
-    stated_mfu = _number(claim, "mfu", where)
-    stated_peak = _number(claim, "peak_tflops", where)
-    devices = claim.get("devices", 1)
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices <= 0:
-        raise RunnerError(f"must be a positive integer, got {devices!r}", file=where, key="devices")
-    res = ClaimResult(name, dict(claim))
-
+def _check_token_kind(claim: dict, where: str, res: ClaimResult) -> None:
     kind = claim.get("token_kind")
     if kind is None:
         res.flags.append(
@@ -116,6 +95,9 @@ def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
     elif kind not in TOKEN_KINDS:
         raise RunnerError(f"must be one of {TOKEN_KINDS}, got {kind!r}", file=where, key="token_kind")
 
+
+def _resolve_peak(claim: dict, stated_peak: float | None, res: ClaimResult) -> None:
+    """The dense peak the implied MFU divides by: the table's for a known device, else the stated one."""
     key = canonical_device(claim.get("hardware"))
     dense = PEAKS[key].dense_bf16_tflops if key else None
     if stated_peak is not None and dense is not None and math.isclose(stated_peak, 2 * dense, rel_tol=0.01):
@@ -137,11 +119,11 @@ def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
             )
         )
 
-    if tps is None and tokens is not None and days is not None:
-        tps = tokens / (days * SECONDS_PER_DAY)
-    peak_flops = res.peak_tflops * 1e12 * devices if res.peak_tflops else None
-    if tps is not None and peak_flops:
-        res.implied_mfu = 6 * n_params * tps / peak_flops
+
+def _check_mfu(res: ClaimResult, n_params: float, tps: float | None, devices: int, stated_mfu: float | None) -> None:
+    """The MFU 6N x tokens/s implies on the devices' dense peak, against 100% and the stated MFU."""
+    if tps is not None and res.peak_tflops:
+        res.implied_mfu = mfu(6 * n_params, tps, 1.0, res.peak_tflops, devices)
         if res.implied_mfu > 1.0:
             res.flags.append(
                 Flag(
@@ -161,25 +143,66 @@ def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
                 )
             )
 
-    if tokens is not None:
-        if claim.get("tokens_per_second") is not None:
-            res.implied_days = tokens / tps / SECONDS_PER_DAY
-        elif stated_mfu is not None and peak_flops:
-            res.implied_days = 6 * n_params * tokens / (stated_mfu * peak_flops) / SECONDS_PER_DAY
-        if (
-            days is not None
-            and res.implied_days is not None
-            and claim.get("tokens_per_second") is not None
-            and abs(days - res.implied_days) > DISAGREE_REL * res.implied_days
-        ):
-            res.flags.append(
-                Flag(
-                    "impossible",
-                    f"stated {days:g} days disagrees with tokens / tokens_per_second = {res.implied_days:.3g} days",
-                )
+
+def _check_days(
+    claim: dict,
+    res: ClaimResult,
+    n_params: float,
+    tokens: float,
+    tps: float | None,
+    days: float | None,
+    stated_mfu: float | None,
+    devices: int,
+) -> None:
+    """Days the tokens take at the claimed tokens/s (or at the stated MFU), against the stated days."""
+    if claim.get("tokens_per_second") is not None and tps is not None:
+        res.implied_days = tokens / tps / SECONDS_PER_DAY
+    elif stated_mfu is not None and res.peak_tflops:
+        peak_flops = res.peak_tflops * 1e12 * devices
+        res.implied_days = 6 * n_params * tokens / (stated_mfu * peak_flops) / SECONDS_PER_DAY
+    if (
+        days is not None
+        and res.implied_days is not None
+        and claim.get("tokens_per_second") is not None
+        and abs(days - res.implied_days) > DISAGREE_REL * res.implied_days
+    ):
+        res.flags.append(
+            Flag(
+                "impossible",
+                f"stated {days:g} days disagrees with tokens / tokens_per_second = {res.implied_days:.3g} days",
             )
-        res.tokens_per_param = tokens / n_params
-        res.tokens_per_param_vs_chinchilla = res.tokens_per_param / CHINCHILLA_TOKENS_PER_PARAM
+        )
+    res.tokens_per_param = tokens / n_params
+    res.tokens_per_param_vs_chinchilla = res.tokens_per_param / CHINCHILLA_TOKENS_PER_PARAM
+
+
+def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
+    """Implied figures and flags of one claim (see the module docstring)."""
+    unknown = set(claim) - set(KEYS)
+    if unknown:
+        raise RunnerError(f"unknown keys {sorted(unknown)} (known: {', '.join(KEYS)})", file=where)
+    name = str(claim.get("name") or "").strip()
+    if not name:
+        raise RunnerError("missing", file=where, key="name")
+    n_params = _number(claim, "model_params", where)
+    if n_params is None:
+        raise RunnerError("missing", file=where, key="model_params")
+    tokens = _number(claim, "tokens", where)
+    tps = _number(claim, "tokens_per_second", where)
+    days = _number(claim, "days", where)
+    stated_mfu = _number(claim, "mfu", where)
+    stated_peak = _number(claim, "peak_tflops", where)
+    devices = claim.get("devices", 1)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices <= 0:
+        raise RunnerError(f"must be a positive integer, got {devices!r}", file=where, key="devices")
+    res = ClaimResult(name, dict(claim))
+    _check_token_kind(claim, where, res)
+    _resolve_peak(claim, stated_peak, res)
+    if tps is None and tokens is not None and days is not None:
+        tps = tokens / (days * SECONDS_PER_DAY)
+    _check_mfu(res, n_params, tps, devices, stated_mfu)
+    if tokens is not None:
+        _check_days(claim, res, n_params, tokens, tps, days, stated_mfu, devices)
     return res
 
 

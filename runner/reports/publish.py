@@ -17,6 +17,7 @@ import pandas as pd
 from runner.errors import RunnerError
 from runner.reports import tables as rpt
 from runner.reports.audit import AuditResult, audit
+from runner.runs import is_reportable_run
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
 INDEX = "README.md"
@@ -40,7 +41,7 @@ def publish(run_dir: str | Path, reports_dir: str | Path = "reports") -> tuple[P
     Returns (published folder, audit result). A failing audit publishes nothing: the result says why.
     """
     run_dir, reports_dir = Path(run_dir), Path(reports_dir)
-    if not rpt.is_run_dir(run_dir):
+    if not is_reportable_run(run_dir):
         raise RunnerError("not a run folder (needs run.json and ledger.json)", file=str(run_dir))
     report_dir = run_dir / rpt.REPORT_DIR
     if not rpt.is_report_dir(report_dir):

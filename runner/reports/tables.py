@@ -1,29 +1,40 @@
 """Build a run's report: tables (schemas/report_tables.py), report.md, plots, and the inputs an audit needs.
 
-Owns: turning a run folder (run.json, experiment.yaml, ledger.json, metrics/*.jsonl, manifests/)
-into the report tables, and writing run_dir/report/ (parquet + csv tables, report.md, PNG plots,
-copies of experiment.yaml, run.json and the manifests so the report folder alone can be audited);
-reading a report folder back; fetching a run folder from an MLflow run id.
+Owns: turning a run folder (run.json, experiment.yaml, ledger.json, metrics/*.jsonl, manifests/),
+read through runner.runs, into the report tables, and writing run_dir/report/ (parquet + csv
+tables, report.md, PNG plots, copies of experiment.yaml, run.json and the manifests so the report
+folder alone can be audited); reading a report folder back; fetching a run folder from an MLflow
+run id.
 Never: validates or judges the numbers (runner.reports.audit does), trains, or edits the run folder
 outside report/.
 """
 
 from __future__ import annotations
 
-import math
+import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from runner.config.rules import devices
+from runner.config.schema import ExperimentSchema
 from runner.data.manifest import num_samples
 from runner.errors import RunnerError
-from runner.fsio import read_json, read_jsonl, read_yaml
+from runner.fsio import read_json, read_jsonl
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
+from runner.planning.hardware import cost_per_billion_useful_tokens, mfu
+from runner.runs import (
+    conventions_of,
+    device_seconds,
+    devices_held,
+    is_reportable_run,
+    load_saved_experiment,
+    read_manifest_copies,
+    run_times,
+)
+from runner.training.tracking import default_tracking_uri
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 
 TABLES = tuple(SCHEMAS)
@@ -32,85 +43,10 @@ PLOTS = ("loss_by_domain.png", "mixture.png", "repetition.png", "throughput.png"
 MLFLOW_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
-# ---- reading the run folder ---------------------------------------------------------------------
-
-
-def read_experiment_yaml(path: Path) -> dict:
-    data = read_yaml(path)
-    if not isinstance(data, dict):
-        raise RunnerError("expected a mapping (the resolved experiment config)", file=str(path))
-    return data
-
-
-def _get(cfg: dict, dotted: str, file: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise RunnerError("missing", file=file, key=dotted)
-        node = node[part]
-    return node
-
-
-def load_manifests(folder: Path, domains: list[str]) -> dict[str, dict]:
-    """The manifest JSON of each domain from `folder/<domain>.json` (copies; shards not needed)."""
-    out = {}
-    for d in domains:
-        out[d] = read_json(folder / f"{d}.json")
-        if not isinstance(out[d], dict) or "pool_tokens" not in out[d]:
-            raise RunnerError("pool_tokens: missing", file=str(folder / f"{d}.json"))
-    return out
-
-
-def devices_held(run: dict, cfg: dict) -> int:
-    """Devices the run held: run.json `devices` (the trainer's world size), else
-    conventions.devices_counted, else the hardware recipe (runs recorded before either existed).
-
-    The recipe is only a last resort because a launcher (torchrun --nproc-per-node) can start more
-    processes than the recipe names, and MFU and cost are over what was held.
-    """
-    if run.get("devices") is not None:
-        return int(run["devices"])
-    recorded = (run.get("conventions") or {}).get("devices_counted")
-    if recorded is not None:
-        return int(recorded)
-    return devices(cfg)
-
-
-def conventions_of(run: dict, cfg: dict) -> dict:
-    """The MFU convention record: run.json's `conventions`, peak fields defaulting to the hardware
-    recipe and devices_counted to the devices held."""
-    recorded = dict(run.get("conventions") or {})
-    conv = Convention.from_dict(recorded).to_dict()
-    hw = cfg.get("hardware") or {}
-    for key in ("peak_tflops", "peak_dtype", "peak_source"):
-        conv[key] = recorded.get(key, hw.get(key))
-    conv["devices_counted"] = int(recorded.get("devices_counted", devices_held(run, cfg)))
-    conv["time_basis"] = recorded.get("time_basis", "step")
-    if conv["peak_tflops"] is None:
-        raise RunnerError(
-            "no peak_tflops recorded in run.json conventions or hardware recipe", key="conventions.peak_tflops"
-        )
-    return conv
-
-
-def hfu_flops_per_token_or_nan(cfg: dict, convention: Convention, seq_len: int) -> float:
+def hfu_flops_per_token_or_nan(cfg: ExperimentSchema, convention: Convention, seq_len: int) -> float:
     """flops.hfu_flops_per_token as a table cell: NaN (empty) without activation checkpointing."""
     hfu = hfu_flops_per_token(cfg, convention, seq_len=seq_len)
     return float("nan") if hfu is None else hfu
-
-
-def device_seconds(run: dict, cfg: dict, wall_seconds: float, step_seconds_total: float) -> tuple[float, float]:
-    """(device_wall_seconds, device_step_seconds): time x devices held, summed over attempts.
-
-    run.json's figures when recorded (the trainer sums each attempt with its own world size),
-    else the seconds x the devices held (runs recorded before; one world size throughout)."""
-    held = devices_held(run, cfg)
-    wall = run.get("device_wall_seconds")
-    step = run.get("device_step_seconds_total")
-    return (
-        float(wall) if wall is not None else wall_seconds * held,
-        float(step) if step is not None else step_seconds_total * held,
-    )
 
 
 def _ledger_counters(ledger: dict, domains: list[str], file: str) -> tuple[dict, dict]:
@@ -124,48 +60,25 @@ def _ledger_counters(ledger: dict, domains: list[str], file: str) -> tuple[dict,
     return counters, hist
 
 
-def _run_times(run: dict, train_rows: list[dict]) -> tuple[float, float]:
-    """(wall_seconds, step_seconds_total): run.json's totals when recorded, else from train.jsonl.
-
-    A train.jsonl row's step_seconds is taken to stand for each step since the previous row
-    (log_interval_steps > 1 logs one row per interval).
-    """
-    wall = run.get("wall_seconds")
-    step_total = run.get("step_seconds_total")
-    if train_rows and (wall is None or step_total is None):
-        rows = sorted(train_rows, key=lambda r: r["step"])
-        prev, summed = 0, 0.0
-        for r in rows:
-            span = max(int(r["step"]) - prev, 1)
-            summed += float(r["step_seconds"]) * span
-            prev = int(r["step"])
-        wall = wall if wall is not None else max(float(r["wall_seconds"]) for r in rows)
-        step_total = step_total if step_total is not None else summed
-    if wall is None or step_total is None:
-        raise RunnerError("no wall_seconds/step_seconds_total and no metrics/train.jsonl rows", file="run.json")
-    return float(wall), float(step_total)
-
-
 def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     """The report tables of a run folder, named as in schemas.report_tables.SCHEMAS."""
     run_dir = Path(run_dir)
     run = read_json(run_dir / "run.json")
-    cfg_file = str(run_dir / "experiment.yaml")
-    cfg = read_experiment_yaml(run_dir / "experiment.yaml")
+    cfg = load_saved_experiment(run_dir / "experiment.yaml").config
     ledger_file = str(run_dir / "ledger.json")
     ledger = read_json(run_dir / "ledger.json")
 
-    seq_len = int(_get(cfg, "train.seq_len", cfg_file))
-    global_batch = int(_get(cfg, "train.global_batch_sequences", cfg_file))
-    mix = _get(cfg, "mixture.domains", cfg_file)
+    seq_len = cfg.train.seq_len
+    global_batch = cfg.train.global_batch_sequences
+    mix = cfg.mixture.domains
     domains = sorted(mix)
-    manifests = load_manifests(run_dir / "manifests", domains)
+    manifests = read_manifest_copies(run_dir / "manifests", domains)
     counters, hist = _ledger_counters(ledger, domains, ledger_file)
     conv = conventions_of(run, cfg)
     convention = Convention.from_dict(conv)
-    hw = cfg.get("hardware") or {}
+    hw = cfg.hardware
     devices = devices_held(run, cfg)
-    price = float(hw.get("price_per_device_hour_usd") or 0.0)
+    price = hw.price_per_device_hour_usd
 
     acct_rows = []
     exposure_total = sum(int(counters[d]["exposure"]) for d in domains)
@@ -177,7 +90,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
         acct_rows.append(
             {
                 "domain": d,
-                "target_ratio": float(mix[d]["target_ratio"]),
+                "target_ratio": mix[d].target_ratio,
                 "realized_ratio": int(c["exposure"]) / exposure_total if exposure_total else 0.0,
                 "pool_tokens": pool,
                 "processed_tokens": int(c["processed"]),
@@ -186,7 +99,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
                 "unique_tokens": int(c["unique"]),
                 "lost_tokens": int(c["lost"]),
                 "epochs": int(c["exposure"]) / pool if pool else 0.0,
-                "max_repetition_ratio": float(mix[d].get("max_repetition_ratio", 1.0)),
+                "max_repetition_ratio": mix[d].max_repetition_ratio,
                 "tail_tokens": max(manifest_pool - pool - 1, 0),
                 "samples": samples,
             }
@@ -203,7 +116,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     # A resumed run appends again the steps it redid after its last checkpoint: the later row is
     # the one in the model's lineage.
     train_rows = list({int(r["step"]): r for r in read_jsonl(run_dir / "metrics" / "train.jsonl")}.values())
-    wall_seconds, step_seconds_total = _run_times(run, train_rows)
+    wall_seconds, step_seconds_total = run_times(run, train_rows)
     device_wall, device_step = device_seconds(run, cfg, wall_seconds, step_seconds_total)
     fpt = flops_per_token(cfg, convention, seq_len=seq_len)
     hfu_fpt = hfu_flops_per_token_or_nan(cfg, convention, seq_len)
@@ -211,14 +124,14 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     totals = {
         k: int(accounting[f"{k}_tokens"].sum()) for k in ("pool", "processed", "exposure", "useful", "unique", "lost")
     }
-    peak_flops = float(conv["peak_tflops"]) * 1e12
+    peak_tflops = float(conv["peak_tflops"])
     useful = totals["useful"]
     summary = pd.DataFrame(
         [
             {
                 "schema_version": SCHEMA_VERSION,
-                "experiment": str(run.get("experiment", cfg.get("name"))),
-                "version": str(cfg.get("version")),
+                "experiment": str(run.get("experiment", cfg.name)),
+                "version": str(cfg.version),
                 "fingerprint": str(run.get("fingerprint")),
                 "run_id": str(run.get("run_id", run_dir.name)),
                 "status": str(run.get("status", "finished")),
@@ -232,23 +145,25 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
                 "device_step_seconds": device_step,
                 "params": int(n_params),
                 "flops_per_token": float(fpt),
-                "mfu": fpt * totals["processed"] / (device_step * peak_flops),
-                "goodput_mfu": fpt * useful / (device_wall * peak_flops),
+                "mfu": mfu(fpt, totals["processed"], device_step, peak_tflops, 1),
+                "goodput_mfu": mfu(fpt, useful, device_wall, peak_tflops, 1),
                 "hfu_flops_per_token": hfu_fpt,
-                "hfu": hfu_fpt * totals["processed"] / (device_step * peak_flops),
+                "hfu": mfu(hfu_fpt, totals["processed"], device_step, peak_tflops, 1),
                 "flops_formula": convention.flops_formula,
                 "params_counted": convention.params_counted,
                 "attention_causal_half": bool(convention.attention_causal_half),
                 "recompute_counted": bool(convention.recompute_counted),
-                "peak_tflops": float(conv["peak_tflops"]),
+                "peak_tflops": peak_tflops,
                 "peak_dtype": str(conv["peak_dtype"]),
                 "peak_source": str(conv["peak_source"]),
                 "devices_counted": int(conv["devices_counted"]),
                 "time_basis": str(conv["time_basis"]),
-                "device_name": str(hw.get("device_name", hw.get("name", ""))),
+                "device_name": hw.device_name,
                 "devices": devices,
                 "price_per_device_hour": price,
-                "cost_per_billion_useful_tokens": price * (device_wall / 3600.0) / (useful / 1e9) if useful else 0.0,
+                "cost_per_billion_useful_tokens": cost_per_billion_useful_tokens(1, price, device_wall, useful)
+                if useful
+                else 0.0,
             }
         ]
     )
@@ -330,7 +245,7 @@ def read_tables(report_dir: str | Path) -> dict[str, pd.DataFrame]:
 # ---- writing the report -------------------------------------------------------------------------
 
 
-def _fmt_int(n: int) -> str:
+def _fmt_int(n: int | np.integer) -> str:
     return f"{int(n):,}"
 
 
@@ -360,11 +275,10 @@ def final_losses(validation: pd.DataFrame) -> dict[str, float]:
     return {str(r.domain): float(r.loss_nats) for r in last.itertuples(index=False)}
 
 
-def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[str, dict]) -> str:
+def render_markdown(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, manifests: dict[str, dict]) -> str:
     s = tables["run_summary"].iloc[0]
     acct = tables["accounting"]
-    model = cfg.get("model") or {}
-    recipes = cfg.get("recipes") or {}
+    model, recipes = cfg.model, cfg.recipes
     lines = [
         f"# {s.experiment} v{s.version}: run {s.run_id}",
         "",
@@ -372,12 +286,12 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
         "",
         "## What was trained",
         "",
-        f"- Model `{recipes.get('model', model.get('name', '?'))}`: {model.get('arch', 'llama')}, "
-        f"hidden {model.get('hidden_size')}, {model.get('n_layers')} layers, {model.get('n_heads')} heads "
-        f"({model.get('n_kv_heads')} kv), ffn {model.get('intermediate_size')}; "
+        f"- Model `{recipes.get('model', model.name)}`: {model.arch}, "
+        f"hidden {model.hidden_size}, {model.n_layers} layers, {model.n_heads} heads "
+        f"({model.n_kv_heads} kv), ffn {model.intermediate_size}; "
         f"N = {_fmt_int(s.params)} parameters ({s.params_counted}).",
-        f"- Tokenizer `{recipes.get('tokenizer', '?')}` sha256 `{(cfg.get('tokenizer') or {}).get('sha256', '?')}`.",
-        f"- Optimizer `{recipes.get('optim', '?')}`, seed {cfg.get('seed')}.",
+        f"- Tokenizer `{recipes.get('tokenizer', '?')}` sha256 `{cfg.tokenizer.sha256}`.",
+        f"- Optimizer `{recipes.get('optim', '?')}`, seed {cfg.seed}.",
         f"- {_fmt_int(s.steps)} committed steps x {s.global_batch_sequences} sequences x L = {s.seq_len} "
         f"= {_fmt_int(s.exposure_tokens)} exposure tokens.",
         "",
@@ -482,10 +396,10 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
 
 
 def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (heavy, and its backend must be chosen before pyplot loads)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     paths = []
     val, acct, hist, thr = (tables[k] for k in ("validation", "accounting", "repetition", "throughput"))
@@ -498,7 +412,8 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     if not val.empty:
         ax.legend()
     paths.append(out / "loss_by_domain.png")
-    fig.savefig(paths[-1], dpi=80), plt.close(fig)
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     x = np.arange(len(acct))
@@ -508,7 +423,8 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     ax.set(ylabel="share of exposure", title="Mixture: target vs realized")
     ax.legend()
     paths.append(out / "mixture.png")
-    fig.savefig(paths[-1], dpi=80), plt.close(fig)
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     domains = list(acct["domain"])
@@ -519,7 +435,8 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     ax.set(xlabel="times seen", ylabel="samples", title="Repetition histogram")
     ax.legend()
     paths.append(out / "repetition.png")
-    fig.savefig(paths[-1], dpi=80), plt.close(fig)
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
 
     fig, ax1 = plt.subplots(figsize=(6, 4))
     ax1.plot(thr["step"], thr["tokens_per_second"], color="tab:blue", label="tokens/s")
@@ -530,7 +447,8 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     ax2.set_ylabel("fraction of peak")
     ax2.legend(loc="lower right")
     paths.append(out / "throughput.png")
-    fig.savefig(paths[-1], dpi=80), plt.close(fig)
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
     return paths
 
 
@@ -538,9 +456,9 @@ def write_report(run_dir: str | Path) -> Path:
     """Write run_dir/report/ (tables, report.md, plots, audit inputs); return its path."""
     run_dir = Path(run_dir)
     tables = build_tables(run_dir)
-    cfg = read_experiment_yaml(run_dir / "experiment.yaml")
-    domains = sorted(cfg["mixture"]["domains"])
-    manifests = load_manifests(run_dir / "manifests", domains)
+    cfg = load_saved_experiment(run_dir / "experiment.yaml").config
+    domains = sorted(cfg.mixture.domains)
+    manifests = read_manifest_copies(run_dir / "manifests", domains)
     out = run_dir / REPORT_DIR
     if out.exists():
         shutil.rmtree(out)
@@ -566,9 +484,9 @@ def render_report_dir(report_dir: str | Path) -> Path:
     """
     report_dir = Path(report_dir)
     tables = read_tables(report_dir)
-    cfg = read_experiment_yaml(report_dir / "experiment.yaml")
-    domains = sorted(_get(cfg, "mixture.domains", str(report_dir / "experiment.yaml")))
-    manifests = load_manifests(report_dir / "manifests", domains)
+    cfg = load_saved_experiment(report_dir / "experiment.yaml").config
+    domains = sorted(cfg.mixture.domains)
+    manifests = read_manifest_copies(report_dir / "manifests", domains)
     (report_dir / "report.md").write_text(render_markdown(tables, cfg, manifests))
     write_plots(tables, report_dir)
     return report_dir
@@ -577,7 +495,7 @@ def render_report_dir(report_dir: str | Path) -> Path:
 def report_from_fetched(folder: str | Path) -> Path:
     """Write or re-render the report of a folder fetched by `fetch_mlflow_run`."""
     folder = Path(folder)
-    if is_run_dir(folder):
+    if is_reportable_run(folder):
         return write_report(folder)
     if is_report_dir(folder):
         return render_report_dir(folder)
@@ -591,13 +509,9 @@ def report_from_fetched(folder: str | Path) -> Path:
 
 def fetch_mlflow_run(run_id: str, dst: str | Path) -> Path:
     """Download an MLflow run's artifacts to `dst` and return the folder holding run.json."""
-    import os
-
     # A tqdm bar per artifact file would bury the one line the user needs.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    import mlflow
-
-    from runner.training.tracking import default_tracking_uri
+    import mlflow  # noqa: PLC0415  (mlflow: seconds to import, and it reads the setting above when it does)
 
     # The store launch writes to by default; a missing SQLite file is reported, never created empty.
     uri = default_tracking_uri()
@@ -622,11 +536,3 @@ def fetch_mlflow_run(run_id: str, dst: str | Path) -> Path:
 
 def is_report_dir(path: Path) -> bool:
     return (path / "run_summary.parquet").exists()
-
-
-def is_run_dir(path: Path) -> bool:
-    return (path / "run.json").exists() and (path / "ledger.json").exists()
-
-
-def finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

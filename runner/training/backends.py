@@ -7,8 +7,9 @@ memory, torch.compile) and the accelerate mixed-precision string. Returns a plai
 applied, which the trainer logs with the run.
 Never: installs or downloads anything (transformers' hub "kernels" fallback included), falls back
 to another attention backend than the one asked for, or holds a table of device peaks (that is
-runner.planning.hardware's). Imports only torch, runner.errors and runner.planning.hardware at module level, so bench/gpu_bench.py can
-use it on a machine with nothing but the repository, torch and transformers.
+runner.planning.hardware's). Imports only torch, runner.errors, runner.config.schema and
+runner.planning.hardware at module level, so bench/gpu_bench.py can use it on a machine with
+nothing but the repository, torch and transformers.
 """
 
 from __future__ import annotations
@@ -16,18 +17,34 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import typing
 from dataclasses import asdict, dataclass
-from typing import Any
+from importlib.metadata import PackageNotFoundError, packages_distributions
+from importlib.metadata import version as dist_version
+from typing import Any, cast
 
 import torch
+import torch.nn.attention
+from torch.nn.attention import SDPBackend
 
+from runner.config.schema import (
+    Accelerator,
+    AttnImplementation,
+    HardwareRecipe,
+    ModelRecipe,
+    OptimRecipe,
+    Precision,
+    SdpaKernel,
+)
 from runner.errors import RunnerError
 from runner.planning.hardware import DeviceIdentity, check_device_matches, detect_device, parse_simulated
 
-ACCELERATORS = ("cpu", "cuda", "rocm")
-ATTENTION_BACKENDS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")
-PRECISIONS = ("bf16", "fp32")
+ACCELERATORS: tuple[str, ...] = typing.get_args(Accelerator)
+ATTENTION_BACKENDS: tuple[str, ...] = typing.get_args(AttnImplementation)
+SDPA_KERNELS: tuple[str, ...] = typing.get_args(SdpaKernel)
+PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
+#: torch.backends.cudnn, untyped: its stubs predate the fp32_precision API (torch 2.9)
+_CUDNN: Any = torch.backends.cudnn
 
 # Compute capability of CUDA parts, for simulated names given without an `sm_XY` arch.
 CUDA_CAPABILITY = {
@@ -89,7 +106,8 @@ def cuda_capability(dev: DeviceIdentity) -> tuple[int, int] | None:
     if dev.accelerator != "cuda":
         return None
     if not dev.simulated:
-        return tuple(torch.cuda.get_device_capability(0))
+        major, minor = torch.cuda.get_device_capability(0)
+        return major, minor
     arch = (dev.arch or "").lower()
     if arch.startswith("sm_") and arch[3:].isdigit() and len(arch) >= 5:
         return int(arch[3:-1]), int(arch[-1])
@@ -97,7 +115,7 @@ def cuda_capability(dev: DeviceIdentity) -> tuple[int, int] | None:
     return next((CUDA_CAPABILITY[t] for t in tokens if t in CUDA_CAPABILITY), None)
 
 
-def _as_device(device: DeviceIdentity | str | None) -> DeviceIdentity:
+def _as_device(device: DeviceIdentity | str | torch.device | None) -> DeviceIdentity:
     if isinstance(device, DeviceIdentity):
         return device
     if device is None:
@@ -128,17 +146,13 @@ class AttentionBackend:
         """Wrap forward/backward in this to pin SDPA to the checked kernel (no silent fallback)."""
         if self.attn_implementation != "sdpa" or self.sdpa_kernel is None:
             return contextlib.nullcontext()
-        from torch.nn.attention import sdpa_kernel
-
-        return sdpa_kernel(_sdpa_backend(self.sdpa_kernel))
+        return torch.nn.attention.sdpa_kernel(_sdpa_backend(self.sdpa_kernel))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _sdpa_backend(kernel: str):
-    from torch.nn.attention import SDPBackend
-
+def _sdpa_backend(kernel: str) -> SDPBackend:
     return {
         "flash": SDPBackend.FLASH_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -163,12 +177,10 @@ def _sdpa_kernel_supported(kernel: str, dev: DeviceIdentity) -> str | None:
 
 def _probe_sdpa(kernel: str, dev: DeviceIdentity) -> str | None:
     """Run one tiny causal SDPA pinned to `kernel` on the real device; the error text if it fails."""
-    from torch.nn.attention import sdpa_kernel
-
     dtype = torch.bfloat16 if is_gpu(dev) else torch.float32
     q = torch.randn(1, 2, 16, 64, device=torch_device_type(dev), dtype=dtype)
     try:
-        with sdpa_kernel(_sdpa_backend(kernel)):
+        with torch.nn.attention.sdpa_kernel(_sdpa_backend(kernel)):
             torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     except RuntimeError as exc:
         return str(exc).strip().splitlines()[0]
@@ -181,16 +193,10 @@ def _package_problem(backend: str, dev: DeviceIdentity) -> tuple[str | None, str
     if importlib.util.find_spec(package) is None:
         return f"the {package} package is not installed", None
     version = None
-    try:
-        from importlib.metadata import PackageNotFoundError, packages_distributions
-        from importlib.metadata import version as dist_version
-
-        for dist in packages_distributions().get(package, []):
-            with contextlib.suppress(PackageNotFoundError):
-                version = dist_version(dist)
-                break
-    except ImportError:
-        pass
+    for dist in packages_distributions().get(package, []):
+        with contextlib.suppress(PackageNotFoundError):
+            version = dist_version(dist)
+            break
     if dev.simulated:
         return None, version  # importing would load GPU libraries this machine does not have
     try:
@@ -201,7 +207,7 @@ def _package_problem(backend: str, dev: DeviceIdentity) -> tuple[str | None, str
             f"{str(exc).splitlines()[0] if str(exc) else ''})",
             version,
         )
-    from transformers.utils import import_utils
+    from transformers.utils import import_utils  # noqa: PLC0415  (transformers: only a flash backend needs it)
 
     if not getattr(import_utils, _TRANSFORMERS_CHECK[backend])():
         # transformers would then reach for its hub "kernels" fallback: refuse instead.
@@ -210,6 +216,31 @@ def _package_problem(backend: str, dev: DeviceIdentity) -> tuple[str | None, str
             f"(check the distribution name/version it was built under)"
         ), version
     return None, version
+
+
+def _check_sdpa_kernel(name: str, kernel: str, dev: DeviceIdentity, file: str | None) -> AttentionBackend:
+    """SDPA pinned to `kernel`: only with sdpa, a known kernel, and one that runs on `dev` (probed when real)."""
+    if name != "sdpa":
+        raise RunnerError(
+            f"an SDPA kernel ({kernel!r}) only applies to attn_implementation sdpa, not {name}",
+            file=file,
+            key="model.sdpa_kernel",
+        )
+    if kernel not in SDPA_KERNELS:
+        raise RunnerError(
+            f"unknown SDPA kernel {kernel!r}; one of {list(SDPA_KERNELS)}", file=file, key="model.sdpa_kernel"
+        )
+    why = _sdpa_kernel_supported(kernel, dev)
+    if why is None and not dev.simulated:
+        why = _probe_sdpa(kernel, dev)
+    if why:
+        raise RunnerError(
+            f"sdpa with the {kernel} kernel cannot run on {describe(dev)}: {why}; "
+            f"choose another model.sdpa_kernel (math always runs) or leave it unset",
+            file=file,
+            key="model.attn_implementation",
+        )
+    return AttentionBackend("sdpa", kernel, describe(dev))
 
 
 def check_attention_backend(
@@ -229,27 +260,7 @@ def check_attention_backend(
         raise RunnerError(f"unknown attention backend {name!r}; one of {list(ATTENTION_BACKENDS)}", file=file, key=key)
     dev = _as_device(device)
     if sdpa_kernel is not None:
-        if name != "sdpa":
-            raise RunnerError(
-                f"an SDPA kernel ({sdpa_kernel!r}) only applies to attn_implementation sdpa, not {name}",
-                file=file,
-                key="model.sdpa_kernel",
-            )
-        if sdpa_kernel not in SDPA_KERNELS:
-            raise RunnerError(
-                f"unknown SDPA kernel {sdpa_kernel!r}; one of {list(SDPA_KERNELS)}", file=file, key="model.sdpa_kernel"
-            )
-        why = _sdpa_kernel_supported(sdpa_kernel, dev)
-        if why is None and not dev.simulated:
-            why = _probe_sdpa(sdpa_kernel, dev)
-        if why:
-            raise RunnerError(
-                f"sdpa with the {sdpa_kernel} kernel cannot run on {describe(dev)}: {why}; "
-                f"choose another model.sdpa_kernel (math always runs) or leave it unset",
-                file=file,
-                key=key,
-            )
-        return AttentionBackend("sdpa", sdpa_kernel, describe(dev))
+        return _check_sdpa_kernel(name, sdpa_kernel, dev, file)
     if name in ("sdpa", "eager"):
         return AttentionBackend(name, None, describe(dev))
     if not is_gpu(dev):
@@ -280,40 +291,30 @@ def check_attention_backend(
     return AttentionBackend(name, None, describe(dev), package=_PACKAGE[name], package_version=version)
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    """Read `key` from a dict or an OmegaConf node (struct mode included) without raising."""
-    if cfg is None:
-        return default
-    try:
-        value = cfg.get(key, default)
-    except Exception:  # OmegaConf struct mode raises on unknown keys in some versions
-        return default
-    return default if value is None else value
-
-
-def _accelerator(hw: Any, file: str | None) -> str:
-    accelerator = str(_get(hw, "accelerator", "cpu"))
-    if accelerator not in ACCELERATORS:
+def _accelerator(hw: HardwareRecipe, file: str | None) -> str:
+    if hw.accelerator not in ACCELERATORS:  # a recipe built in code, not loaded (bench scripts)
         raise RunnerError(
-            f"must be one of {list(ACCELERATORS)}, got {accelerator!r}", file=file, key="hardware.accelerator"
+            f"must be one of {list(ACCELERATORS)}, got {hw.accelerator!r}", file=file, key="hardware.accelerator"
         )
-    return accelerator
+    return hw.accelerator
 
 
-def accelerate_mixed_precision(hw: Any, *, file: str | None = None) -> str:
+def accelerate_mixed_precision(hw: HardwareRecipe, *, file: str | None = None) -> str:
     """accelerate's `mixed_precision`: 'bf16' on a GPU recipe with precision bf16, else 'no'."""
-    precision = str(_get(hw, "precision", "fp32"))
-    if precision not in PRECISIONS:
-        raise RunnerError(f"must be one of {list(PRECISIONS)}, got {precision!r}", file=file, key="hardware.precision")
+    if hw.precision not in PRECISIONS:
+        raise RunnerError(
+            f"must be one of {list(PRECISIONS)}, got {hw.precision!r}", file=file, key="hardware.precision"
+        )
     if _accelerator(hw, file) == "cpu":
         return "no"  # CPU runs are the fp32 reference; bf16 autocast there is slower, not faster
-    return "bf16" if precision == "bf16" else "no"
+    return "bf16" if hw.precision == "bf16" else "no"
 
 
 def fused_adamw_available(dev: DeviceIdentity) -> bool:
     """Whether torch.optim.AdamW(fused=True) has a kernel for the device type this run uses."""
     try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+        # Private torch API: deferred, so a release without it costs this check, not the module.
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # noqa: PLC0415
 
         return torch_device_type(dev) in _get_fused_kernels_supported_devices()
     except ImportError:  # very old torch: fused AdamW was CUDA-only
@@ -325,13 +326,13 @@ def _set_tf32(enabled: bool) -> dict[str, Any]:
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         mode = "tf32" if enabled else "ieee"
         torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-        torch.backends.cudnn.rnn.fp32_precision = mode
+        _CUDNN.conv.fp32_precision = mode
+        _CUDNN.rnn.fp32_precision = mode
         torch.set_float32_matmul_precision("high" if enabled else "highest")
         return {
             "tf32_api": "fp32_precision",
             "matmul_fp32_precision": torch.backends.cuda.matmul.fp32_precision,
-            "cudnn_fp32_precision": torch.backends.cudnn.conv.fp32_precision,
+            "cudnn_fp32_precision": _CUDNN.conv.fp32_precision,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
         }
     torch.backends.cuda.matmul.allow_tf32 = enabled
@@ -349,11 +350,50 @@ def _str_or_none(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
+def _tf32_record(tf32: bool, dev: DeviceIdentity) -> dict[str, Any]:
+    if is_gpu(dev):
+        return {"tf32": tf32, **_set_tf32(tf32)}
+    # No TF32 units on a CPU; leaving the flags alone keeps fp32 CPU matmuls exact.
+    return {
+        "tf32": False,
+        "tf32_api": None,
+        "matmul_fp32_precision": None,
+        "cudnn_fp32_precision": None,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def _fused_adamw_record(optim_cfg: OptimRecipe | None, dev: DeviceIdentity, file: str | None) -> dict[str, Any]:
+    """Fused AdamW: used when asked for and available; asked for and unavailable is an error."""
+    fused_ok = fused_adamw_available(dev)
+    fused_wanted = optim_cfg is not None and optim_cfg.fused
+    if fused_wanted and not fused_ok:
+        raise RunnerError(
+            f"fused AdamW has no kernel for {torch_device_type(dev)} in torch {torch.__version__}; "
+            "set optim.fused: false",
+            file=file,
+            key="optim.fused",
+        )
+    return {"fused_adamw_available": fused_ok, "adamw_fused": fused_wanted and fused_ok}
+
+
+def _compile_record(model_cfg: ModelRecipe, dev: DeviceIdentity, file: str | None) -> dict[str, Any]:
+    compile_on = model_cfg.compile
+    if compile_on and is_gpu(dev) and not dev.simulated and importlib.util.find_spec("triton") is None:
+        raise RunnerError(
+            "torch.compile on a GPU needs the triton package, which is not installed; "
+            "set model.compile: false or install the triton matching this torch",
+            file=file,
+            key="model.compile",
+        )
+    return {"compile": compile_on, "compile_mode": model_cfg.compile_mode if compile_on else None}
+
+
 def apply_runtime_settings(
-    hardware_cfg: Any,
-    model_cfg: Any,
+    hardware_cfg: HardwareRecipe,
+    model_cfg: ModelRecipe,
     *,
-    optim_cfg: Any = None,
+    optim_cfg: OptimRecipe | None = None,
     device: DeviceIdentity | str | None = None,
     file: str | None = None,
 ) -> dict[str, Any]:
@@ -383,27 +423,10 @@ def apply_runtime_settings(
         "cuda_version": _str_or_none(torch.version.cuda),
         "hip_version": _str_or_none(getattr(torch.version, "hip", None)),
         "mixed_precision": accelerate_mixed_precision(hardware_cfg, file=file),
+        **_tf32_record(hardware_cfg.tf32, run_dev),
     }
-
-    tf32 = bool(_get(hardware_cfg, "tf32", False))
-    if is_gpu(run_dev):
-        record["tf32"] = tf32
-        record.update(_set_tf32(tf32))
-    else:
-        # No TF32 units on a CPU; leaving the flags alone keeps fp32 CPU matmuls exact.
-        record.update(
-            tf32=False,
-            tf32_api=None,
-            matmul_fp32_precision=None,
-            cudnn_fp32_precision=None,
-            float32_matmul_precision=torch.get_float32_matmul_precision(),
-        )
-
     attention = check_attention_backend(
-        str(_get(model_cfg, "attn_implementation", "sdpa")),
-        run_dev,
-        sdpa_kernel=_get(model_cfg, "sdpa_kernel"),
-        file=file,
+        model_cfg.attn_implementation, run_dev, sdpa_kernel=model_cfg.sdpa_kernel, file=file
     )
     record.update(
         attn_implementation=attention.attn_implementation,
@@ -411,33 +434,11 @@ def apply_runtime_settings(
         attention_package=attention.package,
         attention_package_version=attention.package_version,
     )
-
-    fused_ok = fused_adamw_available(run_dev)
-    fused_wanted = bool(_get(optim_cfg, "fused", False))
-    if fused_wanted and not fused_ok:
-        raise RunnerError(
-            f"fused AdamW has no kernel for {torch_device_type(run_dev)} in torch {torch.__version__}; "
-            "set optim.fused: false",
-            file=file,
-            key="optim.fused",
-        )
-    record.update(fused_adamw_available=fused_ok, adamw_fused=fused_wanted and fused_ok)
-
+    record.update(_fused_adamw_record(optim_cfg, run_dev, file))
     # Pinned host memory only pays off when a copy to a GPU follows; non_blocking needs it to be async.
-    pin = bool(_get(hardware_cfg, "pin_memory", False)) and is_gpu(run_dev)
+    pin = hardware_cfg.pin_memory and is_gpu(run_dev)
     record.update(pin_memory=pin, non_blocking=pin)
-
-    compile_on = bool(_get(model_cfg, "compile", False))
-    if compile_on and is_gpu(run_dev) and not run_dev.simulated and importlib.util.find_spec("triton") is None:
-        raise RunnerError(
-            "torch.compile on a GPU needs the triton package, which is not installed; "
-            "set model.compile: false or install the triton matching this torch",
-            file=file,
-            key="model.compile",
-        )
-    record.update(
-        compile=compile_on, compile_mode=str(_get(model_cfg, "compile_mode", "default")) if compile_on else None
-    )
+    record.update(_compile_record(model_cfg, run_dev, file))
     return record
 
 
@@ -446,8 +447,8 @@ def restore_default_settings() -> None:
     _set_tf32(False)
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         torch.backends.cuda.matmul.fp32_precision = "none"
-        torch.backends.cudnn.conv.fp32_precision = "none"
-        torch.backends.cudnn.rnn.fp32_precision = "none"
+        _CUDNN.conv.fp32_precision = "none"
+        _CUDNN.rnn.fp32_precision = "none"
 
 
 # ---- sharding -----------------------------------------------------------------------------------
@@ -457,14 +458,14 @@ SHARD_ACCELERATE = "accelerate-fsdp2"  # accelerate's FSDP2 plugin wraps the mod
 SHARD_RUNNER_CPU = "runner-fsdp2-cpu"  # CPU processes: the runner applies the same FSDP2 wrapping
 
 
-def sharding_mode(hardware_cfg: Any, acc: Any, *, file: str | None = None) -> str:
+def sharding_mode(hardware_cfg: HardwareRecipe, acc: Any, *, file: str | None = None) -> str:
     """Which code shards the model, checked against the recipe's `hardware.distributed`.
 
     accelerate offers FSDP only on accelerators: on CPU processes it sets up DDP (MULTI_CPU) even
     when asked for FSDP. There the runner applies FSDP2 itself, exactly as accelerate's
     `fsdp2_prepare_model` does (`fully_shard` per decoder layer, then the root, resharding after
     forward), so the sharded path (gather, checkpoint, resume) runs and is tested on CPU."""
-    wanted = str(_get(hardware_cfg, "distributed", "none"))
+    wanted = hardware_cfg.distributed
     kind = acc.distributed_type.name
     world = int(acc.num_processes)
     if kind == "FSDP":
@@ -498,11 +499,12 @@ def sharding_mode(hardware_cfg: Any, acc: Any, *, file: str | None = None) -> st
 
 def shard_fsdp2_cpu(model: torch.nn.Module, world: int) -> torch.nn.Module:
     """FSDP2 full shard over `world` CPU (gloo) processes: each decoder layer is one unit, then the root."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    # FSDP2's public API exists from torch 2.6 (the dependency allows 2.4): only CPU sharding needs it.
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
+    for layer in cast(torch.nn.ModuleList, model.get_submodule("model.layers")):
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     return model

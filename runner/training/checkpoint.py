@@ -22,12 +22,20 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file, load_model, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from runner.fsio import fsync_dir, fsync_file, sha256_file
 
@@ -76,8 +84,6 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], index: dict) -> dict:
 
 
 def _options(**kwargs):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
@@ -87,12 +93,11 @@ def gather_full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     `model` is the unwrapped module (plain, or FSDP2-sharded in place). A collective when the
     parameters are sharded: EVERY rank must call it; rank 0 receives the tensors, the others get
     empty dicts (cpu_offload keeps one copy in host memory, on the writer)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     options = _options(cpu_offload=distributed)
-    model_state = get_model_state_dict(model, options=options)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    # Full state dicts of a module and of its optimizer: tensors by parameter name, torch's nested form.
+    model_state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
+    optim_state = cast(dict, get_optimizer_state_dict(model, optimizer, options=options))
     if not distributed:  # one process: cpu_offload needs a process group, so copy to host here
         model_state = {k: v.detach().cpu() for k, v in model_state.items()}
     return model_state, optim_state
@@ -100,7 +105,8 @@ def gather_full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
 
 def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors, tied weights stored once per name (safetensors refuses shared memory)."""
-    seen, out = set(), {}
+    seen: set[tuple] = set()
+    out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         t = t.detach().contiguous().cpu()
         key = (t.untyped_storage().data_ptr(), t.storage_offset())
@@ -113,7 +119,8 @@ def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def rng_state() -> dict:
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # legacy: the 5-tuple set_state takes back
     py_version, py_internal, py_gauss = random.getstate()
     state = {
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
@@ -154,10 +161,9 @@ class Checkpoint:
         """Weights and optimizer state into `model` (plain or FSDP2-sharded) and its optimizer.
         Every rank calls it and reads the files (run folders live on shared storage); each keeps its
         own shard. The world size and sharding need not match the writer's."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
         if self.format < 2:
-            from torch.distributed.tensor import DTensor
+            # Only checkpoints of the first format need it, and its public path moved between torch releases.
+            from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
             if any(isinstance(p, DTensor) for p in model.parameters()):
                 raise ValueError(
@@ -167,7 +173,8 @@ class Checkpoint:
             load_model(model, str(self.path / "model.safetensors"), strict=True)
             optimizer.load_state_dict(self.optimizer_state())
             return
-        set_model_state_dict(model, load_file(str(self.path / "model.safetensors")), options=_options(strict=True))
+        weights = load_file(str(self.path / "model.safetensors"))
+        set_model_state_dict(model, cast(dict, weights), options=_options(strict=True))
         set_optimizer_state_dict(model, optimizer, self.optimizer_state(), options=_options())
 
     def optimizer_state(self) -> dict:

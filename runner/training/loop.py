@@ -18,17 +18,34 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from runner.config.rules import grad_accum, max_duration_tokens, total_steps
+from runner.data.manifest import Pool, load_experiment_manifests, num_samples
+from runner.data.sampler import BatchReader, MixtureSampler
+from runner.data.tokenizer import load_tokenizer, token_byte_lengths
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
+from runner.planning import hardware
+from runner.planning.flops import Convention, flops_per_token, hfu_convention, hfu_flops_per_token
 from runner.runs import RunFolder, write_ledger_json
+from runner.training import evaluate
+from runner.training.backends import SHARD_RUNNER_CPU, apply_runtime_settings, shard_fsdp2_cpu, sharding_mode
 from runner.training.callbacks import MetricsFiles, TrackingCallback
-from runner.training.checkpoint import Checkpointer, rng_state, set_rng_state
+from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state
+from runner.training.ledger import TokenLedger
+from runner.training.model import build_model, maybe_compile
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
+from runner.training.tracking import Tracker
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from runner.config.load import Experiment
+    from runner.training.callbacks import Callback
 
 # ---- data ---------------------------------------------------------------------------------------
 
@@ -37,28 +54,23 @@ from runner.training.schedule import lr_at, make_optimizer, segment_schedule_ste
 class Data:
     domains: list[str]
     samples: dict[str, int]
-    sampler: object
-    reader: object
-    val_reader: object | None
+    sampler: MixtureSampler
+    reader: BatchReader
+    val_reader: BatchReader | None
     val_samples: dict[str, int]
     byte_lengths: np.ndarray
 
 
-def load_data(exp, seq_len: int) -> Data:
-    from runner.data.manifest import Pool, load_experiment_manifests, num_samples
-    from runner.data.sampler import BatchReader, MixtureSampler
-    from runner.data.tokenizer import load_tokenizer, token_byte_lengths
+def load_data(exp: Experiment, seq_len: int) -> Data:
 
     cfg = exp.config
     manifests, _ = load_experiment_manifests(exp)
     pools = {d: Pool(m, "train") for d, m in manifests.items()}
     val_pools = {d: Pool(m, "validation") for d, m in manifests.items() if m.validation_shards}
     samples = {d: num_samples(p.tokens, seq_len) for d, p in pools.items()}
-    ratios = {d: float(v.target_ratio) for d, v in cfg.mixture.domains.items()}
-    sampler = MixtureSampler(samples, ratios, int(cfg.seed), int(cfg.train.global_batch_sequences))
-    val_samples = {
-        d: min(int(cfg.eval.samples_per_domain), num_samples(p.tokens, seq_len)) for d, p in val_pools.items()
-    }
+    ratios = {d: v.target_ratio for d, v in cfg.mixture.domains.items()}
+    sampler = MixtureSampler(samples, ratios, cfg.seed, cfg.train.global_batch_sequences)
+    val_samples = {d: min(cfg.eval.samples_per_domain, num_samples(p.tokens, seq_len)) for d, p in val_pools.items()}
     tok = load_tokenizer(exp.resolve_path(cfg.tokenizer.path), cfg.tokenizer.sha256)
     return Data(
         domains=list(sampler.domains),
@@ -86,7 +98,7 @@ class Options:
     report: Callable[[str], None] = print
     nonfinite_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None  # tests: poison a loss
     peak_measure_seconds: float = 1.0
-    callbacks: list = field(default_factory=list)
+    callbacks: list[Callback] = field(default_factory=list)
     kill_at_step: int | None = None  # fault injection: SIGKILL itself mid-step (smoke, tests)
 
 
@@ -94,8 +106,8 @@ class Options:
 class _Run:
     """What one attempt holds. _setup builds it, _resume and _conventions fill it in, the loop advances it."""
 
-    exp: object
-    acc: object
+    exp: Experiment
+    acc: Accelerator
     opts: Options
     folder: RunFolder
     say: Callable[[str], None]
@@ -109,10 +121,10 @@ class _Run:
     end_step: int
     runtime: dict
     data: Data
-    model: object
-    raw_model: object
+    model: torch.nn.Module
+    raw_model: torch.nn.Module  # the model without accelerate's wrapper (set by _resume)
     optimizer: torch.optim.Optimizer
-    ledger: object
+    ledger: TokenLedger
     checkpointer: Checkpointer
     resolved_config: dict
     sharding: str  # backends.SHARD_*: who shards the model, if anyone
@@ -129,10 +141,17 @@ class _Run:
     last_eval: int = 0
     flops_per_token: float = 0.0
     hfu_flops_per_token: float | None = None  # with activation checkpointing: recomputation counted
-    peak: object = None
-    tracker: object = None
-    callbacks: list = field(default_factory=list)
-    journal_file: object = None
+    peak: hardware.Peak | None = None  # set by _conventions, before the first step
+    tracker: Tracker | None = None
+    callbacks: list[Callback] = field(default_factory=list)
+    journal_file: TextIO | None = None
+
+    @property
+    def peak_tflops(self) -> float:
+        """The MFU denominator of one device."""
+        if self.peak is None:
+            raise RuntimeError("the peak is read before _conventions resolved it")
+        return self.peak.peak_tflops
 
     @property
     def cfg(self):
@@ -156,7 +175,6 @@ class _Run:
 
     def no_sync(self):
         """Hold gradient reduction during the micro steps before the last (DDP or FSDP2)."""
-        from runner.training.backends import SHARD_RUNNER_CPU
 
         if self.sharding != SHARD_RUNNER_CPU:
             return self.acc.no_sync(self.model)
@@ -243,18 +261,15 @@ def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
 
 def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume."""
-    from runner.training.backends import SHARD_RUNNER_CPU, apply_runtime_settings, shard_fsdp2_cpu, sharding_mode
-    from runner.training.ledger import TokenLedger
-    from runner.training.model import build_model
 
     cfg, world = exp.config, acc.num_processes
-    B, L, micro = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len), int(cfg.train.micro_batch_sequences)
+    B, L, micro = cfg.train.global_batch_sequences, cfg.train.seq_len, cfg.train.micro_batch_sequences
     accum = grad_accum(cfg, world)  # a guard for callers that skip launch's check
     # natural_end is the budget's last step; a hard stop ends this attempt earlier but leaves the
     # run resumable (not finished), so removing the hard stop continues it on the same schedule.
     natural_end = end_step = total_steps(cfg)
     if cfg.train.hard_stop_tokens is not None:
-        end_step = min(end_step, int(cfg.train.hard_stop_tokens) // (B * L))
+        end_step = min(end_step, cfg.train.hard_stop_tokens // (B * L))
 
     runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
     sharding = runtime["sharding"] = sharding_mode(cfg.hardware, acc)
@@ -262,7 +277,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
     data = load_data(exp, L)
-    torch.manual_seed(int(cfg.seed))
+    torch.manual_seed(cfg.seed)
     model = build_model(cfg)
     if sharding == SHARD_RUNNER_CPU:
         shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
@@ -285,13 +300,13 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         micro=micro,
         accum=accum,  # e.g. 16 seq / (8 micro * 1 proc) = 2 micro steps
         schedule_steps=max_duration_tokens(cfg) // (B * L),
-        warmup_steps=int(cfg.optim.warmup_tokens) // (B * L),
+        warmup_steps=cfg.optim.warmup_tokens // (B * L),
         natural_end=natural_end,
         end_step=end_step,
         runtime=runtime,
         data=data,
         model=model,
-        raw_model=None,
+        raw_model=model,
         optimizer=optimizer,
         ledger=ledger,
         checkpointer=checkpointer,
@@ -302,8 +317,6 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
 
 def _resume(run: _Run) -> None:
     """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work."""
-    from runner.training.backends import SHARD_RUNNER_CPU
-    from runner.training.model import maybe_compile
 
     acc, ledger, data = run.acc, run.ledger, run.data
     run.info = run.folder.read()
@@ -324,9 +337,9 @@ def _resume(run: _Run) -> None:
             )
         try:
             ckpt.load_into(run.raw_model, run.inner_optimizer)
-        except (ValueError, RuntimeError, KeyError) as e:  # verified files that do not fit this model
+        except (ValueError, RuntimeError, KeyError) as err:  # verified files that do not fit this model
             raise RunnerError(
-                f"checkpoint {ckpt.path.name} does not fit this run's model: {str(e).splitlines()[0]}",
+                f"checkpoint {ckpt.path.name} does not fit this run's model: {str(err).splitlines()[0]}",
                 file=str(ckpt.path),
             ) from None
         ledger.load_state_dict(ckpt.ledger_state())
@@ -378,8 +391,6 @@ def _resume(run: _Run) -> None:
 
 def _conventions(run: _Run, tracker) -> None:
     """FLOPs per token and the peak behind every MFU figure; recorded in run.json and as MLflow tags."""
-    from runner.planning import hardware
-    from runner.planning.flops import Convention, flops_per_token, hfu_convention, hfu_flops_per_token
 
     convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
     run.flops_per_token = flops_per_token(run.cfg, convention)
@@ -390,7 +401,7 @@ def _conventions(run: _Run, tracker) -> None:
     else:
         run.peak = hardware.resolve_peak(run.cfg.hardware, measure_seconds=run.opts.peak_measure_seconds)
     conventions = hardware.convention_record(convention, run.peak, run.world, "step")
-    hfu_fields = {}
+    hfu_fields: dict[str, Any] = {}
     run.hfu_flops_per_token = hfu_flops_per_token(run.cfg, convention)  # None without activation checkpointing
     if run.hfu_flops_per_token is not None:
         hfu_fields = {
@@ -484,7 +495,7 @@ def _train_step(run: _Run, step: int) -> _Step:
         if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
     loss = float(_all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
-    clip = float(run.cfg.optim.grad_clip)
+    clip = run.cfg.optim.grad_clip
     grad_norm = _scalar(acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
     return _Step(
         loss=loss,
@@ -497,11 +508,10 @@ def _train_step(run: _Run, step: int) -> _Step:
 
 
 def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, counters: dict) -> dict:
-    from runner.planning import hardware
 
     wall_seconds = run.wall_seconds()
     tokens = run.global_batch * run.seq_len
-    fpt, peak_tflops = run.flops_per_token, run.peak.peak_tflops
+    fpt, peak_tflops = run.flops_per_token, run.peak_tflops
     return {
         "step": committed,
         "loss": s.loss,
@@ -537,7 +547,7 @@ def _checkpoint_state(run: _Run, step: int) -> dict:
         "segment": len(run.info.get("segments", [])) - 1,
         "attempt": run.attempt,
         "scheduler": {
-            "schedule": str(cfg.optim.schedule),
+            "schedule": cfg.optim.schedule,
             "schedule_steps": run.schedule_steps,
             "warmup_steps": run.warmup_steps,
             "segment_schedule_steps": segment_steps,
@@ -551,7 +561,6 @@ def _checkpoint_state(run: _Run, step: int) -> dict:
 
 
 def _save(run: _Run, step: int) -> None:
-    from runner.training.checkpoint import gather_full_state
 
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
@@ -570,13 +579,12 @@ def _save(run: _Run, step: int) -> None:
 
 
 def _evaluate(run: _Run, step: int) -> None:
-    from runner.training import evaluate
 
     rows = evaluate.evaluate(
         run.raw_model,
         run.data,
         run.acc,
-        int(run.cfg.eval.micro_batch_sequences),
+        run.cfg.eval.micro_batch_sequences,
         step,
         int(run.ledger.counters()["total"]["exposure"]),
     )
@@ -595,14 +603,14 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
     old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
     run.journal_file = open(run.folder.journal_path(), "a") if run.main else None
     run.t_attempt = time.perf_counter()
-    eval_every = int(run.cfg.eval.interval_steps)
+    eval_every = run.cfg.eval.interval_steps
     run.last_saved = run.last_eval = run.start_step
     if opts.max_steps is not None:
         run.end_step = min(run.end_step, run.start_step + int(opts.max_steps))
 
     mix = run.cfg.mixture.domains
-    ratios = {d: float(mix[d].target_ratio) for d in run.data.domains}
-    caps = {d: float(mix[d].max_repetition_ratio) for d in run.data.domains}
+    ratios = {d: mix[d].target_ratio for d in run.data.domains}
+    caps = {d: mix[d].max_repetition_ratio for d in run.data.domains}
     exit_code = EXIT_OK
     try:
         run.model.train()
@@ -667,7 +675,6 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
 
 def _finish(run: _Run, exit_code: int) -> None:
     """The attempt's summary: run.json status and totals, ledger.json, and the callbacks' on_end."""
-    from runner.planning import hardware
 
     committed = run.last_saved
     if exit_code == EXIT_NONFINITE:
@@ -690,7 +697,7 @@ def _finish(run: _Run, exit_code: int) -> None:
         "processed_tokens": int(counters["total"]["processed"]),
         "lost_tokens": int(counters["total"]["lost"]),
     }
-    fpt, peak_tflops = run.flops_per_token, run.peak.peak_tflops
+    fpt, peak_tflops = run.flops_per_token, run.peak_tflops
     if useful_total and run.step_seconds_total:
         # Device-seconds (time x devices held, summed over attempts): a run resumed on another world
         # size is measured against what each attempt held. Same as seconds x devices otherwise.
@@ -703,7 +710,7 @@ def _finish(run: _Run, exit_code: int) -> None:
                 run.hfu_flops_per_token, counters["total"]["processed"], run.device_step_seconds_total, peak_tflops, 1
             )
         summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
-            1, float(run.cfg.hardware.price_per_device_hour_usd), device_wall_seconds, useful_total
+            1, run.cfg.hardware.price_per_device_hour_usd, device_wall_seconds, useful_total
         )
     if run.main:
         write_ledger_json(run.folder.path, run.ledger)
@@ -716,7 +723,6 @@ def _rollback_to_last_checkpoint(run: _Run) -> int:
     """After a non-finite stop the run's lineage is its last good checkpoint (what a relaunch resumes
     from): steps committed in memory after it are discarded, so their exposure becomes lost work.
     The ledger is reset to that checkpoint's, keeping every processed token. Returns its step."""
-    from runner.training.ledger import TokenLedger
 
     spent = {d: int(c["processed"]) for d, c in run.ledger.counters().items() if d != "total"}
     ledger = TokenLedger(run.data.samples, run.seq_len)

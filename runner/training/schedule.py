@@ -11,12 +11,13 @@ import math
 
 import torch
 
+from runner.config.schema import ExperimentSchema, OptimRecipe
 from runner.errors import RunnerError
 
 
-def lr_at(step: int, optim, schedule_steps: int, warmup_steps: int) -> float:
+def lr_at(step: int, optim: OptimRecipe, schedule_steps: int, warmup_steps: int) -> float:
     """Learning rate of step `step` (0-based) over a schedule of `schedule_steps` steps."""
-    peak, floor = float(optim.lr), float(optim.lr) * float(optim.min_lr_ratio)
+    peak, floor = optim.lr, optim.lr * optim.min_lr_ratio
     if warmup_steps and step < warmup_steps:
         return peak * (step + 1) / warmup_steps
     if optim.schedule == "constant":
@@ -26,7 +27,7 @@ def lr_at(step: int, optim, schedule_steps: int, warmup_steps: int) -> float:
         progress = min((step - warmup_steps) / span, 1.0)
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if optim.schedule == "wsd":
-        decay_steps = max(int(round(schedule_steps * float(optim.decay_fraction))), 1)
+        decay_steps = max(round(schedule_steps * optim.decay_fraction), 1)
         decay_start = schedule_steps - decay_steps
         if step < decay_start:
             return peak
@@ -47,11 +48,13 @@ def segment_schedule_steps(segments: list, step: int, tokens_per_step: int, defa
     return default_steps if chosen is None else chosen
 
 
-def make_optimizer(model, cfg, fused: bool) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: ExperimentSchema, fused: bool) -> torch.optim.AdamW:
     # Decay matrices only: norms' gains are not weights to shrink towards zero.
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     o = cfg.optim
-    groups = [{"params": decay, "weight_decay": float(o.weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = {"fused": True} if fused else {"foreach": False}
-    return torch.optim.AdamW(groups, lr=float(o.lr), betas=tuple(float(b) for b in o.betas), eps=float(o.eps), **kwargs)
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    beta1, beta2 = o.betas
+    if fused:
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(beta1, beta2), eps=o.eps, fused=True)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(beta1, beta2), eps=o.eps, foreach=False)

@@ -14,8 +14,9 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from runner.fsio import atomic_write, read_jsonl
 
@@ -77,7 +78,7 @@ class Tracker:
         tracking_uri: str | None = None,
         run_id: str | None = None,
         experiment_id: str | None = None,
-        on_run_id: Callable[[dict], None] | None = None,
+        on_run_id: Callable[[dict], object] | None = None,
         report: Callable[[str], None] = print,
     ):
         self.run_dir = Path(run_dir)
@@ -87,12 +88,11 @@ class Tracker:
         self.on_run_id = on_run_id or (lambda info: None)
         self.report = report
         self.pending_path = self.run_dir / PENDING
-        self._client = None
+        self._client: Any = None  # an MlflowClient once first used
         self._retry_at = 0.0
         self._warned = False
         self._syncing = False
         self.last_error: str | None = None
-        self.sent_metric_values = 0
 
     # ---- connection ---------------------------------------------------------------------------
 
@@ -100,7 +100,7 @@ class Tracker:
     def client(self):
         if self._client is None:
             _fail_fast_env()
-            from mlflow.tracking import MlflowClient
+            from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: seconds to import, first use only)
 
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
@@ -140,7 +140,7 @@ class Tracker:
         return read_jsonl(self.pending_path, skip_torn=True)
 
     def _send(self, entry: dict) -> None:
-        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.entities import Metric, Param, RunTag  # noqa: PLC0415  (mlflow: as above)
 
         kind = entry["kind"]
         if kind == "start":
@@ -217,12 +217,12 @@ class Tracker:
         *,
         params: dict[str, str] | None,
         tags: dict[str, str],
-        artifacts: list[Path] = (),
+        artifacts: Sequence[Path] = (),
     ) -> None:
         """Create (or continue) the MLflow run; `params=None` on resume: params never change."""
         if not self.enabled:
             return
-        entries = [{"kind": "start", "experiment_name": experiment_name, "run_name": run_name}]
+        entries: list[dict[str, Any]] = [{"kind": "start", "experiment_name": experiment_name, "run_name": run_name}]
         if params:
             entries.append({"kind": "params", "params": params})
         entries.append({"kind": "tags", "tags": {k: str(v) for k, v in tags.items()}})
@@ -273,7 +273,8 @@ class Tracker:
 
 def _dedupe(entries: list[dict]) -> list[dict]:
     """Merge metric entries by (key, step), keeping the latest value; other entries as they are."""
-    out, seen = [], set()
+    out: list[dict] = []
+    seen: set[tuple[str, int]] = set()
     for e in reversed(entries):
         if e["kind"] == "metrics":
             fresh = {k: v for k, v in e["metrics"].items() if (k, e["step"]) not in seen}

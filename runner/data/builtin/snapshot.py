@@ -19,6 +19,12 @@ import sys
 import sysconfig
 import zipfile
 from pathlib import Path
+from pydoc_data.topics import topics
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from runner.data.tokenizer import train_tokenizer, write_trained
 
 ASSETS = (
     Path(__file__).resolve().parents[2] / "builtin" / "assets"
@@ -67,8 +73,6 @@ def code_documents(stdlib: Path) -> list[dict]:
 
 
 def prose_documents() -> list[dict]:
-    from pydoc_data.topics import topics
-
     return [{"id": f"pydoc_data.topics/{name}", "text": topics[name]} for name in sorted(topics)]
 
 
@@ -114,9 +118,6 @@ def gzip_jsonl(docs: list[dict]) -> bytes:
 
 def fineweb_parquet(docs: list[dict], path: Path) -> None:
     """FineWeb-Edu's columns; fields with no meaning for stdlib files are null, not invented."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     rel = [d["id"].removeprefix("cpython-3.11/") for d in docs]
     n = len(docs)
     table = pa.table(
@@ -139,8 +140,6 @@ def fineweb_parquet(docs: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    from runner.data.tokenizer import train_tokenizer, write_trained
-
     stdlib = _stdlib()
     ASSETS.mkdir(exist_ok=True)
     domains = {"code": code_documents(stdlib), "prose": prose_documents(), "legal": legal_documents(stdlib)}
