@@ -64,10 +64,10 @@ def bare_tokens_per_second(exp, steps: int) -> float:
     from runner.training.schedule import make_optimizer
 
     cfg = exp.config
-    B, L, micro = int(cfg.train.global_batch_sequences), int(cfg.train.seq_len), int(cfg.train.micro_batch_sequences)
+    B, L, micro = cfg.train.global_batch_sequences, cfg.train.seq_len, cfg.train.micro_batch_sequences
     data = load_data(exp, L)
     batches = [data.reader.read(data.sampler.global_batch(s)) for s in range(steps)]
-    torch.manual_seed(int(cfg.seed))
+    torch.manual_seed(cfg.seed)
     model = build_model(cfg)
     opt = make_optimizer(model, cfg, fused=False)
     model.train()
@@ -92,7 +92,7 @@ def bookkeeping_seconds(exp, tmp: Path, steps: int) -> dict[str, float]:
     from runner.training.tracking import Tracker
 
     cfg = exp.config
-    L = int(cfg.train.seq_len)
+    L = cfg.train.seq_len
     data = load_data(exp, L)
     ledger = TokenLedger(data.samples, L)
     out = {}
@@ -129,9 +129,9 @@ def planned_1p3b_step_seconds() -> tuple[float, dict]:
 
     exp = load_experiment(REPO / "experiments" / "1p3b.yaml", check_files=False)
     cfg = exp.config
-    tokens = int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len)
+    tokens = cfg.train.global_batch_sequences * cfg.train.seq_len
     peak = resolve_peak(cfg.hardware)
-    return flops_per_token(cfg) * tokens / (peak.peak_tflops * 1e12 * float(cfg.hardware.default_mfu)), cfg
+    return flops_per_token(cfg) * tokens / (peak.peak_tflops * 1e12 * cfg.hardware.default_mfu), cfg
 
 
 def main() -> int:
@@ -173,15 +173,15 @@ def main() -> int:
             f"ratio runner / bare: {tps / bare:.3f} (target >= 0.95)"
         )
     print(
-        f"\nrunner bookkeeping per step at 16 x 128 (1p3b step: {int(cfg.train.global_batch_sequences)} x "
-        f"{int(cfg.train.seq_len)}, planned {step_1p3b:.2f} s at MFU {float(cfg.hardware.default_mfu):.0%} "
+        f"\nrunner bookkeeping per step at 16 x 128 (1p3b step: {cfg.train.global_batch_sequences} x "
+        f"{cfg.train.seq_len}, planned {step_1p3b:.2f} s at MFU {cfg.hardware.default_mfu:.0%} "
         f"on {cfg.hardware.device_name})"
     )
     # The sampler and ledger grow with sequences per step, the batch read with tokens per step.
     scale = {
-        "sampler": int(cfg.train.global_batch_sequences) / 16,
-        "ledger+journal": int(cfg.train.global_batch_sequences) / 16,
-        "batch_read": int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len) / (16 * 128),
+        "sampler": cfg.train.global_batch_sequences / 16,
+        "ledger+journal": cfg.train.global_batch_sequences / 16,
+        "batch_read": cfg.train.global_batch_sequences * cfg.train.seq_len / (16 * 128),
     }
     for name, sec in book.items():
         at_1p3b = sec * scale.get(name, 1.0)

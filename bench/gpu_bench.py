@@ -201,16 +201,16 @@ def load_shape(experiment: Path) -> tuple[dict[str, Any], str]:
         cfg = load_experiment(experiment).config
         m = cfg.model
         shape = {
-            "hidden_size": int(m.hidden_size),
-            "n_layers": int(m.n_layers),
-            "n_heads": int(m.n_heads),
-            "n_kv_heads": int(m.n_kv_heads),
-            "intermediate_size": int(m.intermediate_size),
-            "vocab_size": int(model_vocab_size(cfg)),
-            "seq_len": int(cfg.train.seq_len),
-            "tie_embeddings": bool(m.tie_embeddings),
-            "rope_theta": float(m.rope_theta),
-            "rms_norm_eps": float(m.rms_norm_eps),
+            "hidden_size": m.hidden_size,
+            "n_layers": m.n_layers,
+            "n_heads": m.n_heads,
+            "n_kv_heads": m.n_kv_heads,
+            "intermediate_size": m.intermediate_size,
+            "vocab_size": model_vocab_size(cfg),
+            "seq_len": cfg.train.seq_len,
+            "tie_embeddings": m.tie_embeddings,
+            "rope_theta": m.rope_theta,
+            "rms_norm_eps": m.rms_norm_eps,
         }
         return shape, f"{experiment} (runner.config)"
     except Exception as exc:  # no omegaconf, no recipe, a bad recipe: measure the documented shape
