@@ -65,9 +65,9 @@ def _sha256_format(problems: Problems, file: File, key: str, value: str | None) 
 class Recipe(Section):
     """The labels every recipe carries; the experiment's `recipes:` names it as name@version."""
 
-    name: str = MISSING
-    version: int = MISSING
-    description: str = MISSING
+    name: str = MISSING  #: = the recipe's file name
+    version: int = MISSING  #: an integer >= 1, bumped on every change
+    description: str = MISSING  #: what it is for, in a sentence
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         if self.version < 1:
@@ -133,21 +133,21 @@ class MixtureRecipe(Recipe):
 
 @dataclass(frozen=True)
 class ModelRecipe(Recipe):
-    arch: Arch = "llama"
-    hidden_size: int = MISSING
-    n_layers: int = MISSING
-    n_heads: int = MISSING
+    arch: Arch = "llama"  #: the architecture the trainer builds
+    hidden_size: int = MISSING  #: d_model
+    n_layers: int = MISSING  #: decoder layers
+    n_heads: int = MISSING  #: attention heads (hidden_size / n_heads = head dim, even for RoPE)
     n_kv_heads: int = MISSING  #: grouped-query attention: key/value heads (n_heads = plain attention)
     intermediate_size: int = MISSING  #: SwiGLU width
-    tie_embeddings: bool = False
-    rope_theta: float = 10_000.0
-    rms_norm_eps: float = 1e-5
-    init_std: float = 0.02
+    tie_embeddings: bool = False  #: the LM head shares the input embedding matrix
+    rope_theta: float = 10_000.0  #: RoPE base
+    rms_norm_eps: float = 1e-5  #: RMSNorm epsilon
+    init_std: float = 0.02  #: std of the normal weight init
     pad_vocab_multiple: int = 1  #: embedding rows = tokenizer vocab rounded up to this multiple
     attn_implementation: AttnImplementation = "sdpa"  #: sdpa | eager | flash_attention_2 | flash_attention_3
     sdpa_kernel: SdpaKernel | None = None  #: sdpa only: pin flash | efficient | cudnn | math (null = torch picks)
-    activation_checkpointing: bool = False
-    compile: bool = False
+    activation_checkpointing: bool = False  #: recompute each layer's forward in backward (less memory; HFU reported)
+    compile: bool = False  #: torch.compile the model
     compile_mode: CompileMode = "default"  #: torch.compile mode: default | reduce-overhead | max-autotune
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
@@ -184,13 +184,13 @@ class ModelRecipe(Recipe):
 class OptimRecipe(Recipe):
     lr: float = MISSING  #: peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  #: final lr = lr * min_lr_ratio
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  #: AdamW (beta1, beta2)
+    eps: float = 1e-8  #: AdamW epsilon
     weight_decay: float = 0.1  #: on matrices only; norms' gains are not decayed
     grad_clip: float = 1.0  #: max global grad norm; 0 disables clipping
-    fused: bool = False
+    fused: bool = False  #: fused AdamW kernel (refused where the device has none)
     schedule: Schedule = "cosine"  #: cosine | wsd | constant, over train.max_duration_tokens
-    warmup_tokens: int = 0
+    warmup_tokens: int = 0  #: linear warm-up to lr over this many exposure tokens
     decay_fraction: float = 0.2  #: wsd only: share of max_duration spent decaying
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
@@ -214,12 +214,12 @@ class HardwareRecipe(Recipe):
     peak_source: str | None = None  #: where a stated peak_tflops comes from (datasheet, measurement)
     memory_gib: float = MISSING  #: memory of one device
     price_per_device_hour_usd: float = MISSING  #: for cost per useful token
-    devices_per_node: int = 1
-    nodes: int = 1
+    devices_per_node: int = 1  #: devices the recipe plans per node (a launcher may start more: MFU counts the held)
+    nodes: int = 1  #: nodes the recipe plans
     precision: Precision = "bf16"  #: bf16 (mixed, fp32 master weights) | fp32
     distributed: Distributed = "none"  #: none | ddp | fsdp
     tf32: bool = True
-    pin_memory: bool = True
+    pin_memory: bool = True  #: page-locked host batches for asynchronous copies (GPU only)
     default_mfu: float = 0.4  #: what the planner assumes before a measurement exists
     #: CPU, when peak_tflops is null: theoretical (cores x clock x FLOP/cycle) | measured (best fp32 matmul burst)
     cpu_peak: CpuPeak | None = None
@@ -249,7 +249,7 @@ class HardwareRecipe(Recipe):
 class EvalRecipe(Recipe):
     interval_steps: int = MISSING  #: evaluate every this many committed steps (and at the end)
     samples_per_domain: int = MISSING  #: held-out samples scored per domain, the same every time
-    micro_batch_sequences: int = 8
+    micro_batch_sequences: int = 8  #: sequences per evaluation forward
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
@@ -259,9 +259,9 @@ class EvalRecipe(Recipe):
 
 @dataclass(frozen=True)
 class CheckpointSection(Section):
-    interval_steps: int = 1000
-    interval_minutes: float = 60.0
-    keep_last: int = 3
+    interval_steps: int = 1000  #: checkpoint every this many committed steps (0 = by the clock only)
+    interval_minutes: float = 60.0  #: or when this long has passed since the last save (rank 0's clock; 0 = off)
+    keep_last: int = 3  #: complete checkpoints kept (older ones deleted)
 
 
 @dataclass(frozen=True)
@@ -272,8 +272,10 @@ class TrainSection(Section):
     exposure_tokens: int = MISSING  #: the exposure budget: a whole number of global batches
     max_duration_tokens: int | None = None  #: lr-schedule length; null = exposure_tokens
     hard_stop_tokens: int | None = None  #: stop early without changing the schedule
-    log_interval_steps: int = 1
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log_interval_steps: int = 1  #: MLflow metrics every this many steps (metrics/train.jsonl logs every step)
+    checkpoint: CheckpointSection = field(
+        default_factory=CheckpointSection
+    )  #: when checkpoints are written (operational: not in the fingerprint)
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         keys = ("seq_len", "global_batch_sequences", "micro_batch_sequences", "exposure_tokens", "log_interval_steps")
@@ -328,7 +330,7 @@ class DataSection(Section):
 @dataclass(frozen=True)
 class PlanSection(Section):
     checkpoint_overhead_fraction: float = 0.02  #: checkpoint time as a fraction of pure training time
-    eval_overhead_fraction: float = 0.03
+    eval_overhead_fraction: float = 0.03  #: evaluation time as a fraction of pure training time
     recovery_overhead_fraction: float = 0.05  #: restarts and lost work
     raw_bytes_per_token: float = 4.2  #: UTF-8 bytes of source text per token, for storage
     inference_tokens: float = 0.0  #: tokens the model will serve (scaling fits' inference-aware optimum)
@@ -338,10 +340,10 @@ class PlanSection(Section):
 class ExperimentSchema(Section):
     """The resolved experiment: every section present, defaults filled, interpolations resolved."""
 
-    name: str = MISSING
-    version: int = MISSING
-    description: str = MISSING
-    seed: int = MISSING
+    name: str = MISSING  #: the experiment's file name
+    version: int = MISSING  #: an integer >= 1, bumped on every change
+    description: str = MISSING  #: what the experiment is for
+    seed: int = MISSING  #: seeds the weights' init (the sampler's order is keyed by it too)
     recipes: dict[str, str] = field(default_factory=dict)  #: kind -> name@version of each recipe used
     tokenizer: TokenizerRecipe = field(default_factory=TokenizerRecipe)
     mixture: MixtureRecipe = field(default_factory=MixtureRecipe)

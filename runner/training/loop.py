@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runner.config.load import Experiment
 from runner.config.rules import grad_accum, max_duration_tokens, total_steps
 from runner.data.manifest import Pool, load_experiment_manifests, num_samples
 from runner.data.sampler import BatchReader, MixtureSampler
@@ -34,7 +35,7 @@ from runner.planning.flops import Convention, flops_per_token, hfu_convention, h
 from runner.runs import RunFolder, write_ledger_json
 from runner.training import evaluate
 from runner.training.backends import SHARD_RUNNER_CPU, apply_runtime_settings, shard_fsdp2_cpu, sharding_mode
-from runner.training.callbacks import MetricsFiles, TrackingCallback
+from runner.training.callbacks import Callback, MetricsFiles, TrackingCallback
 from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
@@ -43,9 +44,6 @@ from runner.training.tracking import Tracker
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-    from runner.config.load import Experiment
-    from runner.training.callbacks import Callback
 
 # ---- data ---------------------------------------------------------------------------------------
 
@@ -62,7 +60,6 @@ class Data:
 
 
 def load_data(exp: Experiment, seq_len: int) -> Data:
-
     cfg = exp.config
     manifests, _ = load_experiment_manifests(exp)
     pools = {d: Pool(m, "train") for d, m in manifests.items()}
@@ -175,7 +172,6 @@ class _Run:
 
     def no_sync(self):
         """Hold gradient reduction during the micro steps before the last (DDP or FSDP2)."""
-
         if self.sharding != SHARD_RUNNER_CPU:
             return self.acc.no_sync(self.model)
         return _fsdp2_no_sync(self.raw_model)
@@ -261,7 +257,6 @@ def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
 
 def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume."""
-
     cfg, world = exp.config, acc.num_processes
     B, L, micro = cfg.train.global_batch_sequences, cfg.train.seq_len, cfg.train.micro_batch_sequences
     accum = grad_accum(cfg, world)  # a guard for callers that skip launch's check
@@ -317,7 +312,6 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
 
 def _resume(run: _Run) -> None:
     """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work."""
-
     acc, ledger, data = run.acc, run.ledger, run.data
     run.info = run.folder.read()
     fingerprints = {s["fingerprint"] for s in run.info.get("segments", [])} | {run.exp.fingerprint}
@@ -391,7 +385,6 @@ def _resume(run: _Run) -> None:
 
 def _conventions(run: _Run, tracker) -> None:
     """FLOPs per token and the peak behind every MFU figure; recorded in run.json and as MLflow tags."""
-
     convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
     run.flops_per_token = flops_per_token(run.cfg, convention)
     recorded = run.info.get("conventions") or {}
@@ -508,7 +501,6 @@ def _train_step(run: _Run, step: int) -> _Step:
 
 
 def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, counters: dict) -> dict:
-
     wall_seconds = run.wall_seconds()
     tokens = run.global_batch * run.seq_len
     fpt, peak_tflops = run.flops_per_token, run.peak_tflops
@@ -561,7 +553,6 @@ def _checkpoint_state(run: _Run, step: int) -> dict:
 
 
 def _save(run: _Run, step: int) -> None:
-
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
@@ -579,7 +570,6 @@ def _save(run: _Run, step: int) -> None:
 
 
 def _evaluate(run: _Run, step: int) -> None:
-
     rows = evaluate.evaluate(
         run.raw_model,
         run.data,
@@ -675,7 +665,6 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
 
 def _finish(run: _Run, exit_code: int) -> None:
     """The attempt's summary: run.json status and totals, ledger.json, and the callbacks' on_end."""
-
     committed = run.last_saved
     if exit_code == EXIT_NONFINITE:
         committed = _rollback_to_last_checkpoint(run)
