@@ -425,3 +425,17 @@ def test_each_section_validates_its_own_values_naming_the_key():
         "m.yaml: hardware.precision: CPU training runs in fp32",
         "m.yaml: train.hard_stop_tokens: must be in (0, exposure_tokens], got 1,024",
     ]
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    # `runner show experiments/x.yaml | head -1`: the pipe closes before runner has written.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "show", "experiments/1p3b.yaml"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 0 and err == "", err
