@@ -82,7 +82,7 @@ def test_save_verify_prune_and_skip_unfinished(tmp_path):
     for a, b in zip(opt.state.values(), restored_opt.state.values()):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
     assert got.ledger_state()["counts"].tolist() == [0, 1, 2]
-    assert got.format == 2 and "0.weight" in got.optimizer_state()["state"]  # keyed by name, not index
+    assert got.format == 3 and "0.weight" in got.optimizer_state()["state"]  # keyed by name, not index
 
 
 def test_tied_weights_are_written_and_read_back(tmp_path):
@@ -114,8 +114,10 @@ def test_format_1_checkpoints_of_older_runs_still_load(tmp_path):
     (path / "optimizer.json").write_text(json.dumps(index))
     state = json.loads((path / "state.json").read_text())
     state.pop("format")
+    state.pop("tied")
     state["files"] = {name: sha256_file(path / name) for name in state["files"]}
     (path / "state.json").write_text(json.dumps(state))
+    (path / "COMPLETE").write_text(state["files"]["model.safetensors"] + "\n")  # the marker then held this
     got = Checkpointer(tmp_path, 1, 0, 1).latest_valid()
     restored, restored_opt = _tiny_state(seed=1)
     got.load_into(restored, restored_opt)

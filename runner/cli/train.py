@@ -8,6 +8,7 @@ is runner.training.loop's; never trains or counts tokens here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 from runner.errors import EXIT_OK, RunnerError, display_path
 from runner.fsio import read_json, read_jsonl, sha256_file
 from runner.runs import (
+    RunLock,
     check_mixture_feasible,
     check_same_experiment,
     checked_experiment_of_run,
@@ -164,7 +166,8 @@ def _error_file(args) -> str:
 
 def cmd_launch(args) -> int:
     try:
-        return _launch(args)
+        with contextlib.ExitStack() as held:  # the run folder's lock, released on any way out
+            return _launch(args, held)
     except RunnerError as e:
         if e.file:
             raise
@@ -202,7 +205,32 @@ def check_world(cfg, world: int) -> str | None:
     )
 
 
-def _launch(args) -> int:
+@contextlib.contextmanager
+def _owning(run_dir: Path, acc, command: str = "runner launch"):
+    """Rank 0 holds the run folder's lock (runner.runs.RunLock) for the whole launch; every rank
+    learns whether it got it, so a refused launch stops everywhere before anything is written."""
+    from accelerate.utils import broadcast_object_list
+
+    lock, refused = None, [None]
+    if acc.is_main_process:
+        try:
+            lock = RunLock(run_dir, command).__enter__()
+        except RunnerError as e:
+            refused = [(e.detail, e.file)]
+    if acc.num_processes > 1:
+        broadcast_object_list(refused)
+    if refused[0] is not None:
+        raise RunnerError(refused[0][0], file=refused[0][1])
+    try:
+        for line in lock.warnings if lock is not None else []:
+            print(line, file=sys.stderr)
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _launch(args, held: contextlib.ExitStack) -> int:
     from accelerate.utils import broadcast_object_list
 
     from runner.config.load import to_yaml
@@ -233,11 +261,18 @@ def _launch(args) -> int:
         if acc.num_processes > 1:
             broadcast_object_list(chosen)  # ranks must agree on one timestamped folder
         run_dir = Path(chosen[0])
+    if main and not existing:
+        check_mixture_feasible(exp)  # before the lock: a refused experiment writes nothing
+    held.enter_context(_owning(run_dir, acc))
     if main:
         if args.extend_to is not None:
             extend_run(run_dir, args.extend_to, write=True)
         elif not existing:
-            check_mixture_feasible(exp)
+            if is_run_dir(run_dir):
+                raise RunnerError(
+                    "became a run while this launch started (another launch); launch again to resume it",
+                    file=str(run_dir),
+                )
             create_run_folder(exp, run_dir, args.run_name or run_dir.name)
         elif args.target != str(run_dir):
             # Same fingerprint, maybe other operational keys (checkpoint interval, hard stop): use them.
@@ -335,10 +370,11 @@ def cmd_sync(args) -> int:
     if not is_run_dir(run_dir):
         raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(run_dir))
     # A server that moved is recorded in run.json: later resumes and syncs go there.
-    tracker = _tracker_of(
-        RunFolder(run_dir), args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None
-    )
-    sent, left = tracker.sync()
+    with RunLock(run_dir, "runner sync"):  # a launch sending the same journal would send it twice
+        tracker = _tracker_of(
+            RunFolder(run_dir), args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None
+        )
+        sent, left = tracker.sync()
     line = f"{run_dir}: sent {sent} pending MLflow entries to {tracker.tracking_uri}; "
     if not left:
         print(line + "none left")

@@ -25,6 +25,7 @@ from runner.config.fingerprint import fingerprint
 from runner.config.rules import validate_rules
 from runner.config.schema import EXPERIMENT_KEYS, KINDS, LABEL_KEYS, RECIPE_SCHEMAS, ExperimentSchema
 from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
+from runner.fsio import load_yaml_text
 
 _RESOLVER_CALL = re.compile(r"\$\{[^}]*:")  # ${name:...} runs code; ${a.b} is plain data
 
@@ -59,15 +60,21 @@ def find_project_root(start: Path) -> Path:
 
 def _read_yaml(path: Path, problems: Problems) -> dict | None:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         problems.add(path, "", "file not found")
+        return None
+    except UnicodeDecodeError as e:
+        problems.add(path, "", f"not UTF-8 text: {e.reason} at byte {e.start}")
         return None
     except OSError as e:
         problems.add(path, "", f"cannot read: {e.strerror}")
         return None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml_text(text)  # bounded: a billion-laughs file is refused, not expanded
+    except RunnerError as e:
+        problems.add(path, "", e.detail)
+        return None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "YAML"

@@ -8,7 +8,10 @@ decides the token dtype every later stage relies on.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from runner.config.schema import CHOICES, KINDS, TOKEN_DTYPES
@@ -57,9 +60,88 @@ def model_vocab_size(cfg) -> int:
     return -(-int(cfg.tokenizer.vocab_size) // m) * m
 
 
+# ---- bounds on absurd values (each a small function, so the typed-config rework merges easily) ----
+
+#: int64: what torch, numpy and safetensors hold; a larger integer overflows them.
+INT_MAX = 2**63 - 1
+#: numpy's seed range, which torch's and Python's generators also accept.
+SEED_MAX = 2**32 - 1
+#: bytes per parameter that training certainly holds: fp32 weights, fp32 grads, AdamW's two fp32 moments.
+STATE_BYTES_PER_PARAM = 16
+
+
+def _entries(node) -> list[tuple[str, object]] | None:
+    """(key, value) of a mapping, list or dataclass section; None for a scalar."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
+    if isinstance(node, Mapping):
+        return [(str(k), v) for k, v in node.items()]
+    if isinstance(node, Sequence) and not isinstance(node, (str, bytes)):
+        return [(f"[{i}]", v) for i, v in enumerate(node)]
+    return None
+
+
+def check_numbers(node, key: str, path: Path, problems: Problems) -> None:
+    """Every number finite (NaN and infinity reach no sane setting, and break the fingerprint's JSON)
+    and every integer within int64."""
+    entries = _entries(node)
+    if entries is not None:
+        for k, v in entries:
+            check_numbers(v, k if not key else f"{key}{k}" if k.startswith("[") else f"{key}.{k}", path, problems)
+    elif isinstance(node, float) and not math.isfinite(node):
+        problems.add(path, key, f"must be a finite number, got {node}")
+    elif isinstance(node, int) and not isinstance(node, bool) and abs(node) > INT_MAX:
+        problems.add(path, key, f"{node:.3e} is out of range (at most 2**63 - 1, what torch and numpy hold)")
+
+
+def check_seed(cfg, path: Path, problems: Problems) -> None:
+    if not 0 <= cfg.seed <= SEED_MAX:
+        problems.add(
+            path, "seed", f"must be in [0, 2**32 - 1] (the range numpy, torch and Python seed from), got {cfg.seed}"
+        )
+
+
+def check_checkpoint_policy(cfg, path: Path, problems: Problems) -> None:
+    ck = cfg.train.checkpoint
+    if ck.keep_last < 1:
+        problems.add(
+            path,
+            "train.checkpoint.keep_last",
+            f"must be >= 1, got {ck.keep_last}: the newest verified checkpoint is what a resume starts from",
+        )
+    if ck.interval_steps < 0 or ck.interval_minutes < 0:
+        problems.add(path, "train.checkpoint", "interval_steps and interval_minutes must be >= 0 (0 = off)")
+
+
+def check_model_fits(cfg, path: Path, problems: Problems) -> None:
+    """A model whose training state alone (16 B/param, before any activation) exceeds the hardware
+    recipe's memory can never train: say so here, not as an allocation failure after launch wrote a run folder."""
+    from runner.planning.flops import params_of_config
+
+    if not cfg.hardware.memory_gib or cfg.hardware.memory_gib <= 0:
+        return
+    shard = devices(cfg) if cfg.hardware.distributed == "fsdp" else 1
+    need_bytes = params_of_config(cfg).all * STATE_BYTES_PER_PARAM // shard
+    have_bytes = cfg.hardware.memory_gib * 2**30
+    if need_bytes > have_bytes:
+        problems.add(
+            path,
+            "model",
+            f"{params_of_config(cfg).all:,} parameters need {need_bytes / 2**30:,.4g} GiB per device for weights, "
+            f"gradients and AdamW moments alone ({STATE_BYTES_PER_PARAM} B/param"
+            + (f", sharded over {shard}" if shard > 1 else "")
+            + f"); hardware.memory_gib is {cfg.hardware.memory_gib:g}",
+        )
+
+
 def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_files: bool = True) -> list[str]:
     """Rules that span keys. Returns notes for pins that cannot be verified on this machine."""
     notes: list[str] = []
+    check_numbers(cfg, "", path, problems)
+    if problems.lines:
+        return notes  # the rules below compare numbers: NaN and 10**30 would only confuse them
+    check_seed(cfg, path, problems)
+    check_checkpoint_policy(cfg, path, problems)
     for key, options in CHOICES.items():
         section, name = key.split(".")
         val = cfg[section][name]
@@ -93,7 +175,9 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
         problems.add(path, "tokenizer.sha256", "must be 64 lowercase hex characters")
     elif check_files:
         tpath = Path(tok.path) if Path(tok.path).is_absolute() else root / tok.path
-        if not tpath.exists():
+        if tpath.is_dir():
+            problems.add(path, "tokenizer.path", f"{tok.path} is a folder: name the tokenizer.json file in it")
+        elif not tpath.exists():
             notes.append(
                 f"{display_path(path)}: tokenizer.path: {tok.path} is not on this machine: its sha256 pin is checked at launch"
             )
@@ -211,4 +295,5 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
         )
     if cfg.eval.interval_steps < 1 or cfg.eval.samples_per_domain < 1:
         problems.add(path, "eval", "interval_steps and samples_per_domain must be >= 1")
+    check_model_fits(cfg, path, problems)
     return notes

@@ -48,6 +48,8 @@ def load_tokenizer(path: str | os.PathLike, expected_sha256: str | None = None):
     from tokenizers import Tokenizer
 
     path = Path(path)
+    if path.is_dir():
+        raise RunnerError("is a folder: name the tokenizer.json file in it", file=str(path))
     if not path.is_file():
         raise RunnerError("tokenizer file not found", file=str(path))
     if expected_sha256 is not None:

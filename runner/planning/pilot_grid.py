@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from runner.errors import RunnerError
+from runner.fsio import read_yaml
 from runner.planning.flops import as_plain, params_of_config
 
 SIZE_KEYS = ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")
@@ -87,7 +88,7 @@ def _model_of(
         path = root / "recipes" / "model" / f"{name}.yaml"
         if not path.exists():
             raise RunnerError(f"no model recipe {name!r} in recipes/model/", key="--sizes")
-        model = yaml.safe_load(path.read_text(encoding="utf-8"))
+        model = read_yaml(path)
         if model.get("version") != int(version):
             raise RunnerError(f"names {size.recipe} but {path.name} is version {model.get('version')}", key="--sizes")
         # Schema defaults under the recipe, then the base experiment's model overrides (they apply too).
@@ -136,10 +137,9 @@ def write_pilot_grid(
     `resolved` is the base experiment's resolved config (read with runner.config when omitted);
     `root` the project root holding recipes/ and experiments/."""
     base_path = Path(base_path)
-    try:
-        raw = yaml.safe_load(base_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise RunnerError("experiment not found", file=str(base_path)) from None
+    if not base_path.exists():
+        raise RunnerError("experiment not found", file=str(base_path))
+    raw = read_yaml(base_path)
     if not isinstance(raw, dict) or "name" not in raw or "version" not in raw:
         raise RunnerError("not an experiment file (needs name and version)", file=str(base_path))
     if resolved is None:

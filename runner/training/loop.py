@@ -42,9 +42,11 @@ class Data:
     val_reader: object | None
     val_samples: dict[str, int]
     byte_lengths: np.ndarray
+    verifier: object | None = None  # runner.data.integrity.ShardVerifier hashing the shards, or None
 
 
-def load_data(exp, seq_len: int) -> Data:
+def load_data(exp, seq_len: int, verify: bool = False) -> Data:
+    from runner.data.integrity import ShardVerifier
     from runner.data.manifest import Pool, load_experiment_manifests, num_samples
     from runner.data.sampler import BatchReader, MixtureSampler
     from runner.data.tokenizer import load_tokenizer, token_byte_lengths
@@ -68,6 +70,7 @@ def load_data(exp, seq_len: int) -> Data:
         val_reader=BatchReader(val_pools, seq_len) if val_pools else None,
         val_samples={d: n for d, n in val_samples.items() if n > 0},
         byte_lengths=np.asarray(token_byte_lengths(tok), dtype=np.int64),
+        verifier=ShardVerifier(manifests.values()).start() if verify else None,
     )
 
 
@@ -88,6 +91,7 @@ class Options:
     peak_measure_seconds: float = 1.0
     callbacks: list = field(default_factory=list)
     kill_at_step: int | None = None  # fault injection: SIGKILL itself mid-step (smoke, tests)
+    verify_shards: bool = True  # hash every shard against its manifest before the first checkpoint (bench: off)
 
 
 @dataclass
@@ -261,7 +265,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
-    data = load_data(exp, L)
+    data = load_data(exp, L, verify=opts.verify_shards and acc.is_local_main_process)  # one hasher per node
     torch.manual_seed(int(cfg.seed))
     model = build_model(cfg)
     if sharding == SHARD_RUNNER_CPU:
@@ -273,6 +277,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         cfg.train.checkpoint.interval_steps,
         cfg.train.checkpoint.interval_minutes,
         cfg.train.checkpoint.keep_last,
+        report=opts.report if acc.is_main_process else None,
     )
     return _Run(
         exp=exp,
@@ -550,13 +555,44 @@ def _checkpoint_state(run: _Run, step: int) -> dict:
     }
 
 
-def _save(run: _Run, step: int) -> None:
-    from runner.training.checkpoint import gather_full_state
+def _data_failed(run: _Run, wait: bool) -> float:
+    """1.0 when this rank's shard verification found a mismatch (wait: once every shard is hashed)."""
+    verifier = run.data.verifier
+    if verifier is None:
+        return 0.0
+    if wait and not verifier.done():
+        run.say("data: waiting for the shards' sha256 verification to finish before the checkpoint")
+        with contextlib.suppress(RunnerError):
+            verifier.wait()
+    if verifier.done() and not verifier.announced and verifier.failure() is None:
+        verifier.announced = True
+        run.say(verifier.summary())
+    return float(verifier.failure() is not None)
 
+
+def _raise_data_failure(run: _Run) -> None:
+    failure = run.data.verifier.failure() if run.data.verifier is not None else None
+    raise failure or RunnerError("a shard differs from its manifest's sha256 on another node (its error line names it)")
+
+
+def _save(run: _Run, step: int) -> None:
+    from runner.training.checkpoint import gather_full_state, tied_parameters
+
+    # No checkpoint rests on a shard that differs from its pin: every rank waits for its node's hashing.
+    failed = _all_reduce(run.acc, torch.tensor([_data_failed(run, wait=True)], device=run.acc.device))
+    if failed.item() > 0:
+        _raise_data_failure(run)
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
-        run.checkpointer.save(step, model_state, optimizer_state, run.ledger.state_dict(), _checkpoint_state(run, step))
+        run.checkpointer.save(
+            step,
+            model_state,
+            optimizer_state,
+            run.ledger.state_dict(),
+            _checkpoint_state(run, step),
+            tied=tied_parameters(run.raw_model),
+        )
         write_ledger_json(run.folder.path, run.ledger)
         run.folder.update(
             committed_steps=step,
@@ -586,10 +622,22 @@ def _evaluate(run: _Run, step: int) -> None:
 
 
 def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
-    """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE)."""
+    """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE).
+    An exception leaves run.json `failed`, never `running` (RunFolder.failed_on_error)."""
     opts = opts or Options()
-    run = _setup(exp, Path(run_dir), acc, opts)
-    _resume(run)
+    with RunFolder(Path(run_dir), writer=acc.is_main_process).failed_on_error():
+        run = _setup(exp, Path(run_dir), acc, opts)
+        try:
+            _resume(run)
+            return _attempt(run, tracker)
+        finally:
+            if run.data.verifier is not None:
+                run.data.verifier.stop()
+
+
+def _attempt(run: _Run, tracker) -> int:
+    """One attempt's loop, from the resumed step to the end (or a stop)."""
+    acc, opts = run.acc, run.opts
     _conventions(run, tracker)
     flag = _StopFlag()
     old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -637,10 +685,16 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
                 _evaluate(run, committed)
             # Minutes-based intervals differ per rank's clock: rank 0 decides for all.
             due = torch.tensor(
-                [float(run.checkpointer.due(committed)) if run.main else 0.0, float(flag.signum is not None)],
+                [
+                    float(run.checkpointer.due(committed)) if run.main else 0.0,
+                    float(flag.signum is not None),
+                    _data_failed(run, wait=False),
+                ],
                 device=acc.device,
             )
             due = _all_reduce(acc, due)
+            if due[2] > 0:
+                _raise_data_failure(run)
             if due[1] > 0:
                 _save(run, committed)
                 run.say(
