@@ -169,7 +169,7 @@ def cmd_launch(args) -> int:
         with contextlib.ExitStack() as held:  # the run folder's lock, released on any way out
             return _launch(args, held)
     except RunnerError as e:
-        if e.file:
+        if e.file or str(e).startswith(f"{_error_file(args)}: "):  # Problems' lines name their file already
             raise
         # `file: dotted.key: message`: a launch error without a file is about the experiment.
         raise type(e)(e.detail, file=_error_file(args), key=e.key) from e

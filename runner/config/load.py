@@ -367,9 +367,11 @@ def experiment_from_dict(resolved: dict, project_root: Path | None = None, path:
             key=getattr(e, "full_key", None) or None,
         ) from None
     OmegaConf.set_readonly(cfg, True)
-    return Experiment(
-        config=cfg, fingerprint=fingerprint(cfg), path=path, project_root=project_root or Path.cwd().resolve()
-    )
+    try:
+        digest = fingerprint(cfg)
+    except RunnerError as e:  # a NaN: name the file it came from
+        raise RunnerError(e.detail, file=str(path) if path else None, key=e.key) from None
+    return Experiment(config=cfg, fingerprint=digest, path=path, project_root=project_root or Path.cwd().resolve())
 
 
 def to_yaml(cfg) -> str:

@@ -151,6 +151,10 @@ def load_manifest(
         raise RunnerError(
             "manifest not found (run `runner data prepare` or `runner data builtin`)", file=file, key=key
         ) from None
+    except IsADirectoryError:
+        raise RunnerError("is a folder: name the manifest.json in it", file=file, key=key) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunnerError(f"cannot read the manifest: {e}", file=file, key=key) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -270,6 +274,8 @@ def load_experiment_manifests(
     for d, pin in cfg.data.manifests.items():
         key = f"data.manifests.{d}"
         path = exp.resolve_path(pin.path)
+        if path.is_dir():
+            raise RunnerError(f"{pin.path!r} is a folder: name the manifest.json in it", file=where, key=f"{key}.path")
         if pin.sha256 is None or not path.exists():
             what = "not pinned" if pin.sha256 is None else f"{pin.path} is not on this machine"
             if missing_ok:
