@@ -212,28 +212,34 @@ def test_manifest_shard_paths_that_leave_its_folder_are_refused(tmp_path, capsys
 
 # ---- a full disk in the middle of a checkpoint --------------------------------------------------
 
-ENOSPC_DRIVER = """
-import errno, sys
+# A write that fails for real, from the kernel: for the second checkpoint only, files may not grow past
+# 4 KB (RLIMIT_FSIZE, SIGXFSZ ignored), so safetensors' own write of model.safetensors fails mid-file.
+WRITE_FAILS_DRIVER = """
+import resource, signal, sys
 import runner.training.checkpoint as ck
 
-real, calls = ck.save_numpy, []
+real_save, calls = ck.Checkpointer.save, []
 
-def disk_full_on_the_second_checkpoint(tensors, filename, *args, **kwargs):
-    calls.append(filename)
-    if len(calls) == 2:
-        with open(filename, "wb") as f:
-            f.write(b"partial")  # the disk filled up mid-file
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
-    return real(tensors, filename, *args, **kwargs)
+def save_on_a_disk_that_fills_up_the_second_time(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) != 2:
+        return real_save(self, *args, **kwargs)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        return real_save(self, *args, **kwargs)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
-ck.save_numpy = disk_full_on_the_second_checkpoint
+ck.Checkpointer.save = save_on_a_disk_that_fills_up_the_second_time
 from runner.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
 @pytest.mark.slow
-def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes(tmp_path):
+def test_a_write_failing_mid_checkpoint_is_one_line_and_the_run_resumes(tmp_path):
     from runner.fsio import sha256_file
     from runner.training.checkpoint import verify
 
@@ -241,8 +247,8 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes(tmp_pat
     reference = tmp_path / "runs" / "ref"
     launch(tmp_path, exp, "--run-dir", reference, "--no-tracking")
     run = tmp_path / "runs" / "full"
-    driver = tmp_path / "disk_full.py"
-    driver.write_text(ENOSPC_DRIVER)
+    driver = tmp_path / "disk_fills_up.py"
+    driver.write_text(WRITE_FAILS_DRIVER)
     proc = subprocess.run(
         [sys.executable, str(driver), "launch", str(exp), "--run-dir", str(run), "--no-tracking"],
         cwd=tmp_path,
@@ -252,16 +258,37 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes(tmp_pat
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "cannot write checkpoint step-0000004: No space left on device" in errors[0]
-    assert errors[0].startswith("error: runs/full/checkpoints: ")
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("error: runs/full/checkpoints: cannot write checkpoint step-0000004: File too large;")
+    assert "the previous checkpoints are untouched" in errors[0]
     info = json.loads((run / "run.json").read_text())
-    assert info["status"] == "failed" and "No space left on device" in info["error"]
+    assert info["status"] == "failed" and "cannot write checkpoint step-0000004" in info["error"]
     root = run / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step-0000002"] and verify(root / "step-0000002") is None
     launch(tmp_path, run, "--no-tracking")
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
     final = "checkpoints/step-0000008/model.safetensors"
     assert sha256_file(run / final) == sha256_file(reference / final)  # resumed as if nothing happened
+
+
+def test_no_space_left_is_said_as_such(tmp_path, monkeypatch):
+    import torch
+    from safetensors import SafetensorError
+
+    import runner.training.checkpoint as ck
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ck, "save_file", disk_full)
+    with pytest.raises(RunnerError) as err:
+        ck.Checkpointer(tmp_path, 1, 0, 1).save(1, {"w": torch.zeros(2)}, {"state": {}, "param_groups": []}, {}, {})
+    assert str(err.value).endswith(
+        "checkpoints: cannot write checkpoint step-0000001: No space left on device; free some space; "
+        "the previous checkpoints are untouched and the run resumes from the newest of them"
+    )
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # no temporary left behind
 
 
 # ---- fuzz: recipe values and YAML shapes --------------------------------------------------------

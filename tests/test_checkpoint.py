@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from trainfixtures import env, launch, make_project
 
@@ -344,7 +345,7 @@ def test_a_run_that_starts_over_a_folder_of_damaged_checkpoints_says_so_loudly(t
 def test_keep_last_below_one_is_refused():
     from runner.errors import RunnerError
 
-    with __import__("pytest").raises(RunnerError, match="train.checkpoint.keep_last: must be >= 1"):
+    with pytest.raises(RunnerError, match="train.checkpoint.keep_last: must be >= 1"):
         Checkpointer(Path("."), 1, 0, 0)
 
 

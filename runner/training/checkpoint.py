@@ -26,6 +26,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file, load_model, save_file
@@ -267,13 +269,14 @@ class Checkpointer:
             (final / MARKER).write_text(seal + "\n")
             fsync_file(final / MARKER)
             fsync_dir(self.root)
-        except OSError as e:
+        except (OSError, SafetensorError) as e:  # safetensors reports its I/O errors as SafetensorError
             shutil.rmtree(tmp, ignore_errors=True)
             if final.exists() and not (final / MARKER).exists():
                 shutil.rmtree(final, ignore_errors=True)
+            reason, code = _io_error(e)
             raise RunnerError(
-                f"cannot write checkpoint {final.name}: {e.strerror or e}"
-                + ("; free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+                f"cannot write checkpoint {final.name}: {reason}"
+                + ("; free some space" if code in (errno.ENOSPC, errno.EDQUOT) else "")
                 + "; the previous checkpoints are untouched and the run resumes from the newest of them",
                 file=str(self.root),
             ) from None
@@ -362,6 +365,16 @@ class Checkpointer:
     def clean_temporaries(self) -> None:
         for tmp in self.root.glob(".tmp-*") if self.root.exists() else []:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _io_error(e: Exception) -> tuple[str, int | None]:
+    """(what went wrong, errno) of an OSError, or of a SafetensorError wrapping one:
+    'Error while serializing: I/O error: No space left on device (os error 28)'."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e), e.errno
+    text = str(e).split("I/O error: ", 1)[-1]
+    found = re.search(r"\(os error (\d+)\)", text)
+    return re.sub(r"\s*\(os error \d+\)", "", text), int(found.group(1)) if found else None
 
 
 def _step_of(path: Path) -> int:
