@@ -75,9 +75,11 @@ def test_second_launch_is_refused_naming_the_holder_and_a_killed_holder_blocks_n
 
 def test_flock_is_exclusive_and_released_with_its_owner(tmp_path, monkeypatch):
     monkeypatch.delenv("RUNNER_LOCK", raising=False)
-    with RunLock(tmp_path, "runner launch"):
-        with pytest.raises(RunnerError, match=rf"in use by runner launch .*pid {os.getpid()} on host"):
-            RunLock(tmp_path, "runner sync").__enter__()
+    with (
+        RunLock(tmp_path, "runner launch"),
+        pytest.raises(RunnerError, match=rf"in use by runner launch .*pid {os.getpid()} on host"),
+    ):
+        RunLock(tmp_path, "runner sync").__enter__()
     with RunLock(tmp_path, "runner sync"):  # released: the next owner gets it
         pass
     record = json.loads((tmp_path / "lock").read_text())
