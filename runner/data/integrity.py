@@ -91,8 +91,10 @@ class ShardVerifier:
             raise self._failure
 
     def stop(self) -> None:
-        """Ask the thread to stop after its current block (the run ended first)."""
+        """Stop after the current block (the run ended first), caching what was verified so far."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
     def summary(self) -> str:
         return (

@@ -575,11 +575,13 @@ def _raise_data_failure(run: _Run) -> None:
     raise failure or RunnerError("a shard differs from its manifest's sha256 on another node (its error line names it)")
 
 
-def _save(run: _Run, step: int) -> None:
+def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
     from runner.training.checkpoint import gather_full_state, tied_parameters
 
     # No checkpoint rests on a shard that differs from its pin: every rank waits for its node's hashing.
-    failed = _all_reduce(run.acc, torch.tensor([_data_failed(run, wait=True)], device=run.acc.device))
+    # Except a preemption's: its grace period may be shorter than the hashing, and losing the work is
+    # worse; the resumed launch verifies again (unfinished shards are not cached) before its next one.
+    failed = _all_reduce(run.acc, torch.tensor([_data_failed(run, wait=wait_for_data)], device=run.acc.device))
     if failed.item() > 0:
         _raise_data_failure(run)
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
@@ -696,7 +698,7 @@ def _attempt(run: _Run, tracker) -> int:
             if due[2] > 0:
                 _raise_data_failure(run)
             if due[1] > 0:
-                _save(run, committed)
+                _save(run, committed, wait_for_data=False)
                 run.say(
                     f"stopped by signal at step {committed}; checkpoint saved, resume with "
                     f"`runner launch {run.folder.path}`"
