@@ -64,6 +64,8 @@ def read_json(path: str | os.PathLike) -> Any:
         raise RunnerError("missing", file=str(path)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RunnerError(f"not valid JSON: {err}", file=str(path)) from None
+    except RecursionError:
+        raise RunnerError("refused: nested too deeply", file=str(path)) from None
 
 
 # Bounds on any YAML the project reads. The largest file it writes itself, a run's resolved
@@ -170,7 +172,7 @@ def read_jsonl(path: str | os.PathLike, *, skip_torn: bool = False) -> list[Any]
         if line.strip():
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
+            except (json.JSONDecodeError, RecursionError) as err:
                 if not skip_torn:
                     raise RunnerError(f"line {n}: not valid JSON: {err}", file=str(path)) from None
     return rows

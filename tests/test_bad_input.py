@@ -210,6 +210,13 @@ def test_manifest_shard_paths_that_leave_its_folder_are_refused(tmp_path, capsys
     assert "shards.0.path" in line and "leaves the manifest's folder" in line
 
 
+def test_a_manifest_nested_a_hundred_thousand_deep_is_one_line(tmp_path, capsys):
+    path = tmp_path / "manifest.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    line = one_error(*run_cli(capsys, "data", "verify", path)[::2])
+    assert line == f"error: {path}: refused: nested too deeply"
+
+
 # ---- a full disk in the middle of a checkpoint --------------------------------------------------
 
 # A write that fails for real, from the kernel: for the second checkpoint only, files may not grow past

@@ -60,10 +60,14 @@ class ShardVerifier:
     def __init__(self, manifests: Iterable, cache: Path | None = None):
         self.cache_path = (cache_dir() if cache is None else Path(cache)) / CACHE_FILE
         items = {}
-        for m in manifests:
+        manifests_list = list(manifests)
+        for m in manifests_list:
             for shard in (*m.shards, *m.validation_shards):
                 items.setdefault(Path(shard.path).resolve(), _Item(Path(shard.path), shard.sha256, m.path))
         self.items = list(items.values())
+        self.bytes_expected = sum(
+            s.tokens * m.dtype.itemsize for m in manifests_list for s in (*m.shards, *m.validation_shards)
+        )
         self.bytes_total = 0
         self.bytes_hashed = 0
         self.shards_cached = 0
@@ -90,6 +94,18 @@ class ShardVerifier:
         if self._failure is not None:
             raise self._failure
 
+    def join(self, timeout: float) -> bool:
+        """Wait at most `timeout` seconds; whether every shard is checked (a mismatch included)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.done()
+
+    def progress(self) -> str:
+        return (
+            f"{self.bytes_total / 1e9:,.2f} of {self.bytes_expected / 1e9:,.2f} GB of shards checked "
+            f"({self.bytes_hashed / 1e9:,.2f} GB hashed so far)"
+        )
+
     def stop(self) -> None:
         """Stop after the current block (the run ended first), caching what was verified so far."""
         self._stop.set()
@@ -113,10 +129,10 @@ class ShardVerifier:
             for item in self.items:
                 key = str(item.path.resolve())
                 stat = item.path.stat()
-                self.bytes_total += stat.st_size
                 entry = cache.get(key)
                 if entry == {"identity": _identity(stat), "sha256": item.sha256}:
                     self.shards_cached += 1
+                    self.bytes_total += stat.st_size
                     continue
                 actual = self._hash(item.path)
                 if actual is None:  # stopped
@@ -129,8 +145,11 @@ class ShardVerifier:
                     )
                     return
                 verified[key] = {"identity": _identity(item.path.stat()), "sha256": actual}
+                self.bytes_total += stat.st_size
         except OSError as e:
             self._failure = RunnerError(f"cannot read shard: {e.strerror}", file=e.filename)
+        except Exception as e:  # fail closed: a verifier that died unverified must not read as a pass
+            self._failure = RunnerError(f"shard verification stopped: {type(e).__name__}: {e}")
         finally:
             self.seconds = time.perf_counter() - t0
             if verified:

@@ -159,6 +159,8 @@ def load_manifest(
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise RunnerError(f"not valid JSON: {e}", file=file) from None
+    except RecursionError:
+        raise RunnerError("refused: nested too deeply", file=file) from None
     if not isinstance(data, dict):
         raise RunnerError("manifest must be a JSON object", file=file)
     missing = [k for k in REQUIRED_KEYS if k not in data]

@@ -399,7 +399,7 @@ def _sealed_state_sha256(path: Path) -> str | None:
     """The state.json sha256 a format-3 COMPLETE marker seals; None for an older marker."""
     try:
         seal = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return seal.get("state.json") if isinstance(seal, dict) else None
 
@@ -414,7 +414,7 @@ def verify(path: Path) -> str | None:
         if sealed is not None and sha256_file(path / "state.json") != sealed:
             return "state.json sha256 mismatch (edited after it was written)"
         state = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         return f"state.json unreadable: {e}"
     if not isinstance(state, dict) or not isinstance(state.get("files"), dict):
         return "state.json holds no file hashes"

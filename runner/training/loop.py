@@ -561,9 +561,9 @@ def _data_failed(run: _Run, wait: bool) -> float:
     if verifier is None:
         return 0.0
     if wait and not verifier.done():
-        run.say("data: waiting for the shards' sha256 verification to finish before the checkpoint")
-        with contextlib.suppress(RunnerError):
-            verifier.wait()
+        run.say("data: the checkpoint waits for the shards' sha256 verification to finish")
+        while not verifier.join(timeout=60):
+            run.say(f"data: {verifier.progress()}")
     if verifier.done() and not verifier.announced and verifier.failure() is None:
         verifier.announced = True
         run.say(verifier.summary())
