@@ -243,6 +243,7 @@ def _edit_state(path: Path, reseal: bool = False, **fields) -> None:
         (path / "COMPLETE").write_text(json.dumps({"format": 3, "state.json": sha256_file(path / "state.json")}))
 
 
+@pytest.mark.slow
 def test_an_edited_state_json_is_refused_as_damaged_and_the_run_falls_back(tmp_path):
     exp = make_project(tmp_path, steps=8, checkpoint_every=2, keep_last=5)
     run = tmp_path / "runs" / "s"
@@ -277,6 +278,7 @@ def test_state_json_of_another_step_is_refused_even_in_an_unsealed_format_2_chec
     assert "state.json says step 99, the folder is step-0000100" in seen[0]
 
 
+@pytest.mark.slow
 def test_an_unexpected_error_leaves_status_failed_not_running(tmp_path):
     exp = make_project(tmp_path, steps=8, checkpoint_every=2, keep_last=5)
     run = tmp_path / "runs" / "f"
@@ -288,6 +290,7 @@ def test_an_unexpected_error_leaves_status_failed_not_running(tmp_path):
     assert info["status"] == "failed" and info["error"].startswith("KeyError")
 
 
+@pytest.mark.slow
 def test_pruning_after_a_fall_back_keeps_the_checkpoint_it_resumed_from(tmp_path):
     # The issue's scenario: keep_last 1, the newest checkpoint damaged, saves that do not land on it.
     exp = make_project(tmp_path, steps=8, checkpoint_every=3, keep_last=2)
@@ -352,6 +355,7 @@ def test_keep_last_below_one_is_refused():
 # ---- tied embeddings stored once (issue 13, item 10) ------------------------------------------
 
 
+@pytest.mark.slow
 def test_tied_embeddings_are_stored_once_and_the_plan_matches_the_file(tmp_path):
     from safetensors import safe_open
 

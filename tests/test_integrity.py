@@ -20,6 +20,7 @@ def _flip_a_byte(path) -> None:
     path.write_bytes(bytes(data))  # same size: the manifest's size check passes
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_fails_the_launch_before_its_first_checkpoint(tmp_path):
     exp = make_project(tmp_path, steps=8, checkpoint_every=2)
     shard = tmp_path / "data" / "b" / "train-00000.bin"
@@ -36,6 +37,7 @@ def test_a_flipped_byte_fails_the_launch_before_its_first_checkpoint(tmp_path):
     assert info["status"] == "failed" and "data/b/train-00000.bin" in info["error"]
 
 
+@pytest.mark.slow
 def test_verified_shards_are_cached_so_a_resume_hashes_nothing(tmp_path):
     exp = make_project(tmp_path, steps=8, checkpoint_every=2)
     run = tmp_path / "runs" / "c"
