@@ -1,7 +1,8 @@
-"""Bytes on disk: hashing, canonical JSON, and writes that readers see whole or not at all.
+"""Bytes on disk: hashing, canonical JSON, bounded YAML, and writes that readers see whole or not at all.
 
-Owns the durability rules every writer shares (temp file, fsync, rename, fsync the folder).
-Never decides what is written or where.
+Owns the durability rules every writer shares (temp file, fsync, rename, fsync the folder) and the
+one way YAML is parsed (size, nesting and alias expansion bounded, so a hostile file is refused in
+milliseconds instead of hanging whatever walks it). Never decides what is written or where.
 """
 
 from __future__ import annotations
@@ -63,14 +64,93 @@ def read_json(path: str | os.PathLike) -> Any:
         raise RunnerError("missing", file=str(path)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RunnerError(f"not valid JSON: {err}", file=str(path)) from None
+    except RecursionError:
+        raise RunnerError("refused: nested too deeply", file=str(path)) from None
+
+
+# Bounds on any YAML the project reads. The largest file it writes itself, a run's resolved
+# experiment.yaml, is ~3 KB, ~300 nodes and 5 levels deep; these are >100x that, and small enough
+# that checking them is instant. A billion-laughs file (9 levels of 10 aliases) expands to 10^9 nodes.
+YAML_MAX_BYTES = 16 << 20
+YAML_MAX_NODES = 100_000  #: nodes after expanding every alias
+YAML_MAX_DEPTH = 64  #: nesting of mappings and lists
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Refused(ValueError):
+    """A YAML document outside the bounds."""
+
+
+def _expanded_size(root) -> int:
+    """Nodes of the document with every alias expanded (a tree count of the node graph), or a
+    RunnerError for a recursive alias or nesting beyond YAML_MAX_DEPTH. Iterative: never recurses."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(root, 1, False)]
+    while stack:
+        node, depth, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            kids = _yaml_children(node)
+            sizes[key] = 1 + sum(sizes[id(k)] for k in kids)
+            if sizes[key] > YAML_MAX_NODES:
+                raise _Refused(f"expands to more than {YAML_MAX_NODES:,} nodes (aliases repeated beyond the bound)")
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            raise _Refused("an alias refers to a node that contains it (recursive alias)")
+        if depth > YAML_MAX_DEPTH:
+            raise _Refused(f"nested deeper than {YAML_MAX_DEPTH} levels")
+        on_path.add(key)
+        stack.append((node, depth, True))
+        stack.extend((k, depth + 1, False) for k in _yaml_children(node) if id(k) not in sizes)
+    return sizes[id(root)]
+
+
+def _yaml_children(node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def load_yaml_text(text: str, source: Any = None) -> Any:
+    """`yaml.safe_load` with bounds: a RunnerError naming `source` for a document that is larger,
+    deeper or expands (through aliases) further than the YAML_MAX_* bounds. Syntax errors stay
+    yaml.YAMLError, for callers that report the line."""
+    if len(text) > YAML_MAX_BYTES:
+        raise RunnerError(
+            f"{len(text):,} characters: larger than the {YAML_MAX_BYTES:,} a recipe may hold", file=source
+        )
+    loader = _YAML_LOADER(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded_size(node)
+        return loader.construct_document(node)
+    except _Refused as err:
+        raise RunnerError(f"refused: {err}", file=source) from None
+    except (ValueError, OverflowError) as err:  # e.g. a date that does not exist, a 5,000-digit integer
+        raise RunnerError(f"not valid YAML: {err}", file=source) from None
+    except RecursionError:
+        raise RunnerError(f"refused: nested deeper than {YAML_MAX_DEPTH} levels", file=source) from None
+    finally:
+        loader.dispose()
 
 
 def read_yaml(path: str | os.PathLike) -> Any:
-    """Parsed YAML, or a RunnerError naming the file: missing or not valid YAML."""
+    """Parsed YAML (bounded: see load_yaml_text), or a RunnerError naming the file: missing,
+    unreadable or not valid YAML."""
     try:
-        return yaml.safe_load(Path(path).read_text())
+        return load_yaml_text(Path(path).read_text(encoding="utf-8"), source=str(path))
     except FileNotFoundError:
         raise RunnerError("missing", file=str(path)) from None
+    except IsADirectoryError:
+        raise RunnerError("is a folder, not a YAML file", file=str(path)) from None
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise RunnerError(f"not valid YAML: {err}", file=str(path)) from None
 
@@ -92,7 +172,7 @@ def read_jsonl(path: str | os.PathLike, *, skip_torn: bool = False) -> list[Any]
         if line.strip():
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
+            except (json.JSONDecodeError, RecursionError) as err:
                 if not skip_torn:
                     raise RunnerError(f"line {n}: not valid JSON: {err}", file=str(path)) from None
     return rows

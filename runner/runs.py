@@ -1,17 +1,25 @@
-"""Run folders: creating one, reading back what it trained and recorded, refusing a different
-experiment, and extending a finished run as a new segment.
+"""Run folders: creating one, owning it, reading back what it trained and recorded, refusing a
+different experiment, and extending a finished run as a new segment.
 
 Owns the lifecycle records of a run folder (experiment.yaml, fingerprint.txt, run.json segments,
-manifest copies, ledger.json) and the one way to read them back: the saved experiment through the
-schema, the manifest copies, the devices held, the MFU convention and the times a run recorded
-(runner.reports.tables and runner.reports.audit read a run through these). Never trains, tracks or
-builds a report.
+manifest copies, ledger.json), its lock (RunLock: one writing process at a time) and the one way
+to read them back: the saved experiment through the schema, the manifest copies, the devices held,
+the MFU convention and the times a run recorded (runner.reports.tables and runner.reports.audit
+read a run through these). Never trains, tracks or builds a report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import errno
+import fcntl
+import json
+import os
+import shlex
 import shutil
+import socket
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +29,7 @@ from runner.config.load import Experiment, experiment_from_dict, find_project_ro
 from runner.config.rules import devices, global_batch_tokens, max_duration_tokens
 from runner.config.schema import ExperimentSchema
 from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
-from runner.errors import RunnerError
+from runner.errors import RunnerError, display_path
 from runner.fsio import atomic_write_json, read_json, read_jsonl, read_yaml, repair_jsonl_tail
 from runner.planning.flops import Convention
 from runner.training.ledger import TokenLedger
@@ -41,6 +49,168 @@ def _segment(index: int, start_step: int, exp: Experiment) -> dict:
         "fingerprint": exp.fingerprint,
         "started_at": _now(),
     }
+
+
+# ---- the lock: one process owns a run folder -----------------------------------------------------
+
+LOCK_FILE = "lock"  #: flock(2)ed for the life of the owner; holds its record (host, pid, command, since)
+OWNER_FILE = "lock.owner"  #: the lock-file method, where fcntl locks are unavailable (created O_EXCL)
+#: errors of flock(2) on storage that has no working locks (NFS without lockd, some FUSE/Lustre mounts)
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+
+
+class RunLock:
+    """Exclusive ownership of a run folder by one process: `runner launch` (its rank 0 under
+    torchrun/accelerate), `runner sync` and `runner report`, the verbs that write into it.
+
+    The method is flock(2) on `<run>/lock`: the kernel drops it when the owner exits in any way,
+    SIGKILL included, so a crashed launch never blocks the next. Where the storage has no working
+    fcntl locks (flock fails) or `RUNNER_LOCK=file` says its locks are not shared between hosts, the
+    method is a lock file created exclusively, `<run>/lock.owner`, naming host and pid: one left by a
+    dead process of this host is taken over; one from another host is named, for the user to remove
+    once that process is gone. A second owner is refused with a RunnerError naming the holder."""
+
+    def __init__(self, run_dir: Path, command: str = "runner launch"):
+        self.run_dir = Path(run_dir)
+        self.command = command
+        self._fd: int | None = None
+        self._owner: Path | None = None
+        self.warnings: list[str] = []  # things the owner should print (a lock taken over)
+
+    def record(self) -> dict:
+        argv = " ".join(shlex.quote(a) for a in sys.argv[1:])
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "command": f"{self.command} ({argv})",
+            "since": _now(),
+        }
+
+    def __enter__(self) -> RunLock:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("RUNNER_LOCK", "fcntl") == "file":
+            self._take_owner_file()
+        else:
+            self._take_flock()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                _write_record(self._fd, dict(_read_fd(self._fd), released_at=_now()))
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+        if self._owner is not None:
+            if self._read(self._owner).get("pid") == os.getpid():
+                with contextlib.suppress(OSError):
+                    self._owner.unlink()
+            self._owner = None
+
+    def _take_flock(self) -> None:
+        path = self.run_dir / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._in_use(self._read(path), path) from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in _NO_FLOCK:
+                raise
+            self._take_owner_file()  # no fcntl locks on this storage
+            return
+        before = _read_fd(fd)  # through this descriptor: on NFS, closing another one would drop the lock
+        if before.get("host") not in (None, socket.gethostname()) and "released_at" not in before:
+            self.warnings.append(
+                f"warning: {display_path(self.run_dir)}: the previous owner, {_holder(before)}, never released it "
+                "(killed?); if it is still running there, this storage does not share fcntl locks between hosts: "
+                "stop this launch and use RUNNER_LOCK=file"
+            )
+        _write_record(fd, self.record())
+        self._fd = fd
+
+    def _take_owner_file(self) -> None:
+        owner = self.run_dir / OWNER_FILE
+        for _attempt in range(3):
+            try:
+                fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                held = self._read(owner)
+                if held.get("host") != socket.gethostname() or _alive(held.get("pid")):
+                    raise self._in_use(held, owner) from None
+                grave = owner.with_name(f"{OWNER_FILE}.stale-{os.getpid()}")
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(owner, grave)  # atomic: of two launches taking it over, one moves it
+                    if self._read(grave) != held:  # moved a fresh owner's file: give it back
+                        os.rename(grave, owner)
+                        raise self._in_use(self._read(owner), owner) from None
+                    grave.unlink()
+                    self.warnings.append(f"note: took over {display_path(owner)} from {_holder(held)}, which is gone")
+                continue
+            try:
+                _write_record(fd, self.record())
+            finally:
+                os.close(fd)
+            self._owner = owner
+            return
+        raise RunnerError("another process keeps taking the lock over; retry", file=str(owner))
+
+    def _in_use(self, held: dict, path: Path) -> RunnerError:
+        how = (
+            f"; if no runner process runs there any more, remove {display_path(path)}"
+            if path.name == OWNER_FILE and held.get("host") != socket.gethostname()
+            else ""
+        )
+        return RunnerError(
+            f"in use by {_holder(held)}: one process writes a run folder at a time; wait for it to end, "
+            f"or stop it{how}",
+            file=str(self.run_dir),
+        )
+
+    @staticmethod
+    def _read(path: Path) -> dict:
+        try:
+            data = json.loads(path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+
+def _holder(record: dict) -> str:
+    if not record.get("pid"):
+        return "another process (its record is not readable yet)"
+    return f"{record.get('command', 'a runner process')}, pid {record['pid']} on host {record.get('host')} since {record.get('since')}"
+
+
+def _read_fd(fd: int) -> dict:
+    try:
+        data = json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_record(fd: int, record: dict) -> None:
+    data = (json.dumps(record) + "\n").encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
 
 
 # ---- run folders --------------------------------------------------------------------------------
@@ -66,6 +236,43 @@ class RunFolder:
         if self.writer:
             atomic_write_json(self.run_json, info)
         return info
+
+    @contextlib.contextmanager
+    def failed_on_error(self):
+        """Around one attempt: any exception out of it leaves run.json `status: failed` with the
+        error's first line (an interrupt: `preempted`), never `running`; a full disk becomes one
+        RunnerError line, since what was written before it (checkpoints, journal) stays usable."""
+        if self.writer and self.run_json.exists() and "error" in (info := self.read()):
+            info.pop("error")  # an earlier attempt's: this one starts clean
+            atomic_write_json(self.run_json, info)
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                self._mark("failed", e)
+                raise
+            err = RunnerError(
+                f"{e.strerror}; the checkpoints written before it are intact: free some space and resume "
+                f"with `runner launch {self.path}`",
+                file=e.filename or str(self.path),
+            )
+            self._mark("failed", err)
+            raise err from None
+        except KeyboardInterrupt as e:
+            self._mark("preempted", e)
+            raise
+        except Exception as e:
+            self._mark("failed", e)
+            raise
+
+    def _mark(self, status: str, error: BaseException) -> None:
+        if not self.writer or not self.run_json.exists():
+            return
+        line = (str(error).splitlines() or [""])[0]
+        try:
+            self.update(status=status, error=f"{type(error).__name__}: {line}" if line else type(error).__name__)
+        except (OSError, RunnerError):
+            return  # the disk that failed the run may refuse this too; the error itself still surfaces
 
     def journal_path(self) -> Path:
         return self.path / "journal" / "processed.jsonl"

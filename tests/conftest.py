@@ -10,6 +10,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _runner_cache(tmp_path: Path, monkeypatch) -> None:
+    """Each test its own shard-verification cache (launches inherit it), never the user's ~/.cache."""
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "runner-cache"))
+
+
 @pytest.fixture()
 def project(tmp_path: Path) -> Path:
     """A copy of the repo's recipes and experiments, plus the built-in tokenizer they pin."""

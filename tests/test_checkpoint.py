@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from trainfixtures import env, launch, make_project
 
@@ -82,7 +83,7 @@ def test_save_verify_prune_and_skip_unfinished(tmp_path):
     for a, b in zip(opt.state.values(), restored_opt.state.values()):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
     assert got.ledger_state()["counts"].tolist() == [0, 1, 2]
-    assert got.format == 2 and "0.weight" in got.optimizer_state()["state"]  # keyed by name, not index
+    assert got.format == 3 and "0.weight" in got.optimizer_state()["state"]  # keyed by name, not index
 
 
 def test_tied_weights_are_written_and_read_back(tmp_path):
@@ -114,8 +115,10 @@ def test_format_1_checkpoints_of_older_runs_still_load(tmp_path):
     (path / "optimizer.json").write_text(json.dumps(index))
     state = json.loads((path / "state.json").read_text())
     state.pop("format")
+    state.pop("tied")
     state["files"] = {name: sha256_file(path / name) for name in state["files"]}
     (path / "state.json").write_text(json.dumps(state))
+    (path / "COMPLETE").write_text(state["files"]["model.safetensors"] + "\n")  # the marker then held this
     got = Checkpointer(tmp_path, 1, 0, 1).latest_valid()
     restored, restored_opt = _tiny_state(seed=1)
     got.load_into(restored, restored_opt)
@@ -225,3 +228,191 @@ def test_ranks_that_see_different_checkpoints_are_refused_naming_them(tmp_path):
         assert "storage every node shares" in str(e) and str(tmp_path) in str(e)
     else:
         raise AssertionError("different checkpoints across ranks must be refused")
+
+
+# ---- integrity of state.json, pruning that never loses work (issue 12, items 3 and 4) ---------
+
+
+def _edit_state(path: Path, reseal: bool = False, **fields) -> None:
+    state = json.loads((path / "state.json").read_text())
+    state.update(fields)
+    for key in [k for k, v in fields.items() if v is None]:
+        state.pop(key)
+    (path / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))  # still valid JSON
+    if reseal:  # a consistent forgery: the seal recomputed too
+        (path / "COMPLETE").write_text(json.dumps({"format": 3, "state.json": sha256_file(path / "state.json")}))
+
+
+@pytest.mark.slow
+def test_an_edited_state_json_is_refused_as_damaged_and_the_run_falls_back(tmp_path):
+    exp = make_project(tmp_path, steps=8, checkpoint_every=2, keep_last=5)
+    run = tmp_path / "runs" / "s"
+    launch(tmp_path, exp, "--run-dir", run, "--max-steps", 6, "--no-tracking")
+    newest = run / "checkpoints" / "step-0000006"
+    _edit_state(newest, step_seconds_total=1.0)  # would silently change MFU if trusted
+    proc = launch(tmp_path, run, "--no-tracking")
+    assert "checkpoint step-0000006 unusable (state.json sha256 mismatch" in proc.stderr
+    assert "resuming from step-0000004 (step 4)" in proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["step_seconds_total"] > 1.0
+
+
+def test_state_json_of_another_step_is_refused_even_in_an_unsealed_format_2_checkpoint(tmp_path):
+    model, opt = _tiny_state()
+    ck = Checkpointer(tmp_path, 1, 0, 5)
+    for step in (99, 100):
+        _save(ck, step, model, opt)
+    path = tmp_path / "checkpoints" / "step-0000100"
+    _edit_state(path, step=99)
+    seen = []
+    assert Checkpointer(tmp_path, 1, 0, 5).latest_valid(report=seen.append).step == 99
+    assert "state.json sha256 mismatch" in seen[0]
+    # A format-2 checkpoint (COMPLETE held the model's hash; state.json was not sealed) still loads,
+    # and an edited step is still refused.
+    _edit_state(path, step=100, format=2, tied=None)
+    (path / "COMPLETE").write_text(json.loads((path / "state.json").read_text())["files"]["model.safetensors"] + "\n")
+    assert Checkpointer(tmp_path, 1, 0, 5).latest_valid().step == 100
+    _edit_state(path, step=99)
+    seen = []
+    assert Checkpointer(tmp_path, 1, 0, 5).latest_valid(report=seen.append).step == 99
+    assert "state.json says step 99, the folder is step-0000100" in seen[0]
+
+
+@pytest.mark.slow
+def test_an_unexpected_error_leaves_status_failed_not_running(tmp_path):
+    exp = make_project(tmp_path, steps=8, checkpoint_every=2, keep_last=5)
+    run = tmp_path / "runs" / "f"
+    launch(tmp_path, exp, "--run-dir", run, "--max-steps", 4, "--no-tracking")
+    _edit_state(run / "checkpoints" / "step-0000004", reseal=True, rng=None)  # verifies, cannot resume
+    proc = launch(tmp_path, run, "--no-tracking", check=False)
+    assert proc.returncode != 0 and "KeyError" in proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "failed" and info["error"].startswith("KeyError")
+
+
+@pytest.mark.slow
+def test_pruning_after_a_fall_back_keeps_the_checkpoint_it_resumed_from(tmp_path):
+    # The issue's scenario: keep_last 1, the newest checkpoint damaged, saves that do not land on it.
+    exp = make_project(tmp_path, steps=8, checkpoint_every=3, keep_last=2)
+    run = tmp_path / "runs" / "p"
+    launch(tmp_path, exp, "--run-dir", run, "--max-steps", 6, "--no-tracking")
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000003", "step-0000006"]
+    damaged = root / "step-0000006" / "model.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    cfg = (run / "experiment.yaml").read_text()
+    (run / "experiment.yaml").write_text(
+        cfg.replace("interval_steps: 3", "interval_steps: 4").replace("keep_last: 2", "keep_last: 1")
+    )
+    # Resumes from 3, saves 4 (which verifies), then dies in step 6: 3 may go, 6 is not yet replaced.
+    proc = launch(tmp_path, run, "--kill-at-step", 6, "--no-tracking", check=False)
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000004", "step-0000006"]
+    proc = launch(tmp_path, run, "--no-tracking")
+    assert "step-0000006 unusable (model.safetensors sha256 mismatch)" in proc.stderr
+    assert "resuming from step-0000004 (step 4)" in proc.stderr  # not from 0
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+    assert counters(run)["total"]["exposure"] == 8 * 8 * 16
+
+
+def test_only_verified_checkpoints_count_toward_keep_last(tmp_path):
+    model, opt = _tiny_state()
+    said = []
+    ck = Checkpointer(tmp_path, interval_steps=2, interval_minutes=0, keep_last=2, report=said.append)
+    for step in (2, 4, 6):
+        _save(ck, step, model, opt)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000004", "step-0000006"]
+    (root / "step-0000006" / "optimizer.json").write_text("{}")  # damaged, marker present
+    _save(ck, 8, model, opt)
+    # 6 does not verify, so it does not count: 8 and 4 are the two kept, not 8 and 6.
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000004", "step-0000008"]
+    assert said == ["checkpoint step-0000006 removed: it does not verify (optimizer.json sha256 mismatch)"]
+
+
+def test_a_run_that_starts_over_a_folder_of_damaged_checkpoints_says_so_loudly(tmp_path):
+    model, opt = _tiny_state()
+    ck = Checkpointer(tmp_path, 1, 0, 3)
+    for step in (1, 2):
+        _save(ck, step, model, opt)
+    for step in (1, 2):
+        (tmp_path / "checkpoints" / f"step-{step:07d}" / "ledger.safetensors").write_bytes(b"x")
+    seen = []
+    assert Checkpointer(tmp_path, 1, 0, 3).latest_valid(report=seen.append) is None
+    assert seen[-1].startswith("WARNING: none of the 2 checkpoints in ")
+    assert "step-0000002, step-0000001" in seen[-1] and "starts again from step 0" in seen[-1]
+
+
+def test_keep_last_below_one_is_refused():
+    from runner.errors import RunnerError
+
+    with pytest.raises(RunnerError, match="train.checkpoint.keep_last: must be >= 1"):
+        Checkpointer(Path("."), 1, 0, 0)
+
+
+# ---- tied embeddings stored once (issue 13, item 10) ------------------------------------------
+
+
+@pytest.mark.slow
+def test_tied_embeddings_are_stored_once_and_the_plan_matches_the_file(tmp_path):
+    from safetensors import safe_open
+
+    from runner.config.load import load_experiment
+    from runner.planning.plan import build_plan
+    from runner.training.checkpoint import Checkpoint
+    from runner.training.model import build_model
+
+    exp_path = make_project(tmp_path, steps=4, checkpoint_every=4)
+    run = tmp_path / "runs" / "t"
+    launch(tmp_path, exp_path, "--run-dir", run, "--no-tracking")
+    path = run / "checkpoints" / "step-0000004"
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    state = json.loads((path / "state.json").read_text())
+    assert state["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    exp = load_experiment(exp_path)
+    planned = build_plan(exp.config, root=tmp_path)["storage"]["checkpoint_bytes"]
+    written = sum((path / name).stat().st_size for name in ("model.safetensors", "optimizer.safetensors"))
+    assert abs(written - planned) / planned < 0.01, (written, planned)  # headers and AdamW step counters
+    # Loaded back, the tie is a tie again (one Parameter), with the trained values.
+    ckpt = Checkpointer(run, 1, 0, 1).latest_valid()
+    fresh = build_model(exp.config)
+    ckpt.load_into(fresh, torch.optim.AdamW(fresh.parameters()))
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    assert torch.equal(fresh.lm_head.weight, Checkpoint(path, 4, state).model_state()["lm_head.weight"])
+
+
+def test_an_older_checkpoint_holding_the_tied_matrix_twice_still_loads(tmp_path):
+    from safetensors.torch import save_file
+
+    emb = torch.nn.Embedding(5, 3)
+    head = torch.nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    tied = torch.nn.ModuleDict({"emb": emb, "head": head})
+    topt = torch.optim.AdamW(tied.parameters(), lr=0.1)
+    head(emb(torch.tensor([1, 2]))).sum().backward()
+    topt.step()
+    path = _save(Checkpointer(tmp_path, 1, 0, 1), 1, tied, topt)
+    # As format 2 wrote it: both names, the matrix copied; no `tied` record, COMPLETE = model sha256.
+    save_file(
+        {"emb.weight": emb.weight.detach().clone(), "head.weight": emb.weight.detach().clone()},
+        str(path / "model.safetensors"),
+    )
+    _edit_state(path, format=2, tied=None)
+    _edit_state(
+        path,
+        files=dict(
+            json.loads((path / "state.json").read_text())["files"],
+            **{"model.safetensors": sha256_file(path / "model.safetensors")},
+        ),
+    )
+    (path / "COMPLETE").write_text(sha256_file(path / "model.safetensors") + "\n")
+    fresh = torch.nn.ModuleDict({"emb": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5, bias=False)})
+    fresh["head"].weight = fresh["emb"].weight
+    got = Checkpointer(tmp_path, 1, 0, 1).latest_valid()
+    assert got.format == 2
+    got.load_into(fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+    assert torch.equal(fresh["emb"].weight, emb.weight) and fresh["head"].weight is fresh["emb"].weight

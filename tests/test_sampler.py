@@ -171,3 +171,29 @@ def test_sampler_refuses_mismatched_or_empty_domains():
         MixtureSampler({"a": 5}, {"b": 1.0}, 0, 4)
     with pytest.raises(RunnerError, match="data.manifests.a"):
         MixtureSampler({"a": 0, "b": 3}, {"a": 0.5, "b": 0.5}, 0, 4)
+
+
+def test_the_schedule_repeats_every_period_so_any_step_is_closed_form():
+    import random
+
+    rng = random.Random(2)
+    for _ in range(150):
+        n = rng.randint(1, 5)
+        cuts = [0, *sorted(rng.sample(range(1, 1000), n - 1)), 1000]
+        ratios = {f"d{i}": (cuts[i + 1] - cuts[i]) / 1000 for i in range(n)}  # decimals as a recipe writes them
+        batch = rng.choice([1, 3, 8, 16, 512, 1000])
+        schedule = MixtureSchedule(ratios, batch)
+        sequential = [tuple(0 for _ in ratios)]
+        for step in range(1, 3 * schedule.period + 5):
+            sequential.append(schedule._advance(step, sequential[-1]))  # the EDF rule, never shortcut
+        fresh = MixtureSchedule(ratios, batch)
+        for step in rng.sample(range(len(sequential)), min(40, len(sequential))):
+            assert fresh.counts(step) == sequential[step], (ratios, batch, step)
+    # 0.5 / 0.4 / 0.1 of 16 sequences: every target is whole after 5 steps; a step 10**15 costs nothing.
+    schedule = MixtureSchedule({"code": 0.5, "prose": 0.4, "legal": 0.1}, 16)
+    assert schedule.period == 5
+    t0 = time.perf_counter()
+    assert schedule.counts(10**15 + 3) == tuple(
+        n * 16 * 10**15 // 10 + c for n, c in zip((5, 1, 4), schedule.counts(3))
+    )
+    assert time.perf_counter() - t0 < 30  # a replay of 10**15 steps would take a century

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -19,7 +20,11 @@ def _report(args) -> int:
         fetched = rpt.fetch_mlflow_run(args.run, args.dest or tempfile.mkdtemp(prefix="runner-report-"))
         print(f"report written to {rpt.report_from_fetched(fetched)}")
         return EXIT_OK
-    out = rpt.write_report(target)
+    from runner.runs import RunLock, is_run_dir
+
+    # Never rewrite report/ under a launch that writes it too.
+    with RunLock(target, "runner report") if is_run_dir(target) else contextlib.nullcontext():
+        out = rpt.write_report(target)
     print(f"report written to {out}")
     return EXIT_OK
 

@@ -9,6 +9,7 @@ they run (runner.cli's rule: `runner --help` stays fast).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import shutil
@@ -163,9 +164,10 @@ def _error_file(args) -> str:
 
 def cmd_launch(args) -> int:
     try:
-        return _launch(args)
+        with contextlib.ExitStack() as held:  # the run folder's lock, released on any way out
+            return _launch(args, held)
     except RunnerError as e:
-        if e.file:
+        if e.file or str(e).startswith(f"{_error_file(args)}: "):  # Problems' lines name their file already
             raise
         # `file: dotted.key: message`: a launch error without a file is about the experiment.
         raise type(e)(e.detail, file=_error_file(args), key=e.key) from e
@@ -201,12 +203,40 @@ def check_world(cfg: ExperimentSchema, world: int) -> str | None:
     )
 
 
-def _launch(args) -> int:
+@contextlib.contextmanager
+def _owning(run_dir: Path, acc, command: str = "runner launch"):
+    """Rank 0 holds the run folder's lock (runner.runs.RunLock) for the whole launch; every rank
+    learns whether it got it, so a refused launch stops everywhere before anything is written."""
+    from accelerate.utils import broadcast_object_list
+
+    from runner.runs import RunLock
+
+    lock = None
+    refused: list[tuple[str, str | None] | None] = [None]
+    if acc.is_main_process:
+        try:
+            lock = RunLock(run_dir, command).__enter__()
+        except RunnerError as e:
+            refused = [(e.detail, e.file)]
+    if acc.num_processes > 1:
+        broadcast_object_list(refused)
+    if refused[0] is not None:
+        raise RunnerError(refused[0][0], file=refused[0][1])
+    try:
+        for line in lock.warnings if lock is not None else []:
+            print(line, file=sys.stderr)
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _launch(args, held: contextlib.ExitStack) -> int:
     from accelerate.utils import broadcast_object_list
 
     from runner.config.load import to_yaml
     from runner.config.rules import global_batch_tokens
-    from runner.runs import RunFolder, check_mixture_feasible, create_run_folder, extend_run
+    from runner.runs import RunFolder, check_mixture_feasible, create_run_folder, extend_run, is_run_dir
     from runner.training.loop import Options, train
     from runner.training.tracking import flatten
 
@@ -233,11 +263,18 @@ def _launch(args) -> int:
         if acc.num_processes > 1:
             broadcast_object_list(chosen)  # ranks must agree on one timestamped folder
         run_dir = Path(chosen[0])
+    if main and not existing:
+        check_mixture_feasible(exp)  # before the lock: a refused experiment writes nothing
+    held.enter_context(_owning(run_dir, acc))
     if main:
         if args.extend_to is not None:
             extend_run(run_dir, args.extend_to, write=True)
         elif not existing:
-            check_mixture_feasible(exp)
+            if is_run_dir(run_dir):
+                raise RunnerError(
+                    "became a run while this launch started (another launch); launch again to resume it",
+                    file=str(run_dir),
+                )
             create_run_folder(exp, run_dir, args.run_name or run_dir.name)
         elif args.target != str(run_dir):
             # Same fingerprint, maybe other operational keys (checkpoint interval, hard stop): use them.
@@ -327,16 +364,17 @@ def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
 
 
 def cmd_sync(args) -> int:
-    from runner.runs import RunFolder, is_run_dir
+    from runner.runs import RunFolder, RunLock, is_run_dir
 
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
         raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(run_dir))
     # A server that moved is recorded in run.json: later resumes and syncs go there.
-    tracker = _tracker_of(
-        RunFolder(run_dir), args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None
-    )
-    sent, left = tracker.sync()
+    with RunLock(run_dir, "runner sync"):  # a launch sending the same journal would send it twice
+        tracker = _tracker_of(
+            RunFolder(run_dir), args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None
+        )
+        sent, left = tracker.sync()
     line = f"{run_dir}: sent {sent} pending MLflow entries to {tracker.tracking_uri}; "
     if not left:
         print(line + "none left")

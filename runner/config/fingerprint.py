@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+from collections.abc import Iterable
 from typing import Any
 
 from runner.config.schema import LABEL_KEYS, OPERATIONAL_KEYS, ExperimentSchema
-from runner.errors import join_key
+from runner.errors import RunnerError, join_key
 from runner.fsio import canonical_json
 
 
@@ -52,7 +54,28 @@ def fingerprint(cfg: ExperimentSchema | dict[str, Any]) -> str:
     """sha256 of the canonical resolved form (sorted keys, resolved interpolations, numbers as
     JSON). Labels (name, version, description), recipe references and operational keys
     (OPERATIONAL_KEYS) are left out: two files that resolve to the same training share it."""
-    return hashlib.sha256(canonical_json(canonical_meaning(cfg)).encode()).hexdigest()
+    meaning = canonical_meaning(cfg)
+    try:
+        text = canonical_json(meaning)
+    except ValueError:  # NaN or infinity: no JSON, so no fingerprint (validation says so first)
+        raise RunnerError("must be a finite number", key=_nonfinite_key(meaning)) from None
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _nonfinite_key(node: Any, prefix: str = "") -> str:
+    """The dotted key of the first NaN or infinity in a plain config."""
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(node))
+    else:
+        return prefix if isinstance(node, float) and not math.isfinite(node) else ""
+    for k, v in items:
+        found = _nonfinite_key(v, f"{prefix}{k}" if str(k).startswith("[") else join_key(prefix, k))
+        if found:
+            return found
+    return ""
 
 
 def diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -34,6 +34,7 @@ from runner.config.schema import (
     literal_choices,
 )
 from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
+from runner.fsio import load_yaml_text
 
 _RESOLVER_CALL = re.compile(r"\$\{[^}]*:")  # ${name:...} runs code; ${a.b} is plain data
 
@@ -68,15 +69,21 @@ def find_project_root(start: Path) -> Path:
 
 def _read_yaml(path: Path, problems: Problems) -> dict | None:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         problems.add(path, "", "file not found")
+        return None
+    except UnicodeDecodeError as e:
+        problems.add(path, "", f"not UTF-8 text: {e.reason} at byte {e.start}")
         return None
     except OSError as e:
         problems.add(path, "", f"cannot read: {e.strerror}")
         return None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml_text(text)  # bounded: a billion-laughs file is refused, not expanded
+    except RunnerError as e:
+        problems.add(path, "", e.detail)
+        return None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "YAML"
@@ -411,9 +418,11 @@ def experiment_from_dict(resolved: dict, project_root: Path | None = None, path:
             key=getattr(e, "full_key", None) or None,
         ) from None
     assert isinstance(typed, ExperimentSchema)
-    return Experiment(
-        config=typed, fingerprint=fingerprint(typed), path=path, project_root=project_root or Path.cwd().resolve()
-    )
+    try:
+        digest = fingerprint(typed)
+    except RunnerError as e:  # a NaN: name the file it came from
+        raise RunnerError(e.detail, file=str(path) if path else None, key=e.key) from None
+    return Experiment(config=typed, fingerprint=digest, path=path, project_root=project_root or Path.cwd().resolve())
 
 
 def to_yaml(cfg: ExperimentSchema | dict) -> str:

@@ -18,6 +18,7 @@ import yaml
 from runner.config.load import load_experiment, load_recipe_file
 from runner.config.schema import KINDS
 from runner.errors import Problems, RunnerError
+from runner.fsio import load_yaml_text
 
 TRACKED = ("recipes", "experiments")
 
@@ -42,8 +43,8 @@ def _is_config(rel: str) -> bool:
 
 def _version(text: str | None):
     try:
-        data = yaml.safe_load(text) if text else None
-    except yaml.YAMLError:
+        data = load_yaml_text(text) if text else None
+    except (yaml.YAMLError, RunnerError):
         return None
     return data.get("version") if isinstance(data, dict) else None
 

@@ -10,12 +10,15 @@ decides the token dtype every later stage relies on.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from runner.config.schema import SHA256_HEX, ExperimentSchema, TokenizerRecipe
 from runner.errors import Problems, RunnerError, did_you_mean, display_path
 from runner.fsio import sha256_file
-from runner.planning.flops import padded_vocab_size
+from runner.planning.flops import padded_vocab_size, params_of_config
 from runner.planning.hardware import canonical_device
 
 
@@ -61,6 +64,9 @@ def validate_experiment(
 ) -> list[str]:
     """Each section's rules, then the rules across sections. Returns notes for pins that cannot be
     verified on this machine."""
+    check_numbers(cfg, "", path, problems)
+    if problems.lines:
+        return []  # the rules below compare numbers: NaN and 10**30 would only confuse them
     cfg.validate(problems, path)
     check_device_peak(cfg, path, problems)
     check_manifests_match_mixture(cfg, path, problems)
@@ -69,7 +75,57 @@ def validate_experiment(
         return notes  # the arithmetic below divides by values already found wrong
     check_batch_split(cfg, path, problems)
     check_warmup(cfg, path, problems)
+    check_model_fits(cfg, path, problems)
     return notes
+
+
+#: int64: what torch, numpy and safetensors hold; a larger integer overflows them.
+INT_MAX = 2**63 - 1
+#: bytes per parameter that training certainly holds: fp32 weights, fp32 grads, AdamW's two fp32 moments.
+STATE_BYTES_PER_PARAM = 16
+
+
+def _entries(node) -> list[tuple[str, object]] | None:
+    """(key, value) of a mapping, list or dataclass section; None for a scalar."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
+    if isinstance(node, Mapping):
+        return [(str(k), v) for k, v in node.items()]
+    if isinstance(node, Sequence) and not isinstance(node, (str, bytes)):
+        return [(f"[{i}]", v) for i, v in enumerate(node)]
+    return None
+
+
+def check_numbers(node, key: str, path: Path, problems: Problems) -> None:
+    """Every number finite (NaN and infinity reach no sane setting, and break the fingerprint's JSON)
+    and every integer within int64."""
+    entries = _entries(node)
+    if entries is not None:
+        for k, v in entries:
+            check_numbers(v, k if not key else f"{key}{k}" if k.startswith("[") else f"{key}.{k}", path, problems)
+    elif isinstance(node, float) and not math.isfinite(node):
+        problems.add(path, key, f"must be a finite number, got {node}")
+    elif isinstance(node, int) and not isinstance(node, bool) and abs(node) > INT_MAX:
+        problems.add(path, key, f"{node:.3e} is out of range (at most 2**63 - 1, what torch and numpy hold)")
+
+
+def check_model_fits(cfg, path: Path, problems: Problems) -> None:
+    """A model whose training state alone (16 B/param, before any activation) exceeds the hardware
+    recipe's memory can never train: say so here, not as an allocation failure after launch wrote a run folder."""
+    if not cfg.hardware.memory_gib or cfg.hardware.memory_gib <= 0:
+        return
+    shard = devices(cfg) if cfg.hardware.distributed == "fsdp" else 1
+    need_bytes = params_of_config(cfg).all * STATE_BYTES_PER_PARAM // shard
+    have_bytes = cfg.hardware.memory_gib * 2**30
+    if need_bytes > have_bytes:
+        problems.add(
+            path,
+            "model",
+            f"{params_of_config(cfg).all:,} parameters need {need_bytes / 2**30:,.4g} GiB per device for weights, "
+            f"gradients and AdamW moments alone ({STATE_BYTES_PER_PARAM} B/param"
+            + (f", sharded over {shard}" if shard > 1 else "")
+            + f"); hardware.memory_gib is {cfg.hardware.memory_gib:g}",
+        )
 
 
 def check_device_peak(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:
@@ -107,6 +163,9 @@ def check_tokenizer_pin(
     if not check_files or not SHA256_HEX.match(tok.sha256):
         return []  # a malformed pin is the schema's problem to report
     tpath = Path(tok.path) if Path(tok.path).is_absolute() else root / tok.path
+    if tpath.is_dir():
+        problems.add(path, "tokenizer.path", f"{tok.path} is a folder: name the tokenizer.json file in it")
+        return []
     if not tpath.exists():
         return [
             f"{display_path(path)}: tokenizer.path: {tok.path} is not on this machine: its sha256 pin is checked at launch"

@@ -25,6 +25,8 @@ MISSING: Any = "???"
 KINDS = ("tokenizer", "mixture", "model", "optim", "hardware", "eval")
 #: ids a token dtype holds: a vocabulary must fit (SPEC: never silently truncate)
 TOKEN_DTYPES = {"uint16": 65_536, "uint32": 4_294_967_296}
+#: numpy's seed range, which torch's and Python's generators also accept.
+SEED_MAX = 2**32 - 1
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 TokenDtype = Literal["uint16", "uint32"]
@@ -263,6 +265,16 @@ class CheckpointSection(Section):
     interval_minutes: float = 60.0  #: or when this long has passed since the last save (rank 0's clock; 0 = off)
     keep_last: int = 3  #: complete checkpoints kept (older ones deleted)
 
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        if self.keep_last < 1:
+            problems.add(
+                file,
+                join_key(prefix, "keep_last"),
+                f"must be >= 1, got {self.keep_last}: the newest verified checkpoint is what a resume starts from",
+            )
+        if self.interval_steps < 0 or self.interval_minutes < 0:
+            problems.add(file, prefix, "interval_steps and interval_minutes must be >= 0 (0 = off)")
+
 
 @dataclass(frozen=True)
 class TrainSection(Section):
@@ -278,6 +290,7 @@ class TrainSection(Section):
     )  #: when checkpoints are written (operational: not in the fingerprint)
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        self.checkpoint.validate(problems, file, join_key(prefix, "checkpoint"))
         keys = ("seq_len", "global_batch_sequences", "micro_batch_sequences", "exposure_tokens", "log_interval_steps")
         before = len(problems.lines)
         _at_least_one(problems, file, prefix, self, keys)
@@ -357,6 +370,12 @@ class ExperimentSchema(Section):
 
     def validate(self, problems: Problems, file: File, prefix: str = "") -> None:
         """Every section's own rules (the rules across sections are runner.config.rules')."""
+        if not 0 <= self.seed <= SEED_MAX:
+            problems.add(
+                file,
+                join_key(prefix, "seed"),
+                f"must be in [0, 2**32 - 1] (the range numpy, torch and Python seed from), got {self.seed}",
+            )
         for f in fields(self):
             section = getattr(self, f.name)
             if isinstance(section, Section):

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import numpy as np
 
@@ -94,10 +94,30 @@ def _shards(raw, file: str, key: str, folder: Path) -> tuple[Shard, ...]:
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict) or any(k not in entry for k in SHARD_KEYS):
             raise RunnerError(f"shard needs keys {', '.join(SHARD_KEYS)}", file=file, key=f"{key}.{i}")
-        shards.append(
-            Shard(folder / entry["path"], int(entry["tokens"]), int(entry["documents"]), str(entry["sha256"]))
-        )
+        path = _shard_path(entry["path"], file, f"{key}.{i}.path")
+        counts = []
+        for name in ("tokens", "documents"):
+            value = entry[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise RunnerError(f"must be a whole number >= 0, got {value!r}", file=file, key=f"{key}.{i}.{name}")
+            counts.append(value)
+        shards.append(Shard(folder / path, counts[0], counts[1], str(entry["sha256"])))
     return tuple(shards)
+
+
+def _shard_path(raw, file: str, key: str) -> PurePosixPath:
+    """A shard path relative to the manifest's folder and inside it: an absolute path or a `..`
+    would let a manifest (pinned by its hash) read tokens the data folder does not hold."""
+    if not isinstance(raw, str) or not raw or "\\" in raw or "\0" in raw:
+        raise RunnerError(f"must be a file name relative to the manifest's folder, got {raw!r}", file=file, key=key)
+    path = PurePosixPath(raw)
+    if path.is_absolute() or ".." in path.parts or PureWindowsPath(raw).drive:
+        raise RunnerError(
+            f"{raw!r} leaves the manifest's folder: shard paths are relative to it and stay inside it",
+            file=file,
+            key=key,
+        )
+    return path
 
 
 def _check_shard(shard: Shard, itemsize: int, full: bool) -> None:
@@ -126,10 +146,16 @@ def _read_manifest_json(path: Path, key: str | None) -> dict:
         raise RunnerError(
             "manifest not found (run `runner data prepare` or `runner data builtin`)", file=path, key=key
         ) from None
+    except IsADirectoryError:
+        raise RunnerError("is a folder: name the manifest.json in it", file=path, key=key) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunnerError(f"cannot read the manifest: {e}", file=path, key=key) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise RunnerError(f"not valid JSON: {e}", file=path) from None
+    except RecursionError:
+        raise RunnerError("refused: nested too deeply", file=path) from None
     if not isinstance(data, dict):
         raise RunnerError("manifest must be a JSON object", file=path)
     missing = [k for k in REQUIRED_KEYS if k not in data]
@@ -150,7 +176,10 @@ def load_manifest(
     data = _read_manifest_json(path, key)
     if data["format"] != FORMAT:
         raise RunnerError(f"unknown format {data['format']!r}, expected {FORMAT!r}", file=file, key="format")
-    actual = manifest_sha256(data)
+    try:
+        actual = manifest_sha256(data)
+    except ValueError:
+        raise RunnerError("holds NaN or infinity: not a manifest prepare wrote", file=file) from None
     if actual != data["manifest_sha256"]:
         raise RunnerError(
             f"content hashes to {actual}, not its recorded {data['manifest_sha256']} (edited after prepare)",
@@ -161,8 +190,11 @@ def load_manifest(
         raise RunnerError(
             f"manifest sha256 is {actual}, pinned {expected_sha256}", file=file, key=key or "manifest_sha256"
         )
-    if data["token_dtype"] not in DTYPES:
+    if not isinstance(data["token_dtype"], str) or data["token_dtype"] not in DTYPES:
         raise RunnerError(f"token_dtype must be one of {', '.join(DTYPES)}", file=file, key="token_dtype")
+    for name in ("vocab_size", "eos_id", "pool_tokens", "validation_tokens"):
+        if isinstance(data[name], bool) or not isinstance(data[name], int) or data[name] < 0:
+            raise RunnerError(f"must be a whole number >= 0, got {data[name]!r}", file=file, key=name)
     folder = path.parent
     manifest = Manifest(
         path=path,
@@ -170,10 +202,10 @@ def load_manifest(
         domain=str(data["domain"]),
         tokenizer_sha256=str(data["tokenizer_sha256"]),
         token_dtype=data["token_dtype"],
-        vocab_size=int(data["vocab_size"]),
-        eos_id=int(data["eos_id"]),
-        pool_tokens=int(data["pool_tokens"]),
-        validation_tokens=int(data["validation_tokens"]),
+        vocab_size=data["vocab_size"],
+        eos_id=data["eos_id"],
+        pool_tokens=data["pool_tokens"],
+        validation_tokens=data["validation_tokens"],
         shards=_shards(data["shards"], file, "shards", folder),
         validation_shards=_shards(data["validation_shards"], file, "validation_shards", folder),
         sha256=actual,
@@ -250,6 +282,8 @@ def load_experiment_manifests(
     for d, pin in cfg.data.manifests.items():
         key = f"data.manifests.{d}"
         path = exp.resolve_path(pin.path)
+        if path.is_dir():
+            raise RunnerError(f"{pin.path!r} is a folder: name the manifest.json in it", file=where, key=f"{key}.path")
         if pin.sha256 is None or not path.exists():
             what = "not pinned" if pin.sha256 is None else f"{pin.path} is not on this machine"
             if missing_ok:

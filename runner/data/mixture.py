@@ -21,6 +21,9 @@ from runner.data.sampler import MixtureSchedule
 from runner.errors import MixtureInfeasible, RunnerError
 
 RATIO_SUM_TOLERANCE = 1e-9
+#: steps of the sampler's schedule the planner may replay (about 5 us each: ~10 s). Only ratios with
+#: many decimals (a period over this) and a budget of more steps than this reach it.
+MAX_PLAN_REPLAY_STEPS = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -121,9 +124,18 @@ def plan_mixture(
     seq_len, batch = int(seq_len), int(global_batch_sequences)
     schedule = MixtureSchedule(ratios, batch)
     domains = schedule.domains
-    counts = schedule.counts(steps)
     # Exact cap in samples: epochs <= cap  <=>  exposure_samples <= floor(cap * samples).
     limits = [math.floor(Fraction(repr(float(caps[d]))) * int(samples[d])) for d in domains]
+    # Each count is the floor or the ceil of its exact target, so a target whose floor is over its
+    # limit is infeasible whatever the schedule does: decided without replaying (a budget of 10^18
+    # tokens is refused at once).
+    targets = schedule.targets(steps)
+    certain = [i for i in range(len(domains)) if math.floor(targets[i]) > limits[i]]
+    if certain:
+        bounds = [math.floor(t) for t in targets]
+        raise _infeasible(schedule, samples, ratios, caps, steps, seq_len, bounds, limits, certain)
+    _check_replay(schedule, steps)
+    counts = schedule.counts(steps)
     over = [i for i, d in enumerate(domains) if counts[i] > limits[i]]
     if over:
         raise _infeasible(schedule, samples, ratios, caps, steps, seq_len, counts, limits, over)
@@ -144,20 +156,38 @@ def plan_mixture(
     )
 
 
+def _check_replay(schedule: MixtureSchedule, steps: int) -> None:
+    """Exact counts replay up to one period of the schedule; refuse a plan that would take minutes."""
+    if schedule.replay_steps(steps) > MAX_PLAN_REPLAY_STEPS:
+        raise RunnerError(
+            f"these ratios repeat only every {schedule.period:,} steps, so planning {steps:,} steps would replay "
+            f"{schedule.replay_steps(steps):,} of them (at most {MAX_PLAN_REPLAY_STEPS:,}); write the ratios with "
+            "fewer decimal places",
+            key="mixture.domains",
+        )
+
+
 def _largest_feasible_steps(schedule: MixtureSchedule, limits: list[int], steps: int) -> int:
     """Largest s <= steps with every cumulative count within its cap (counts never decrease)."""
     # The count is floor or ceil of the exact target, so feasibility certainly holds while
     # ceil(target) <= limit and certainly fails once floor(target) > limit; only the steps in
-    # between need the schedule itself.
+    # between need the schedule itself, and since feasibility is monotone a bisection finds the
+    # last feasible one in log(gap) lookups.
     sure, impossible = steps, steps + 1
     for i, limit in enumerate(limits):
         share = schedule.samples_per_step(i)
         sure = min(sure, math.floor(limit / share))
         impossible = min(impossible, math.floor((limit + 1) / share) + 1)
-    s = sure
-    while s + 1 < impossible and all(c <= lim for c, lim in zip(schedule.counts(s + 1), limits)):
-        s += 1
-    return s
+    if impossible - sure > 1 and min(impossible, schedule.period) > MAX_PLAN_REPLAY_STEPS:
+        return sure  # feasible for certain; the exact last step would take too long to replay
+    lo, hi = sure, impossible  # lo feasible, hi infeasible
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if all(c <= lim for c, lim in zip(schedule.counts(mid), limits)):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _infeasible(schedule, samples, ratios, caps, steps, seq_len, counts, limits, over):

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal, overload
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
@@ -90,13 +91,8 @@ def _kind(path: Path, input_format: str, strict: bool) -> str | None:
 def iter_documents(source: Source, batch_docs: int = 1024) -> Iterator[tuple[str, str]]:
     """Yield (split key, text) per document: the key is the document id, or its text without one."""
     if source.kind == "parquet":
-        try:
-            pf = pq.ParquetFile(source.path)
-        except Exception as e:
-            raise RunnerError(f"not a parquet file: {e}", file=str(source.path)) from None
+        pf = _parquet_file(source)
         names = pf.schema_arrow.names
-        if "text" not in names:
-            raise RunnerError(f"no `text` column (columns: {', '.join(names)})", file=str(source.path), key="text")
         columns = ["text"] + (["id"] if "id" in names else [])
         row = 0
         for batch in pf.iter_batches(batch_size=batch_docs, columns=columns):
@@ -131,6 +127,33 @@ def iter_documents(source: Source, batch_docs: int = 1024) -> Iterator[tuple[str
         yield text, text
     else:
         raise ValueError(f"{source.kind} sources hold tokens, not documents")
+
+
+def _parquet_file(source: Source):
+    """The parquet file of a source, refused unless it has a `text` column of strings (FineWeb-Edu's
+    layout). Reads the footer only, so prepare checks every source before it writes anything."""
+
+    try:
+        pf = pq.ParquetFile(source.path)
+    except Exception as e:  # pyarrow raises several types for a file that is not parquet
+        raise RunnerError(f"not a parquet file: {e}", file=str(source.path)) from None
+    schema = pf.schema_arrow
+    if "text" not in schema.names:
+        raise RunnerError(f"no `text` column (columns: {', '.join(schema.names)})", file=str(source.path), key="text")
+    kind = schema.field("text").type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    is_view = getattr(pa.types, "is_string_view", lambda t: False)  # pyarrow >= 16
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)):
+        raise RunnerError(f"`text` column holds {kind}, not strings", file=str(source.path), key="text")
+    return pf
+
+
+def check_sources(sources: list[Source]) -> None:
+    """What can be checked before any output is touched: every parquet source's `text` column."""
+    for source in sources:
+        if source.kind == "parquet":
+            _parquet_file(source)
 
 
 def is_validation(key: str, fraction: float) -> bool:
@@ -313,6 +336,7 @@ def prepare(
     info = tokenizer_info(tokenizer_path)
     dtype = DTYPES[info["token_dtype"]]
     sources = find_sources(inputs, input_format)
+    check_sources(sources)  # a bad source is refused before the old outputs are cleared
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_outputs(out_dir)

@@ -54,8 +54,13 @@ def exact_ratios(ratios: Mapping[str, float]) -> dict[str, Fraction]:
 class MixtureSchedule:
     """Cumulative per-domain sample counts after each step (domain order = sorted names).
 
-    Replays steps from 0; keeps the furthest point reached plus snapshots every
-    `_CHECKPOINT_EVERY_STEPS` steps, so sequential access is O(domains) per step and random
+    The schedule is periodic: after `period` steps (the smallest s with s * B * ratio_d whole for
+    every d) every target is an integer, so the count is the target exactly, whatever came before;
+    and from there the EDF rule repeats itself shifted by those integers (every deadline moves by
+    the period, so every comparison it makes is the same). Hence
+    `counts(k * period + r) = k * counts(period) + counts(r)`, and only steps within one period are
+    replayed. Within a period it replays from 0, keeping the furthest point reached plus snapshots
+    every `_CHECKPOINT_EVERY_STEPS` steps, so sequential access is O(domains) per step and random
     access replays at most one snapshot interval beyond what was already reached.
     """
 
@@ -71,6 +76,9 @@ class MixtureSchedule:
         self._denominator = denominator
         # T_d(s) = numerator_d * s * B / denominator, exactly; numerators sum to the denominator.
         self._numerators = [f.numerator * (denominator // f.denominator) for f in exact.values()]
+        #: steps after which every target is whole again (period * B is a multiple of the denominator)
+        self.period = denominator // math.gcd(denominator, self.global_batch)
+        self._per_period = tuple(n * self.period * self.global_batch // denominator for n in self._numerators)
         self._cursor_step = 0
         self._cursor = tuple(0 for _ in self.domains)
         self._snapshots: dict[int, tuple[int, ...]] = {0: self._cursor}
@@ -99,11 +107,22 @@ class MixtureSchedule:
                 counts[d] += 1
         return tuple(counts)
 
+    def replay_steps(self, step: int) -> int:
+        """Steps `counts(step)` replays at most (from the start of its period)."""
+        return int(step) % self.period
+
     def counts(self, step: int) -> tuple[int, ...]:
         """Cumulative samples per domain after `step` steps (step 0 -> all zeros)."""
         step = int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        periods, within = divmod(step, self.period)
+        base = self._counts_within_period(within)
+        if not periods:
+            return base
+        return tuple(b + periods * p for b, p in zip(base, self._per_period))
+
+    def _counts_within_period(self, step: int) -> tuple[int, ...]:
         if step in self._recent:
             return self._recent[step]
         if step >= self._cursor_step:
@@ -128,6 +147,10 @@ class MixtureSchedule:
     def samples_per_step(self, d: int) -> Fraction:
         """Exact target samples of domain d per step: ratio_d * B."""
         return Fraction(self._numerators[d] * self.global_batch, self._denominator)
+
+    def targets(self, step: int) -> list[Fraction]:
+        """Exact targets ratio_d * step * B (in samples)."""
+        return [Fraction(n * step * self.global_batch, self._denominator) for n in self._numerators]
 
 
 # --- keyed random-access permutations ----------------------------------------------------

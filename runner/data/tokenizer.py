@@ -48,6 +48,8 @@ def token_dtype_for(vocab_size: int) -> str:
 def load_tokenizer(path: str | os.PathLike, expected_sha256: str | None = None):
     """Load a `tokenizer.json`; refuse it when its sha256 is not the pinned one."""
     path = Path(path)
+    if path.is_dir():
+        raise RunnerError("is a folder: name the tokenizer.json file in it", file=str(path))
     if not path.is_file():
         raise RunnerError("tokenizer file not found", file=str(path))
     if expected_sha256 is not None:

@@ -21,6 +21,7 @@ from runner.config.load import Experiment, load_experiment, load_experiment_data
 from runner.config.schema import ModelRecipe
 from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
 from runner.errors import MixtureInfeasible, RunnerError
+from runner.fsio import read_yaml
 from runner.planning.flops import params_of_config
 
 SIZE_KEYS = ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")
@@ -162,10 +163,9 @@ def write_pilot_grid(
     Every pilot is resolved by the loader, as `runner launch` will resolve it, before any file is
     written."""
     base_path = Path(base_path)
-    try:
-        raw = yaml.safe_load(base_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise RunnerError("experiment not found", file=str(base_path)) from None
+    if not base_path.exists():
+        raise RunnerError("experiment not found", file=str(base_path))
+    raw = read_yaml(base_path)
     if not isinstance(raw, dict) or "name" not in raw or "version" not in raw:
         raise RunnerError("not an experiment file (needs name and version)", file=str(base_path))
     base = load_experiment(base_path, check_files=False)
@@ -210,7 +210,8 @@ def _resolve_pilot(doc: dict, path: Path, root: Path, size: Size) -> Experiment:
         recipe = root / "recipes" / "model" / f"{name}.yaml"
         if not recipe.exists():
             raise RunnerError(f"no model recipe {name!r} in recipes/model/", key="--sizes")
-        found = yaml.safe_load(recipe.read_text(encoding="utf-8")).get("version")
+        model = read_yaml(recipe)
+        found = model.get("version") if isinstance(model, dict) else None
         if found != int(version):
             raise RunnerError(f"names {size.recipe} but {recipe.name} is version {found}", key="--sizes")
     return load_experiment_data(doc, path, root, check_files=False)

@@ -1,31 +1,42 @@
 """Atomic, verifiable checkpoints of a run: model, optimizer, ledger and loop state.
 
 Owns the folder layout `checkpoints/step-NNNNNNN/`, the interval policy, the atomic write
-(temp folder, fsync every file, rename, `COMPLETE` marker last), pruning to the last K, and
-finding the newest checkpoint that verifies. Must never unpickle anything: tensors go through
-safetensors, everything else through JSON.
+(temp folder, fsync every file, rename, `COMPLETE` marker last), pruning, and finding the newest
+checkpoint that verifies. Must never unpickle anything: tensors go through safetensors, everything
+else through JSON; and must never prune a run into lost work: only checkpoints that verify count
+toward `keep_last`, and none is deleted before a newer one verifies.
 
-Format 2 (current) holds FULL, unsharded state keyed by parameter name (torch.distributed.checkpoint's
+Format 3 (current): FULL, unsharded state keyed by parameter name (torch.distributed.checkpoint's
 full state dict): one process, DDP and FSDP2 write the same files, and a run may resume with a
 different world size or sharding. Gathering it is a collective under FSDP (every rank calls
-`gather_full_state`; rank 0 receives the tensors and writes). Format 1 (model via safetensors'
-save_model, optimizer keyed by parameter index) is still read for runs begun before format 2.
+`gather_full_state`; rank 0 receives the tensors and writes). `state.json` lists the sha256 of every
+other file, and `COMPLETE`, written last, holds the sha256 of `state.json`: an edit anywhere,
+state.json included, fails verification. A matrix shared by several names (tied embeddings) is
+stored once, under its first name; `state.json` `tied` maps the others to it and loading restores
+the tie.
+Format 2 (same files; COMPLETE held the model's sha256, state.json was not sealed, tied matrices
+stored under each name) and format 1 (model via safetensors' save_model, optimizer keyed by
+parameter index) are still read for runs begun before.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import random
+import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file, load_model, save_file
@@ -37,10 +48,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from runner.errors import RunnerError
 from runner.fsio import fsync_dir, fsync_file, sha256_file
 
 MARKER = "COMPLETE"
-FORMAT = 2
+FORMAT = 3
 FILES = ("model.safetensors", "optimizer.safetensors", "ledger.safetensors", "optimizer.json")
 
 
@@ -103,11 +115,28 @@ def gather_full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     return model_state, optim_state
 
 
-def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors, tied weights stored once per name (safetensors refuses shared memory)."""
+def tied_parameters(model) -> dict[str, str]:
+    """{alias: name} for every parameter reachable under more than one name (tied embeddings:
+    `lm_head.weight` -> `model.embed_tokens.weight`), the first name in module order being the one
+    stored. Found by identity of the parameter objects, so it holds for sharded models too."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def _store_once(tensors: dict[str, torch.Tensor], tied: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors with each tied alias left out (its matrix is stored under the name it
+    is tied to). Any other tensors sharing memory are copied: safetensors refuses shared memory."""
     seen: set[tuple] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
+        if tied.get(name) in tensors:
+            continue
         t = t.detach().contiguous().cpu()
         key = (t.untyped_storage().data_ptr(), t.storage_offset())
         out[name] = t.clone() if key in seen else t
@@ -157,6 +186,14 @@ class Checkpoint:
     def format(self) -> int:
         return int(self.state.get("format", 1))
 
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict keyed by parameter name, tied aliases restored (format >= 2)."""
+        tensors = load_file(str(self.path / "model.safetensors"))
+        for alias, name in (self.state.get("tied") or {}).items():
+            if alias not in tensors and name in tensors:
+                tensors[alias] = tensors[name]
+        return tensors
+
     def load_into(self, model, optimizer) -> None:
         """Weights and optimizer state into `model` (plain or FSDP2-sharded) and its optimizer.
         Every rank calls it and reads the files (run folders live on shared storage); each keeps its
@@ -168,13 +205,12 @@ class Checkpoint:
             if any(isinstance(p, DTensor) for p in model.parameters()):
                 raise ValueError(
                     "a format-1 checkpoint cannot be loaded into a sharded model; "
-                    "resume it without FSDP once (it then writes format 2)"
+                    "resume it without FSDP once (it then writes format 3)"
                 )
             load_model(model, str(self.path / "model.safetensors"), strict=True)
             optimizer.load_state_dict(self.optimizer_state())
             return
-        weights = load_file(str(self.path / "model.safetensors"))
-        set_model_state_dict(model, cast(dict, weights), options=_options(strict=True))
+        set_model_state_dict(model, cast(dict, self.model_state()), options=_options(strict=True))
         set_optimizer_state_dict(model, optimizer, self.optimizer_state(), options=_options())
 
     def optimizer_state(self) -> dict:
@@ -186,14 +222,28 @@ class Checkpoint:
 
 
 class Checkpointer:
-    """Interval policy plus atomic save/verify/prune under `<run_dir>/checkpoints`."""
+    """Interval policy plus atomic save/verify/prune under `<run_dir>/checkpoints`.
 
-    def __init__(self, run_dir: Path, interval_steps: int | None, interval_minutes: float | None, keep_last: int):
+    Remembers, for the life of the process, which folders it verified (keyed by their files' sizes
+    and mtimes), so pruning after every save hashes each old checkpoint at most once."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        interval_steps: int | None,
+        interval_minutes: float | None,
+        keep_last: int,
+        report: Callable[[str], None] | None = None,
+    ):
+        if keep_last < 1:
+            raise RunnerError(f"must be >= 1, got {keep_last}", key="train.checkpoint.keep_last")
         self.root = Path(run_dir) / "checkpoints"
-        self.interval_steps = int(interval_steps or 0)
-        self.interval_seconds = float(interval_minutes or 0) * 60.0
-        self.keep_last = max(1, int(keep_last))
+        self.interval_steps = interval_steps or 0
+        self.interval_seconds = (interval_minutes or 0) * 60.0
+        self.keep_last = keep_last
+        self.report = report or (lambda message: None)
         self.last_save_time = time.monotonic()
+        self._checked: dict[str, tuple[tuple, str | None]] = {}  # folder name -> (file signature, problem)
 
     def due(self, step: int) -> bool:
         """Whether `step` committed steps call for a checkpoint by steps or by minutes."""
@@ -208,48 +258,88 @@ class Checkpointer:
         optimizer_state: dict,
         ledger_state: dict[str, np.ndarray],
         state: dict,
+        tied: dict[str, str] | None = None,
     ) -> Path:
-        """Write one checkpoint (rank 0 only) from full state dicts (see gather_full_state)."""
+        """Write one checkpoint (rank 0 only) from full state dicts (see gather_full_state); `tied`
+        (see tied_parameters) names the aliases stored once. A write that fails (a full disk) leaves
+        the previous checkpoints as they were and raises a RunnerError."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / dirname(step)
         tmp = self.root / f".tmp-{dirname(step)}-{os.getpid()}"
+        try:
+            self._write(tmp, model_state, optimizer_state, ledger_state, dict(state, step=step), tied)
+            if final.exists():  # an unfinished or corrupt folder of the same step from a killed attempt
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            seal = json.dumps({"format": FORMAT, "state.json": sha256_file(final / "state.json")})
+            (final / MARKER).write_text(seal + "\n")
+            fsync_file(final / MARKER)
+            fsync_dir(self.root)
+        except (OSError, SafetensorError) as e:  # safetensors reports its I/O errors as SafetensorError
+            shutil.rmtree(tmp, ignore_errors=True)
+            if final.exists() and not (final / MARKER).exists():
+                shutil.rmtree(final, ignore_errors=True)
+            reason, code = _io_error(e)
+            raise RunnerError(
+                f"cannot write checkpoint {final.name}: {reason}"
+                + ("; free some space" if code in (errno.ENOSPC, errno.EDQUOT) else "")
+                + "; the previous checkpoints are untouched and the run resumes from the newest of them",
+                file=str(self.root),
+            ) from None
+        self._checked[final.name] = (_signature(final), None)  # its hashes were just read back from disk
+        self.last_save_time = time.monotonic()
+        self._prune(keep=final)
+        return final
+
+    def _write(self, tmp: Path, model_state, optimizer_state, ledger_state, state: dict, tied) -> dict:
+        """Every file of a checkpoint into `tmp`, fsynced; returns the state.json written."""
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        save_file(_unaliased(model_state), str(tmp / "model.safetensors"))
+        tied = {a: n for a, n in (tied or {}).items() if a in model_state and n in model_state}
+        save_file(_store_once(model_state, tied), str(tmp / "model.safetensors"))
         tensors, index = flatten_optimizer(optimizer_state)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "optimizer.json").write_text(json.dumps(index))
         save_numpy({k: np.ascontiguousarray(v) for k, v in ledger_state.items()}, str(tmp / "ledger.safetensors"))
         for name in FILES:
             fsync_file(tmp / name)
-        full_state = dict(state, step=step, format=FORMAT, files={name: sha256_file(tmp / name) for name in FILES})
+        full_state = dict(state, format=FORMAT, tied=tied, files={name: sha256_file(tmp / name) for name in FILES})
         (tmp / "state.json").write_text(json.dumps(full_state, indent=1, sort_keys=True))
         fsync_file(tmp / "state.json")
         fsync_dir(tmp)
-        if final.exists():  # an unfinished or corrupt folder of the same step from a killed attempt
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        (final / MARKER).write_text(full_state["files"]["model.safetensors"] + "\n")
-        fsync_file(final / MARKER)
-        fsync_dir(self.root)
-        self.last_save_time = time.monotonic()
-        self._prune(keep=final)
-        return final
+        return full_state
+
+    def check(self, path: Path) -> str | None:
+        """verify(path), remembered while the folder's files keep their sizes and mtimes."""
+        signature = _signature(path)
+        known = self._checked.get(path.name)
+        if known is not None and known[0] == signature:
+            return known[1]
+        problem = verify(path)
+        self._checked[path.name] = (signature, problem)
+        return problem
 
     def _prune(self, keep: Path) -> None:
-        """After a successful save: drop leftovers (folders without the marker, temp folders) and
-        all but the newest `keep_last` complete checkpoints. A resume that fell back past a broken
-        folder never looks at it again, so without this it would sit in checkpoints/ forever."""
+        """After a successful save of `keep`: drop temporaries, and every checkpoint at or below its
+        step except the newest `keep_last` that VERIFY. A damaged or unfinished folder counts for
+        nothing (a resume falls back past it), so it never pushes a good one out; and since `keep`
+        itself verifies, the checkpoint a run resumed from goes only once a newer one verified.
+        Folders above `keep`'s step are left alone: this run has not yet written their replacement."""
         self.clean_temporaries()
-        complete = []
-        for p in self.root.glob("step-*"):
-            if (p / MARKER).exists():
-                complete.append(p)
-            elif p != keep:
-                shutil.rmtree(p, ignore_errors=True)
-        for old in sorted(complete)[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        kept = 0
+        keep_step = _step_of(keep)
+        for path in self.candidates():
+            if _step_of(path) > keep_step:
+                continue
+            if kept < self.keep_last:
+                problem = self.check(path)
+                if problem is None:
+                    kept += 1
+                    continue
+                if (path / MARKER).exists():
+                    self.report(f"checkpoint {path.name} removed: it does not verify ({problem})")
+            shutil.rmtree(path, ignore_errors=True)
 
     # ---- load ---------------------------------------------------------------------------------
 
@@ -257,22 +347,25 @@ class Checkpointer:
         """Checkpoint folders, newest first (by step number in the name)."""
         if not self.root.exists():
             return []
-        found = []
-        for p in self.root.glob("step-*"):
-            try:
-                found.append((int(p.name.split("-", 1)[1]), p))
-            except ValueError:
-                continue
-        return [p for _, p in sorted(found, reverse=True)]
+        found = [(_step_of(p), p) for p in self.root.glob("step-*")]
+        return [p for step, p in sorted(found, reverse=True) if step >= 0]
 
     def latest_valid(self, report=print) -> Checkpoint | None:
-        """The newest checkpoint that verifies; each rejected one is reported on one line."""
+        """The newest checkpoint that verifies; each rejected one is reported on one line, and a folder
+        whose checkpoints all fail says so loudly: the run then starts again from step 0."""
+        rejected = []
         for path in self.candidates():
-            problem = verify(path)
+            problem = self.check(path)
             if problem is None:
                 state = json.loads((path / "state.json").read_text())
-                return Checkpoint(path=path, step=int(state["step"]), state=state)
+                return Checkpoint(path=path, step=state["step"], state=state)
+            rejected.append(path.name)
             report(f"checkpoint {path.name} unusable ({problem}); trying the previous one")
+        if rejected:
+            report(
+                f"WARNING: none of the {len(rejected)} checkpoints in {self.root} verifies "
+                f"({', '.join(rejected)}): this run starts again from step 0; the work they held is lost"
+            )
         return None
 
     def clean_temporaries(self) -> None:
@@ -280,19 +373,68 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _io_error(e: Exception) -> tuple[str, int | None]:
+    """(what went wrong, errno) of an OSError, or of a SafetensorError wrapping one:
+    'Error while serializing: I/O error: No space left on device (os error 28)'."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e), e.errno
+    text = str(e).split("I/O error: ", 1)[-1]
+    found = re.search(r"\(os error (\d+)\)", text)
+    return re.sub(r"\s*\(os error \d+\)", "", text), int(found.group(1)) if found else None
+
+
+def _step_of(path: Path) -> int:
+    """The step in a `step-NNNNNNN` folder name; -1 for any other name."""
+    number = path.name.removeprefix("step-")
+    return int(number) if number.isdigit() and path.name.startswith("step-") else -1
+
+
+def _signature(path: Path) -> tuple:
+    """Sizes and mtimes of a checkpoint folder's files: a cached verification holds while they hold."""
+    out: list[tuple[str, int | None, int | None]] = []
+    for name in (*FILES, "state.json", MARKER):
+        try:
+            st = (path / name).stat()
+            out.append((name, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append((name, None, None))
+    return tuple(out)
+
+
+def _sealed_state_sha256(path: Path) -> str | None:
+    """The state.json sha256 a format-3 COMPLETE marker seals; None for an older marker."""
+    try:
+        seal = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return seal.get("state.json") if isinstance(seal, dict) else None
+
+
 def verify(path: Path) -> str | None:
-    """None when the checkpoint is complete and every file matches its recorded sha256."""
+    """None when the checkpoint is complete, its state.json is the one COMPLETE seals (format 3),
+    every file matches the sha256 state.json records, and state.json is the state of this step."""
     if not (path / MARKER).exists():
         return f"no {MARKER} marker"
+    sealed = _sealed_state_sha256(path)
     try:
+        if sealed is not None and sha256_file(path / "state.json") != sealed:
+            return "state.json sha256 mismatch (edited after it was written)"
         state = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         return f"state.json unreadable: {e}"
-    for name, digest in state.get("files", {}).items():
-        if not (path / name).exists():
+    if not isinstance(state, dict) or not isinstance(state.get("files"), dict):
+        return "state.json holds no file hashes"
+    written_format = state.get("format", 1)
+    if sealed is None and not (isinstance(written_format, int) and written_format <= 2):
+        return f"{MARKER} does not seal state.json (a format-{written_format} checkpoint needs it)"
+    for name, digest in state["files"].items():
+        if not (path / name).is_file():
             return f"{name} missing"
         if sha256_file(path / name) != digest:
             return f"{name} sha256 mismatch"
-    if set(state.get("files", {})) != set(FILES):
+    if set(state["files"]) != set(FILES):
         return "state.json lists the wrong files"
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step != _step_of(path):
+        return f"state.json says step {step!r}, the folder is {path.name}"
     return None

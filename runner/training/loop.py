@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from runner.config.load import Experiment
 from runner.config.rules import grad_accum, max_duration_tokens, total_steps
+from runner.data.integrity import ShardVerifier
 from runner.data.manifest import Pool, load_experiment_manifests, num_samples
 from runner.data.sampler import BatchReader, MixtureSampler
 from runner.data.tokenizer import load_tokenizer, token_byte_lengths
@@ -36,7 +37,7 @@ from runner.runs import RunFolder, write_ledger_json
 from runner.training import evaluate
 from runner.training.backends import SHARD_RUNNER_CPU, apply_runtime_settings, shard_fsdp2_cpu, sharding_mode
 from runner.training.callbacks import Callback, MetricsFiles, TrackingCallback
-from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state
+from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
@@ -57,9 +58,10 @@ class Data:
     val_reader: BatchReader | None
     val_samples: dict[str, int]
     byte_lengths: np.ndarray
+    verifier: ShardVerifier | None = None  # hashing the shards in the background, or None
 
 
-def load_data(exp: Experiment, seq_len: int) -> Data:
+def load_data(exp: Experiment, seq_len: int, verify: bool = False) -> Data:
     cfg = exp.config
     manifests, _ = load_experiment_manifests(exp)
     pools = {d: Pool(m, "train") for d, m in manifests.items()}
@@ -77,6 +79,7 @@ def load_data(exp: Experiment, seq_len: int) -> Data:
         val_reader=BatchReader(val_pools, seq_len) if val_pools else None,
         val_samples={d: n for d, n in val_samples.items() if n > 0},
         byte_lengths=np.asarray(token_byte_lengths(tok), dtype=np.int64),
+        verifier=ShardVerifier(manifests.values()).start() if verify else None,
     )
 
 
@@ -97,6 +100,7 @@ class Options:
     peak_measure_seconds: float = 1.0
     callbacks: list[Callback] = field(default_factory=list)
     kill_at_step: int | None = None  # fault injection: SIGKILL itself mid-step (smoke, tests)
+    verify_shards: bool = True  # hash every shard against its manifest before the first checkpoint (bench: off)
 
 
 @dataclass
@@ -271,7 +275,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
-    data = load_data(exp, L)
+    data = load_data(exp, L, verify=opts.verify_shards and acc.is_local_main_process)  # one hasher per node
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
     if sharding == SHARD_RUNNER_CPU:
@@ -283,6 +287,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         cfg.train.checkpoint.interval_steps,
         cfg.train.checkpoint.interval_minutes,
         cfg.train.checkpoint.keep_last,
+        report=opts.report if acc.is_main_process else None,
     )
     return _Run(
         exp=exp,
@@ -552,11 +557,44 @@ def _checkpoint_state(run: _Run, step: int) -> dict:
     }
 
 
-def _save(run: _Run, step: int) -> None:
+def _data_failed(run: _Run, wait: bool) -> float:
+    """1.0 when this rank's shard verification found a mismatch (wait: once every shard is hashed)."""
+    verifier = run.data.verifier
+    if verifier is None:
+        return 0.0
+    if wait and not verifier.done():
+        run.say("data: the checkpoint waits for the shards' sha256 verification to finish")
+        while not verifier.join(timeout=60):
+            run.say(f"data: {verifier.progress()}")
+    if verifier.done() and not verifier.announced and verifier.failure() is None:
+        verifier.announced = True
+        run.say(verifier.summary())
+    return float(verifier.failure() is not None)
+
+
+def _raise_data_failure(run: _Run) -> None:
+    failure = run.data.verifier.failure() if run.data.verifier is not None else None
+    raise failure or RunnerError("a shard differs from its manifest's sha256 on another node (its error line names it)")
+
+
+def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
+    # No checkpoint rests on a shard that differs from its pin: every rank waits for its node's hashing.
+    # Except a preemption's: its grace period may be shorter than the hashing, and losing the work is
+    # worse; the resumed launch verifies again (unfinished shards are not cached) before its next one.
+    failed = _all_reduce(run.acc, torch.tensor([_data_failed(run, wait=wait_for_data)], device=run.acc.device))
+    if failed.item() > 0:
+        _raise_data_failure(run)
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
-        run.checkpointer.save(step, model_state, optimizer_state, run.ledger.state_dict(), _checkpoint_state(run, step))
+        run.checkpointer.save(
+            step,
+            model_state,
+            optimizer_state,
+            run.ledger.state_dict(),
+            _checkpoint_state(run, step),
+            tied=tied_parameters(run.raw_model),
+        )
         write_ledger_json(run.folder.path, run.ledger)
         run.folder.update(
             committed_steps=step,
@@ -584,10 +622,22 @@ def _evaluate(run: _Run, step: int) -> None:
 
 
 def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
-    """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE)."""
+    """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE).
+    An exception leaves run.json `failed`, never `running` (RunFolder.failed_on_error)."""
     opts = opts or Options()
-    run = _setup(exp, Path(run_dir), acc, opts)
-    _resume(run)
+    with RunFolder(Path(run_dir), writer=acc.is_main_process).failed_on_error():
+        run = _setup(exp, Path(run_dir), acc, opts)
+        try:
+            _resume(run)
+            return _attempt(run, tracker)
+        finally:
+            if run.data.verifier is not None:
+                run.data.verifier.stop()
+
+
+def _attempt(run: _Run, tracker) -> int:
+    """One attempt's loop, from the resumed step to the end (or a stop)."""
+    acc, opts = run.acc, run.opts
     _conventions(run, tracker)
     flag = _StopFlag()
     old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -635,12 +685,18 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
                 _evaluate(run, committed)
             # Minutes-based intervals differ per rank's clock: rank 0 decides for all.
             due = torch.tensor(
-                [float(run.checkpointer.due(committed)) if run.main else 0.0, float(flag.signum is not None)],
+                [
+                    float(run.checkpointer.due(committed)) if run.main else 0.0,
+                    float(flag.signum is not None),
+                    _data_failed(run, wait=False),
+                ],
                 device=acc.device,
             )
             due = _all_reduce(acc, due)
+            if due[2] > 0:
+                _raise_data_failure(run)
             if due[1] > 0:
-                _save(run, committed)
+                _save(run, committed, wait_for_data=False)
                 run.say(
                     f"stopped by signal at step {committed}; checkpoint saved, resume with "
                     f"`runner launch {run.folder.path}`"

@@ -1,0 +1,443 @@
+"""Bad input never hangs and never tracebacks: one `error: file: key: message` line, exit 2, nothing
+written (issue 12, item 6). Each attack of the issue is reproduced here, plus a fuzz test."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+from trainfixtures import env, launch, make_project
+
+from runner.cli import main
+from runner.errors import RunnerError
+
+BILLION_LAUGHS = "\n".join(
+    ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    + [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+)
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Fail instead of hanging: SIGALRM interrupts the code under test."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: a hang")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_cli(capsys, *argv: str, seconds: float = 60) -> tuple[int, str, str]:
+    capsys.readouterr()
+    with time_limit(seconds):
+        code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error(code: int, err: str) -> str:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
+    return lines[0]
+
+
+def experiment(project: Path, name: str, body: str) -> Path:
+    path = project / "experiments" / f"{name}.yaml"
+    path.write_text(f"base: cpu-tiny@1\nname: {name}\nversion: 1\ndescription: attack\n{body}")
+    return path
+
+
+# ---- YAML that would hang or recurse ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (BILLION_LAUGHS, "expands to more than 100,000 nodes"),
+        ("x: &x [*x]", "recursive alias"),
+        ("x: " + "[" * 3000 + "]" * 3000, "nested deeper than 64 levels"),
+    ],
+)
+def test_hostile_yaml_is_refused_at_once(project, capsys, monkeypatch, body, says):
+    monkeypatch.chdir(project)
+    path = experiment(project, "bomb", body)
+    t0 = time.perf_counter()
+    line = one_error(*run_cli(capsys, "validate", path, seconds=30)[::2])
+    assert line.startswith("error: experiments/bomb.yaml: refused: ") and says in line
+    assert time.perf_counter() - t0 < 10
+    # The same file where a run folder keeps its resolved experiment (fsio.read_yaml): `show` of it.
+    run = project / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "experiment.yaml").write_text(body)
+    line = one_error(*run_cli(capsys, "show", run, seconds=30)[::2])
+    assert line.startswith("error: runs/r/experiment.yaml: refused: ") and says in line
+
+
+def test_a_budget_of_10_to_the_18_tokens_is_refused_without_replaying_it(project_with_data, capsys, monkeypatch):
+    from runner.data.mixture import plan_mixture
+    from runner.errors import MixtureInfeasible
+
+    monkeypatch.chdir(project_with_data)
+    path = experiment(project_with_data, "huge", "train: {exposure_tokens: 4611686018427387904}\n")  # 2**62
+    line = one_error(*run_cli(capsys, "validate", path, seconds=30)[::2])
+    assert "mixture infeasible: domain 'legal'" in line and "largest feasible budget at these ratios: 378,880" in line
+    path = experiment(project_with_data, "huger", "train: {exposure_tokens: 1000000000000000000000000000000}\n")
+    line = one_error(*run_cli(capsys, "validate", path, seconds=30)[::2])
+    assert "train.exposure_tokens: 1.000e+30 is out of range" in line
+    with time_limit(10), pytest.raises(MixtureInfeasible, match="largest feasible budget"):
+        plan_mixture({"a": 10, "b": 10}, {"a": 0.5, "b": 0.5}, {"a": 2.0, "b": 2.0}, 10**18, 8, 4)
+    # Feasible, with caps that allow it: planned in closed form (the schedule's period), not per step.
+    with time_limit(10):
+        plan = plan_mixture({"a": 10, "b": 10}, {"a": 0.5, "b": 0.5}, {"a": 1e17, "b": 1e17}, 10**18, 8, 4)
+    assert plan.domains["a"].exposure_samples == 10**18 // 8 // 2
+
+
+# ---- values validation must refuse --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("overrides: {optim: {lr: .nan}}", "optim.lr: must be a finite number, got nan"),
+        ("overrides: {optim: {lr: .inf}}", "optim.lr: must be a finite number, got inf"),
+        (
+            "overrides: {mixture: {domains: {legal: {max_repetition_ratio: .inf}}}}",
+            "mixture.domains.legal.max_repetition_ratio: must be a finite number, got inf",
+        ),
+        ("seed: 1000000000000000000000000000", "seed: 1.000e+27 is out of range"),
+        ("seed: 4294967296", "seed: must be in [0, 2**32 - 1]"),
+        ("train: {checkpoint: {keep_last: 0}}", "train.checkpoint.keep_last: must be >= 1, got 0"),
+        (
+            "overrides: {model: {hidden_size: 1000000000, n_heads: 8, n_kv_heads: 8}}",
+            "model: 8,000,005,157,000,000,000 parameters need",
+        ),
+    ],
+)
+def test_absurd_values_are_one_line_at_validate_and_launch_writes_nothing(project, capsys, monkeypatch, body, says):
+    monkeypatch.chdir(project)
+    path = experiment(project, "absurd", body)
+    line = one_error(*run_cli(capsys, "validate", path)[::2])
+    assert line.startswith("error: experiments/absurd.yaml: ") and says in line, line
+    line = one_error(*run_cli(capsys, "launch", path, "--no-tracking")[::2])
+    assert says in line and not (project / "runs").exists()
+
+
+def test_a_nan_in_a_run_folders_experiment_is_one_line_not_a_fingerprint_traceback(project, capsys, monkeypatch):
+    monkeypatch.chdir(project)
+    code, out, _ = run_cli(capsys, "show", "experiments/cpu-tiny.yaml", "--json")
+    resolved = json.loads(out)["config"]
+    resolved["optim"]["lr"] = float("nan")
+    run = project / "runs" / "nan"
+    run.mkdir(parents=True)
+    (run / "experiment.yaml").write_text(yaml.safe_dump(resolved))
+    line = one_error(*run_cli(capsys, "show", run)[::2])
+    assert "optim.lr: must be a finite number" in line
+
+
+# ---- files that are not what they claim --------------------------------------------------------
+
+
+def test_a_tokenizer_path_that_is_a_folder(project, capsys, monkeypatch):
+    monkeypatch.chdir(project)
+    recipe = project / "recipes" / "tokenizer" / "builtin-bpe-4k.yaml"
+    recipe.write_text(recipe.read_text().replace("assets/tokenizer.json", "assets"))
+    line = one_error(*run_cli(capsys, "validate", "experiments/cpu-tiny.yaml")[::2])
+    assert line == (
+        "error: experiments/cpu-tiny.yaml: tokenizer.path: runner/builtin/assets is a folder: "
+        "name the tokenizer.json file in it"
+    )
+    assert one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml")[::2]) == line
+    assert not (project / "runs").exists()
+    code, _, err = run_cli(
+        capsys, "data", "prepare", "--domain", "d", "--tokenizer", "runner/builtin/assets", "--input", ".", "--out", "o"
+    )
+    assert one_error(code, err) == "error: runner/builtin/assets: is a folder: name the tokenizer.json file in it"
+    assert not (project / "o").exists()
+
+
+def test_a_parquet_text_column_of_integers_is_refused_before_anything_is_written(project, capsys, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.chdir(project)
+    pq.write_table(pa.table({"id": ["a", "b"], "text": [1, 2]}), project / "ints.parquet")
+    out = project / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")  # a previous prepare's: must survive the refusal
+    code, _, err = run_cli(
+        capsys,
+        "data",
+        "prepare",
+        "--domain",
+        "web",
+        "--tokenizer",
+        "runner/builtin/assets/tokenizer.json",
+        "--input",
+        "ints.parquet",
+        "--out",
+        "out",
+    )
+    assert one_error(code, err) == "error: ints.parquet: text: `text` column holds int64, not strings"
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
+
+
+@pytest.mark.parametrize("shard_path", ["../escape.bin", "/etc/hostname", "sub/../../escape.bin"])
+def test_manifest_shard_paths_that_leave_its_folder_are_refused(tmp_path, capsys, shard_path):
+    from runner.data.manifest import load_manifest, manifest_sha256
+
+    make_project(tmp_path)
+    path = tmp_path / "data" / "a" / "manifest.json"
+    data = json.loads(path.read_text())
+    data["shards"][0]["path"] = shard_path
+    data["manifest_sha256"] = manifest_sha256(data)  # consistently re-sealed: only the path is wrong
+    path.write_text(json.dumps(data))
+    with pytest.raises(RunnerError, match=r"shards\.0\.path: .* leaves the manifest's folder"):
+        load_manifest(path)
+    line = one_error(*run_cli(capsys, "data", "verify", path)[::2])
+    assert "shards.0.path" in line and "leaves the manifest's folder" in line
+
+
+def test_a_manifest_nested_a_hundred_thousand_deep_is_one_line(tmp_path, capsys):
+    path = tmp_path / "manifest.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    line = one_error(*run_cli(capsys, "data", "verify", path)[::2])
+    assert line == f"error: {path}: refused: nested too deeply"
+
+
+# ---- a full disk in the middle of a checkpoint --------------------------------------------------
+
+# A write that fails for real, from the kernel: for the second checkpoint only, files may not grow past
+# 4 KB (RLIMIT_FSIZE, SIGXFSZ ignored), so safetensors' own write of model.safetensors fails mid-file.
+WRITE_FAILS_DRIVER = """
+import resource, signal, sys
+import runner.training.checkpoint as ck
+
+real_save, calls = ck.Checkpointer.save, []
+
+def save_on_a_disk_that_fills_up_the_second_time(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) != 2:
+        return real_save(self, *args, **kwargs)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        return real_save(self, *args, **kwargs)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+ck.Checkpointer.save = save_on_a_disk_that_fills_up_the_second_time
+from runner.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_write_failing_mid_checkpoint_is_one_line_and_the_run_resumes(tmp_path):
+    from runner.fsio import sha256_file
+    from runner.training.checkpoint import verify
+
+    exp = make_project(tmp_path, steps=8, checkpoint_every=2, keep_last=3)
+    reference = tmp_path / "runs" / "ref"
+    launch(tmp_path, exp, "--run-dir", reference, "--no-tracking")
+    run = tmp_path / "runs" / "full"
+    driver = tmp_path / "disk_fills_up.py"
+    driver.write_text(WRITE_FAILS_DRIVER)
+    proc = subprocess.run(
+        [sys.executable, str(driver), "launch", str(exp), "--run-dir", str(run), "--no-tracking"],
+        cwd=tmp_path,
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("error: runs/full/checkpoints: cannot write checkpoint step-0000004: File too large;")
+    assert "the previous checkpoints are untouched" in errors[0]
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "failed" and "cannot write checkpoint step-0000004" in info["error"]
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000002"] and verify(root / "step-0000002") is None
+    launch(tmp_path, run, "--no-tracking")
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+    final = "checkpoints/step-0000008/model.safetensors"
+    assert sha256_file(run / final) == sha256_file(reference / final)  # resumed as if nothing happened
+
+
+def test_no_space_left_is_said_as_such(tmp_path, monkeypatch):
+    import torch
+    from safetensors import SafetensorError
+
+    import runner.training.checkpoint as ck
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ck, "save_file", disk_full)
+    with pytest.raises(RunnerError) as err:
+        ck.Checkpointer(tmp_path, 1, 0, 1).save(1, {"w": torch.zeros(2)}, {"state": {}, "param_groups": []}, {}, {})
+    assert str(err.value).endswith(
+        "checkpoints: cannot write checkpoint step-0000001: No space left on device; free some space; "
+        "the previous checkpoints are untouched and the run resumes from the newest of them"
+    )
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # no temporary left behind
+
+
+# ---- fuzz: recipe values and YAML shapes --------------------------------------------------------
+
+# key -> the kind of value it holds; the fuzz mostly gives each key values of its kind (so that the
+# rules behind the type checks are reached), sometimes anything at all.
+KEYS = {
+    "seed": int,
+    "train.seq_len": int,
+    "train.global_batch_sequences": int,
+    "train.micro_batch_sequences": int,
+    "train.exposure_tokens": int,
+    "train.max_duration_tokens": int,
+    "train.hard_stop_tokens": int,
+    "train.log_interval_steps": int,
+    "train.checkpoint.keep_last": int,
+    "train.checkpoint.interval_steps": int,
+    "train.checkpoint.interval_minutes": float,
+    "overrides.optim.lr": float,
+    "overrides.optim.eps": float,
+    "overrides.optim.min_lr_ratio": float,
+    "overrides.optim.decay_fraction": float,
+    "overrides.optim.betas": list,
+    "overrides.optim.warmup_tokens": int,
+    "overrides.optim.schedule": str,
+    "overrides.model.hidden_size": int,
+    "overrides.model.n_layers": int,
+    "overrides.model.n_heads": int,
+    "overrides.model.n_kv_heads": int,
+    "overrides.model.intermediate_size": int,
+    "overrides.model.pad_vocab_multiple": int,
+    "overrides.model.rope_theta": float,
+    "overrides.mixture.domains.legal.target_ratio": float,
+    "overrides.mixture.domains.code.target_ratio": float,
+    "overrides.mixture.domains.code.max_repetition_ratio": float,
+    "overrides.mixture.domains.legal.max_repetition_ratio": float,
+    "overrides.mixture.domains": dict,
+    "overrides.tokenizer.path": str,
+    "overrides.tokenizer.vocab_size": int,
+    "overrides.tokenizer.eos_id": int,
+    "overrides.tokenizer.token_dtype": str,
+    "overrides.hardware.memory_gib": float,
+    "overrides.hardware.devices_per_node": int,
+    "overrides.hardware.nodes": int,
+    "overrides.hardware.peak_tflops": float,
+    "overrides.hardware.price_per_device_hour_usd": float,
+    "overrides.eval.samples_per_domain": int,
+    "overrides.eval.interval_steps": int,
+    "overrides.eval.micro_batch_sequences": int,
+    "data.manifests.code.path": str,
+    "data.manifests.code.sha256": str,
+    "data.manifests.extra": dict,
+    "recipes.model": str,
+    "base": str,
+    "name": str,
+    "plan.raw_bytes_per_token": float,
+    "surprise": str,
+}
+
+
+def _fuzz_strategies():
+    from hypothesis import strategies as st
+
+    ints = st.one_of(
+        st.integers(min_value=-3, max_value=5000),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.sampled_from([0, 1, 2, 16, 128, 2048, 307200, 2**31, 2**32, 2**63 - 1, 2**63, 10**27]),
+    )
+    floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(min_value=0, max_value=2))
+    strings = st.one_of(
+        st.text(max_size=20),
+        st.sampled_from(
+            [
+                "${train.seq_len}",
+                "${oc.env:HOME}",
+                "???",
+                "cpu-tiny@1",
+                "llama-tiny@1",
+                "data/builtin/code/manifest.json",
+            ]
+            + ["runner/builtin/assets", "/etc/passwd", "../../x", "uint16", "uint32", "wsd", "a" * 64]
+        ),
+    )
+    scalar = st.one_of(ints, floats, strings, st.booleans(), st.none())
+    wild = st.recursive(
+        scalar,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+        max_leaves=6,
+    )
+    typed = {
+        int: ints,
+        float: st.one_of(floats, ints),
+        str: strings,
+        list: st.lists(st.one_of(floats, ints), max_size=3),
+        dict: st.dictionaries(st.sampled_from(["code", "prose", "legal", "x"]), wild, max_size=3),
+    }
+    change = st.sampled_from(sorted(KEYS)).flatmap(
+        lambda k: st.tuples(st.just(k), st.one_of(typed[KEYS[k]], typed[KEYS[k]], typed[KEYS[k]], wild))
+    )
+    changes = st.lists(change, min_size=1, max_size=3)
+    yaml_text = st.text(alphabet=st.sampled_from(list("ab:- &*[]{},'\"!\n#%|>?.0123456789e+")), max_size=80)
+    return changes, yaml_text
+
+
+def _document(changes) -> dict:
+    doc = {"base": "cpu-tiny@1", "name": "fuzz", "version": 1, "description": "fuzz"}
+    for key, value in changes:
+        node = doc
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = value
+    return doc
+
+
+@pytest.mark.slow
+def test_fuzzed_recipes_and_yaml_exit_0_or_2_without_traceback_or_hang(project_with_data, capsys, monkeypatch):
+    from hypothesis import HealthCheck, given, settings
+
+    monkeypatch.chdir(project_with_data)
+    path = project_with_data / "experiments" / "fuzz.yaml"
+    changes, yaml_text = _fuzz_strategies()
+
+    def check(text: str) -> None:
+        path.write_text(text)
+        for argv in (("validate", path), ("show", path), ("plan", path)):
+            code, _, err = run_cli(capsys, *argv, seconds=20)
+            assert code in (0, 2), (argv, text, err)
+            if code == 2:
+                assert err.strip() and all(line.startswith("error: ") for line in err.strip().splitlines()), err
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(changes)
+    def values(change_list):
+        check(yaml.safe_dump(_document(change_list), allow_unicode=True))
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(yaml_text)
+    def shapes(text):
+        check("base: cpu-tiny@1\nname: fuzz\nversion: 1\ndescription: fuzz\n" + text)
+
+    values()
+    shapes()
