@@ -62,3 +62,7 @@ class Preempted(Exception):
 
 
 EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE, EXIT_PREEMPTED, EXIT_NONFINITE = 0, 1, 2, 3, 4
+# `runner audit` verdicts: PASS exits EXIT_OK, FAIL (a discrepancy) EXIT_DISCREPANCY, UNVERIFIED
+# (consistent, but named checks could not run) EXIT_UNVERIFIED; `--require-verified` makes
+# UNVERIFIED exit EXIT_DISCREPANCY.
+EXIT_UNVERIFIED = 5

@@ -319,8 +319,11 @@ def _write_report(run_dir: Path, tracker) -> None:
         from runner.reports.tables import write_report
     except ImportError:
         return
+    from runner.reports.evidence import record_evidence
+
     try:
         out = write_report(run_dir)
+        record_evidence(run_dir, tracker)  # table/config/checkpoint hashes as MLflow tags: what the audit trusts
     except RunnerError as e:
         print(f"report: not written ({e})", file=sys.stderr)
         return
