@@ -433,3 +433,35 @@ def test_cpu_peak_is_recomputed_from_cores_clock_and_flops_per_cycle(run_dir, tm
     _repeak(s, 2 * 989.4, "theoretical: 2x the dense figure")
     _rewrite(report, "run_summary", s)
     assert "peak is the device's dense peak" in audit(report).failed()
+
+
+def test_evidence_hashes_the_csv_text_and_reads_back_from_tags_exactly(run_dir):
+    from runner.fsio import sha256_file
+    from runner.reports import evidence as ev
+
+    found = ev.build_evidence(run_dir)
+    for name, digest in found["tables"].items():
+        assert digest == sha256_file(run_dir / "report" / f"{name}.csv")  # `sha256sum` says the same
+    assert found["validation"]["step"] == 6 and set(found["validation"]["domains"]) == {"code", "math", "web"}
+    found["checkpoint"] = {"step": 6, "state_json_sha256": "ab" * 32, "files": {"model.safetensors": "cd" * 32}}
+    found["validation"]["domains"]["web"]["loss_nats"] = 0.1 + 0.2  # a float whose str() would lose digits
+    tags = ev.evidence_tags(found)
+    assert tags["evidence.checkpoint.file.model.safetensors.sha256"] == "cd" * 32
+    assert ev.evidence_from_tags(tags) == found
+    assert ev.evidence_from_tags({"fingerprint": "x"}) is None
+
+
+def test_theoretical_cpu_peak_is_recomputed_from_its_own_source():
+    from runner.planning.hardware import cpu_theoretical_tflops, theoretical_peak_from_source
+
+    peak = cpu_theoretical_tflops(threads=3)
+    if not peak.peak_source.startswith("theoretical"):
+        pytest.skip("this CPU does not describe itself (no /proc/cpuinfo flags)")
+    recomputed, rounding = theoretical_peak_from_source(peak.peak_source)
+    assert recomputed == pytest.approx(peak.peak_tflops, rel=rounding)
+    assert theoretical_peak_from_source("theoretical: 2 cores x 2.5 GHz x 32 fp32 FLOP/cycle (AVX2)") == (
+        pytest.approx(0.16),
+        pytest.approx(0.0002),
+    )
+    assert theoretical_peak_from_source("measured: torch.mm") is None
+    assert theoretical_peak_from_source("theoretical: 0 cores x 2.5 GHz x 32 fp32 FLOP/cycle") is None

@@ -449,3 +449,22 @@ def test_published_report_is_verified_where_its_store_is_and_unverified_elsewher
     # Given the store that holds the run, the same published folder is verified.
     shutil.copy(store, moved)
     assert _cli(["audit-reports", str(reports), "--tracking-uri", f"sqlite:///{moved}"]) == EXIT_OK
+
+
+def test_a_report_the_run_went_on_from_is_unverified_not_failed(real_run, tmp_path):
+    # Published, then the run was extended: MLflow now describes a later state. The old report is
+    # consistent up to its own last step but its run's record no longer vouches for it.
+    root = tmp_path / "later"
+    shutil.copytree(real_run.parent.parent, root)
+    run = root / "runs" / "real"
+    info = json.loads((run / "run.json").read_text())
+    info["mlflow"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
+    (run / "run.json").write_text(json.dumps(info, indent=1))
+    published = _copy(run, tmp_path)
+    launch(root, run, "--extend-to", (STEPS + 2) * B * L, timeout=900)
+    result = audit(published, tracking_uri=info["mlflow"]["tracking_uri"])  # the copy's store
+    assert result.verdict == UNVERIFIED and result.failed() == [], result.render()
+    assert {TAGS, METRICS, EVIDENCE} <= set(result.unverified())
+    assert "this report ends at step 8" in next(c.detail for c in result.checks if c.name == METRICS)
+    extended = audit(run)
+    assert extended.verdict == PASS, extended.render()

@@ -475,8 +475,8 @@ def _check_peak(res: AuditResult, inp: AuditInput, s: pd.Series) -> float:
     return recorded * 1e12
 
 
-def _check_compute(res: AuditResult, inp: AuditInput) -> None:
-    s = inp.tables["run_summary"].iloc[0]
+def _check_flops(res: AuditResult, inp: AuditInput, s: pd.Series) -> tuple[Convention, float]:
+    """Params and FLOPs per token from the model config under the recorded convention."""
     seq_len = inp.config.train.seq_len
     conv = Convention.from_dict(
         {k: s[k] for k in ("flops_formula", "params_counted", "attention_causal_half", "recompute_counted")}
@@ -495,7 +495,13 @@ def _check_compute(res: AuditResult, inp: AuditInput) -> None:
         if key in recorded_conv and str(recorded_conv[key]) != str(s[key]):
             problems.append(f"{key} = {s[key]!r}, run.json conventions say {recorded_conv[key]!r}")
     res.add("params and FLOPs per token from the model config", problems)
+    return conv, fpt
 
+
+def _check_compute(res: AuditResult, inp: AuditInput) -> None:
+    s = inp.tables["run_summary"].iloc[0]
+    seq_len = inp.config.train.seq_len
+    conv, fpt = _check_flops(res, inp, s)
     peak = _check_peak(res, inp, s)
     want: dict[str, float] = {}
     if inp.has_run_json:

@@ -80,6 +80,10 @@ class Tracked:
     tags: dict[str, str]
     history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # key -> [(step, value)]
 
+    @property
+    def last_step(self) -> int:
+        return max((step for points in self.history.values() for step, _ in points), default=0)
+
 
 # ---- finding the run ----------------------------------------------------------------------------
 
@@ -195,33 +199,43 @@ def _check_params(res: AuditResult, inp: AuditInput, tracked: Tracked) -> None:
     res.add(PARAMS, problems, ok_detail=f"{len(want)} params that make the fingerprint compared")
 
 
-def _check_tags(res: AuditResult, inp: AuditInput, tracked: Tracked) -> None:
+def _check_tags(res: AuditResult, inp: AuditInput, tracked: Tracked, later: str) -> None:
+    """`later`: why the run's latest tags may describe a later state than this report ('' if not)."""
     cfg, s = inp.config, inp.tables["run_summary"].iloc[0]
     want: dict[str, Any] = {"fingerprint": inp.exp.fingerprint, "tokenizer.sha256": cfg.tokenizer.sha256}
     want.update({f"recipe.{kind}": ref for kind, ref in cfg.recipes.items()})
     want.update({f"manifest.{d}.sha256": pin.sha256 for d, pin in cfg.data.manifests.items()})
     want.update({f"mfu.{k}": s[k] for k in CONVENTION_KEYS})
     want.update({f"hfu.{k}": v for k, v in (inp.run.get("conventions_hfu") or {}).items()})
-    problems = []
+    problems, superseded = [], []
     for key, value in want.items():
         got = tracked.tags.get(key)
         if got is None:
             problems.append(f"{key}: not logged")
         elif not _same(got, value):
-            problems.append(f"{key}: MLflow {got!r}, report {value!r}")
+            # Set again at every start: an extension (new fingerprint) or a resume on another world
+            # size after this report rewrites them.
+            moved = later and key in ("fingerprint", "mfu.devices_counted", "hfu.devices_counted")
+            (superseded if moved else problems).append(f"{key}: MLflow {got!r}, report {value!r}")
     logged_pins = {k[len("manifest.") : -len(".sha256")] for k in tracked.tags if k.startswith("manifest.")}
     for d in sorted(logged_pins - set(cfg.data.manifests)):
         problems.append(f"manifest.{d}.sha256: MLflow pins domain {d}, the report has no such domain")
     if tracked.run_name != str(s["run_id"]):
         problems.append(f"run name: MLflow {tracked.run_name!r}, report run_id {s['run_id']!r}")
+    if superseded and not problems:
+        res.could_not(TAGS, f"{later}; the run's latest tags differ: {'; '.join(superseded)}")
+        return
     res.add(TAGS, problems, ok_detail=f"{len(want) + 1} tags compared")
 
 
 class _Expected:
     """What the report states for a metric at a step, in the trainer's metric names."""
 
-    def __init__(self, inp: AuditInput, rep: Replay | None):
+    def __init__(self, inp: AuditInput, rep: Replay | None, tracked: Tracked):
         t = inp.tables
+        self.ends_at: dict[int, int] = {}  # step -> attempts or segments whose end was logged there
+        for step, _ in tracked.history.get("committed_steps", []):
+            self.ends_at[step] = self.ends_at.get(step, 0) + 1
         self.s = t["run_summary"].iloc[0]
         self.final = inp.steps()
         self.seq_len = inp.config.train.seq_len
@@ -289,10 +303,12 @@ def _compare_history(
     compared = uncompared = 0
     for step, values in sorted(by_step.items()):
         if step > want.final:
-            problems.append(f"{key}: logged at step {step}, after the report's last step {want.final}")
-            continue
+            continue  # the run went on after this report: check() says so
         expected = want.values(key, step)
-        if expected is None:
+        # Where an earlier attempt or segment ended (its on_end logs committed_steps there), that
+        # many of the values are its own MFU summaries, which no table states.
+        ends = want.ends_at.get(step, 0) if key in SUMMARY_METRICS and step != want.final else 0
+        if expected is None or len(values) <= ends:
             uncompared += 1
             continue
         compared += 1
@@ -306,8 +322,8 @@ def _compare_history(
     return compared, uncompared
 
 
-def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Replay | None) -> None:
-    want = _Expected(inp, rep)
+def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Replay | None, later: str) -> None:
+    want = _Expected(inp, rep, tracked)
     problems: list[str] = []
     compared = uncompared = 0
     without_counterpart = []
@@ -335,6 +351,9 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
         f"does not state (processed, useful and lost before the last step); no report counterpart: "
         f"{', '.join(without_counterpart) or 'none'}"
     )
+    if later and not problems:
+        res.could_not(METRICS, f"{later}: points up to step {want.final} agree; {detail}")
+        return
     if missing and not problems:
         res.could_not(
             METRICS,
@@ -345,7 +364,7 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
     res.add(METRICS, problems, ok_detail=detail)
 
 
-def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked) -> None:
+def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked, later: str) -> None:
     from runner.reports.audit import evidence_differences
     from schemas.report_tables import SCHEMA_VERSION
 
@@ -358,6 +377,9 @@ def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked) -> None
         )
         return
     problems = evidence_differences(logged, inp, checkpoint=True)
+    if later and problems:
+        res.could_not(EVIDENCE, f"{later}: the evidence logged is the later end's ({'; '.join(problems[:3])})")
+        return
     if logged.get("schema_version") != SCHEMA_VERSION:
         if problems:
             res.add(EVIDENCE, problems)
@@ -381,7 +403,15 @@ def check(res: AuditResult, inp: AuditInput, tracked: Tracked | None, why: str, 
             res.could_not(name, why)
         return
     res.add(RUN, [], ok_detail=f"run {tracked.run_id} in {tracked.uri}")
+    later = ""
+    if tracked.last_step > inp.steps():
+        # An extension or a resume after this report was written, or a report cut short: either
+        # way the run's latest record is not this report's, and cannot vouch for it.
+        later = (
+            f"MLflow logs the run up to step {tracked.last_step}, this report ends at step {inp.steps()} "
+            "(the run went on after it, or the report is cut short)"
+        )
     _check_params(res, inp, tracked)
-    _check_tags(res, inp, tracked)
-    _check_metrics(res, inp, tracked, rep)
-    _check_evidence(res, inp, tracked)
+    _check_tags(res, inp, tracked, later)
+    _check_metrics(res, inp, tracked, rep, later)
+    _check_evidence(res, inp, tracked, later)
