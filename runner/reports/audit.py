@@ -59,6 +59,7 @@ class AuditInput:
     report_dir: Path | None = None  # the report folder the tables were read from (holds the CSV copies)
     run_dir: Path | None = None  # the run folder, when the audit can see it (checkpoints, fingerprint.txt)
     cfg_file: Path | None = None  # the experiment.yaml the tables go with
+    rebuild_error: str = ""  # why the run folder next to the report could not be rebuilt
 
     @property
     def config(self):
@@ -82,15 +83,14 @@ def load_input(target: str | Path) -> AuditInput:
         if rpt.is_report_dir(path):
             inp = _from_report_dir(path)
             if path.name == rpt.REPORT_DIR and rpt.is_run_dir(path.parent):
-                inp.run_dir = path.parent  # a run folder's own report: its checkpoints are next to it
-                inp.rebuilt = rpt.build_tables(path.parent)
+                _attach_run_dir(inp, path.parent)  # a run folder's own report: its raw files are next to it
             return inp
         if rpt.is_run_dir(path):
-            rebuilt = rpt.build_tables(path)
             if rpt.is_report_dir(path / rpt.REPORT_DIR):
                 found = _from_report_dir(path / rpt.REPORT_DIR)
-                found.rebuilt, found.run_dir = rebuilt, path
+                _attach_run_dir(found, path)
                 return found
+            rebuilt = rpt.build_tables(path)
             cfg = rpt.read_experiment_yaml(path / "experiment.yaml")
             inp = AuditInput(
                 str(path),
@@ -110,6 +110,15 @@ def load_input(target: str | Path) -> AuditInput:
         dst = Path(tempfile.mkdtemp(prefix="runner-audit-"))
         return load_input(rpt.fetch_mlflow_run(str(target), dst))
     raise RunnerError("no such folder, and not an MLflow run id", file=str(target))
+
+
+def _attach_run_dir(inp: AuditInput, run_dir: Path) -> None:
+    """The run folder a report was written from: its tables rebuilt from the raw files, its checkpoints."""
+    inp.run_dir = run_dir
+    try:
+        inp.rebuilt = rpt.build_tables(run_dir)
+    except RunnerError as err:  # the report can still be audited; that comparison cannot
+        inp.rebuild_error = str(err)
 
 
 def _from_report_dir(path: Path) -> AuditInput:
@@ -545,6 +554,9 @@ def _check_compute(res: AuditResult, inp: AuditInput) -> None:
 
 
 def _check_rebuilt(res: AuditResult, inp: AuditInput) -> None:
+    if inp.rebuild_error:
+        res.could_not("report matches the run folder", f"the run folder cannot be rebuilt: {inp.rebuild_error}")
+        return
     if inp.rebuilt is None:
         return
     problems = []

@@ -30,7 +30,7 @@ TOKEN_KINDS = ("exposure", "unique", "useful", "processed")
 #: counts activation recomputation, so its MFU is lower. 65% sits just above the best of these.
 PLAUSIBLE_MFU = 0.65
 PLAUSIBLE_MFU_SOURCE = (
-    "best published dense BF16 MFU: llm-foundry MPT-7B on 8x A100 64.2%, H100 46.4%; PaLM 540B 46.2% (TPU v4)"
+    "the best published: llm-foundry MPT-7B on 8x A100 64.2%, on H100 46.4%; PaLM 540B 46.2% on TPU v4"
 )
 CHINCHILLA_TOKENS_PER_PARAM = 20.0
 DISAGREE_REL = 0.10
@@ -249,7 +249,7 @@ def render(results: list[ClaimResult], plausible_mfu: float = PLAUSIBLE_MFU) -> 
     lines = [
         f"Implied MFU convention: {CONVENTION}.",
         f"IMPOSSIBLE: cannot be true (MFU > 100%, sparse peak, figures that contradict each other); "
-        f"IMPLAUSIBLE: MFU above {plausible_mfu:.0%}, beyond every published dense BF16 run ({PLAUSIBLE_MFU_SOURCE}).",
+        f"IMPLAUSIBLE: MFU above {plausible_mfu:.0%}, beyond any published dense BF16 training run ({PLAUSIBLE_MFU_SOURCE}).",
         f"{'claim':<32} {'peak TF/s':>9} {'implied MFU':>11} {'stated MFU':>10} {'days':>8} "
         f"{'tok/param':>9} {'x Chinchilla':>12}  verdict",
     ]
