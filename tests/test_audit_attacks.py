@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from runfixtures import run_commands
 from trainfixtures import launch, make_project
 
 from runner.cli.report import register
@@ -54,6 +55,10 @@ def real_run(tmp_path_factory) -> Path:
     run = root / "runs" / "real"
     launch(root, exp, "--run-dir", run, timeout=900)
     return run
+
+
+def _cli(argv):
+    return run_commands(register, argv)
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:
@@ -396,17 +401,10 @@ def test_recompute_eval_fails_edited_losses_with_no_mlflow_at_hand(real_run, tmp
     check = next(c for c in result.checks if c.name == "validation loss recomputed from the final checkpoint")
     assert check.status == FAIL and "a.loss_nats: report " in check.detail, check.detail
     # The genuine run: its losses are what its checkpoint scores, to the bit on this CPU.
-    argv = ["audit", str(real_run), "--recompute-eval", "--require-verified"]
-    parser_exit = _cli(argv)
+    code = _cli(["audit", str(real_run), "--recompute-eval", "--require-verified"])
     out = capsys.readouterr().out
-    assert parser_exit == EXIT_OK, out
+    assert code == EXIT_OK, out
     assert "validation loss recomputed from the final checkpoint  PASS" in out
-
-
-def _cli(argv):
-    from runfixtures import run_commands
-
-    return run_commands(register, argv)
 
 
 def test_every_logged_counter_is_compared_at_its_own_step(real_run, tmp_path):
