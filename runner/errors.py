@@ -63,3 +63,4 @@ EXIT_DISCREPANCY = 1  #: ran on good input and found a problem: an audit failed,
 EXIT_USAGE = 2  #: unusable input (a RunnerError)
 EXIT_PREEMPTED = 3  #: a run stopped by a signal after saving a checkpoint (resume it)
 EXIT_NONFINITE = 4  #: a run stopped at a non-finite loss, the step not committed
+EXIT_UNVERIFIED = 5  #: `runner audit`: consistent, but named checks could not run (`--require-verified` makes it 1)

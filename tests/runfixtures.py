@@ -15,7 +15,6 @@ from pathlib import Path
 
 import yaml
 
-from runner.config.fingerprint import fingerprint
 from runner.config.load import experiment_from_dict
 from runner.data.manifest import manifest_sha256, num_samples
 from runner.data.sampler import MixtureSampler
@@ -196,7 +195,7 @@ def make_run(
     for d, m in manifests.items():
         _write_json(run_dir / "manifests" / f"{d}.json", m)
     (run_dir / "experiment.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    fp = fingerprint(cfg)
+    fp = experiment_from_dict(cfg).fingerprint  # as the runner resolves it (schema defaults filled)
     (run_dir / "fingerprint.txt").write_text(fp + "\n")
 
     samples = {d: num_samples(m["pool_tokens"], SEQ_LEN) for d, m in manifests.items()}

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from runner.cli.report import register
 from runner.errors import RunnerError
@@ -87,3 +88,39 @@ def test_bad_claims_are_runner_errors(tmp_path):
     path.write_text("claims: 3\n")
     with pytest.raises(RunnerError, match="expected a list"):
         audit_claims(path)
+
+
+def test_a_claim_implying_85_percent_mfu_is_implausible_not_impossible(tmp_path, capsys):
+    # 6 * 1e9 * 140,165 tok/s / 989.4e12 = 85% of one H100 SXM: possible in principle, beyond any
+    # published dense BF16 run (PLAUSIBLE_MFU's sources).
+    claim = {
+        "name": "1B at 140K tok/s on one H100",
+        "model_params": 1e9,
+        "tokens_per_second": 140_165,
+        "token_kind": "processed",
+        "hardware": "H100 SXM",
+    }
+    r = audit_claim(claim)
+    assert r.implied_mfu == pytest.approx(0.85, abs=5e-4)
+    assert r.implausible and not r.impossible and r.verdict == "IMPLAUSIBLE"
+    flag = next(f for f in r.flags if f.severity == "implausible")
+    assert "implied MFU 85.0% is above the plausibility bound 65%" in flag.message and "PaLM" in flag.message
+    path = tmp_path / "claims.yaml"
+    path.write_text(yaml.safe_dump({"claims": [claim]}))
+    assert _cli(["audit-claims", str(path)]) == 1
+    assert "IMPLAUSIBLE" in capsys.readouterr().out
+    assert _cli(["audit-claims", str(path), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)[0]["implausible"] is True
+    # Over 100% stays impossible, and is not also called implausible.
+    over = audit_claim({**claim, "tokens_per_second": 200_000})
+    assert over.impossible and not over.implausible and over.verdict == "IMPOSSIBLE"
+
+
+def test_plausibility_bound_applies_to_stated_mfu_and_can_be_set():
+    below = {"name": "x", "model_params": 1e9, "token_kind": "useful", "hardware": "A100", "mfu": 0.6}
+    assert not audit_claim(below).flags
+    assert audit_claim({**below, "mfu": 0.7}).implausible  # a stated MFU above the bound, no throughput given
+    assert audit_claim(below, plausible_mfu=0.5).implausible
+    assert not any(r.implausible for r in audit_claims(SEEDS))  # 23.7% and 36.9% are ordinary
+    with pytest.raises(RunnerError, match="plausible-mfu"):
+        audit_claims(SEEDS, plausible_mfu=1.5)

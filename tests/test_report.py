@@ -11,7 +11,7 @@ import pytest
 from runfixtures import GLOBAL_BATCH, SEQ_LEN, STEPS, make_run, run_commands
 
 from runner.cli.report import register
-from runner.errors import RunnerError
+from runner.errors import EXIT_UNVERIFIED, RunnerError
 from runner.reports.publish import audit_reports, publish
 from runner.reports.tables import PLOTS, TABLES, build_tables, write_report
 
@@ -104,8 +104,9 @@ def test_publish_copies_audited_report_and_indexes_it(run_dir, tmp_path):
     assert (dest / "report.md").exists() and (dest / "manifests" / "web.json").exists()
     index = (reports / "README.md").read_text()
     assert run_dir.name in index and "6N+attn" in index and "code 4.700" in index
-    assert all(r.passed for r in audit_reports(reports))
-    assert _cli(["audit-reports", "--reports-dir", str(reports)]) == 0
+    # The fabricated run has no MLflow run: consistent, never PASS.
+    assert all(r.consistent and r.verdict == "UNVERIFIED" for r in audit_reports(reports))
+    assert _cli(["audit-reports", "--reports-dir", str(reports)]) == EXIT_UNVERIFIED
 
 
 def test_publish_refuses_failing_audit_and_large_files(run_dir, tmp_path):
@@ -115,8 +116,8 @@ def test_publish_refuses_failing_audit_and_large_files(run_dir, tmp_path):
     summary["peak_tflops"] = 2 * 989.4
     summary.to_parquet(run / "report" / "run_summary.parquet", index=False)
     reports = tmp_path / "reports"
-    _, result = publish(run, reports)
-    assert not result.passed and not (reports / "fixture").exists()
+    dest, result = publish(run, reports)
+    assert dest is None and result.verdict == "FAIL" and not (reports / "fixture").exists()
 
     write_report(run)
     (run / "report" / "big.bin").write_bytes(b"\0" * (2 * 1024 * 1024 + 1))
@@ -148,9 +149,9 @@ def test_devices_come_from_run_json_then_conventions_then_recipe(tmp_path):
 def test_audit_reports_takes_the_folder_as_a_positional(run_dir, tmp_path, capsys):
     reports = tmp_path / "reports"
     publish(run_dir, reports)
-    assert _cli(["audit-reports", str(reports)]) == 0
-    assert "1 of 1 published reports pass" in capsys.readouterr().out
-    assert _cli(["audit-reports", str(reports), "--reports-dir", str(reports)]) == 0
+    assert _cli(["audit-reports", str(reports)]) == EXIT_UNVERIFIED
+    assert "1 published reports: 0 PASS, 1 UNVERIFIED, 0 FAIL" in capsys.readouterr().out
+    assert _cli(["audit-reports", str(reports), "--reports-dir", str(reports)]) == EXIT_UNVERIFIED
     with pytest.raises(RunnerError, match="two different folders"):
         _cli(["audit-reports", str(reports), "--reports-dir", str(tmp_path / "other")])
     assert _cli(["audit-reports", str(tmp_path / "empty")]) == 0  # nothing published: nothing fails

@@ -82,7 +82,8 @@ def test_activation_checkpointing_reports_hfu_besides_mfu(tmp_path):
     summary = pd.read_parquet(run / "report" / "run_summary.parquet").iloc[0]
     assert summary["hfu"] == pytest.approx(info["hfu"]) and summary["recompute_counted"] == False  # noqa: E712
     result = audit(run)
-    assert result.passed, result.render()
+    # Verified but for the test recipe's stated CPU peak, which is not a datasheet figure.
+    assert result.unverified() == ["peak is a figure the audit can verify"], result.render()
     assert next(c for c in result.checks if c.name == "hfu recomputed").status == "PASS"
     db = sqlite3.connect(tmp_path / "mlflow.db")
     tags = dict(db.execute("select key, value from tags where run_uuid=?", (info["mlflow"]["run_id"],)).fetchall())

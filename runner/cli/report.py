@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import sys
 import tempfile
 from pathlib import Path
 
-from runner.errors import EXIT_DISCREPANCY, EXIT_OK, RunnerError
+from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, RunnerError
+
+AUDIT_EXITS = f"""verdicts and exit codes:
+  PASS        {EXIT_OK}  every check ran and held, the MLflow run's record included
+  FAIL        {EXIT_DISCREPANCY}  a discrepancy: the report disagrees with what it was recounted from
+  UNVERIFIED  {EXIT_UNVERIFIED}  nothing disagrees, but the checks named in the last line could not run
+              (MLflow run unreachable, run.json missing, a peak that is not a datasheet figure, ...);
+              with --require-verified it exits {EXIT_DISCREPANCY} like FAIL
+  unusable input (not a report, unreadable tables): {EXIT_USAGE}"""
 
 
 def _report(args) -> int:
@@ -20,11 +30,13 @@ def _report(args) -> int:
         fetched = rpt.fetch_mlflow_run(args.run, args.dest or tempfile.mkdtemp(prefix="runner-report-"))
         print(f"report written to {rpt.report_from_fetched(fetched)}")
         return EXIT_OK
+    from runner.reports.evidence import write_evidence
     from runner.runs import RunLock, is_run_dir
 
     # Never rewrite report/ under a launch that writes it too.
     with RunLock(target, "runner report") if is_run_dir(target) else contextlib.nullcontext():
         out = rpt.write_report(target)
+        write_evidence(target)  # what this report states; the copy logged to MLflow at the run's end is the proof
     print(f"report written to {out}")
     return EXIT_OK
 
@@ -32,30 +44,41 @@ def _report(args) -> int:
 def _audit(args) -> int:
     from runner.reports.audit import audit
 
-    result = audit(args.run, check_mlflow=not args.no_mlflow)
+    result = audit(
+        args.run,
+        check_mlflow=not args.no_mlflow,
+        tracking_uri=args.tracking_uri,
+        recompute_eval=args.recompute_eval,
+        checkpoint=args.checkpoint,
+        progress=lambda message: print(message, file=sys.stderr),
+    )
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.render())
-    return EXIT_OK if result.passed else EXIT_DISCREPANCY
+    return result.exit_code(args.require_verified)
 
 
 def _audit_claims(args) -> int:
-    from runner.reports.claims import audit_claims, render
+    from runner.reports.claims import PLAUSIBLE_MFU, audit_claims, render
 
-    results = audit_claims(args.file)
+    bound = PLAUSIBLE_MFU if args.plausible_mfu is None else args.plausible_mfu
+    results = audit_claims(args.file, plausible_mfu=bound)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=1))
     else:
-        print(render(results))
-    return EXIT_DISCREPANCY if any(r.impossible for r in results) else EXIT_OK
+        print(render(results, bound))
+    return EXIT_DISCREPANCY if any(r.impossible or r.implausible for r in results) else EXIT_OK
 
 
 def _publish(args) -> int:
     from runner.reports.publish import publish
 
-    dest, result = publish(args.run_dir, args.reports_dir)
-    if not result.passed:
+    dest, result = publish(args.run_dir, args.reports_dir, require_verified=args.require_verified)
+    if dest is None:
         print(result.render())
-        print(f"not published: audit failed ({', '.join(result.failed())})")
+        why = "audit failed" if result.failed() else "not verified (--require-verified)"
+        print(f"not published: {why} ({', '.join(result.failed() or result.unverified())})")
         return EXIT_DISCREPANCY
+    if not result.passed:
+        print(f"published UNVERIFIED: not verified: {', '.join(result.unverified())}", file=sys.stderr)
     print(f"published {dest}; index {Path(args.reports_dir) / 'README.md'}")
     return EXIT_OK
 
@@ -76,12 +99,28 @@ def _reports_dir(args) -> str:
 def _audit_reports(args) -> int:
     from runner.reports.publish import audit_reports
 
-    results = audit_reports(_reports_dir(args))
+    results = audit_reports(_reports_dir(args), tracking_uri=args.tracking_uri)
     for r in results:
-        print(r.render() if args.verbose or not r.passed else f"PASS {r.source}")
-    failed = [r.source for r in results if not r.passed]
-    print(f"{len(results) - len(failed)} of {len(results)} published reports pass")
-    return EXIT_DISCREPANCY if failed else EXIT_OK
+        if args.verbose or r.verdict == "FAIL":
+            print(r.render())
+        else:
+            print(f"{r.verdict} {r.source}" + (f": {r.summary_line()}" if r.verdict != "PASS" else ""))
+    counts = {v: sum(r.verdict == v for r in results) for v in ("PASS", "UNVERIFIED", "FAIL")}
+    print(
+        f"{len(results)} published reports: {counts['PASS']} PASS, {counts['UNVERIFIED']} UNVERIFIED, {counts['FAIL']} FAIL"
+    )
+    if counts["FAIL"]:
+        return EXIT_DISCREPANCY
+    if counts["UNVERIFIED"]:
+        return EXIT_DISCREPANCY if args.require_verified else EXIT_UNVERIFIED
+    return EXIT_OK
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a fraction in (0, 1], got {text}")
+    return value
 
 
 def register(subparsers) -> None:
@@ -94,17 +133,54 @@ def register(subparsers) -> None:
     p.add_argument("--dest", help="where to download an MLflow run's artifacts (default: a temp folder)")
     p.set_defaults(func=_report)
 
-    p = subparsers.add_parser("audit", help="check a report: schemas, invariants, sampler replay, FLOPs, MFU, cost")
+    p = subparsers.add_parser(
+        "audit",
+        help="check a report against what it cannot rewrite: PASS, FAIL or UNVERIFIED",
+        description="Check a report: schemas and invariants, the sampler replayed from experiment.yaml and the "
+        "manifests, the fingerprint recomputed, FLOPs, peak, MFU and cost recomputed, and the run's MLflow "
+        "record (params, tags, every logged metric, the evidence logged at its end).",
+        epilog=AUDIT_EXITS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run", metavar="RUN", help="run folder, report folder, or MLflow run id")
     p.add_argument("--json", action="store_true", help="machine-readable result")
-    p.add_argument("--no-mlflow", action="store_true", help="do not compare against the MLflow run")
+    p.add_argument("--no-mlflow", action="store_true", help="do not read the MLflow run (its checks are UNVERIFIED)")
+    p.add_argument(
+        "--tracking-uri",
+        default=None,
+        metavar="URI",
+        help="the MLflow store that holds the run (default: run.json's, then $MLFLOW_TRACKING_URI)",
+    )
+    p.add_argument(
+        "--recompute-eval",
+        action="store_true",
+        help="load the final checkpoint and recompute each domain's validation loss on the pinned samples",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="the checkpoint folder for --recompute-eval when the report is not inside its run folder",
+    )
+    p.add_argument(
+        "--require-verified",
+        action="store_true",
+        help=f"UNVERIFIED exits {EXIT_DISCREPANCY} (CI), not {EXIT_UNVERIFIED}",
+    )
     p.set_defaults(func=_audit)
 
     p = subparsers.add_parser(
-        "audit-claims", help="check published training claims (YAML) for implied MFU and impossible figures"
+        "audit-claims", help="check published training claims (YAML): implied MFU, impossible and implausible figures"
     )
     p.add_argument("file", help="YAML file of claims (model size, device, tokens per second, ...)")
     p.add_argument("--json", action="store_true", help="machine-readable result")
+    p.add_argument(
+        "--plausible-mfu",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="MFU above which a claim is IMPLAUSIBLE (default 0.65: above the best published dense BF16 runs)",
+    )
     p.set_defaults(func=_audit_claims)
 
     p = subparsers.add_parser("publish", help="audit a run, then copy its report to reports/<experiment>/<run_id>/")
@@ -114,9 +190,20 @@ def register(subparsers) -> None:
         default=DEFAULT_REPORTS_DIR,
         help="folder of published reports and their README.md index (default: reports)",
     )
+    p.add_argument(
+        "--require-verified", action="store_true", help="publish only a PASS (default: PASS or UNVERIFIED, never FAIL)"
+    )
     p.set_defaults(func=_publish)
 
-    p = subparsers.add_parser("audit-reports", help="audit every published report (CI)")
+    p = subparsers.add_parser(
+        "audit-reports",
+        help="audit every published report (CI)",
+        description="Audit every published report. Without its MLflow run (CI has none) a published report is at "
+        "best UNVERIFIED: every file in its folder can be rewritten together. Give --tracking-uri, the store that "
+        "holds the runs, to verify them.",
+        epilog=AUDIT_EXITS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument(
         "reports_dir_positional",
         nargs="?",
@@ -125,4 +212,8 @@ def register(subparsers) -> None:
     )
     p.add_argument("--reports-dir", default=None, help="the same folder, as an option (kept for old scripts)")
     p.add_argument("--verbose", action="store_true", help="print every check of every report")
+    p.add_argument("--tracking-uri", default=None, metavar="URI", help="the MLflow store that holds the published runs")
+    p.add_argument(
+        "--require-verified", action="store_true", help=f"UNVERIFIED exits {EXIT_DISCREPANCY}, not {EXIT_UNVERIFIED}"
+    )
     p.set_defaults(func=_audit_reports)

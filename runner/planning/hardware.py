@@ -264,6 +264,24 @@ def cpu_theoretical_tflops(threads: int | None = None, *, measure_seconds: float
     )
 
 
+_THEORETICAL_SOURCE = re.compile(
+    r"^theoretical: (?P<cores>\d+) cores x (?P<ghz>[0-9.]+) GHz x (?P<per_cycle>\d+) fp32 FLOP/cycle\b"
+)
+
+
+def theoretical_peak_from_source(source: str) -> tuple[float, float] | None:
+    """(peak TFLOP/s, relative rounding) recomputed from a `cpu_theoretical_tflops` source string,
+    cores x clock x FLOP/cycle as recorded; None when the source is not one. The clock is recorded
+    to 1 MHz, so the recomputation is exact to within half of that, relative to the clock."""
+    found = _THEORETICAL_SOURCE.match(str(source))
+    if found is None:
+        return None
+    cores, ghz, per_cycle = int(found["cores"]), float(found["ghz"]), int(found["per_cycle"])
+    if not (cores > 0 and ghz > 0 and per_cycle > 0):
+        return None
+    return cores * ghz * 1e9 * per_cycle / 1e12, 0.0005 / ghz
+
+
 def mfu(flops_per_token: float, tokens: float, seconds: float, peak_tflops: float, devices: int) -> float:
     """flops_per_token * tokens / (seconds * peak * devices). Use processed tokens and step time
     for `mfu`, useful tokens and wall time for `goodput_mfu` (SPEC). `seconds` may be device-seconds

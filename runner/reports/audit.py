@@ -1,15 +1,17 @@
-"""Audit a run's report against its own inputs: schemas, invariants, sampler replay, FLOPs and MFU.
+"""Audit a run's report against what the report cannot rewrite, and say what could not be checked.
 
-Owns: the named checks a report must pass before anyone believes or publishes it. Every figure is
-recounted from what the run was given, independently of what it logged. What it was given is the
-saved experiment.yaml, read through the schema (runner.runs.load_saved_experiment): it is the
-complete resolved config the run trained under, so the schema supplies no value the run did not
-record; the run's other records are read as they are. The recount: exposure, unique and the
-repetition histogram by replaying the sampler (experiment.yaml + manifests' sample counts);
-params and FLOPs per token from the model config; MFU, goodput MFU and cost from the recorded
-convention, times, the devices the run held (run.json) and the device peak table; the CSV copies
-of a report folder against its parquet tables (publish ships both); and, when the MLflow run is
-reachable, its final metrics against the report.
+Owns: the named checks a report must pass before anyone believes or publishes it, run in order:
+the tables against their schemas and SPEC's invariants; every mixture domain in every table; the
+manifest copies against their sha256 pins in experiment.yaml; the fingerprint recomputed from
+experiment.yaml against run.json and the summary; exposure, unique and the repetition histogram
+recounted by replaying the sampler from the recipe's ratios and the manifests' sample counts;
+params, FLOPs per token, the peak (a datasheet figure, or a CPU's cores x clock x FLOP/cycle
+recomputed) and from them MFU, goodput MFU, HFU and cost; the CSV copies against the parquet
+tables; a run folder's raw files and final checkpoint against its report; then, through
+runner.reports.audit_tracked, the run's MLflow run (params, tags, every logged metric, the evidence
+logged at the end) and, when asked, the validation loss recomputed from the final checkpoint
+(runner.reports.audit_eval). A check that cannot run is UNVERIFIED (runner.reports.checks), never
+a pass.
 Never: edits a report or a run, trains, or raises for a discrepancy (discrepancies are results;
 only unusable input raises RunnerError).
 """
@@ -17,78 +19,36 @@ only unusable input raises RunnerError).
 from __future__ import annotations
 
 import math
-import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from safetensors.numpy import load_file
 
+from runner.config.load import Experiment, experiment_from_dict
 from runner.config.rules import devices
 from runner.config.schema import ExperimentSchema
 from runner.data.manifest import manifest_sha256, num_samples
 from runner.data.sampler import MixtureSampler
 from runner.errors import RunnerError
-from runner.fsio import read_json
+from runner.fsio import read_json, read_yaml
 from runner.planning.flops import Convention, flops_per_token, params_of_config
-from runner.planning.hardware import PEAKS, canonical_device
+from runner.planning.hardware import PEAKS, canonical_device, theoretical_peak_from_source
+from runner.reports import audit_tracked
+from runner.reports import evidence as ev
 from runner.reports import tables as rpt
-from runner.runs import device_seconds, devices_held, is_reportable_run, load_saved_experiment, read_manifest_copies
+from runner.reports.checks import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
+from runner.runs import device_seconds, devices_held, is_reportable_run, read_manifest_copies
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
 
-PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
-INFO = "INFO"  # a fact a reader should see next to the checks; never fails
+__all__ = ["FAIL", "INFO", "PASS", "UNVERIFIED", "AuditInput", "AuditResult", "Check", "audit", "load_input", "replay"]
+
 REL_TOL = 1e-6
 CSV_REL_TOL = 1e-9  # a CSV float is the parquet value written as text: only parse noise is tolerated
-
-
-@dataclass
-class Check:
-    name: str
-    status: str
-    detail: str = ""
-
-
-@dataclass
-class AuditResult:
-    source: str
-    checks: list[Check] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return all(c.status != FAIL for c in self.checks)
-
-    def failed(self) -> list[str]:
-        return [c.name for c in self.checks if c.status == FAIL]
-
-    def add(self, name: str, problems: list[str], *, ok_detail: str = "") -> None:
-        status = FAIL if problems else PASS
-        self.checks.append(
-            Check(
-                name,
-                status,
-                "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
-                if problems
-                else ok_detail,
-            )
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "passed": self.passed, "checks": [asdict(c) for c in self.checks]}
-
-    def render(self) -> str:
-        width = max((len(c.name) for c in self.checks), default=5)
-        lines = [f"audit of {self.source}", f"{'check':<{width}}  result  detail"]
-        lines += [f"{c.name:<{width}}  {c.status:<6}  {c.detail}" for c in self.checks]
-        lines.append(
-            f"{'PASS' if self.passed else 'FAIL'}: {sum(c.status == PASS for c in self.checks)} passed, "
-            f"{sum(c.status == FAIL for c in self.checks)} failed, "
-            f"{sum(c.status == SKIP for c in self.checks)} skipped, "
-            f"{sum(c.status == INFO for c in self.checks)} informational"
-        )
-        return "\n".join(lines)
+HISTOGRAM_CAP = 255  # the ledger's per-sample counters saturate here
 
 
 @dataclass
@@ -97,11 +57,29 @@ class AuditInput:
 
     source: str
     tables: dict[str, pd.DataFrame]
-    cfg: ExperimentSchema
-    run: dict
+    cfg: dict  # experiment.yaml as read (plain data, for the report builder's helpers)
+    run: dict  # run.json ({} when the report has none)
     manifests: dict[str, dict]
+    exp: Experiment  # the Experiment experiment.yaml resolves to (typed config, recomputed fingerprint)
     rebuilt: dict[str, pd.DataFrame] | None = None  # tables rebuilt from a run folder's raw files
     report_dir: Path | None = None  # the report folder the tables were read from (holds the CSV copies)
+    run_dir: Path | None = None  # the run folder, when the audit can see it (checkpoints, fingerprint.txt)
+    cfg_file: Path | None = None  # the experiment.yaml the tables go with
+    rebuild_error: str = ""  # why the run folder next to the report could not be rebuilt
+
+    @property
+    def config(self) -> ExperimentSchema:
+        return self.exp.config
+
+    @property
+    def has_run_json(self) -> bool:
+        return bool(self.run)
+
+    def steps(self) -> int:
+        """Committed steps: run.json's record when there is one, else the summary's own claim."""
+        if self.run.get("committed_steps") is not None:
+            return int(self.run["committed_steps"])
+        return int(self.tables["run_summary"].iloc[0]["steps"])
 
 
 def load_input(target: str | Path) -> AuditInput:
@@ -109,20 +87,27 @@ def load_input(target: str | Path) -> AuditInput:
     path = Path(target)
     if path.is_dir():
         if rpt.is_report_dir(path):
-            return _from_report_dir(path)
+            inp = _from_report_dir(path)
+            if path.name == rpt.REPORT_DIR and is_reportable_run(path.parent):
+                _attach_run_dir(inp, path.parent)  # a run folder's own report: its raw files are next to it
+            return inp
         if is_reportable_run(path):
-            rebuilt = rpt.build_tables(path)
             if rpt.is_report_dir(path / rpt.REPORT_DIR):
                 found = _from_report_dir(path / rpt.REPORT_DIR)
-                found.rebuilt = rebuilt
+                _attach_run_dir(found, path)
                 return found
-            cfg = load_saved_experiment(path / "experiment.yaml").config
+            rebuilt = rpt.build_tables(path)
+            cfg = _read_cfg(path / "experiment.yaml")
+            exp = experiment_from_dict(cfg, path=path / "experiment.yaml")
             return AuditInput(
                 str(path),
                 rebuilt,
                 cfg,
                 read_json(path / "run.json"),
-                read_manifest_copies(path / "manifests", sorted(cfg.mixture.domains)),
+                read_manifest_copies(path / "manifests", sorted(exp.config.mixture.domains)),
+                exp=exp,
+                run_dir=path,
+                cfg_file=path / "experiment.yaml",
             )
         raise RunnerError(
             "neither a run folder (run.json, ledger.json) nor a report folder (run_summary.parquet)", file=str(path)
@@ -133,12 +118,39 @@ def load_input(target: str | Path) -> AuditInput:
     raise RunnerError("no such folder, and not an MLflow run id", file=str(target))
 
 
+def _read_cfg(path: Path) -> dict:
+    """experiment.yaml as saved: the plain resolved config (its sha256 and fingerprint are checked)."""
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise RunnerError("expected a mapping (the resolved experiment config)", file=str(path))
+    return data
+
+
+def _attach_run_dir(inp: AuditInput, run_dir: Path) -> None:
+    """The run folder a report was written from: its tables rebuilt from the raw files, its checkpoints."""
+    inp.run_dir = run_dir
+    try:
+        inp.rebuilt = rpt.build_tables(run_dir)
+    except RunnerError as err:  # the report can still be audited; that comparison cannot
+        inp.rebuild_error = str(err)
+
+
 def _from_report_dir(path: Path) -> AuditInput:
-    cfg = load_saved_experiment(path / "experiment.yaml").config
+    cfg_file = path / "experiment.yaml"
+    cfg = _read_cfg(cfg_file)
     run = read_json(path / "run.json") if (path / "run.json").exists() else {}
-    domains = sorted(cfg.mixture.domains)
+    if not isinstance(run, dict):
+        raise RunnerError("expected a mapping", file=str(path / "run.json"))
+    exp = experiment_from_dict(cfg, path=cfg_file)
     return AuditInput(
-        str(path), rpt.read_tables(path), cfg, run, read_manifest_copies(path / "manifests", domains), report_dir=path
+        str(path),
+        rpt.read_tables(path),
+        cfg,
+        run,
+        read_manifest_copies(path / "manifests", sorted(exp.config.mixture.domains)),
+        exp=exp,
+        report_dir=path,
+        cfg_file=cfg_file,
     )
 
 
@@ -153,6 +165,8 @@ class Replay:
     exposure_samples: dict[str, int]
     seen: dict[str, np.ndarray]  # times each sample was drawn
     mixture_violations: list[str]  # invariant 5 at every step
+    # committed step -> {domain: (samples drawn, distinct samples drawn)} at the steps asked for
+    snapshots: dict[int, dict[str, tuple[int, int]]]
 
     def histogram(self, d: str) -> dict[int, int]:
         values, counts = np.unique(self.seen[d], return_counts=True)
@@ -160,19 +174,29 @@ class Replay:
 
 
 def replay(
-    samples: dict[str, int], ratios: dict[str, float], seed: int, global_batch_sequences: int, steps: int
+    samples: dict[str, int],
+    ratios: dict[str, float],
+    seed: int,
+    global_batch_sequences: int,
+    steps: int,
+    snapshot_steps: set[int] | frozenset[int] = frozenset(),
 ) -> Replay:
-    """Regenerate every committed step's (domain, sample) pairs and count them (SPEC invariant 6)."""
+    """Regenerate every committed step's (domain, sample) pairs and count them (SPEC invariant 6),
+    keeping the per-domain counts after each step in `snapshot_steps` (MLflow logs counters there)."""
     sampler = MixtureSampler(samples, ratios, seed, global_batch_sequences)
     domains = list(sampler.domains)
     seen = {d: np.zeros(samples[d], dtype=np.int64) for d in domains}
     drawn = np.zeros(len(domains), dtype=np.int64)
+    distinct = np.zeros(len(domains), dtype=np.int64)
     target = np.array([ratios[d] for d in domains], dtype=float)
     violations: list[str] = []
+    snapshots: dict[int, dict[str, tuple[int, int]]] = {}
     for step in range(steps):
         domain_ids, sample_idx = sampler.step_arrays(step)
         for i, d in enumerate(domains):
-            np.add.at(seen[d], sample_idx[domain_ids == i], 1)
+            idx = sample_idx[domain_ids == i]
+            distinct[i] += np.unique(idx[seen[d][idx] == 0]).size
+            np.add.at(seen[d], idx, 1)
         drawn += np.bincount(domain_ids, minlength=len(domains))
         # In samples: |exposure_d - r_d * total| <= L  <=>  |n_d - r_d * n| <= 1.
         off = np.abs(drawn - target * drawn.sum())
@@ -180,10 +204,22 @@ def replay(
             violations.append(
                 f"step {step + 1}: {domains[j]} {drawn[j]} samples vs target {target[j] * drawn.sum():.2f}"
             )
-    return Replay(domains, {d: int(seen[d].sum()) for d in domains}, seen, violations)
+        if step + 1 in snapshot_steps:
+            snapshots[step + 1] = {d: (int(drawn[i]), int(distinct[i])) for i, d in enumerate(domains)}
+    return Replay(domains, {d: int(seen[d].sum()) for d in domains}, seen, violations, snapshots)
 
 
-# ---- the checks ---------------------------------------------------------------------------------
+def replay_input(inp: AuditInput, snapshot_steps: set[int] | frozenset[int] = frozenset()) -> Replay:
+    """The replay of the run an audit input describes (RunnerError when the sampler refuses it)."""
+    cfg = inp.config
+    seq_len = cfg.train.seq_len
+    mix = cfg.mixture.domains
+    samples = {d: num_samples(int(inp.manifests[d]["pool_tokens"]), seq_len) for d in sorted(mix)}
+    ratios = {d: mix[d].target_ratio for d in sorted(mix)}
+    return replay(samples, ratios, cfg.seed, cfg.train.global_batch_sequences, inp.steps(), snapshot_steps)
+
+
+# ---- the checks that need nothing but the report (and its run folder, when present) --------------
 
 
 def _close(a: float, b: float, rel: float = REL_TOL) -> bool:
@@ -222,54 +258,130 @@ def _check_schemas(res: AuditResult, tables: dict[str, pd.DataFrame]) -> bool:
     return usable
 
 
+def validation_samples(inp: AuditInput) -> dict[str, int]:
+    """Validation samples the trainer scores per domain (runner.training.evaluate): the first
+    eval.samples_per_domain windows of each validation pool, clipped to what the manifest holds."""
+    cfg = inp.config
+    out = {}
+    for d in sorted(cfg.mixture.domains):
+        m = inp.manifests[d]
+        tokens = sum(int(s.get("tokens", 0)) for s in m.get("validation_shards") or [])
+        n = min(cfg.eval.samples_per_domain, num_samples(tokens, cfg.train.seq_len)) if tokens else 0
+        if n > 0:
+            out[d] = n
+    return out
+
+
+def _check_domains(res: AuditResult, inp: AuditInput) -> None:
+    """Every mixture domain in every table: a domain dropped from a table is not a smaller run."""
+    cfg, t = inp.config, inp.tables
+    mix = set(cfg.mixture.domains)
+    problems = []
+    for name in ("accounting", "repetition"):
+        got = set(t[name]["domain"])
+        if got != mix:
+            problems.append(f"{name}: domains {sorted(got)}, mixture {sorted(mix)}")
+    val = t["validation"]
+    scored = set(validation_samples(inp))
+    step_tokens = cfg.train.global_batch_sequences * cfg.train.seq_len
+    for step, rows in val.groupby("step"):
+        if set(rows["domain"]) != scored:
+            problems.append(
+                f"validation at step {int(step)}: domains {sorted(set(rows['domain']))}, "
+                f"domains with validation samples {sorted(scored)}"
+            )
+        wrong = sorted({int(x) for x in rows["exposure_tokens"]} - {int(step) * step_tokens})
+        if wrong:
+            problems.append(
+                f"validation at step {int(step)}: exposure {wrong}, {int(step)} steps are {int(step) * step_tokens}"
+            )
+    status = str(t["run_summary"].iloc[0]["status"])
+    if scored and status == "finished" and (val.empty or int(val["step"].max()) != inp.steps()):
+        last = "none" if val.empty else int(val["step"].max())
+        problems.append(f"last evaluation at step {last}, the finished run ends at step {inp.steps()}")
+    res.add("every mixture domain in every table", problems, ok_detail=f"{len(mix)} domains")
+
+
 def _check_manifests(res: AuditResult, inp: AuditInput) -> None:
     problems = []
-    pinned = inp.cfg.data.manifests
+    pins = inp.config.data.manifests
     for d, m in inp.manifests.items():
         recomputed = manifest_sha256(m)
         if recomputed != m.get("manifest_sha256"):
             problems.append(
                 f"{d}: manifest content hashes to {recomputed[:12]}, says {str(m.get('manifest_sha256'))[:12]}"
             )
-        want = pinned[d].sha256 if d in pinned else None
-        if want is not None and want != m.get("manifest_sha256"):
+        want = pins[d].sha256 if d in pins else None
+        if want is None:
+            problems.append(f"{d}: experiment.yaml pins no manifest sha256 for it")
+        elif want != m.get("manifest_sha256"):
             problems.append(f"{d}: experiment pins {want[:12]}, manifest is {str(m.get('manifest_sha256'))[:12]}")
     res.add("manifests match the experiment's pins", problems)
 
 
-def _check_config_agreement(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
+def _check_fingerprint(res: AuditResult, inp: AuditInput) -> None:
+    """The fingerprint experiment.yaml resolves to, against every record of it the audit can see."""
+    fp = inp.exp.fingerprint
+    found = {"run_summary": str(inp.tables["run_summary"].iloc[0]["fingerprint"])}
+    if inp.has_run_json:
+        found["run.json"] = str(inp.run.get("fingerprint"))
+        segments = inp.run.get("segments") or []
+        if segments:
+            found["run.json current segment"] = str(segments[-1].get("fingerprint"))
+    if inp.run_dir is not None and (inp.run_dir / "fingerprint.txt").exists():
+        found["fingerprint.txt"] = (inp.run_dir / "fingerprint.txt").read_text().strip()
+    problems = [
+        f"{where} says {value[:12]}, experiment.yaml resolves to {fp[:12]}"
+        for where, value in found.items()
+        if value != fp
+    ]
+    res.add("fingerprint recomputed from experiment.yaml", problems, ok_detail=f"{fp[:12]} = {', '.join(found)}")
+    if not inp.has_run_json:
+        res.could_not(
+            "run.json",
+            "missing: the fingerprint, committed steps, devices held and device-seconds it records, and the "
+            "MLflow run it names, cannot be checked",
+        )
+
+
+def _check_config_agreement(res: AuditResult, inp: AuditInput) -> None:
+    cfg = inp.config
+    seq_len = cfg.train.seq_len
     acct, s = inp.tables["accounting"], inp.tables["run_summary"].iloc[0]
-    mix = inp.cfg.mixture.domains
+    mix = cfg.mixture.domains
     problems = []
-    if sorted(acct["domain"]) != sorted(mix):
-        problems.append(f"domains {sorted(acct['domain'])} != mixture {sorted(mix)}")
     for r in acct.itertuples(index=False):
         if r.domain not in mix:
             continue
         samples = num_samples(int(inp.manifests[r.domain]["pool_tokens"]), seq_len)
-        expect: dict[str, Any] = {
+        per_domain: dict[str, float] = {
             "samples": samples,
             "pool_tokens": samples * seq_len,
             "tail_tokens": max(int(inp.manifests[r.domain]["pool_tokens"]) - samples * seq_len - 1, 0),
             "target_ratio": mix[r.domain].target_ratio,
             "max_repetition_ratio": mix[r.domain].max_repetition_ratio,
         }
-        for col, want in expect.items():
+        for col, want in per_domain.items():
             if not _close(getattr(r, col), want, 1e-12):
                 problems.append(f"{r.domain}.{col} = {getattr(r, col)}, manifest/mixture say {want}")
     res.add("accounting matches manifests and mixture", problems)
 
-    hw, train = inp.cfg.hardware, inp.cfg.train
-    expect = {
-        "experiment": inp.cfg.name,
-        "version": str(inp.cfg.version),
-        "seq_len": train.seq_len,
-        "global_batch_sequences": train.global_batch_sequences,
-        "devices": devices_held(inp.run, inp.cfg),
-        "price_per_device_hour": hw.price_per_device_hour_usd,
+    expect: dict[str, Any] = {
+        "experiment": cfg.name,
+        "version": str(cfg.version),
+        "seq_len": seq_len,
+        "global_batch_sequences": cfg.train.global_batch_sequences,
+        "devices": devices_held(inp.run, inp.config),
+        "price_per_device_hour": cfg.hardware.price_per_device_hour_usd or 0.0,
     }
-    if inp.run.get("fingerprint"):
-        expect["fingerprint"] = inp.run["fingerprint"]
+    if inp.has_run_json:
+        expect.update(
+            {
+                "steps": inp.steps(),
+                "status": str(inp.run.get("status", "finished")),
+                "run_id": str(inp.run.get("run_id", s["run_id"])),
+            }
+        )
     problems = [
         f"{k} = {s[k]!r}, run/config say {v!r}"
         for k, v in expect.items()
@@ -279,89 +391,71 @@ def _check_config_agreement(res: AuditResult, inp: AuditInput, seq_len: int) -> 
 
     # A launcher may start more processes than the recipe names (torchrun --nproc-per-node 2 on a
     # 1-device recipe): not an error, since MFU and cost are over what was held, but worth seeing.
-    res.checks.append(
-        Check("devices held vs recipe", INFO, f"held {devices_held(inp.run, inp.cfg)}, recipe {devices(inp.cfg)}")
-    )
+    res.info("devices held vs recipe", f"held {devices_held(inp.run, inp.config)}, recipe {devices(inp.config)}")
 
 
-def _check_replay(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
-    s = inp.tables["run_summary"].iloc[0]
+def _check_replay(res: AuditResult, inp: AuditInput, rep: Replay) -> None:
+    seq_len = inp.config.train.seq_len
     acct = inp.tables["accounting"].set_index("domain")
     hist = inp.tables["repetition"]
-    mix = inp.cfg.mixture.domains
-    domains = sorted(mix)
-    samples = {d: num_samples(int(inp.manifests[d]["pool_tokens"]), seq_len) for d in domains}
-    ratios = {d: mix[d].target_ratio for d in domains}
-    try:
-        rep = replay(samples, ratios, inp.cfg.seed, inp.cfg.train.global_batch_sequences, int(s["steps"]))
-    except RunnerError as err:
-        res.add("replay: sampler", [f"sampler refused the recorded inputs: {err}"])
-        return
     exposure, unique, histo = [], [], []
-    for d in domains:
+    for d in rep.domains:
         want_exp = rep.exposure_samples[d] * seq_len
         want_unique = int((rep.seen[d] > 0).sum()) * seq_len
-        got = acct.loc[d] if d in acct.index else None
-        if got is None:
+        if d not in acct.index:
             exposure.append(f"{d}: missing from accounting")
             continue
+        got = acct.loc[d]
         if int(got["exposure_tokens"]) != want_exp:
             exposure.append(f"{d}: report {int(got['exposure_tokens'])}, replay {want_exp}")
         if int(got["unique_tokens"]) != want_unique:
             unique.append(f"{d}: report {int(got['unique_tokens'])}, replay {want_unique}")
-        # The ledger's counters saturate at 255, so the replay is clipped the same way.
         want_h: dict[int, int] = {}
         for k, n in rep.histogram(d).items():
-            want_h[min(k, 255)] = want_h.get(min(k, 255), 0) + n
+            want_h[min(k, HISTOGRAM_CAP)] = want_h.get(min(k, HISTOGRAM_CAP), 0) + n
         g = hist[hist["domain"] == d]
         got_h = {int(k): int(n) for k, n in zip(g["times_seen"], g["samples"]) if int(n)}
         want_h = {k: n for k, n in want_h.items() if n}
         if got_h != want_h:
             histo.append(f"{d}: report {got_h}, replay {want_h}")
-    res.add("replay: exposure per domain", exposure, ok_detail=f"{int(s['steps'])} steps regenerated")
+    res.add("replay: exposure per domain", exposure, ok_detail=f"{inp.steps()} steps regenerated")
     res.add("replay: unique per domain", unique)
     res.add("replay: repetition histogram", histo)
     res.add("replay: mixture exact at every step (invariant 5)", rep.mixture_violations)
 
 
-def _dense_peak(inp: AuditInput, device_name: str) -> tuple[float | None, str]:
+def _dense_peak(device_name: str) -> tuple[float | None, str]:
     key = canonical_device(device_name)
     if key is not None:
         return PEAKS[key].dense_bf16_tflops, f"{key} dense bf16 from the peak table"
-    stated = inp.cfg.hardware.peak_tflops
-    if stated is not None:
-        return float(stated), "stated in the hardware recipe (device not in the table)"
-    return None, "not in the table and not stated in the recipe"
+    return None, "not in the peak table"
 
 
-def _check_compute(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
-    s = inp.tables["run_summary"].iloc[0]
-    conv = Convention.from_dict(
-        {k: s[k] for k in ("flops_formula", "params_counted", "attention_causal_half", "recompute_counted")}
-    )
-    n_params = params_of_config(inp.cfg).get(conv.params_counted)
-    fpt = flops_per_token(inp.cfg, conv, seq_len=seq_len)
+def _peak_records_agree(inp: AuditInput, s: pd.Series) -> list[str]:
+    """The peak the summary divides by is the one run.json recorded for every convention."""
     problems = []
-    if int(s["params"]) != n_params:
-        problems.append(f"params = {int(s['params'])}, model config gives {n_params} ({conv.params_counted})")
-    if not _close(s["flops_per_token"], fpt):
-        problems.append(
-            f"flops_per_token = {s['flops_per_token']:.6g}, model config gives {fpt:.6g} ({conv.flops_formula})"
-        )
-    res.add("params and FLOPs per token from the model config", problems)
+    for record in ("conventions", "conventions_goodput", "conventions_hfu"):
+        conv = inp.run.get(record) or {}
+        for key in ("peak_tflops", "peak_dtype", "peak_source"):
+            if key not in conv:
+                continue
+            same = _close(conv[key], s[key], 1e-12) if key == "peak_tflops" else str(conv[key]) == str(s[key])
+            if not same:
+                problems.append(f"run.json {record}.{key} = {conv[key]!r}, summary {s[key]!r}")
+    return problems
 
-    recorded = float(s["peak_tflops"])
-    dense, where = _dense_peak(inp, str(s["device_name"]))
-    problems = []
-    source = str(s["peak_source"])
+
+def _check_peak(res: AuditResult, inp: AuditInput, s: pd.Series) -> float:
+    """Check the peak behind MFU; return the peak (FLOP/s) the recount divides by.
+
+    A datasheet device must use its dense figure. A CPU's theoretical peak is recomputed from the
+    cores x clock x FLOP/cycle recorded in its source. Anything else (a measured burst, a peak a
+    recipe states for a device without a datasheet row) is not a figure the audit can verify."""
+    recorded, source = float(s["peak_tflops"]), str(s["peak_source"])
+    problems = _peak_records_agree(inp, s)
+    dense, where = _dense_peak(str(s["device_name"]))
     measured = source.startswith("measured")
-    # A device without a datasheet row (a CPU) may carry a peak derived on the machine that ran:
-    # cores x clock x FLOP/cycle (runner.planning.hardware's "theoretical: ...") or a timed matmul
-    # ("measured: ..."). The audit may run elsewhere, so it cannot rederive it; it takes the record.
-    derived = measured or (dense is None and source.startswith("theoretical"))
-    if dense is None and not derived:
-        problems.append(f"device {s['device_name']!r}: {where}")
-    elif dense is not None and not measured:
+    if dense is not None and not measured:
         if _close(recorded, 2 * dense):
             problems.append(
                 f"peak {recorded} TFLOP/s is the sparse figure of {s['device_name']} "
@@ -369,25 +463,82 @@ def _check_compute(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
             )
         elif not _close(recorded, dense):
             problems.append(f"peak {recorded} TFLOP/s is not the dense peak {dense} of {s['device_name']} ({where})")
-    res.add(
-        "peak is the device's dense peak",
-        problems,
-        ok_detail=f"{recorded} TFLOP/s ({source.split(':')[0] if derived else where})",
-    )
+        res.add("peak is the device's dense peak", problems, ok_detail=f"{recorded} TFLOP/s ({where})")
+        return dense * 1e12
+    theoretical = theoretical_peak_from_source(source)
+    if theoretical is not None:
+        peak, rounding = theoretical
+        if not math.isclose(recorded, peak, rel_tol=rounding + 1e-9):
+            problems.append(f"peak {recorded} TFLOP/s, the recorded {source.split(' (')[0]} is {peak:.6g}")
+        res.add(
+            "peak recomputed from cores x clock x FLOP/cycle",
+            problems,
+            ok_detail=f"{recorded} TFLOP/s = {source.split(': ', 1)[1].split(' (')[0]}",
+        )
+        return recorded * 1e12
+    if source.startswith("theoretical"):
+        problems.append(f"peak source {source!r} does not state cores x clock x FLOP/cycle in the recorded form")
+    stated = inp.config.hardware.peak_tflops
+    if not measured and stated is not None and not _close(stated, recorded):
+        problems.append(f"peak {recorded} TFLOP/s, the hardware recipe in experiment.yaml states {stated}")
+    if problems:
+        res.add("peak is a figure the audit can verify", problems)
+    else:
+        why = "measured on the machine that ran" if measured else "stated in the hardware recipe"
+        res.could_not(
+            "peak is a figure the audit can verify",
+            f"not a datasheet figure: {recorded} TFLOP/s {why} ({source}) for device {s['device_name']!r}",
+        )
+    return recorded * 1e12
 
-    peak = (dense if dense is not None and not measured else recorded) * 1e12
-    # The devices the run held, from run.json, not the summary's own column: the recount must not
-    # trust the figure it is checking.
-    # Device-seconds likewise from run.json (each attempt with the devices it held).
-    device_wall, device_step = device_seconds(
-        inp.run, inp.cfg, float(s["wall_seconds"]), float(s["step_seconds_total"])
+
+def _check_flops(res: AuditResult, inp: AuditInput, s: pd.Series) -> tuple[Convention, float]:
+    """Params and FLOPs per token from the model config under the recorded convention."""
+    seq_len = inp.config.train.seq_len
+    conv = Convention.from_dict(
+        {k: s[k] for k in ("flops_formula", "params_counted", "attention_causal_half", "recompute_counted")}
     )
-    want = {
-        "device_wall_seconds": device_wall,
-        "device_step_seconds": device_step,
+    n_params = params_of_config(inp.config).get(conv.params_counted)
+    fpt = flops_per_token(inp.config, conv, seq_len=seq_len)
+    problems = []
+    if int(s["params"]) != n_params:
+        problems.append(f"params = {int(s['params'])}, model config gives {n_params} ({conv.params_counted})")
+    if not _close(s["flops_per_token"], fpt):
+        problems.append(
+            f"flops_per_token = {s['flops_per_token']:.6g}, model config gives {fpt:.6g} ({conv.flops_formula})"
+        )
+    recorded_conv = inp.run.get("conventions") or {}
+    for key in ("flops_formula", "params_counted", "attention_causal_half", "recompute_counted"):
+        if key in recorded_conv and str(recorded_conv[key]) != str(s[key]):
+            problems.append(f"{key} = {s[key]!r}, run.json conventions say {recorded_conv[key]!r}")
+    res.add("params and FLOPs per token from the model config", problems)
+    return conv, fpt
+
+
+def _check_compute(res: AuditResult, inp: AuditInput) -> None:
+    s = inp.tables["run_summary"].iloc[0]
+    seq_len = inp.config.train.seq_len
+    conv, fpt = _check_flops(res, inp, s)
+    peak = _check_peak(res, inp, s)
+    want: dict[str, float] = {}
+    if inp.has_run_json:
+        # The devices and device-seconds from run.json, not the summary's own columns: the recount
+        # must not trust the figures it is checking.
+        device_wall, device_step = device_seconds(
+            inp.run, inp.config, float(s["wall_seconds"]), float(s["step_seconds_total"])
+        )
+        want.update(device_wall_seconds=device_wall, device_step_seconds=device_step)
+    else:
+        device_wall, device_step = float(s["device_wall_seconds"]), float(s["device_step_seconds"])
+        res.could_not(
+            "device-seconds recomputed",
+            "no run.json: the summary's device-seconds cannot be recounted; MFU, goodput MFU and cost are "
+            "recomputed over them as stated",
+        )
+    want |= {
         "mfu": fpt * int(s["processed_tokens"]) / (device_step * peak),
         "goodput_mfu": fpt * int(s["useful_tokens"]) / (device_wall * peak),
-        "hfu": rpt.hfu_flops_per_token_or_nan(inp.cfg, conv, seq_len)
+        "hfu": rpt.hfu_flops_per_token_or_nan(inp.config, conv, seq_len)
         * int(s["processed_tokens"])
         / (device_step * peak),
         "cost_per_billion_useful_tokens": float(s["price_per_device_hour"])
@@ -397,6 +548,10 @@ def _check_compute(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
         if int(s["useful_tokens"])
         else 0.0,
     }
+    if inp.has_run_json:
+        for key in ("wall_seconds", "step_seconds_total"):
+            if inp.run.get(key) is not None:
+                want[key] = float(inp.run[key])
     for key, value in want.items():
         ok = _close(s[key], value) or (math.isnan(float(s[key])) and math.isnan(value))  # hfu: both empty
         res.add(
@@ -407,6 +562,9 @@ def _check_compute(res: AuditResult, inp: AuditInput, seq_len: int) -> None:
 
 
 def _check_rebuilt(res: AuditResult, inp: AuditInput) -> None:
+    if inp.rebuild_error:
+        res.could_not("report matches the run folder", f"the run folder cannot be rebuilt: {inp.rebuild_error}")
+        return
     if inp.rebuilt is None:
         return
     problems = []
@@ -484,74 +642,125 @@ def csv_differences(report_dir: Path, tables: dict[str, pd.DataFrame]) -> list[s
 def _check_csv_copies(res: AuditResult, inp: AuditInput) -> None:
     name = "csv copies equal the parquet tables"
     if inp.report_dir is None:
-        res.checks.append(Check(name, SKIP, "no report folder (tables built from the run folder)"))
+        res.info(name, "no report folder: the tables were built from the run folder")
         return
     res.add(name, csv_differences(inp.report_dir, inp.tables), ok_detail=f"{len(SCHEMAS)} tables compared")
 
 
-def _check_mlflow(res: AuditResult, inp: AuditInput) -> None:
-    ml = inp.run.get("mlflow") or {}
-    uri, run_id = ml.get("tracking_uri"), ml.get("run_id")
-    name = "MLflow final metrics agree"
-    if not uri or not run_id:
-        res.checks.append(Check(name, SKIP, "run.json names no MLflow run"))
+def _check_evidence_file(res: AuditResult, inp: AuditInput) -> None:
+    name = "evidence.json matches the report"
+    found = ev.read_evidence_file(inp.report_dir) if inp.report_dir is not None else None
+    if found is None:
+        res.info(name, "no evidence.json next to the tables (written before the runner recorded evidence)")
         return
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    try:
-        from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: only when run.json names a run)
+    problems = ev.evidence_differences(found, inp, checkpoint=True)
+    if found.get("schema_version") != SCHEMA_VERSION:
+        problems.append(f"evidence is for schema {found.get('schema_version')}, the tables are {SCHEMA_VERSION}")
+    # Only a sloppy forgery fails here: the same hand can rewrite evidence.json. MLflow's copy is the proof.
+    res.add(name, problems, ok_detail="tables, experiment.yaml and validation (the MLflow copy is the one that proves)")
 
-        metrics = MlflowClient(tracking_uri=uri).get_run(run_id).data.metrics
-    except Exception as err:  # unreachable server, missing run, bad URI: the check cannot run
-        res.checks.append(Check(name, SKIP, f"unreachable ({type(err).__name__})"))
+
+def _check_checkpoint(res: AuditResult, inp: AuditInput) -> None:
+    """A run folder's final checkpoint: it verifies, it was written under this fingerprint, and its
+    ledger (per-sample counts, a record apart from ledger.json) recounts to the report."""
+    name = "final checkpoint agrees with the report"
+    if inp.run_dir is None:
         return
-    s = inp.tables["run_summary"].iloc[0]
-    losses = rpt.final_losses(inp.tables["validation"])
-    compared, problems = 0, []
-    for key, value in metrics.items():
-        leaf = key.rsplit("/", 1)[-1]
-        want = None
-        if (
-            leaf in s.index
-            and isinstance(s[leaf], (int, float, np.integer, np.floating))
-            and not isinstance(s[leaf], (bool, np.bool_))
-            and leaf not in ("mfu", "goodput_mfu", "hfu")
-        ):
-            want = float(s[leaf])
-        elif leaf == "loss_nats":
-            dom = [d for d in losses if f"/{d}/" in f"/{key}/"]
-            want = losses[dom[0]] if dom else None
-        if want is None:
+    step = inp.steps()
+    folder = inp.run_dir / "checkpoints"
+    if not any(folder.glob("step-*")):  # before importing torch: a fabricated or pruned run has none
+        res.could_not(name, f"no checkpoint at the last committed step {step} in {folder}")
+        return
+    from runner.training.checkpoint import dirname, verify  # noqa: PLC0415  (imports torch)
+
+    path = folder / dirname(step)
+    if not path.exists():
+        res.could_not(name, f"no checkpoint at the last committed step {step} in {folder}")
+        return
+    problem = verify(path)
+    if problem is not None:
+        res.add(name, [f"{path.name}: {problem}"])
+        return
+    state = read_json(path / "state.json")
+    problems = []
+    if state.get("fingerprint") != inp.exp.fingerprint:
+        problems.append(
+            f"written under fingerprint {str(state.get('fingerprint'))[:12]}, not {inp.exp.fingerprint[:12]}"
+        )
+    ledger = load_file(str(path / "ledger.safetensors"))
+    acct = inp.tables["accounting"].set_index("domain")
+    seq_len = inp.config.train.seq_len
+    for i, d in enumerate(sorted(inp.config.mixture.domains)):
+        if d not in acct.index or f"seen.{d}" not in ledger:
+            problems.append(f"{d}: not in both the report and the checkpoint's ledger")
             continue
-        compared += 1
-        if not _close(value, want, 1e-6):
-            problems.append(f"{key}: MLflow {value:.6g}, report {want:.6g}")
-    if not compared:
-        res.checks.append(Check(name, SKIP, "no MLflow metric shares a name with the report"))
-        return
-    res.add(name, problems, ok_detail=f"{compared} metrics compared")
+        counts = {k: int(ledger[f"{k}.by_domain"][i]) for k in ("processed", "exposure", "useful", "unique")}
+        counts["lost"] = counts["processed"] - counts["exposure"]
+        for kind, got in counts.items():
+            if got != int(acct.loc[d, f"{kind}_tokens"]):
+                problems.append(f"{d}.{kind}: checkpoint ledger {got}, report {int(acct.loc[d, f'{kind}_tokens'])}")
+        seen = ledger[f"seen.{d}"]
+        if int((seen > 0).sum()) * seq_len != int(acct.loc[d, "unique_tokens"]):
+            problems.append(f"{d}: checkpoint ledger has {int((seen > 0).sum())} samples seen")
+    res.add(name, problems, ok_detail=f"{path.name} verifies; its ledger recounts to the report")
 
 
-def audit_input(inp: AuditInput, *, check_mlflow: bool = True) -> AuditResult:
+def audit_input(
+    inp: AuditInput,
+    *,
+    check_mlflow: bool = True,
+    tracking_uri: str | None = None,
+    recompute_eval: bool = False,
+    checkpoint: Path | None = None,
+    progress=None,
+) -> AuditResult:
     res = AuditResult(inp.source)
     if not _check_schemas(res, inp.tables):
         return res
-    seq_len = inp.cfg.train.seq_len
+    tracked, why = audit_tracked.locate(inp, enabled=check_mlflow, tracking_uri=tracking_uri)
+    _check_domains(res, inp)
     _check_manifests(res, inp)
-    _check_config_agreement(res, inp, seq_len)
-    _check_replay(res, inp, seq_len)
-    _check_compute(res, inp, seq_len)
+    _check_fingerprint(res, inp)
+    _check_config_agreement(res, inp)
+    try:
+        rep = replay_input(inp, audit_tracked.replay_steps(tracked, inp.steps()))
+    except RunnerError as err:
+        res.add("replay: sampler", [f"sampler refused the recorded inputs: {err}"])
+        rep = None
+    if rep is not None:
+        _check_replay(res, inp, rep)
+    _check_compute(res, inp)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
-    if check_mlflow:
-        _check_mlflow(res, inp)
+    _check_evidence_file(res, inp)
+    _check_checkpoint(res, inp)
+    audit_tracked.check(res, inp, tracked, why, rep)
+    if recompute_eval:
+        from runner.reports.audit_eval import check_recomputed_eval  # noqa: PLC0415  (imports torch)
+
+        check_recomputed_eval(res, inp, checkpoint=checkpoint, progress=progress)
     return res
 
 
-def audit(target: str | Path, *, check_mlflow: bool = True) -> AuditResult:
+def audit(
+    target: str | Path,
+    *,
+    check_mlflow: bool = True,
+    tracking_uri: str | None = None,
+    recompute_eval: bool = False,
+    checkpoint: str | Path | None = None,
+    progress=None,
+) -> AuditResult:
     """Audit a run folder, report folder or MLflow run id; RunnerError only for unusable input."""
     inp = load_input(target)
     try:
-        return audit_input(inp, check_mlflow=check_mlflow)
-    except (KeyError, TypeError, ValueError) as err:
+        return audit_input(
+            inp,
+            check_mlflow=check_mlflow,
+            tracking_uri=tracking_uri,
+            recompute_eval=recompute_eval,
+            checkpoint=Path(checkpoint) if checkpoint else None,
+            progress=progress,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise RunnerError(f"unusable report or config: {type(err).__name__}: {err}", file=inp.source) from None

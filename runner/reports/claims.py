@@ -2,9 +2,10 @@
 
 Owns: what a claim file may state, the implied figures (MFU from tokens/s under the 6N convention,
 days from MFU or tokens/s, tokens per parameter against Chinchilla's 20) and the flags: figures
-that cannot be true (MFU above 100%, a sparse peak as denominator, a stated MFU or duration that
-disagrees with the implied one by more than 10% relative) and figures that cannot be compared
-(token kind unstated, device unknown).
+that cannot be true (IMPOSSIBLE: MFU above 100%, a sparse peak as denominator, a stated MFU or
+duration that disagrees with the implied one by more than 10% relative), figures no published
+training run has reached (IMPLAUSIBLE: MFU above the plausibility bound, below) and figures that
+cannot be compared (token kind unstated, device unknown).
 Never: reads runs or reports, or fills a missing figure from another device's peak.
 """
 
@@ -21,6 +22,17 @@ from runner.planning.hardware import PEAKS, canonical_device, mfu
 from runner.planning.plan import CHINCHILLA_TOKENS_PER_PARAM, SECONDS_PER_DAY
 
 TOKEN_KINDS = ("exposure", "unique", "useful", "processed")
+#: Dense BF16 training MFU above which a claim is IMPLAUSIBLE (not impossible: the device could, no
+#: published run has). The best published figures: PaLM 540B 46.2% on TPU v4 (Chowdhery et al.
+#: 2022, table 3); MosaicML llm-foundry's MPT benchmarks (scripts/train/benchmarking/README.md)
+#: at most 46.4% on H100 80GB and 64.2% on A100 80GB (MPT-7B, 8 GPUs, seq 2048, counting attention
+#: FLOPs, which the 6N implied here leaves out, so a claim's implied MFU is, if anything, lower
+#: than its own convention's); Megatron-LM's 52% of A100 peak for a 1T model (Narayanan et al. 2021)
+#: counts activation recomputation, so its MFU is lower. 65% sits just above the best of these.
+PLAUSIBLE_MFU = 0.65
+PLAUSIBLE_MFU_SOURCE = (
+    "the best published: llm-foundry MPT-7B on 8x A100 64.2%, on H100 46.4%; PaLM 540B 46.2% on TPU v4"
+)
 DISAGREE_REL = 0.10
 CONVENTION = "6N (Kaplan/Chinchilla): flops_per_token = 6 * params as claimed; dense bf16 peak per device"
 KEYS = (
@@ -41,7 +53,7 @@ KEYS = (
 
 @dataclass
 class Flag:
-    severity: str  # "impossible" or "unstated"
+    severity: str  # "impossible", "implausible" or "unstated"
     message: str
 
 
@@ -61,9 +73,23 @@ class ClaimResult:
     def impossible(self) -> bool:
         return any(f.severity == "impossible" for f in self.flags)
 
+    @property
+    def implausible(self) -> bool:
+        return any(f.severity == "implausible" for f in self.flags)
+
+    @property
+    def verdict(self) -> str:
+        if self.impossible:
+            return "IMPOSSIBLE"
+        if self.implausible:
+            return "IMPLAUSIBLE"
+        return "FLAGGED" if self.flags else "ok"
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["impossible"] = self.impossible
+        d["implausible"] = self.implausible
+        d["verdict"] = self.verdict
         return d
 
 
@@ -80,6 +106,19 @@ def _number(claim: dict, key: str, where: str, *, positive: bool = True) -> floa
     if not math.isfinite(x) or (positive and x <= 0):
         raise RunnerError(f"must be a positive number, got {value!r}", file=where, key=key)
     return x
+
+
+def _plausibility(res: ClaimResult, stated_mfu: float | None, bound: float) -> None:
+    """IMPLAUSIBLE: an implied or stated MFU above `bound` that is not already impossible (> 100%)."""
+    for what, value in (("implied", res.implied_mfu), ("stated", stated_mfu)):
+        if value is not None and bound < value <= 1.0:
+            res.flags.append(
+                Flag(
+                    "implausible",
+                    f"{what} MFU {value:.1%} is above the plausibility bound {bound:.0%} for dense BF16 training "
+                    f"({PLAUSIBLE_MFU_SOURCE})",
+                )
+            )
 
 
 def _check_token_kind(claim: dict, where: str, res: ClaimResult) -> None:
@@ -176,7 +215,7 @@ def _check_days(
     res.tokens_per_param_vs_chinchilla = res.tokens_per_param / CHINCHILLA_TOKENS_PER_PARAM
 
 
-def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
+def audit_claim(claim: dict, where: str = "claim", *, plausible_mfu: float = PLAUSIBLE_MFU) -> ClaimResult:
     """Implied figures and flags of one claim (see the module docstring)."""
     unknown = set(claim) - set(KEYS)
     if unknown:
@@ -201,6 +240,7 @@ def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
     if tps is None and tokens is not None and days is not None:
         tps = tokens / (days * SECONDS_PER_DAY)
     _check_mfu(res, n_params, tps, devices, stated_mfu)
+    _plausibility(res, stated_mfu, plausible_mfu)
     if tokens is not None:
         _check_days(claim, res, n_params, tokens, tps, days, stated_mfu, devices)
     return res
@@ -215,17 +255,23 @@ def load_claims(path: str | Path) -> list[dict]:
     return claims
 
 
-def audit_claims(path: str | Path) -> list[ClaimResult]:
-    return [audit_claim(c, f"{path}: claims[{i}]") for i, c in enumerate(load_claims(path))]
+def audit_claims(path: str | Path, *, plausible_mfu: float = PLAUSIBLE_MFU) -> list[ClaimResult]:
+    if not (0.0 < plausible_mfu <= 1.0):
+        raise RunnerError(f"must be in (0, 1], got {plausible_mfu!r}", key="--plausible-mfu")
+    return [
+        audit_claim(c, f"{path}: claims[{i}]", plausible_mfu=plausible_mfu) for i, c in enumerate(load_claims(path))
+    ]
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
-def render(results: list[ClaimResult]) -> str:
+def render(results: list[ClaimResult], plausible_mfu: float = PLAUSIBLE_MFU) -> str:
     lines = [
         f"Implied MFU convention: {CONVENTION}.",
+        f"IMPOSSIBLE: cannot be true (MFU > 100%, sparse peak, figures that contradict each other); "
+        f"IMPLAUSIBLE: MFU above {plausible_mfu:.0%}, beyond any published dense BF16 training run ({PLAUSIBLE_MFU_SOURCE}).",
         f"{'claim':<32} {'peak TF/s':>9} {'implied MFU':>11} {'stated MFU':>10} {'days':>8} "
         f"{'tok/param':>9} {'x Chinchilla':>12}  verdict",
     ]
@@ -235,7 +281,7 @@ def render(results: list[ClaimResult]) -> str:
         vs = "-" if r.tokens_per_param_vs_chinchilla is None else f"{r.tokens_per_param_vs_chinchilla:.3g}"
         peak = "-" if r.peak_tflops is None else f"{r.peak_tflops:g}"
         stated = r.claim.get("mfu")
-        verdict = "IMPOSSIBLE" if r.impossible else ("FLAGGED" if r.flags else "ok")
+        verdict = r.verdict
         lines.append(
             f"{r.name[:32]:<32} {peak:>9} {_pct(r.implied_mfu):>11} "
             f"{_pct(None if stated is None else float(stated)):>10} {days:>8} {tpp:>9} {vs:>12}  {verdict}"

@@ -1,8 +1,16 @@
 """Publish audited reports into the repository's reports/ folder and keep its index.
 
-Owns: the rule that only a report that passes `runner audit` is published, the published layout
-`reports/<experiment>/<run_id>/` (small files only), the index reports/README.md, and auditing
-every published report (what CI runs).
+Owns: the rule that a report the audit FAILs is never published (and, with require_verified, that
+only a PASS is), the published layout `reports/<experiment>/<run_id>/` (small files only: the
+tables, report.md, plots, experiment.yaml, run.json, manifests/ and evidence.json), the index
+reports/README.md, and auditing every published report (what CI runs).
+
+What a published report can prove: its folder carries everything the offline checks recount from
+(tables, experiment.yaml, manifests, run.json), but every one of those files can be rewritten
+together, evidence.json included. Only the run's MLflow record (params, tags, metric history and the
+evidence tags logged when the run ended) is out of a forger's reach, so a published report is PASS
+only where its MLflow run can be read (`runner audit-reports --tracking-uri URI`); elsewhere (CI) it
+is at best UNVERIFIED, naming the MLflow checks. run.json must name the MLflow run for that to work.
 Never: publishes a failing report, copies checkpoints or large files, or edits a run folder
 (except writing its report/ when it has none).
 """
@@ -17,6 +25,7 @@ import pandas as pd
 from runner.errors import RunnerError
 from runner.reports import tables as rpt
 from runner.reports.audit import AuditResult, audit
+from runner.reports.evidence import write_evidence
 from runner.runs import is_reportable_run
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
@@ -35,10 +44,13 @@ def _report_files(report_dir: Path) -> list[Path]:
     return files
 
 
-def publish(run_dir: str | Path, reports_dir: str | Path = "reports") -> tuple[Path, AuditResult]:
+def publish(
+    run_dir: str | Path, reports_dir: str | Path = "reports", *, require_verified: bool = False
+) -> tuple[Path | None, AuditResult]:
     """Audit, then copy run_dir/report/ to reports/<experiment>/<run_id>/ and rebuild the index.
 
-    Returns (published folder, audit result). A failing audit publishes nothing: the result says why.
+    Returns (published folder, audit result). A FAIL (or, with `require_verified`, anything but a
+    PASS) publishes nothing and returns None as the folder: the result says why.
     """
     run_dir, reports_dir = Path(run_dir), Path(reports_dir)
     if not is_reportable_run(run_dir):
@@ -46,9 +58,10 @@ def publish(run_dir: str | Path, reports_dir: str | Path = "reports") -> tuple[P
     report_dir = run_dir / rpt.REPORT_DIR
     if not rpt.is_report_dir(report_dir):
         rpt.write_report(run_dir)
+        write_evidence(run_dir)
     result = audit(run_dir)
-    if not result.passed:
-        return report_dir, result
+    if not result.consistent or (require_verified and not result.passed):
+        return None, result
     summary = rpt.read_tables(report_dir)["run_summary"].iloc[0]
     files = _report_files(report_dir)
     dest = reports_dir / str(summary["experiment"]) / str(summary["run_id"])
@@ -117,6 +130,7 @@ def write_index(reports_dir: str | Path) -> Path:
     return path
 
 
-def audit_reports(reports_dir: str | Path = "reports") -> list[AuditResult]:
-    """Audit every published report (MLflow is not consulted: CI has no tracking server)."""
-    return [audit(folder, check_mlflow=False) for folder in published_reports(reports_dir)]
+def audit_reports(reports_dir: str | Path = "reports", *, tracking_uri: str | None = None) -> list[AuditResult]:
+    """Audit every published report, against its MLflow run where the store is on hand (the one run.json
+    records, or `tracking_uri`); where it is not (CI), the MLflow checks are UNVERIFIED."""
+    return [audit(folder, tracking_uri=tracking_uri) for folder in published_reports(reports_dir)]

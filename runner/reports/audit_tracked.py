@@ -1,0 +1,416 @@
+"""The audit's comparisons against the run's MLflow run: the record an edit of the report cannot reach.
+
+Owns: finding the MLflow run a report names (run.json's store, else $MLFLOW_TRACKING_URI, or the
+store given as --tracking-uri; a store that is not there is never created), and the checks against
+it: its params against experiment.yaml; its tags against the run's record (fingerprint, tokenizer,
+recipe and manifest pins, the MFU convention and peak, the run's name); every point of every logged
+metric's history against the report wherever the report states that figure (per-domain counters and
+realized ratios, recounted by replaying the sampler at steps the report does not hold; validation
+losses; throughput; the final summary); and the evidence logged at the end of the run
+(runner.reports.evidence) against the report's tables, experiment.yaml, final checkpoint and
+validation losses. When the run cannot be reached every one of these checks is UNVERIFIED, saying why.
+Never: writes to a tracking store, or trusts anything in the report folder to stand in for it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.config.fingerprint import canonical_meaning
+from runner.fsio import read_json
+from runner.reports import evidence as ev
+from runner.reports.checks import AuditResult
+from schemas.report_tables import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from runner.reports.audit import AuditInput, Replay
+
+RUN = "MLflow run reachable"
+PARAMS = "MLflow params = experiment.yaml"
+TAGS = "MLflow tags = the run's record"
+METRICS = "MLflow metrics = the report"
+EVIDENCE = "MLflow evidence = the report"
+NAMES = (RUN, PARAMS, TAGS, METRICS, EVIDENCE)
+
+REL_TOL = 1e-9  # MLflow stores float64: a logged figure reads back exactly
+KINDS = ("processed", "exposure", "useful", "unique", "lost")
+CONVENTION_KEYS = (
+    "flops_formula",
+    "params_counted",
+    "attention_causal_half",
+    "recompute_counted",
+    "peak_tflops",
+    "peak_dtype",
+    "peak_source",
+    "devices_counted",
+    "time_basis",
+)
+# What the trainer logs at the end of each attempt (callbacks.TrackingCallback.on_end), by the
+# run_summary column that states the same figure.
+SUMMARY_METRICS = {
+    "committed_steps": "steps",
+    "wall_seconds": "wall_seconds",
+    "step_seconds_total": "step_seconds_total",
+    "device_wall_seconds": "device_wall_seconds",
+    "device_step_seconds_total": "device_step_seconds",
+    "exposure_tokens": "exposure_tokens",
+    "useful_tokens": "useful_tokens",
+    "processed_tokens": "processed_tokens",
+    "lost_tokens": "lost_tokens",
+    "mfu": "mfu",
+    "goodput_mfu": "goodput_mfu",
+    "hfu": "hfu",
+    "cost_per_billion_useful_tokens": "cost_per_billion_useful_tokens",
+}
+THROUGHPUT_METRICS = ("tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
+# Keys whose value at a step the report's tables cannot state; extension segments change these params.
+EXTENSION_PARAMS = ("train.exposure_tokens", "train.max_duration_tokens")
+
+
+@dataclass
+class Tracked:
+    """What the audit read from the run's MLflow run."""
+
+    uri: str
+    run_id: str
+    run_name: str
+    params: dict[str, str]
+    tags: dict[str, str]
+    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # key -> [(step, value)]
+
+    @property
+    def last_step(self) -> int:
+        return max((step for points in self.history.values() for step, _ in points), default=0)
+
+
+# ---- finding the run ----------------------------------------------------------------------------
+
+
+def _store_missing(uri: str) -> str | None:
+    """Why a local store is not there (MLflow would create it empty), else None."""
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///") :])
+        return None if path.is_file() else f"no MLflow store at {path} on this machine"
+    if uri.startswith("file:") or "://" not in uri:
+        path = Path(uri[len("file://") :] if uri.startswith("file://") else uri.removeprefix("file:"))
+        return None if path.is_dir() else f"no MLflow store at {path} on this machine"
+    return None
+
+
+def _named_run(inp: AuditInput) -> tuple[str | None, list[str]]:
+    """(the MLflow run id run.json names, the store URIs it records), the run folder's run.json included."""
+    records = [inp.run.get("mlflow") or {}]
+    if inp.run_dir is not None and (inp.run_dir / "run.json").exists():
+        live = read_json(inp.run_dir / "run.json")
+        records.append((live.get("mlflow") or {}) if isinstance(live, dict) else {})
+    run_id = next((r.get("run_id") for r in records if r.get("run_id")), None)
+    return run_id, [r["tracking_uri"] for r in records if r.get("tracking_uri")]
+
+
+def locate(inp: AuditInput, *, enabled: bool = True, tracking_uri: str | None = None) -> tuple[Tracked | None, str]:
+    """The run's MLflow record, or (None, why it could not be read)."""
+    if not enabled:
+        return None, "not asked (--no-mlflow)"
+    if not inp.has_run_json:
+        return None, "no run.json: nothing names the MLflow run"
+    run_id, recorded = _named_run(inp)
+    if not run_id:
+        return None, "run.json names no MLflow run (trained with --no-tracking, or the server was never reached)"
+    candidates = [tracking_uri] if tracking_uri else [*recorded, os.environ.get("MLFLOW_TRACKING_URI")]
+    reasons = []
+    for uri in dict.fromkeys(u for u in candidates if u):
+        missing = _store_missing(uri)
+        if missing:
+            reasons.append(missing)
+            continue
+        try:
+            return _read_run(uri, run_id), ""
+        except Exception as err:  # unreachable server, unknown run, bad URI: this store cannot vouch
+            reasons.append(f"{uri}: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}")
+    if not reasons:
+        reasons.append("no tracking URI recorded or given (--tracking-uri, MLFLOW_TRACKING_URI)")
+    return None, f"MLflow run {run_id} not reachable: " + "; ".join(reasons)
+
+
+def _read_run(uri: str, run_id: str) -> Tracked:
+    # A dead server must cost seconds, not MLflow's default minutes of retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: only when run.json names a run)
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    history = {
+        key: [(int(m.step), float(m.value)) for m in client.get_metric_history(run_id, key)] for key in run.data.metrics
+    }
+    return Tracked(uri, run_id, run.info.run_name or "", dict(run.data.params), dict(run.data.tags), history)
+
+
+def _replayable(key: str) -> bool:
+    """Counters the sampler alone decides at every step: exposure, unique and realized ratios."""
+    return key.startswith("realized_ratio.") or (key.startswith("tokens.") and key.endswith((".exposure", ".unique")))
+
+
+def replay_steps(tracked: Tracked | None, final_step: int) -> set[int]:
+    """Steps at which MLflow holds a replayable counter."""
+    if tracked is None:
+        return set()
+    return {
+        step
+        for key, points in tracked.history.items()
+        if _replayable(key)
+        for step, _ in points
+        if 0 < step <= final_step
+    }
+
+
+# ---- the checks ---------------------------------------------------------------------------------
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        x, y = float(a), float(b)
+    except (TypeError, ValueError):
+        return str(a) == str(b)
+    return math.isclose(x, y, rel_tol=REL_TOL, abs_tol=1e-12) or (math.isnan(x) and math.isnan(y))
+
+
+def _check_params(res: AuditResult, inp: AuditInput, tracked: Tracked) -> None:
+    from runner.training.tracking import flatten  # noqa: PLC0415  (imports torch)
+
+    if not tracked.params:
+        res.could_not(PARAMS, f"MLflow run {tracked.run_id} holds no params (its first start never reached the server)")
+        return
+    want = flatten(canonical_meaning(inp.config))
+    extended = len(inp.run.get("segments") or []) > 1
+    problems = [
+        f"{key}: MLflow {tracked.params.get(key)!r}, experiment.yaml {value!r}"
+        for key, value in sorted(want.items())
+        if not (extended and key in EXTENSION_PARAMS) and tracked.params.get(key) != value
+    ]
+    # A key the run logged that experiment.yaml no longer has at all (a domain removed, say).
+    present = flatten(inp.exp.to_container())
+    problems += [
+        f"{key}: logged to MLflow, absent from experiment.yaml" for key in sorted(set(tracked.params) - set(present))
+    ]
+    res.add(PARAMS, problems, ok_detail=f"{len(want)} params that make the fingerprint compared")
+
+
+def _check_tags(res: AuditResult, inp: AuditInput, tracked: Tracked, later: str) -> None:
+    """`later`: why the run's latest tags may describe a later state than this report ('' if not)."""
+    cfg, s = inp.config, inp.tables["run_summary"].iloc[0]
+    want: dict[str, Any] = {"fingerprint": inp.exp.fingerprint, "tokenizer.sha256": cfg.tokenizer.sha256}
+    want.update({f"recipe.{kind}": ref for kind, ref in cfg.recipes.items()})
+    want.update({f"manifest.{d}.sha256": pin.sha256 for d, pin in cfg.data.manifests.items()})
+    want.update({f"mfu.{k}": s[k] for k in CONVENTION_KEYS})
+    want.update({f"hfu.{k}": v for k, v in (inp.run.get("conventions_hfu") or {}).items()})
+    problems: list[str] = []
+    superseded: list[str] = []
+    for key, value in want.items():
+        got = tracked.tags.get(key)
+        if got is None:
+            problems.append(f"{key}: not logged")
+        elif not _same(got, value):
+            # Set again at every start: an extension (new fingerprint) or a resume on another world
+            # size after this report rewrites them.
+            moved = later and key in ("fingerprint", "mfu.devices_counted", "hfu.devices_counted")
+            (superseded if moved else problems).append(f"{key}: MLflow {got!r}, report {value!r}")
+    logged_pins = {k[len("manifest.") : -len(".sha256")] for k in tracked.tags if k.startswith("manifest.")}
+    for d in sorted(logged_pins - set(cfg.data.manifests)):
+        problems.append(f"manifest.{d}.sha256: MLflow pins domain {d}, the report has no such domain")
+    if tracked.run_name != str(s["run_id"]):
+        problems.append(f"run name: MLflow {tracked.run_name!r}, report run_id {s['run_id']!r}")
+    if superseded and not problems:
+        res.could_not(TAGS, f"{later}; the run's latest tags differ: {'; '.join(superseded)}")
+        return
+    res.add(TAGS, problems, ok_detail=f"{len(want) + 1} tags compared")
+
+
+class _Expected:
+    """What the report states for a metric at a step, in the trainer's metric names."""
+
+    def __init__(self, inp: AuditInput, rep: Replay | None, tracked: Tracked):
+        t = inp.tables
+        self.ends_at: dict[int, int] = {}  # step -> attempts or segments whose end was logged there
+        for step, _ in tracked.history.get("committed_steps", []):
+            self.ends_at[step] = self.ends_at.get(step, 0) + 1
+        self.s = t["run_summary"].iloc[0]
+        self.final = inp.steps()
+        self.seq_len = inp.config.train.seq_len
+        self.domains = set(inp.config.mixture.domains)
+        self.acct = t["accounting"].set_index("domain")
+        self.throughput = {int(r["step"]): r for _, r in t["throughput"].iterrows()}
+        self.validation = {(int(r["step"]), str(r["domain"])): r for _, r in t["validation"].iterrows()}
+        self.snapshots: dict[int, dict[str, tuple[int, int]]] = rep.snapshots if rep is not None else {}
+
+    def domain_of(self, key: str) -> str | None:
+        """The domain a per-domain key names (None for other keys)."""
+        for prefix in ("tokens.", "realized_ratio.", "val_loss.", "val_bpb."):
+            if key.startswith(prefix):
+                rest = key[len(prefix) :]
+                return rest.rsplit(".", 1)[0] if prefix == "tokens." else rest
+        return None
+
+    def _counter(self, domain: str, kind: str, step: int) -> float | None:
+        if step == self.final:
+            if domain != "total" and domain not in self.acct.index:
+                return None  # the domain check names a domain missing from the accounting table
+            row = self.s if domain == "total" else self.acct.loc[domain]
+            return row[f"{kind}_tokens"]
+        snap = self.snapshots.get(step)
+        if snap is None or kind not in ("exposure", "unique") or (domain != "total" and domain not in snap):
+            return None  # processed, useful and lost at earlier steps: no table states them
+        index = 0 if kind == "exposure" else 1
+        drawn = sum(v[index] for v in snap.values()) if domain == "total" else snap[domain][index]
+        return drawn * self.seq_len
+
+    def _ratio(self, domain: str, step: int) -> float | None:
+        if step == self.final:
+            return self.acct.loc[domain, "realized_ratio"] if domain in self.acct.index else None
+        snap = self.snapshots.get(step) or {}
+        total = sum(v[0] for v in snap.values())
+        return snap[domain][0] / total if total and domain in snap else None
+
+    def values(self, key: str, step: int) -> list[float] | None:
+        """The report's values for `key` at `step`, or None when the report does not state it."""
+        domain = self.domain_of(key) or ""
+        if key.startswith("tokens."):
+            v = self._counter(domain, key.rsplit(".", 1)[1], step)
+            return None if v is None else [v]
+        if key.startswith("realized_ratio."):
+            v = self._ratio(domain, step)
+            return None if v is None else [v]
+        if key.startswith(("val_loss.", "val_bpb.")):
+            row = self.validation.get((step, domain))
+            return None if row is None else [row["loss_nats" if key.startswith("val_loss.") else "bpb"]]
+        if key in SUMMARY_METRICS and step == self.final:
+            v = self.s[SUMMARY_METRICS[key]]
+            return None if isinstance(v, float) and math.isnan(v) else [v]
+        if key in THROUGHPUT_METRICS and step in self.throughput:
+            return [self.throughput[step][key]]
+        return None
+
+
+def _compare_history(
+    key: str, points: list[tuple[int, float]], want: _Expected, problems: list[str]
+) -> tuple[int, int]:
+    """Compare one metric's history; returns (steps compared, steps the report states nothing for)."""
+    by_step: dict[int, list[float]] = {}
+    for step, value in points:
+        by_step.setdefault(step, []).append(value)
+    compared = uncompared = 0
+    for step, values in sorted(by_step.items()):
+        if step > want.final:
+            continue  # the run went on after this report: check() says so
+        expected = want.values(key, step)
+        # Where an earlier attempt or segment ended (its on_end logs committed_steps there), that
+        # many of the values are its own MFU summaries, which no table states.
+        ends = want.ends_at.get(step, 0) if key in SUMMARY_METRICS and step != want.final else 0
+        if expected is None or len(values) <= ends:
+            uncompared += 1
+            continue
+        compared += 1
+        # A step redone after a resume is logged twice and the report keeps the run's lineage: one of
+        # the values must be the report's. Counters the sampler decides are the same in every attempt:
+        # every value must be.
+        matches = [any(_same(v, e) for e in expected) for v in values]
+        if not (all(matches) if _replayable(key) else any(matches)):
+            shown = ", ".join(f"{v:.10g}" for v, ok in zip(values, matches) if not ok)
+            problems.append(f"{key} at step {step}: MLflow {shown}, report {float(expected[0]):.10g}")
+    return compared, uncompared
+
+
+def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Replay | None, later: str) -> None:
+    want = _Expected(inp, rep, tracked)
+    problems: list[str] = []
+    compared = uncompared = 0
+    without_counterpart = []
+    for key, points in sorted(tracked.history.items()):
+        domain = want.domain_of(key)
+        if domain is not None and domain not in want.domains and domain != "total":
+            problems.append(f"{key}: MLflow logs domain {domain!r}, absent from the report")
+            continue
+        if domain is None and key not in SUMMARY_METRICS and key not in THROUGHPUT_METRICS:
+            without_counterpart.append(key)
+            continue
+        c, u = _compare_history(key, points, want, problems)
+        compared, uncompared = compared + c, uncompared + u
+    logged_domains = {want.domain_of(k) or "" for k in tracked.history if k.startswith("tokens.")} - {"", "total"}
+    if logged_domains and logged_domains != want.domains:
+        problems.append(f"MLflow logs counters for domains {sorted(logged_domains)}, the report {sorted(want.domains)}")
+    missing = [
+        k
+        for k, col in SUMMARY_METRICS.items()
+        if not (col == "hfu" and math.isnan(float(want.s["hfu"])))
+        and not any(step == want.final for step, _ in tracked.history.get(k, []))
+    ]
+    detail = (
+        f"{compared} logged points compared over {len(tracked.history)} keys; {uncompared} at steps the report "
+        f"does not state (processed, useful and lost before the last step); no report counterpart: "
+        f"{', '.join(without_counterpart) or 'none'}"
+    )
+    if later and not problems:
+        res.could_not(METRICS, f"{later}: points up to step {want.final} agree; {detail}")
+        return
+    if missing and not problems:
+        res.could_not(
+            METRICS,
+            f"MLflow holds no value at the last step {want.final} for {', '.join(missing)} (still pending in "
+            f"journal/mlflow-pending.jsonl? send it with `runner sync RUN_DIR`); {detail}",
+        )
+        return
+    res.add(METRICS, problems, ok_detail=detail)
+
+
+def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked, later: str) -> None:
+    logged = ev.evidence_from_tags(tracked.tags)
+    if logged is None:
+        res.could_not(
+            EVIDENCE,
+            f"MLflow run {tracked.run_id} holds no evidence.* tags: trained before the runner logged them, or its "
+            "end was never reported (`runner report` rebuilds tables but cannot vouch for them)",
+        )
+        return
+    problems = ev.evidence_differences(logged, inp, checkpoint=True)
+    if later and problems:
+        res.could_not(EVIDENCE, f"{later}: the evidence logged is the later end's ({'; '.join(problems[:3])})")
+        return
+    if logged.get("schema_version") != SCHEMA_VERSION:
+        if problems:
+            res.add(EVIDENCE, problems)
+        else:
+            res.could_not(
+                EVIDENCE,
+                f"tables logged under schema {logged.get('schema_version')}, rebuilt under {SCHEMA_VERSION}: their "
+                "hashes cannot be compared (experiment.yaml and validation losses agree)",
+            )
+        return
+    compared = "tables, experiment.yaml, validation losses" + (
+        ", final checkpoint" if inp.run_dir is not None and logged.get("checkpoint") else ""
+    )
+    res.add(EVIDENCE, problems, ok_detail=compared)
+
+
+def check(res: AuditResult, inp: AuditInput, tracked: Tracked | None, why: str, rep: Replay | None) -> None:
+    """Every MLflow check, or each of them UNVERIFIED with the reason the run could not be read."""
+    if tracked is None:
+        for name in NAMES:
+            res.could_not(name, why)
+        return
+    res.add(RUN, [], ok_detail=f"run {tracked.run_id} in {tracked.uri}")
+    later = ""
+    if tracked.last_step > inp.steps():
+        # An extension or a resume after this report was written, or a report cut short: either
+        # way the run's latest record is not this report's, and cannot vouch for it.
+        later = (
+            f"MLflow logs the run up to step {tracked.last_step}, this report ends at step {inp.steps()} "
+            "(the run went on after it, or the report is cut short)"
+        )
+    _check_params(res, inp, tracked)
+    _check_tags(res, inp, tracked, later)
+    _check_metrics(res, inp, tracked, rep, later)
+    _check_evidence(res, inp, tracked, later)

@@ -1,0 +1,106 @@
+"""The audit's result: named checks and the verdict they add up to.
+
+Owns: the four statuses a check can have, the three verdicts (PASS: every check that bears on the
+report ran and held; FAIL: at least one discrepancy; UNVERIFIED: nothing contradicts the report but
+named checks could not run), their exit codes, and how a result is printed. A check that could not
+run is UNVERIFIED, never a pass.
+Never: runs a check or reads a report (runner.reports.audit does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED
+
+PASS, FAIL, UNVERIFIED = "PASS", "FAIL", "UNVERIFIED"
+INFO = "INFO"  # a fact a reader should see next to the checks; never fails, never verifies
+MAX_PROBLEMS_SHOWN = 8
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str = ""
+
+
+def _joined(problems: list[str]) -> str:
+    shown = "; ".join(problems[:MAX_PROBLEMS_SHOWN])
+    more = len(problems) - MAX_PROBLEMS_SHOWN
+    return shown + (f"; ... {more} more" if more > 0 else "")
+
+
+@dataclass
+class AuditResult:
+    source: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        statuses = {c.status for c in self.checks}
+        if FAIL in statuses:
+            return FAIL
+        return UNVERIFIED if UNVERIFIED in statuses or PASS not in statuses else PASS
+
+    @property
+    def passed(self) -> bool:
+        """Everything verified: the verdict is PASS (an UNVERIFIED report has not passed)."""
+        return self.verdict == PASS
+
+    @property
+    def consistent(self) -> bool:
+        """No check found a discrepancy (PASS or UNVERIFIED)."""
+        return self.verdict != FAIL
+
+    def failed(self) -> list[str]:
+        return [c.name for c in self.checks if c.status == FAIL]
+
+    def unverified(self) -> list[str]:
+        return [c.name for c in self.checks if c.status == UNVERIFIED]
+
+    def add(self, name: str, problems: list[str], *, ok_detail: str = "") -> None:
+        """A check that ran: PASS without problems, else FAIL listing them."""
+        self.checks.append(Check(name, FAIL if problems else PASS, _joined(problems) if problems else ok_detail))
+
+    def could_not(self, name: str, why: str) -> None:
+        """A check that could not run: UNVERIFIED, saying why."""
+        self.checks.append(Check(name, UNVERIFIED, why))
+
+    def info(self, name: str, detail: str) -> None:
+        self.checks.append(Check(name, INFO, detail))
+
+    def exit_code(self, require_verified: bool = False) -> int:
+        if self.verdict == PASS:
+            return EXIT_OK
+        if self.verdict == UNVERIFIED and not require_verified:
+            return EXIT_UNVERIFIED
+        return EXIT_DISCREPANCY
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "verdict": self.verdict,
+            "passed": self.passed,
+            "failed": self.failed(),
+            "unverified": self.unverified(),
+            "checks": [asdict(c) for c in self.checks],
+        }
+
+    def summary_line(self) -> str:
+        counts = {s: sum(c.status == s for c in self.checks) for s in (PASS, FAIL, UNVERIFIED, INFO)}
+        line = (
+            f"{self.verdict}: {counts[PASS]} passed, {counts[FAIL]} failed, "
+            f"{counts[UNVERIFIED]} unverified, {counts[INFO]} informational"
+        )
+        if self.verdict == UNVERIFIED:
+            line += "; not verified: " + ", ".join(self.unverified())
+        return line
+
+    def render(self) -> str:
+        width = max((len(c.name) for c in self.checks), default=5)
+        lines = [f"audit of {self.source}", f"{'check':<{width}}  {'result':<10}  detail"]
+        lines += [f"{c.name:<{width}}  {c.status:<10}  {c.detail}" for c in self.checks]
+        lines.append(self.summary_line())
+        return "\n".join(lines)

@@ -1,0 +1,468 @@
+"""Consistent forgeries of a published-style report: each FAILs (or is UNVERIFIED), never PASSes.
+
+One real tiny run (3 domains, a theoretical CPU peak, MLflow on its SQLite store) is trained once per
+module. Each attack edits a copy of its report folder the way a careful forger would: parquet and
+CSV rewritten together, the fingerprint recomputed from the edited experiment.yaml into run.json and
+the summary, evidence.json rewritten from the edited tables (`_reseal`), counters recounted with the
+project's own replay where the mixture changes (`_recount`). The report copy lives outside its run
+folder, as a published report does; its run.json still names the MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from runfixtures import run_commands
+from trainfixtures import launch, make_project
+
+from runner.cli.report import register
+from runner.config.load import experiment_from_dict
+from runner.data.manifest import manifest_sha256, num_samples
+from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED
+from runner.fsio import sha256_file
+from runner.planning.flops import Convention, flops_per_token
+from runner.reports import evidence as ev
+from runner.reports.audit import audit, replay
+from runner.reports.audit_tracked import EVIDENCE, METRICS, PARAMS, TAGS
+from runner.reports.checks import FAIL, PASS, UNVERIFIED
+from runner.reports.publish import publish
+from runner.reports.tables import _typed
+
+pytestmark = pytest.mark.slow
+
+STEPS, L, B = 8, 16, 8
+POOLS = {"a": (0.5, 4000, 400), "b": (0.25, 3000, 300), "c": (0.25, 3000, 0)}  # c: no validation split
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("attacks")
+    # Logged every 3 steps of 8: MLflow's counters stop at step 6, the report's at 8.
+    exp = make_project(
+        root, steps=STEPS, eval_every=4, checkpoint_every=4, pools=POOLS, train_extra={"log_interval_steps": 3}
+    )
+    hw = root / "recipes" / "hardware" / "cpu.yaml"
+    recipe = yaml.safe_load(hw.read_text())
+    for key in ("peak_tflops", "peak_source"):
+        recipe.pop(key)
+    hw.write_text(yaml.safe_dump({**recipe, "cpu_peak": "theoretical"}))
+    run = root / "runs" / "real"
+    launch(root, exp, "--run-dir", run, timeout=900)
+    return run
+
+
+def _cli(argv):
+    return run_commands(register, argv)
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    report = tmp_path / "published" / "report"
+    shutil.copytree(run / "report", report)
+    return report
+
+
+# ---- a forger's tools ---------------------------------------------------------------------------
+
+
+def _read(report: Path, name: str) -> pd.DataFrame:
+    return pd.read_parquet(report / f"{name}.parquet")
+
+
+def _write(report: Path, name: str, df: pd.DataFrame) -> None:
+    df = _typed(name, df.reset_index(drop=True))
+    df.to_parquet(report / f"{name}.parquet", index=False)
+    df.to_csv(report / f"{name}.csv", index=False)
+
+
+def _cfg(report: Path) -> dict:
+    return yaml.safe_load((report / "experiment.yaml").read_text())
+
+
+def _run_json(report: Path) -> dict:
+    return json.loads((report / "run.json").read_text())
+
+
+def _save_run_json(report: Path, info: dict) -> None:
+    (report / "run.json").write_text(json.dumps(info, indent=1))
+
+
+def _reseal(report: Path) -> None:
+    """What a careful forger does last: the fingerprint of the edited experiment.yaml everywhere it is
+    recorded, and evidence.json recomputed from the edited tables."""
+    fp = experiment_from_dict(_cfg(report)).fingerprint
+    info = _run_json(report)
+    info["fingerprint"] = fp
+    for seg in info["segments"]:
+        seg["fingerprint"] = fp
+    _save_run_json(report, info)
+    s = _read(report, "run_summary")
+    s["fingerprint"] = fp
+    _write(report, "run_summary", s)
+    found = json.loads((report / "evidence.json").read_text())
+    tables = {n: _read(report, n) for n in found["tables"]}
+    found["tables"] = {n: ev.table_sha256(n, df) for n, df in tables.items()}
+    found["experiment_yaml_sha256"] = sha256_file(report / "experiment.yaml")
+    found["validation"] = ev.final_validation(tables["validation"])
+    (report / "evidence.json").write_text(json.dumps(found, indent=1))
+
+
+def _recount(report: Path) -> None:
+    """Accounting, histogram and totals recounted with the project's own replay from the edited
+    experiment.yaml and manifest copies (this run lost no work and every target counted)."""
+    cfg = _cfg(report)
+    mix = cfg["mixture"]["domains"]
+    manifests = {d: json.loads((report / "manifests" / f"{d}.json").read_text()) for d in sorted(mix)}
+    samples = {d: num_samples(m["pool_tokens"], L) for d, m in manifests.items()}
+    rep = replay(samples, {d: mix[d]["target_ratio"] for d in mix}, cfg["seed"], B, STEPS)
+    total = sum(rep.exposure_samples.values()) * L
+    rows, hist = [], []
+    for d in sorted(mix):
+        exposure, unique = rep.exposure_samples[d] * L, int((rep.seen[d] > 0).sum()) * L
+        rows.append(
+            {
+                "domain": d,
+                "target_ratio": mix[d]["target_ratio"],
+                "realized_ratio": exposure / total,
+                "pool_tokens": samples[d] * L,
+                "processed_tokens": exposure,
+                "exposure_tokens": exposure,
+                "useful_tokens": exposure,
+                "unique_tokens": unique,
+                "lost_tokens": 0,
+                "epochs": exposure / (samples[d] * L),
+                "max_repetition_ratio": mix[d]["max_repetition_ratio"],
+                "tail_tokens": max(manifests[d]["pool_tokens"] - samples[d] * L - 1, 0),
+                "samples": samples[d],
+            }
+        )
+        hist += [{"domain": d, "times_seen": k, "samples": n} for k, n in sorted(rep.histogram(d).items())]
+    acct = pd.DataFrame(rows)
+    _write(report, "accounting", acct)
+    _write(report, "repetition", pd.DataFrame(hist))
+    s = _read(report, "run_summary")
+    for kind in ("pool", "processed", "exposure", "useful", "unique", "lost"):
+        s[f"{kind}_tokens"] = int(acct[f"{kind}_tokens"].sum())
+    _write(report, "run_summary", s)
+    v = _read(report, "validation")
+    _write(report, "validation", v[v["domain"].isin(list(mix))])
+
+
+def _scale(report: Path, name: str, columns: dict[str, float]) -> None:
+    df = _read(report, name)
+    for col, factor in columns.items():
+        df[col] = df[col] * factor
+    _write(report, name, df)
+
+
+def _edit_cfg(report: Path, edit) -> None:
+    cfg = _cfg(report)
+    edit(cfg)
+    (report / "experiment.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+# ---- the attacks --------------------------------------------------------------------------------
+
+
+def validation_x08(report):
+    _scale(report, "validation", {"loss_nats": 0.8, "bpb": 0.8})
+
+
+def validation_domain_removed(report):
+    v = _read(report, "validation")
+    _write(report, "validation", v[v["domain"] != "b"])
+
+
+def lr_x10(report):
+    _edit_cfg(report, lambda c: c["optim"].update(lr=c["optim"]["lr"] * 10))
+
+
+def mixture_forged(report):
+    def edit(c):
+        c["mixture"]["domains"]["a"]["target_ratio"] = 0.25
+        c["mixture"]["domains"]["c"]["target_ratio"] = 0.5
+
+    _edit_cfg(report, edit)
+    _recount(report)
+
+
+def domain_removed(report):
+    def edit(c):
+        del c["mixture"]["domains"]["c"], c["data"]["manifests"]["c"]
+        c["mixture"]["domains"]["a"]["target_ratio"] = 2 / 3
+        c["mixture"]["domains"]["b"]["target_ratio"] = 1 / 3
+
+    _edit_cfg(report, edit)
+    (report / "manifests" / "c.json").unlink()
+    _recount(report)
+
+
+def _halve_cpu_peak(report, source_edit):
+    s = _read(report, "run_summary")
+    peak, source = float(s["peak_tflops"].iloc[0]) / 2, source_edit(str(s["peak_source"].iloc[0]))
+    s["peak_tflops"], s["peak_source"] = peak, source
+    for col in ("mfu", "goodput_mfu"):
+        s[col] *= 2
+    _write(report, "run_summary", s)
+    _scale(report, "throughput", {"mfu": 2, "goodput_mfu": 2})
+    info = _run_json(report)
+    for record in ("conventions", "conventions_goodput"):
+        info[record].update(peak_tflops=peak, peak_source=source)
+    info["mfu"], info["goodput_mfu"] = 2 * info["mfu"], 2 * info["goodput_mfu"]
+    _save_run_json(report, info)
+
+
+def cpu_peak_halved(report):
+    # FLOP/cycle halved in the source too (AVX2's 32 claimed as AVX's 16, say): consistent with itself.
+    def halve(src):
+        return re.sub(r" x (\d+) fp32 FLOP/cycle", lambda m: f" x {int(m[1]) // 2} fp32 FLOP/cycle", src)
+
+    _halve_cpu_peak(report, halve)
+
+
+def cpu_peak_halved_source_as_written(report):
+    _halve_cpu_peak(report, lambda src: src)
+
+
+def exposure_moved(report):
+    a = _read(report, "accounting").set_index("domain")
+    for d, delta in (("a", L), ("b", -L)):
+        for col in ("processed_tokens", "exposure_tokens", "useful_tokens"):
+            a.loc[d, col] += delta
+    a["realized_ratio"] = a["exposure_tokens"] / a["exposure_tokens"].sum()
+    a["epochs"] = a["exposure_tokens"] / a["pool_tokens"]
+    _write(report, "accounting", a.reset_index())
+
+
+def useful_lowered(report):
+    a = _read(report, "accounting")
+    a.loc[a["domain"] == "a", "useful_tokens"] -= L
+    _write(report, "accounting", a)
+    s = _read(report, "run_summary")
+    ratio = (s["useful_tokens"] - L) / s["useful_tokens"]
+    s["useful_tokens"] -= L
+    s["goodput_mfu"] *= ratio
+    s["cost_per_billion_useful_tokens"] /= ratio
+    _write(report, "run_summary", s)
+
+
+def histogram_reshaped(report):
+    # Two samples of a seen once become one never seen and one seen twice: exposure unchanged.
+    h = _read(report, "repetition")
+    a = h["domain"] == "a"
+    h.loc[a & (h["times_seen"] == 1), "samples"] -= 2
+    h = pd.concat([h, pd.DataFrame([{"domain": "a", "times_seen": 2, "samples": 1}])], ignore_index=True)
+    h.loc[a & (h["times_seen"] == 0), "samples"] += 1
+    _write(report, "repetition", h.sort_values(["domain", "times_seen"]))
+    for name in ("accounting", "run_summary"):
+        df = _read(report, name)
+        rows = df["domain"] == "a" if name == "accounting" else slice(None)
+        df.loc[rows, "unique_tokens"] -= L
+        _write(report, name, df)
+
+
+def step_time_halved(report):
+    info = _run_json(report)
+    for key in ("step_seconds_total", "device_step_seconds_total"):
+        info[key] /= 2
+    info["mfu"] *= 2
+    _save_run_json(report, info)
+    _scale(report, "run_summary", {"step_seconds_total": 0.5, "device_step_seconds": 0.5, "mfu": 2})
+
+
+def manifest_copy_edited(report):
+    path = report / "manifests" / "a.json"
+    m = json.loads(path.read_text())
+    m["pool_tokens"] += 20 * L
+    m["shards"][0]["tokens"] += 20 * L
+    m["manifest_sha256"] = manifest_sha256(m)
+    path.write_text(json.dumps(m, indent=1))
+    _edit_cfg(report, lambda c: c["data"]["manifests"]["a"].update(sha256=m["manifest_sha256"]))
+    _recount(report)
+
+
+def convention_6n(report):
+    cfg = _cfg(report)
+    s = _read(report, "run_summary")
+    fpt = flops_per_token(cfg, Convention(flops_formula="6N"), seq_len=L)
+    ratio = fpt / float(s["flops_per_token"].iloc[0])
+    s["flops_formula"], s["flops_per_token"] = "6N", fpt
+    for col in ("mfu", "goodput_mfu"):
+        s[col] *= ratio
+    _write(report, "run_summary", s)
+    _scale(report, "throughput", {"mfu": ratio, "goodput_mfu": ratio})
+    info = _run_json(report)
+    for record in ("conventions", "conventions_goodput"):
+        info[record]["flops_formula"] = "6N"
+    _save_run_json(report, info)
+
+
+def wall_time_halved(report):
+    info = _run_json(report)
+    for key in ("wall_seconds", "device_wall_seconds"):
+        info[key] /= 2
+    _save_run_json(report, info)
+    _scale(
+        report,
+        "run_summary",
+        {"wall_seconds": 0.5, "device_wall_seconds": 0.5, "goodput_mfu": 2, "cost_per_billion_useful_tokens": 0.5},
+    )
+
+
+def price_cut(report):
+    _edit_cfg(
+        report,
+        lambda c: c["hardware"].update(price_per_device_hour_usd=c["hardware"]["price_per_device_hour_usd"] / 10),
+    )
+    _scale(report, "run_summary", {"price_per_device_hour": 0.1, "cost_per_billion_useful_tokens": 0.1})
+
+
+def throughput_inflated(report):
+    _scale(report, "throughput", {"tokens_per_second": 1.5, "step_seconds": 1 / 1.5})
+
+
+def run_relabelled(report):
+    info = _run_json(report)
+    info["run_id"] = "the-good-run"
+    _save_run_json(report, info)
+    s = _read(report, "run_summary")
+    s["run_id"] = "the-good-run"
+    _write(report, "run_summary", s)
+
+
+def run_json_removed(report):
+    (report / "run.json").unlink()
+
+
+def mlflow_run_unnamed(report):
+    info = _run_json(report)
+    info["mlflow"]["run_id"] = None
+    _save_run_json(report, info)
+
+
+ATTACKS = [
+    # (attack, checks that must FAIL with the MLflow run at hand; empty: it must be UNVERIFIED)
+    (validation_x08, {METRICS, EVIDENCE}),
+    (validation_domain_removed, {"every mixture domain in every table", EVIDENCE}),
+    (lr_x10, {PARAMS, TAGS, EVIDENCE}),
+    (mixture_forged, {PARAMS, TAGS, METRICS, EVIDENCE}),
+    (domain_removed, {PARAMS, TAGS, METRICS, EVIDENCE}),
+    (cpu_peak_halved, {TAGS, METRICS, EVIDENCE}),
+    (cpu_peak_halved_source_as_written, {"peak recomputed from cores x clock x FLOP/cycle"}),
+    (exposure_moved, {"replay: exposure per domain", EVIDENCE}),
+    (useful_lowered, {METRICS, EVIDENCE}),
+    (histogram_reshaped, {"replay: repetition histogram", "replay: unique per domain"}),
+    (step_time_halved, {METRICS, EVIDENCE}),
+    (manifest_copy_edited, {PARAMS, TAGS, EVIDENCE}),
+    (convention_6n, {TAGS, METRICS, EVIDENCE}),
+    (wall_time_halved, {METRICS, EVIDENCE}),
+    (price_cut, {PARAMS, TAGS, METRICS, EVIDENCE}),
+    (throughput_inflated, {METRICS, EVIDENCE}),
+    (run_relabelled, {TAGS}),
+    (run_json_removed, set()),
+    (mlflow_run_unnamed, set()),
+]
+
+
+def test_the_untouched_copy_passes_and_resealing_it_changes_nothing(real_run, tmp_path):
+    report = _copy(real_run, tmp_path)
+    _reseal(report)  # the forger's tools are faithful: whatever fails below, the edit made it fail
+    result = audit(report)
+    assert result.verdict == PASS, result.render()
+    offline = audit(report, check_mlflow=False)
+    assert offline.verdict == UNVERIFIED and offline.failed() == []
+
+
+@pytest.mark.parametrize("attack,must_fail", ATTACKS, ids=[a.__name__ for a, _ in ATTACKS])
+def test_consistent_forgery_never_passes(real_run, tmp_path, attack, must_fail):
+    report = _copy(real_run, tmp_path)
+    attack(report)
+    if (report / "run.json").exists():
+        _reseal(report)
+    result = audit(report)
+    if must_fail:
+        assert result.verdict == FAIL and must_fail <= set(result.failed()), result.render()
+    else:
+        assert result.verdict == UNVERIFIED and result.failed() == [], result.render()
+    assert audit(report, check_mlflow=False).verdict != PASS  # offline: at best UNVERIFIED
+
+
+def test_recompute_eval_fails_edited_losses_with_no_mlflow_at_hand(real_run, tmp_path, capsys):
+    report = _copy(real_run, tmp_path)
+    validation_x08(report)
+    _reseal(report)
+    checkpoint = real_run / "checkpoints" / f"step-{STEPS:07d}"
+    result = audit(report, check_mlflow=False, recompute_eval=True, checkpoint=checkpoint)
+    check = next(c for c in result.checks if c.name == "validation loss recomputed from the final checkpoint")
+    assert check.status == FAIL and "a.loss_nats: report " in check.detail, check.detail
+    # The genuine run: its losses are what its checkpoint scores, to the bit on this CPU.
+    code = _cli(["audit", str(real_run), "--recompute-eval", "--require-verified"])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    assert "validation loss recomputed from the final checkpoint  PASS" in out
+
+
+def test_every_logged_counter_is_compared_at_its_own_step(real_run, tmp_path):
+    # A store whose history says something else at step 3 (an intermediate step no table holds):
+    # the audit recounts it by replay and names it.
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "mlflow.db"
+    shutil.copy(real_run.parent.parent / "mlflow.db", store)
+    info = json.loads((real_run / "run.json").read_text())
+    client = MlflowClient(f"sqlite:///{store}")
+    client.log_metric(info["mlflow"]["run_id"], "tokens.a.exposure", 9_999, step=3)
+    client.log_metric(info["mlflow"]["run_id"], "realized_ratio.c", 0.9, step=6)
+    result = audit(real_run, tracking_uri=f"sqlite:///{store}")
+    check = next(c for c in result.checks if c.name == METRICS)
+    assert check.status == FAIL
+    assert "tokens.a.exposure at step 3: MLflow " in check.detail and "9999" in check.detail
+    assert "realized_ratio.c at step 6: MLflow " in check.detail
+    genuine = next(c for c in audit(real_run).checks if c.name == METRICS)
+    assert genuine.status == PASS and "at steps the report does not state" in genuine.detail
+
+
+def test_published_report_is_verified_where_its_store_is_and_unverified_elsewhere(real_run, tmp_path, capsys):
+    reports = tmp_path / "reports"
+    dest, result = publish(real_run, reports, require_verified=True)
+    assert dest is not None and result.passed, result.render()
+    assert (dest / "evidence.json").exists()
+    assert _cli(["audit-reports", str(reports)]) == EXIT_OK
+    # Elsewhere (CI): run.json names a store that is not there. Consistent, never PASS.
+    info = json.loads((dest / "run.json").read_text())
+    store = Path(info["mlflow"]["tracking_uri"][len("sqlite:///") :])
+    moved = tmp_path / "moved.db"
+    info["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'nowhere' / 'mlflow.db'}"
+    (dest / "run.json").write_text(json.dumps(info, indent=1))
+    capsys.readouterr()
+    assert _cli(["audit-reports", str(reports)]) == EXIT_UNVERIFIED
+    out = capsys.readouterr().out
+    assert "UNVERIFIED" in out and "not verified: MLflow run reachable" in out
+    assert _cli(["audit-reports", str(reports), "--require-verified"]) == EXIT_DISCREPANCY
+    # Given the store that holds the run, the same published folder is verified.
+    shutil.copy(store, moved)
+    assert _cli(["audit-reports", str(reports), "--tracking-uri", f"sqlite:///{moved}"]) == EXIT_OK
+
+
+def test_a_report_the_run_went_on_from_is_unverified_not_failed(real_run, tmp_path):
+    # Published, then the run was extended: MLflow now describes a later state. The old report is
+    # consistent up to its own last step but its run's record no longer vouches for it.
+    root = tmp_path / "later"
+    shutil.copytree(real_run.parent.parent, root)
+    run = root / "runs" / "real"
+    info = json.loads((run / "run.json").read_text())
+    info["mlflow"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
+    (run / "run.json").write_text(json.dumps(info, indent=1))
+    published = _copy(run, tmp_path)
+    launch(root, run, "--extend-to", (STEPS + 2) * B * L, timeout=900)
+    result = audit(published, tracking_uri=info["mlflow"]["tracking_uri"])  # the copy's store
+    assert result.verdict == UNVERIFIED and result.failed() == [], result.render()
+    assert {TAGS, METRICS, EVIDENCE} <= set(result.unverified())
+    assert "this report ends at step 8" in next(c.detail for c in result.checks if c.name == METRICS)
+    extended = audit(run)
+    assert extended.verdict == PASS, extended.render()
