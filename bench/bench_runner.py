@@ -1,10 +1,11 @@
 """Runner overhead: `runner launch`'s loop vs a bare PyTorch loop on the same model and batches.
 
 Prints tokens/s side by side and their ratio (target >= 0.95), then the per-step cost of the
-runner's own bookkeeping (sampler + batch read, ledger, processed journal, MLflow logging) and
-that cost as a share of the 1p3b step time (planned at the hardware recipe's default MFU).
+runner's own bookkeeping (sampler + batch read, ledger, processed journal, MLflow logging: what the
+training thread pays to journal a step's metrics, and what the background thread spends delivering
+them) and that cost as a share of the 1p3b step time (planned at the hardware recipe's default MFU).
 
-    python bench/bench_runner.py [--steps 40] [--hidden 128]
+    OMP_NUM_THREADS=1 python bench/bench_runner.py [--steps 40] [--hidden 128] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -115,10 +116,15 @@ def bookkeeping_seconds(exp, tmp: Path, steps: int) -> dict[str, float]:
     out["ledger+journal"] = (time.perf_counter() - t) / steps
     tracker = Tracker(tmp / "trk", tracking_uri=f"sqlite:///{tmp / 'bench-mlflow.db'}")
     tracker.start("bench", "bench", params=None, tags={})
+    tracker.flush()  # the store's creation is start-up, not a step
     t = time.perf_counter()
     for s in range(steps):
         tracker.log_metrics({f"m{i}": float(i) for i in range(32)}, step=s)
-    out["mlflow (32 metrics, sqlite)"] = (time.perf_counter() - t) / steps
+    out["mlflow: journal + hand-off"] = (time.perf_counter() - t) / steps
+    t = time.perf_counter()
+    tracker.flush()  # what the delivery thread does off the step, all at once here
+    out["mlflow: delivery (background)"] = (time.perf_counter() - t) / steps
+    tracker.close()
     return out
 
 
@@ -143,6 +149,12 @@ def main() -> int:
         default="1,10",
         help="MLflow logging intervals to compare (steps); the shipped recipes log every 10",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="alternate bare and runner loops this many times; ratios are medians (a noisy machine)",
+    )
     args = ap.parse_args()
     intervals = [int(x) for x in args.log_every.split(",")]
     from runner.config.load import load_experiment
@@ -150,15 +162,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
-        ours = {}
-        for n in intervals:
-            exp_path = project(tmp / f"log{n}", args.steps, args.hidden, log_every=n)
-            exp = load_experiment(exp_path)
-            if n == intervals[0]:
-                bare = bare_tokens_per_second(exp, args.steps)
-            ours[n], _ = runner_tokens_per_second(exp_path, tmp / f"run{n}")
-        bare2 = bare_tokens_per_second(exp, args.steps)  # again: the shared machine's speed drifts
-        bare = statistics.mean([bare, bare2])
+        exps = {n: project(tmp / f"log{n}", args.steps, args.hidden, log_every=n) for n in intervals}
+        exp = load_experiment(exps[intervals[0]])
+        bares, ours, ratios = [], {n: [] for n in intervals}, {n: [] for n in intervals}
+        for r in range(args.repeats):
+            # bare, runner(s), bare: each runner figure against the mean of the bare loops around it
+            before = bare_tokens_per_second(exp, args.steps)
+            runs = {n: runner_tokens_per_second(exps[n], tmp / f"run{n}-{r}")[0] for n in intervals}
+            after = bare_tokens_per_second(exp, args.steps)
+            bares += [before, after]
+            for n, tps in runs.items():
+                ours[n].append(tps)
+                ratios[n].append(tps / statistics.mean([before, after]))
+        bare = statistics.median(bares)
         book = bookkeeping_seconds(exp, tmp, args.steps)
         step_1p3b, cfg = planned_1p3b_step_seconds()
     print(
@@ -168,9 +184,10 @@ def main() -> int:
     print(f"{'loop':<28}{'tokens/s':>12}")
     print(f"{'bare PyTorch':<28}{bare:>12,.0f}")
     for n, tps in ours.items():
+        spread = f" (runs: {', '.join(f'{x:.3f}' for x in ratios[n])})" if len(ratios[n]) > 1 else ""
         print(
-            f"{f'runner, MLflow every {n} step' + ('s' if n > 1 else ''):<28}{tps:>12,.0f}   "
-            f"ratio runner / bare: {tps / bare:.3f} (target >= 0.95)"
+            f"{f'runner, MLflow every {n} step' + ('s' if n > 1 else ''):<28}{statistics.median(tps):>12,.0f}   "
+            f"ratio runner / bare: {statistics.median(ratios[n]):.3f}{spread} (target >= 0.95)"
         )
     print(
         f"\nrunner bookkeeping per step at 16 x 128 (1p3b step: {int(cfg.train.global_batch_sequences)} x "

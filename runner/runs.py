@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,11 @@ def _segment(index: int, start_step: int, exp) -> dict:
 # ---- run folders --------------------------------------------------------------------------------
 
 
+# run.json is updated read-modify-write by the training thread and by MLflow's delivery thread
+# (which records the MLflow run id when it creates the run): one update at a time per process.
+_RUN_JSON_LOCK = threading.Lock()
+
+
 class RunFolder:
     """run.json and the journal of one run folder (DESIGN.md layout). Only rank 0 writes."""
 
@@ -53,10 +59,11 @@ class RunFolder:
         return read_json(self.run_json)
 
     def update(self, **fields) -> dict:
-        info = self.read()
-        info.update(fields)
-        if self.writer:
-            atomic_write_json(self.run_json, info)
+        with _RUN_JSON_LOCK:
+            info = self.read()
+            info.update(fields)
+            if self.writer:
+                atomic_write_json(self.run_json, info)
         return info
 
     def journal_path(self) -> Path:

@@ -236,10 +236,15 @@ def load_experiment_manifests(
     manifests: dict[str, Manifest] = {}
     notes: list[str] = []
     if cfg.tokenizer.sha256 is None and not missing_ok:
+        # The pin belongs in the tokenizer recipe, which every experiment using it shares.
+        recipe = exp.recipe_files.get("tokenizer")
+        if recipe is None:
+            raise RunnerError("not pinned: pin it in the tokenizer recipe", file=where, key="tokenizer.sha256")
         raise RunnerError(
-            "not pinned: put the sha256 of the tokenizer.json here (`sha256sum` prints it)",
-            file=where,
-            key="tokenizer.sha256",
+            f"not pinned: put the sha256 of {cfg.tokenizer.path} here (`sha256sum` prints it), then bump "
+            f"this recipe's version and the references to it ({display_path(where)} uses it)",
+            file=recipe,
+            key="sha256",
         )
     for d, pin in cfg.data.manifests.items():
         key = f"data.manifests.{d}"

@@ -13,7 +13,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import sys
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from runner.data.manifest import DTYPES, FORMAT, write_manifest
 from runner.data.tokenizer import load_tokenizer, tokenizer_info
 from runner.errors import RunnerError
 from runner.fsio import fsync_dir, sha256_file
+from runner.progress import counter
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
 KINDS = {".parquet": "parquet", ".jsonl": "jsonl"}
@@ -298,8 +298,6 @@ def prepare(
     progress: bool | None = None,
 ) -> tuple[Path, str]:
     """Tokenize `inputs` into `out_dir`; returns (manifest path, manifest_sha256)."""
-    from tqdm import tqdm
-
     if not 0.0 <= validation_fraction < 1.0:
         raise RunnerError(f"must be in [0, 1), got {validation_fraction}", key="validation_fraction")
     if shard_tokens <= 0 or batch_docs <= 0:
@@ -316,13 +314,8 @@ def prepare(
         True: ShardWriter(out_dir, "validation", shard_tokens, dtype),
     }
     documents = {False: 0, True: 0}
-    bar = tqdm(
-        desc=f"prepare {domain}",
-        unit="tok",
-        unit_scale=True,
-        file=sys.stderr,
-        disable=(None if progress is None else not progress),
-    )
+    # A bar on a terminal, a line a minute in a log file (progress=None); progress=False: silent.
+    bar = counter(f"prepare {domain}", "tokens", enabled=progress)
     with bar:
         if input_format == "nanogpt-bin":
             for source in sources:

@@ -23,12 +23,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from runner import progress
 from runner.config.rules import devices
 from runner.data.manifest import manifest_sha256, num_samples
 from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.planning.flops import Convention, flops_per_token, params_of_config
 from runner.reports import tables as rpt
+from runner.training.tracking import missing_store
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -164,7 +166,7 @@ def replay(
     drawn = np.zeros(len(domains), dtype=np.int64)
     target = np.array([ratios[d] for d in domains], dtype=float)
     violations: list[str] = []
-    for step in range(steps):
+    for step in progress.on_terminal(range(steps), "audit: replay", "step"):
         domain_ids, sample_idx = sampler.step_arrays(step)
         for i, d in enumerate(domains):
             np.add.at(seen[d], sample_idx[domain_ids == i], 1)
@@ -495,6 +497,10 @@ def _check_mlflow(res: AuditResult, inp: AuditInput) -> None:
     name = "MLflow final metrics agree"
     if not uri or not run_id:
         res.checks.append(Check(name, SKIP, "run.json names no MLflow run"))
+        return
+    missing = missing_store(uri)
+    if missing:  # opening it would create an empty store (a published report names another machine's)
+        res.checks.append(Check(name, SKIP, f"{missing}: not opened"))
         return
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from runner.config.rules import grad_accum, max_duration_tokens, total_steps
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.runs import RunFolder, write_ledger_json
-from runner.training.callbacks import MetricsFiles, TrackingCallback
+from runner.training.callbacks import MetricsFiles, TrackingCallback, TrainingProgress
 from runner.training.checkpoint import Checkpointer, rng_state, set_rng_state
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
 
@@ -412,6 +412,9 @@ def _conventions(run: _Run, tracker) -> None:
         )
     run.tracker = tracker
     run.callbacks = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
+    if run.main:  # end_step is the hard stop here (--max-steps applies later): the ETA names it
+        hard_stop = run.end_step if run.end_step < run.natural_end else None
+        run.callbacks.append(TrainingProgress(run.start_step, run.natural_end, hard_stop))
     if tracker is not None:
         run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
         tracker.log_tags(
@@ -708,8 +711,9 @@ def _finish(run: _Run, exit_code: int) -> None:
     if run.main:
         write_ledger_json(run.folder.path, run.ledger)
         run.folder.update(status=status, **summary)
+    ratios = run.ledger.realized_ratios()
     for cb in run.callbacks:
-        cb.on_end(summary)
+        cb.on_end(summary, counters, ratios)
 
 
 def _rollback_to_last_checkpoint(run: _Run) -> int:
