@@ -26,6 +26,7 @@ corpus is built once, by the README's own `runner data builtin` in its first com
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -163,11 +164,12 @@ def _resolve(text: str, root: Path, first_runs: dict[str, str]) -> str:
         experiment = match.group(1)
         if experiment not in first_runs:
             found = sorted(
-                (p for p in (root / "runs" / experiment).glob("*/run.json")), key=lambda p: p.stat().st_mtime
+                (json.loads(p.read_text())["created_at"], p.parent.name)
+                for p in (root / "runs" / experiment).glob("*/run.json")
             )
             if not found:
                 raise AssertionError(f"no run folder under runs/{experiment}/ for {text!r}")
-            first_runs[experiment] = found[0].parent.name
+            first_runs[experiment] = found[0][1]
         return f"runs/{experiment}/{first_runs[experiment]}"
 
     return _RUN_ID.sub(run_id, text)

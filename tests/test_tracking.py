@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -26,6 +27,28 @@ def metric_rows(db: Path, run_id: str) -> list[tuple]:
         ).fetchall()
 
 
+@pytest.fixture(scope="module")
+def template_store(tmp_path_factory) -> Path:
+    """An empty MLflow SQLite store, made once: creating one (its schema migrations) takes seconds."""
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path_factory.mktemp("store") / "template.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture()
+def store(template_store):
+    """`store(path)`: an empty MLflow store at `path` (a copy of the template); returns its URI."""
+
+    def make(path: Path) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(template_store, path)
+        return f"sqlite:///{path}"
+
+    return make
+
+
 def test_flatten_gives_dotted_string_params():
     assert flatten({"a": {"b": 1, "c": [0.9, 0.95]}, "d": None}) == {"a.b": "1", "a.c": "[0.9, 0.95]", "d": "None"}
 
@@ -38,9 +61,9 @@ def pending(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_metrics_are_journaled_first_and_sent_without_blocking_the_step(tmp_path, monkeypatch):
+def test_metrics_are_journaled_first_and_sent_without_blocking_the_step(tmp_path, monkeypatch, store):
     db = tmp_path / "mlflow.db"
-    t = Tracker(tmp_path, tracking_uri=f"sqlite:///{db}", report=lambda m: None)
+    t = Tracker(tmp_path, tracking_uri=store(db), report=lambda m: None)
     t.start("exp", "r", params={"lr": "0.1"}, tags={})
     assert t.flush()
     gate, sending = threading.Event(), threading.Event()
@@ -66,9 +89,9 @@ def test_metrics_are_journaled_first_and_sent_without_blocking_the_step(tmp_path
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_outage_is_journaled_then_flushed_exactly_once(tmp_path, monkeypatch):
+def test_outage_is_journaled_then_flushed_exactly_once(tmp_path, monkeypatch, store):
     db = tmp_path / "mlflow.db"
-    t = Tracker(tmp_path, tracking_uri=f"sqlite:///{db}", report=lambda m: None)
+    t = Tracker(tmp_path, tracking_uri=store(db), report=lambda m: None)
     t.start("exp", "r", params={"lr": "0.1"}, tags={"fingerprint": "abc"})
     t.log_metrics({"loss": 3.0}, step=1)
     assert t.flush()
@@ -96,12 +119,12 @@ def test_outage_is_journaled_then_flushed_exactly_once(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_resent_entries_are_stored_once_and_a_redone_step_is_a_new_row(tmp_path):
+def test_resent_entries_are_stored_once_and_a_redone_step_is_a_new_row(tmp_path, store):
     """A kill after MLflow stored a request but before its `ack` reached the journal: the next start
     sends the same (key, step, timestamp, value) rows again, and MLflow stores nothing new. A step
     redone after a restart carries a new timestamp: one more row, the latest at that step."""
     db = tmp_path / "mlflow.db"
-    uri = f"sqlite:///{db}"
+    uri = store(db)
     t = Tracker(tmp_path, tracking_uri=uri, report=lambda m: None)
     t.start("exp", "r", params=None, tags={})
     for step in (1, 2):
@@ -125,9 +148,9 @@ def test_resent_entries_are_stored_once_and_a_redone_step_is_a_new_row(tmp_path)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_a_run_created_just_before_a_kill_is_continued_not_created_twice(tmp_path):
+def test_a_run_created_just_before_a_kill_is_continued_not_created_twice(tmp_path, store):
     db = tmp_path / "mlflow.db"
-    uri = f"sqlite:///{db}"
+    uri = store(db)
     t = Tracker(tmp_path, tracking_uri=uri, report=lambda m: None)
     t.start("exp", "r", params={"lr": "0.1"}, tags={})
     start = dict(pending(tmp_path)[0])
@@ -145,7 +168,7 @@ def test_a_run_created_just_before_a_kill_is_continued_not_created_twice(tmp_pat
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_dead_server_fails_fast_and_sync_sends_later(tmp_path):
+def test_dead_server_fails_fast_and_sync_sends_later(tmp_path, store):
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -160,7 +183,7 @@ def test_dead_server_fails_fast_and_sync_sends_later(tmp_path):
     kinds = [e["kind"] for e in pending(tmp_path)]
     assert kinds == ["start", "params", "tags", "metrics", "metrics", "metrics", "status"]
     # The store comes back (here: a local file store stands in for the restarted server).
-    t2 = Tracker(tmp_path, tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", report=lambda m: None)
+    t2 = Tracker(tmp_path, tracking_uri=store(tmp_path / "m.db"), report=lambda m: None)
     assert t2.sync() == (7, 0)
     assert [(k, s) for k, s, _ in metric_rows(tmp_path / "m.db", t2.run_id)] == [("loss", 1), ("loss", 2), ("loss", 3)]
 
@@ -343,7 +366,7 @@ def test_trainer_sigkilled_mid_run_every_metric_of_every_step_once_per_attempt(t
 
 
 @pytest.mark.parametrize("via", ["flag", "env"])
-def test_sync_sends_to_a_moved_server_and_records_it(tmp_path, monkeypatch, capsys, via):
+def test_sync_sends_to_a_moved_server_and_records_it(tmp_path, monkeypatch, capsys, via, store):
     import argparse
 
     from runner.cli.train import cmd_sync
@@ -356,7 +379,7 @@ def test_sync_sends_to_a_moved_server_and_records_it(tmp_path, monkeypatch, caps
     t.close()  # the process that lost its server ended
     (run / "experiment.yaml").write_text("name: t\n")
     (run / "run.json").write_text(json.dumps({"run_id": "r", "mlflow": t.info()}))
-    moved = f"sqlite:///{tmp_path / 'moved.db'}"
+    moved = store(tmp_path / "moved.db")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     if via == "env":
         monkeypatch.setenv("MLFLOW_TRACKING_URI", moved)
@@ -424,11 +447,12 @@ def _latest_agrees_with_ledger(run: Path) -> None:
 
 
 @pytest.mark.slow
-def test_mlflow_latest_accounting_is_the_ledgers_at_hard_stop_end_and_extension(tmp_path):
+def test_mlflow_latest_accounting_is_the_ledgers_at_hard_stop_end_and_extension(tmp_path, store):
     from trainfixtures import launch
 
     # log every 4 steps; the hard stop (6), the end (10) and the extension (13) are no multiple of 4
     exp = make_project(tmp_path, steps=10, checkpoint_every=5, eval_every=5, train_extra={"log_interval_steps": 4})
+    store(tmp_path / "mlflow.db")  # where env() points MLflow
     exp.write_text(
         exp.read_text().replace("log_interval_steps: 4", f"log_interval_steps: 4\n  hard_stop_tokens: {6 * 128}")
     )
@@ -452,12 +476,13 @@ def test_mlflow_latest_accounting_is_the_ledgers_at_hard_stop_end_and_extension(
 
 
 @pytest.mark.slow
-def test_mlflow_latest_accounting_after_a_nonfinite_stop_is_the_rolled_back_ledgers(tmp_path):
+def test_mlflow_latest_accounting_after_a_nonfinite_stop_is_the_rolled_back_ledgers(tmp_path, store):
     from trainfixtures import launch
 
     # lr 1e30: step 2 is non-finite; step 1 was committed and logged, never saved: rolled back to 0.
     exp = make_project(tmp_path, steps=8, lr=1e30, checkpoint_every=4)
     run = tmp_path / "runs" / "n"
+    store(tmp_path / "mlflow.db")  # where env() points MLflow
     assert launch(tmp_path, exp, "--run-dir", run, check=False).returncode == 4
     ledger = json.loads((run / "ledger.json").read_text())["counters"]["total"]
     assert ledger["exposure"] == 0 and ledger["lost"] == ledger["processed"] > 0
@@ -480,7 +505,7 @@ def _fake_run(run: Path, mlflow: dict) -> None:
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_a_relative_store_given_to_sync_is_recorded_absolute(tmp_path, monkeypatch, capsys):
+def test_a_relative_store_given_to_sync_is_recorded_absolute(tmp_path, monkeypatch, capsys, store):
     import argparse
 
     from runner.cli.train import cmd_sync
@@ -496,6 +521,7 @@ def test_a_relative_store_given_to_sync_is_recorded_absolute(tmp_path, monkeypat
     here.mkdir()
     elsewhere.mkdir()
     monkeypatch.chdir(here)
+    store(here / "mlflow.db")
     assert cmd_sync(argparse.Namespace(run_dir=str(run), tracking_uri="sqlite:///mlflow.db")) == 0
     recorded = json.loads((run / "run.json").read_text())["mlflow"]
     assert recorded["tracking_uri"] == f"sqlite:///{here / 'mlflow.db'}" and recorded["run_id"]
@@ -540,11 +566,12 @@ def test_the_refusal_names_run_json_and_the_key(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_resume_refuses_a_lost_store_before_writing_anything(tmp_path):
+def test_resume_refuses_a_lost_store_before_writing_anything(tmp_path, store):
     from trainfixtures import launch
 
     exp = make_project(tmp_path, steps=4, checkpoint_every=2)
     run = tmp_path / "runs" / "s"
+    store(tmp_path / "mlflow.db")  # where env() points MLflow
     launch(tmp_path, exp, "--run-dir", run, "--max-steps", 2)
     (tmp_path / "mlflow.db").unlink()
     listing = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
@@ -555,15 +582,21 @@ def test_resume_refuses_a_lost_store_before_writing_anything(tmp_path):
     assert (run / "run.json").read_text() == before
 
 
-@pytest.mark.parametrize("uri", ["sqlite:///{tmp}/gone/mlflow.db", "sqlite:///mlflow.db", "{tmp}/gone-mlruns"])
-def test_audit_of_a_report_folder_creates_no_file(tmp_path, monkeypatch, capsys, uri):
+@pytest.fixture(scope="module")
+def report_folder(tmp_path_factory) -> Path:
     from runfixtures import make_run
 
-    from runner.cli import main
     from runner.reports.tables import write_report
 
-    run = make_run(tmp_path / "made")
-    report = write_report(run)
+    return write_report(make_run(tmp_path_factory.mktemp("made")))
+
+
+@pytest.mark.parametrize("uri", ["sqlite:///{tmp}/gone/mlflow.db", "sqlite:///mlflow.db", "{tmp}/gone-mlruns"])
+def test_audit_of_a_report_folder_creates_no_file(report_folder, tmp_path, monkeypatch, capsys, uri):
+    from runner.cli import main
+
+    report = tmp_path / "report"
+    shutil.copytree(report_folder, report)
     info = json.loads((report / "run.json").read_text())
     info["mlflow"] = {"tracking_uri": uri.format(tmp=tmp_path), "experiment_id": "1", "run_id": "0" * 32}
     (report / "run.json").write_text(json.dumps(info))
