@@ -228,7 +228,7 @@ def _server(tmp: Path, port: int) -> subprocess.Popen:
             return p
         except OSError:
             time.sleep(0.5)
-    p.kill()
+    _stop(p)  # the whole group: uvicorn and the job runner outlive a killed `mlflow server`
     raise AssertionError("mlflow server did not start")
 
 
@@ -266,14 +266,15 @@ def test_real_server_killed_mid_run_every_metric_exactly_once(tmp_path):
     try:
         assert p.returncode == 0, err
         assert "unavailable" in err
-        subprocess.run(
+        synced = subprocess.run(
             [sys.executable, "-m", "runner", "sync", str(run)],
             cwd=tmp_path,
             env=e,
-            check=True,
             capture_output=True,
+            text=True,
             timeout=SUBPROCESS_TIMEOUT_S,
         )
+        assert synced.returncode == 0, synced.stdout + synced.stderr + err[-3000:]
         info = json.loads((run / "run.json").read_text())
         rows = metric_rows(tmp_path / "server.db", info["mlflow"]["run_id"])
         loss_steps = [s for k, s, _ in rows if k == "loss"]
@@ -424,11 +425,16 @@ def test_the_attempts_last_committed_step_is_always_logged(steps, committed, log
     cb = TrackingCallback(sink, log_interval_steps=4)
     for step in range(1, steps + 1):
         cb.on_step({"step": step, "loss": 1.0 / step, "lr": 0.1}, _counters(step * 128), {"a": 1.0})
-    cb.on_end({"committed_steps": committed, "exposure_tokens": committed * 128}, _counters(committed * 128), {"a": 1})
+    summary = {"committed_steps": committed, "exposure_tokens": committed * 128, "mfu": 0.25}
+    cb.on_end(summary, _counters(committed * 128), {"a": 1})
     accounting = [(s, m["tokens.total.exposure"]) for s, m in sink.logged if "tokens.total.exposure" in m]
     assert [s for s, _ in accounting] == logged_at
     assert accounting[-1][1] == committed * 128  # the latest row is the ledger's
-    assert sink.logged[-1] == (committed, {"committed_steps": committed, "exposure_tokens": committed * 128})
+    # the run's MFU is not a second value of the last step's `mfu`
+    assert sink.logged[-1] == (
+        committed,
+        {"committed_steps": committed, "exposure_tokens": committed * 128, "run.mfu": 0.25},
+    )
 
 
 def _latest_agrees_with_ledger(run: Path) -> None:

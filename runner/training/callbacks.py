@@ -119,8 +119,14 @@ class TrackingCallback(Callback):
             self.tracker.log_metrics(self.accounting(counters, ratios), step=newest + 1)
         else:  # no step committed in this attempt: the accounting still says what was spent
             self.tracker.log_metrics(self.accounting(counters, ratios), step=committed)
+        # The run's figures; one a step also logs (mfu, goodput_mfu, hfu) is `run.<key>`: at the last
+        # step, one key would otherwise hold two values with two meanings.
         self.tracker.log_metrics(
-            {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+            {
+                (f"run.{k}" if k in self.STEP_KEYS else k): v
+                for k, v in summary.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            },
             step=committed,
         )
 

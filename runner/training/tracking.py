@@ -39,7 +39,8 @@ RETRY_AFTER_SECONDS = 10.0  # after a failed send, wait this long before trying 
 # Entries wait up to this long to share one request: MLflow's SQLite write costs ~13 ms per request
 # whatever its size, so a run of fast steps pays it once a second, not once a step.
 DELIVER_EVERY_SECONDS = 1.0
-CLOSE_WAIT_SECONDS = 30.0  # the most `close` waits for a request in flight (the HTTP timeout is 5 s)
+HTTP_TIMEOUT_SECONDS = 30.0  # one MLflow request (unless MLFLOW_HTTP_REQUEST_TIMEOUT says otherwise)
+CLOSE_WAIT_SECONDS = 2 * HTTP_TIMEOUT_SECONDS  # the most `close` waits for a request in flight
 _BATCH = 100  # MLflow's per-request limit for params and tags
 _METRICS_PER_REQUEST = 1000  # MLflow's per-request limit for metrics
 
@@ -114,9 +115,12 @@ def check_run_store(uri: str, run_id: str | None, run_json: Path) -> None:
 
 
 def _fail_fast_env() -> None:
-    # A dead server must cost seconds, not MLflow's default minutes of retries.
+    # A dead server must cost seconds, not MLflow's default minutes of retries (the thread retries
+    # every RETRY_AFTER_SECONDS itself). Requests leave from the delivery thread, so a slow answer
+    # never stalls a step: the timeout is long enough for a 1,000-metric batch to a busy server and
+    # only bounds how long the end of a run waits for a hung one.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(HTTP_TIMEOUT_SECONDS)))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
 
 
@@ -224,7 +228,8 @@ class Tracker:
         self._cond = threading.Condition()
         self._queue: list[dict] | None = None  # journaled, not yet confirmed by MLflow; None: not loaded
         self._thread: threading.Thread | None = None
-        self._closing = False
+        self._stop: threading.Event | None = None  # the running thread's own stop flag
+        self._sending = threading.Lock()  # one delivery attempt at a time, even past a `close` that timed out
         self._force = False  # send now, whatever the cadence or the retry wait
         self._send_at = 0.0  # monotonic time of the next send (cadence, or retry after a failure)
         self._attempts_started = self._attempts_done = 0
@@ -340,7 +345,8 @@ class Tracker:
                 error = e
                 break
             with self._cond:
-                del self._queue[: len(group)]
+                while self._queue and self._queue[0]["seq"] <= group[-1]["seq"]:
+                    self._queue.pop(0)
                 self._journal.ack(group[-1]["seq"], everything=not self._queue)
         with self._cond:
             now = time.monotonic()
@@ -356,19 +362,21 @@ class Tracker:
                     self.report("mlflow: reconnected, pending entries sent")
                 self._warned = False
 
-    def _worker(self) -> None:
+    def _worker(self, stop: threading.Event) -> None:
         while True:
             with self._cond:
-                while not self._closing and not (self._queue and (self._force or time.monotonic() >= self._send_at)):
+                while not stop.is_set() and not (self._queue and (self._force or time.monotonic() >= self._send_at)):
                     self._cond.wait(max(self._send_at - time.monotonic(), 0.01) if self._queue else None)
-                if self._closing:
+                if stop.is_set():
                     return
-                batch = list(self._queue)
                 self._force = False
                 self._attempts_started += 1
                 attempt = self._attempts_started
             try:
-                self._attempt(batch)
+                with self._sending:
+                    with self._cond:
+                        batch = list(self._queue)
+                    self._attempt(batch)
             finally:  # whatever happened, a waiting flush must learn that this attempt is over
                 with self._cond:
                     self._attempts_done = attempt
@@ -381,7 +389,10 @@ class Tracker:
         if self._queue is None:
             self._queue = self._journal.load()
         if self._thread is None:
-            self._thread = threading.Thread(target=self._worker, name="mlflow-delivery", daemon=True)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._worker, args=(self._stop,), name="mlflow-delivery", daemon=True
+            )
             self._thread.start()
 
     def _submit(self, entries: list[dict]) -> None:
@@ -411,13 +422,15 @@ class Tracker:
     def close(self) -> None:
         """Stop the delivery thread (after a request in flight) and close the journal."""
         with self._cond:
-            thread, self._closing = self._thread, True
+            thread, stop = self._thread, self._stop
+            self._thread = self._stop = None
+            if stop is not None:
+                stop.set()
             self._cond.notify_all()
         if thread is not None:
             thread.join(CLOSE_WAIT_SECONDS)
         with self._cond:
             self._journal.close()
-            self._thread, self._closing = None, False
 
     def pending_entries(self) -> int:
         with self._cond:
