@@ -58,8 +58,24 @@ def runner_tokens_per_second(exp_path: Path, run_dir: Path) -> tuple[float, list
     return sum(r["tokens_processed"] for r in steady) / seconds, rows
 
 
-def bare_tokens_per_second(exp, steps: int) -> float:
-    """The same model, optimizer, batches and loss with nothing else: no ledger, journal or tracking."""
+def runner_cpu_seconds_per_step(short_exp: Path, long_exp: Path, tmp: Path, extra_steps: int) -> float:
+    """CPU seconds (every thread of this process: the MLflow delivery thread too) per runner step,
+    as the difference of two launches `extra_steps` apart, so start-up and the final report cancel.
+    Unlike wall time, it hardly moves when other jobs share the cores."""
+    from runner.cli import main
+
+    spent = []
+    # The first launch imports what later ones find loaded (report plots, ...): not counted.
+    for i, exp_path in enumerate((short_exp, short_exp, long_exp)):
+        t = time.process_time()
+        assert main(["launch", str(exp_path), "--run-dir", str(tmp / f"cpu-{exp_path.parent.parent.name}-{i}")]) == 0
+        spent.append(time.process_time() - t)
+    return (spent[2] - spent[1]) / extra_steps
+
+
+def bare_tokens_per_second(exp, steps: int, cpu: bool = False) -> float:
+    """The same model, optimizer, batches and loss with nothing else: no ledger, journal or tracking.
+    Tokens per wall second, or with `cpu` per CPU second of this process."""
     from runner.training.loop import load_data
     from runner.training.model import build_model
     from runner.training.schedule import make_optimizer
@@ -73,6 +89,7 @@ def bare_tokens_per_second(exp, steps: int) -> float:
     opt = make_optimizer(model, cfg, fused=False)
     model.train()
     marks = []
+    clock = time.process_time if cpu else time.perf_counter
     for batch in batches:
         for m in range(B // micro):
             sl = slice(m * micro, (m + 1) * micro)
@@ -82,7 +99,7 @@ def bare_tokens_per_second(exp, steps: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        marks.append(time.perf_counter())
+        marks.append(clock())
     return (len(marks) - 2) * B * L / (marks[-1] - marks[1])
 
 
@@ -175,6 +192,15 @@ def main() -> int:
                 ours[n].append(tps)
                 ratios[n].append(tps / statistics.mean([before, after]))
         bare = statistics.median(bares)
+        # The same comparison in CPU seconds: what each loop costs, whoever else uses the cores.
+        tokens_per_step = int(exp.config.train.global_batch_sequences) * int(exp.config.train.seq_len)
+        bare_cpu = bare_tokens_per_second(exp, args.steps, cpu=True)
+        cpu_ratios = {}
+        for n in intervals:
+            short = project(tmp / f"cpu-short{n}", args.steps, args.hidden, log_every=n)
+            long = project(tmp / f"cpu-long{n}", 2 * args.steps, args.hidden, log_every=n)
+            per_step = runner_cpu_seconds_per_step(short, long, tmp, args.steps)
+            cpu_ratios[n] = tokens_per_step / per_step / bare_cpu
         book = bookkeeping_seconds(exp, tmp, args.steps)
         step_1p3b, cfg = planned_1p3b_step_seconds()
     print(
@@ -187,7 +213,8 @@ def main() -> int:
         spread = f" (runs: {', '.join(f'{x:.3f}' for x in ratios[n])})" if len(ratios[n]) > 1 else ""
         print(
             f"{f'runner, MLflow every {n} step' + ('s' if n > 1 else ''):<28}{statistics.median(tps):>12,.0f}   "
-            f"ratio runner / bare: {statistics.median(ratios[n]):.3f}{spread} (target >= 0.95)"
+            f"ratio runner / bare: {statistics.median(ratios[n]):.3f}{spread} (target >= 0.95); "
+            f"in CPU seconds: {cpu_ratios[n]:.3f}"
         )
     print(
         f"\nrunner bookkeeping per step at 16 x 128 (1p3b step: {int(cfg.train.global_batch_sequences)} x "
