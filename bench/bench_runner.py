@@ -1,10 +1,11 @@
 """Runner overhead: `runner launch`'s loop vs a bare PyTorch loop on the same model and batches.
 
 Prints tokens/s side by side and their ratio (target >= 0.95), then the per-step cost of the
-runner's own bookkeeping (sampler + batch read, ledger, processed journal, MLflow logging) and
-that cost as a share of the 1p3b step time (planned at the hardware recipe's default MFU).
+runner's own bookkeeping (sampler + batch read, ledger, processed journal, MLflow logging: what the
+training thread pays to journal a step's metrics, and what the background thread spends delivering
+them) and that cost as a share of the 1p3b step time (planned at the hardware recipe's default MFU).
 
-    python bench/bench_runner.py [--steps 40] [--hidden 128]
+    OMP_NUM_THREADS=1 python bench/bench_runner.py [--steps 40] [--hidden 128] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -57,8 +58,24 @@ def runner_tokens_per_second(exp_path: Path, run_dir: Path) -> tuple[float, list
     return sum(r["tokens_processed"] for r in steady) / seconds, rows
 
 
-def bare_tokens_per_second(exp, steps: int) -> float:
-    """The same model, optimizer, batches and loss with nothing else: no ledger, journal or tracking."""
+def runner_cpu_seconds_per_step(short_exp: Path, long_exp: Path, tmp: Path, extra_steps: int) -> float:
+    """CPU seconds (every thread of this process: the MLflow delivery thread too) per runner step,
+    as the difference of two launches `extra_steps` apart, so start-up and the final report cancel.
+    Unlike wall time, it hardly moves when other jobs share the cores."""
+    from runner.cli import main
+
+    spent = []
+    # The first launch imports what later ones find loaded (report plots, ...): not counted.
+    for i, exp_path in enumerate((short_exp, short_exp, long_exp)):
+        t = time.process_time()
+        assert main(["launch", str(exp_path), "--run-dir", str(tmp / f"cpu-{exp_path.parent.parent.name}-{i}")]) == 0
+        spent.append(time.process_time() - t)
+    return (spent[2] - spent[1]) / extra_steps
+
+
+def bare_tokens_per_second(exp, steps: int, cpu: bool = False) -> float:
+    """The same model, optimizer, batches and loss with nothing else: no ledger, journal or tracking.
+    Tokens per wall second, or with `cpu` per CPU second of this process."""
     from runner.training.loop import load_data
     from runner.training.model import build_model
     from runner.training.schedule import make_optimizer
@@ -72,6 +89,7 @@ def bare_tokens_per_second(exp, steps: int) -> float:
     opt = make_optimizer(model, cfg, fused=False)
     model.train()
     marks = []
+    clock = time.process_time if cpu else time.perf_counter
     for batch in batches:
         for m in range(B // micro):
             sl = slice(m * micro, (m + 1) * micro)
@@ -81,7 +99,7 @@ def bare_tokens_per_second(exp, steps: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        marks.append(time.perf_counter())
+        marks.append(clock())
     return (len(marks) - 2) * B * L / (marks[-1] - marks[1])
 
 
@@ -115,10 +133,15 @@ def bookkeeping_seconds(exp, tmp: Path, steps: int) -> dict[str, float]:
     out["ledger+journal"] = (time.perf_counter() - t) / steps
     tracker = Tracker(tmp / "trk", tracking_uri=f"sqlite:///{tmp / 'bench-mlflow.db'}")
     tracker.start("bench", "bench", params=None, tags={})
+    tracker.flush()  # the store's creation is start-up, not a step
     t = time.perf_counter()
     for s in range(steps):
         tracker.log_metrics({f"m{i}": float(i) for i in range(32)}, step=s)
-    out["mlflow (32 metrics, sqlite)"] = (time.perf_counter() - t) / steps
+    out["mlflow: journal + hand-off"] = (time.perf_counter() - t) / steps
+    t = time.perf_counter()
+    tracker.flush()  # what the delivery thread does off the step, all at once here
+    out["mlflow: delivery (background)"] = (time.perf_counter() - t) / steps
+    tracker.close()
     return out
 
 
@@ -143,6 +166,12 @@ def main() -> int:
         default="1,10",
         help="MLflow logging intervals to compare (steps); the shipped recipes log every 10",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="alternate bare and runner loops this many times; ratios are medians (a noisy machine)",
+    )
     args = ap.parse_args()
     intervals = [int(x) for x in args.log_every.split(",")]
     from runner.config.load import load_experiment
@@ -150,15 +179,28 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
-        ours = {}
+        exps = {n: project(tmp / f"log{n}", args.steps, args.hidden, log_every=n) for n in intervals}
+        exp = load_experiment(exps[intervals[0]])
+        bares, ours, ratios = [], {n: [] for n in intervals}, {n: [] for n in intervals}
+        for r in range(args.repeats):
+            # bare, runner(s), bare: each runner figure against the mean of the bare loops around it
+            before = bare_tokens_per_second(exp, args.steps)
+            runs = {n: runner_tokens_per_second(exps[n], tmp / f"run{n}-{r}")[0] for n in intervals}
+            after = bare_tokens_per_second(exp, args.steps)
+            bares += [before, after]
+            for n, tps in runs.items():
+                ours[n].append(tps)
+                ratios[n].append(tps / statistics.mean([before, after]))
+        bare = statistics.median(bares)
+        # The same comparison in CPU seconds: what each loop costs, whoever else uses the cores.
+        tokens_per_step = int(exp.config.train.global_batch_sequences) * int(exp.config.train.seq_len)
+        bare_cpu = bare_tokens_per_second(exp, args.steps, cpu=True)
+        cpu_ratios = {}
         for n in intervals:
-            exp_path = project(tmp / f"log{n}", args.steps, args.hidden, log_every=n)
-            exp = load_experiment(exp_path)
-            if n == intervals[0]:
-                bare = bare_tokens_per_second(exp, args.steps)
-            ours[n], _ = runner_tokens_per_second(exp_path, tmp / f"run{n}")
-        bare2 = bare_tokens_per_second(exp, args.steps)  # again: the shared machine's speed drifts
-        bare = statistics.mean([bare, bare2])
+            short = project(tmp / f"cpu-short{n}", args.steps, args.hidden, log_every=n)
+            long = project(tmp / f"cpu-long{n}", 2 * args.steps, args.hidden, log_every=n)
+            per_step = runner_cpu_seconds_per_step(short, long, tmp, args.steps)
+            cpu_ratios[n] = tokens_per_step / per_step / bare_cpu
         book = bookkeeping_seconds(exp, tmp, args.steps)
         step_1p3b, cfg = planned_1p3b_step_seconds()
     print(
@@ -168,9 +210,11 @@ def main() -> int:
     print(f"{'loop':<28}{'tokens/s':>12}")
     print(f"{'bare PyTorch':<28}{bare:>12,.0f}")
     for n, tps in ours.items():
+        spread = f" (runs: {', '.join(f'{x:.3f}' for x in ratios[n])})" if len(ratios[n]) > 1 else ""
         print(
-            f"{f'runner, MLflow every {n} step' + ('s' if n > 1 else ''):<28}{tps:>12,.0f}   "
-            f"ratio runner / bare: {tps / bare:.3f} (target >= 0.95)"
+            f"{f'runner, MLflow every {n} step' + ('s' if n > 1 else ''):<28}{statistics.median(tps):>12,.0f}   "
+            f"ratio runner / bare: {statistics.median(ratios[n]):.3f}{spread} (target >= 0.95); "
+            f"in CPU seconds: {cpu_ratios[n]:.3f}"
         )
     print(
         f"\nrunner bookkeeping per step at 16 x 128 (1p3b step: {cfg.train.global_batch_sequences} x "

@@ -20,6 +20,7 @@ import shlex
 import shutil
 import socket
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +217,11 @@ def _alive(pid) -> bool:
 # ---- run folders --------------------------------------------------------------------------------
 
 
+# run.json is updated read-modify-write by the training thread and by MLflow's delivery thread
+# (which records the MLflow run id when it creates the run): one update at a time per process.
+_RUN_JSON_LOCK = threading.Lock()
+
+
 class RunFolder:
     """run.json and the journal of one run folder (DESIGN.md layout). Only rank 0 writes."""
 
@@ -231,10 +237,11 @@ class RunFolder:
         return read_json(self.run_json)
 
     def update(self, **fields) -> dict:
-        info = self.read()
-        info.update(fields)
-        if self.writer:
-            atomic_write_json(self.run_json, info)
+        with _RUN_JSON_LOCK:
+            info = self.read()
+            info.update(fields)
+            if self.writer:
+                atomic_write_json(self.run_json, info)
         return info
 
     @contextlib.contextmanager

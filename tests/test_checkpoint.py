@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from timeouts import TEST_TIMEOUT_S
 from trainfixtures import env, launch, make_project
 
 from runner.fsio import read_jsonl, sha256_file
@@ -127,6 +128,7 @@ def test_format_1_checkpoints_of_older_runs_still_load(tmp_path):
     assert torch.equal(opt.state[model[0].weight]["exp_avg"], restored_opt.state[restored[0].weight]["exp_avg"])
 
 
+@pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path):
     exp = make_project(tmp_path, steps=8, checkpoint_every=2, keep_last=5)
     run = tmp_path / "runs" / "c"
@@ -139,6 +141,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path):
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path):
     ref = tmp_path / "runs" / "ref"
     exp = make_project(tmp_path, steps=STEPS, checkpoint_every=1, keep_last=3)
@@ -189,6 +193,7 @@ def test_save_removes_incomplete_and_temporary_folders(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step-0000004", "step-0000008"]
 
 
+@pytest.mark.slow
 def test_step_time_of_lost_work_is_counted_so_mfu_is_not_overstated(tmp_path):
     # Checkpoints only at the end: a kill at step 6 loses five committed steps and part of the sixth.
     exp = make_project(tmp_path, steps=8, checkpoint_every=100)

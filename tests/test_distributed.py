@@ -9,6 +9,7 @@ import sys
 import pytest
 import yaml
 from safetensors.torch import load_file
+from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from trainfixtures import env, launch, make_project
 
 from runner.fsio import read_jsonl
@@ -16,6 +17,7 @@ from runner.reports.audit import audit
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_two_processes_match_one(tmp_path):
     exp = make_project(tmp_path, steps=6, checkpoint_every=3, eval_every=3)
     launch(tmp_path, exp, "--run-dir", "runs/one", "--no-tracking")
@@ -39,7 +41,7 @@ def test_two_processes_match_one(tmp_path):
         env=env(tmp_path),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = tmp_path / "runs" / "one", tmp_path / "runs" / "two"
@@ -48,6 +50,9 @@ def test_two_processes_match_one(tmp_path):
     # The recipe plans 1 device; the run held 2: that is what run.json, MFU and cost count.
     assert info["devices"] == 2 and info["conventions"]["devices_counted"] == 2
     assert proc.stderr.count("warning: running on 2 devices (world size)") == 1
+    # Progress on a log file: plain lines from the main process only (two ranks would repeat each).
+    shown = [int(x.split()[2].split("/")[0]) for x in proc.stderr.splitlines() if x.startswith("train: step ")]
+    assert shown[0] == 1 and shown[-1] == 6 and len(shown) == len(set(shown)), proc.stderr[-3000:]
     assert json.loads((one / "ledger.json").read_text()) == json.loads((two / "ledger.json").read_text())
     for name in ("train.jsonl", "eval.jsonl"):
         a, b = read_jsonl(one / "metrics" / name), read_jsonl(two / "metrics" / name)
@@ -80,7 +85,7 @@ def _torchrun(tmp_path, *args) -> subprocess.CompletedProcess:
         env=env(tmp_path),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -96,6 +101,7 @@ def _weights(run, step):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tmp_path):
     # micro 2 of a global 8 over 2 ranks: 2 micro steps each, so gradient sync is held, then released.
     ref_root, root = tmp_path / "ref", tmp_path / "fsdp"
@@ -147,6 +153,7 @@ def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tm
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_bad_input_under_torchrun_is_said_once_not_once_per_process(tmp_path):
     exp = make_project(tmp_path, steps=4)  # global batch 8 in micro batches of 4: 3 processes cannot split it
     proc = subprocess.run(
@@ -155,7 +162,7 @@ def test_bad_input_under_torchrun_is_said_once_not_once_per_process(tmp_path):
         env=env(tmp_path),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

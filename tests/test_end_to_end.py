@@ -11,6 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from timeouts import SUBPROCESS_TIMEOUT_S
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -21,10 +24,16 @@ RUNNER = shutil.which("runner", path=str(Path(sys.executable).parent)) or shutil
 
 def runner(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [RUNNER, *args], cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600
+        [RUNNER, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
 
 
+@pytest.mark.slow
 def test_readme_main_job_end_to_end(tmp_path: Path):
     project = tmp_path / "project"
     for folder in ("recipes", "experiments"):
@@ -86,6 +95,7 @@ def test_readme_main_job_end_to_end(tmp_path: Path):
     assert runner(project, "audit-reports", "--reports-dir", str(project / "reports")).returncode == 0
 
 
+@pytest.mark.slow
 def test_published_reports_in_the_repository_pass_the_audit():
     published = [p for p in (REPO / "reports").glob("*/*/run_summary.csv")]
     assert published, "the repository ships at least the CPU experiment's report"
@@ -150,6 +160,7 @@ LAUNCH_REFUSALS = [
 ]
 
 
+@pytest.mark.slow
 def test_launch_refuses_bad_data_before_writing_anything(project_with_data: Path):
     import shutil as _sh
 

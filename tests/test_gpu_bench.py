@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from timeouts import SUBPROCESS_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_bench.py"
@@ -35,7 +36,7 @@ def tiny_result(tmp_path_factory):
         [sys.executable, str(SCRIPT), "--cpu-tiny", "--out", str(out), "--budget-s", "60", "--matmul-s", "0.5"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=SUBPROCESS_TIMEOUT_S,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -309,6 +309,7 @@ def test_cli_plan_json_on_a_project_experiment(capsys):
     assert plan["memory"]["fits"] is True
 
 
+@pytest.mark.slow
 def test_plan_of_an_infeasible_mixture_prints_the_plan_and_exits_2(project_with_data):
     import subprocess
     import sys

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from datafixtures import documents, make_tokenizer, run_cli, write_jsonl, write_parquet, write_text_dir
+from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from runner.data.manifest import Pool, load_manifest
@@ -197,6 +198,7 @@ def test_failure_mid_way_then_rerun_is_byte_identical(tmp_path, tok_path, monkey
     assert sha == clean_sha and dir_bytes(tmp_path / "out") == dir_bytes(tmp_path / "clean")
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_sigkill_then_rerun_is_byte_identical(tmp_path, tok_path):
     src = write_jsonl(tmp_path / "a.jsonl", documents(3000))
     kw = dict(validation_fraction=0.05, shard_tokens=2000, workers=0, batch_docs=8)
@@ -206,7 +208,7 @@ def test_sigkill_then_rerun_is_byte_identical(tmp_path, tok_path):
     )
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", code, str(out)])
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
     while not (out.exists() and any(p.name.startswith("train-") for p in out.iterdir())):
         assert time.monotonic() < deadline and proc.poll() is None, "prepare never wrote a shard"
         time.sleep(0.002)
@@ -239,6 +241,7 @@ def _pdeathsig_after_die_with_parent() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_prepare_workers_die_with_a_sigkilled_parent():
     # A SIGKILLed prepare must not leave workers tokenizing on and printing BrokenPipeError.
     import multiprocessing

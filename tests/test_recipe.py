@@ -216,6 +216,7 @@ def _check_pr(cwd):
     )
 
 
+@pytest.mark.slow
 def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(project: Path):
     _git(project, "init", "-q", "-b", "main")
     _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
@@ -264,6 +265,7 @@ def test_check_pr_catches_meaning_change_through_a_base_experiment(project: Path
     assert "experiments/1p3b-mi300x.yaml: version: changed" in out.stderr
 
 
+@pytest.mark.slow
 def test_check_pr_and_validate_cover_pilot_experiments_in_subfolders(project: Path):
     pilots = project / "experiments/pilots"
     pilots.mkdir()
@@ -327,6 +329,7 @@ def _validate(project: Path, *paths: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_validate_checks_data_pins_present_on_this_machine(project_with_data: Path):
     assert _validate(project_with_data, "experiments/cpu-tiny.yaml").returncode == 0
     edit(project_with_data / "experiments/cpu-tiny.yaml", _set("data", "manifests", "prose", "sha256", "ab" * 32))
@@ -351,6 +354,7 @@ def test_validate_refuses_a_manifest_made_with_another_tokenizer(project_with_da
     )
 
 
+@pytest.mark.slow
 def test_validate_refuses_an_infeasible_mixture(project_with_data: Path):
     edit(project_with_data / "recipes/mixture/builtin-3dom.yaml", _set("domains", "legal", "max_repetition_ratio", 1.0))
     out = _validate(project_with_data, "experiments/cpu-tiny.yaml")

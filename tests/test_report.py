@@ -109,6 +109,7 @@ def test_publish_copies_audited_report_and_indexes_it(run_dir, tmp_path):
     assert _cli(["audit-reports", "--reports-dir", str(reports)]) == EXIT_UNVERIFIED
 
 
+@pytest.mark.slow
 def test_publish_refuses_failing_audit_and_large_files(run_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -167,6 +168,7 @@ def test_every_argument_of_every_verb_has_help():
                 assert action.help, f"{verb} {action.dest}"
 
 
+@pytest.mark.slow
 def test_report_from_an_mlflow_run_id_renders_the_logged_report(run_dir, tmp_path, monkeypatch, capsys):
     # A run logs its report/ folder as MLflow artifacts (not the ledger): `runner report RUN_ID`
     # must rebuild report.md and the plots from those tables, not ask for ledger.json.
@@ -186,6 +188,7 @@ def test_report_from_an_mlflow_run_id_renders_the_logged_report(run_dir, tmp_pat
     assert all((dest / "report" / p).stat().st_size > 0 for p in PLOTS)
 
 
+@pytest.mark.slow
 def test_report_of_an_unknown_mlflow_run_names_the_store(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 

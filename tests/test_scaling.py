@@ -35,6 +35,7 @@ def synthetic(noise=0.003, seed=0):
     return pts
 
 
+@pytest.mark.slow
 def test_recovers_known_parameters_from_noisy_losses():
     fit = fit_loss(synthetic())
     assert fit.alpha == pytest.approx(TRUE.alpha, abs=0.05)
@@ -96,6 +97,7 @@ def write_run(folder, n_layers, steps, losses):
     (folder / "metrics" / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+@pytest.mark.slow
 def test_read_point_from_a_run_folder_and_full_report(tmp_path):
     runs = []
     for i, (layers, steps) in enumerate([(1, 100), (2, 100), (4, 100), (1, 400), (2, 400), (4, 400)]):
@@ -119,6 +121,7 @@ def test_read_point_from_a_run_folder_and_full_report(tmp_path):
         read_point(tmp_path)
 
 
+@pytest.mark.slow
 def test_cli_fit_writes_json_and_png(tmp_path, capsys):
     from runner.cli import main
 
@@ -178,6 +181,7 @@ def _grid_runs(tmp_path, shapes):
 GRID = [(1, 100), (2, 100), (4, 100), (1, 400), (2, 400), (4, 400)]
 
 
+@pytest.mark.slow
 def test_cli_fit_takes_experiment_run_folders_and_names_held_out_runs(tmp_path, capsys):
     # `runner launch` puts runs in runs/EXPERIMENT/RUN_ID: the user passes runs/pilot-*/.
     from runner.cli import main
@@ -202,6 +206,7 @@ def test_cli_fit_refuses_meaningless_budget_flags(tmp_path, capsys):
     assert "--flops: must be a positive number of FLOPs, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fit_warns_when_a_grid_has_too_few_sizes_or_budgets():
     pts = [
         Point(f"p{i}", n, d, float(TRUE.loss(n, d)))

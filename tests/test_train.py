@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from trainfixtures import env, launch, make_project
 
 from runner.fsio import read_jsonl
@@ -23,6 +24,7 @@ def counters(run: Path) -> dict:
     return json.loads((run / "ledger.json").read_text())["counters"]
 
 
+@pytest.mark.slow
 def test_launch_writes_run_folder_and_mlflow(tmp_path):
     tmp, run = tmp_path, tmp_path / "runs" / "ref"
     launch(tmp, make_project(tmp, steps=STEPS, checkpoint_every=4, keep_last=2), "--run-dir", run)
@@ -61,6 +63,7 @@ def test_launch_writes_run_folder_and_mlflow(tmp_path):
     assert "hfu" not in info and "hfu" not in keys  # no activation checkpointing: nothing is recomputed
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_reports_hfu_besides_mfu(tmp_path):
     import pandas as pd
     import yaml
@@ -90,6 +93,7 @@ def test_activation_checkpointing_reports_hfu_besides_mfu(tmp_path):
     assert tags["hfu.recompute_counted"] == "True" and tags["mfu.recompute_counted"] == "False"
 
 
+@pytest.mark.slow
 def test_fingerprint_mismatch_refuses_resume_naming_keys(tmp_path):
     exp = make_project(tmp_path, steps=4)
     run = tmp_path / "runs" / "f"
@@ -102,6 +106,7 @@ def test_fingerprint_mismatch_refuses_resume_naming_keys(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_with_exit_4_keeping_last_good_checkpoint(tmp_path):
     exp = make_project(tmp_path, steps=6, lr=1e30, checkpoint_every=1)
     run = tmp_path / "runs" / "n"
@@ -116,6 +121,8 @@ def test_nonfinite_loss_stops_with_exit_4_keeping_last_good_checkpoint(tmp_path)
     assert steps and steps[-1] == f"step-{info['committed_steps']:07d}"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_sigterm_saves_checkpoint_and_exits_3(tmp_path):
     exp = make_project(tmp_path, steps=400, checkpoint_every=1000)
     run = tmp_path / "runs" / "p"
@@ -127,17 +134,18 @@ def test_sigterm_saves_checkpoint_and_exits_3(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 60
+    deadline = time.time() + SUBPROCESS_TIMEOUT_S
     while time.time() < deadline and not (run / "metrics" / "train.jsonl").exists():
         time.sleep(0.2)
     time.sleep(0.5)
     p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=SUBPROCESS_TIMEOUT_S)
     assert p.returncode == 3, err
     info = json.loads((run / "run.json").read_text())
     assert info["status"] == "preempted" and (run / "checkpoints" / f"step-{info['committed_steps']:07d}").exists()
 
 
+@pytest.mark.slow
 def test_extend_finished_run_records_segment(tmp_path):
     exp = make_project(tmp_path, steps=4, checkpoint_every=2)
     run = tmp_path / "runs" / "x"
@@ -170,6 +178,7 @@ def _snapshot(run: Path) -> dict:
     return {str(p): p.read_bytes() for p in files if p.is_file()}
 
 
+@pytest.mark.slow
 def test_relaunching_a_finished_run_is_a_no_op(tmp_path):
     exp = make_project(tmp_path, steps=4, checkpoint_every=2)
     run = tmp_path / "runs" / "x" / "done"
@@ -189,6 +198,7 @@ def test_relaunching_a_finished_run_is_a_no_op(tmp_path):
     assert bad.stderr.strip().startswith("error: runs/x/done/experiment.yaml: train.exposure_tokens: --extend-to 100")
 
 
+@pytest.mark.slow
 def test_edited_run_folder_experiment_is_refused_naming_keys(tmp_path):
     exp = make_project(tmp_path, steps=6, checkpoint_every=2, keep_last=3)
     run = tmp_path / "runs" / "e"
@@ -209,6 +219,7 @@ def test_edited_run_folder_experiment_is_refused_naming_keys(tmp_path):
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000006"]
 
 
+@pytest.mark.slow
 def test_infeasible_mixture_error_names_the_experiment_file(tmp_path):
     make_project(tmp_path, steps=4000)
     proc = launch(tmp_path, "experiments/t.yaml", "--no-tracking", check=False)
@@ -247,6 +258,7 @@ def test_smoke_times_in_a_fitting_unit_and_every_argument_has_help():
                 assert action.help, f"runner {name} {action.dest} has no help"
 
 
+@pytest.mark.slow
 def test_hard_stop_leaves_run_resumable_and_removing_it_continues_the_same_schedule(tmp_path):
     exp = make_project(tmp_path, steps=8, checkpoint_every=4, train_extra={"hard_stop_tokens": 4 * 8 * 16})
     run = tmp_path / "runs" / "h"
@@ -271,6 +283,7 @@ def test_hard_stop_leaves_run_resumable_and_removing_it_continues_the_same_sched
     assert [r["lr"] for r in rows] == pytest.approx([lr_at(s, O, 8, 2) for s in range(8)], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_nonfinite_stop_rolls_the_ledger_back_to_the_last_checkpoint(tmp_path):
     # lr 1e30 makes step 2's gradients non-finite; step 1 was committed in memory but never saved.
     exp = make_project(tmp_path, steps=8, lr=1e30, checkpoint_every=4)
@@ -299,6 +312,7 @@ def test_each_segment_keeps_the_schedule_it_was_trained_under():
     assert segment_schedule_steps([], 5, 128, 99) == 99
 
 
+@pytest.mark.slow
 def test_extension_after_fallback_to_a_pre_extension_checkpoint_replays_old_lrs(tmp_path):
     exp = make_project(tmp_path, steps=4, checkpoint_every=2, keep_last=5)
     run = tmp_path / "runs" / "xf"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from timeouts import SUBPROCESS_TIMEOUT_S
 
 from runner.data.manifest import write_manifest
 from runner.fsio import sha256_file
@@ -178,7 +179,9 @@ def env(tmp: Path, **extra) -> dict:
     return e
 
 
-def launch(tmp: Path, *args, check: bool = True, timeout: float = 120, **env_extra) -> subprocess.CompletedProcess:
+def launch(
+    tmp: Path, *args, check: bool = True, timeout: float = SUBPROCESS_TIMEOUT_S, **env_extra
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "runner", "launch", *map(str, args)],
         cwd=tmp,

@@ -119,8 +119,9 @@ def _resolve(args) -> tuple[Experiment, Path | None, bool]:
 
 def _tracker_of(folder: RunFolder, tracking_uri: str | None, **kwargs) -> Tracker:
     """The Tracker continuing the MLflow run recorded in run.json, recording it there when the URI
-    it tracks to is not the one recorded (a first launch, or a server that moved)."""
-    from runner.training.tracking import Tracker
+    it tracks to is not the one recorded (a first launch, or a server that moved). URIs are recorded
+    absolute; a SQLite store that run.json says holds the run but is gone is refused, not recreated."""
+    from runner.training.tracking import Tracker, check_run_store
 
     saved = folder.read().get("mlflow") or {}
     tracker = Tracker(
@@ -131,9 +132,18 @@ def _tracker_of(folder: RunFolder, tracking_uri: str | None, **kwargs) -> Tracke
         on_run_id=lambda info: folder.update(mlflow=info),
         **kwargs,
     )
+    check_run_store(tracker.tracking_uri, tracker.run_id, folder.run_json)
     if tracker.tracking_uri != saved.get("tracking_uri"):
         folder.update(mlflow=tracker.info())
     return tracker
+
+
+def _check_recorded_store(run_dir: Path) -> None:
+    from runner.training.tracking import absolute_uri, check_run_store
+
+    saved = read_json(run_dir / "run.json").get("mlflow") or {}
+    if saved.get("tracking_uri"):
+        check_run_store(absolute_uri(saved["tracking_uri"]), saved.get("run_id"), run_dir / "run.json")
 
 
 def _make_tracker(run_dir: Path, main: bool) -> Tracker:
@@ -248,6 +258,8 @@ def _launch(args, held: contextlib.ExitStack) -> int:
             if _is_rank0():
                 print(line)
             return EXIT_OK
+    if existing and run_dir is not None and not args.no_tracking:  # before anything is written: a lost store is refused
+        _check_recorded_store(run_dir)
     if args.extend_to is not None:
         if not existing or run_dir is None:
             raise RunnerError("--extend-to needs an existing run folder", key="--extend-to")
@@ -295,7 +307,13 @@ def _launch(args, held: contextlib.ExitStack) -> int:
             seg = info["segments"][-1]
             tracker.log_tags({f"segment.{seg['index']}.{k}": v for k, v in seg.items() if k != "index"})
     opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=args.kill_at_step)
-    code = train(exp, run_dir, acc, tracker, opts)
+    try:
+        code = train(exp, run_dir, acc, tracker, opts)
+    except BaseException:
+        if tracker is not None:  # what the delivery thread still holds reaches MLflow, or stays journaled
+            tracker.flush()
+            tracker.close()
+        raise
     if main:
         info = RunFolder(run_dir).read()
         status = info.get("status")

@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import numpy as np
 
-from runner.config.load import Experiment
+from runner.config.load import Experiment, parse_ref, recipe_path
 from runner.data.mixture import MixturePlan, plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError, display_path
 from runner.fsio import atomic_write, canonical_json, sha256_file
@@ -274,10 +274,16 @@ def load_experiment_manifests(
     manifests: dict[str, Manifest] = {}
     notes: list[str] = []
     if cfg.tokenizer.sha256 is None and not missing_ok:
+        # The pin belongs in the tokenizer recipe, which every experiment using it shares.
+        ref = cfg.recipes.get("tokenizer")
+        recipe = recipe_path(exp.project_root, "tokenizer", parse_ref(ref)[0]) if ref else None
+        if recipe is None or not recipe.exists():
+            raise RunnerError("not pinned: pin it in the tokenizer recipe", file=where, key="tokenizer.sha256")
         raise RunnerError(
-            "not pinned: put the sha256 of the tokenizer.json here (`sha256sum` prints it)",
-            file=where,
-            key="tokenizer.sha256",
+            f"not pinned: put the sha256 of {cfg.tokenizer.path} here (`sha256sum` prints it), then bump "
+            f"this recipe's version and the references to it ({display_path(where)} uses it)",
+            file=recipe,
+            key="sha256",
         )
     for d, pin in cfg.data.manifests.items():
         key = f"data.manifests.{d}"

@@ -15,7 +15,6 @@ import json
 import multiprocessing
 import os
 import signal
-import sys
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,12 +24,12 @@ from typing import Any, BinaryIO, Literal, overload
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from runner.data.manifest import DTYPES, FORMAT, write_manifest
 from runner.data.tokenizer import load_tokenizer, tokenizer_info
 from runner.errors import RunnerError
 from runner.fsio import fsync_dir, sha256_file
+from runner.progress import counter
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
 KINDS = {".parquet": "parquet", ".jsonl": "jsonl"}
@@ -345,13 +344,8 @@ def prepare(
         True: ShardWriter(out_dir, "validation", shard_tokens, dtype),
     }
     documents = {False: 0, True: 0}
-    bar = tqdm(
-        desc=f"prepare {domain}",
-        unit="tok",
-        unit_scale=True,
-        file=sys.stderr,
-        disable=(None if progress is None else not progress),
-    )
+    # A bar on a terminal, a line a minute in a log file (progress=None); progress=False: silent.
+    bar = counter(f"prepare {domain}", "tokens", enabled=progress)
     with bar:
         if input_format == "nanogpt-bin":
             for source in sources:

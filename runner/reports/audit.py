@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 from safetensors.numpy import load_file
 
+from runner import progress
 from runner.config.load import Experiment, experiment_from_dict
 from runner.config.rules import devices
 from runner.config.schema import ExperimentSchema
@@ -191,7 +192,7 @@ def replay(
     target = np.array([ratios[d] for d in domains], dtype=float)
     violations: list[str] = []
     snapshots: dict[int, dict[str, tuple[int, int]]] = {}
-    for step in range(steps):
+    for step in progress.on_terminal(range(steps), "audit: replay", "step"):
         domain_ids, sample_idx = sampler.step_arrays(step)
         for i, d in enumerate(domains):
             idx = sample_idx[domain_ids == i]

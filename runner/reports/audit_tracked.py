@@ -17,13 +17,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.config.fingerprint import canonical_meaning
 from runner.fsio import read_json
 from runner.reports import evidence as ev
 from runner.reports.checks import AuditResult
+from runner.training.tracking import missing_store
 from schemas.report_tables import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -90,17 +90,6 @@ class Tracked:
 # ---- finding the run ----------------------------------------------------------------------------
 
 
-def _store_missing(uri: str) -> str | None:
-    """Why a local store is not there (MLflow would create it empty), else None."""
-    if uri.startswith("sqlite:///"):
-        path = Path(uri[len("sqlite:///") :])
-        return None if path.is_file() else f"no MLflow store at {path} on this machine"
-    if uri.startswith("file:") or "://" not in uri:
-        path = Path(uri[len("file://") :] if uri.startswith("file://") else uri.removeprefix("file:"))
-        return None if path.is_dir() else f"no MLflow store at {path} on this machine"
-    return None
-
-
 def _named_run(inp: AuditInput) -> tuple[str | None, list[str]]:
     """(the MLflow run id run.json names, the store URIs it records), the run folder's run.json included."""
     records = [inp.run.get("mlflow") or {}]
@@ -123,7 +112,7 @@ def locate(inp: AuditInput, *, enabled: bool = True, tracking_uri: str | None = 
     candidates = [tracking_uri] if tracking_uri else [*recorded, os.environ.get("MLFLOW_TRACKING_URI")]
     reasons = []
     for uri in dict.fromkeys(u for u in candidates if u):
-        missing = _store_missing(uri)
+        missing = missing_store(uri)
         if missing:
             reasons.append(missing)
             continue

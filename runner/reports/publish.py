@@ -3,7 +3,7 @@
 Owns: the rule that a report the audit FAILs is never published (and, with require_verified, that
 only a PASS is), the published layout `reports/<experiment>/<run_id>/` (small files only: the
 tables, report.md, plots, experiment.yaml, run.json, manifests/ and evidence.json), the index
-reports/README.md, and auditing every published report (what CI runs).
+reports/README.md, the published run.json without machine paths, and auditing every published report (what CI runs).
 
 What a published report can prove: its folder carries everything the offline checks recount from
 (tables, experiment.yaml, manifests, run.json), but every one of those files can be rewritten
@@ -17,16 +17,19 @@ Never: publishes a failing report, copies checkpoints or large files, or edits a
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pandas as pd
 
 from runner.errors import RunnerError
+from runner.fsio import read_json
 from runner.reports import tables as rpt
 from runner.reports.audit import AuditResult, audit
 from runner.reports.evidence import write_evidence
 from runner.runs import is_reportable_run
+from runner.training.tracking import repo_root
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
 INDEX = "README.md"
@@ -70,9 +73,41 @@ def publish(
     for f in files:
         target = dest / f.relative_to(report_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(f, target)
+        if target.relative_to(dest) == Path("run.json"):
+            info = read_json(f)
+            root = Path(info.get("project_root") or repo_root(run_dir))
+            target.write_text(json.dumps(portable(info, root), indent=1))
+        else:
+            shutil.copy2(f, target)
     write_index(reports_dir)
     return dest, result
+
+
+# prefix of an absolute path -> prefix of its relative form (a relative file URI has no spelling)
+_URI_PREFIXES = {"sqlite:///": "sqlite:///", "file://": "", "": ""}
+
+
+def portable(value, project_root: Path):
+    """`value` (run.json, or any part of it) without machine paths: an absolute path, or a SQLite or
+    file URI of one, inside `project_root` becomes relative to it (`project_root` itself becomes
+    "."); one outside it becomes null; the home folder inside any other text becomes `~`. Keys stay,
+    so readers of published run.json files find every field they knew."""
+    root = Path(project_root).resolve()
+    if isinstance(value, dict):
+        return {k: portable(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v, root) for v in value]
+    if not isinstance(value, str):
+        return value
+    for prefix, relative_prefix in _URI_PREFIXES.items():
+        rest = value[len(prefix) :]
+        if value.startswith(prefix) and rest.startswith("/"):
+            path = Path(rest).resolve()
+            if path == root or root in path.parents:
+                return relative_prefix + path.relative_to(root).as_posix()
+            return None
+    home = str(Path.home())
+    return value.replace(home, "~") if home not in ("/", "") else value
 
 
 def published_reports(reports_dir: str | Path) -> list[Path]:

@@ -1,25 +1,35 @@
-"""Side effects of the training loop as callbacks: metrics files and MLflow.
+"""Side effects of the training loop as callbacks: metrics files, MLflow and the progress line.
 
 Owns: what is written after each step, each evaluation and at the end of an attempt
-(metrics/train.jsonl, metrics/eval.jsonl, MLflow metrics). Never changes what is trained.
+(metrics/train.jsonl, metrics/eval.jsonl, MLflow metrics, the progress bar or line on stderr).
+Never changes what is trained.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
+from tqdm import tqdm
+
+from runner import progress
 from runner.fsio import repair_jsonl_tail
 
 
 class Callback:
-    """Side effects of the loop. Hooks run on every rank; sinks act only where they should."""
+    """Side effects of the loop. Hooks run on every rank; sinks act only where they should.
+
+    `on_end` gets the attempt's summary and the accounting of its last committed step (after a
+    non-finite stop: of the checkpoint the run was rolled back to)."""
 
     def on_step(self, record: dict, counters: dict, ratios: dict) -> None: ...
 
     def on_eval(self, step: int, exposure_tokens: int, rows: list[dict]) -> None: ...
 
-    def on_end(self, summary: dict) -> None: ...
+    def on_end(self, summary: dict, counters: dict, ratios: dict) -> None: ...
 
 
 class MetricsFiles(Callback):
@@ -48,35 +58,50 @@ class MetricsFiles(Callback):
 
 
 class TrackingCallback(Callback):
-    """MLflow metrics: loss, lr, throughput, MFU, counters, realized ratios, validation."""
+    """MLflow metrics: loss, lr, throughput, MFU, counters, realized ratios, validation.
+
+    Per-step metrics go out every `log_interval_steps`, and always for the attempt's last committed
+    step (end of the run or of an extension, hard stop, preemption): MLflow's latest values are the
+    run's final ones. After a non-finite stop the run's lineage is rolled back to its last checkpoint;
+    that accounting (counters, realized ratios) is logged at the step that failed."""
+
+    STEP_KEYS = (
+        "loss",
+        "lr",
+        "grad_norm",
+        "step_seconds",
+        "tokens_per_second",
+        "tokens_per_second_useful",
+        "mfu",
+        "goodput_mfu",
+        "hfu",
+    )
 
     def __init__(self, tracker, log_interval_steps: int):
         self.tracker = tracker
-        self.every = max(1, int(log_interval_steps))
+        self.every = max(1, log_interval_steps)
+        self.newest: tuple[dict, dict, dict] | None = None  # the attempt's newest step
+        self.newest_logged = False
 
-    def on_step(self, record, counters, ratios):
-        if record["step"] % self.every:
-            return
-        m = {
-            k: record[k]
-            for k in (
-                "loss",
-                "lr",
-                "grad_norm",
-                "step_seconds",
-                "tokens_per_second",
-                "tokens_per_second_useful",
-                "mfu",
-                "goodput_mfu",
-                "hfu",
-            )
-            if record.get(k) is not None
-        }
+    @staticmethod
+    def accounting(counters: dict, ratios: dict) -> dict:
+        m = {}
         for d, c in counters.items():
             for name in ("processed", "exposure", "useful", "unique", "lost"):
                 m[f"tokens.{d}.{name}"] = c[name]
         m.update({f"realized_ratio.{d}": r for d, r in ratios.items()})
+        return m
+
+    def _log_step(self, record, counters, ratios) -> None:
+        m = {k: record[k] for k in self.STEP_KEYS if record.get(k) is not None}
+        m.update(self.accounting(counters, ratios))
         self.tracker.log_metrics(m, step=record["step"])
+
+    def on_step(self, record, counters, ratios):
+        self.newest = (record, counters, ratios)
+        self.newest_logged = record["step"] % self.every == 0
+        if self.newest_logged:
+            self._log_step(record, counters, ratios)
 
     def on_eval(self, step, exposure_tokens, rows):
         m = {}
@@ -85,8 +110,94 @@ class TrackingCallback(Callback):
             m[f"val_bpb.{r['domain']}"] = r["bpb"]
         self.tracker.log_metrics(m, step=step)
 
-    def on_end(self, summary):
+    def on_end(self, summary, counters, ratios):
+        committed = summary["committed_steps"]
+        newest = self.newest[0]["step"] if self.newest is not None else None
+        if newest == committed:
+            if not self.newest_logged and self.newest is not None:
+                self._log_step(*self.newest)
+        elif newest is not None and newest > committed:
+            # A non-finite stop rolled the lineage back to the checkpoint at `committed`. Logged at the
+            # step that failed (never logged before), so MLflow's latest values are the ledger's.
+            self.tracker.log_metrics(self.accounting(counters, ratios), step=newest + 1)
+        else:  # no step committed in this attempt: the accounting still says what was spent
+            self.tracker.log_metrics(self.accounting(counters, ratios), step=committed)
+        # The run's figures; one a step also logs (mfu, goodput_mfu, hfu) is `run.<key>`: at the last
+        # step, one key would otherwise hold two values with two meanings.
         self.tracker.log_metrics(
-            {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
-            step=summary["committed_steps"],
+            {
+                (f"run.{k}" if k in self.STEP_KEYS else k): v
+                for k, v in summary.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            },
+            step=committed,
         )
+
+
+class TrainingProgress(Callback):
+    """The training progress on stderr (main process only): step / total, exposure, loss, tokens/s,
+    MFU, and the time left to the end of the segment and to the hard stop, as a bar on a terminal or
+    a plain line every progress.LINE_INTERVAL_SECONDS (and at the attempt's first and last step) in a
+    log file. The time left is extrapolated from this attempt's wall time per step, so evaluations
+    and checkpoints are part of it."""
+
+    def __init__(self, start_step: int, segment_end_step: int, hard_stop_step: int | None, stream=None):
+        self.start_step, self.segment_end_step, self.hard_stop_step = start_step, segment_end_step, hard_stop_step
+        self.stream = sys.stderr if stream is None else stream
+        self.bar: Any = None  # a tqdm bar, on a terminal
+        self.cadence = progress.LineCadence()
+        self.first: tuple[int, float] | None = None  # (step, monotonic time) at this attempt's first step
+        self.last_line: str | None = None
+        self.last_printed = True
+
+    def _seconds_per_step(self, record: dict) -> float:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = (record["step"], now - record["step_seconds"])
+        steps = record["step"] - self.first[0] + 1
+        return (now - self.first[1]) / steps
+
+    def fields(self, record: dict) -> list[str]:
+        """The parts of a progress line after the step count (shared by the bar and the log line)."""
+        per_step = self._seconds_per_step(record)
+        step = record["step"]
+        parts = [
+            f"exposure {record['exposure_tokens']:,} tokens",
+            f"loss {record['loss']:.4f}",
+            f"{record['tokens_per_second']:,.0f} tokens/s",
+            f"MFU {record['mfu']:.1%}",
+            f"ETA segment end {progress.format_seconds(max(self.segment_end_step - step, 0) * per_step)}",
+        ]
+        if self.hard_stop_step is not None:
+            eta = progress.format_seconds(max(self.hard_stop_step - step, 0) * per_step)
+            parts.append(f"hard stop (step {self.hard_stop_step:,}) {eta}")
+        return parts
+
+    def on_step(self, record, counters, ratios):
+        parts = self.fields(record)
+        if progress.interactive(self.stream):
+            if self.bar is None:
+                self.bar = tqdm(
+                    total=self.segment_end_step,
+                    initial=self.start_step,
+                    desc="train",
+                    unit="step",
+                    file=self.stream,
+                    bar_format="{desc} {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| {postfix}",
+                )
+            self.bar.set_postfix_str(" | ".join(parts), refresh=False)
+            self.bar.update(record["step"] - self.bar.n)
+            return
+        total = self.segment_end_step
+        self.last_line = f"train: step {record['step']:,}/{total:,} ({record['step'] / total:.1%}) | " + " | ".join(
+            parts
+        )
+        self.last_printed = self.cadence.due()
+        if self.last_printed:
+            print(self.last_line, file=self.stream, flush=True)
+
+    def on_end(self, summary, counters, ratios):
+        if self.bar is not None:
+            self.bar.close()
+        elif not self.last_printed and self.last_line:
+            print(self.last_line, file=self.stream, flush=True)

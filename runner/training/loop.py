@@ -36,7 +36,7 @@ from runner.planning.flops import Convention, flops_per_token, hfu_convention, h
 from runner.runs import RunFolder, write_ledger_json
 from runner.training import evaluate
 from runner.training.backends import SHARD_RUNNER_CPU, apply_runtime_settings, shard_fsdp2_cpu, sharding_mode
-from runner.training.callbacks import Callback, MetricsFiles, TrackingCallback
+from runner.training.callbacks import Callback, MetricsFiles, TrackingCallback, TrainingProgress
 from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
@@ -421,6 +421,9 @@ def _conventions(run: _Run, tracker) -> None:
         )
     run.tracker = tracker
     run.callbacks = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
+    if run.main:  # end_step is the hard stop here (--max-steps applies later): the ETA names it
+        hard_stop = run.end_step if run.end_step < run.natural_end else None
+        run.callbacks.append(TrainingProgress(run.start_step, run.natural_end, hard_stop))
     if tracker is not None:
         run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
         tracker.log_tags(
@@ -760,8 +763,9 @@ def _finish(run: _Run, exit_code: int) -> None:
     if run.main:
         write_ledger_json(run.folder.path, run.ledger)
         run.folder.update(status=status, **summary)
+    ratios = run.ledger.realized_ratios()
     for cb in run.callbacks:
-        cb.on_end(summary)
+        cb.on_end(summary, counters, ratios)
 
 
 def _rollback_to_last_checkpoint(run: _Run) -> int:

@@ -1,11 +1,23 @@
-"""MLflow tracking of a run that survives a dead or flaky tracking server.
+"""MLflow tracking of a run that survives a dead or flaky tracking server and a SIGKILL.
 
-Owns: the tracking URI default, the one MLflow run per experiment run (its id lives in run.json
-so resumes continue it), params/tags/metrics/artifacts, and the pending journal
-`journal/mlflow-pending.jsonl` of what could not be sent. Every metric carries an explicit step
-and timestamp, so re-sending a journal entry is idempotent in MLflow's store. Never raises into
-the training loop because the server is unreachable, and never changes a logged param.
-Only the main process tracks: other ranks hold a disabled tracker.
+Owns: the tracking URI (default, made absolute, never an empty store created in place of one a run
+says holds it), the one MLflow run per experiment run (its id lives in run.json so resumes
+continue it), params/tags/metrics/artifacts, and the pending journal
+`journal/mlflow-pending.jsonl`.
+
+Delivery is asynchronous and loses nothing. The training thread appends every entry to the pending
+journal first (flushed to the OS: a SIGKILL of the process keeps it) and hands it to a background
+thread, which sends entries in journal order, merged into few requests, at most every
+DELIVER_EVERY_SECONDS. Only after MLflow confirmed a request does the thread append an `ack` line
+for it; once everything is acknowledged the journal is truncated. At the next start, entries after
+the last `ack` are sent again. An entry is a fixed (key, step, timestamp, value) row: re-sending one
+that reached MLflow just before a kill stores nothing new (the row is MLflow's primary key), so no
+observation is stored twice. A step redone after a restart is a new observation (new timestamp);
+MLflow keeps one row per attempt that committed the step, and its latest row is the newest attempt's.
+
+Never raises into the training loop because the server is unreachable, never blocks a step on the
+network, and never changes a logged param. Only the main process tracks: other ranks hold a
+disabled tracker.
 """
 
 from __future__ import annotations
@@ -13,16 +25,25 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from runner.errors import RunnerError
 from runner.fsio import atomic_write, read_jsonl
 
 PENDING = Path("journal") / "mlflow-pending.jsonl"
-RETRY_AFTER_SECONDS = 10.0  # after a failed send, queue without trying, so a hung server costs one timeout
-_BATCH = 100  # MLflow's per-request limit for params and tags (metrics allow 1000)
+RETRY_AFTER_SECONDS = 10.0  # after a failed send, wait this long before trying again
+# Entries wait up to this long to share one request: MLflow's SQLite write costs ~13 ms per request
+# whatever its size, so a run of fast steps pays it once a second, not once a step.
+DELIVER_EVERY_SECONDS = 1.0
+HTTP_TIMEOUT_SECONDS = 30.0  # one MLflow request (unless MLFLOW_HTTP_REQUEST_TIMEOUT says otherwise)
+CLOSE_WAIT_SECONDS = 2 * HTTP_TIMEOUT_SECONDS  # the most `close` waits for a request in flight
+_BATCH = 100  # MLflow's per-request limit for params and tags
+_METRICS_PER_REQUEST = 1000  # MLflow's per-request limit for metrics
 
 
 def repo_root(start: Path | None = None) -> Path:
@@ -35,13 +56,72 @@ def repo_root(start: Path | None = None) -> Path:
 
 
 def default_tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
+    return absolute_uri(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}")
+
+
+def sqlite_path(uri: str | None) -> Path | None:
+    """The database file of a `sqlite:///` URI (relative as written), else None."""
+    if not uri or not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///") :].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def absolute_uri(uri: str) -> str:
+    """`uri` with a relative SQLite file or local folder made absolute against the current folder:
+    recorded in run.json, it must name the same store from wherever the run is resumed."""
+    path = sqlite_path(uri)
+    if path is not None and not path.is_absolute():
+        rest = uri[len("sqlite:///") :]
+        query = rest[len(str(rest).split("?", 1)[0]) :]
+        return f"sqlite:///{path.resolve()}{query}"
+    if "://" not in uri and not uri.startswith("file:") and not Path(uri).is_absolute():
+        return str(Path(uri).resolve())  # a bare folder: MLflow's file store
+    return uri
+
+
+def missing_store(uri: str | None) -> str | None:
+    """Why opening `uri` would create a store rather than read one (a SQLite file or local folder
+    that does not exist, or a relative path, whose meaning depends on the current folder); None when
+    it names an existing local store or a server. MLflow creates a missing store on first contact."""
+    if not uri:
+        return "no tracking URI"
+    path = sqlite_path(uri)
+    if path is None and "://" not in uri:
+        path = Path(uri[len("file:") :] if uri.startswith("file:") else uri)
+    elif path is None and uri.startswith("file://"):
+        path = Path(uri[len("file://") :])
+    if path is None:
+        return None
+    if not path.is_absolute():
+        return f"relative store path {path} (relative to which folder is unknown)"
+    if not path.exists():
+        return f"no MLflow store at {path}"
+    return None
+
+
+def check_run_store(uri: str, run_id: str | None, run_json: Path) -> None:
+    """Refuse to track a run whose MLflow run exists somewhere into a store that does not exist:
+    MLflow would create an empty one and the run's history would silently split in two."""
+    path = sqlite_path(uri)
+    if not run_id or path is None or path.exists():
+        return
+    raise RunnerError(
+        f"MLflow run {run_id} of this run is in a store at {path}, which does not exist (moved or "
+        f"deleted?); refusing to create an empty one: restore it, or send to the store that holds the "
+        f"run with `runner sync {run_json.parent} --tracking-uri URI` (recorded for later resumes)",
+        file=str(run_json),
+        key="mlflow.tracking_uri",
+    )
 
 
 def _fail_fast_env() -> None:
-    # A dead server must cost seconds, not MLflow's default minutes of retries.
+    # A dead server must cost seconds, not MLflow's default minutes of retries (the thread retries
+    # every RETRY_AFTER_SECONDS itself). Requests leave from the delivery thread, so a slow answer
+    # never stalls a step: the timeout is long enough for a 1,000-metric batch to a busy server and
+    # only bounds how long the end of a run waits for a hung one.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(HTTP_TIMEOUT_SECONDS)))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
 
 
@@ -67,8 +147,63 @@ def git_commit(path: Path) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+class _Journal:
+    """The pending journal: entries numbered by `seq`, `ack` lines for delivered prefixes.
+
+    Not thread-safe on its own: the Tracker holds its lock around every call."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file: TextIO | None = None
+        self.next_seq = 0
+
+    def load(self) -> list[dict]:
+        """Entries not yet acknowledged, in order; the file is rewritten to hold just them."""
+        acked, entries = -1, []
+        for line in read_jsonl(self.path, skip_torn=True):  # a line torn by a kill is skipped
+            if line.get("kind") == "ack":
+                acked = max(acked, int(line["seq"]))
+            else:
+                entries.append(line)
+        # Entries without `seq` (a journal of an older runner) were never acknowledged.
+        pending = [e for e in entries if int(e.get("seq", acked + 1)) > acked]
+        pending = [{**e, "seq": i} for i, e in enumerate(pending)]
+        self.next_seq = len(pending)
+        if self.path.exists():
+            atomic_write(self.path, "".join(json.dumps(e) + "\n" for e in pending).encode())
+        return pending
+
+    def append(self, entries: list[dict]) -> list[dict]:
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a")
+        numbered = []
+        for e in entries:
+            numbered.append({"seq": self.next_seq, **e})
+            self.next_seq += 1
+        self.file.write("".join(json.dumps(e) + "\n" for e in numbered))
+        self.file.flush()  # in the OS before anyone may send it: a SIGKILL keeps it
+        return numbered
+
+    def ack(self, seq: int, everything: bool) -> None:
+        """Entries up to `seq` reached MLflow; with `everything`, nothing is pending: truncate."""
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a")
+        if everything:
+            self.file.truncate(0)  # appends (O_APPEND) continue at the new end
+        else:
+            self.file.write(json.dumps({"kind": "ack", "seq": seq}) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
 class Tracker:
-    """One MLflow run per experiment run; what cannot be sent goes to the pending journal."""
+    """One MLflow run per experiment run, delivered from a background thread behind the journal."""
 
     def __init__(
         self,
@@ -83,18 +218,26 @@ class Tracker:
     ):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
-        self.tracking_uri = tracking_uri or default_tracking_uri()
+        self.tracking_uri = absolute_uri(tracking_uri) if tracking_uri else default_tracking_uri()
         self.run_id, self.experiment_id = run_id, experiment_id
         self.on_run_id = on_run_id or (lambda info: None)
         self.report = report
         self.pending_path = self.run_dir / PENDING
-        self._client: Any = None  # an MlflowClient once first used
-        self._retry_at = 0.0
-        self._warned = False
-        self._syncing = False
         self.last_error: str | None = None
+        self._client: Any = None  # an MlflowClient once first used
+        self._journal = _Journal(self.pending_path)
+        self._cond = threading.Condition()
+        self._queue: list[dict] | None = None  # journaled, not yet confirmed by MLflow; None: not loaded
+        self._thread: threading.Thread | None = None
+        self._stop: threading.Event | None = None  # the running thread's own stop flag
+        self._sending = threading.Lock()  # one delivery attempt at a time, even past a `close` that timed out
+        self._force = False  # send now, whatever the cadence or the retry wait
+        self._send_at = 0.0  # monotonic time of the next send (cadence, or retry after a failure)
+        self._attempts_started = self._attempts_done = 0
+        self._warned = False
+        self._quiet = False  # `runner sync` reports its own outcome
 
-    # ---- connection ---------------------------------------------------------------------------
+    # ---- connection (background thread) ------------------------------------------------------
 
     @property
     def client(self):
@@ -108,54 +251,43 @@ class Tracker:
     def info(self) -> dict:
         return {"tracking_uri": self.tracking_uri, "experiment_id": self.experiment_id, "run_id": self.run_id}
 
-    def _ensure_run(self, experiment_name: str, run_name: str) -> None:
+    def _ensure_run(self, entry: dict) -> None:
         if self.run_id:
             return
-        exp = self.client.get_experiment_by_name(experiment_name)
+        name = entry["experiment_name"]
+        exp = self.client.get_experiment_by_name(name)
+        run = None
         if exp is None:
             location = None
-            if self.tracking_uri.startswith("sqlite:///"):
+            path = sqlite_path(self.tracking_uri)
+            if path is not None:
                 # Keep artifacts next to the store, whatever the cwd of later runs.
-                location = (
-                    (Path(self.tracking_uri[len("sqlite:///") :]).parent / "mlartifacts" / experiment_name)
-                    .resolve()
-                    .as_uri()
-                )
-            self.experiment_id = self.client.create_experiment(experiment_name, artifact_location=location)
+                location = (path.parent / "mlartifacts" / name).resolve().as_uri()
+            self.experiment_id = self.client.create_experiment(name, artifact_location=location)
         else:
             self.experiment_id = exp.experiment_id
-        run = self.client.create_run(self.experiment_id, run_name=run_name)
+            if entry.get("token"):
+                # Created just before a kill, never recorded in run.json: continue it, not a second run.
+                found = self.client.search_runs(
+                    [self.experiment_id], filter_string=f"tags.runner_start_token = '{entry['token']}'", max_results=1
+                )
+                run = found[0] if found else None
+        if run is None:
+            tags = {"runner_start_token": entry["token"]} if entry.get("token") else None
+            run = self.client.create_run(self.experiment_id, run_name=entry["run_name"], tags=tags)
         self.run_id = run.info.run_id
         self.on_run_id(self.info())
 
-    # ---- pending journal ----------------------------------------------------------------------
-
-    def _queue(self, entry: dict) -> None:
-        self.pending_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.pending_path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
-
-    def _read_pending(self) -> list[dict]:
-        # A line torn by a kill mid-write is skipped; its data is re-sent by the next step's entry.
-        return read_jsonl(self.pending_path, skip_torn=True)
-
     def _send(self, entry: dict) -> None:
-        from mlflow.entities import Metric, Param, RunTag  # noqa: PLC0415  (mlflow: as above)
+        from mlflow.entities import Param, RunTag  # noqa: PLC0415  (mlflow: as above)
 
         kind = entry["kind"]
         if kind == "start":
-            self._ensure_run(entry["experiment_name"], entry["run_name"])
+            self._ensure_run(entry)
             return
-        if kind == "metrics":
-            self._log_batch(
-                "metrics",
-                [
-                    Metric(k, float(v), int(entry["timestamp_ms"]), int(entry["step"]))
-                    for k, v in entry["metrics"].items()
-                ],
-                1000,
-            )
-        elif kind == "params":
+        if not self.run_id:
+            raise RuntimeError("no MLflow run yet")
+        if kind == "params":
             self._log_batch("params", [Param(k, v) for k, v in entry["params"].items()], _BATCH)
         elif kind == "tags":
             self._log_batch("tags", [RunTag(k, str(v)) for k, v in entry["tags"].items()], _BATCH)
@@ -168,45 +300,143 @@ class Tracker:
         elif kind == "status":
             self.client.set_terminated(self.run_id, entry["status"])
 
+    def _send_metrics(self, entries: list[dict]) -> None:
+        from mlflow.entities import Metric  # noqa: PLC0415  (mlflow: as above)
+
+        if not self.run_id:
+            raise RuntimeError("no MLflow run yet")
+        rows = [
+            Metric(k, float(v), int(e["timestamp_ms"]), int(e["step"]))
+            for e in entries
+            for k, v in e["metrics"].items()
+        ]
+        self._log_batch("metrics", rows, _METRICS_PER_REQUEST)
+
     def _log_batch(self, kind: str, items: list, limit: int) -> None:
         for i in range(0, len(items), limit):
             self.client.log_batch(self.run_id, **{kind: items[i : i + limit]}, synchronous=True)
 
-    def _deliver(self, entries: list[dict]) -> bool:
-        """Send `entries` (after any pending ones); on failure everything unsent is journaled."""
+    # ---- delivery (background thread) --------------------------------------------------------
+
+    def _groups(self, batch: list[dict]) -> list[list[dict]]:
+        """Consecutive metric entries merged up to one request's worth; every other entry alone."""
+        groups: list[list[dict]] = []
+        size = 0
+        for e in batch:
+            n = len(e.get("metrics", ())) if e["kind"] == "metrics" else -1
+            last = groups[-1] if groups else None
+            if n >= 0 and last and last[0]["kind"] == "metrics" and size + n <= _METRICS_PER_REQUEST:
+                last.append(e)
+                size += n
+            else:
+                groups.append([e])
+                size = max(n, 0)
+        return groups
+
+    def _attempt(self, batch: list[dict]) -> None:
+        """Send `batch` (the queue's head) group by group; acknowledge each group MLflow confirmed."""
+        error = None
+        for group in self._groups(batch):
+            try:
+                if group[0]["kind"] == "metrics":
+                    self._send_metrics(group)
+                else:
+                    self._send(group[0])
+            except Exception as e:  # any transport or server failure: keep training, keep the data
+                error = e
+                break
+            with self._cond:
+                while self._queue and self._queue[0]["seq"] <= group[-1]["seq"]:
+                    self._queue.pop(0)
+                self._journal.ack(group[-1]["seq"], everything=not self._queue)
+        with self._cond:
+            now = time.monotonic()
+            if error is not None:
+                self._send_at = now + RETRY_AFTER_SECONDS
+                self.last_error = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+                if not self._warned and not self._quiet:
+                    self.report(f"mlflow: {self.tracking_uri} unavailable ({self.last_error}); journaling to {PENDING}")
+                    self._warned = True
+            else:
+                self._send_at = now + DELIVER_EVERY_SECONDS
+                if self._warned and not self._quiet:
+                    self.report("mlflow: reconnected, pending entries sent")
+                self._warned = False
+
+    def _worker(self, stop: threading.Event) -> None:
+        while True:
+            with self._cond:
+                while not stop.is_set() and not (self._queue and (self._force or time.monotonic() >= self._send_at)):
+                    self._cond.wait(max(self._send_at - time.monotonic(), 0.01) if self._queue else None)
+                if stop.is_set():
+                    return
+                self._force = False
+                self._attempts_started += 1
+                attempt = self._attempts_started
+            try:
+                with self._sending:
+                    with self._cond:
+                        batch = list(self._queue or [])
+                    self._attempt(batch)
+            finally:  # whatever happened, a waiting flush must learn that this attempt is over
+                with self._cond:
+                    self._attempts_done = attempt
+                    self._cond.notify_all()
+
+    # ---- the training thread's side ----------------------------------------------------------
+
+    def _load(self) -> list[dict]:
+        """Read what an earlier process left unsent (under the lock, once); the queue."""
+        if self._queue is None:
+            self._queue = self._journal.load()
+        if self._thread is None:
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._worker, args=(self._stop,), name="mlflow-delivery", daemon=True
+            )
+            self._thread.start()
+        return self._queue
+
+    def _submit(self, entries: list[dict]) -> None:
+        if not self.enabled or not entries:
+            return
+        with self._cond:
+            queue = self._load()
+            queue.extend(self._journal.append(entries))
+            self._cond.notify_all()
+
+    def flush(self) -> bool:
+        """Send everything journaled so far now (one try); False if something is still pending.
+        The reason of a failure is in `last_error`."""
         if not self.enabled:
             return True
-        pending = self._read_pending()
-        queue = pending + entries
-        if time.monotonic() < self._retry_at:
-            for e in entries:
-                self._queue(e)
-            return False
-        sent = 0
-        try:
-            for entry in queue:
-                if entry["kind"] != "start" and not self.run_id:
-                    raise RuntimeError("no MLflow run yet")
-                self._send(entry)
-                sent += 1
-        except Exception as e:  # any transport or server failure: keep training, keep the data
-            self._retry_at = time.monotonic() + RETRY_AFTER_SECONDS
-            self.last_error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            if not self._warned and not self._syncing:  # a sync reports its own outcome; it journals nothing new
-                self.report(f"mlflow: {self.tracking_uri} unavailable ({self.last_error}); journaling to {PENDING}")
-                self._warned = True
-            self._rewrite_pending(queue[sent:])
-            return False
-        if pending:
-            self._rewrite_pending([])
-            if self._warned:
-                self.report(f"mlflow: reconnected, flushed {len(pending)} pending entries")
-        self._warned = False
-        return True
+        with self._cond:
+            self._load()
+            if not self._queue:
+                return True
+            want = self._attempts_started + 1  # an attempt that starts after this call sees every entry
+            self._force = True
+            self._cond.notify_all()
+            while self._queue and self._attempts_done < want and self._thread is not None and self._thread.is_alive():
+                self._cond.wait(1.0)
+            return not self._queue
 
-    def _rewrite_pending(self, entries: list[dict]) -> None:
-        self.pending_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.pending_path, "".join(json.dumps(e) + "\n" for e in _dedupe(entries)).encode())
+    def close(self) -> None:
+        """Stop the delivery thread (after a request in flight) and close the journal."""
+        with self._cond:
+            thread, stop = self._thread, self._stop
+            self._thread = self._stop = None
+            if stop is not None:
+                stop.set()
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join(CLOSE_WAIT_SECONDS)
+        with self._cond:
+            self._journal.close()
+
+    def pending_entries(self) -> int:
+        with self._cond:
+            return len(self._queue or [])
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -222,14 +452,16 @@ class Tracker:
         """Create (or continue) the MLflow run; `params=None` on resume: params never change."""
         if not self.enabled:
             return
-        entries: list[dict[str, Any]] = [{"kind": "start", "experiment_name": experiment_name, "run_name": run_name}]
+        entries: list[dict[str, Any]] = []
+        if not self.run_id:
+            entries.append(
+                {"kind": "start", "experiment_name": experiment_name, "run_name": run_name, "token": uuid.uuid4().hex}
+            )
         if params:
             entries.append({"kind": "params", "params": params})
         entries.append({"kind": "tags", "tags": {k: str(v) for k, v in tags.items()}})
         entries += [{"kind": "artifacts", "path": str(p), "artifact_path": "config"} for p in artifacts]
-        if self.run_id:
-            entries = entries[1:]
-        self._deliver(entries)
+        self._submit(entries)
 
     def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None:
         if not self.enabled or not metrics:
@@ -240,49 +472,33 @@ class Tracker:
             "timestamp_ms": int(timestamp_ms or time.time() * 1000),
             "metrics": {k: float(v) for k, v in metrics.items()},
         }
-        self._deliver([entry])
+        self._submit([entry])
 
     def log_tags(self, tags: dict[str, str]) -> None:
         if self.enabled and tags:
-            self._deliver([{"kind": "tags", "tags": {k: str(v) for k, v in tags.items()}}])
+            self._submit([{"kind": "tags", "tags": {k: str(v) for k, v in tags.items()}}])
 
     def log_artifacts(self, path: Path, artifact_path: str | None = None) -> None:
         if self.enabled:
-            self._deliver([{"kind": "artifacts", "path": str(path), "artifact_path": artifact_path}])
+            self._submit([{"kind": "artifacts", "path": str(path), "artifact_path": artifact_path}])
 
     def finish(self, status: str = "FINISHED") -> bool:
-        """Flush everything and close the MLflow run; False when something is still pending."""
+        """Send everything, close the MLflow run and stop delivering; False when something is
+        still pending (it stays in the journal for the next start or `runner sync`)."""
         if not self.enabled:
             return True
-        self._retry_at = 0.0
-        return self._deliver([{"kind": "status", "status": status}])
+        self._submit([{"kind": "status", "status": status}])
+        done = self.flush()
+        self.close()
+        return done
 
     def sync(self) -> tuple[int, int]:
         """Send the pending journal now (for `runner sync`): (entries sent, entries still pending).
         The reason of a failure is in `last_error`."""
-        self._retry_at = 0.0
-        before = len(_dedupe(self._read_pending()))
-        self._syncing = True
-        try:
-            self._deliver([])
-        finally:
-            self._syncing = False
-        left = len(self._read_pending())
-        return max(before - left, 0), left
-
-
-def _dedupe(entries: list[dict]) -> list[dict]:
-    """Merge metric entries by (key, step), keeping the latest value; other entries as they are."""
-    out: list[dict] = []
-    seen: set[tuple[str, int]] = set()
-    for e in reversed(entries):
-        if e["kind"] == "metrics":
-            fresh = {k: v for k, v in e["metrics"].items() if (k, e["step"]) not in seen}
-            seen.update((k, e["step"]) for k in fresh)
-            if fresh:
-                out.append(dict(e, metrics=fresh))
-        elif e["kind"] == "start" and any(o["kind"] == "start" for o in out):
-            continue
-        else:
-            out.append(e)
-    return list(reversed(out))
+        self._quiet = True
+        with self._cond:
+            before = len(self._load())
+        self.flush()
+        left = self.pending_entries()
+        self.close()
+        return before - left, left

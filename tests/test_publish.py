@@ -1,0 +1,63 @@
+"""`runner publish`: a published run.json carries no machine paths, and still passes the audit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runfixtures import make_run
+
+from runner.reports.audit import audit
+from runner.reports.publish import portable, publish
+from runner.reports.tables import write_report
+
+
+def _strings(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+def test_published_run_json_has_paths_relative_to_the_project_or_none(tmp_path):
+    root = tmp_path / "project"
+    run = make_run(root)
+    info = json.loads((run / "run.json").read_text())
+    home = str(Path.home())
+    info.update(
+        project_root=str(root),
+        experiment_file=str(root / "experiments" / "fixture.yaml"),
+        mlflow={"tracking_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment_id": "1", "run_id": "a" * 32},
+        notes=f"prepared in {home}/data on the login node",
+        elsewhere=str(tmp_path / "scratch" / "run"),
+    )
+    (run / "run.json").write_text(json.dumps(info))
+    write_report(run)
+    dest, result = publish(run, root / "reports")
+    assert result.consistent, result.render()  # UNVERIFIED: the fixture names an MLflow run no store holds
+    published = json.loads((dest / "run.json").read_text())
+    assert published["project_root"] == "."
+    assert published["experiment_file"] == "experiments/fixture.yaml"
+    assert published["mlflow"] == {"tracking_uri": "sqlite:///mlflow.db", "experiment_id": "1", "run_id": "a" * 32}
+    assert published["notes"] == "prepared in ~/data on the login node"
+    assert published["elsewhere"] is None  # outside the project: no relative form, removed
+    assert set(published) == set(info)  # every field a reader knew is still there
+    for text in _strings(published):
+        assert not text.startswith("/") and ":///" + "/" not in text and "file:///" not in text, text
+        assert home not in text, text
+    # The published copy alone is consistent under the audit, and opening its store creates nothing.
+    listing = sorted(root.rglob("*"))
+    again = audit(dest)
+    assert again.consistent, again.render()
+    assert sorted(root.rglob("*")) == listing
+    # The run folder itself keeps its machine paths: resumes need them.
+    assert json.loads((run / "run.json").read_text())["project_root"] == str(root)
+
+
+def test_portable_leaves_servers_and_plain_text_alone(tmp_path):
+    value = {"a": ["http://mlflow.internal:5000", "6N+attn", 3, None], "b": {"c": "theoretical: 2 cores x 2.4 GHz"}}
+    assert portable(value, tmp_path) == value
