@@ -55,16 +55,26 @@ BROKEN = [
     # (file to edit, edit, key expected in the message, words expected)
     ("recipes/model/llama-tiny.yaml", _set("hiden_size", 64), "hiden_size", "did you mean 'hidden_size'"),
     ("recipes/model/llama-tiny.yaml", _set("n_layers", "two"), "n_layers", "must be an integer"),
-    ("recipes/model/llama-tiny.yaml", _del("hidden_size"), "model.hidden_size", "missing value"),
+    (
+        "recipes/model/llama-tiny.yaml",
+        _del("hidden_size"),
+        "recipes/model/llama-tiny.yaml: hidden_size",
+        "missing value",
+    ),
     ("recipes/model/llama-tiny.yaml", _set("version", 2), "recipes.model", "names llama-tiny@1 but"),
     (
         "recipes/mixture/builtin-3dom.yaml",
         _set("domains", "legal", "target_ratio", 0.2),
-        "mixture.domains",
+        "recipes/mixture/builtin-3dom.yaml: domains",
         "sum to 1.1",
     ),
     ("recipes/tokenizer/builtin-bpe-4k.yaml", _set("sha256", "ab" * 32), "tokenizer.sha256", "the recipe pins"),
-    ("recipes/tokenizer/builtin-bpe-4k.yaml", _set("vocab_size", 70_000), "tokenizer.token_dtype", "use uint32"),
+    (
+        "recipes/tokenizer/builtin-bpe-4k.yaml",
+        _set("vocab_size", 70_000),
+        "builtin-bpe-4k.yaml: token_dtype",
+        "use uint32",
+    ),
     (
         "experiments/cpu-tiny.yaml",
         _set("train", "micro_batch_sequences", 5),
@@ -102,11 +112,11 @@ BROKEN = [
     (
         "recipes/mixture/builtin-3dom.yaml",
         _set("domains", "legal", "max_repetition_ratio", 0.5),
-        "max_repetition_ratio",
+        "recipes/mixture/builtin-3dom.yaml: domains.legal.max_repetition_ratio",
         ">= 1.0",
     ),
-    ("recipes/hardware/cpu.yaml", _set("accelerator", "tpu"), "hardware.accelerator", "not one of"),
-    ("recipes/optim/adamw-tiny.yaml", _set("betas", [0.9]), "optim.betas", "two numbers"),
+    ("recipes/hardware/cpu.yaml", _set("accelerator", "tpu"), "recipes/hardware/cpu.yaml: accelerator", "not one of"),
+    ("recipes/optim/adamw-tiny.yaml", _set("betas", [0.9]), "recipes/optim/adamw-tiny.yaml: betas", "two numbers"),
 ]
 
 
@@ -123,7 +133,7 @@ def test_broken_recipe_is_refused_naming_the_key(project: Path, rel, change, key
 
 def test_unknown_device_without_peak_is_refused(project: Path):
     edit(project / "recipes/hardware/h200.yaml", _set("device_name", "Z9000"))
-    with pytest.raises(RunnerError, match="hardware.device_name.*Z9000.*never another device"):
+    with pytest.raises(RunnerError, match="recipes/hardware/h200.yaml: device_name.*Z9000.*never another device"):
         load_experiment(project / "experiments/1p3b.yaml")
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runner.data.manifest import launch_warnings
 from runner.errors import EXIT_OK, RunnerError, display_path
 from runner.fsio import read_json, read_jsonl, sha256_file
 from runner.runs import (
@@ -227,6 +228,9 @@ def _launch(args) -> int:
     warning = check_world(exp.config, acc.num_processes)  # before any folder is written
     if warning and main:
         print(warning, file=sys.stderr)
+    if main:
+        for line in launch_warnings(exp):
+            print(f"warning: {line}", file=sys.stderr)
     if run_dir is None:
         name = args.run_name or _timestamp()
         chosen = [str(Path("runs") / str(exp.config.name) / name)]

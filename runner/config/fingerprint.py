@@ -12,12 +12,12 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runner.config.schema import LABEL_KEYS, OPERATIONAL_KEYS
+from runner.config.schema import ABSENT_WHEN_NULL, LABEL_KEYS, OPERATIONAL_KEYS
 from runner.errors import join_key
 from runner.fsio import canonical_json
 
 
-def _drop(node: Any, pattern: list[str]) -> None:
+def _drop(node: Any, pattern: list[str], *, only_null: bool = False) -> None:
     if not isinstance(node, dict) or not pattern:
         return
     head, rest = pattern[0], pattern[1:]
@@ -26,8 +26,8 @@ def _drop(node: Any, pattern: list[str]) -> None:
         if k not in node:
             continue
         if rest:
-            _drop(node[k], rest)
-        else:
+            _drop(node[k], rest, only_null=only_null)
+        elif not only_null or node[k] is None:
             del node[k]
 
 
@@ -40,7 +40,8 @@ def _strip_labels(node: Any) -> Any:
 
 
 def canonical_meaning(cfg) -> dict:
-    """What the experiment trains: the resolved config less labels and operational keys."""
+    """What the experiment trains: the resolved config less labels, operational keys and the
+    optional sections that are null (ABSENT_WHEN_NULL)."""
     data = (
         OmegaConf.to_container(cfg, resolve=True)
         if isinstance(cfg, (DictConfig, ListConfig))
@@ -49,6 +50,8 @@ def canonical_meaning(cfg) -> dict:
     data = _strip_labels(data)
     for key in OPERATIONAL_KEYS:
         _drop(data, key.split("."))
+    for key in ABSENT_WHEN_NULL:
+        _drop(data, key.split("."), only_null=True)
     return data
 
 

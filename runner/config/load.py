@@ -22,7 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config.fingerprint import fingerprint
-from runner.config.rules import validate_rules
+from runner.config.rules import RECIPE_CHECKS, validate_rules
 from runner.config.schema import EXPERIMENT_KEYS, KINDS, LABEL_KEYS, RECIPE_SCHEMAS, ExperimentSchema
 from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
 
@@ -170,10 +170,13 @@ def parse_ref(ref: Any) -> tuple[str, int]:
 
 
 def load_recipe_file(path: Path, kind: str, problems: Problems) -> dict | None:
-    """Read and check one recipe against its kind's schema (types, unknown keys, labels)."""
+    """Read and check one recipe on its own: types, unknown keys, labels, then its kind's rules
+    (ratios, caps, divisibility, ...) on its values with the schema's defaults filled in, so a
+    fault is named in the recipe file, `recipes/mixture/x.yaml: domains.web.max_repetition_ratio`."""
     data = _read_yaml(path, problems)
     if data is None:
         return None
+    before = len(problems.lines)
     _check_keys(data, RECIPE_SCHEMAS[kind], "", path, problems)
     for label in LABEL_KEYS:
         if label not in data:
@@ -183,7 +186,21 @@ def load_recipe_file(path: Path, kind: str, problems: Problems) -> dict | None:
     v = data.get("version")
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         problems.add(path, "version", f"must be an integer >= 1, got {v!r}")
+    if len(problems.lines) == before:
+        _check_recipe_values(data, kind, path, problems)
     return data
+
+
+def _check_recipe_values(data: dict, kind: str, path: Path, problems: Problems) -> None:
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(RECIPE_SCHEMAS[kind]), data)
+        values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException:
+        return  # an interpolation into another section: checked once the experiment composes it
+    before = len(problems.lines)
+    _check_missing(values, "", path, problems)
+    if len(problems.lines) == before:
+        RECIPE_CHECKS[kind](OmegaConf.create(values), path, problems)
 
 
 def recipe_path(root: Path, kind: str, name: str) -> Path:
@@ -300,13 +317,14 @@ def compose(
         merged[kind] = recipe
         files[kind] = rpath
 
-    for section in ("train", "data", "plan"):
-        if section in data:
-            _check_value(data[section], _schema_fields(ExperimentSchema)[section], section, path, problems)
     overrides = data.get("overrides") or {}
     if not isinstance(overrides, dict):
         problems.add(path, "overrides", "must be a mapping of section -> keys")
         overrides = {}
+    data, overrides, dropped = _take_dropped_domains(data, overrides)
+    for section in ("train", "data", "plan"):
+        if section in data:
+            _check_value(data[section], _schema_fields(ExperimentSchema)[section], section, path, problems)
     for section, body in overrides.items():
         if section not in KINDS + ("train", "data", "plan"):
             problems.add(
@@ -329,6 +347,7 @@ def compose(
         key = getattr(e, "full_key", "") or ""
         msg = str(e).splitlines()[0]
         raise RunnerError(f"{display_path(path)}: {key}: {msg}") from None
+    _drop_domains(resolved, dropped, path, problems)
     cfg = OmegaConf.create(resolved)
     _check_missing(resolved, "", path, problems)
     problems.raise_if_any()
@@ -338,6 +357,35 @@ def compose(
     return Experiment(
         config=cfg, fingerprint=fingerprint(cfg), path=path, project_root=root, recipe_files=files, notes=notes
     )
+
+
+def _take_dropped_domains(data: dict, overrides: dict) -> tuple[dict, dict, dict[str, str]]:
+    """`overrides.mixture.domains.D: null` removes domain D (with its manifest pin) from what the
+    recipes and a `base:` give; `data.manifests.D: null` removes only the pin. Returns the data and
+    overrides without those nulls, and {domain: the key that dropped it}."""
+    dropped: dict[str, str] = {}
+    domains = (overrides.get("mixture") or {}).get("domains") if isinstance(overrides.get("mixture"), dict) else None
+    if isinstance(domains, dict) and any(v is None for v in domains.values()):
+        dropped.update({d: "overrides.mixture.domains" for d, v in domains.items() if v is None})
+        mixture = {**overrides["mixture"], "domains": {d: v for d, v in domains.items() if v is not None}}
+        overrides = {**overrides, "mixture": mixture}
+    pins = (data.get("data") or {}).get("manifests") if isinstance(data.get("data"), dict) else None
+    if isinstance(pins, dict) and any(v is None for v in pins.values()):
+        for d, v in pins.items():
+            if v is None:
+                dropped.setdefault(d, "data.manifests")
+        data = {**data, "data": {**data["data"], "manifests": {d: v for d, v in pins.items() if v is not None}}}
+    return data, overrides, dropped
+
+
+def _drop_domains(resolved: dict, dropped: dict[str, str], path: Path, problems: Problems) -> None:
+    domains, pins = resolved["mixture"]["domains"], resolved["data"]["manifests"]
+    for d, where in dropped.items():
+        if d not in domains and d not in pins:
+            problems.add(path, f"{where}.{d}", f"null removes a domain, but there is no domain '{d}' to remove")
+        pins.pop(d, None)
+        if where == "overrides.mixture.domains":
+            domains.pop(d, None)
 
 
 def _check_missing(node: Any, key: str, path: Path, problems: Problems) -> None:

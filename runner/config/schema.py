@@ -8,9 +8,31 @@ keys (runner.config.rules does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 KINDS = ("tokenizer", "mixture", "model", "optim", "hardware", "eval")
 TOKEN_DTYPES = {"uint16": 65_536, "uint32": 4_294_967_296}
+REPO_TYPES = ("model", "dataset")
+
+
+@dataclass
+class HubFiles:
+    """Files of one Hugging Face Hub repository at one revision: what `runner fetch` downloads."""
+
+    repo: str = "???"  #: Hub repository id, e.g. EleutherAI/gpt-neox-20b
+    repo_type: Literal["model", "dataset"] = "model"  #: model | dataset
+    revision: str = (
+        "???"  #: a 40-hex commit; a branch or tag (main) is resolved by `runner fetch`, written by `runner pin`
+    )
+    files: list[str] = field(default_factory=list)  #: paths in the repo, or fnmatch patterns (sample/10BT/*.parquet)
+
+
+@dataclass
+class DomainSource(HubFiles):
+    """A domain's raw documents on the Hub; `runner data prepare EXPERIMENT` tokenizes them into
+    the pool the experiment's manifest pin names."""
+
+    local_dir: str = "???"  #: where the files land (repo paths kept), relative to the project root or absolute
 
 
 @dataclass
@@ -23,12 +45,16 @@ class TokenizerRecipe:
     vocab_size: int = "???"  # type: ignore[assignment]
     eos_id: int = "???"  # type: ignore[assignment]
     token_dtype: str = "???"  #: uint16 (vocab <= 65,536) or uint32
+    hub: HubFiles | None = (
+        None  #: where `runner fetch` downloads the file at `path` from (one file); null = not on the Hub
+    )
 
 
 @dataclass
 class DomainRecipe:
     target_ratio: float = "???"  # type: ignore[assignment]
     max_repetition_ratio: float = 1.0  #: max epochs over the domain's pool (>= 1.0)
+    source: DomainSource | None = None  #: the raw documents on the Hub; null = prepared by hand or built in
 
 
 @dataclass
@@ -136,6 +162,10 @@ class TrainSection:
 class ManifestPin:
     path: str = "???"  #: manifest.json, relative to the project root or absolute
     sha256: str | None = "???"  #: its manifest_sha256; null = not pinned yet (launch refuses)
+    pool_tokens: int | None = None  #: the manifest's pool_tokens (`runner pin`): mixture feasibility without the data
+    validation_tokens: int | None = (
+        None  #: the manifest's validation_tokens (`runner pin`): small-set warnings without the data
+    )
 
 
 @dataclass
@@ -189,6 +219,8 @@ CHOICES = {
     "hardware.precision": ("bf16", "fp32"),
     "hardware.distributed": ("none", "ddp", "fsdp"),
     "tokenizer.token_dtype": tuple(TOKEN_DTYPES),
+    "tokenizer.hub.repo_type": REPO_TYPES,
+    "mixture.domains.*.source.repo_type": REPO_TYPES,
 }
 #: keys that say how a run is operated, not what it trains: left out of the fingerprint, so
 #: relocating data, stopping early or checkpointing more often never changes an experiment's identity.
@@ -197,9 +229,16 @@ OPERATIONAL_KEYS = (
     "plan",
     "tokenizer.path",
     "data.manifests.*.path",
+    # implied by the manifest's sha256, which is in the fingerprint: pinning them changes no training
+    "data.manifests.*.pool_tokens",
+    "data.manifests.*.validation_tokens",
+    "mixture.domains.*.source.local_dir",
     "train.hard_stop_tokens",
     "train.checkpoint",
     "train.log_interval_steps",
     "eval.interval_steps",
 )
+#: optional sections left out of the fingerprint while null, so that adding them to the schema kept
+#: every existing experiment's fingerprint; once set (a Hub commit), they are part of what is trained.
+ABSENT_WHEN_NULL = ("tokenizer.hub", "mixture.domains.*.source")
 LABEL_KEYS = ("name", "version", "description")

@@ -17,10 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from runner.config.rules import RATIO_SUM_TOLERANCE
 from runner.data.sampler import MixtureSchedule
 from runner.errors import MixtureInfeasible, RunnerError
-
-RATIO_SUM_TOLERANCE = 1e-9
 
 
 @dataclass(frozen=True)
