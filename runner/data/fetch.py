@@ -150,26 +150,46 @@ def fetch_experiment(exp, *, endpoint: str | None = None, token: str | None = No
         raise RunnerError("HF_HUB_OFFLINE is set: `runner fetch` needs the Hub", file=exp.path)
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     api = HfApi(endpoint=endpoint, token=token)
-    return [fetch_asset(api, exp, asset, token=token, say=say) for asset in assets]
+    # every revision and file list first: a typo in the last recipe fails before any download
+    plans = [_plan(api, exp, asset) for asset in assets]
+    return [_fetch_planned(api, plan, token=token, say=say) for plan in plans]
 
 
-def fetch_asset(api: HfApi, exp, asset: Asset, *, token: str | None = None, say=print) -> dict:
-    """Resolve, list, download and verify one asset; write its record last (what pin trusts)."""
+@dataclass(frozen=True)
+class _Plan:
+    asset: Asset
+    commit: str
+    remote: list[RepoFile]
+    file: object  # the recipe file errors name
+    key: str  # its revision key
+    files_key: str
+
+
+def _plan(api: HfApi, exp, asset: Asset) -> _Plan:
+    """Resolve the asset's revision to a commit and list the files it names there."""
     file, key = recipe_key(exp, f"{asset.key}.revision")
+    files_key = recipe_key(exp, f"{asset.key}.files")[1]
     with _hub_errors(api.endpoint, asset, file, key):
         commit = api.repo_info(asset.repo, repo_type=asset.repo_type, revision=asset.revision).sha
         if not commit or not COMMIT.match(commit):
             raise RunnerError(f"the Hub gave no commit for revision '{asset.revision}'", file=file, key=key)
         if COMMIT.match(asset.revision) and commit != asset.revision:
             raise RunnerError(f"the Hub resolved commit {asset.revision} to {commit}", file=file, key=key)
-        remote = _list_files(api, asset, commit, file)
-        say(
-            f"{asset.name}: {asset.repo} ({asset.repo_type}) '{asset.revision}' = commit {commit}: "
-            f"{len(remote)} file(s), {sum(r.size for r in remote):,} bytes"
-        )
-        old = {f["path"]: f for f in (read_record(asset) or {}).get("files", [])}
+        remote = _list_files(api, asset, commit, file, files_key)
+    return _Plan(asset, commit, remote, file, key, files_key)
+
+
+def _fetch_planned(api: HfApi, plan: _Plan, *, token: str | None, say) -> dict:
+    """Download and verify one asset's files; write its record last (what prepare and pin trust)."""
+    asset, remote = plan.asset, plan.remote
+    say(
+        f"{asset.name}: {asset.repo} ({asset.repo_type}) '{asset.revision}' = commit {plan.commit}: "
+        f"{len(remote)} file(s), {sum(r.size for r in remote):,} bytes"
+    )
+    old = {f["path"]: f for f in (read_record(asset) or {}).get("files", [])}
+    with _hub_errors(api.endpoint, asset, plan.file, plan.key):
         fetched = [
-            _fetch_file(api, asset, commit, r, old.get(r.path), token, file, say=say, index=(i, len(remote)))
+            _fetch_file(api, plan, r, old.get(r.path), token, say=say, index=(i, len(remote)))
             for i, r in enumerate(remote, 1)
         ]
     record = {
@@ -177,7 +197,7 @@ def fetch_asset(api: HfApi, exp, asset: Asset, *, token: str | None = None, say=
         "repo": asset.repo,
         "repo_type": asset.repo_type,
         "revision": asset.revision,
-        "commit": commit,
+        "commit": plan.commit,
         "patterns": list(asset.files),
         "files": [asdict(f) for f in fetched],
     }
@@ -221,7 +241,7 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _list_files(api: HfApi, asset: Asset, commit: str, file) -> list[RepoFile]:
+def _list_files(api: HfApi, asset: Asset, commit: str, file, key: str) -> list[RepoFile]:
     """The repository files the recipe names, at `commit`, sorted by path (the pool's order)."""
     found: dict[str, RepoFile] = {}
     plain = [f for f in asset.files if not any(c in f for c in _GLOB_CHARS)]
@@ -230,9 +250,7 @@ def _list_files(api: HfApi, asset: Asset, commit: str, file) -> list[RepoFile]:
         found.update({i.path: i for i in infos if isinstance(i, RepoFile)})
         missing = [p for p in plain if p not in found]
         if missing:
-            raise RunnerError(
-                f"not in {asset.repo} at {commit[:12]}: {', '.join(missing)}", file=file, key=f"{asset.key}.files"
-            )
+            raise RunnerError(f"not in {asset.repo} at {commit[:12]}: {', '.join(missing)}", file=file, key=key)
     for pattern in (f for f in asset.files if f not in plain):
         head = pattern[: min(pattern.find(c) for c in _GLOB_CHARS if c in pattern)]
         folder = head.rsplit("/", 1)[0] if "/" in head else None
@@ -241,18 +259,17 @@ def _list_files(api: HfApi, asset: Asset, commit: str, file) -> list[RepoFile]:
         )
         matched = {e.path: e for e in tree if isinstance(e, RepoFile) and fnmatch.fnmatch(e.path, pattern)}
         if not matched:
-            raise RunnerError(
-                f"'{pattern}' matches no file of {asset.repo} at {commit[:12]}", file=file, key=f"{asset.key}.files"
-            )
+            raise RunnerError(f"'{pattern}' matches no file of {asset.repo} at {commit[:12]}", file=file, key=key)
         found.update(matched)
     if asset.single_file is not None and len(found) != 1:
-        raise RunnerError(f"names {len(found)} files, a tokenizer is one", file=file, key=f"{asset.key}.files")
+        raise RunnerError(f"names {len(found)} files, a tokenizer is one", file=file, key=key)
     return [found[p] for p in sorted(found)]
 
 
-def _fetch_file(api, asset: Asset, commit: str, remote: RepoFile, old: dict | None, token, file, *, say, index):
+def _fetch_file(api, plan: _Plan, remote: RepoFile, old: dict | None, token, *, say, index):
     """One file: kept when the last fetch verified the same content, else downloaded (resuming a
     partial file), verified against the Hub's hash, then moved into place."""
+    asset = plan.asset
     dest = asset.destination(remote.path)
     expected = remote.lfs.sha256 if remote.lfs is not None else remote.blob_id
     entry = dict(
@@ -272,7 +289,7 @@ def _fetch_file(api, asset: Asset, commit: str, remote: RepoFile, old: dict | No
         part.unlink()
         have = 0
     say(f"  [{index[0]}/{index[1]}] {remote.path}: {remote.size:,} bytes" + (f", resuming at {have:,}" if have else ""))
-    _download(api, asset, commit, remote, part, have, token)
+    _download(api, asset, plan.commit, remote, part, have, token)
     sha256, git_oid = _hashes(part)
     actual = sha256 if remote.lfs is not None else git_oid
     if actual != expected:
@@ -281,8 +298,8 @@ def _fetch_file(api, asset: Asset, commit: str, remote: RepoFile, old: dict | No
         raise RunnerError(
             f"{remote.path}: downloaded {remote.size:,} bytes hash to {actual}, the Hub's {what} is {expected}: "
             "refused (nothing kept, nothing recorded)",
-            file=file,
-            key=f"{asset.key}.files",
+            file=plan.file,
+            key=plan.files_key,
         )
     os.replace(part, dest)
     fsync_dir(dest.parent)

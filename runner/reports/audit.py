@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from runner.config.rules import devices
-from runner.data.manifest import manifest_sha256, num_samples
+from runner.data.manifest import MIN_VALIDATION_SAMPLES, manifest_sha256, num_samples
 from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.planning.flops import Convention, flops_per_token, params_of_config
@@ -543,9 +543,17 @@ def audit_input(inp: AuditInput, *, check_mlflow: bool = True) -> AuditResult:
     _check_compute(res, inp, seq_len)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
+    _note_small_validation(res, inp)
     if check_mlflow:
         _check_mlflow(res, inp)
     return res
+
+
+def _note_small_validation(res: AuditResult, inp: AuditInput) -> None:
+    """A note, never a failure: domains whose validation loss rests on too few samples."""
+    small = rpt.small_validation_sets(inp.tables["validation"], rpt.domains_of(inp.tables))
+    enough = f"every domain >= {MIN_VALIDATION_SAMPLES} samples"
+    res.checks.append(Check("validation set sizes", INFO, "; ".join(small) or enough))
 
 
 def audit(target: str | Path, *, check_mlflow: bool = True) -> AuditResult:

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from runner.config.rules import devices
-from runner.data.manifest import num_samples
+from runner.data.manifest import num_samples, small_validation_warning
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
@@ -264,10 +264,12 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
                 "domain": str(r["domain"]),
                 "loss_nats": float(r["loss_nats"]),
                 "bpb": float(r["bpb"]),
+                "samples": int(r["samples"]),
+                "tokens": int(r["tokens"]),
             }
             for r in eval_rows
         ],
-        columns=["step", "exposure_tokens", "domain", "loss_nats", "bpb"],
+        columns=["step", "exposure_tokens", "domain", "loss_nats", "bpb", "samples", "tokens"],
     )
     throughput = pd.DataFrame(
         [
@@ -352,6 +354,27 @@ def _md_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def domains_of(tables: dict[str, pd.DataFrame]) -> list[str]:
+    """The run's domains, from its accounting table."""
+    return sorted(str(d) for d in tables["accounting"]["domain"])
+
+
+def small_validation_sets(validation: pd.DataFrame, domains: list[str]) -> list[str]:
+    """One phrase per domain validated on fewer than MIN_VALIDATION_SAMPLES samples (none: never
+    evaluated), at its last evaluation."""
+    out = []
+    scored = validation.sort_values("step").groupby("domain").last() if not validation.empty else None
+    for d in domains:
+        if scored is None or d not in scored.index:
+            samples, tokens = 0, 0
+        else:
+            samples, tokens = int(scored.loc[d, "samples"]), int(scored.loc[d, "tokens"])
+        warning = small_validation_warning(d, samples, tokens)
+        if warning:
+            out.append(warning)
+    return out
+
+
 def final_losses(validation: pd.DataFrame) -> dict[str, float]:
     """Loss in nats per domain at the last evaluation."""
     if validation.empty:
@@ -410,12 +433,11 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
     lines += ["## Validation loss", ""]
     if losses:
         last = tables["validation"][tables["validation"]["step"] == tables["validation"]["step"].max()]
-        lines += [
-            _md_table(last[["domain", "loss_nats", "bpb"]].reset_index(drop=True)),
-            "",
-            "![loss by domain](loss_by_domain.png)",
-            "",
-        ]
+        lines += [_md_table(last[["domain", "loss_nats", "bpb", "samples", "tokens"]].reset_index(drop=True)), ""]
+        small = small_validation_sets(tables["validation"], domains_of(tables))
+        if small:
+            lines += [f"Warning: {'; '.join(small)}.", ""]
+        lines += ["![loss by domain](loss_by_domain.png)", ""]
     else:
         lines += ["No evaluation was recorded.", ""]
     lines += [
