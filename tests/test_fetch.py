@@ -316,3 +316,6 @@ def test_readme_walkthrough_fetch_prepare_pin_validate_commit_check_pr_launch(hu
     config = yaml.safe_load((run_dir / "experiment.yaml").read_text())
     assert config["tokenizer"]["hub"]["revision"] == hub.commits["tokenizer"]  # the run says what it read
     assert config["mixture"]["domains"]["web"]["source"]["revision"] == hub.commits["web"]
+    report = (run_dir / "report/report.md").read_text()
+    assert f"from {TOKENIZER_REPO}@{hub.commits['tokenizer']} (tokenizer.json)" in report
+    assert f"`web` from {DATA_REPO}@{hub.commits['web']} (sample/10BT/*.parquet)" in report

@@ -551,7 +551,8 @@ def audit_input(inp: AuditInput, *, check_mlflow: bool = True) -> AuditResult:
 
 def _note_small_validation(res: AuditResult, inp: AuditInput) -> None:
     """A note, never a failure: domains whose validation loss rests on too few samples."""
-    small = rpt.small_validation_sets(inp.tables["validation"], rpt.domains_of(inp.tables))
+    asked = (inp.cfg.get("eval") or {}).get("samples_per_domain")
+    small = rpt.small_validation_sets(inp.tables["validation"], rpt.domains_of(inp.tables), asked)
     enough = f"every domain >= {MIN_VALIDATION_SAMPLES} samples"
     res.checks.append(Check("validation set sizes", INFO, "; ".join(small) or enough))
 

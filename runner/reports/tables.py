@@ -359,9 +359,16 @@ def domains_of(tables: dict[str, pd.DataFrame]) -> list[str]:
     return sorted(str(d) for d in tables["accounting"]["domain"])
 
 
-def small_validation_sets(validation: pd.DataFrame, domains: list[str]) -> list[str]:
+def _hub_source(hub: dict | None) -> str:
+    """' from repo@commit (files)' for a Hub asset, else ''."""
+    if not hub:
+        return ""
+    return f" from {hub.get('repo')}@{hub.get('revision')} ({', '.join(hub.get('files') or [])})"
+
+
+def small_validation_sets(validation: pd.DataFrame, domains: list[str], samples_asked: int | None = None) -> list[str]:
     """One phrase per domain validated on fewer than MIN_VALIDATION_SAMPLES samples (none: never
-    evaluated), at its last evaluation."""
+    evaluated), at its last evaluation; `samples_asked` (the eval recipe's) picks the advice."""
     out = []
     scored = validation.sort_values("step").groupby("domain").last() if not validation.empty else None
     for d in domains:
@@ -369,7 +376,7 @@ def small_validation_sets(validation: pd.DataFrame, domains: list[str]) -> list[
             samples, tokens = 0, 0
         else:
             samples, tokens = int(scored.loc[d, "samples"]), int(scored.loc[d, "tokens"])
-        warning = small_validation_warning(d, samples, tokens)
+        warning = small_validation_warning(d, samples, tokens, samples_asked)
         if warning:
             out.append(warning)
     return out
@@ -399,7 +406,9 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
         f"hidden {model.get('hidden_size')}, {model.get('n_layers')} layers, {model.get('n_heads')} heads "
         f"({model.get('n_kv_heads')} kv), ffn {model.get('intermediate_size')}; "
         f"N = {_fmt_int(s.params)} parameters ({s.params_counted}).",
-        f"- Tokenizer `{recipes.get('tokenizer', '?')}` sha256 `{(cfg.get('tokenizer') or {}).get('sha256', '?')}`.",
+        f"- Tokenizer `{recipes.get('tokenizer', '?')}` sha256 `{(cfg.get('tokenizer') or {}).get('sha256', '?')}`"
+        + _hub_source((cfg.get("tokenizer") or {}).get("hub"))
+        + ".",
         f"- Optimizer `{recipes.get('optim', '?')}`, seed {cfg.get('seed')}.",
         f"- {_fmt_int(s.steps)} committed steps x {s.global_batch_sequences} sequences x L = {s.seq_len} "
         f"= {_fmt_int(s.exposure_tokens)} exposure tokens.",
@@ -415,6 +424,12 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
             f"| {r.domain} | `{m.get('manifest_sha256', '?')}` | {_fmt_int(m.get('pool_tokens', 0))} "
             f"| {_fmt_int(r.samples)} | {_fmt_int(r.tail_tokens)} |"
         )
+    domains_cfg = (cfg.get("mixture") or {}).get("domains") or {}
+    sources = [
+        f"`{d}`{_hub_source(spec.get('source'))}" for d, spec in sorted(domains_cfg.items()) if spec.get("source")
+    ]
+    if sources:
+        lines += ["", f"Raw documents: {'; '.join(sources)}."]
     lines += [
         "",
         "## Token accounting",
@@ -434,9 +449,10 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
     if losses:
         last = tables["validation"][tables["validation"]["step"] == tables["validation"]["step"].max()]
         lines += [_md_table(last[["domain", "loss_nats", "bpb", "samples", "tokens"]].reset_index(drop=True)), ""]
-        small = small_validation_sets(tables["validation"], domains_of(tables))
+        asked = (cfg.get("eval") or {}).get("samples_per_domain")
+        small = small_validation_sets(tables["validation"], domains_of(tables), asked)
         if small:
-            lines += [f"Warning: {'; '.join(small)}.", ""]
+            lines += ["Warning:", *[f"- {w}" for w in small], ""]
         lines += ["![loss by domain](loss_by_domain.png)", ""]
     else:
         lines += ["No evaluation was recorded.", ""]
