@@ -248,9 +248,9 @@ def test_check_pr_catches_meaning_change_through_a_base_experiment(project: Path
     _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")
     edit(
         project / "experiments/1p3b.yaml",
-        lambda d: (d.update(version=2), d["train"].update(log_interval_steps=5), d.update(seed=7)),
+        lambda d: (d.update(version=3), d["train"].update(log_interval_steps=5), d.update(seed=7)),
     )
-    edit(project / "experiments/1p3b-mi300x.yaml", _set("base", "1p3b@2"))
+    edit(project / "experiments/1p3b-mi300x.yaml", _set("base", "1p3b@3"))
     out = _check_pr(project)
     assert "experiments/1p3b-mi300x.yaml: version: changed" in out.stderr
 

@@ -264,8 +264,8 @@ def _check_pins(cfg, path: Path, root: Path, problems: Problems, *, check_files:
                 problems.add(path, "tokenizer.sha256", f"{tok.path} has sha256 {actual}, the recipe pins {tok.sha256}")
     for key, hub in unresolved_revisions(cfg):
         notes.append(
-            f"{display_path(path)}: {key}: '{hub.revision}' is a branch or tag, not a commit: "
-            "`runner fetch` then `runner pin` write the commit (`runner launch` refuses until then)"
+            f"{display_path(path)}: {key}: '{hub.revision}' is not a commit yet: `runner fetch` resolves it, "
+            "`runner pin` writes it (`runner launch` refuses until then)"
         )
     mix = cfg.mixture.domains
     pins = cfg.data.manifests
