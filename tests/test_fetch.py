@@ -190,6 +190,19 @@ def test_a_wrong_sha256_from_the_hub_is_refused_and_nothing_is_pinned(hub_projec
     assert before == {p: p.read_text() for p in (hub_project / "recipes").rglob("*.yaml")}
 
 
+def test_a_fetch_the_disk_cannot_hold_is_refused_before_any_download(hub_project: Path, hub: FakeHub, monkeypatch):
+    import runner.data.fetch as fetch
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(fetch.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(
+        RunnerError,
+        match=r"tiny-hub.yaml: hub.files: the files to fetch need [0-9,]+ bytes \(0.0 GB\) more and .* has 1,000 bytes free",
+    ):
+        fetch_experiment(_exp(hub_project), say=lambda _: None)
+    assert _downloads(hub) == []
+
+
 def test_an_unknown_revision_is_one_line_naming_the_recipe(hub_project: Path, capsys):
     path = hub_project / "recipes/mixture/tiny-web.yaml"
     path.write_text(path.read_text().replace("revision: main ", "revision: v9.9 "))

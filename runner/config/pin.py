@@ -14,12 +14,12 @@ from other files than were fetched, a pool tokenized with another tokenizer).
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
 
 from runner.config.load import find_project_root, load_experiment, parse_ref
 from runner.config.schema import KINDS
@@ -97,6 +97,14 @@ def compute_pins(exp) -> tuple[list[tuple[str, Any]], list[str]]:
     return pins, notes
 
 
+def _resolved(cfg, dotted: str) -> Any:
+    """The resolved value at a dotted key: attributes for sections, items for named domains."""
+    node = cfg
+    for k in dotted.split("."):
+        node = node[k] if isinstance(node, Mapping) else getattr(node, k)
+    return node
+
+
 def _chain(path: Path, root: Path) -> list[tuple[Path, dict]]:
     """The experiment file and its `base:` files, most derived first, each with its raw YAML."""
     out = []
@@ -172,7 +180,7 @@ def pin_experiment(path: str | Path, *, write: bool = True) -> PinResult:
     originals: dict[Path, str] = {}
     texts: dict[Path, str] = {}
     for dotted, value in pins:
-        if OmegaConf.select(exp.config, dotted) == value:
+        if _resolved(exp.config, dotted) == value:
             continue
         file, keys = locate(exp, chain, dotted)
         text = texts.get(file) or originals.setdefault(file, file.read_text())

@@ -75,9 +75,9 @@ def _choices(values, kind: str, file, problems: Problems, prefix: str) -> None:
                 problems.add(file, key, f"'{node}' is not one of {', '.join(options)}{did_you_mean(node, options)}")
             return
         head, rest = parts[0], parts[1:]
-        names = list(node.keys()) if head == "*" else [head]
-        for name in names:
-            walk(node[name], rest, f"{key}.{name}" if key else name)
+        children = node.items() if head == "*" else [(head, getattr(node, head))]
+        for name, child in children:
+            walk(child, rest, f"{key}.{name}" if key else name)
 
     for pattern in CHOICES:
         section, *parts = pattern.split(".")
@@ -87,8 +87,8 @@ def _choices(values, kind: str, file, problems: Problems, prefix: str) -> None:
 
 def _positive(values, keys, file, problems: Problems, prefix: str) -> None:
     for k in keys:
-        if values[k] < 1:
-            problems.add(file, f"{prefix}{k}", f"must be >= 1, got {values[k]}")
+        if getattr(values, k) < 1:
+            problems.add(file, f"{prefix}{k}", f"must be >= 1, got {getattr(values, k)}")
 
 
 def check_hub_files(hub, file, problems: Problems, key: str, *, one_file: bool = False) -> None:
@@ -237,10 +237,10 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
     """Each recipe kind's check on the resolved sections (overrides may break them), then the rules
     that span sections. Returns notes for pins that cannot be verified on this machine."""
     for kind in KINDS:
-        v = cfg[kind].version
+        v = getattr(cfg, kind).version
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             problems.add(path, f"{kind}.version", f"must be an integer >= 1, got {v!r}")
-        RECIPE_CHECKS[kind](cfg[kind], path, problems, f"{kind}.")
+        RECIPE_CHECKS[kind](getattr(cfg, kind), path, problems, f"{kind}.")
     notes = _check_pins(cfg, path, root, problems, check_files=check_files)
     _check_train(cfg, path, problems)
     return notes
@@ -278,8 +278,8 @@ def _check_pins(cfg, path: Path, root: Path, problems: Problems, *, check_files:
         if pin.sha256 is not None and not _SHA256.match(str(pin.sha256)):
             problems.add(path, f"data.manifests.{d}.sha256", "must be 64 lowercase hex characters")
         for k in ("pool_tokens", "validation_tokens"):
-            if pin[k] is not None and pin[k] < 0:
-                problems.add(path, f"data.manifests.{d}.{k}", f"must be >= 0, got {pin[k]}")
+            if getattr(pin, k) is not None and getattr(pin, k) < 0:
+                problems.add(path, f"data.manifests.{d}.{k}", f"must be >= 0, got {getattr(pin, k)}")
     return notes
 
 
@@ -294,8 +294,8 @@ def _check_train(cfg, path: Path, problems: Problems) -> None:
     """Batch arithmetic: budgets in whole global batches, a schedule no shorter than the budget."""
     t = cfg.train
     for k in ("seq_len", "global_batch_sequences", "micro_batch_sequences", "exposure_tokens", "log_interval_steps"):
-        if t[k] < 1:
-            problems.add(path, f"train.{k}", f"must be >= 1, got {t[k]}")
+        if getattr(t, k) < 1:
+            problems.add(path, f"train.{k}", f"must be >= 1, got {getattr(t, k)}")
     if problems.lines:
         return
     try:
@@ -304,7 +304,7 @@ def _check_train(cfg, path: Path, problems: Problems) -> None:
         problems.add(path, e.key, e.detail)
     batch_tokens = global_batch_tokens(cfg)
     for key in ("exposure_tokens", "max_duration_tokens", "hard_stop_tokens"):
-        val = t[key]
+        val = getattr(t, key)
         if val is not None and val % batch_tokens:
             lo = val // batch_tokens * batch_tokens
             problems.add(

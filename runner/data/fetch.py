@@ -18,6 +18,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -152,6 +153,7 @@ def fetch_experiment(exp, *, endpoint: str | None = None, token: str | None = No
     api = HfApi(endpoint=endpoint, token=token)
     # every revision and file list first: a typo in the last recipe fails before any download
     plans = [_plan(api, exp, asset) for asset in assets]
+    _check_space(plans)
     return [_fetch_planned(api, plan, token=token, say=say) for plan in plans]
 
 
@@ -266,12 +268,53 @@ def _list_files(api: HfApi, asset: Asset, commit: str, file, key: str) -> list[R
     return [found[p] for p in sorted(found)]
 
 
+def _expected_hash(remote: RepoFile) -> str:
+    return remote.lfs.sha256 if remote.lfs is not None else remote.blob_id
+
+
+def _kept(asset: Asset, remote: RepoFile, old: dict | None) -> bool:
+    """The last fetch verified this very content (same git oid) and it is still in place."""
+    dest = asset.destination(remote.path)
+    return bool(old) and old.get("git_oid") == remote.blob_id and dest.is_file() and dest.stat().st_size == remote.size
+
+
+def _partial(asset: Asset, remote: RepoFile) -> Path:
+    """Where a download in progress lives (named by the expected hash: never resumed into other content)."""
+    dest = asset.destination(remote.path)
+    return dest.with_name(f".{dest.name}.{_expected_hash(remote)[:16]}.part")
+
+
+def _check_space(plans: list[_Plan]) -> None:
+    """Refuse before any download what the disks cannot hold (a FineWeb-Edu sample is hundreds of GB)."""
+    need: dict[int, list] = {}  # device -> [bytes, folder, first plan]
+    for plan in plans:
+        old = {f["path"]: f for f in (read_record(plan.asset) or {}).get("files", [])}
+        folder = plan.asset.folder
+        while not folder.exists():
+            folder = folder.parent
+        entry = need.setdefault(folder.stat().st_dev, [0, folder, plan])
+        for r in plan.remote:
+            if not _kept(plan.asset, r, old.get(r.path)):
+                part = _partial(plan.asset, r)
+                entry[0] += r.size - (min(part.stat().st_size, r.size) if part.exists() else 0)
+    for nbytes, folder, plan in need.values():
+        free = shutil.disk_usage(folder).free
+        if nbytes > free:
+            raise RunnerError(
+                f"the files to fetch need {nbytes:,} bytes ({nbytes / 1e9:.1f} GB) more and {folder} has "
+                f"{free:,} bytes free: "
+                "free space, or name fewer files",
+                file=plan.file,
+                key=plan.files_key,
+            )
+
+
 def _fetch_file(api, plan: _Plan, remote: RepoFile, old: dict | None, token, *, say, index):
     """One file: kept when the last fetch verified the same content, else downloaded (resuming a
     partial file), verified against the Hub's hash, then moved into place."""
     asset = plan.asset
     dest = asset.destination(remote.path)
-    expected = remote.lfs.sha256 if remote.lfs is not None else remote.blob_id
+    expected = _expected_hash(remote)
     entry = dict(
         path=remote.path,
         local=os.path.relpath(dest, asset.record_path.parent),
@@ -279,11 +322,11 @@ def _fetch_file(api, plan: _Plan, remote: RepoFile, old: dict | None, token, *, 
         git_oid=remote.blob_id,
         lfs=remote.lfs is not None,
     )
-    if old and old.get("git_oid") == remote.blob_id and dest.is_file() and dest.stat().st_size == remote.size:
+    if _kept(asset, remote, old):
         say(f"  [{index[0]}/{index[1]}] {remote.path}: already here, verified at fetch")
         return FetchedFile(sha256=old["sha256"], **entry)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(f".{dest.name}.{expected[:16]}.part")
+    part = _partial(asset, remote)
     have = part.stat().st_size if part.exists() else 0
     if have > remote.size:
         part.unlink()

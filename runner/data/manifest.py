@@ -313,9 +313,10 @@ def pool_sizes(exp, manifests: dict[str, Manifest]) -> dict[str, PoolSize]:
                 out[d] = PoolSize(pin.pool_tokens, pin.validation_tokens, "pin")
             continue
         for key, actual in (("pool_tokens", m.pool_tokens), ("validation_tokens", m.validation_tokens)):
-            if pin[key] is not None and pin[key] != actual:
+            pinned = getattr(pin, key)
+            if pinned is not None and pinned != actual:
                 raise RunnerError(
-                    f"pins {pin[key]:,} but {pin.path} has {actual:,}: run `runner pin {_display(exp.path)}`",
+                    f"pins {pinned:,} but {pin.path} has {actual:,}: run `runner pin {_display(exp.path)}`",
                     file=exp.path,
                     key=f"data.manifests.{d}.{key}",
                 )
