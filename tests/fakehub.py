@@ -11,7 +11,8 @@ Errors carry the Hub's X-Error-Code header (RepoNotFound, RevisionNotFound, Entr
 is how the client tells them apart. A repository's files are all LFS files (the Hub reports their
 sha256, as for FineWeb-Edu's parquet shards) or all plain git blobs (a sha1 oid only, as for a
 tokenizer.json under 10 MB). Faults for tests: `stall_after[path] = n` serves n bytes of a file then
-holds the connection; `lie_sha256.add(path)` reports a wrong LFS sha256.
+holds the connection; `lie_sha256.add(path)` reports a wrong LFS sha256; `xet.add(path)` announces
+a file as xet-backed, whose xet token route (not served here) then fails.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class FakeHub:
         self.repos: dict[tuple[str, str], dict] = {}
         self.stall_after: dict[str, int] = {}
         self.lie_sha256: set[str] = set()
+        self.xet: set[str] = set()  # paths announced as xet-backed (whose xet token route then fails)
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self._release = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -151,6 +153,9 @@ def _handler(hub: FakeHub):
             headers = {"X-Repo-Commit": commit, "Accept-Ranges": "bytes", "ETag": f'"{e["oid"]}"'}
             if lfs:
                 headers.update({"X-Linked-Etag": f'"{e["lfs"]["oid"]}"', "X-Linked-Size": len(data)})
+            if path in hub.xet:
+                refresh = f"{hub.url}/api/{repo_type}s/{repo_id}/xet-read-token/{commit}"
+                headers.update({"X-Xet-Hash": "ab" * 32, "X-Xet-Refresh-Route": refresh})
             rng = None if head else re.match(r"bytes=(\d+)-", self.headers.get("Range") or "")
             start = int(rng.group(1)) if rng else 0
             if rng:

@@ -190,6 +190,15 @@ def test_a_wrong_sha256_from_the_hub_is_refused_and_nothing_is_pinned(hub_projec
     assert before == {p: p.read_text() for p in (hub_project / "recipes").rglob("*.yaml")}
 
 
+def test_a_xet_backed_file_goes_through_hf_xet_and_over_http_when_that_fails(hub_project: Path, hub: FakeHub):
+    hub.xet.add(SHARDS[0])
+    said: list[str] = []
+    fetch_experiment(_exp(hub_project), say=said.append)
+    assert any(method == "GET" and "/xet-read-token/" in path for method, path, _ in hub.requests)  # hf_xet asked
+    assert any("hf_xet failed" in line and f"downloading {SHARDS[0]} over HTTP instead" in line for line in said)
+    assert (hub_project / "data/raw/tiny-fineweb" / SHARDS[0]).read_bytes() == hub.files[SHARDS[0]]
+
+
 def test_a_fetch_the_disk_cannot_hold_is_refused_before_any_download(hub_project: Path, hub: FakeHub, monkeypatch):
     import runner.data.fetch as fetch
 

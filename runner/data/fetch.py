@@ -4,7 +4,7 @@ Owns: resolving a Hub revision (a branch or tag) to its 40-hex commit, listing t
 names (paths, or fnmatch patterns like huggingface_hub's allow_patterns) with the size and hash
 the Hub reports, downloading each with huggingface_hub's client into a partial file that a later
 fetch resumes (an HTTP Range request; xet-backed files go through hf_xet when it is installed,
-whose chunk cache makes a refetch cheap), checking every file against the Hub's LFS sha256 (or
+whose chunk cache makes a refetch cheap, and over HTTP if hf_xet fails), checking every file against the Hub's LFS sha256 (or
 git blob id for small files) before it is moved into place, and the fetch record a later
 `runner data prepare` and `runner pin` read (`.runner-fetch.json` in the source's folder,
 `.runner-fetch.<file>.json` next to a tokenizer).
@@ -332,7 +332,7 @@ def _fetch_file(api, plan: _Plan, remote: RepoFile, old: dict | None, token, *, 
         part.unlink()
         have = 0
     say(f"  [{index[0]}/{index[1]}] {remote.path}: {remote.size:,} bytes" + (f", resuming at {have:,}" if have else ""))
-    _download(api, asset, plan.commit, remote, part, have, token)
+    _download(api, asset, plan.commit, remote, part, have, token, say)
     sha256, git_oid = _hashes(part)
     actual = sha256 if remote.lfs is not None else git_oid
     if actual != expected:
@@ -349,20 +349,24 @@ def _fetch_file(api, plan: _Plan, remote: RepoFile, old: dict | None, token, *, 
     return FetchedFile(sha256=sha256, **entry)
 
 
-def _download(api, asset: Asset, commit: str, remote: RepoFile, part: Path, have: int, token) -> None:
+def _download(api, asset: Asset, commit: str, remote: RepoFile, part: Path, have: int, token, say) -> None:
     url = hf_hub_url(asset.repo, remote.path, repo_type=asset.repo_type, revision=commit, endpoint=api.endpoint)
     meta = get_hf_file_metadata(url, token=token, endpoint=api.endpoint)
     headers = build_hf_headers(token=token)
     if meta.xet_file_data is not None and is_xet_available() and not constants.HF_HUB_DISABLE_XET:
-        # hf_xet keeps a chunk cache under HF_HOME: a refetch after a kill reads what it already has
-        xet_get(
-            incomplete_path=part,
-            xet_file_data=meta.xet_file_data,
-            headers=headers,
-            expected_size=remote.size,
-            displayed_filename=remote.path,
-        )
-        return
+        try:  # hf_xet keeps a chunk cache under HF_HOME: a refetch after a kill reads what it already has
+            xet_get(
+                incomplete_path=part,
+                xet_file_data=meta.xet_file_data,
+                headers=headers,
+                expected_size=remote.size,
+                displayed_filename=remote.path,
+            )
+            return
+        except Exception as err:  # hf_xet's own failures: the Hub serves the same bytes over HTTP
+            say(f"  hf_xet failed ({_first_line(err)}): downloading {remote.path} over HTTP instead")
+            part.unlink(missing_ok=True)
+            have = 0
     with open(part, "ab") as f:
         http_get(
             meta.location,
