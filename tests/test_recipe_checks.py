@@ -64,6 +64,14 @@ BROKEN_ALONE = [
         ],
     ),
     (
+        "recipes/mixture/y.yaml",
+        "name: y\nversion: 1\ndescription: d\ndomains:\n  web:\n    target_ratio: 1.0\n"
+        "    source: {repo: a/b, repo_type: space, revision: main, files: ['*.parquet'], local_dir: raw}\n",
+        [
+            "recipes/mixture/y.yaml: domains.web.source.repo_type: Invalid value 'space', expected one of ['model', 'dataset']"
+        ],
+    ),
+    (
         "recipes/eval/x.yaml",
         "name: x\nversion: 1\ndescription: d\ninterval_steps: 0\nsamples_per_domain: 4\n",
         ["recipes/eval/x.yaml: interval_steps: must be >= 1, got 0"],

@@ -194,6 +194,10 @@ def load_recipe_file(path: Path, kind: str, problems: Problems) -> dict | None:
 def _check_recipe_values(data: dict, kind: str, path: Path, problems: Problems) -> None:
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(RECIPE_SCHEMAS[kind]), data)
+    except OmegaConfBaseException as e:  # a value the schema refuses (a Literal choice)
+        problems.add(path, getattr(e, "full_key", "") or "", str(e).splitlines()[0])
+        return
+    try:
         values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     except OmegaConfBaseException:
         return  # an interpolation into another section: checked once the experiment composes it
