@@ -282,6 +282,28 @@ def test_prepare_reads_the_fetched_files_in_order_and_pin_writes_every_pin_once(
         load_experiment_manifests(_exp(hub_project))  # launch refuses a run that could not say what it read
 
 
+def test_pin_of_a_derived_experiment_writes_its_own_manifest_pins_and_follows_its_base(hub_project: Path):
+    derived = hub_project / "experiments/tiny-hub-long.yaml"
+    derived.write_text(
+        "name: tiny-hub-long\nversion: 1\ndescription: twice the budget, its own pool\nbase: tiny-hub@1\n"
+        "train: {exposure_tokens: 51200}\n"
+        "data:\n  manifests:\n    web:\n      path: data/tiny-fineweb-long/web/manifest.json   # its own pool\n"
+    )
+    exp = load_experiment(derived, check_files=False)
+    fetch_experiment(exp, say=lambda _: None)
+    [(_, path, sha256)] = prepare_experiment(exp, workers=1, progress=False)
+    pin_experiment(derived)
+
+    base = yaml.safe_load((hub_project / "experiments/tiny-hub.yaml").read_text())
+    assert base["version"] == 2 and base["recipes"]["tokenizer"] == "tiny-hub@2"  # its recipes were pinned
+    assert base["data"]["manifests"]["web"]["sha256"] is None  # not its pool: left alone
+    mine = yaml.safe_load(derived.read_text())
+    assert mine["version"] == 2 and mine["base"] == "tiny-hub@2"
+    assert mine["data"]["manifests"]["web"]["sha256"] == sha256 == load_manifest(path).sha256
+    assert "# its own pool" in derived.read_text()
+    assert not pin_experiment(derived).changes
+
+
 def test_pin_refuses_a_pool_prepared_from_other_files_than_were_fetched(hub_project: Path, tmp_path: Path):
     fetch_experiment(_exp(hub_project), say=lambda _: None)
     raw = hub_project / "data/raw/tiny-fineweb"

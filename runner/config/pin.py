@@ -125,22 +125,25 @@ def _has(data: Any, keys: list[str]) -> bool:
 
 
 def locate(exp, chain: list[tuple[Path, dict]], dotted: str) -> tuple[Path, list[str]]:
-    """The file and key path a resolved key is written in: an override in the chain, else the
-    experiment section that states it, else its recipe; a new manifest count goes next to the
-    manifest's path."""
+    """The file and key path a resolved key is written in, most derived file first: a manifest's
+    pins beside the `path` that names it; otherwise an override, else the experiment section that
+    states the key, else its recipe."""
     section, *rest = dotted.split(".")
+    if section == "data":  # data.manifests.D.K: whoever names D's manifest owns its pins
+        for path, data in chain:
+            for prefix in (["overrides", "data"], ["data"]):
+                if _has(data, [*prefix, *rest[:2], "path"]):
+                    return path, [*prefix, *rest]
+        raise RunnerError("no file of the experiment names this manifest", file=exp.path, key=dotted)
     for path, data in chain:
         if _has(data, ["overrides", section, *rest]):
             return path, ["overrides", section, *rest]
-    if section not in KINDS:
-        for path, data in chain:
-            if _has(data, [section, *rest]):
-                return path, [section, *rest]
-        for path, data in chain:  # data.manifests.D.pool_tokens: beside data.manifests.D.path
-            if _has(data, [section, *rest[:-1]]):
-                return path, [section, *rest]
-        raise RunnerError("no file of the experiment states it", file=exp.path, key=dotted)
-    return exp.recipe_files[section], rest
+    if section in KINDS:
+        return exp.recipe_files[section], rest
+    for path, data in chain:
+        if _has(data, [section, *rest]):
+            return path, [section, *rest]
+    raise RunnerError("no file of the experiment states it", file=exp.path, key=dotted)
 
 
 def _bump_versions(texts: dict[Path, str], originals: dict[Path, str], root: Path) -> None:
