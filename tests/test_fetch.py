@@ -243,6 +243,15 @@ def test_no_network_is_one_line_exit_2_without_a_retry_loop(hub_project: Path, m
     assert waits == []
 
 
+def test_offline_mode_is_said_not_waited_on(hub_project: Path, hub: FakeHub, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["fetch", "experiments/tiny-hub.yaml"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: experiments/tiny-hub.yaml: HF_HUB_OFFLINE is set: `runner fetch` needs the Hub"
+    )
+    assert hub.requests == []
+
+
 def test_prepare_reads_the_fetched_files_in_order_and_pin_writes_every_pin_once(hub_project: Path, hub: FakeHub):
     fetch_experiment(_exp(hub_project), say=lambda _: None)
     [(domain, path, sha256)] = prepare_experiment(_exp(hub_project), workers=1, progress=False)
