@@ -228,9 +228,6 @@ def _launch(args) -> int:
     warning = check_world(exp.config, acc.num_processes)  # before any folder is written
     if warning and main:
         print(warning, file=sys.stderr)
-    if main:
-        for line in launch_warnings(exp):
-            print(f"warning: {line}", file=sys.stderr)
     if run_dir is None:
         name = args.run_name or _timestamp()
         chosen = [str(Path("runs") / str(exp.config.name) / name)]
@@ -246,6 +243,8 @@ def _launch(args) -> int:
         elif args.target != str(run_dir):
             # Same fingerprint, maybe other operational keys (checkpoint interval, hard stop): use them.
             (run_dir / "experiment.yaml").write_text(to_yaml(exp.config))
+        for line in launch_warnings(exp):  # after the refusals: a launch that will not run warns of nothing
+            print(f"warning: {line}", file=sys.stderr)
     acc.wait_for_everyone()
     tracker = None if args.no_tracking else _make_tracker(run_dir, main)
     first_start = not existing
