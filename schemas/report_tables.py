@@ -20,7 +20,7 @@ import pandas as pd
 import pandera.pandas as pa
 from pandera.extensions import register_check_method
 
-SCHEMA_VERSION = "runner-report/2"  # 2: device-seconds columns; MFU and cost over them
+SCHEMA_VERSION = "runner-report/3"  # 2: device-seconds columns; MFU and cost over them. 3: validation samples, tokens
 """Bumped whenever a column is added, removed, renamed or changes meaning."""
 
 # Float equalities in derived columns (ratios, epochs, MFU) are recomputed from exact integers,
@@ -381,6 +381,10 @@ VALIDATION = pa.DataFrameSchema(
         "domain": pa.Column(str, description="Domain whose validation samples were scored."),
         "loss_nats": _finite_positive("Mean token cross-entropy in nats."),
         "bpb": _finite_positive("Bits per UTF-8 byte of the target text."),
+        "samples": pa.Column(
+            "int64", pa.Check.ge(1), description="Validation samples the loss is averaged over (below 16: noise)."
+        ),
+        "tokens": _tokens("Target tokens the loss is averaged over"),
     },
     checks=[
         pa.Check.one_eval_per_step_and_domain(error="one row per (step, domain)"),

@@ -256,6 +256,8 @@ def make_run(
                         "domain": d,
                         "loss_nats": loss,
                         "bpb": loss / math.log(2) / 3.2,
+                        "samples": cfg["eval"]["samples_per_domain"],
+                        "tokens": cfg["eval"]["samples_per_domain"] * SEQ_LEN,
                     }
                 )
 

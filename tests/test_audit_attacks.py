@@ -289,7 +289,7 @@ def manifest_copy_edited(report):
 def convention_6n(report):
     cfg = _cfg(report)
     s = _read(report, "run_summary")
-    fpt = flops_per_token(cfg, Convention(flops_formula="6N"), seq_len=L)
+    fpt = flops_per_token(experiment_from_dict(cfg).config, Convention(flops_formula="6N"), seq_len=L)
     ratio = fpt / float(s["flops_per_token"].iloc[0])
     s["flops_formula"], s["flops_per_token"] = "6N", fpt
     for col in ("mfu", "goodput_mfu"):
@@ -432,10 +432,12 @@ def test_published_report_is_verified_where_its_store_is_and_unverified_elsewher
     dest, result = publish(real_run, reports, require_verified=True)
     assert dest is not None and result.passed, result.render()
     assert (dest / "evidence.json").exists()
-    assert _cli(["audit-reports", str(reports)]) == EXIT_OK
+    store = Path(json.loads((real_run / "run.json").read_text())["mlflow"]["tracking_uri"][len("sqlite:///") :])
+    # The published run.json names the store relative to the project (no machine paths); these
+    # reports sit outside it, so the store is given.
+    assert _cli(["audit-reports", str(reports), "--tracking-uri", f"sqlite:///{store}"]) == EXIT_OK
     # Elsewhere (CI): run.json names a store that is not there. Consistent, never PASS.
     info = json.loads((dest / "run.json").read_text())
-    store = Path(info["mlflow"]["tracking_uri"][len("sqlite:///") :])
     moved = tmp_path / "moved.db"
     info["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'nowhere' / 'mlflow.db'}"
     (dest / "run.json").write_text(json.dumps(info, indent=1))
@@ -447,6 +449,19 @@ def test_published_report_is_verified_where_its_store_is_and_unverified_elsewher
     # Given the store that holds the run, the same published folder is verified.
     shutil.copy(store, moved)
     assert _cli(["audit-reports", str(reports), "--tracking-uri", f"sqlite:///{moved}"]) == EXIT_OK
+
+
+def test_a_report_published_in_its_project_finds_the_store_its_run_json_names_relative(real_run, tmp_path):
+    project = tmp_path / "checkout"
+    shutil.copytree(real_run.parents[1], project, ignore=shutil.ignore_patterns("reports"))
+    run = project / "runs" / real_run.name
+    dest, result = publish(run, project / "reports")
+    assert json.loads((dest / "run.json").read_text())["mlflow"]["tracking_uri"] == "sqlite:///mlflow.db"
+    # resolved against the checkout that holds the report, not the current folder
+    assert audit(dest).verdict == PASS
+    (project / "mlflow.db").unlink()
+    again = audit(dest)
+    assert again.verdict == UNVERIFIED and not (project / "mlflow.db").exists()
 
 
 def test_a_report_the_run_went_on_from_is_unverified_not_failed(real_run, tmp_path):

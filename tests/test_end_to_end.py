@@ -48,6 +48,10 @@ def test_readme_main_job_end_to_end(tmp_path: Path):
     out = runner(project, "launch", "experiments/cpu-tiny.yaml", "--run-name", "demo", env=env)
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
+    assert (
+        "warning: experiments/cpu-tiny.yaml: data.manifests.legal: domain 'legal' is validated on 2 samples"
+        in out.stderr
+    )
     run_dir = project / "runs/cpu-tiny/demo"
     assert "tokens: processed 307,200  exposure 307,200  useful 307,200" in out.stdout
 

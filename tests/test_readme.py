@@ -210,14 +210,16 @@ def test_every_readme_command_runs_as_written(tmp_path):
     assert not failures, "\n\n".join(failures)
 
 
-def test_the_1p3b_pin_error_names_the_tokenizer_recipe_the_readme_says_to_edit(project, monkeypatch, capsys):
+def test_the_1p3b_pin_error_names_the_tokenizer_recipe_and_the_readme_pin_command(project, monkeypatch, capsys):
     from runner.cli import main
 
     monkeypatch.chdir(project)
     assert main(["launch", "experiments/1p3b.yaml", "--no-tracking"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert err[0].startswith("error: recipes/tokenizer/gpt-neox-20b.yaml: sha256: not pinned: put the sha256 of ")
-    assert "(experiments/1p3b.yaml uses it)" in err[0]
-    assert "recipes/tokenizer/gpt-neox-20b.yaml" in (REPO / "README.md").read_text()
+    assert err[0] == (
+        "error: recipes/tokenizer/gpt-neox-20b.yaml: sha256: not pinned: `runner pin experiments/1p3b.yaml` "
+        "writes the sha256 of data/tokenizers/gpt-neox-20b/tokenizer.json here"
+    )
+    assert "runner pin experiments/1p3b.yaml" in (REPO / "README.md").read_text()  # the flow the README gives
     assert not (project / "runs").exists()

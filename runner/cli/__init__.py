@@ -13,11 +13,11 @@ import os
 import sys
 from pathlib import Path
 
-from runner.cli import data, plan, report, train
+from runner.cli import data, hub, plan, report, train
 from runner.errors import EXIT_OK, EXIT_USAGE, RunnerError, display_path
 
 #: modules under runner/cli that add their verbs through `register(subparsers)`
-COMMAND_MODULES = (data, train, report, plan)
+COMMAND_MODULES = (data, hub, train, report, plan)
 
 
 def _cmd_validate(args) -> int:
@@ -25,10 +25,12 @@ def _cmd_validate(args) -> int:
     failed = 0
     for path in paths:
         try:
-            line, notes = validate_one(path)
+            line, notes, warnings = validate_one(path)
             print(line)
             for n in notes:
                 print(f"  note: {n}")
+            for w in warnings:
+                print(f"  warning: {w}")
         except RunnerError as e:
             failed += 1
             for msg in str(e).splitlines():
@@ -42,14 +44,20 @@ def default_targets(cwd: Path) -> list[Path]:
     from runner.config.schema import KINDS
 
     root = find_project_root(cwd)
+    if not (root / "recipes").is_dir():
+        raise RunnerError(
+            f"no recipes/ folder in {cwd.resolve()} or above: run inside a runner checkout, or name the files to validate"
+        )
     out = [p for k in KINDS for p in sorted((root / "recipes" / k).glob("*.yaml"))]
     # rglob: `runner pilot-grid` writes its experiments to experiments/pilots/, and they must
     # validate as well as the hand-written ones (a bumped base breaks them).
     return out + sorted((root / "experiments").rglob("*.yaml"))
 
 
-def validate_one(path: Path) -> tuple[str, list[str]]:
-    """Validate a recipe (kind from its folder) or an experiment. Returns the OK line and notes."""
+def validate_one(path: Path) -> tuple[str, list[str], list[str]]:
+    """Validate a recipe on its own (kind from its folder) or an experiment with the data checks that
+    need no training (pins present here, feasibility over the pools' sizes, pinned when the data is
+    absent). Returns the OK line, notes and warnings (small validation sets)."""
     from runner.config.load import load_experiment, load_recipe_file
     from runner.config.schema import KINDS
     from runner.errors import Problems
@@ -58,14 +66,12 @@ def validate_one(path: Path) -> tuple[str, list[str]]:
         problems = Problems()
         load_recipe_file(path, path.parent.name, problems)
         problems.raise_if_any()
-        return f"ok  {display_path(path)}", []
-    from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
+        return f"ok  {display_path(path)}", [], []
+    from runner.data.manifest import check_experiment_data
 
     exp = load_experiment(path)
-    manifests, notes = load_experiment_manifests(exp, missing_ok=True)
-    if len(manifests) == len(exp.config.mixture.domains):
-        plan_experiment_mixture(exp, manifests)
-    return f"ok  {display_path(path)}  fingerprint {exp.fingerprint}", exp.notes + notes
+    notes, warnings = check_experiment_data(exp)
+    return f"ok  {display_path(path)}  fingerprint {exp.fingerprint}", exp.notes + notes, warnings
 
 
 def _cmd_show(args) -> int:

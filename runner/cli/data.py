@@ -25,12 +25,20 @@ def register(subparsers) -> None:
 
     data = subparsers.add_parser("data", help="prepare, verify and build token pools")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    prep = data_sub.add_parser("prepare", help="tokenize sources into shards and a manifest")
-    prep.add_argument("--domain", required=True, help="domain name recorded in the manifest")
-    prep.add_argument("--tokenizer", required=True, help="tokenizer.json")
+    prep = data_sub.add_parser(
+        "prepare",
+        help="tokenize sources into shards and a manifest: an experiment's fetched sources, or --input files",
+    )
+    prep.add_argument(
+        "experiment",
+        nargs="?",
+        help="experiments/NAME.yaml: every domain with a Hub source, after `runner fetch` (else use the flags)",
+    )
+    prep.add_argument("--domain", help="domain name recorded in the manifest (with an experiment: only this one)")
+    prep.add_argument("--tokenizer", help="tokenizer.json")
     prep.add_argument("--tokenizer-sha256", default=None, help="refuse any other tokenizer file")
-    prep.add_argument("--out", required=True, help="output folder (shards + manifest.json)")
-    prep.add_argument("--input", nargs="+", required=True, help="files or folders, in pool order")
+    prep.add_argument("--out", help="output folder (shards + manifest.json)")
+    prep.add_argument("--input", nargs="+", help="files or folders, in pool order")
     prep.add_argument(
         "--input-format",
         default="auto",
@@ -78,22 +86,74 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from runner.data.prepare import prepare
+    from runner.data.prepare import prepare, prepare_experiment
+    from runner.errors import RunnerError
 
+    options = dict(
+        validation_fraction=args.validation_fraction,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        batch_docs=args.batch_docs,
+    )
+    if args.experiment is not None:
+        from runner.config.load import load_experiment
+
+        if args.tokenizer or args.input or args.out or args.input_format != "auto":
+            raise RunnerError("an experiment names its tokenizer, inputs and output: drop --tokenizer/--input/--out")
+        exp = load_experiment(args.experiment, check_files=False)  # the tokenizer may not be pinned yet
+        for domain, path, sha256 in prepare_experiment(exp, [args.domain] if args.domain else None, **options):
+            _say_manifest(domain, path, sha256, exp.config.train.seq_len, exp.config.eval.samples_per_domain)
+        print(f"next: runner pin {args.experiment}")
+        return EXIT_OK
+    missing = [f"--{k}" for k in ("domain", "tokenizer", "out", "input") if not getattr(args, k)]
+    if missing:
+        raise RunnerError(f"without an experiment, prepare needs {', '.join(missing)}")
     path, sha256 = prepare(
         args.domain,
         args.tokenizer,
         args.out,
         args.input,
         tokenizer_sha256=args.tokenizer_sha256,
-        validation_fraction=args.validation_fraction,
-        shard_tokens=args.shard_tokens,
-        workers=args.workers,
-        batch_docs=args.batch_docs,
         input_format=args.input_format,
+        **options,
     )
-    print(f"manifest: {path}\nmanifest_sha256: {sha256}")
+    _say_manifest(args.domain, path, sha256)
     return EXIT_OK
+
+
+def _say_manifest(domain: str, path, sha256: str, seq_len: int | None = None, samples_asked: int | None = None) -> None:
+    """The manifest line and its sizes (what `runner pin` writes), then any small-set warning."""
+    from runner.data.manifest import load_manifest
+
+    m = load_manifest(path)
+    print(f"manifest: {path}\nmanifest_sha256: {sha256}")
+    print(
+        f"  pool_tokens: {m.pool_tokens}\n  validation_tokens: {m.validation_tokens} "
+        f"({m.data['validation_documents']} documents)"
+    )
+    _warn_small_validation(domain, path, seq_len, samples_asked)
+
+
+#: prepare alone does not know the sequence length: it warns when even sequences this short (the
+#: shortest any shipped experiment uses) give too few validation samples
+SHORTEST_SEQ_LEN = 128
+
+
+def _warn_small_validation(domain: str, path, seq_len: int | None = None, samples_asked: int | None = None) -> None:
+    """Warn (stderr) about a small validation set, at the experiment's sequence length when known."""
+    from runner.data.manifest import MIN_VALIDATION_SAMPLES, load_manifest, small_validation_warning, validation_scored
+
+    m = load_manifest(path)
+    if seq_len is not None and samples_asked is not None:
+        warning = small_validation_warning(
+            domain, *validation_scored(m.validation_tokens, seq_len, samples_asked), samples_asked
+        )
+    else:
+        samples, tokens = validation_scored(m.validation_tokens, SHORTEST_SEQ_LEN, MIN_VALIDATION_SAMPLES)
+        warning = small_validation_warning(domain, samples, tokens)
+        warning = warning and f"{warning} (counted at seq_len {SHORTEST_SEQ_LEN})"
+    if warning:
+        print(f"warning: {path}: {warning}", file=sys.stderr)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -115,4 +175,5 @@ def cmd_builtin(args: argparse.Namespace) -> int:
     print(f"tokenizer: {TOKENIZER_PATH} sha256={sha256_file(TOKENIZER_PATH)}")
     for domain, (path, sha256) in build_builtin(Path(args.out), progress=None).items():
         print(f"{domain}: {path} manifest_sha256={sha256}")
+        _warn_small_validation(domain, path)
     return EXIT_OK

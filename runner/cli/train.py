@@ -291,6 +291,10 @@ def _launch(args, held: contextlib.ExitStack) -> int:
         elif args.target != str(run_dir):
             # Same fingerprint, maybe other operational keys (checkpoint interval, hard stop): use them.
             (run_dir / "experiment.yaml").write_text(to_yaml(exp.config))
+        from runner.data.manifest import launch_warnings
+
+        for line in launch_warnings(exp):  # after the refusals: a launch that will not run warns of nothing
+            print(f"warning: {line}", file=sys.stderr)
     acc.wait_for_everyone()
     tracker = None if args.no_tracking else _make_tracker(run_dir, main)
     first_start = not existing
@@ -322,6 +326,8 @@ def _launch(args, held: contextlib.ExitStack) -> int:
             hard_stop is not None and int(info.get("committed_steps", 0)) * global_batch_tokens(exp.config) == hard_stop
         )
         if status == "finished" or at_hard_stop:  # the run's end as the user chose it: report it
+            if tracker is not None:  # the MLflow run id reaches run.json (delivery is asynchronous) before the copy
+                tracker.flush()
             _write_report(run_dir, tracker)
         if tracker is not None:
             done = tracker.finish({"finished": "FINISHED", "failed": "FAILED"}.get(str(status), "KILLED"))

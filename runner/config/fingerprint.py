@@ -13,12 +13,12 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from runner.config.schema import LABEL_KEYS, OPERATIONAL_KEYS, ExperimentSchema
+from runner.config.schema import ABSENT_WHEN_NULL, LABEL_KEYS, OPERATIONAL_KEYS, ExperimentSchema
 from runner.errors import RunnerError, join_key
 from runner.fsio import canonical_json
 
 
-def _drop(node: Any, pattern: list[str]) -> None:
+def _drop(node: Any, pattern: list[str], *, only_null: bool = False) -> None:
     if not isinstance(node, dict) or not pattern:
         return
     head, rest = pattern[0], pattern[1:]
@@ -27,8 +27,8 @@ def _drop(node: Any, pattern: list[str]) -> None:
         if k not in node:
             continue
         if rest:
-            _drop(node[k], rest)
-        else:
+            _drop(node[k], rest, only_null=only_null)
+        elif not only_null or node[k] is None:
             del node[k]
 
 
@@ -42,11 +42,13 @@ def _strip_labels(node: Any) -> Any:
 
 def canonical_meaning(cfg: ExperimentSchema | dict[str, Any]) -> dict[str, Any]:
     """What the experiment trains: the resolved config (typed, or as saved in a checkpoint) less
-    labels and operational keys."""
+    labels, operational keys and the optional sections that are null (ABSENT_WHEN_NULL)."""
     data = dataclasses.asdict(cfg) if isinstance(cfg, ExperimentSchema) else json.loads(json.dumps(cfg))
     data = _strip_labels(data)
     for key in OPERATIONAL_KEYS:
         _drop(data, key.split("."))
+    for key in ABSENT_WHEN_NULL:
+        _drop(data, key.split("."), only_null=True)
     return data
 
 

@@ -24,13 +24,14 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config.fingerprint import fingerprint
-from runner.config.rules import validate_experiment
+from runner.config.rules import check_recipe, validate_experiment
 from runner.config.schema import (
     EXPERIMENT_KEYS,
     KINDS,
     LABEL_KEYS,
     RECIPE_SCHEMAS,
     ExperimentSchema,
+    Recipe,
     literal_choices,
 )
 from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
@@ -48,6 +49,8 @@ class Experiment:
     path: Path | None
     project_root: Path
     notes: list[str] = field(default_factory=list)  #: non-fatal findings (e.g. pins not verifiable here)
+    #: kind -> the recipe file it was composed from (empty for a saved config): where a fix goes
+    recipe_files: dict[str, Path] = field(default_factory=dict)
 
     def to_container(self) -> dict[str, Any]:
         """The resolved config as plain data, in schema order: what a run folder saves as experiment.yaml."""
@@ -194,11 +197,14 @@ def parse_ref(ref: Any) -> tuple[str, int]:
 
 
 def load_recipe_file(path: Path, kind: str, problems: Problems) -> dict | None:
-    """Read and check one recipe against its kind's schema (types, unknown keys, labels)."""
+    """Read and check one recipe on its own: types, unknown keys, labels, then its kind's rules
+    (ratios, caps, divisibility, ...) on its values with the schema's defaults filled in, so a
+    fault is named in the recipe file, `recipes/mixture/x.yaml: domains.web.max_repetition_ratio`."""
     data = _read_yaml(path, problems)
     if data is None:
         return None
-    _check_keys(data, RECIPE_SCHEMAS[kind], "", path, problems)
+    before = len(problems.lines)
+    _check_keys(data, RECIPE_SCHEMAS[kind], "", path, problems, choices=True)
     for label in LABEL_KEYS:
         if label not in data:
             problems.add(path, label, "missing: every recipe has name, version and description")
@@ -207,7 +213,33 @@ def load_recipe_file(path: Path, kind: str, problems: Problems) -> dict | None:
     v = data.get("version")
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         problems.add(path, "version", f"must be an integer >= 1, got {v!r}")
+    if len(problems.lines) == before:
+        _check_recipe_values(data, kind, path, problems)
     return data
+
+
+def _check_recipe_values(data: dict, kind: str, path: Path, problems: Problems) -> None:
+    """A recipe's values on their own, the schema's defaults filled in: its kind's `validate`."""
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(RECIPE_SCHEMAS[kind]), data)
+    except OmegaConfBaseException as e:  # a value the schema refuses (a Literal choice)
+        problems.add(path, getattr(e, "full_key", "") or "", str(e).splitlines()[0])
+        return
+    try:
+        values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException:
+        return  # an interpolation into another section: checked once the experiment composes it
+    before = len(problems.lines)
+    _check_missing(values, "", path, problems)
+    if len(problems.lines) > before:
+        return
+    try:
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RECIPE_SCHEMAS[kind]), values))
+    except OmegaConfBaseException as e:
+        problems.add(path, getattr(e, "full_key", "") or "", str(e).splitlines()[0])
+        return
+    assert isinstance(typed, Recipe)
+    check_recipe(typed, kind, path, problems)
 
 
 def recipe_path(root: Path, kind: str, name: str) -> Path:
@@ -301,9 +333,13 @@ def _check_experiment_keys(data: dict, path: Path, problems: Problems) -> dict[s
     return refs
 
 
-def _load_recipes(refs: dict[str, Any], path: Path, root: Path, problems: Problems) -> dict[str, dict]:
-    """Each kind's recipe file named by `refs`, checked against its schema and its version."""
+def _load_recipes(
+    refs: dict[str, Any], path: Path, root: Path, problems: Problems
+) -> tuple[dict[str, dict], dict[str, Path]]:
+    """Each kind's recipe file named by `refs`, checked against its schema and its version; and the
+    files they were read from."""
     recipes: dict[str, dict] = {}
+    files: dict[str, Path] = {}
     for kind in KINDS:
         if kind not in refs:
             problems.add(path, f"recipes.{kind}", "missing: every experiment names one recipe of each kind")
@@ -331,19 +367,22 @@ def _load_recipes(refs: dict[str, Any], path: Path, root: Path, problems: Proble
                 f"names {name}@{version} but {rpath.relative_to(root)} is version {recipe.get('version')}",
             )
         recipes[kind] = recipe
-    return recipes
+        files[kind] = rpath
+    return recipes, files
 
 
-def _check_sections(data: dict, path: Path, problems: Problems) -> dict[str, Any]:
-    """The experiment's own train/data/plan sections and its overrides; returns the overrides."""
+def _check_sections(data: dict, path: Path, problems: Problems) -> tuple[dict, dict[str, Any], dict[str, str]]:
+    """The experiment's own train/data/plan sections and its overrides. Returns the data and the
+    overrides without the nulls that drop a domain, and the domains dropped (see _take_dropped_domains)."""
     sections = _schema_fields(ExperimentSchema)
-    for section in ("train", "data", "plan"):
-        if section in data:
-            _check_value(data[section], sections[section], section, path, problems)
     overrides = data.get("overrides") or {}
     if not isinstance(overrides, dict):
         problems.add(path, "overrides", "must be a mapping of section -> keys")
-        return {}
+        overrides = {}
+    data, overrides, dropped = _take_dropped_domains(data, overrides)
+    for section in ("train", "data", "plan"):
+        if section in data:
+            _check_value(data[section], sections[section], section, path, problems)
     for section, body in overrides.items():
         if section not in KINDS + ("train", "data", "plan"):
             problems.add(
@@ -355,7 +394,7 @@ def _check_sections(data: dict, path: Path, problems: Problems) -> dict[str, Any
         if isinstance(body, dict) and any(k in body for k in LABEL_KEYS):
             problems.add(path, f"overrides.{section}", "may not change a recipe's name, version or description")
         _check_value(body, sections[section], f"overrides.{section}", path, problems)
-    return overrides
+    return data, overrides, dropped
 
 
 def _typed(layers: list[dict], path: Path, problems: Problems) -> ExperimentSchema:
@@ -382,11 +421,13 @@ def compose(
     """An experiment file's data (base applied) composed with its recipes, typed and validated."""
     problems = problems or Problems()
     refs = _check_experiment_keys(data, path, problems)
-    recipes = _load_recipes(refs, path, root, problems)
-    overrides = _check_sections(data, path, problems)
+    recipes, files = _load_recipes(refs, path, root, problems)
+    data, overrides, dropped = _check_sections(data, path, problems)
     problems.raise_if_any()
     top = {k: data[k] for k in ("name", "version", "description", "seed", "train", "data", "plan") if k in data}
     top["recipes"] = dict(refs)
+    _drop_domains(recipes, top, dropped, path, problems)
+    problems.raise_if_any()
     # Choices are judged where a recipe's value and the experiment's overrides meet.
     composed = _deep_merge(_deep_merge(recipes, top), overrides)
     _check_keys(composed, ExperimentSchema, "", path, problems, choices=True)
@@ -394,7 +435,47 @@ def compose(
     cfg = _typed([recipes, top, overrides], path, problems)
     notes = validate_experiment(cfg, path, root, problems, check_files=check_files)
     problems.raise_if_any()
-    return Experiment(config=cfg, fingerprint=fingerprint(cfg), path=path, project_root=root, notes=notes)
+    return Experiment(
+        config=cfg, fingerprint=fingerprint(cfg), path=path, project_root=root, notes=notes, recipe_files=files
+    )
+
+
+def _take_dropped_domains(data: dict, overrides: dict) -> tuple[dict, dict, dict[str, str]]:
+    """`overrides.mixture.domains.D: null` removes domain D (with its manifest pin) from what the
+    recipes and a `base:` give; `data.manifests.D: null` removes only the pin. Returns the data and
+    overrides without those nulls, and {domain: the key that dropped it}."""
+    dropped: dict[str, str] = {}
+    domains = (overrides.get("mixture") or {}).get("domains") if isinstance(overrides.get("mixture"), dict) else None
+    if isinstance(domains, dict) and any(v is None for v in domains.values()):
+        dropped.update({d: "overrides.mixture.domains" for d, v in domains.items() if v is None})
+        mixture = {**overrides["mixture"], "domains": {d: v for d, v in domains.items() if v is not None}}
+        overrides = {**overrides, "mixture": mixture}
+    pins = (data.get("data") or {}).get("manifests") if isinstance(data.get("data"), dict) else None
+    if isinstance(pins, dict) and any(v is None for v in pins.values()):
+        for d, v in pins.items():
+            if v is None:
+                dropped.setdefault(d, "data.manifests")
+        data = {**data, "data": {**data["data"], "manifests": {d: v for d, v in pins.items() if v is not None}}}
+    return data, overrides, dropped
+
+
+def _drop_domains(recipes: dict, top: dict, dropped: dict[str, str], path: Path, problems: Problems) -> None:
+    """Remove each dropped domain from the mixture recipe (a drop by overrides.mixture.domains) and
+    its pin from the experiment's data.manifests (both kinds of drop)."""
+    if not dropped:
+        return
+
+    def mapping(v: Any) -> dict:
+        return v if isinstance(v, dict) else {}
+
+    domains = mapping(mapping(recipes.get("mixture")).get("domains"))
+    pins = mapping(mapping(top.get("data")).get("manifests"))
+    for d, where in dropped.items():
+        if d not in domains and d not in pins:
+            problems.add(path, f"{where}.{d}", f"null removes a domain, but there is no domain '{d}' to remove")
+        pins.pop(d, None)
+        if where == "overrides.mixture.domains":
+            domains.pop(d, None)
 
 
 def _check_missing(node: Any, key: str, path: Path, problems: Problems) -> None:

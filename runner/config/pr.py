@@ -2,7 +2,9 @@
 
 Owns the comparison of the working tree with a base git ref: every changed recipe or experiment
 bumped its version; no experiment changes meaning (fingerprint) without its own file changing and
-its version bumping; everything at the head validates. Never writes to the repository.
+its version bumping; everything at the head validates as `runner validate` does (each recipe on its
+own; each experiment with its mixture's feasibility over the pool sizes it pins, since CI has no
+data). Never writes to the repository.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import yaml
 
 from runner.config.load import load_experiment, load_recipe_file
 from runner.config.schema import KINDS
+from runner.data.manifest import check_experiment_data
 from runner.errors import Problems, RunnerError
 from runner.fsio import load_yaml_text
 
@@ -69,8 +72,9 @@ def _changed_files(root: Path, base: str) -> dict[str, str]:
     return changed
 
 
-def _validate_head(root: Path, problems: list[str]) -> dict[str, str]:
-    """Every recipe and experiment at the head validates; returns each experiment's fingerprint."""
+def _validate_head(root: Path, problems: list[str], report: list[str]) -> dict[str, str]:
+    """Every recipe and experiment at the head validates (warnings go to `report`); returns each
+    experiment's fingerprint."""
     head_targets = [p for k in KINDS for p in sorted((root / "recipes" / k).glob("*.yaml"))]
     head_targets += sorted((root / "experiments").rglob("*.yaml"))  # pilots live in experiments/pilots/
     head_fp: dict[str, str] = {}
@@ -82,7 +86,11 @@ def _validate_head(root: Path, problems: list[str]) -> dict[str, str]:
                 load_recipe_file(path, path.parent.name, pr)
                 pr.raise_if_any()
             else:
-                head_fp[rel] = load_experiment(path).fingerprint
+                exp = load_experiment(path)
+                head_fp[rel] = exp.fingerprint
+                # feasibility over the pinned pool sizes: CI has no data, so without them an
+                # experiment whose mixture cannot be met would pass here and fail at launch
+                report.extend(f"warning: {w}" for w in check_experiment_data(exp)[1])
         except RunnerError as e:
             problems.extend(l.replace(str(root) + "/", "") for l in str(e).splitlines())
     return head_fp
@@ -107,7 +115,7 @@ def check_pr(base: str, cwd: Path) -> tuple[list[str], list[str]]:
             problems.append(
                 f"{rel}: version: changed since {base} but its version was not bumped (was {old}, now {new})"
             )
-    head_fp = _validate_head(root, problems)
+    head_fp = _validate_head(root, problems, report)
 
     with tempfile.TemporaryDirectory() as tmp:
         base_root = Path(tmp)

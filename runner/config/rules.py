@@ -15,8 +15,16 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from runner.config.schema import SHA256_HEX, ExperimentSchema, TokenizerRecipe
-from runner.errors import Problems, RunnerError, did_you_mean, display_path
+from runner.config.schema import (
+    COMMIT_HEX,
+    SHA256_HEX,
+    ExperimentSchema,
+    HardwareRecipe,
+    HubFiles,
+    Recipe,
+    TokenizerRecipe,
+)
+from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
 from runner.fsio import sha256_file
 from runner.planning.flops import padded_vocab_size, params_of_config
 from runner.planning.hardware import canonical_device
@@ -68,15 +76,27 @@ def validate_experiment(
     if problems.lines:
         return []  # the rules below compare numbers: NaN and 10**30 would only confuse them
     cfg.validate(problems, path)
-    check_device_peak(cfg, path, problems)
+    check_device_peak(cfg.hardware, path, problems)
     check_manifests_match_mixture(cfg, path, problems)
     notes = check_tokenizer_pin(cfg.tokenizer, path, root, problems, check_files=check_files)
+    notes += [
+        f"{display_path(path)}: {key}: '{hub.revision}' is not a commit yet: `runner fetch` resolves it, "
+        "`runner pin` writes it (`runner launch` refuses until then)"
+        for key, hub in unresolved_revisions(cfg)
+    ]
     if problems.lines:
         return notes  # the arithmetic below divides by values already found wrong
     check_batch_split(cfg, path, problems)
     check_warmup(cfg, path, problems)
     check_model_fits(cfg, path, problems)
     return notes
+
+
+def unresolved_revisions(cfg: ExperimentSchema) -> list[tuple[str, HubFiles]]:
+    """(dotted key, Hub asset) for every Hub revision that is not yet a 40-hex commit."""
+    assets: list[tuple[str, HubFiles | None]] = [("tokenizer.hub.revision", cfg.tokenizer.hub)]
+    assets += [(f"mixture.domains.{d}.source.revision", s.source) for d, s in cfg.mixture.domains.items()]
+    return [(key, hub) for key, hub in assets if hub is not None and not COMMIT_HEX.match(str(hub.revision))]
 
 
 #: int64: what torch, numpy and safetensors hold; a larger integer overflows them.
@@ -128,16 +148,23 @@ def check_model_fits(cfg, path: Path, problems: Problems) -> None:
         )
 
 
-def check_device_peak(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:
+def check_recipe(recipe: Recipe, kind: str, path: Path, problems: Problems) -> None:
+    """A recipe file on its own: its section's rules, and for hardware the device against the peak
+    table (a fault is named in the recipe file: `recipes/hardware/x.yaml: device_name: ...`)."""
+    recipe.validate(problems, path, "")
+    if isinstance(recipe, HardwareRecipe):
+        check_device_peak(recipe, path, problems, "")
+
+
+def check_device_peak(hw: HardwareRecipe, path: Path, problems: Problems, prefix: str = "hardware") -> None:
     """An accelerator without a stated peak must be in the peak table, for its dtype: MFU is never
     measured against another device's number."""
-    hw = cfg.hardware
     if hw.accelerator == "cpu" or hw.peak_tflops is not None:
         return
     if canonical_device(hw.device_name) is None or hw.peak_dtype != "bf16":
         problems.add(
             path,
-            "hardware.device_name",
+            join_key(prefix, "device_name"),
             f"'{hw.device_name}' has no {hw.peak_dtype} peak in the table: state peak_tflops and peak_source "
             "(never another device's number)",
         )

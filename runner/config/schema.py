@@ -28,6 +28,11 @@ TOKEN_DTYPES = {"uint16": 65_536, "uint32": 4_294_967_296}
 #: numpy's seed range, which torch's and Python's generators also accept.
 SEED_MAX = 2**32 - 1
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+#: target ratios must sum to 1 within this (they are written as decimals, so 0.1 + 0.2 is not 0.3)
+RATIO_SUM_TOLERANCE = 1e-9
+#: a Hub revision that names one commit (a branch or tag is resolved to one by `runner fetch`)
+COMMIT_HEX = re.compile(r"^[0-9a-f]{40}$")
+_GLOB = re.compile(r"[*?\[]")
 
 TokenDtype = Literal["uint16", "uint32"]
 Arch = Literal["llama"]
@@ -39,6 +44,7 @@ Accelerator = Literal["cpu", "cuda", "rocm"]
 Precision = Literal["bf16", "fp32"]
 Distributed = Literal["none", "ddp", "fsdp"]
 CpuPeak = Literal["theoretical", "measured"]
+RepoType = Literal["model", "dataset"]
 
 File = Path | str | None
 
@@ -77,12 +83,53 @@ class Recipe(Section):
 
 
 @dataclass(frozen=True)
+class HubFiles(Section):
+    """Files of one Hugging Face Hub repository at one revision: what `runner fetch` downloads."""
+
+    repo: str = MISSING  #: Hub repository id, e.g. EleutherAI/gpt-neox-20b
+    repo_type: RepoType = "model"  #: model | dataset
+    revision: str = (
+        MISSING  #: a 40-hex commit; a branch or tag (main) is resolved by `runner fetch`, written by `runner pin`
+    )
+    files: list[str] = field(default_factory=list)  #: paths in the repo, or fnmatch patterns (sample/10BT/*.parquet)
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        if self.repo.count("/") != 1 or not all(self.repo.split("/")):
+            problems.add(file, join_key(prefix, "repo"), f"'{self.repo}' must be a Hub repository id, owner/name")
+        if not self.revision:
+            problems.add(
+                file, join_key(prefix, "revision"), "must name a commit (40 hex) or a branch or tag to resolve"
+            )
+        if not self.files:
+            problems.add(file, join_key(prefix, "files"), "must list at least one file or pattern")
+        for i, f in enumerate(self.files):
+            if not f or f.startswith("/") or ".." in f.split("/"):
+                problems.add(file, f"{join_key(prefix, 'files')}[{i}]", f"'{f}' must be a path inside the repository")
+
+
+@dataclass(frozen=True)
+class DomainSource(HubFiles):
+    """A domain's raw documents on the Hub; `runner data prepare EXPERIMENT` tokenizes them into
+    the pool the experiment's manifest pin names."""
+
+    local_dir: str = MISSING  #: where the files land (repo paths kept), relative to the project root or absolute
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        super().validate(problems, file, prefix)
+        if not self.local_dir:
+            problems.add(file, join_key(prefix, "local_dir"), "must name the folder the files land in")
+
+
+@dataclass(frozen=True)
 class TokenizerRecipe(Recipe):
     path: str = MISSING  #: tokenizer.json, relative to the project root or absolute
     sha256: str | None = MISSING  #: sha256 of that file; null = not pinned yet (launch refuses)
     vocab_size: int = MISSING  #: ids the tokenizer emits, EOS included
     eos_id: int = MISSING  #: the id appended after every document
     token_dtype: TokenDtype = MISSING  #: uint16 (vocab <= 65,536) or uint32
+    hub: HubFiles | None = (
+        None  #: where `runner fetch` downloads the file at `path` from (one file); null = not on the Hub
+    )
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
@@ -93,17 +140,25 @@ class TokenizerRecipe(Recipe):
                 join_key(prefix, "token_dtype"),
                 f"{self.token_dtype} holds ids below {limit:,} but vocab_size is {self.vocab_size:,}: use uint32",
             )
-        if not 0 <= self.eos_id < self.vocab_size:
+        if self.vocab_size < 1:
+            problems.add(file, join_key(prefix, "vocab_size"), f"must be >= 1, got {self.vocab_size}")
+        elif not 0 <= self.eos_id < self.vocab_size:
             problems.add(
                 file, join_key(prefix, "eos_id"), f"{self.eos_id} is outside the vocabulary (size {self.vocab_size})"
             )
         _sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
+        if self.hub is not None:
+            key = join_key(prefix, "hub")
+            self.hub.validate(problems, file, key)
+            if len(self.hub.files) != 1 or _GLOB.search(self.hub.files[0]):
+                problems.add(file, join_key(key, "files"), f"a tokenizer is one file, not {list(self.hub.files)}")
 
 
 @dataclass(frozen=True)
 class DomainRecipe(Section):
     target_ratio: float = MISSING  #: share of the exposure tokens, in (0, 1]; a mixture's sum to 1
     max_repetition_ratio: float = 1.0  #: max epochs over the domain's pool (>= 1.0)
+    source: DomainSource | None = None  #: the raw documents on the Hub; null = prepared by hand or built in
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         if not 0.0 < self.target_ratio <= 1.0:
@@ -114,6 +169,8 @@ class DomainRecipe(Section):
                 join_key(prefix, "max_repetition_ratio"),
                 f"must be >= 1.0 (epochs), got {self.max_repetition_ratio}",
             )
+        if self.source is not None:
+            self.source.validate(problems, file, join_key(prefix, "source"))
 
 
 @dataclass(frozen=True)
@@ -129,7 +186,7 @@ class MixtureRecipe(Recipe):
         for d, spec in self.domains.items():
             spec.validate(problems, file, join_key(key, d))
         total = sum(spec.target_ratio for spec in self.domains.values())
-        if abs(total - 1.0) > 1e-9:
+        if abs(total - 1.0) > RATIO_SUM_TOLERANCE:
             problems.add(file, key, f"target ratios sum to {total:.6g}, not 1")
 
 
@@ -205,6 +262,8 @@ class OptimRecipe(Recipe):
             problems.add(file, join_key(prefix, "min_lr_ratio"), f"must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 < self.decay_fraction <= 1:
             problems.add(file, join_key(prefix, "decay_fraction"), f"must be in (0, 1], got {self.decay_fraction}")
+        if self.warmup_tokens < 0:
+            problems.add(file, join_key(prefix, "warmup_tokens"), f"must be >= 0, got {self.warmup_tokens}")
 
 
 @dataclass(frozen=True)
@@ -255,8 +314,7 @@ class EvalRecipe(Recipe):
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
-        if self.interval_steps < 1 or self.samples_per_domain < 1:
-            problems.add(file, prefix, "interval_steps and samples_per_domain must be >= 1")
+        _at_least_one(problems, file, prefix, self, ("interval_steps", "samples_per_domain", "micro_batch_sequences"))
 
 
 @dataclass(frozen=True)
@@ -326,9 +384,17 @@ class TrainSection(Section):
 class ManifestPin(Section):
     path: str = MISSING  #: manifest.json, relative to the project root or absolute
     sha256: str | None = MISSING  #: its manifest_sha256; null = not pinned yet (launch refuses)
+    pool_tokens: int | None = None  #: the manifest's pool_tokens (`runner pin`): mixture feasibility without the data
+    validation_tokens: int | None = (
+        None  #: the manifest's validation_tokens (`runner pin`): small-set warnings without the data
+    )
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         _sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
+        for k in ("pool_tokens", "validation_tokens"):
+            value = getattr(self, k)
+            if value is not None and value < 0:
+                problems.add(file, join_key(prefix, k), f"must be >= 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -425,9 +491,16 @@ OPERATIONAL_KEYS = (
     "plan",
     "tokenizer.path",
     "data.manifests.*.path",
+    # implied by the manifest's sha256, which is in the fingerprint: pinning them changes no training
+    "data.manifests.*.pool_tokens",
+    "data.manifests.*.validation_tokens",
+    "mixture.domains.*.source.local_dir",
     "train.hard_stop_tokens",
     "train.checkpoint",
     "train.log_interval_steps",
     "eval.interval_steps",
 )
+#: optional sections left out of the fingerprint while null, so that adding them to the schema kept
+#: every existing experiment's fingerprint; once set (a Hub commit), they are part of what is trained.
+ABSENT_WHEN_NULL = ("tokenizer.hub", "mixture.domains.*.source")
 LABEL_KEYS = ("name", "version", "description")

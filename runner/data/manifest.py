@@ -16,10 +16,11 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import numpy as np
 
-from runner.config.load import Experiment, parse_ref, recipe_path
+from runner.config.load import Experiment
+from runner.config.rules import unresolved_revisions
 from runner.data.mixture import MixturePlan, plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError, display_path
-from runner.fsio import atomic_write, canonical_json, sha256_file
+from runner.fsio import atomic_write, canonical_json, read_yaml, sha256_file
 
 FORMAT = "runner-manifest/1"
 REQUIRED_KEYS = (
@@ -261,6 +262,14 @@ class Pool:
         return out
 
 
+def recipe_key(exp: Experiment, dotted: str) -> tuple[Path | None, str]:
+    """(file, key) to name for a resolved key: the recipe file that holds it (`recipes/tokenizer/x.yaml`,
+    `sha256`) when the experiment was loaded from recipes, else the experiment and the dotted key."""
+    kind, _, rest = dotted.partition(".")
+    files = exp.recipe_files
+    return (files[kind], rest) if kind in files else (exp.path, dotted)
+
+
 def load_experiment_manifests(
     exp: Experiment, *, verify: str = "size", missing_ok: bool = False
 ) -> tuple[dict[str, Manifest], list[str]]:
@@ -273,18 +282,22 @@ def load_experiment_manifests(
     where = exp.path
     manifests: dict[str, Manifest] = {}
     notes: list[str] = []
-    if cfg.tokenizer.sha256 is None and not missing_ok:
-        # The pin belongs in the tokenizer recipe, which every experiment using it shares.
-        ref = cfg.recipes.get("tokenizer")
-        recipe = recipe_path(exp.project_root, "tokenizer", parse_ref(ref)[0]) if ref else None
-        if recipe is None or not recipe.exists():
-            raise RunnerError("not pinned: pin it in the tokenizer recipe", file=where, key="tokenizer.sha256")
-        raise RunnerError(
-            f"not pinned: put the sha256 of {cfg.tokenizer.path} here (`sha256sum` prints it), then bump "
-            f"this recipe's version and the references to it ({display_path(where)} uses it)",
-            file=recipe,
-            key="sha256",
-        )
+    if not missing_ok:
+        if cfg.tokenizer.sha256 is None:
+            file, key = recipe_key(exp, "tokenizer.sha256")
+            raise RunnerError(
+                f"not pinned: `runner pin {_display(where)}` writes the sha256 of {cfg.tokenizer.path} here",
+                file=file,
+                key=key,
+            )
+        for dotted, hub in unresolved_revisions(cfg):
+            file, key = recipe_key(exp, dotted)
+            raise RunnerError(
+                f"'{hub.revision}' is a branch or tag, not a commit: a run must say exactly what it read "
+                f"(`runner fetch` then `runner pin {_display(where)}` write the commit)",
+                file=file,
+                key=key,
+            )
     for d, pin in cfg.data.manifests.items():
         key = f"data.manifests.{d}"
         path = exp.resolve_path(pin.path)
@@ -297,7 +310,7 @@ def load_experiment_manifests(
                 continue
             if pin.sha256 is None:
                 raise RunnerError(
-                    "not pinned: put the manifest_sha256 that `runner data prepare` printed here",
+                    f"not pinned: `runner data prepare` then `runner pin {_display(where)}` write its manifest_sha256 here",
                     file=where,
                     key=f"{key}.sha256",
                 )
@@ -319,11 +332,112 @@ def load_experiment_manifests(
     return manifests, notes
 
 
+@dataclass(frozen=True)
+class PoolSize:
+    """A domain's pool and validation sizes in tokens, from its manifest or from the experiment's pins."""
+
+    pool_tokens: int
+    validation_tokens: int | None  # None: neither the manifest nor a pin says
+    source: str  # "manifest" or "pin"
+
+
+def pool_sizes(exp, manifests: dict[str, Manifest]) -> dict[str, PoolSize]:
+    """Per domain: the manifest's sizes where it is on this machine (a pinned count that disagrees is
+    refused: the pin is stale, run `runner pin`), else the counts the experiment pins
+    (`data.manifests.D.pool_tokens`, so CI checks feasibility without the data). Domains with
+    neither are left out."""
+    out: dict[str, PoolSize] = {}
+    for d, pin in exp.config.data.manifests.items():
+        m = manifests.get(d)
+        if m is None:
+            if pin.pool_tokens is not None:
+                out[d] = PoolSize(pin.pool_tokens, pin.validation_tokens, "pin")
+            continue
+        for key, actual in (("pool_tokens", m.pool_tokens), ("validation_tokens", m.validation_tokens)):
+            pinned = getattr(pin, key)
+            if pinned is not None and pinned != actual:
+                raise RunnerError(
+                    f"pins {pinned:,} but {pin.path} has {actual:,}: run `runner pin {_display(exp.path)}`",
+                    file=exp.path,
+                    key=f"data.manifests.{d}.{key}",
+                )
+        out[d] = PoolSize(m.pool_tokens, m.validation_tokens, "manifest")
+    return out
+
+
+def _display(path) -> str:
+    return display_path(path) if path is not None else "EXPERIMENT"
+
+
+#: below this many scored samples a domain's validation loss is mostly noise: its standard error is
+#: the spread of per-sample losses / sqrt(samples), a quarter of that spread at 16 samples and more
+#: than 70% of it at 2 (the cpu-tiny `legal` domain)
+MIN_VALIDATION_SAMPLES = 16
+
+
+def validation_scored(validation_tokens: int, seq_len: int, samples_per_domain: int) -> tuple[int, int]:
+    """(samples, target tokens) a domain's validation loss is averaged over: the first
+    `samples_per_domain` windows of its validation pool, clipped to what exists."""
+    samples = min(int(samples_per_domain), num_samples(int(validation_tokens), int(seq_len)))
+    return samples, samples * int(seq_len)
+
+
+def small_validation_warning(domain: str, samples: int, tokens: int, samples_asked: int | None = None) -> str | None:
+    """The warning for a domain validated on fewer than MIN_VALIDATION_SAMPLES samples, else None.
+    `samples_asked` (the eval recipe's samples_per_domain) says whether the data or the recipe limits it."""
+    if samples >= MIN_VALIDATION_SAMPLES:
+        return None
+    if samples == 0:
+        return f"domain '{domain}' has no validation samples: its validation loss is never measured"
+    fix = (
+        "raise eval.samples_per_domain"
+        if samples_asked is not None and samples >= samples_asked
+        else "hold out more text: `runner data prepare --validation-fraction`"
+    )
+    return (
+        f"domain '{domain}' is validated on {samples} samples ({tokens:,} tokens), fewer than "
+        f"{MIN_VALIDATION_SAMPLES}: its validation loss is mostly noise ({fix})"
+    )
+
+
+def small_validation_warnings(exp, sizes: dict[str, PoolSize]) -> list[str]:
+    """`file: data.manifests.D: ...` for every domain whose validation set is below the threshold."""
+    cfg = exp.config
+    asked = cfg.eval.samples_per_domain
+    out = []
+    for d, size in sorted(sizes.items()):
+        if size.validation_tokens is None:
+            continue
+        samples, tokens = validation_scored(size.validation_tokens, cfg.train.seq_len, asked)
+        warning = small_validation_warning(d, samples, tokens, asked)
+        if warning:
+            out.append(f"{_display(exp.path)}: data.manifests.{d}: {warning}")
+    return out
+
+
+def launch_warnings(exp) -> list[str]:
+    """What `runner launch` warns about before training: domains with small validation sets."""
+    manifests, _ = load_experiment_manifests(exp)
+    return small_validation_warnings(exp, pool_sizes(exp, manifests))
+
+
+def check_experiment_data(exp) -> tuple[list[str], list[str]]:
+    """What `runner validate` and `check-pr` check of an experiment's data without training: the pins
+    present here (sha256, tokenizer), and the mixture's feasibility over the pools' sizes, from the
+    manifests or from the pinned counts. Returns (notes, warnings about small validation sets)."""
+    manifests, notes = load_experiment_manifests(exp, missing_ok=True)
+    sizes = pool_sizes(exp, manifests)
+    if set(sizes) >= set(exp.config.mixture.domains):
+        plan_experiment_mixture(exp, sizes)
+    return notes, small_validation_warnings(exp, sizes)
+
+
 def plan_experiment_mixture(
-    exp: Experiment, manifests: dict[str, Manifest], exposure_tokens: int | None = None
+    exp: Experiment, manifests: dict[str, Manifest] | dict[str, PoolSize], exposure_tokens: int | None = None
 ) -> MixturePlan:
-    """The mixture plan of an experiment over its manifests, at its own budget or at
-    `exposure_tokens` (a pilot's); MixtureInfeasible names the file."""
+    """The mixture plan of an experiment over its pools (manifests or their pinned sizes), at its own
+    budget or at `exposure_tokens` (a pilot's); MixtureInfeasible names the experiment file and, when
+    the cap at fault comes from the mixture recipe, the recipe file and key to edit."""
     cfg = exp.config
     L = cfg.train.seq_len
     try:
@@ -338,4 +452,20 @@ def plan_experiment_mixture(
     except MixtureInfeasible as e:
         if e.file is not None or exp.path is None:
             raise
-        raise MixtureInfeasible(e.detail, file=str(exp.path), key=e.key) from None
+        raise MixtureInfeasible(e.detail + _cap_source(exp, e.key), file=str(exp.path), key=e.key) from None
+
+
+def _cap_source(exp, key: str | None) -> str:
+    """' (set in recipes/mixture/x.yaml: domains.D.max_repetition_ratio)' when the recipe holds the cap."""
+    rpath = exp.recipe_files.get("mixture")
+    if rpath is None or not key or not key.startswith("mixture.domains."):
+        return ""
+    d = key.split(".")[2]
+    try:
+        recipe = read_yaml(rpath)
+        stated = recipe["domains"][d].get("max_repetition_ratio", 1.0)
+    except (RunnerError, KeyError, TypeError, AttributeError):
+        return ""
+    if float(stated) != float(exp.config.mixture.domains[d].max_repetition_ratio):
+        return ""  # the experiment overrides it: the experiment file is the one to edit
+    return f" (the cap is set in {display_path(rpath)}: domains.{d}.max_repetition_ratio)"

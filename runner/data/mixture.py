@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from runner.config.schema import RATIO_SUM_TOLERANCE
 from runner.data.sampler import MixtureSchedule
 from runner.errors import MixtureInfeasible, RunnerError
 
-RATIO_SUM_TOLERANCE = 1e-9
 #: steps of the sampler's schedule the planner may replay (about 5 us each: ~10 s). Only ratios with
 #: many decimals (a period over this) and a budget of more steps than this reach it.
 MAX_PLAN_REPLAY_STEPS = 2_000_000

@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import signal
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, overload
@@ -25,9 +25,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from runner.data.fetch import experiment_assets, fetched_files
 from runner.data.manifest import DTYPES, FORMAT, write_manifest
 from runner.data.tokenizer import load_tokenizer, tokenizer_info
-from runner.errors import RunnerError
+from runner.errors import RunnerError, did_you_mean
 from runner.fsio import fsync_dir, sha256_file
 from runner.progress import counter
 
@@ -47,10 +48,13 @@ class Source:
     kind: str  # parquet | jsonl | text | nanogpt-bin
 
 
-def find_sources(inputs: list[str | os.PathLike], input_format: str = "auto") -> list[Source]:
-    """Expand inputs (files or folders, walked in sorted order) into sources, in order."""
+def find_sources(inputs: Sequence[str | os.PathLike | Source], input_format: str = "auto") -> list[Source]:
+    """Expand inputs (files or folders, walked in sorted order; Sources as given) into sources, in order."""
     sources = []
     for given in inputs:
+        if isinstance(given, Source):  # named by the caller (a fetched file: its path in the repo)
+            sources.append(given)
+            continue
         root = Path(given)
         if root.is_dir():
             files = sorted(
@@ -317,7 +321,7 @@ def prepare(
     domain: str,
     tokenizer_path: str | os.PathLike,
     out_dir: str | os.PathLike,
-    inputs: list[str | os.PathLike],
+    inputs: Sequence[str | os.PathLike | Source],
     tokenizer_sha256: str | None = None,
     validation_fraction: float = 0.02,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
@@ -410,3 +414,43 @@ def _copy_bin(source: Source, writer: ShardWriter, info: dict, bar) -> int:
         documents += len(ends)
         bar.update(len(chunk))
     return documents
+
+
+def prepare_experiment(exp, domains: list[str] | None = None, **options) -> list[tuple[str, Path, str]]:
+    """`runner data prepare EXPERIMENT`: tokenize each domain's fetched source files (in repo-path
+    order, named by their repo paths) with the experiment's tokenizer into the folder of the
+    manifest it pins. `options` go to `prepare`. Returns (domain, manifest path, manifest_sha256)."""
+    cfg = exp.config
+    assets = {a.name: a for a in experiment_assets(exp) if a.key.startswith("mixture.")}
+    chosen = list(domains or sorted(assets))
+    if not chosen:
+        raise RunnerError(
+            "no domain names a Hub source (mixture.domains.*.source): prepare with --domain --tokenizer --input --out",
+            file=exp.path,
+        )
+    for d in chosen:
+        if d not in assets:
+            raise RunnerError(
+                f"domain '{d}' names no source{did_you_mean(d, list(assets))}: prepare it with --tokenizer --input --out",
+                file=exp.path,
+                key=f"mixture.domains.{d}.source",
+            )
+        if Path(cfg.data.manifests[d].path).name != "manifest.json":
+            raise RunnerError(
+                "prepare writes manifest.json: name the pin so", file=exp.path, key=f"data.manifests.{d}.path"
+            )
+    out = []
+    for d in chosen:
+        record, paths = fetched_files(exp, assets[d])
+        sources = [Source(p, f["path"], _kind(p, "auto", strict=True)) for p, f in zip(paths, record["files"])]
+        manifest = exp.resolve_path(cfg.data.manifests[d].path)
+        path, sha256 = prepare(
+            d,
+            exp.resolve_path(cfg.tokenizer.path),
+            manifest.parent,
+            sources,
+            tokenizer_sha256=cfg.tokenizer.sha256,
+            **options,
+        )
+        out.append((d, path, sha256))
+    return out

@@ -32,7 +32,7 @@ from runner import progress
 from runner.config.load import Experiment, experiment_from_dict
 from runner.config.rules import devices
 from runner.config.schema import ExperimentSchema
-from runner.data.manifest import manifest_sha256, num_samples
+from runner.data.manifest import MIN_VALIDATION_SAMPLES, manifest_sha256, num_samples
 from runner.data.sampler import MixtureSampler
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml
@@ -734,6 +734,7 @@ def audit_input(
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
     _check_evidence_file(res, inp)
+    _note_small_validation(res, inp)
     _check_checkpoint(res, inp)
     audit_tracked.check(res, inp, tracked, why, rep)
     if recompute_eval:
@@ -741,6 +742,13 @@ def audit_input(
 
         check_recomputed_eval(res, inp, checkpoint=checkpoint, progress=progress)
     return res
+
+
+def _note_small_validation(res: AuditResult, inp: AuditInput) -> None:
+    """A note, never a failure: domains whose validation loss rests on too few samples."""
+    asked = inp.config.eval.samples_per_domain
+    small = rpt.small_validation_sets(inp.tables["validation"], rpt.domains_of(inp.tables), asked)
+    res.info("validation set sizes", "; ".join(small) or f"every domain >= {MIN_VALIDATION_SAMPLES} samples")
 
 
 def audit(

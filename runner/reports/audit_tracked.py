@@ -23,7 +23,7 @@ from runner.config.fingerprint import canonical_meaning
 from runner.fsio import read_json
 from runner.reports import evidence as ev
 from runner.reports.checks import AuditResult
-from runner.training.tracking import missing_store
+from runner.training.tracking import missing_store, sqlite_path
 from schemas.report_tables import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -61,9 +61,10 @@ SUMMARY_METRICS = {
     "useful_tokens": "useful_tokens",
     "processed_tokens": "processed_tokens",
     "lost_tokens": "lost_tokens",
-    "mfu": "mfu",
-    "goodput_mfu": "goodput_mfu",
-    "hfu": "hfu",
+    # the run's MFU figures (a step's own are `mfu`, `goodput_mfu`: THROUGHPUT_METRICS)
+    "run.mfu": "mfu",
+    "run.goodput_mfu": "goodput_mfu",
+    "run.hfu": "hfu",
     "cost_per_billion_useful_tokens": "cost_per_billion_useful_tokens",
 }
 THROUGHPUT_METRICS = ("tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
@@ -90,6 +91,18 @@ class Tracked:
 # ---- finding the run ----------------------------------------------------------------------------
 
 
+def _in_project(uri: str, report_dir: Path | None) -> str:
+    """A published run.json names a SQLite store inside its project relative to the project root
+    (`sqlite:///mlflow.db`): resolved against the checkout the report sits in, when it sits in one."""
+    path = sqlite_path(uri)
+    if path is None or path.is_absolute() or report_dir is None:
+        return uri
+    for folder in [report_dir.resolve(), *report_dir.resolve().parents]:
+        if (folder / "recipes").is_dir() and (folder / "reports").is_dir():
+            return f"sqlite:///{folder / path}"
+    return uri
+
+
 def _named_run(inp: AuditInput) -> tuple[str | None, list[str]]:
     """(the MLflow run id run.json names, the store URIs it records), the run folder's run.json included."""
     records = [inp.run.get("mlflow") or {}]
@@ -109,6 +122,7 @@ def locate(inp: AuditInput, *, enabled: bool = True, tracking_uri: str | None = 
     run_id, recorded = _named_run(inp)
     if not run_id:
         return None, "run.json names no MLflow run (trained with --no-tracking, or the server was never reached)"
+    recorded = [_in_project(uri, inp.report_dir) for uri in recorded]
     candidates = [tracking_uri] if tracking_uri else [*recorded, os.environ.get("MLFLOW_TRACKING_URI")]
     reasons = []
     for uri in dict.fromkeys(u for u in candidates if u):

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from runner.config.schema import ExperimentSchema
-from runner.data.manifest import num_samples
+from runner.config.schema import ExperimentSchema, HubFiles
+from runner.data.manifest import num_samples, small_validation_warning
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
@@ -179,10 +179,12 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
                 "domain": str(r["domain"]),
                 "loss_nats": float(r["loss_nats"]),
                 "bpb": float(r["bpb"]),
+                "samples": int(r["samples"]),
+                "tokens": int(r["tokens"]),
             }
             for r in eval_rows
         ],
-        columns=["step", "exposure_tokens", "domain", "loss_nats", "bpb"],
+        columns=["step", "exposure_tokens", "domain", "loss_nats", "bpb", "samples", "tokens"],
     )
     throughput = pd.DataFrame(
         [
@@ -267,6 +269,34 @@ def _md_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def domains_of(tables: dict[str, pd.DataFrame]) -> list[str]:
+    """The run's domains, from its accounting table."""
+    return sorted(str(d) for d in tables["accounting"]["domain"])
+
+
+def _hub_source(hub: HubFiles | None) -> str:
+    """' from repo@commit (files)' for a Hub asset, else ''."""
+    if hub is None:
+        return ""
+    return f" from {hub.repo}@{hub.revision} ({', '.join(hub.files)})"
+
+
+def small_validation_sets(validation: pd.DataFrame, domains: list[str], samples_asked: int | None = None) -> list[str]:
+    """One phrase per domain validated on fewer than MIN_VALIDATION_SAMPLES samples (none: never
+    evaluated), at its last evaluation; `samples_asked` (the eval recipe's) picks the advice."""
+    out = []
+    scored = validation.sort_values("step").groupby("domain").last() if not validation.empty else None
+    for d in domains:
+        if scored is None or d not in scored.index:
+            samples, tokens = 0, 0
+        else:
+            samples, tokens = int(scored.loc[d, "samples"]), int(scored.loc[d, "tokens"])
+        warning = small_validation_warning(d, samples, tokens, samples_asked)
+        if warning:
+            out.append(warning)
+    return out
+
+
 def final_losses(validation: pd.DataFrame) -> dict[str, float]:
     """Loss in nats per domain at the last evaluation."""
     if validation.empty:
@@ -290,7 +320,7 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, mani
         f"hidden {model.hidden_size}, {model.n_layers} layers, {model.n_heads} heads "
         f"({model.n_kv_heads} kv), ffn {model.intermediate_size}; "
         f"N = {_fmt_int(s.params)} parameters ({s.params_counted}).",
-        f"- Tokenizer `{recipes.get('tokenizer', '?')}` sha256 `{cfg.tokenizer.sha256}`.",
+        f"- Tokenizer `{recipes.get('tokenizer', '?')}` sha256 `{cfg.tokenizer.sha256}`{_hub_source(cfg.tokenizer.hub)}.",
         f"- Optimizer `{recipes.get('optim', '?')}`, seed {cfg.seed}.",
         f"- {_fmt_int(s.steps)} committed steps x {s.global_batch_sequences} sequences x L = {s.seq_len} "
         f"= {_fmt_int(s.exposure_tokens)} exposure tokens.",
@@ -306,6 +336,11 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, mani
             f"| {r.domain} | `{m.get('manifest_sha256', '?')}` | {_fmt_int(m.get('pool_tokens', 0))} "
             f"| {_fmt_int(r.samples)} | {_fmt_int(r.tail_tokens)} |"
         )
+    sources = [
+        f"`{d}`{_hub_source(spec.source)}" for d, spec in sorted(cfg.mixture.domains.items()) if spec.source is not None
+    ]
+    if sources:
+        lines += ["", f"Raw documents: {'; '.join(sources)}."]
     lines += [
         "",
         "## Token accounting",
@@ -324,12 +359,11 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, mani
     lines += ["## Validation loss", ""]
     if losses:
         last = tables["validation"][tables["validation"]["step"] == tables["validation"]["step"].max()]
-        lines += [
-            _md_table(last[["domain", "loss_nats", "bpb"]].reset_index(drop=True)),
-            "",
-            "![loss by domain](loss_by_domain.png)",
-            "",
-        ]
+        lines += [_md_table(last[["domain", "loss_nats", "bpb", "samples", "tokens"]].reset_index(drop=True)), ""]
+        small = small_validation_sets(tables["validation"], domains_of(tables), cfg.eval.samples_per_domain)
+        if small:
+            lines += ["Warning:", *[f"- {w}" for w in small], ""]
+        lines += ["![loss by domain](loss_by_domain.png)", ""]
     else:
         lines += ["No evaluation was recorded.", ""]
     lines += [

@@ -96,7 +96,7 @@ def missing_store(uri: str | None) -> str | None:
     if not path.is_absolute():
         return f"relative store path {path} (relative to which folder is unknown)"
     if not path.exists():
-        return f"no MLflow store at {path}"
+        return f"no MLflow store at {path} on this machine"
     return None
 
 

@@ -1,0 +1,233 @@
+"""Validation that stands alone: each recipe file on its own, an experiment's feasibility from the
+pool sizes it pins (CI has no data), domains dropped through `base:`, small validation sets."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runner.cli import main
+from runner.config.load import load_experiment
+from runner.config.pin import pin_experiment
+from runner.errors import RunnerError
+
+BAD_MIXTURE = """\
+name: x
+version: 1
+description: ratios summing to 1.1 and a cap below one epoch
+domains:
+  web: {target_ratio: 0.6, max_repetition_ratio: 0.5}
+  code: {target_ratio: 0.5}
+"""
+
+BROKEN_ALONE = [
+    # (recipe file, its text, every line expected)
+    (
+        "recipes/mixture/x.yaml",
+        BAD_MIXTURE,
+        [
+            "recipes/mixture/x.yaml: domains.web.max_repetition_ratio: must be >= 1.0 (epochs), got 0.5",
+            "recipes/mixture/x.yaml: domains: target ratios sum to 1.1, not 1",
+        ],
+    ),
+    (
+        "recipes/model/x.yaml",
+        "name: x\nversion: 1\ndescription: d\nhidden_size: 100\nn_layers: 2\nn_heads: 3\nn_kv_heads: 2\n"
+        "intermediate_size: 256\n",
+        [
+            "recipes/model/x.yaml: n_heads: hidden_size 100 is not divisible by n_heads 3",
+            "recipes/model/x.yaml: n_kv_heads: n_heads 3 is not divisible by n_kv_heads 2",
+        ],
+    ),
+    (
+        "recipes/tokenizer/x.yaml",
+        "name: x\nversion: 1\ndescription: d\npath: t.json\nsha256: null\nvocab_size: 70000\neos_id: 70000\n"
+        "token_dtype: uint16\nhub: {repo: nobody, revision: main, files: ['*.json']}\n",
+        [
+            "recipes/tokenizer/x.yaml: token_dtype: uint16 holds ids below 65,536 but vocab_size is 70,000: use uint32",
+            "recipes/tokenizer/x.yaml: eos_id: 70000 is outside the vocabulary (size 70000)",
+            "recipes/tokenizer/x.yaml: hub.repo: 'nobody' must be a Hub repository id, owner/name",
+            "recipes/tokenizer/x.yaml: hub.files: a tokenizer is one file, not ['*.json']",
+        ],
+    ),
+    (
+        "recipes/optim/x.yaml",
+        "name: x\nversion: 1\ndescription: d\nlr: 0\nbetas: [0.9, 1.5]\n",
+        [
+            "recipes/optim/x.yaml: lr: must be > 0, got 0.0",
+            "recipes/optim/x.yaml: betas: must be two numbers in [0, 1), got [0.9, 1.5]",
+        ],
+    ),
+    (
+        "recipes/mixture/y.yaml",
+        "name: y\nversion: 1\ndescription: d\ndomains:\n  web:\n    target_ratio: 1.0\n"
+        "    source: {repo: a/b, repo_type: space, revision: main, files: ['*.parquet'], local_dir: raw}\n",
+        ["recipes/mixture/y.yaml: domains.web.source.repo_type: 'space' is not one of model, dataset"],
+    ),
+    (
+        "recipes/eval/x.yaml",
+        "name: x\nversion: 1\ndescription: d\ninterval_steps: 0\nsamples_per_domain: 4\n",
+        ["recipes/eval/x.yaml: interval_steps: must be >= 1, got 0"],
+    ),
+]
+
+
+@pytest.mark.parametrize("rel, text, lines", BROKEN_ALONE, ids=[b[0] for b in BROKEN_ALONE])
+def test_each_recipe_file_is_validated_on_its_own(project: Path, monkeypatch, capsys, rel, text, lines):
+    (project / rel).write_text(text)
+    monkeypatch.chdir(project)
+    assert main(["validate", rel]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {line}" for line in lines]
+
+
+def _git(cwd: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=cwd, check=True, capture_output=True
+    )
+
+
+def _check_pr(cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", "check-pr", "--base", "main"], cwd=cwd, capture_output=True, text=True
+    )
+
+
+def test_check_pr_refuses_a_bad_recipe_no_experiment_uses(project: Path):
+    _git(project, "init", "-q", "-b", "main")
+    _git(project, "add", "-A")
+    _git(project, "commit", "-qm", "base")
+    (project / "recipes/mixture/x.yaml").write_text(BAD_MIXTURE)
+    out = _check_pr(project)
+    assert out.returncode == 2
+    assert "error: recipes/mixture/x.yaml: domains: target ratios sum to 1.1, not 1" in out.stderr
+    assert "error: recipes/mixture/x.yaml: domains.web.max_repetition_ratio: must be >= 1.0" in out.stderr
+
+
+def test_validate_outside_a_checkout_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: no recipes/ folder in {tmp_path.resolve()} or above: run inside a runner checkout, "
+        "or name the files to validate"
+    ]
+
+
+def test_an_infeasible_cap_names_the_mixture_recipe_to_edit(project_with_data: Path, monkeypatch, capsys):
+    recipe = project_with_data / "recipes/mixture/builtin-3dom.yaml"
+    recipe.write_text(recipe.read_text().replace("max_repetition_ratio: 3.0}", "max_repetition_ratio: 1.0}"))
+    monkeypatch.chdir(project_with_data)
+    assert main(["validate", "experiments/cpu-tiny.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "experiments/cpu-tiny.yaml: mixture.domains.legal.max_repetition_ratio: mixture infeasible" in err
+    assert "(the cap is set in recipes/mixture/builtin-3dom.yaml: domains.legal.max_repetition_ratio)" in err
+
+
+def test_pinned_pool_sizes_check_feasibility_without_the_data(project_with_data: Path, monkeypatch, capsys):
+    """`runner pin` writes each pool's size next to its sha256 (out of the fingerprint: the sha256
+    already pins it); with the data gone, as in CI, validate and check-pr still refuse an
+    infeasible mixture."""
+    root = project_with_data
+    fingerprints = {
+        e: load_experiment(root / f"experiments/{e}.yaml").fingerprint for e in ("cpu-tiny", "cpu-tiny-fsdp")
+    }
+    result = pin_experiment(root / "experiments/cpu-tiny.yaml")
+    assert sorted(p.name for p in result.changes) == ["cpu-tiny-fsdp.yaml", "cpu-tiny.yaml"]
+    pinned = yaml.safe_load((root / "experiments/cpu-tiny.yaml").read_text())
+    assert pinned["version"] == 2 and pinned["data"]["manifests"]["legal"]["pool_tokens"] == 12744
+    assert yaml.safe_load((root / "experiments/cpu-tiny-fsdp.yaml").read_text())["base"] == "cpu-tiny@2"
+    assert "# built by `runner data builtin`" in (root / "experiments/cpu-tiny.yaml").read_text()
+    for e, fp in fingerprints.items():
+        assert load_experiment(root / f"experiments/{e}.yaml").fingerprint == fp
+
+    shutil.rmtree(root / "data")  # CI: no data
+    _git(root, "init", "-q", "-b", "main")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "pinned")
+    recipe = root / "recipes/mixture/builtin-3dom.yaml"
+    recipe.write_text(
+        recipe.read_text()
+        .replace("version: 1", "version: 2")
+        .replace("max_repetition_ratio: 3.0}", "max_repetition_ratio: 1.0}")
+    )
+    for e in ("cpu-tiny", "cpu-tiny-fsdp"):
+        path = root / f"experiments/{e}.yaml"
+        path.write_text(
+            path.read_text().replace("builtin-3dom@1", "builtin-3dom@2").replace("version: 2", "version: 3")
+        )
+    monkeypatch.chdir(root)
+    assert main(["validate", "experiments/cpu-tiny.yaml"]) == 2
+    assert "cpu-tiny.yaml: mixture.domains.legal.max_repetition_ratio: mixture infeasible" in capsys.readouterr().err
+    out = _check_pr(root)
+    assert out.returncode == 2 and "mixture.domains.legal.max_repetition_ratio: mixture infeasible" in out.stderr
+
+
+def test_a_pinned_pool_size_that_disagrees_with_its_manifest_is_refused(project_with_data: Path):
+    path = project_with_data / "experiments/cpu-tiny.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["data"]["manifests"]["legal"]["pool_tokens"] = 99
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    from runner.data.manifest import check_experiment_data
+
+    with pytest.raises(
+        RunnerError, match="data.manifests.legal.pool_tokens: pins 99 but .* has 12,744: run `runner pin"
+    ):
+        check_experiment_data(load_experiment(path))
+
+
+DROPPED = """\
+name: cpu-tiny-2dom
+version: 1
+description: cpu-tiny without the small legal domain.
+base: cpu-tiny@1
+overrides:
+  mixture:
+    domains:
+      legal: null          # removes the domain and its manifest pin
+      code: {target_ratio: 0.55}
+      prose: {target_ratio: 0.45}
+"""
+
+
+def test_a_derived_experiment_drops_a_domain_like_one_written_in_full(project: Path):
+    (project / "experiments/cpu-tiny-2dom.yaml").write_text(DROPPED)
+    dropped = load_experiment(project / "experiments/cpu-tiny-2dom.yaml")
+    assert sorted(dropped.config.mixture.domains) == ["code", "prose"]
+    assert sorted(dropped.config.data.manifests) == ["code", "prose"]
+
+    full = yaml.safe_load((project / "experiments/cpu-tiny.yaml").read_text())
+    del full["data"]["manifests"]["legal"]
+    full.update(name="cpu-tiny-full", recipes={**full["recipes"], "mixture": "two-dom@1"})
+    (project / "experiments/cpu-tiny-full.yaml").write_text(yaml.safe_dump(full, sort_keys=False))
+    (project / "recipes/mixture/two-dom.yaml").write_text(
+        "name: two-dom\nversion: 1\ndescription: code and prose\ndomains:\n"
+        "  code: {target_ratio: 0.55, max_repetition_ratio: 4.0}\n"
+        "  prose: {target_ratio: 0.45, max_repetition_ratio: 4.0}\n"
+    )
+    assert load_experiment(project / "experiments/cpu-tiny-full.yaml").fingerprint == dropped.fingerprint
+
+
+def test_dropping_a_domain_that_is_not_there_is_refused(project: Path):
+    (project / "experiments/cpu-tiny-2dom.yaml").write_text(DROPPED.replace("legal: null", "leagl: null"))
+    with pytest.raises(RunnerError) as err:
+        load_experiment(project / "experiments/cpu-tiny-2dom.yaml")
+    assert (
+        "cpu-tiny-2dom.yaml: overrides.mixture.domains.leagl: null removes a domain, but there is no domain 'leagl'"
+        in str(err.value)
+    )
+
+
+def test_small_validation_sets_are_warned_at_validate(project_with_data: Path, monkeypatch, capsys):
+    monkeypatch.chdir(project_with_data)
+    assert main(["validate", "experiments/cpu-tiny.yaml"]) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning:" in line]
+    assert warnings == [
+        "  warning: experiments/cpu-tiny.yaml: data.manifests.legal: domain 'legal' is validated on 2 samples "
+        "(256 tokens), fewer than 16: its validation loss is mostly noise (hold out more text: "
+        "`runner data prepare --validation-fraction`)"
+    ]
