@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runner.config.schema import LABEL_KEYS, OPERATIONAL_KEYS
+from runner.config.schema import LABEL_KEYS, OMITTED_AT_DEFAULT, OPERATIONAL_KEYS
 from runner.errors import join_key
 from runner.fsio import canonical_json
 
@@ -39,8 +39,20 @@ def _strip_labels(node: Any) -> Any:
     return node
 
 
+def _drop_at_default(data: dict) -> None:
+    """Keys added after runs were recorded mean nothing new while they hold their default."""
+    for dotted, default in OMITTED_AT_DEFAULT.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for k in parents:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node and node[leaf] == default:
+            del node[leaf]
+
+
 def canonical_meaning(cfg) -> dict:
-    """What the experiment trains: the resolved config less labels and operational keys."""
+    """What the experiment trains: the resolved config less labels, operational keys and the keys
+    of OMITTED_AT_DEFAULT that hold their default."""
     data = (
         OmegaConf.to_container(cfg, resolve=True)
         if isinstance(cfg, (DictConfig, ListConfig))
@@ -49,6 +61,7 @@ def canonical_meaning(cfg) -> dict:
     data = _strip_labels(data)
     for key in OPERATIONAL_KEYS:
         _drop(data, key.split("."))
+    _drop_at_default(data)
     return data
 
 

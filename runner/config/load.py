@@ -141,7 +141,11 @@ def _check_value(v: Any, typ: Any, key: str, file: Path, problems: Problems) -> 
     if isinstance(v, str) and (v.startswith("${") or v == "???"):
         return  # interpolation (checked after resolution) or missing (reported later)
     origin = typing.get_origin(typ)
-    if dataclasses.is_dataclass(typ):
+    if origin is typing.Literal:
+        if v not in typing.get_args(typ):
+            choices = [str(c) for c in typing.get_args(typ)]
+            problems.add(file, key, f"'{v}' is not one of {', '.join(choices)}{did_you_mean(str(v), choices)}")
+    elif dataclasses.is_dataclass(typ):
         _check_keys(v, typ, key, file, problems)
     elif origin is dict:
         if not isinstance(v, dict):

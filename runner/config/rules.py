@@ -57,6 +57,30 @@ def model_vocab_size(cfg) -> int:
     return -(-int(cfg.tokenizer.vocab_size) // m) * m
 
 
+def _speed_rules(cfg, path: Path, problems: Problems) -> None:
+    """Speed options that cannot do what they say with the rest of the config."""
+    m, t = cfg.model, cfg.train
+    if cfg.hardware.accelerator == "cpu":
+        for key in ("kernels", "cross_entropy"):
+            if m[key] == "liger":
+                problems.add(
+                    path,
+                    f"model.{key}",
+                    "liger's Triton kernels need a CUDA or ROCm GPU and this recipe runs on cpu"
+                    + ("; cross_entropy: chunked is the runner's own fused loss" if key == "cross_entropy" else ""),
+                )
+    if m.compile_scope != "model" and not m.compile:
+        problems.add(path, "model.compile_scope", f"{m.compile_scope} applies only with model.compile: true")
+    if t.prefetch_batches < 0:
+        problems.add(path, "train.prefetch_batches", f"must be >= 0 (0 reads in the step), got {t.prefetch_batches}")
+    if not t.system_metrics_interval_seconds >= 0:
+        problems.add(
+            path,
+            "train.system_metrics_interval_seconds",
+            f"must be >= 0 (0 = off), got {t.system_metrics_interval_seconds}",
+        )
+
+
 def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_files: bool = True) -> list[str]:
     """Rules that span keys. Returns notes for pins that cannot be verified on this machine."""
     notes: list[str] = []
@@ -78,6 +102,7 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
         problems.add(
             path, "model.sdpa_kernel", f"only applies to attn_implementation sdpa, not {cfg.model.attn_implementation}"
         )
+    _speed_rules(cfg, path, problems)
     tok = cfg.tokenizer
     if tok.token_dtype in TOKEN_DTYPES and tok.vocab_size > TOKEN_DTYPES[tok.token_dtype]:
         problems.add(

@@ -8,6 +8,7 @@ keys (runner.config.rules does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 KINDS = ("tokenizer", "mixture", "model", "optim", "hardware", "eval")
 TOKEN_DTYPES = {"uint16": 65_536, "uint32": 4_294_967_296}
@@ -60,6 +61,12 @@ class ModelRecipe:
     activation_checkpointing: bool = False
     compile: bool = False
     compile_mode: str = "default"  #: torch.compile mode: default | reduce-overhead | max-autotune
+    #: with compile: true, what is compiled: model (one graph) | regional (each decoder layer alone: same kernels, minutes less to compile)
+    compile_scope: Literal["model", "regional"] = "model"
+    #: none | liger (Liger's Triton RMSNorm, SwiGLU and RoPE; CUDA/ROCm only, refused on CPU)
+    kernels: Literal["none", "liger"] = "none"
+    #: LM head + loss: plain (fp32 logits [batch, seq, vocab]) | chunked (the runner's: head and loss per chunk of tokens, full logits never exist) | liger (Liger's fused linear cross-entropy; CUDA/ROCm only)
+    cross_entropy: Literal["plain", "chunked", "liger"] = "plain"
 
 
 @dataclass
@@ -125,10 +132,18 @@ class TrainSection:
     seq_len: int = "???"  # type: ignore[assignment]
     global_batch_sequences: int = "???"  # type: ignore[assignment]
     micro_batch_sequences: int = "???"  # type: ignore[assignment]
+    #: fixed | auto (the largest micro batch <= micro_batch_sequences that divides the per-device batch and that the memory plan fits on the device)
+    micro_batch_policy: Literal["fixed", "auto"] = "fixed"
     exposure_tokens: int = "???"  # type: ignore[assignment]
     max_duration_tokens: int | None = None  #: lr-schedule length; null = exposure_tokens
     hard_stop_tokens: int | None = None  #: stop early without changing the schedule
     log_interval_steps: int = 1
+    prefetch_batches: int = (
+        1  #: global batches read ahead in a background thread while a step trains (0 = read in the step)
+    )
+    system_metrics_interval_seconds: float = (
+        10.0  #: period of the GPU/CPU utilisation, memory and power samples (0 = off)
+    )
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
 
@@ -184,6 +199,10 @@ CHOICES = {
     "model.arch": ("llama",),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flash_attention_3"),
     "model.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+    "model.compile_scope": ("model", "regional"),
+    "model.kernels": ("none", "liger"),
+    "model.cross_entropy": ("plain", "chunked", "liger"),
+    "train.micro_batch_policy": ("fixed", "auto"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "hardware.accelerator": ("cpu", "cuda", "rocm"),
     "hardware.precision": ("bf16", "fp32"),
@@ -200,6 +219,16 @@ OPERATIONAL_KEYS = (
     "train.hard_stop_tokens",
     "train.checkpoint",
     "train.log_interval_steps",
+    "train.prefetch_batches",
+    "train.system_metrics_interval_seconds",
     "eval.interval_steps",
 )
+#: keys added after runs were recorded, left out of the fingerprint while they hold this value (what
+#: every earlier run did), so adding them moved no fingerprint; any other value is part of the meaning.
+OMITTED_AT_DEFAULT = {
+    "model.compile_scope": "model",
+    "model.kernels": "none",
+    "model.cross_entropy": "plain",
+    "train.micro_batch_policy": "fixed",
+}
 LABEL_KEYS = ("name", "version", "description")

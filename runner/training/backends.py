@@ -4,7 +4,7 @@ Owns: which accelerator this process runs on (real, or simulated through RUNNER_
 CPU tests can stand in for an H200 or an MI300X), whether a requested attention implementation can
 run there, turning the hardware/model recipe flags into torch settings (TF32, fused AdamW, pinned
 memory, torch.compile) and the accelerate mixed-precision string. Returns a plain record of what was
-applied, which the trainer logs with the run.
+applied (kernels, loss path and compile scope included), which the trainer logs with the run.
 Never: installs or downloads anything (transformers' hub "kernels" fallback included), falls back
 to another attention backend than the one asked for, or holds a table of device peaks (that is
 runner.planning.hardware's). Imports only torch, runner.errors and runner.planning.hardware at module level, so bench/gpu_bench.py can
@@ -436,9 +436,55 @@ def apply_runtime_settings(
             key="model.compile",
         )
     record.update(
-        compile=compile_on, compile_mode=str(_get(model_cfg, "compile_mode", "default")) if compile_on else None
+        compile=compile_on,
+        compile_mode=str(_get(model_cfg, "compile_mode", "default")) if compile_on else None,
+        compile_scope=str(_get(model_cfg, "compile_scope", "model")) if compile_on else None,
     )
+    record.update(_kernel_record(model_cfg, run_dev, file))
     return record
+
+
+def _kernel_record(model_cfg: Any, dev: DeviceIdentity, file: str | None) -> dict[str, Any]:
+    """`model.kernels` and `model.cross_entropy`, checked for this device: Liger's Triton kernels
+    run on CUDA and ROCm only, and a missing or broken liger-kernel is an error, never a fallback."""
+    kernels = str(_get(model_cfg, "kernels", "none"))
+    cross_entropy = str(_get(model_cfg, "cross_entropy", "plain"))
+    wants = [k for k, v in (("kernels", kernels), ("cross_entropy", cross_entropy)) if v == "liger"]
+    version = None
+    if wants:
+        if not is_gpu(dev):
+            raise RunnerError(
+                f"liger's Triton kernels need a CUDA or ROCm GPU, this run is on {describe(dev)}; "
+                + (
+                    "use cross_entropy: chunked (the runner's own fused loss)"
+                    if wants == ["cross_entropy"]
+                    else "use none"
+                ),
+                file=file,
+                key=f"model.{wants[0]}",
+            )
+        version = liger_version()
+        if version is None:
+            raise RunnerError(
+                "liger-kernel is not installed; nothing is downloaded. Install: pip install liger-kernel; "
+                "or set model.kernels: none and model.cross_entropy: chunked",
+                file=file,
+                key=f"model.{wants[0]}",
+            )
+    return {"kernels": kernels, "cross_entropy": cross_entropy, "liger_kernel_version": version}
+
+
+def liger_version() -> str | None:
+    """The installed liger-kernel's version, None when absent (its import is left to the model)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("liger-kernel")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def restore_default_settings() -> None:
