@@ -16,7 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
+from trainfixtures import env, launch, make_project
 
+from runner.fsio import read_jsonl
 from runner.training.loss import chunked_loss_sum, plain_loss_sum
 from runner.training.memprobe import saved_bytes
 
@@ -113,3 +117,36 @@ def test_chunked_peak_memory_is_a_fraction_of_plain_in_a_fresh_process():
     assert runs["plain"]["growth_kib"] >= 2 * logits_kib  # logits, log-softmax, their gradients
     # measured here: plain 199 MiB, chunked 37 MiB (one chunk of logits, d/dW, allocator slack)
     assert runs["chunked"]["growth_kib"] < runs["plain"]["growth_kib"] / 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distributed", ["none", "fsdp"])
+def test_chunked_loss_over_two_processes_trains_what_one_process_with_the_plain_loss_trains(tmp_path, distributed):
+    """The loss runs inside the model's forward, so DDP's gradient hooks and FSDP2's unsharding of the
+    head see it as they see transformers' own; 2 ranks x 2 micro steps against 1 process."""
+    runs = {}
+    for name, loss in (("one", "plain"), ("two", "chunked")):
+        root = tmp_path / name
+        exp = make_project(root, steps=4, micro=2, checkpoint_every=4, eval_every=4)
+        for kind, changes in (("model", {"cross_entropy": loss}), ("hardware", {"distributed": distributed})):
+            path = next((root / "recipes" / kind).glob("*.yaml"))
+            path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **changes}))
+        runs[name] = root / "runs" / "r"
+        if name == "one":
+            launch(root, exp, "--run-dir", runs[name], "--no-tracking")
+            continue
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+            + ["-m", "runner", "launch", str(exp), "--run-dir", str(runs[name]), "--no-tracking"],
+            cwd=root,
+            env=env(root),
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((runs["two"] / "run.json").read_text())
+    assert info["runtime"]["cross_entropy"] == "chunked" and info["devices"] == 2
+    a, b = (read_jsonl(r / "metrics" / "train.jsonl") for r in (runs["one"], runs["two"]))
+    assert len(a) == len(b) == 4 and all(x["loss"] == pytest.approx(y["loss"], rel=1e-5) for x, y in zip(a, b))
+    wa, wb = (load_file(str(r / "checkpoints" / "step-0000004" / "model.safetensors")) for r in runs.values())
+    assert set(wa) == set(wb) and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4

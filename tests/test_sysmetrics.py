@@ -6,7 +6,9 @@ machine has no GPU); the device check (bench/device_check.sh) reads a real one."
 from __future__ import annotations
 
 import json
+import platform
 import sys
+import time
 import types
 
 import pytest
@@ -93,8 +95,8 @@ def test_cpu_busy_is_process_cpu_time_over_wall_time_times_threads(monkeypatch):
 
 def test_the_sampler_thread_samples_and_stop_takes_a_last_one():
     mon = SystemMonitor(0.05, "cpu", torch_threads=1).start()
-    deadline = __import__("time").monotonic() + 0.4
-    while __import__("time").monotonic() < deadline:
+    deadline = time.monotonic() + 0.4
+    while time.monotonic() < deadline:
         sum(i * i for i in range(20_000))  # some CPU work to measure
     rows = mon.drain() + mon.stop()
     assert len(rows) >= 2 and all(r["device_busy_percent"] >= 0 for r in rows)
@@ -135,7 +137,7 @@ def test_a_run_records_device_busy_beside_mfu_in_run_json_mlflow_and_the_report(
     system = info["system"]
     assert 0 <= info["device_busy"] == system["device_busy"] and system["device_busy_samples"] >= 1
     assert info["conventions"]["device_busy_source"].startswith("process CPU time")
-    assert system["nodes"] == {f"{__import__('platform').node()}#0": [0]}
+    assert system["nodes"] == {f"{platform.node()}#0": [0]}
     rows = [json.loads(x) for x in (run / "metrics" / "system-rank00000.jsonl").read_text().splitlines()]
     assert len(rows) == system["samples"]
     from mlflow.tracking import MlflowClient

@@ -501,10 +501,13 @@ def _execution_record(run: _Run) -> dict:
 
 def _system_metrics(run: _Run, tracker):
     """The sampler of device utilisation, memory, power, CPU and RAM, or None when switched off."""
-    from runner.training.sysmetrics import SystemMetricsCallback, SystemMonitor
-
     interval = float(run.cfg.train.system_metrics_interval_seconds)
     if interval <= 0:
+        return None
+    try:
+        from runner.training.sysmetrics import SystemMetricsCallback, SystemMonitor
+    except ImportError as exc:  # psutil missing: train on, say why nothing is sampled
+        run.say(f"system metrics: off ({exc}); pip install psutil")
         return None
     # A simulated GPU computes on this CPU: its busy figure is the CPU's.
     accelerator = "cpu" if run.acc.device.type == "cpu" else run.runtime["device_accelerator"]

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from runner.fsio import read_jsonl, repair_jsonl_tail
 from runner.training.callbacks import Callback
 
@@ -53,8 +55,6 @@ class _CpuReader:
     """This process's CPU utilisation per torch thread since the last read."""
 
     def __init__(self, threads: int):
-        import psutil
-
         self.proc = psutil.Process()
         self.threads = max(1, int(threads))
         self.last = (time.monotonic(), self._cpu_seconds())
@@ -158,13 +158,10 @@ class SystemMonitor:
         torch_threads: int = 1,
         report=print,
     ):
-        import psutil
-
         self.interval = float(interval_seconds)
         self.accelerator = accelerator
         self.identity = node_identity()
         self.report = report
-        self._psutil = psutil
         self._proc = psutil.Process()
         self._cpu = _CpuReader(torch_threads)
         self._device = None
@@ -194,7 +191,7 @@ class SystemMonitor:
         cpu = self._cpu.read()
         row["process_cpu_percent"] = cpu["process_cpu_percent"]
         row["process_rss_gib"] = self._proc.memory_info().rss / GIB
-        row["host_ram_used_percent"] = float(self._psutil.virtual_memory().percent)
+        row["host_ram_used_percent"] = float(psutil.virtual_memory().percent)
         if self.accelerator == "cpu":
             row["device_busy_percent"] = cpu["busy_percent"]
         elif self._device is not None:
