@@ -474,6 +474,27 @@ def _kernel_record(model_cfg: Any, dev: DeviceIdentity, file: str | None) -> dic
     return {"kernels": kernels, "cross_entropy": cross_entropy, "liger_kernel_version": version}
 
 
+#: runtime record keys that say how the FLOPs were executed: the MFU convention record carries them too
+EXECUTION_KEYS = (
+    "attn_implementation",
+    "sdpa_kernel",
+    "kernels",
+    "cross_entropy",
+    "compile",
+    "compile_scope",
+    "adamw_fused",
+    "mixed_precision",
+    "micro_batch_sequences",
+    "prefetch_batches",
+)
+
+
+def execution_record(runtime: dict[str, Any], device_busy_source: str) -> dict[str, Any]:
+    """How a run executed its FLOPs (its flops_per_token is the same whatever they are) and what its
+    device-busy figure measures: the part of the runtime record the MFU convention record repeats."""
+    return {**{k: runtime.get(k) for k in EXECUTION_KEYS}, "device_busy_source": device_busy_source}
+
+
 def liger_version() -> str | None:
     """The installed liger-kernel's version, None when absent (its import is left to the model)."""
     if importlib.util.find_spec("liger_kernel") is None:

@@ -428,6 +428,7 @@ def _conventions(run: _Run, tracker) -> None:
     """FLOPs per token and the peak behind every MFU figure; recorded in run.json and as MLflow tags."""
     from runner.planning import hardware
     from runner.planning.flops import Convention, flops_per_token, hfu_convention, hfu_flops_per_token
+    from runner.training.backends import execution_record
 
     convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
     run.flops_per_token = flops_per_token(run.cfg, convention)
@@ -438,9 +439,10 @@ def _conventions(run: _Run, tracker) -> None:
     else:
         run.peak = hardware.resolve_peak(run.cfg.hardware, measure_seconds=run.opts.peak_measure_seconds)
     run.system = _system_metrics(run, tracker)
+    busy_source = run.system.monitor.busy_source if run.system is not None else "not measured (interval 0)"
     conventions = {
         **hardware.convention_record(convention, run.peak, run.world, "step"),
-        **_execution_record(run),
+        **execution_record(run.runtime, busy_source),
     }
     hfu_fields = {}
     run.hfu_flops_per_token = hfu_flops_per_token(run.cfg, convention)  # None without activation checkpointing
@@ -477,49 +479,21 @@ def _conventions(run: _Run, tracker) -> None:
         )
 
 
-#: run.json `runtime` keys that say how the FLOPs were executed, copied into the MFU convention record
-EXECUTION_KEYS = (
-    "attn_implementation",
-    "sdpa_kernel",
-    "kernels",
-    "cross_entropy",
-    "compile",
-    "compile_scope",
-    "adamw_fused",
-    "mixed_precision",
-    "micro_batch_sequences",
-    "prefetch_batches",
-)
-
-
-def _execution_record(run: _Run) -> dict:
-    """How this attempt ran its FLOPs (the MFU's numerator is the same whatever they are) and what
-    its device-busy figure measures."""
-    source = run.system.monitor.busy_source if run.system is not None else "not measured (interval 0)"
-    return {**{k: run.runtime.get(k) for k in EXECUTION_KEYS}, "device_busy_source": source}
-
-
 def _system_metrics(run: _Run, tracker):
     """The sampler of device utilisation, memory, power, CPU and RAM, or None when switched off."""
-    interval = float(run.cfg.train.system_metrics_interval_seconds)
-    if interval <= 0:
-        return None
-    try:
-        from runner.training.sysmetrics import SystemMetricsCallback, SystemMonitor
-    except ImportError as exc:  # psutil missing: train on, say why nothing is sampled
-        run.say(f"system metrics: off ({exc}); pip install psutil")
-        return None
-    # A simulated GPU computes on this CPU: its busy figure is the CPU's.
-    accelerator = "cpu" if run.acc.device.type == "cpu" else run.runtime["device_accelerator"]
-    monitor = SystemMonitor(
-        interval,
-        accelerator,
+    from runner.training.sysmetrics import system_callback
+
+    return system_callback(
+        float(run.cfg.train.system_metrics_interval_seconds),
+        # A simulated GPU computes on this CPU: its busy figure is the CPU's.
+        "cpu" if run.acc.device.type == "cpu" else run.runtime["device_accelerator"],
         device_index=run.acc.device.index or 0,
         torch_threads=torch.get_num_threads(),
+        run_dir=run.folder.path,
+        rank=run.rank,
+        tracker=tracker if run.main else None,
+        log_interval_steps=run.cfg.train.log_interval_steps,
         report=run.say,
-    ).start()
-    return SystemMetricsCallback(
-        monitor, run.folder.path, run.rank, tracker if run.main else None, run.cfg.train.log_interval_steps
     )
 
 
@@ -795,7 +769,11 @@ def _finish(run: _Run, exit_code: int) -> None:
         summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
             1, float(run.cfg.hardware.price_per_device_hour_usd), device_wall_seconds, useful_total
         )
-    system = _system_summary(run)
+    system = None
+    if run.system is not None:
+        from runner.training.sysmetrics import close_and_summarize
+
+        system = close_and_summarize(run.system, run.acc.wait_for_everyone, run.main)
     if system is not None and system["device_busy"] is not None:
         summary["device_busy"] = system["device_busy"]
     if run.main:
@@ -803,19 +781,6 @@ def _finish(run: _Run, exit_code: int) -> None:
         run.folder.update(status=status, **summary, **({"system": system} if system is not None else {}))
     for cb in run.callbacks:
         cb.on_end(summary)
-
-
-def _system_summary(run: _Run) -> dict | None:
-    """Every rank's samples written, then the run's system record (main process; None elsewhere)."""
-    from runner.training.sysmetrics import summarize
-
-    if run.system is None:
-        return None
-    run.system.close()
-    run.acc.wait_for_everyone()
-    if not run.main:
-        return None
-    return summarize(run.folder.path, run.system.monitor.accelerator, run.system.monitor.busy_source)
 
 
 def _rollback_to_last_checkpoint(run: _Run) -> int:

@@ -14,6 +14,11 @@ A busy device is not an efficient one: MFU says how much of the peak the model's
 device busy only that a kernel was running. Both are reported side by side.
 Never blocks the training loop (the loop takes the samples when it logs), never raises into it (a
 reader that fails is reported once and skipped), never sends anything itself.
+
+Why not MLflow's own system-metrics monitor: it sends from its own thread with its own client, for
+runs started through `mlflow.start_run`, so what a dead tracking server misses is lost (the runner's
+Tracker journals it) and a run without tracking (or a device without mlflow) would have none. The
+samples here go where every other metric goes, under MLflow's own `system/...` names.
 """
 
 from __future__ import annotations
@@ -26,8 +31,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from runner.fsio import read_jsonl, repair_jsonl_tail
 from runner.training.callbacks import Callback
@@ -55,6 +58,8 @@ class _CpuReader:
     """This process's CPU utilisation per torch thread since the last read."""
 
     def __init__(self, threads: int):
+        import psutil  # a dependency; imported here so that a broken install costs the metrics, not the run
+
         self.proc = psutil.Process()
         self.threads = max(1, int(threads))
         self.last = (time.monotonic(), self._cpu_seconds())
@@ -158,6 +163,9 @@ class SystemMonitor:
         torch_threads: int = 1,
         report=print,
     ):
+        import psutil
+
+        self._psutil = psutil
         self.interval = float(interval_seconds)
         self.accelerator = accelerator
         self.identity = node_identity()
@@ -191,7 +199,7 @@ class SystemMonitor:
         cpu = self._cpu.read()
         row["process_cpu_percent"] = cpu["process_cpu_percent"]
         row["process_rss_gib"] = self._proc.memory_info().rss / GIB
-        row["host_ram_used_percent"] = float(psutil.virtual_memory().percent)
+        row["host_ram_used_percent"] = float(self._psutil.virtual_memory().percent)
         if self.accelerator == "cpu":
             row["device_busy_percent"] = cpu["busy_percent"]
         elif self._device is not None:
@@ -326,3 +334,39 @@ class SystemMetricsCallback(Callback):
     def on_end(self, summary):
         self._write(self.monitor.stop())
         self._log(int(summary["committed_steps"]))
+
+
+def system_callback(
+    interval_seconds: float,
+    accelerator: str,
+    *,
+    device_index: int,
+    torch_threads: int,
+    run_dir: Path,
+    rank: int,
+    tracker,
+    log_interval_steps: int,
+    report,
+) -> SystemMetricsCallback | None:
+    """The training loop's system metrics, started; None when switched off (interval 0) or when psutil
+    cannot be imported (said once: training goes on without them)."""
+    if interval_seconds <= 0:
+        return None
+    try:
+        monitor = SystemMonitor(
+            interval_seconds, accelerator, device_index=device_index, torch_threads=torch_threads, report=report
+        )
+    except ImportError as exc:
+        report(f"system metrics: off ({exc}); pip install psutil")
+        return None
+    return SystemMetricsCallback(monitor.start(), run_dir, rank, tracker, log_interval_steps)
+
+
+def close_and_summarize(callback: SystemMetricsCallback, barrier, main: bool) -> dict | None:
+    """Stop this rank's sampler and write its last samples; after `barrier()` (every rank's written),
+    the run's system record on the main process (None elsewhere)."""
+    callback.close()
+    barrier()
+    if not main:
+        return None
+    return summarize(callback.path.parent.parent, callback.monitor.accelerator, callback.monitor.busy_source)
