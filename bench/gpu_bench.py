@@ -423,7 +423,7 @@ def train_step(model, optimizer, batch, v: Variant, device: torch.device) -> Non
     input_ids, targets, mask = batch
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if v.autocast_bf16 else contextlib.nullcontext()
     with _attention_context(v), autocast:
-        if hasattr(model, "cross_entropy") or hasattr(getattr(model, "_orig_mod", None), "cross_entropy"):
+        if hasattr(model, "cross_entropy"):  # the runner's model (compiled in place: still the same object)
             loss = model(input_ids=input_ids, loss_targets=targets, loss_mask=mask) / mask.numel()
         else:
             loss = model(input_ids=input_ids, labels=input_ids).loss

@@ -62,7 +62,7 @@ def _speed_rules(cfg, path: Path, problems: Problems) -> None:
     m, t = cfg.model, cfg.train
     if cfg.hardware.accelerator == "cpu":
         for key in ("kernels", "cross_entropy"):
-            if m[key] == "liger":
+            if getattr(m, key) == "liger":
                 problems.add(
                     path,
                     f"model.{key}",
