@@ -5,6 +5,17 @@ runner's own bookkeeping (sampler + batch read, ledger, processed journal, MLflo
 training thread pays to journal a step's metrics, and what the background thread spends delivering
 them) and that cost as a share of the 1p3b step time (planned at the hardware recipe's default MFU).
 
+`--overlap` measures what is left visible of that bookkeeping at 1p3b's own step geometry (global
+batch 512 x 2048, 64 micro batches of 8) with the batch read ahead in a background thread and
+without: the real `runner.training.loop.train`, its sampler, reader, ledger, journal, metrics files
+and MLflow (SQLite, every 10 steps as shipped), with the device replaced by a model whose forward
+sleeps a fixed time per micro batch. Visible host time per step = step time - the sleeps; it is
+divided by the planned 1p3b step on an H200 (at 50% and at 40% MFU). A sleep releases the GIL,
+as a GPU's synchronisation does, but kernel launches hold it: the device check
+(bench/device_check.sh) records the real wait for data per step (`data_wait_seconds`) on a GPU.
+
+    python bench/bench_runner.py [--steps 40] [--hidden 128]
+    python bench/bench_runner.py --overlap [--overlap-steps 10] [--micro-ms 20]
     OMP_NUM_THREADS=1 python bench/bench_runner.py [--steps 40] [--hidden 128] [--repeats 3]
 """
 
@@ -157,6 +168,116 @@ def planned_1p3b_step_seconds() -> tuple[float, dict]:
     return flops_per_token(cfg) * tokens / (peak.peak_tflops * 1e12 * cfg.hardware.default_mfu), cfg
 
 
+class SleepingDevice(torch.nn.Module):
+    """Stands in for the GPU: each training forward takes `seconds`, GIL released, and returns a loss
+    with a gradient (zero) so the optimizer, clipping and checkpoints run as usual."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.slept: list[float] = []  # what each sleep really took (a loaded machine oversleeps)
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each forward
+        self.w = torch.nn.Parameter(torch.zeros(8))
+
+    def forward(self, input_ids=None, loss_targets=None, loss_mask=None, **kwargs):
+        t0 = time.perf_counter()
+        time.sleep(self.seconds)
+        t1 = time.perf_counter()
+        self.slept.append(t1 - t0)
+        self.spans.append((t0, t1))
+        return self.w.sum() * 0.0 + 10.0 * float(loss_mask.sum())
+
+
+def overlap_run(tmp: Path, prefetch: int, steps: int, micro_seconds: float) -> dict:
+    """The trainer at 1p3b's step geometry on a sleeping device; per-step visible host seconds."""
+    from accelerate import Accelerator
+    from trainfixtures import make_project
+
+    import runner.training.model as model_module
+    from runner.config.load import load_experiment
+    from runner.training.loop import Options, train
+    from runner.training.tracking import Tracker
+
+    root = tmp / f"prefetch{prefetch}"
+    exp_path = make_project(
+        root,
+        steps=steps,
+        seq_len=2048,
+        global_batch=512,
+        micro=8,
+        checkpoint_every=10**6,
+        eval_every=10**6,
+        train_extra={"log_interval_steps": 10, "prefetch_batches": prefetch, "system_metrics_interval_seconds": 10.0},
+        pools={"a": (0.5, 6_000 * 2048, 0), "b": (0.3, 4_000 * 2048, 0), "c": (0.2, 3_000 * 2048, 0)},
+    )
+    exp = load_experiment(exp_path)
+    build = model_module.build_model
+    device = SleepingDevice(micro_seconds)
+    model_module.build_model = lambda cfg: device
+    try:
+        run_dir = root / "runs" / "r"
+        from runner.runs import create_run_folder
+
+        create_run_folder(exp, run_dir, "r")
+        tracker = Tracker(run_dir, tracking_uri=f"sqlite:///{tmp / 'overlap-mlflow.db'}")
+        tracker.start("overlap", f"prefetch{prefetch}", params=None, tags={})
+        train(exp, run_dir, Accelerator(cpu=True), tracker, Options(report=lambda m: None))
+    finally:
+        model_module.build_model = build
+    rows = [json.loads(x) for x in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
+    slept = [sum(device.slept[64 * i : 64 * (i + 1)]) for i in range(len(rows))]
+    steady = list(zip(rows, slept))[2:]
+    # Between the last forward of step k and the first of step k+1: clipping, the optimizer step, the
+    # ledger, metrics, callbacks and the next batch. A GPU idles there; within a step it does not,
+    # because the host queues kernels ahead of it.
+    gaps = [device.spans[64 * (i + 1)][0] - device.spans[64 * i + 63][1] for i in range(2, len(rows) - 1)]
+    return {
+        "boundary": statistics.median(gaps),
+        "visible": statistics.median(r["step_seconds"] - s for r, s in steady),
+        "data_wait": statistics.median(r["data_wait_seconds"] for r, _ in steady),
+        "step": statistics.median(r["step_seconds"] for r, _ in steady),
+        "device": statistics.median(s for _, s in steady),
+    }
+
+
+def overlap_main(steps: int, micro_ms: float) -> int:
+    from runner.config.load import load_experiment
+    from runner.planning.flops import flops_per_token
+    from runner.planning.hardware import resolve_peak
+
+    cfg = load_experiment(REPO / "experiments" / "1p3b.yaml", check_files=False).config
+    tokens = int(cfg.train.global_batch_sequences) * int(cfg.train.seq_len)
+    peak = resolve_peak(cfg.hardware).peak_tflops * 1e12
+    planned = {mfu: flops_per_token(cfg) * tokens / (peak * mfu) for mfu in (0.5, 0.4)}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        runs = {p: overlap_run(tmp, p, steps, micro_ms / 1e3) for p in (0, 1)}
+    print(
+        f"1p3b step geometry: 512 x 2048 tokens, 64 micro batches of 8, device = {micro_ms:g} ms sleep per micro "
+        f"batch ({64 * micro_ms / 1e3:.2f} s per step); {steps} steps, median of steps 3..{steps}"
+    )
+    print(
+        f"planned 1p3b step on {cfg.hardware.device_name}: {planned[0.5]:.1f} s at 50% MFU, {planned[0.4]:.1f} s at 40%"
+    )
+    print(
+        "all host ms: every host millisecond of a step outside the forwards (an upper bound: as if the device "
+        "waited for each)\nboundary ms: host time between the last forward of a step and the first of the next "
+        "(what a GPU, fed ahead within a step, waits for)"
+    )
+    print(
+        f"{'batch read':<20}{'step s':>8}{'data wait ms':>14}{'all host ms':>13}{'@50% MFU':>10}"
+        f"{'boundary ms':>13}{'@50% MFU':>10}{'@40%':>8}"
+    )
+    for p, r in runs.items():
+        name = "ahead (thread, 1)" if p else "in the step (0)"
+        print(
+            f"{name:<20}{r['step']:>8.3f}{r['data_wait'] * 1e3:>14.2f}{r['visible'] * 1e3:>13.1f}"
+            f"{r['visible'] / planned[0.5]:>10.3%}{r['boundary'] * 1e3:>13.1f}{r['boundary'] / planned[0.5]:>10.3%}"
+            f"{r['boundary'] / planned[0.4]:>8.3%}"
+        )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -172,7 +293,12 @@ def main() -> int:
         default=1,
         help="alternate bare and runner loops this many times; ratios are medians (a noisy machine)",
     )
+    ap.add_argument("--overlap", action="store_true", help="only the read-ahead measurement at 1p3b's step geometry")
+    ap.add_argument("--overlap-steps", type=int, default=10)
+    ap.add_argument("--micro-ms", type=float, default=20.0, help="the sleeping device's time per micro batch")
     args = ap.parse_args()
+    if args.overlap:
+        return overlap_main(args.overlap_steps, args.micro_ms)
     intervals = [int(x) for x in args.log_every.split(",")]
     from runner.config.load import load_experiment
 

@@ -1,9 +1,12 @@
 """One-shot device benchmark: the BF16 matmul ceiling, then 1p3b training throughput per variant.
 
 Owns: measuring, on whatever device this process sees, (a) the achieved dense BF16 matmul rate and
-its fraction of the datasheet peak, (b) training tokens/s, MFU and peak memory of the 1p3b model for
-a prioritized list of variants (micro batch, torch.compile, attention kernel, fused AdamW, bf16
-autocast), inside one global time budget. Writes a JSON record and prints a table.
+its fraction of the datasheet peak, (b) training tokens/s, MFU, peak memory (and the memory plan's
+figure beside it) of the 1p3b model for a ladder of variants: plain -> Liger kernels -> the
+runner's chunked loss -> regional compile -> the gpu-smoke experiment's own settings -> a micro
+batch sweep of the best -> whole-model compile and the rest, inside one global time budget. The
+model and its loss are the runner's own (runner.training.model.RunnerLlama), so a variant measures
+exactly what `runner launch` runs with those recipe options. Writes a JSON record, prints a table.
 Never: crashes on a variant (OOM, a missing backend, a kernel error become rows), runs past its
 budget by more than one training step, downloads anything, or invents a peak for an unknown device.
 
@@ -25,7 +28,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +80,25 @@ class Variant:
     micro_batch: int
     attn: str = "sdpa"  # transformers attn_implementation
     sdpa_kernel: str | None = "flash"  # pinned SDPA kernel when attn == sdpa
-    compile: bool = False
+    compile: str = "none"  # none | model | regional (model.compile + model.compile_scope)
+    kernels: str = "none"  # none | liger (model.kernels)
+    cross_entropy: str = "plain"  # plain | chunked | liger (model.cross_entropy)
     fused_adamw: bool = True
     autocast_bf16: bool = True
+    shape: str = "main"  # main (--experiment) | smoke (--smoke-experiment)
     budget_factor: float = 1.0  # compile pays its compilation inside the variant's time box
+
+    def settings(self) -> tuple:
+        """What makes two variants the same program, micro batch and shape aside."""
+        return (
+            self.attn,
+            self.sdpa_kernel,
+            self.compile,
+            self.kernels,
+            self.cross_entropy,
+            self.fused_adamw,
+            self.autocast_bf16,
+        )
 
 
 @dataclass
@@ -88,9 +106,12 @@ class Row:
     variant: str
     micro_batch: int
     attn: str
-    compile: bool
+    compile: str
     fused_adamw: bool
     autocast_bf16: bool
+    kernels: str = "none"
+    cross_entropy: str = "plain"
+    shape: str = "main"
     status: str = "ok"  # ok | oom | unavailable | error | skipped
     detail: str = ""
     steps_timed: int = 0
@@ -100,8 +121,25 @@ class Row:
     mfu: float | None = None
     fraction_of_matmul: float | None = None
     peak_memory_gib: float | None = None
+    planned_memory_gib: float | None = None
     build_seconds: float | None = None
     extra: dict = field(default_factory=dict)
+
+
+def _row(v: Variant, **kw) -> Row:
+    attn = v.attn + (f"/{v.sdpa_kernel}" if v.attn == "sdpa" and v.sdpa_kernel else "")
+    return Row(
+        v.name,
+        v.micro_batch,
+        attn,
+        v.compile,
+        v.fused_adamw,
+        v.autocast_bf16,
+        v.kernels,
+        v.cross_entropy,
+        v.shape,
+        **kw,
+    )
 
 
 # --- device and environment ----------------------------------------------------------------
@@ -286,6 +324,18 @@ def matmul_ceiling(device: torch.device, size: int, seconds: float) -> dict[str,
     }
 
 
+def _check_variant(v: Variant, device: torch.device) -> str | None:
+    """Why the variant cannot run here (None when it can): its attention, Liger, the runner's model."""
+    if "liger" in (v.kernels, v.cross_entropy):
+        if device.type != "cuda":
+            return "liger's Triton kernels need a CUDA or ROCm GPU"
+        if importlib.util.find_spec("liger_kernel") is None:
+            return "liger-kernel is not installed (bench/fetch_device_wheels.sh carries it to the device)"
+    if (v.kernels, v.cross_entropy) != ("none", "plain") and _runner_llama() is None:
+        return "the runner's model (runner.training.model) is not importable here"
+    return _check_backend(v, device)
+
+
 def _check_backend(v: Variant, device: torch.device) -> str | None:
     """Why the variant's attention cannot run here (None when it can); no fallback, no download."""
     try:
@@ -321,7 +371,17 @@ def _attention_context(v: Variant):
     )
 
 
-def build_model(shape: dict[str, Any], attn: str, device: torch.device):
+def _runner_llama():
+    """runner.training.model, or None where the runner's modules cannot be imported."""
+    try:
+        from runner.training import model as runner_model
+    except Exception:  # a bare checkout of this script, or a dependency missing on the device
+        return None
+    return runner_model
+
+
+def build_model(shape: dict[str, Any], v: Variant, device: torch.device):
+    """The runner's Llama (its loss, Liger kernels, compile scope) at `shape`, on `device`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -342,19 +402,62 @@ def build_model(shape: dict[str, Any], attn: str, device: torch.device):
         eos_token_id=None,
         pad_token_id=None,
     )
+    runner_model = _runner_llama()
+    cls = runner_model.RunnerLlama if runner_model is not None else LlamaForCausalLM
     with device:  # initialise on the device: a 1.4B CPU init alone would eat a tenth of the budget
-        model = LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=torch.float32)
+        model = cls._from_config(config, attn_implementation=v.attn, dtype=torch.float32)
+    if runner_model is not None:
+        model.cross_entropy = v.cross_entropy
+        runner_model.apply_kernels(model, v.kernels)
+    if v.compile == "regional":
+        for layer in model.model.layers:
+            layer.compile()
+    elif v.compile == "model":
+        model.compile()
     return model.train()
 
 
-def train_step(model, optimizer, input_ids, v: Variant, device: torch.device) -> None:
-    """One optimizer step: forward with labels, backward, AdamW step (the trainer's inner loop)."""
+def train_step(model, optimizer, batch, v: Variant, device: torch.device) -> None:
+    """One optimizer step as the trainer takes it: the summed loss over the useful targets, divided
+    by their count, backward, AdamW step."""
+    input_ids, targets, mask = batch
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if v.autocast_bf16 else contextlib.nullcontext()
     with _attention_context(v), autocast:
-        loss = model(input_ids=input_ids, labels=input_ids).loss
+        if hasattr(model, "cross_entropy"):  # the runner's model (compiled in place: still the same object)
+            loss = model(input_ids=input_ids, loss_targets=targets, loss_mask=mask) / mask.numel()
+        else:
+            loss = model(input_ids=input_ids, labels=input_ids).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def planned_memory_gib(shape: dict[str, Any], v: Variant, device: torch.device) -> float | None:
+    """runner.planning.plan's memory per device for this variant (None without the runner)."""
+    try:
+        from runner.planning.plan import memory_per_device
+    except Exception:
+        return None
+    gpu = device.type == "cuda"
+    cfg = {
+        "tokenizer": {"vocab_size": shape["vocab_size"]},
+        "model": {
+            "arch": "llama",
+            **{k: shape[k] for k in ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")},
+            "tie_embeddings": shape["tie_embeddings"],
+            "attn_implementation": v.attn,
+            "kernels": v.kernels,
+            "cross_entropy": v.cross_entropy,
+            "activation_checkpointing": False,
+        },
+        "train": {"seq_len": shape["seq_len"], "micro_batch_sequences": v.micro_batch},
+        "hardware": {
+            "accelerator": "cuda" if gpu else "cpu",
+            "precision": "bf16" if v.autocast_bf16 and gpu else "fp32",
+            "memory_gib": 0,
+        },
+    }
+    return memory_per_device(cfg)["total_bytes"] / 2**30
 
 
 def run_variant(
@@ -370,39 +473,36 @@ def run_variant(
     ceiling_tflops: float | None,
 ) -> Row:
     """Measure one variant inside [now, deadline]; every failure is a row, never an exception."""
-    row = Row(
-        v.name,
-        v.micro_batch,
-        v.attn + (f"/{v.sdpa_kernel}" if v.attn == "sdpa" and v.sdpa_kernel else ""),
-        v.compile,
-        v.fused_adamw,
-        v.autocast_bf16,
-    )
-    why = _check_backend(v, device)
+    row = _row(v)
+    why = _check_variant(v, device)
     if why:
         row.status, row.detail = "unavailable", why
         return row
-    model = optimizer = input_ids = None
+    row.planned_memory_gib = planned_memory_gib(shape, v, device)
+    model = optimizer = batch = None
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        model = build_model(shape, v.attn, device)
+        model = build_model(shape, v, device)
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=v.fused_adamw
         )
-        if v.compile:
-            model = torch.compile(model)
         gen = torch.Generator(device="cpu").manual_seed(0)
-        input_ids = torch.randint(0, shape["vocab_size"], (v.micro_batch, shape["seq_len"]), generator=gen).to(device)
+        size = (v.micro_batch, shape["seq_len"])
+        batch = (
+            torch.randint(0, shape["vocab_size"], size, generator=gen).to(device),
+            torch.randint(0, shape["vocab_size"], size, generator=gen).to(device),
+            torch.ones(size, dtype=torch.bool, device=device),
+        )
         for _ in range(warmup_steps):  # the first steps pay for compilation, autotuning and allocator growth
-            train_step(model, optimizer, input_ids, v, device)
+            train_step(model, optimizer, batch, v, device)
         _sync(device)
         row.build_seconds = time.perf_counter() - t0
         t_start = time.perf_counter()
         steps = 0
         while steps < timed_steps and (steps == 0 or time.perf_counter() < deadline):
-            train_step(model, optimizer, input_ids, v, device)
+            train_step(model, optimizer, batch, v, device)
             steps += 1
         _sync(device)
         elapsed = time.perf_counter() - t_start
@@ -424,28 +524,66 @@ def run_variant(
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}",
         )
     finally:
-        del model, optimizer, input_ids
+        del model, optimizer, batch
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if v.compile:
+        if v.compile != "none":
             with contextlib.suppress(Exception):
                 torch._dynamo.reset()
     return row
 
 
-def variants(tiny: bool, micro_batches: list[int]) -> list[Variant]:
-    """In priority order: what is cut by the budget comes last."""
+def variants(micro_batches: list[int], smoke: Variant) -> list[Variant]:
+    """The ladder, in priority order (what the budget cuts comes last); the micro-batch sweep of the
+    best of these is added by `sweep` once they are measured."""
     mid = micro_batches[len(micro_batches) // 2]
-    out = [Variant(f"sdpa-flash mb{mb}", mb) for mb in micro_batches]
-    out += [
+    regional = 3.0  # compile's time box: compiling one decoder layer's graphs, forward and backward
+    return [
+        Variant(f"plain mb{mid}", mid),
+        Variant(f"liger mb{mid}", mid, kernels="liger", cross_entropy="liger"),
+        Variant(f"chunked-ce mb{mid}", mid, cross_entropy="chunked"),
+        Variant(f"compile-regional mb{mid}", mid, compile="regional", budget_factor=regional),
+        Variant(
+            f"compile-regional chunked-ce mb{mid}",
+            mid,
+            compile="regional",
+            cross_entropy="chunked",
+            budget_factor=regional,
+        ),
+        Variant(
+            f"compile-regional liger mb{mid}",
+            mid,
+            compile="regional",
+            kernels="liger",
+            cross_entropy="liger",
+            budget_factor=regional,
+        ),
+        smoke,
+    ]
+
+
+def tail_variants(micro_batches: list[int]) -> list[Variant]:
+    """After the sweep, if time is left: whole-model compile and the reference points."""
+    mid = micro_batches[len(micro_batches) // 2]
+    return [
+        Variant(f"compile-model mb{mid}", mid, compile="model", budget_factor=4.0),
         Variant(f"sdpa-efficient mb{mid}", mid, sdpa_kernel="efficient"),
         Variant(f"fa3 mb{mid}", mid, attn="flash_attention_3", sdpa_kernel=None),
-        Variant(f"sdpa-flash mb{mid} unfused-adamw", mid, fused_adamw=False),
-        Variant(f"sdpa-flash mb{mid} compile", mid, compile=True, budget_factor=3.0),
-        Variant(f"sdpa-flash mb{micro_batches[0]} fp32 (no autocast)", micro_batches[0], autocast_bf16=False),
+        Variant(f"plain mb{mid} unfused-adamw", mid, fused_adamw=False),
+        Variant(f"plain mb{micro_batches[0]} fp32 (no autocast)", micro_batches[0], autocast_bf16=False),
     ]
-    return out
+
+
+def sweep(done: list[tuple[Variant, Row]], micro_batches: list[int]) -> list[Variant]:
+    """The best main-shape variant so far (tokens/s) at the micro batches it was not measured at."""
+    ok = [(v, r) for v, r in done if r.status == "ok" and v.shape == "main" and r.tokens_per_second]
+    if not ok:
+        return []
+    best, _ = max(ok, key=lambda vr: vr[1].tokens_per_second)
+    measured = {v.micro_batch for v, _ in done if v.settings() == best.settings() and v.shape == "main"}
+    base = best.name.rsplit(" mb", 1)[0]
+    return [replace(best, name=f"{base} mb{mb}", micro_batch=mb) for mb in micro_batches if mb not in measured]
 
 
 # --- reporting -------------------------------------------------------------------------------
@@ -468,9 +606,10 @@ def print_table(result: dict[str, Any]) -> None:
         f"-> {_fmt(mm.get('fraction_of_peak'), '.1%')} of peak"
     )
     print(f"model: {result['model_source']}\nMFU: {result['flops_formula']}")
+    print(f"smoke rows: {result['smoke_source']} (micro batch {result['smoke_micro_batch']})")
     head = (
         f"{'variant':38} {'status':11} {'tok/s':>10} {'step_s':>7} {'TFLOP/s':>8} {'MFU':>6} "
-        f"{'of_mm':>6} {'mem_GiB':>8}"
+        f"{'of_mm':>6} {'mem_GiB':>8} {'plan_GiB':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -478,10 +617,50 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"{r['variant'][:38]:38} {r['status']:11} {_fmt(r['tokens_per_second'], ',.0f'):>10} "
             f"{_fmt(r['step_seconds'], '.3f'):>7} {_fmt(r['model_tflops'], '.1f'):>8} {_fmt(r['mfu'], '.1%'):>6} "
-            f"{_fmt(r['fraction_of_matmul'], '.1%'):>6} {_fmt(r['peak_memory_gib'], '.1f'):>8}"
+            f"{_fmt(r['fraction_of_matmul'], '.1%'):>6} {_fmt(r['peak_memory_gib'], '.1f'):>8} "
+            f"{_fmt(r.get('planned_memory_gib'), '.1f'):>8}"
             + (f"  {r['detail'][:110]}" if r["detail"] and r["status"] != "ok" else "")
         )
     print(f"elapsed {result['elapsed_seconds']:.1f} s of a {result['budget_seconds']:.0f} s budget")
+
+
+def smoke_settings(experiment: Path, device: torch.device) -> tuple[dict[str, Any], str, Variant]:
+    """The smoke experiment's shape, and a variant with its settings: compile scope, loss, kernels,
+    precision and the micro batch its `auto` policy picks on this device (what `runner launch` runs)."""
+    shape, source = load_shape(experiment)
+    try:
+        from runner.config.load import load_experiment
+        from runner.planning.plan import choose_micro_batch
+
+        exp = load_experiment(experiment, check_files=False)
+        cfg, m = exp.config, exp.config.model
+        memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        micro = (
+            choose_micro_batch(exp.to_container(), 1, memory)[0]
+            if cfg.train.micro_batch_policy == "auto"
+            else int(cfg.train.micro_batch_sequences)
+        )
+        v = Variant(
+            f"{cfg.name} settings mb{micro}",
+            micro,
+            attn=str(m.attn_implementation),
+            sdpa_kernel=m.sdpa_kernel,
+            compile=str(m.compile_scope) if m.compile else "none",
+            kernels=str(m.kernels),
+            cross_entropy=str(m.cross_entropy),
+            fused_adamw=bool(cfg.optim.fused) and device.type == "cuda",
+            autocast_bf16=cfg.hardware.precision == "bf16" and cfg.hardware.accelerator != "cpu",
+            shape="smoke",
+            budget_factor=3.0 if m.compile else 1.0,
+        )
+        return shape, f"{experiment} (runner.config)", v
+    except Exception as exc:  # no omegaconf or no recipe: gpu-smoke's settings as shipped
+        v = Variant("gpu-smoke settings mb16", 16, compile="regional", cross_entropy="chunked", shape="smoke")
+        return shape, f"{source}; gpu-smoke's shipped settings assumed ({type(exc).__name__})", v
+
+
+def _skipped(v: Variant, why: str) -> Row:
+    return _row(v, status="skipped", detail=why)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -490,13 +669,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tiny = args.cpu_tiny or not torch.cuda.is_available()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_tiny else "cpu")
     facts = device_facts() if device.type == "cuda" else {**device_facts(), "accelerator": "cpu"}
+    smoke_experiment = args.smoke_experiment or str(
+        ROOT / "experiments" / ("gpu-smoke-cpu.yaml" if tiny else "gpu-smoke.yaml")
+    )
+    smoke_shape, smoke_source, smoke = smoke_settings(Path(smoke_experiment), device)
     if tiny:
         shape, source = dict(TINY_SHAPE), "cpu-tiny shape (same code path, tiny sizes)"
         micro_batches = [1, 2]
     else:
         shape, source = load_shape(Path(args.experiment))
         micro_batches = args.micro_batches
-    fpt, n_params, formula = flops_per_token(shape)
+    shapes = {"main": shape, "smoke": smoke_shape}
+    fpts = {name: flops_per_token(sh) for name, sh in shapes.items()}
+    fpt, n_params, formula = fpts["main"]
     if device.type == "cuda":
         peak, peak_source = datasheet_peak(facts["device_name"], facts.get("arch"))
     else:
@@ -504,55 +689,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     mm = matmul_ceiling(device, 256 if tiny else args.matmul_size, min(args.matmul_s, args.budget_s / 10))
     mm["fraction_of_peak"] = mm["best_tflops"] / peak if peak else None
-    rows: list[Row] = []
+    done: list[tuple[Variant, Row]] = []
     warmup, timed = (1, 2) if tiny else (args.warmup_steps, args.steps)
-    for v in variants(tiny, micro_batches):
-        remaining = global_deadline - time.perf_counter()
-        if tiny and v.compile:
-            rows.append(
-                Row(
-                    v.name,
-                    v.micro_batch,
-                    v.attn + "/" + str(v.sdpa_kernel),
-                    True,
-                    v.fused_adamw,
-                    v.autocast_bf16,
-                    status="skipped",
-                    detail="torch.compile skipped in --cpu-tiny (needs a C++ toolchain and minutes)",
-                )
-            )
-            continue
-        box = args.variant_s * v.budget_factor
-        if remaining < box * 0.5:  # compile cannot be interrupted: start it only with room to finish
-            rows.append(
-                Row(
-                    v.name,
-                    v.micro_batch,
-                    v.attn,
-                    v.compile,
-                    v.fused_adamw,
-                    v.autocast_bf16,
-                    status="skipped",
-                    detail=f"global budget: {max(remaining, 0):.0f} s left",
-                )
-            )
-            continue
-        row = run_variant(
-            v,
-            shape,
-            device,
-            deadline=time.perf_counter() + min(box, remaining),
-            warmup_steps=warmup,
-            timed_steps=timed,
-            fpt=fpt,
-            peak_tflops=peak,
-            ceiling_tflops=mm["best_tflops"],
-        )
-        rows.append(row)
-        print(f"  {row.variant}: {row.status} {_fmt(row.tokens_per_second, ',.0f')} tok/s", flush=True)
 
+    def measure(v: Variant) -> None:
+        remaining = global_deadline - time.perf_counter()
+        box = args.variant_s * v.budget_factor
+        if tiny and v.compile != "none":
+            row = _skipped(v, "torch.compile skipped in --cpu-tiny (needs a C++ toolchain and minutes)")
+        elif remaining < box * 0.5:  # compile cannot be interrupted: start it only with room to finish
+            row = _skipped(v, f"global budget: {max(remaining, 0):.0f} s left")
+        else:
+            row = run_variant(
+                v,
+                shapes[v.shape],
+                device,
+                deadline=time.perf_counter() + min(box, remaining),
+                warmup_steps=warmup,
+                timed_steps=timed,
+                fpt=fpts[v.shape][0],
+                peak_tflops=peak,
+                ceiling_tflops=mm["best_tflops"],
+            )
+            print(f"  {row.variant}: {row.status} {_fmt(row.tokens_per_second, ',.0f')} tok/s", flush=True)
+        done.append((v, row))
+
+    for v in variants(micro_batches, smoke):
+        measure(v)
+    for v in sweep(done, micro_batches) + tail_variants(micro_batches):
+        measure(v)
+    rows = [r for _, r in done]
+    best = max(
+        (r for r in rows if r.status == "ok" and r.shape == "main" and r.mfu is not None),
+        key=lambda r: r.mfu,
+        default=None,
+    )
     return {
-        "format": "runner-gpu-bench/1",
+        "format": "runner-gpu-bench/2",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "mode": "cpu-tiny" if tiny else "gpu",
         "device": facts,
@@ -565,6 +738,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "params_non_embedding": n_params,
         "flops_per_token": fpt,
         "flops_formula": formula,
+        "smoke_source": smoke_source,
+        "smoke_shape": smoke_shape,
+        "smoke_micro_batch": smoke.micro_batch,
+        "smoke_variant": smoke.name,
+        "smoke_flops_per_token": fpts["smoke"][0],
+        "best_main_variant": best.variant if best else None,
         "convention": {
             "flops_formula": "6N+attn",
             "params_counted": "non_embedding",
@@ -589,6 +768,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--matmul-s", type=float, default=8.0, help="seconds spent timing the matmul ceiling")
     p.add_argument("--matmul-size", type=int, default=8192, help="square matmul size (bf16)")
     p.add_argument("--experiment", default=str(ROOT / "experiments" / "1p3b.yaml"), help="model shape source")
+    p.add_argument(
+        "--smoke-experiment",
+        default=None,
+        help="experiment whose shape and settings make the smoke row, the one `runner launch` is compared with "
+        "(default experiments/gpu-smoke.yaml; gpu-smoke-cpu.yaml with --cpu-tiny)",
+    )
     p.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (fewer if its box ends)")

@@ -141,6 +141,27 @@ def test_gpu_record_has_pinning_compile_and_attention():
     yaml.safe_dump(record)  # loggable as plain params
 
 
+def test_speed_options_are_recorded_and_liger_is_checked_for_the_device(monkeypatch):
+    model = replace(MODEL, compile=True, compile_scope="regional", kernels="liger", cross_entropy="liger")
+    monkeypatch.setattr(backends, "liger_version", lambda: "0.8.5")
+    record = backends.apply_runtime_settings(H200_HW, model, device=H200)
+    assert (record["compile_scope"], record["kernels"], record["cross_entropy"]) == ("regional", "liger", "liger")
+    assert record["liger_kernel_version"] == "0.8.5"
+    execution = backends.execution_record({**record, "micro_batch_sequences": 8}, "nvml")
+    assert execution["kernels"] == "liger" and execution["micro_batch_sequences"] == 8
+    assert execution["device_busy_source"] == "nvml" and "tf32" not in execution
+    # Liger's Triton kernels on a CPU: one line naming the key, never a silent fallback
+    with pytest.raises(RunnerError, match="need a CUDA or ROCm GPU") as err:
+        backends.apply_runtime_settings(CPU_HW, replace(MODEL, cross_entropy="liger"), device="cpu")
+    assert err.value.key == "model.cross_entropy" and "chunked" in str(err.value)
+    monkeypatch.setattr(backends, "liger_version", lambda: None)
+    with pytest.raises(RunnerError, match="liger-kernel is not installed; nothing is downloaded") as err:
+        backends.apply_runtime_settings(MI300X_HW, replace(MODEL, kernels="liger"), device=MI300X)
+    assert err.value.key == "model.kernels"
+    plain = backends.apply_runtime_settings(CPU_HW, MODEL, device="cpu")
+    assert (plain["kernels"], plain["cross_entropy"], plain["compile_scope"]) == ("none", "plain", None)
+
+
 def test_fused_adamw_request_is_honoured_or_refused(monkeypatch):
     record = backends.apply_runtime_settings(CPU_HW, MODEL, optim_cfg=FUSED, device="cpu")
     assert record["fused_adamw_available"] is True and record["adamw_fused"] is True

@@ -153,11 +153,19 @@ def test_memory_by_hand_and_the_fit_verdict():
     n = params_of_config(typed(cfg)).all
     mem = memory_per_device(typed(cfg))
     assert mem["model_state_total_bytes"] == 18 * n
-    s, b, h, kv, f, v = 128, 4, 64, 32, 172, 4096
-    layer = s * b * (6 * h + 2 * kv + 4 * f)
-    head = s * b * v * (2 + 8)
-    assert mem["activation_bytes_full"] == 2 * layer * 2 + head
-    assert mem["activation_bytes_checkpointed"] == (2 * s * b * h + layer) * 2 + head
+    s, b, h, kv, f, v, heads = 128, 4, 64, 32, 172, 4096, 4
+    # bytes per token under bf16 autocast: fp32 residual stream and norms, bf16 matmul inputs
+    norm = 4 * h + 4 + 4 * h
+    attention = norm + 3 * 2 * h + 2 * h + 2 * 2 * kv + 4 * heads + 2 * h
+    mlp = norm + 2 * 2 * h + 4 * 2 * f
+    head = norm + 2 * h + 4 * v + 9  # lm_head input, log-softmax, targets, mask
+    rope = 2 * s * (h // heads) * 4
+    saved = s * b * (2 * (attention + mlp) + head + 8) + rope
+    transient = 8 * v * s * b  # the plain loss's backward: two fp32 [tokens, vocab] gradients
+    assert mem["activation_bytes_saved"] == saved
+    assert mem["activation_bytes_full"] == saved + transient
+    checkpointed = s * b * (2 * 4 * h + head + 8) + s * b * (attention + mlp) + rope + transient
+    assert mem["activation_bytes_checkpointed"] == checkpointed
     assert mem["fits"]
     # room for the state and checkpointed activations, not for the full activations
     cfg["hardware"]["memory_gib"] = (18 * n + mem["activation_bytes_checkpointed"] + 1) / 2**30

@@ -200,6 +200,9 @@ SHIPPED_FINGERPRINTS = {
     "1p3b.yaml": "d451b5bdd485a300fcc755b92193856231bba2a8e018c550a17aa886ce423ba4",
     "cpu-tiny-fsdp.yaml": "44dd4132a8054a99c8062b5cfc8e99da0992ca39819da950d5e2ae7c9ed7e355",
     "cpu-tiny.yaml": "4f70b16fe06fec74b7cd229c09683bf5eb96022517ab5cca3a4d29ac512799b4",
+    "gpu-smoke.yaml": "7e4dd2c9e26b2896688d5fecc657b770c20aeee5bca55c70de9921484e06d828",
+    "gpu-smoke-cpu.yaml": "3228df23e48e0ed70c81b4d73feb75e376a7afa38152d1abe2619b0ecea5d403",
+    "gpu-smoke-liger.yaml": "b696307c73487c41e388e9c35e68d04f7fb01bbdf5c47a4619d850b4ed264229",
 }
 
 

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from runner.config.schema import ABSENT_WHEN_NULL, LABEL_KEYS, OPERATIONAL_KEYS, ExperimentSchema
+from runner.config.schema import ABSENT_WHEN_NULL, LABEL_KEYS, OMITTED_AT_DEFAULT, OPERATIONAL_KEYS, ExperimentSchema
 from runner.errors import RunnerError, join_key
 from runner.fsio import canonical_json
 
@@ -40,15 +40,28 @@ def _strip_labels(node: Any) -> Any:
     return node
 
 
+def _drop_at_default(data: dict) -> None:
+    """Keys added after runs were recorded mean nothing new while they hold their default."""
+    for dotted, default in OMITTED_AT_DEFAULT.items():
+        *parents, leaf = dotted.split(".")
+        node: Any = data
+        for k in parents:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node and node[leaf] == default:
+            del node[leaf]
+
+
 def canonical_meaning(cfg: ExperimentSchema | dict[str, Any]) -> dict[str, Any]:
     """What the experiment trains: the resolved config (typed, or as saved in a checkpoint) less
-    labels, operational keys and the optional sections that are null (ABSENT_WHEN_NULL)."""
+    labels, operational keys, the optional sections that are null (ABSENT_WHEN_NULL) and the keys
+    of OMITTED_AT_DEFAULT that hold their default."""
     data = dataclasses.asdict(cfg) if isinstance(cfg, ExperimentSchema) else json.loads(json.dumps(cfg))
     data = _strip_labels(data)
     for key in OPERATIONAL_KEYS:
         _drop(data, key.split("."))
     for key in ABSENT_WHEN_NULL:
         _drop(data, key.split("."), only_null=True)
+    _drop_at_default(data)
     return data
 
 

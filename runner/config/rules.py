@@ -77,6 +77,7 @@ def validate_experiment(
         return []  # the rules below compare numbers: NaN and 10**30 would only confuse them
     cfg.validate(problems, path)
     check_device_peak(cfg.hardware, path, problems)
+    check_speed_options(cfg, path, problems)
     check_manifests_match_mixture(cfg, path, problems)
     notes = check_tokenizer_pin(cfg.tokenizer, path, root, problems, check_files=check_files)
     notes += [
@@ -97,6 +98,20 @@ def unresolved_revisions(cfg: ExperimentSchema) -> list[tuple[str, HubFiles]]:
     assets: list[tuple[str, HubFiles | None]] = [("tokenizer.hub.revision", cfg.tokenizer.hub)]
     assets += [(f"mixture.domains.{d}.source.revision", s.source) for d, s in cfg.mixture.domains.items()]
     return [(key, hub) for key, hub in assets if hub is not None and not COMMIT_HEX.match(str(hub.revision))]
+
+
+def check_speed_options(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:
+    """Liger's Triton kernels need a GPU: refused for a CPU hardware recipe."""
+    if cfg.hardware.accelerator != "cpu":
+        return
+    for key in ("kernels", "cross_entropy"):
+        if getattr(cfg.model, key) == "liger":
+            problems.add(
+                path,
+                f"model.{key}",
+                "liger's Triton kernels need a CUDA or ROCm GPU and this recipe runs on cpu"
+                + ("; cross_entropy: chunked is the runner's own fused loss" if key == "cross_entropy" else ""),
+            )
 
 
 #: int64: what torch, numpy and safetensors hold; a larger integer overflows them.

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from runner.errors import Problems, join_key
 
@@ -44,9 +45,14 @@ Accelerator = Literal["cpu", "cuda", "rocm"]
 Precision = Literal["bf16", "fp32"]
 Distributed = Literal["none", "ddp", "fsdp"]
 CpuPeak = Literal["theoretical", "measured"]
+CompileScope = Literal["model", "regional"]
+Kernels = Literal["none", "liger"]
+CrossEntropy = Literal["plain", "chunked", "liger"]
+MicroBatchPolicy = Literal["fixed", "auto"]
 RepoType = Literal["model", "dataset"]
 
 File = Path | str | None
+S = TypeVar("S")
 
 
 class Section:
@@ -208,6 +214,12 @@ class ModelRecipe(Recipe):
     activation_checkpointing: bool = False  #: recompute each layer's forward in backward (less memory; HFU reported)
     compile: bool = False  #: torch.compile the model
     compile_mode: CompileMode = "default"  #: torch.compile mode: default | reduce-overhead | max-autotune
+    #: with compile: true, what is compiled: model (one graph) | regional (each decoder layer alone: same kernels, minutes less to compile)
+    compile_scope: CompileScope = "model"
+    #: none | liger (Liger's Triton RMSNorm, SwiGLU and RoPE; CUDA/ROCm only, refused on CPU)
+    kernels: Kernels = "none"
+    #: LM head + loss: plain (fp32 logits [batch, seq, vocab]) | chunked (the runner's: head and loss per chunk of tokens, full logits never exist) | liger (Liger's fused linear cross-entropy; CUDA/ROCm only)
+    cross_entropy: CrossEntropy = "plain"
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
@@ -236,6 +248,10 @@ class ModelRecipe(Recipe):
                 file,
                 join_key(prefix, "sdpa_kernel"),
                 f"only applies to attn_implementation sdpa, not {self.attn_implementation}",
+            )
+        if self.compile_scope != "model" and not self.compile:
+            problems.add(
+                file, join_key(prefix, "compile_scope"), f"{self.compile_scope} applies only with model.compile: true"
             )
 
 
@@ -339,10 +355,18 @@ class TrainSection(Section):
     seq_len: int = MISSING  #: L: input positions per sample
     global_batch_sequences: int = MISSING  #: sequences per optimizer step, all devices
     micro_batch_sequences: int = MISSING  #: sequences per forward/backward on one device
+    #: fixed | auto (the largest micro batch <= micro_batch_sequences that divides the per-device batch and that the memory plan fits on the device)
+    micro_batch_policy: MicroBatchPolicy = "fixed"
     exposure_tokens: int = MISSING  #: the exposure budget: a whole number of global batches
     max_duration_tokens: int | None = None  #: lr-schedule length; null = exposure_tokens
     hard_stop_tokens: int | None = None  #: stop early without changing the schedule
     log_interval_steps: int = 1  #: MLflow metrics every this many steps (metrics/train.jsonl logs every step)
+    prefetch_batches: int = (
+        1  #: global batches read ahead in a background thread while a step trains (0 = read in the step)
+    )
+    system_metrics_interval_seconds: float = (
+        10.0  #: period of the GPU/CPU utilisation, memory and power samples (0 = off)
+    )
     checkpoint: CheckpointSection = field(
         default_factory=CheckpointSection
     )  #: when checkpoints are written (operational: not in the fingerprint)
@@ -377,6 +401,18 @@ class TrainSection(Section):
                 file,
                 join_key(prefix, "hard_stop_tokens"),
                 f"must be in (0, exposure_tokens], got {self.hard_stop_tokens:,}",
+            )
+        if self.prefetch_batches < 0:
+            problems.add(
+                file,
+                join_key(prefix, "prefetch_batches"),
+                f"must be >= 0 (0 reads in the step), got {self.prefetch_batches}",
+            )
+        if not self.system_metrics_interval_seconds >= 0:
+            problems.add(
+                file,
+                join_key(prefix, "system_metrics_interval_seconds"),
+                f"must be >= 0 (0 = off), got {self.system_metrics_interval_seconds}",
             )
 
 
@@ -498,9 +534,41 @@ OPERATIONAL_KEYS = (
     "train.hard_stop_tokens",
     "train.checkpoint",
     "train.log_interval_steps",
+    "train.prefetch_batches",
+    "train.system_metrics_interval_seconds",
     "eval.interval_steps",
 )
 #: optional sections left out of the fingerprint while null, so that adding them to the schema kept
 #: every existing experiment's fingerprint; once set (a Hub commit), they are part of what is trained.
 ABSENT_WHEN_NULL = ("tokenizer.hub", "mixture.domains.*.source")
+#: keys added after runs were recorded, left out of the fingerprint while they hold this value (what
+#: every earlier run did), so adding them moved no fingerprint; any other value is part of the meaning.
+OMITTED_AT_DEFAULT = {
+    "model.compile_scope": "model",
+    "model.kernels": "none",
+    "model.cross_entropy": "plain",
+    "train.micro_batch_policy": "fixed",
+}
 LABEL_KEYS = ("name", "version", "description")
+
+
+def from_plain(schema: type[S], data: Mapping[str, Any]) -> S:
+    """A schema dataclass from plain data, every key it lacks at its default; no validation and no
+    OmegaConf (for scripts that carry only torch, and for callers holding a plain resolved config)."""
+    hints = typing.get_type_hints(schema)
+    kwargs: dict[str, Any] = {}
+    for k, v in data.items():
+        if k not in hints:
+            continue
+        typ = hints[k]
+        args = typing.get_args(typ)
+        if type(None) in args:
+            typ = next(a for a in args if a is not type(None))
+        if isinstance(v, Mapping) and isinstance(typ, type) and is_dataclass(typ):
+            v = from_plain(typ, v)
+        elif isinstance(v, Mapping) and typing.get_origin(typ) is dict:
+            item = typing.get_args(typ)[1]
+            if isinstance(item, type) and is_dataclass(item):
+                v = {name: from_plain(item, x) if isinstance(x, Mapping) else x for name, x in v.items()}
+        kwargs[k] = v
+    return schema(**kwargs)

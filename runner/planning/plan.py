@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config.rules import devices
-from runner.config.schema import ExperimentSchema
+from runner.config.schema import ExperimentSchema, from_plain
 from runner.data.manifest import load_manifest, num_samples
 from runner.data.mixture import plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError
@@ -39,11 +39,11 @@ REPETITION_WARN_EPOCHS = 4.0
 TOKEN_DTYPE_BYTES = {"uint16": 2, "uint32": 4}
 #: what memory_per_device counts, by hardware.precision
 MEMORY_ASSUMPTIONS = {
-    "bf16": "bf16 mixed: fp32 master weights + fp32 grads + 2 fp32 AdamW moments "
-    "+ transient bf16 weight copies; activations per Korthikanti et al. 2022 "
-    "method for a Llama block with fused attention; no framework overhead",
-    "fp32": "fp32: weights + grads + 2 AdamW moments at 4 B; activations per Korthikanti "
-    "et al. 2022 method at 4 B; no framework overhead",
+    "bf16": "bf16 mixed: fp32 master weights + fp32 grads + 2 fp32 AdamW moments + bf16 weight copies; "
+    "activations as autograd saves them (calibrated: saved-tensor probe, exact on CPU) + the loss's "
+    "peak; no CUDA context or allocator fragmentation",
+    "fp32": "fp32: weights + grads + 2 AdamW moments at 4 B; activations as autograd saves them "
+    "(calibrated: saved-tensor probe, exact on CPU) + the loss's peak; no framework overhead",
 }
 
 
@@ -92,47 +92,122 @@ def effective_tokens(unique_tokens: float, epochs: float, r_star: float = REPETI
 
 
 # ---------------------------------------------------------------- memory
-def memory_per_device(cfg: ExperimentSchema) -> dict[str, Any]:
+#: share of the device's memory the automatic micro batch may plan to fill: the rest is for what the
+#: plan does not count (CUDA context, allocator fragmentation, communication buffers)
+AUTO_MICRO_BATCH_MEMORY_FRACTION = 0.9
+CHUNKED_LOSS_TOKENS = 1024  # runner.training.loss.CHUNK_TOKENS (planning never imports the trainer)
+
+
+def as_schema(cfg: ExperimentSchema | Mapping[str, Any]) -> ExperimentSchema:
+    """The typed config of a resolved experiment given as plain data (a saved experiment.yaml, a bench
+    script's shape), the schema's defaults under it; a typed config as it is."""
+    return cfg if isinstance(cfg, ExperimentSchema) else from_plain(ExperimentSchema, cfg)
+
+
+def saved_activation_bytes(
+    cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None, checkpointing: bool | None = None
+) -> dict[str, float]:
+    """Bytes autograd saves for the backward during one training forward of a micro batch, by part.
+
+    Counted tensor by tensor for transformers' Llama as the trainer runs it (calibrated against
+    runner.training.memprobe, the saved-tensor probe: exact on CPU in fp32 and bf16 autocast, with
+    sdpa and eager attention, plain and chunked loss, with and without checkpointing). Per token,
+    with c the compute dtype's bytes (bf16 autocast 2, fp32 4); the residual stream and the RMSNorms
+    stay fp32 under autocast (4 bytes):
+      RMSNorm:   4h input + 4 rsqrt + 4h normalised product
+      attention: norm + q,k,v inputs (3 casts of c*h under autocast, one fp32 tensor without)
+                 + q c*h + k, v c*kv each + 4*heads logsumexp + c*h output (the o_proj input)
+                 eager instead: k, v repeated to h each + softmax (4 + c under autocast, 4 without)
+                 * heads * seq_len, no logsumexp
+      mlp:       norm + gate, up inputs (2 casts under autocast) + gate, up, silu, product c*f each
+      head:      norm + plain: lm_head input c*h, log-softmax 4*V, targets 8, mask 1;
+                 chunked/liger: d/dhidden 4h (+ d/dW 4*V*h, once per micro batch)
+      input ids 8; RoPE cos and sin, 2 * seq_len * head_dim * 4, once per micro batch.
+    With activation checkpointing each layer keeps only its input (4h) and the layer being
+    recomputed holds its own tensors again (`recompute_layer`). Liger's kernels (`model.kernels:
+    liger`) save no normalised product and no silu output: estimated from Liger's source, to be
+    measured on a GPU (bench/device_check.sh). Not counted: autocast's bf16 weight copies (model
+    state), the parameters themselves."""
+    cfg = as_schema(cfg)
+    model, train, hw = cfg.model, cfg.train, cfg.hardware
+    counts = params_of_config(cfg)
+    s = train.seq_len
+    b = micro_batch if micro_batch is not None else train.micro_batch_sequences
+    h, f, heads = model.hidden_size, model.intermediate_size, model.n_heads
+    kv = model.n_kv_heads * (h // heads)
+    vocab = counts.embedding // h
+    autocast = hw.precision == "bf16" and hw.accelerator != "cpu"
+    c = 2 if autocast else 4
+    liger = model.kernels == "liger"
+    norm = 4 * h + 4 + (0 if liger else 4 * h)
+    if model.attn_implementation == "eager":
+        scores = (4 + (c if autocast else 0)) * heads * s
+        attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * h + scores + c * h
+    else:
+        attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * kv + 4 * heads + c * h
+    mlp = norm + (2 if autocast else 1) * c * h + (3 if liger else 4) * c * f
+    layer = attention + mlp
+    plain = model.cross_entropy == "plain"
+    head_per_token = norm + (c * h + 4 * vocab + 9 if plain else 4 * h)
+    head_fixed = 0 if plain else 4 * vocab * h
+    tokens = s * b
+    rope = 2 * s * (h // heads) * 4
+    checkpointing = model.activation_checkpointing if checkpointing is None else checkpointing
+    layers = counts.n_layers * (4 * h if checkpointing else layer) * tokens
+    return {
+        "layers": float(layers),
+        "head": float(head_per_token * tokens + head_fixed),
+        "input_ids": float(8 * tokens),
+        "rope": float(0 if checkpointing else rope),
+        "recompute_layer": float(layer * tokens + rope if checkpointing else 0),
+        "total": float(layers + head_per_token * tokens + head_fixed + 8 * tokens + (0 if checkpointing else rope)),
+    }
+
+
+def head_transient_bytes(cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None) -> float:
+    """Bytes alive at the loss's peak beyond what is saved: plain cross-entropy's backward holds the
+    gradient of the log-softmax and of its input, fp32 [tokens, vocab] each, next to the saved
+    log-softmax; the chunked and Liger losses hold one chunk's logits and gradient."""
+    cfg = as_schema(cfg)
+    vocab = params_of_config(cfg).embedding // cfg.model.hidden_size
+    tokens = cfg.train.seq_len * (micro_batch if micro_batch is not None else cfg.train.micro_batch_sequences)
+    if cfg.model.cross_entropy == "plain":
+        return float(8 * vocab * tokens)
+    return float(12 * vocab * min(tokens, CHUNKED_LOSS_TOKENS))
+
+
+def memory_per_device(cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None) -> dict[str, Any]:
     """Bytes per device of model state and activations, with the assumptions stated in the result.
 
     Model state (per parameter): bf16 mixed precision keeps fp32 master weights (4 B), fp32
     grads (4 B), AdamW's two fp32 moments (8 B), plus bf16 copies of the weights that autocast
-    makes for the matmuls (2 B, an upper bound: they are transient); fp32 drops the copies.
+    makes for the matmuls (2 B: saved for the backward, so alive through it); fp32 drops the copies.
     FSDP (full shard) divides model state by the devices; DDP and single device hold it all.
 
-    Activations per layer: the method of Korthikanti et al. 2022 (sec. 4.1: count every tensor
-    autograd saves) applied to this Llama block, with a fused attention kernel (sdpa/flash: no
-    s^2 score matrix is stored) and no dropout, in elements of the compute dtype:
-      attention: s*b*(4h + 2*kv)   (norm input, qkv input, q, k, v, attention output)
-      mlp:       s*b*(2h + 4f)     (norm input, gate/up input, gate, silu(gate), up, product)
-    eager attention adds the softmax output a*s^2*b. With activation checkpointing each layer keeps
-    only its input (s*b*h) and one layer's activations are live during its recompute.
-    The head adds s*b*V for logits plus two fp32 s*b*V tensors (upcast, log-softmax) for the loss.
-    Not counted: CUDA context, allocator fragmentation, communication buffers.
+    Activations: `saved_activation_bytes` (what autograd keeps, calibrated against the saved-tensor
+    probe) plus `head_transient_bytes` (the loss's peak). With activation checkpointing, the layer
+    inputs, one recomputed layer and the head. `micro_batch` overrides the recipe's (the automatic
+    micro batch asks what each candidate needs). Not counted: CUDA context, allocator
+    fragmentation, communication buffers (AUTO_MICRO_BATCH_MEMORY_FRACTION leaves room for them).
     """
-    model, train, hw = cfg.model, cfg.train, cfg.hardware
+    cfg = as_schema(cfg)
+    train, hw = cfg.train, cfg.hardware
     counts = params_of_config(cfg)
     n_params = counts.all
     precision = hw.precision
-    act_bytes = 2 if precision == "bf16" else 4
     state_bytes_per_param = {"weights (fp32 master)": 4, "grads (fp32)": 4, "adamw moments (2 x fp32)": 8}
     if precision == "bf16":
         state_bytes_per_param["bf16 autocast weight copies"] = 2
     shard = devices(cfg) if hw.distributed == "fsdp" else 1
     state = {k: v * n_params / shard for k, v in state_bytes_per_param.items()}
 
-    s, b = train.seq_len, train.micro_batch_sequences
-    h, f, a = model.hidden_size, model.intermediate_size, model.n_heads
-    kv = model.n_kv_heads * (h // a)
-    vocab_rows = counts.embedding // h
-    layer_elems = s * b * (6 * h + 2 * kv + 4 * f)
-    if model.attn_implementation == "eager":
-        layer_elems += a * s * s * b
-    head_bytes = s * b * vocab_rows * (act_bytes + 4 + 4)
-    layers = counts.n_layers
-    full = layers * layer_elems * act_bytes + head_bytes
-    checkpointed = (layers * s * b * h + layer_elems) * act_bytes + head_bytes
-    checkpointing = model.activation_checkpointing
+    b = micro_batch if micro_batch is not None else train.micro_batch_sequences
+    checkpointing = cfg.model.activation_checkpointing
+    transient = head_transient_bytes(cfg, b)
+    saved_full = saved_activation_bytes(cfg, b, checkpointing=False)
+    saved_ckpt = saved_activation_bytes(cfg, b, checkpointing=True)
+    full = saved_full["total"] + transient
+    checkpointed = saved_ckpt["total"] + saved_ckpt["recompute_layer"] + transient
     activations = checkpointed if checkpointing else full
     state_total = sum(state.values())
     total = state_total + activations
@@ -143,18 +218,53 @@ def memory_per_device(cfg: ExperimentSchema) -> dict[str, Any]:
         "params": n_params,
         "model_state_bytes": state,
         "model_state_total_bytes": state_total,
+        "activation_bytes_saved": (saved_ckpt if checkpointing else saved_full)["total"],
+        "head_transient_bytes": transient,
         "activation_bytes_full": full,
         "activation_bytes_checkpointed": checkpointed,
         "activation_checkpointing": checkpointing,
         "activation_bytes": activations,
         "micro_batch_sequences": b,
-        "seq_len": s,
+        "seq_len": train.seq_len,
+        "cross_entropy": cfg.model.cross_entropy,
         "total_bytes": total,
         "capacity_bytes": capacity,
         "fits": bool(capacity) and total <= capacity,
         "fits_with_checkpointing": bool(capacity) and state_total + checkpointed <= capacity,
         "assumptions": MEMORY_ASSUMPTIONS[precision],
     }
+
+
+def choose_micro_batch(
+    cfg: ExperimentSchema | Mapping[str, Any], world: int, device_bytes: int | None = None
+) -> tuple[int, str]:
+    """`train.micro_batch_policy: auto`: the largest micro batch <= train.micro_batch_sequences that
+    divides the per-device batch and whose planned memory fits AUTO_MICRO_BATCH_MEMORY_FRACTION of the
+    device (the hardware recipe's memory_gib, or what the device really holds when smaller).
+    Returns it and one line saying why; none fitting is a RunnerError (the global batch never changes)."""
+    cfg = as_schema(cfg)
+    per_device = cfg.train.global_batch_sequences // world
+    cap = cfg.train.micro_batch_sequences
+    capacity = (cfg.hardware.memory_gib or 0) * GIB
+    if device_bytes:
+        capacity = min(capacity, float(device_bytes)) if capacity else float(device_bytes)
+    budget = capacity * AUTO_MICRO_BATCH_MEMORY_FRACTION
+    candidates = [m for m in range(min(cap, per_device), 0, -1) if per_device % m == 0]
+    for m in candidates:
+        need = memory_per_device(cfg, m)["total_bytes"]
+        if need <= budget:
+            return m, (
+                f"auto: micro batch {m} of <= {cap} (per-device batch {per_device}): planned "
+                f"{need / GIB:,.1f} GiB of {budget / GIB:,.1f} GiB ({AUTO_MICRO_BATCH_MEMORY_FRACTION:.0%} "
+                f"of {capacity / GIB:,.1f} GiB)"
+            )
+    smallest = memory_per_device(cfg, 1)["total_bytes"]
+    raise RunnerError(
+        f"micro_batch_policy auto: even micro batch 1 plans {smallest / GIB:,.1f} GiB, over "
+        f"{budget / GIB:,.1f} GiB ({AUTO_MICRO_BATCH_MEMORY_FRACTION:.0%} of {capacity / GIB:,.1f} GiB): turn on "
+        "model.activation_checkpointing, shard with hardware.distributed: fsdp, or use a larger device",
+        key="train.micro_batch_sequences",
+    )
 
 
 # ---------------------------------------------------------------- mixture
@@ -466,6 +576,7 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
     for k, v in mem["model_state_bytes"].items():
         _row(out, k, _gib(v))
     _row(out, "activations (no checkpointing)", _gib(mem["activation_bytes_full"]))
+    _row(out, f"  of which the loss's peak ({mem['cross_entropy']})", _gib(mem["head_transient_bytes"]))
     _row(out, "activations (checkpointing)", _gib(mem["activation_bytes_checkpointed"]))
     _row(out, "total (as configured)", _gib(mem["total_bytes"]), note=f"of {_gib(mem['capacity_bytes'])}")
     verdict = "fits"

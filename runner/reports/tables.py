@@ -305,7 +305,21 @@ def final_losses(validation: pd.DataFrame) -> dict[str, float]:
     return {str(r.domain): float(r.loss_nats) for r in last.itertuples(index=False)}
 
 
-def render_markdown(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, manifests: dict[str, dict]) -> str:
+def device_busy_line(run: dict | None, mfu: float) -> str:
+    """The report's line beside MFU: how busy the device was (run.json `system`), and what that measures."""
+    system = (run or {}).get("system") or {}
+    if system.get("device_busy") is None:
+        return "- Device busy: not recorded (a run before system metrics, or train.system_metrics_interval_seconds: 0)."
+    return (
+        f"- Device busy {100 * system['device_busy']:.3g}% beside MFU {100 * mfu:.3g}%: mean of {system.get('device_busy_samples')} "
+        f"samples of {system.get('device_busy_source')}. Busy is not efficient: MFU is the share of the peak the "
+        "model's FLOPs used."
+    )
+
+
+def render_markdown(
+    tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, manifests: dict[str, dict], run: dict | None = None
+) -> str:
     s = tables["run_summary"].iloc[0]
     acct = tables["accounting"]
     model, recipes = cfg.model, cfg.recipes
@@ -377,6 +391,7 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, mani
             if s.hfu == s.hfu
             else "."
         ),
+        device_busy_line(run, float(s.mfu)),
         f"- FLOPs per token {s.flops_per_token:.4g} ({s.flops_formula}, params {s.params_counted}).",
         f"- {s.devices} x {s.device_name} at ${s.price_per_device_hour:.2f}/device-hour: "
         f"${s.cost_per_billion_useful_tokens:.4g} per billion useful tokens.",
@@ -505,7 +520,7 @@ def write_report(run_dir: str | Path) -> Path:
     shutil.copy2(run_dir / "run.json", out / "run.json")
     for d in domains:
         shutil.copy2(run_dir / "manifests" / f"{d}.json", out / "manifests" / f"{d}.json")
-    (out / "report.md").write_text(render_markdown(tables, cfg, manifests))
+    (out / "report.md").write_text(render_markdown(tables, cfg, manifests, read_json(run_dir / "run.json")))
     write_plots(tables, out)
     return out
 
@@ -521,7 +536,8 @@ def render_report_dir(report_dir: str | Path) -> Path:
     cfg = load_saved_experiment(report_dir / "experiment.yaml").config
     domains = sorted(cfg.mixture.domains)
     manifests = read_manifest_copies(report_dir / "manifests", domains)
-    (report_dir / "report.md").write_text(render_markdown(tables, cfg, manifests))
+    run = read_json(report_dir / "run.json") if (report_dir / "run.json").exists() else None
+    (report_dir / "report.md").write_text(render_markdown(tables, cfg, manifests, run))
     write_plots(tables, report_dir)
     return report_dir
 

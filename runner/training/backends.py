@@ -4,7 +4,7 @@ Owns: which accelerator this process runs on (real, or simulated through RUNNER_
 CPU tests can stand in for an H200 or an MI300X), whether a requested attention implementation can
 run there, turning the hardware/model recipe flags into torch settings (TF32, fused AdamW, pinned
 memory, torch.compile) and the accelerate mixed-precision string. Returns a plain record of what was
-applied, which the trainer logs with the run.
+applied (kernels, loss path and compile scope included), which the trainer logs with the run.
 Never: installs or downloads anything (transformers' hub "kernels" fallback included), falls back
 to another attention backend than the one asked for, or holds a table of device peaks (that is
 runner.planning.hardware's). Imports only torch, runner.errors, runner.config.schema and
@@ -386,7 +386,11 @@ def _compile_record(model_cfg: ModelRecipe, dev: DeviceIdentity, file: str | Non
             file=file,
             key="model.compile",
         )
-    return {"compile": compile_on, "compile_mode": model_cfg.compile_mode if compile_on else None}
+    return {
+        "compile": compile_on,
+        "compile_mode": model_cfg.compile_mode if compile_on else None,
+        "compile_scope": model_cfg.compile_scope if compile_on else None,
+    }
 
 
 def apply_runtime_settings(
@@ -439,7 +443,69 @@ def apply_runtime_settings(
     pin = hardware_cfg.pin_memory and is_gpu(run_dev)
     record.update(pin_memory=pin, non_blocking=pin)
     record.update(_compile_record(model_cfg, run_dev, file))
+    record.update(_kernel_record(model_cfg, run_dev, file))
     return record
+
+
+def _kernel_record(model_cfg: ModelRecipe, dev: DeviceIdentity, file: str | None) -> dict[str, Any]:
+    """`model.kernels` and `model.cross_entropy`, checked for this device: Liger's Triton kernels
+    run on CUDA and ROCm only, and a missing or broken liger-kernel is an error, never a fallback."""
+    kernels, cross_entropy = model_cfg.kernels, model_cfg.cross_entropy
+    wants = [k for k, v in (("kernels", kernels), ("cross_entropy", cross_entropy)) if v == "liger"]
+    version = None
+    if wants:
+        if not is_gpu(dev):
+            raise RunnerError(
+                f"liger's Triton kernels need a CUDA or ROCm GPU, this run is on {describe(dev)}; "
+                + (
+                    "use cross_entropy: chunked (the runner's own fused loss)"
+                    if wants == ["cross_entropy"]
+                    else "use none"
+                ),
+                file=file,
+                key=f"model.{wants[0]}",
+            )
+        version = liger_version()
+        if version is None:
+            raise RunnerError(
+                "liger-kernel is not installed; nothing is downloaded. Install: pip install liger-kernel; "
+                "or set model.kernels: none and model.cross_entropy: chunked",
+                file=file,
+                key=f"model.{wants[0]}",
+            )
+    return {"kernels": kernels, "cross_entropy": cross_entropy, "liger_kernel_version": version}
+
+
+#: runtime record keys that say how the FLOPs were executed: the MFU convention record carries them too
+EXECUTION_KEYS = (
+    "attn_implementation",
+    "sdpa_kernel",
+    "kernels",
+    "cross_entropy",
+    "compile",
+    "compile_scope",
+    "adamw_fused",
+    "mixed_precision",
+    "micro_batch_sequences",
+    "prefetch_batches",
+)
+
+
+def execution_record(runtime: dict[str, Any], device_busy_source: str) -> dict[str, Any]:
+    """How a run executed its FLOPs (its flops_per_token is the same whatever they are) and what its
+    device-busy figure measures: the part of the runtime record the MFU convention record repeats."""
+    return {**{k: runtime.get(k) for k in EXECUTION_KEYS}, "device_busy_source": device_busy_source}
+
+
+def liger_version() -> str | None:
+    """The installed liger-kernel's version, None when absent (its import is left to the model)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+
+    try:
+        return dist_version("liger-kernel")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def restore_default_settings() -> None:

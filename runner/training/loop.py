@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from runner.config.load import Experiment
 from runner.config.rules import grad_accum, max_duration_tokens, total_steps
@@ -33,14 +32,23 @@ from runner.data.tokenizer import load_tokenizer, token_byte_lengths
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.planning import hardware
 from runner.planning.flops import Convention, flops_per_token, hfu_convention, hfu_flops_per_token
+from runner.planning.plan import choose_micro_batch
 from runner.runs import RunFolder, write_ledger_json
 from runner.training import evaluate
-from runner.training.backends import SHARD_RUNNER_CPU, apply_runtime_settings, shard_fsdp2_cpu, sharding_mode
+from runner.training.backends import (
+    SHARD_RUNNER_CPU,
+    apply_runtime_settings,
+    execution_record,
+    shard_fsdp2_cpu,
+    sharding_mode,
+)
 from runner.training.callbacks import Callback, MetricsFiles, TrackingCallback, TrainingProgress
 from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
+from runner.training.prefetch import Prefetcher
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
+from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
 from runner.training.tracking import Tracker
 
 if TYPE_CHECKING:
@@ -154,6 +162,9 @@ class _Run:
             raise RuntimeError("the peak is read before _conventions resolved it")
         return self.peak.peak_tflops
 
+    batches: Prefetcher | None = None  # of _HostBatch, one per step of this attempt
+    system: SystemMetricsCallback | None = None  # when system metrics are on
+
     @property
     def cfg(self):
         return self.exp.config
@@ -209,6 +220,33 @@ class _Step:
     useful_tokens: float
 
 
+@dataclass
+class _HostBatch:
+    """The host's part of a step, all computed before the step (in the prefetch thread)."""
+
+    global_pairs: np.ndarray  # the whole global batch [B, 2]
+    tensors: tuple  # this rank's input_ids, labels, loss_mask [accum * micro, L] (pinned on a GPU run)
+    useful: torch.Tensor  # float64 [domains]: this rank's useful targets per domain
+    processed: list  # per micro step: input positions per domain, all ranks
+
+
+def _read_step(run: _Run, step: int) -> _HostBatch:
+    """The global batch of `step`, drawn as the sampler's rank_slice cuts it: contiguous
+    [rank][micro step][sequence] blocks. This rank reads its block; processed counts every rank's."""
+    data = run.data
+    global_pairs = np.stack(data.sampler.step_arrays(step), axis=1)
+    grid = global_pairs.reshape(run.world, run.accum, run.micro, 2)
+    batch = data.reader.read(grid[run.rank])
+    tensors = tuple(torch.as_tensor(a) for a in (batch.input_ids, batch.labels, batch.loss_mask))
+    if run.pin:
+        # Page-locked memory makes the copy to the device asynchronous: it overlaps the step's start.
+        tensors = tuple(t.pin_memory() for t in tensors)
+    useful = torch.zeros(len(data.domains), dtype=torch.float64)
+    useful.index_add_(0, torch.as_tensor(batch.domain_ids), tensors[2].sum(1).double())
+    processed = [domain_positions(grid[:, m], data.domains, run.seq_len) for m in range(run.accum)]
+    return _HostBatch(global_pairs, tensors, useful, processed)
+
+
 class _StopFlag:
     def __init__(self):
         self.signum = None
@@ -259,6 +297,13 @@ def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _device_memory_bytes(acc) -> int | None:
+    """What the GPU this process uses really holds (the recipe's memory_gib may name a larger part)."""
+    if acc.device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(acc.device).total_memory)
+
+
 def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume."""
     cfg, world = exp.config, acc.num_processes
@@ -272,6 +317,16 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
 
     runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
     sharding = runtime["sharding"] = sharding_mode(cfg.hardware, acc)
+    if cfg.train.micro_batch_policy == "auto":
+        micro, why = choose_micro_batch(cfg, world, _device_memory_bytes(acc))
+        accum = B // (micro * world)
+        runtime["micro_batch_note"] = why
+    runtime.update(
+        micro_batch_sequences=micro,
+        micro_batch_policy=cfg.train.micro_batch_policy,
+        accumulation_steps=accum,
+        prefetch_batches=cfg.train.prefetch_batches,
+    )
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -398,7 +453,12 @@ def _conventions(run: _Run, tracker) -> None:
         run.peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"], "cpu")
     else:
         run.peak = hardware.resolve_peak(run.cfg.hardware, measure_seconds=run.opts.peak_measure_seconds)
-    conventions = hardware.convention_record(convention, run.peak, run.world, "step")
+    run.system = _system_metrics(run, tracker)
+    busy_source = run.system.monitor.busy_source if run.system is not None else "not measured (interval 0)"
+    conventions = {
+        **hardware.convention_record(convention, run.peak, run.world, "step"),
+        **execution_record(run.runtime, busy_source),
+    }
     hfu_fields: dict[str, Any] = {}
     run.hfu_flops_per_token = hfu_flops_per_token(run.cfg, convention)  # None without activation checkpointing
     if run.hfu_flops_per_token is not None:
@@ -424,6 +484,8 @@ def _conventions(run: _Run, tracker) -> None:
     if run.main:  # end_step is the hard stop here (--max-steps applies later): the ETA names it
         hard_stop = run.end_step if run.end_step < run.natural_end else None
         run.callbacks.append(TrainingProgress(run.start_step, run.natural_end, hard_stop))
+    if run.system is not None:
+        run.callbacks.append(run.system)
     if tracker is not None:
         run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
         tracker.log_tags(
@@ -435,40 +497,42 @@ def _conventions(run: _Run, tracker) -> None:
         )
 
 
-def _to_device(array, device: torch.device, pin: bool) -> torch.Tensor:
-    t = torch.as_tensor(array)
-    if pin:
-        # Page-locked memory makes the copy asynchronous: it overlaps the host work that follows.
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+def _system_metrics(run: _Run, tracker: Tracker | None) -> SystemMetricsCallback | None:
+    """The sampler of device utilisation, memory, power, CPU and RAM, or None when switched off."""
+    return system_callback(
+        float(run.cfg.train.system_metrics_interval_seconds),
+        # A simulated GPU computes on this CPU: its busy figure is the CPU's.
+        "cpu" if run.acc.device.type == "cpu" else run.runtime["device_accelerator"],
+        device_index=run.acc.device.index or 0,
+        torch_threads=torch.get_num_threads(),
+        run_dir=run.folder.path,
+        rank=run.rank,
+        tracker=tracker if run.main else None,
+        log_interval_steps=run.cfg.train.log_interval_steps,
+        report=run.say,
+    )
 
 
 def _train_step(run: _Run, step: int) -> _Step:
     """Forward/backward of one global batch; each micro step's processed work is journaled as it is spent."""
     acc, data, model, opts = run.acc, run.data, run.model, run.opts
-    # The global batch, drawn once per step, as the sampler's rank_slice cuts it: contiguous
-    # [rank][micro step][sequence] blocks. This rank reads its block; processed counts every rank's.
-    global_pairs = np.stack(data.sampler.step_arrays(step), axis=1)
-    grid = global_pairs.reshape(run.world, run.accum, run.micro, 2)
-    batch = data.reader.read(grid[run.rank])
-    x, y, mask = (_to_device(a, acc.device, run.pin) for a in (batch.input_ids, batch.labels, batch.loss_mask))
+    assert run.batches is not None  # made before the first step
+    host = run.batches.get(step)
+    x, y, mask = (t.to(acc.device, non_blocking=run.pin) for t in host.tensors)
     # Useful targets per domain of the whole global batch: the loss divisor and the ledger's useful.
-    useful = torch.zeros(len(data.domains), dtype=torch.float64)
-    useful.index_add_(0, torch.as_tensor(batch.domain_ids), mask.sum(1).double().cpu())
-    useful = _all_reduce(acc, useful.to(acc.device)).cpu()
+    useful = _all_reduce(acc, host.useful.to(acc.device)).cpu() if run.world > 1 else host.useful
     n_useful = float(useful.sum())
     lr = lr_at(step, run.cfg.optim, run.schedule_steps_at(step), run.warmup_steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    processed = [domain_positions(grid[:, m], data.domains, run.seq_len) for m in range(run.accum)]
+    processed = host.processed
     loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
     for m in range(run.accum):
         sl = slice(m * run.micro, (m + 1) * run.micro)
         sync = contextlib.nullcontext() if m == run.accum - 1 else run.no_sync()
         with sync:
-            logits = model(input_ids=x[sl]).logits
-            per_token = F.cross_entropy(logits.float().flatten(0, 1), y[sl].flatten(), reduction="none")
-            summed = (per_token * mask[sl].flatten()).sum()
+            # The head and the loss run inside the model's forward (model.cross_entropy picks how).
+            summed = model(input_ids=x[sl], loss_targets=y[sl], loss_mask=mask[sl])
             if opts.nonfinite_hook is not None:
                 summed = opts.nonfinite_hook(step, summed)
             # x world: DDP averages gradients over ranks; we want sum / global useful.
@@ -502,7 +566,7 @@ def _train_step(run: _Run, step: int) -> _Step:
         loss=loss,
         grad_norm=grad_norm,
         lr=lr,
-        global_pairs=global_pairs,
+        global_pairs=host.global_pairs,
         useful={d: int(useful[i]) for i, d in enumerate(data.domains)},
         useful_tokens=n_useful,
     )
@@ -518,6 +582,7 @@ def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, co
         "lr": s.lr,
         "grad_norm": s.grad_norm,
         "step_seconds": step_seconds,
+        "data_wait_seconds": run.batches.wait_seconds if run.batches is not None else 0.0,
         "wall_seconds": wall_seconds,
         "devices": run.world,
         "tokens_processed": tokens,
@@ -650,6 +715,9 @@ def _attempt(run: _Run, tracker) -> int:
     run.last_saved = run.last_eval = run.start_step
     if opts.max_steps is not None:
         run.end_step = min(run.end_step, run.start_step + int(opts.max_steps))
+    run.batches = Prefetcher(
+        lambda step: _read_step(run, step), run.start_step, run.end_step, run.cfg.train.prefetch_batches
+    )
 
     mix = run.cfg.mixture.domains
     ratios = {d: mix[d].target_ratio for d in run.data.domains}
@@ -714,6 +782,7 @@ def _attempt(run: _Run, tracker) -> int:
             if run.last_saved != run.end_step:
                 _save(run, run.end_step)
     finally:
+        run.batches.close()
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
         if run.journal_file is not None:
@@ -760,9 +829,14 @@ def _finish(run: _Run, exit_code: int) -> None:
         summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
             1, run.cfg.hardware.price_per_device_hour_usd, device_wall_seconds, useful_total
         )
+    system = None
+    if run.system is not None:
+        system = close_and_summarize(run.system, run.acc.wait_for_everyone, run.main)
+    if system is not None and system["device_busy"] is not None:
+        summary["device_busy"] = system["device_busy"]
     if run.main:
         write_ledger_json(run.folder.path, run.ledger)
-        run.folder.update(status=status, **summary)
+        run.folder.update(status=status, **summary, **({"system": system} if system is not None else {}))
     ratios = run.ledger.realized_ratios()
     for cb in run.callbacks:
         cb.on_end(summary, counters, ratios)

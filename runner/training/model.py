@@ -1,21 +1,52 @@
 """Model factory: a transformers Llama built from the resolved model section.
 
-Owns the mapping from recipe keys to `LlamaConfig`, the attention backend check, activation
-checkpointing and compilation. Must never touch the network: no hub download, no kernel fetch;
-a backend that is not installed is a RunnerError.
+Owns the mapping from recipe keys to `LlamaConfig`, the attention backend check, the training
+loss path (`model.cross_entropy`, computed inside the model's forward so DDP and FSDP see one
+call), Liger's kernels (`model.kernels`), activation checkpointing and compilation (whole model or
+per decoder layer). Must never touch the network: no hub download, no kernel fetch; a backend or
+kernel package that is not installed is a RunnerError.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama import modeling_llama
 
 from runner.config.rules import model_vocab_size
 from runner.config.schema import ExperimentSchema
 from runner.errors import RunnerError
+from runner.training import loss as losses
 from runner.training.backends import check_attention_backend
+
+# transformers' own RoPE: Liger replaces this module-level function, so the model built last in a
+# process decides which one runs (a process trains one model; the bench builds them one at a time).
+_HF_ROTARY = modeling_llama.apply_rotary_pos_emb
+
+
+class RunnerLlama(LlamaForCausalLM):
+    """transformers' Llama, whose forward also returns the runner's summed training loss.
+
+    `model(input_ids=x)` is transformers' forward (logits; evaluation uses it).
+    `model(input_ids=x, loss_targets=y, loss_mask=m)` returns sum over m of -log p(y) in fp32,
+    computed by `cross_entropy` (runner.training.loss). Same parameters and names as
+    LlamaForCausalLM, so checkpoints are interchangeable."""
+
+    cross_entropy = "plain"
+
+    def forward(self, input_ids=None, loss_targets=None, loss_mask=None, **kwargs):
+        if loss_targets is None:
+            return super().forward(input_ids=input_ids, **kwargs)
+        if self.cross_entropy == "plain":
+            logits = super().forward(input_ids=input_ids, **kwargs).logits
+            return losses.plain_loss_sum(logits, loss_targets, loss_mask)
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        if self.cross_entropy == "chunked":
+            return losses.chunked_loss_sum(hidden, self.lm_head.weight, loss_targets, loss_mask)
+        return losses.liger_loss_sum(hidden, self.lm_head.weight, loss_targets, loss_mask)
 
 
 def llama_config(cfg: ExperimentSchema) -> LlamaConfig:
@@ -44,21 +75,56 @@ def llama_config(cfg: ExperimentSchema) -> LlamaConfig:
     )
 
 
-def build_model(cfg: ExperimentSchema) -> LlamaForCausalLM:
+def build_model(cfg: ExperimentSchema) -> RunnerLlama:
     """A freshly initialised Llama (weights from torch's current RNG; seed it before calling)."""
     backend = cfg.model.attn_implementation
     # Refuses an unknown or uninstalled backend before transformers could reach for the hub.
     check_attention_backend(backend, "cpu" if cfg.hardware.accelerator == "cpu" else None)
     config = llama_config(cfg)
     # from_config writes the chosen backend into the config it is given: hand it a copy.
-    model = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=backend, dtype=torch.float32)
+    model = RunnerLlama._from_config(copy.deepcopy(config), attn_implementation=backend, dtype=torch.float32)
+    model.cross_entropy = cfg.model.cross_entropy
+    apply_kernels(model, cfg.model.kernels)
     if cfg.model.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
+def apply_kernels(model: LlamaForCausalLM, kernels: str) -> None:
+    """Liger's RMSNorm and SwiGLU on this model's modules, and its RoPE for the process; `none`
+    puts transformers' RoPE back (a model built earlier in the process may have swapped it)."""
+    if kernels == "none":
+        modeling_llama.apply_rotary_pos_emb = _HF_ROTARY
+        return
+    if kernels != "liger":
+        raise RunnerError(f"unknown kernels {kernels!r}; one of none, liger", key="model.kernels")
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: PLC0415  (optional, GPU only)
+    except Exception as exc:  # not installed, or a build that fails to import
+        raise RunnerError(
+            f"liger-kernel is not importable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "nothing is downloaded: pip install liger-kernel, or set model.kernels: none",
+            key="model.kernels",
+        ) from None
+    classes = (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP)
+    apply_liger_kernel_to_llama(
+        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model
+    )
+    # Liger also swaps the module's classes: later models of kernels none must get transformers' own.
+    modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP = classes  # type: ignore[misc]
+
+
 def maybe_compile(model: torch.nn.Module, cfg: ExperimentSchema) -> torch.nn.Module:
-    """torch.compile when the model recipe asks for it (never on by default on CPU tests)."""
-    if cfg.model.compile:
-        model.compile()
+    """torch.compile as the model recipe asks: the whole model as one graph, or each decoder layer
+    alone (`compile_scope: regional`: the 24 layers of 1p3b share one compiled graph, so compiling
+    costs one layer's time, not the model's). Never on by default on CPU tests."""
+    if not cfg.model.compile:
+        return model
+    mode = cfg.model.compile_mode
+    if cfg.model.compile_scope == "regional":
+        inner: Any = getattr(model, "module", model)  # under DDP the layers are the wrapped model's
+        for layer in inner.model.layers:
+            layer.compile(mode=mode)
+        return model
+    model.compile(mode=mode)
     return model
