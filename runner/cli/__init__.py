@@ -16,7 +16,7 @@ from pathlib import Path
 from runner.errors import EXIT_USAGE, RunnerError, display_path
 
 #: modules under runner/cli that add their verbs through `register(subparsers)`
-COMMAND_MODULES = ("data", "train", "report", "plan")
+COMMAND_MODULES = ("data", "train", "report", "plan", "compare")
 
 
 def _cmd_validate(args) -> int:

@@ -8,14 +8,16 @@ decides the token dtype every later stage relies on.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
-from runner.config.schema import CHOICES, KINDS, TOKEN_DTYPES
+from runner.config.schema import CHOICES, KINDS, MEAN_DOMAIN, TARGET_METRICS, TOKEN_DTYPES
 from runner.errors import Problems, RunnerError, did_you_mean, display_path
 from runner.fsio import sha256_file
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_TARGET_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # names MLflow metrics (target.<name>.step) and dotted keys
 
 
 def devices(cfg) -> int:
@@ -128,6 +130,8 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
         if pin.sha256 is not None and not _SHA256.match(str(pin.sha256)):
             problems.add(path, f"data.manifests.{d}.sha256", "must be 64 lowercase hex characters")
 
+    check_targets(cfg, path, problems)
+
     m = cfg.model
     for k in ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "pad_vocab_multiple"):
         if m[k] < 1:
@@ -212,3 +216,36 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
     if cfg.eval.interval_steps < 1 or cfg.eval.samples_per_domain < 1:
         problems.add(path, "eval", "interval_steps and samples_per_domain must be >= 1")
     return notes
+
+
+def check_targets(cfg, path: Path, problems: Problems) -> None:
+    """Quality targets (SPEC "Quality targets"): a known domain or `mean`, exactly one positive,
+    finite threshold (loss_nats or bpb), and a name that can name an MLflow metric."""
+    domains = list(cfg.mixture.domains)
+    for name, target in cfg.eval.targets.items():
+        key = f"eval.targets.{name}"
+        if not _TARGET_NAME.match(str(name)):
+            problems.add(path, key, "a target name is letters, digits, '_' and '-' (it names MLflow metrics)")
+        if target.domain == MEAN_DOMAIN and MEAN_DOMAIN in domains:
+            problems.add(
+                path, f"{key}.domain", f"'{MEAN_DOMAIN}' is ambiguous: the mixture has a domain of that name; rename it"
+            )
+        elif target.domain != MEAN_DOMAIN and target.domain not in domains:
+            problems.add(
+                path,
+                f"{key}.domain",
+                f"'{target.domain}' is not a domain of the mixture ({', '.join(domains)}) nor '{MEAN_DOMAIN}'"
+                + did_you_mean(target.domain, domains + [MEAN_DOMAIN]),
+            )
+        given = [m for m in TARGET_METRICS if getattr(target, m) is not None]
+        if len(given) != 1:
+            problems.add(
+                path,
+                key,
+                "give exactly one of loss_nats or bpb"
+                + (": a target is one threshold (declare two targets for both)" if given else ""),
+            )
+        for metric in given:
+            value = getattr(target, metric)
+            if not (math.isfinite(value) and value > 0):
+                problems.add(path, f"{key}.{metric}", f"must be a positive, finite number, got {value}")

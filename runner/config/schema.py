@@ -103,6 +103,18 @@ class HardwareRecipe:
     )
 
 
+MEAN_DOMAIN = "mean"
+"""A target's `domain` for the mean over domains, weighted by each domain's validation tokens."""
+TARGET_METRICS = ("loss_nats", "bpb")
+
+
+@dataclass
+class QualityTarget:
+    domain: str = "???"  #: a domain of the mixture, or `mean` (weighted by each domain's validation tokens)
+    loss_nats: float | None = None  #: met at the first evaluation whose validation loss (nats) is <= this
+    bpb: float | None = None  #: met at the first evaluation whose bits per byte is <= this (one of the two)
+
+
 @dataclass
 class EvalRecipe:
     name: str = "???"
@@ -111,6 +123,8 @@ class EvalRecipe:
     interval_steps: int = "???"  # type: ignore[assignment]
     samples_per_domain: int = "???"  # type: ignore[assignment]
     micro_batch_sequences: int = 8
+    #: named quality targets (time- and cost-to-quality); operational: never part of the fingerprint
+    targets: dict[str, QualityTarget] = field(default_factory=dict)
 
 
 @dataclass
@@ -201,5 +215,6 @@ OPERATIONAL_KEYS = (
     "train.checkpoint",
     "train.log_interval_steps",
     "eval.interval_steps",
+    "eval.targets",  # targets say when a run is good enough, not what it trains (SPEC "Quality targets")
 )
 LABEL_KEYS = ("name", "version", "description")

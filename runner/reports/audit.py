@@ -29,6 +29,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.planning.flops import Convention, flops_per_token, params_of_config
 from runner.reports import tables as rpt
+from runner.reports import targets
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -532,6 +533,12 @@ def _check_mlflow(res: AuditResult, inp: AuditInput) -> None:
     res.add(name, problems, ok_detail=f"{compared} metrics compared")
 
 
+def _check_targets(res: AuditResult, inp: AuditInput) -> None:
+    """Time- and cost-to-target recounted from the evaluations and run.json (runner.reports.targets)."""
+    for name, problems, ok_detail in targets.audit_checks(inp.tables, inp.cfg, inp.run):
+        res.add(name, problems, ok_detail=ok_detail)
+
+
 def audit_input(inp: AuditInput, *, check_mlflow: bool = True) -> AuditResult:
     res = AuditResult(inp.source)
     if not _check_schemas(res, inp.tables):
@@ -541,6 +548,7 @@ def audit_input(inp: AuditInput, *, check_mlflow: bool = True) -> AuditResult:
     _check_config_agreement(res, inp, seq_len)
     _check_replay(res, inp, seq_len)
     _check_compute(res, inp, seq_len)
+    _check_targets(res, inp)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
     if check_mlflow:

@@ -1,7 +1,8 @@
 """Side effects of the training loop as callbacks: metrics files and MLflow.
 
 Owns: what is written after each step, each evaluation and at the end of an attempt
-(metrics/train.jsonl, metrics/eval.jsonl, MLflow metrics). Never changes what is trained.
+(metrics/train.jsonl, metrics/eval.jsonl, MLflow metrics, quality targets' MLflow record).
+Never changes what is trained.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runner.fsio import repair_jsonl_tail
+from runner.fsio import read_jsonl, repair_jsonl_tail
 
 
 class Callback:
@@ -90,3 +91,48 @@ class TrackingCallback(Callback):
             {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
             step=summary["committed_steps"],
         )
+
+
+class TargetsCallback(Callback):
+    """Quality targets in MLflow (`target.<name>.*` metrics and tags, runner.reports.targets): logged
+    at the evaluation that first meets a target, and every target's outcome at the end of an attempt.
+    Judged on the lineage's evaluations: those before the resumed step, then this attempt's."""
+
+    def __init__(self, tracker, config, run_dir: Path, start_step: int, enabled: bool):
+        from runner.reports import targets
+
+        self.t = targets
+        self.tracker = tracker
+        self.targets = targets.declared_targets(config)
+        self.price = float(config.hardware.price_per_device_hour_usd)
+        self.enabled = enabled and bool(self.targets)
+        self.rows: dict[tuple[int, str], dict] = {}
+        if self.enabled:
+            metrics = Path(run_dir) / "metrics"
+            earlier = [r for r in read_jsonl(metrics / "eval.jsonl", skip_torn=True) if int(r["step"]) <= start_step]
+            train = read_jsonl(metrics / "train.jsonl", skip_torn=True)
+            for r in targets.complete_eval_rows(earlier, train):
+                self.rows[(int(r["step"]), str(r["domain"]))] = r
+
+    def _table(self, committed_steps: int):
+        frame = self.t.validation_frame(list(self.rows.values()))
+        return self.t.targets_table(self.targets, frame, committed_steps, self.price)
+
+    def _log(self, table, only_met_at: int | None = None) -> None:
+        for target in self.targets:
+            rows = self.t.outcome(table, target.name)
+            if only_met_at is not None and rows.get("met", {}).get("step") != only_met_at:
+                continue
+            metrics, tags, step = self.t.mlflow_record(target, rows)
+            self.tracker.log_metrics(metrics, step=step)
+            self.tracker.log_tags(tags)
+
+    def on_eval(self, step, exposure_tokens, rows):
+        if not self.enabled:
+            return
+        self.rows.update({(int(r["step"]), str(r["domain"])): r for r in rows})
+        self._log(self._table(step), only_met_at=step)
+
+    def on_end(self, summary):
+        if self.enabled:
+            self._log(self._table(int(summary["committed_steps"])))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from runner.config.rules import grad_accum, max_duration_tokens, total_steps
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.runs import RunFolder, write_ledger_json
-from runner.training.callbacks import MetricsFiles, TrackingCallback
+from runner.training.callbacks import MetricsFiles, TargetsCallback, TrackingCallback
 from runner.training.checkpoint import Checkpointer, rng_state, set_rng_state
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
 
@@ -414,6 +414,7 @@ def _conventions(run: _Run, tracker) -> None:
     run.callbacks = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
     if tracker is not None:
         run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
+        run.callbacks.append(TargetsCallback(tracker, run.cfg, run.folder.path, run.start_step, run.main))
         tracker.log_tags(
             {
                 **{f"mfu.{k}": v for k, v in conventions.items()},
@@ -572,14 +573,17 @@ def _save(run: _Run, step: int) -> None:
 def _evaluate(run: _Run, step: int) -> None:
     from runner.training import evaluate
 
+    total = run.ledger.counters()["total"]
     rows = evaluate.evaluate(
-        run.raw_model,
-        run.data,
-        run.acc,
-        int(run.cfg.eval.micro_batch_sequences),
-        step,
-        int(run.ledger.counters()["total"]["exposure"]),
+        run.raw_model, run.data, run.acc, int(run.cfg.eval.micro_batch_sequences), step, int(total["exposure"])
     )
+    # Where the run stood when this evaluation ended: time-to-target is recounted from these (SPEC).
+    stamp = {
+        "useful_tokens": int(total["useful"]),
+        "wall_seconds": run.wall_seconds(),
+        "device_wall_seconds": run.device_wall_seconds(),
+    }
+    rows = [{**r, **stamp} for r in rows]
     for cb in run.callbacks:
         cb.on_eval(step, rows[0]["exposure_tokens"] if rows else 0, rows)
     run.last_eval = step
