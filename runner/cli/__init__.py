@@ -93,6 +93,13 @@ def _cmd_check_pr(args) -> int:
     from runner.config.pr import check_pr
 
     problems, report = check_pr(args.base, Path.cwd())
+    if args.markdown:
+        from runner.config.pr import review_markdown
+
+        md = Path(args.markdown)
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(review_markdown(args.base, Path.cwd(), problems))
+        report.append(f"review summary written to {md}")
     for line in report:
         print(line)
     for p in problems:
@@ -115,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_show)
     p = sub.add_parser("check-pr", help="what a pull request must satisfy, against a base git ref")
     p.add_argument("--base", required=True, help="git ref to compare with, e.g. origin/main")
+    p.add_argument(
+        "--markdown",
+        default=None,
+        metavar="FILE",
+        help="write the reviewer's summary (changed keys, plan before/after per experiment) to FILE",
+    )
     p.set_defaults(func=_cmd_check_pr)
     for name in COMMAND_MODULES:
         try:
