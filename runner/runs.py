@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runner.errors import RunnerError
+from runner.errors import Problems, RunnerError
 from runner.fsio import atomic_write_json, read_json, read_jsonl, read_yaml, repair_jsonl_tail
 
 
@@ -100,11 +100,17 @@ def is_run_dir(path: Path) -> bool:
 def experiment_of_run(run_dir: Path):
     """The resolved experiment a run folder trains (its own copy, not the file in experiments/)."""
     from runner.config.load import experiment_from_dict, find_project_root
+    from runner.config.rules import check_targets
 
     resolved = read_yaml(run_dir / "experiment.yaml")
     info = read_json(run_dir / "run.json")
     root = Path(info.get("project_root") or find_project_root(Path.cwd()))
-    return experiment_from_dict(resolved, project_root=root, path=run_dir / "experiment.yaml")
+    exp = experiment_from_dict(resolved, project_root=root, path=run_dir / "experiment.yaml")
+    # Operational keys of a run's copy may be edited between attempts; quality targets are checked again.
+    problems = Problems()
+    check_targets(exp.config, run_dir / "experiment.yaml", problems)
+    problems.raise_if_any()
+    return exp
 
 
 def checked_experiment_of_run(run_dir: Path):

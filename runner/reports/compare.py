@@ -344,7 +344,8 @@ def _plain(v: Any) -> Any:
 
 def to_json(comp: Comparison) -> dict:
     def records(df: pd.DataFrame) -> list[dict]:
-        return json.loads(df.to_json(orient="records"))
+        """Rows as JSON values at full precision; NaN (a figure not recorded) is null."""
+        return [{k: _json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
 
     return {
         "labels": comp.labels,
@@ -353,6 +354,11 @@ def to_json(comp: Comparison) -> dict:
         "mfu_convention_differences": comp.mfu_differences,
         **{name: records(df) for name, df in comp.frames.items()},
     }
+
+
+def _json_value(v: Any) -> Any:
+    v = _plain(v)
+    return None if isinstance(v, float) and math.isnan(v) else v
 
 
 def _fmt(v: Any) -> str:
@@ -405,7 +411,8 @@ def render_markdown(comp: Comparison, plots: list[str] | None = None) -> str:
     f = comp.frames
     lines = [f"# Comparison: {' vs '.join(comp.labels)}", "", *_md(f["runs"]), ""]
     lines += ["## Where the configs differ (fingerprinted keys)", ""]
-    lines += _md(f["config_differences"]) if len(f["config_differences"]) else ["The fingerprinted configs are equal."]
+    diffs = f["config_differences"].assign(key=lambda df: "`" + df["key"] + "`")
+    lines += _md(diffs) if len(diffs) else ["The fingerprinted configs are equal."]
     lines += ["", "## Quality targets: who gets there first", "", *targets_markdown(comp)]
     lines += [
         "A target is met at the first evaluation at or below it; tokens are exposure tokens, seconds the wall",

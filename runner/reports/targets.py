@@ -67,8 +67,14 @@ def typed_config(cfg: dict, file: str = "experiment.yaml"):
     """A saved resolved config (a run's or a report's experiment.yaml) with the schema's defaults
     filled in, read by attribute: a config written before targets existed declares none."""
     from runner.config.load import experiment_from_dict
+    from runner.config.rules import check_targets
+    from runner.errors import Problems
 
-    return experiment_from_dict(cfg, path=file).config
+    config = experiment_from_dict(cfg, path=file).config
+    problems = Problems()
+    check_targets(config, file, problems)  # a saved file may have been edited since it was checked
+    problems.raise_if_any()
+    return config
 
 
 # ---- evaluation records -------------------------------------------------------------------------
