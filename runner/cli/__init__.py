@@ -90,15 +90,14 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_check_pr(args) -> int:
-    from runner.config.pr import check_pr
+    from runner.config.pr import Loads, check_pr, review_markdown
 
-    problems, report = check_pr(args.base, Path.cwd())
+    loads = Loads()
+    problems, report = check_pr(args.base, Path.cwd(), loads)
     if args.markdown:
-        from runner.config.pr import review_markdown
-
         md = Path(args.markdown)
         md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(review_markdown(args.base, Path.cwd(), problems))
+        md.write_text(review_markdown(args.base, Path.cwd(), problems, loads))
         report.append(f"review summary written to {md}")
     for line in report:
         print(line)

@@ -60,8 +60,26 @@ def _materialize(root: Path, base: str, dest: Path) -> None:
         tar.extractall(dest, filter="data")
 
 
-def check_pr(base: str, cwd: Path) -> tuple[list[str], list[str]]:
+class Loads:
+    """Each experiment loaded once per tree ('head', 'base'): check_pr and the review summary share
+    them (a load composes every recipe through the schema, seconds each on a busy machine)."""
+
+    def __init__(self) -> None:
+        self.done: dict[tuple[str, str], tuple[object, RunnerError | None]] = {}
+
+    def get(self, tree: str, rel: str, path: Path, check_files: bool):
+        """(Experiment, None) or (None, the RunnerError it raised)."""
+        if (tree, rel) not in self.done:
+            try:
+                self.done[(tree, rel)] = (load_experiment(path, check_files=check_files), None)
+            except RunnerError as e:
+                self.done[(tree, rel)] = (None, e)
+        return self.done[(tree, rel)]
+
+
+def check_pr(base: str, cwd: Path, loads: Loads | None = None) -> tuple[list[str], list[str]]:
     """Returns (problems, report lines). Problems are `file: key: message` lines."""
+    loads = loads or Loads()
     root = Path(_git(cwd, "rev-parse", "--show-toplevel").strip())
     _git(root, "rev-parse", "--verify", f"{base}^{{commit}}")
     problems: list[str] = []
@@ -98,7 +116,10 @@ def check_pr(base: str, cwd: Path) -> tuple[list[str], list[str]]:
                 load_recipe_file(path, path.parent.name, pr)
                 pr.raise_if_any()
             else:
-                head_fp[rel] = load_experiment(path).fingerprint
+                exp, err = loads.get("head", rel, path, True)
+                if err is not None:
+                    raise err
+                head_fp[rel] = exp.fingerprint
         except RunnerError as e:
             problems.extend(l.replace(str(root) + "/", "") for l in str(e).splitlines())
 
@@ -109,10 +130,10 @@ def check_pr(base: str, cwd: Path) -> tuple[list[str], list[str]]:
             old_path = base_root / rel
             if not old_path.exists():
                 continue
-            try:
-                old_fp = load_experiment(old_path, check_files=False).fingerprint
-            except RunnerError:
+            old_exp, err = loads.get("base", rel, old_path, False)
+            if err is not None:
                 continue
+            old_fp = old_exp.fingerprint
             if old_fp != fp and rel not in changed:
                 cause = [r for r in changed if r.startswith(("recipes/", "experiments/"))]
                 problems.append(
@@ -127,14 +148,7 @@ def check_pr(base: str, cwd: Path) -> tuple[list[str], list[str]]:
 # ---- the reviewer's summary ---------------------------------------------------------------------
 
 
-def _load_or_error(path: Path, check_files: bool):
-    try:
-        return load_experiment(path, check_files=check_files), None
-    except RunnerError as e:
-        return None, str(e).splitlines()[0]
-
-
-def review_markdown(base: str, cwd: Path, problems: list[str]) -> str:
+def review_markdown(base: str, cwd: Path, problems: list[str], loads: Loads | None = None) -> str:
     """Markdown for a pull request's job summary: every experiment the PR adds or changes (its
     resolved config differs from the base's, through its own file or a recipe it uses), with the
     fingerprinted keys that changed and the plan before and after; problems from check_pr first."""
@@ -147,9 +161,12 @@ def review_markdown(base: str, cwd: Path, problems: list[str]) -> str:
         _materialize(root, base, base_root)
         head = {str(p.relative_to(root)): p for p in sorted((root / "experiments").rglob("*.yaml"))}
         old = {str(p.relative_to(base_root)): p for p in sorted((base_root / "experiments").rglob("*.yaml"))}
+        loads = loads or Loads()
         for rel in sorted(set(head) | set(old)):
-            before, before_err = _load_or_error(old[rel], False) if rel in old else (None, None)
-            after, after_err = _load_or_error(head[rel], True) if rel in head else (None, None)
+            before, before_err = loads.get("base", rel, old[rel], False) if rel in old else (None, None)
+            after, after_err = loads.get("head", rel, head[rel], True) if rel in head else (None, None)
+            before_err = str(before_err).splitlines()[0] if before_err else None
+            after_err = str(after_err).splitlines()[0] if after_err else None
             if before is not None and after is not None and before.to_container() == after.to_container():
                 continue
             if rel in old and rel in head and before is None and after is None and before_err == after_err:
