@@ -11,6 +11,8 @@ Never trains, evaluates, reads MLflow or writes files: callers hand it tables, r
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -66,11 +68,18 @@ def declared_targets(config) -> list[Target]:
 def typed_config(cfg: dict, file: str = "experiment.yaml"):
     """A saved resolved config (a run's or a report's experiment.yaml) with the schema's defaults
     filled in, read by attribute: a config written before targets existed declares none."""
+    return _typed_config(json.dumps(cfg, sort_keys=True), str(file))
+
+
+@functools.lru_cache(maxsize=16)
+def _typed_config(cfg_json: str, file: str):
+    # Cached: a report, an audit and a comparison read the same config several times, and composing
+    # it through the schema takes a while; the result is read-only.
     from runner.config.load import experiment_from_dict
     from runner.config.rules import check_targets
     from runner.errors import Problems
 
-    config = experiment_from_dict(cfg, path=file).config
+    config = experiment_from_dict(json.loads(cfg_json), path=file).config
     problems = Problems()
     check_targets(config, file, problems)  # a saved file may have been edited since it was checked
     problems.raise_if_any()
