@@ -21,6 +21,7 @@ from runner.config.fingerprint import canonical_meaning, diff_keys
 from runner.config.load import load_experiment, load_recipe_file
 from runner.config.schema import KINDS
 from runner.errors import Problems, RunnerError
+from runner.planning.plan import build_plan
 
 TRACKED = ("recipes", "experiments")
 
@@ -225,8 +226,6 @@ def _key_changes(before: dict, after: dict) -> list[str]:
 
 def _plan_rows(exp, root: Path) -> dict[str, object] | str:
     """The figures a reviewer weighs, or the one line saying why there is no plan."""
-    from runner.planning.plan import build_plan
-
     if exp is None:
         return {}
     try:

@@ -24,6 +24,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml
 from runner.planning.flops import DEFAULT_CONVENTION, Convention, as_plain, flops_per_token, params_of_config
 from runner.planning.hardware import resolve_peak
+from runner.planning.scaling import Point, forecast_target
 
 SECONDS_PER_HOUR = 3600.0
 SECONDS_PER_DAY = 86400.0
@@ -411,8 +412,6 @@ def forecast_targets(plan: Mapping[str, Any], fit_result: Mapping[str, Any], tar
     needs to reach it (runner.planning.scaling.forecast_target over the fit's runs), and the FLOPs,
     days, device-hours and dollars of that many tokens at the plan's assumed and measured throughput;
     or why it cannot be reached, and whether the answer is beyond the fit's trusted range."""
-    from runner.planning.scaling import Point, forecast_target
-
     try:
         points = [Point(**p) for p in fit_result["points"]]
     except (KeyError, TypeError) as err:

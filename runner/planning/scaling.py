@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from runner.config.schema import MEAN_DOMAIN
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml
 from runner.planning.flops import params_of_config
@@ -437,8 +438,6 @@ def target_quantity(point: Point, domain: str, metric: str) -> float | None:
     """A point's final value of what a target judges (SPEC "Quality targets"): a domain's loss
     (nats) or bits per byte, or for `mean` their mean weighted by validation tokens. None when the
     point does not record it (points read by an older runner hold no bpb or validation tokens)."""
-    from runner.config.schema import MEAN_DOMAIN
-
     values = point.domain_losses if metric == "loss_nats" else point.domain_bpb
     if domain != MEAN_DOMAIN:
         return values.get(domain)

@@ -27,6 +27,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
+from runner.reports.audit import audit
 from schemas.report_tables import SCHEMA_VERSION, validate_tables
 
 ACCOUNTING = ("processed_tokens", "exposure_tokens", "useful_tokens", "unique_tokens", "lost_tokens")
@@ -496,8 +497,6 @@ def collect_reports(sources: list[Source], dest: Path) -> None:
     it was made from (`runner compare dest/runs/*` remakes it; `runner audit` checks each). A run
     folder's report is rebuilt first. Each source is then read back from its copy. Nothing is copied
     when an audit fails: RunnerError names the run and the failed checks."""
-    from runner.reports.audit import audit
-
     reports = []
     for s in sources:
         folder = s.folder if rpt.is_report_dir(s.folder) else rpt.write_report(s.folder)

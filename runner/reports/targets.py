@@ -15,13 +15,17 @@ import functools
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from runner.config.load import experiment_from_dict
+from runner.config.rules import check_targets
 from runner.config.schema import MEAN_DOMAIN, TARGET_METRICS
-from runner.errors import RunnerError
+from runner.errors import Problems, RunnerError
+from runner.fsio import read_yaml
 
 SECONDS_PER_HOUR = 3600.0
 POINTS = ("before", "met", "best")
@@ -75,10 +79,6 @@ def typed_config(cfg: dict, file: str = "experiment.yaml"):
 def _typed_config(cfg_json: str, file: str):
     # Cached: a report, an audit and a comparison read the same config several times, and composing
     # it through the schema takes a while; the result is read-only.
-    from runner.config.load import experiment_from_dict
-    from runner.config.rules import check_targets
-    from runner.errors import Problems
-
     config = experiment_from_dict(json.loads(cfg_json), path=file).config
     problems = Problems()
     check_targets(config, file, problems)  # a saved file may have been edited since it was checked
@@ -269,10 +269,6 @@ def summary_line(target: Target, rows: dict[str, dict]) -> str:
 
 def summary_lines(report_dir) -> list[str]:
     """One line per declared target of a written report folder (the terminal summary after a run)."""
-    from pathlib import Path
-
-    from runner.fsio import read_yaml
-
     report_dir = Path(report_dir)
     declared = declared_targets(typed_config(read_yaml(report_dir / "experiment.yaml")))
     if not declared:

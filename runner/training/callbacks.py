@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from runner.fsio import read_jsonl, repair_jsonl_tail
+from runner.reports import targets
 
 
 class Callback:
@@ -99,9 +100,6 @@ class TargetsCallback(Callback):
     Judged on the lineage's evaluations: those before the resumed step, then this attempt's."""
 
     def __init__(self, tracker, config, run_dir: Path, start_step: int, enabled: bool):
-        from runner.reports import targets
-
-        self.t = targets
         self.tracker = tracker
         self.targets = targets.declared_targets(config)
         self.price = float(config.hardware.price_per_device_hour_usd)
@@ -115,15 +113,15 @@ class TargetsCallback(Callback):
                 self.rows[(int(r["step"]), str(r["domain"]))] = r
 
     def _table(self, committed_steps: int):
-        frame = self.t.validation_frame(list(self.rows.values()))
-        return self.t.targets_table(self.targets, frame, committed_steps, self.price)
+        frame = targets.validation_frame(list(self.rows.values()))
+        return targets.targets_table(self.targets, frame, committed_steps, self.price)
 
     def _log(self, table, only_met_at: int | None = None) -> None:
         for target in self.targets:
-            rows = self.t.outcome(table, target.name)
+            rows = targets.outcome(table, target.name)
             if only_met_at is not None and rows.get("met", {}).get("step") != only_met_at:
                 continue
-            metrics, tags, step = self.t.mlflow_record(target, rows)
+            metrics, tags, step = targets.mlflow_record(target, rows)
             self.tracker.log_metrics(metrics, step=step)
             self.tracker.log_tags(tags)
 
