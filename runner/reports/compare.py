@@ -153,7 +153,7 @@ def union_targets(sources: list[Source]) -> list[tg.Target]:
     return [found[name][0] for name in sorted(found)]
 
 
-# ---- the comparison -----------------------------------------------------------------------------
+# ---- the comparison (frames of mixed columns keep their Python types: dtype=object) -----------------------------------------------------------------------------
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -178,7 +178,7 @@ def config_differences(sources: list[Source]) -> pd.DataFrame:
         values = [f.get(key, "(absent)") for f in flat]
         if any(v != values[0] for v in values[1:]):
             rows.append({"key": key, **{s.label: _cell(v) for s, v in zip(sources, values)}})
-    return pd.DataFrame(rows, columns=["key", *[s.label for s in sources]])
+    return pd.DataFrame(rows, columns=["key", *[s.label for s in sources]], dtype=object)
 
 
 def _cell(v: Any) -> Any:
@@ -200,7 +200,7 @@ def accounting(sources: list[Source]) -> pd.DataFrame:
                 else:
                     row[s.label] = acct.loc[d, q].item() if d in acct.index else None
             rows.append(row)
-    return pd.DataFrame(rows, columns=["domain", "quantity", *[s.label for s in sources]])
+    return pd.DataFrame(rows, columns=["domain", "quantity", *[s.label for s in sources]], dtype=object)
 
 
 def _final_evaluation(s: Source) -> pd.DataFrame:
@@ -226,7 +226,7 @@ def quality(sources: list[Source]) -> pd.DataFrame:
                 values = tg.metric_by_step(f, d, metric) if len(f) else pd.Series(dtype=float)
                 row[label] = float(values.iloc[-1]) if len(values) else None
             rows.append(row)
-    return pd.DataFrame(rows, columns=["domain", "metric", *finals])
+    return pd.DataFrame(rows, columns=["domain", "metric", *finals], dtype=object)
 
 
 def target_results(sources: list[Source], targets: list[tg.Target]) -> pd.DataFrame:
@@ -307,7 +307,11 @@ def speed(sources: list[Source]) -> tuple[pd.DataFrame, bool, list[str]]:
     kinds = [_peak_kind(s.summary["peak_source"]) for s in sources]
     if len(set(kinds)) > 1:
         differences.append("peak kind: " + " vs ".join(f"{k} ({s.label})" for k, s in zip(kinds, sources)))
-    return pd.DataFrame(rows, columns=["quantity", *[s.label for s in sources]]), not differences, differences
+    return (
+        pd.DataFrame(rows, columns=["quantity", *[s.label for s in sources]], dtype=object),
+        not differences,
+        differences,
+    )
 
 
 def compare(sources: list[Source]) -> Comparison:
@@ -333,7 +337,7 @@ def runs_table(sources: list[Source]) -> pd.DataFrame:
     rows = [{"field": "origin", **{s.label: s.origin for s in sources}}]
     rows += [{"field": f, **{s.label: _plain(s.summary[f]) for s in sources}} for f in fields]
     rows.append({"field": "price_per_device_hour", **{s.label: s.price for s in sources}})
-    return pd.DataFrame(rows, columns=["field", *[s.label for s in sources]])
+    return pd.DataFrame(rows, columns=["field", *[s.label for s in sources]], dtype=object)
 
 
 def _plain(v: Any) -> Any:
@@ -350,7 +354,7 @@ def to_json(comp: Comparison) -> dict:
 
     return {
         "labels": comp.labels,
-        "targets": [{"name": t.name, "definition": t.describe()} for t in comp.targets],
+        "target_definitions": [{"name": t.name, "definition": t.describe()} for t in comp.targets],
         "mfu_comparable": comp.mfu_comparable,
         "mfu_convention_differences": comp.mfu_differences,
         **{name: records(df) for name, df in comp.frames.items()},
@@ -370,7 +374,7 @@ def _fmt(v: Any) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     if isinstance(v, float):
-        return f"{v:,.0f}" if abs(v) >= 1e5 else f"{v:.4g}"
+        return f"{v:,.0f}" if abs(v) >= 1e5 or (v.is_integer() and abs(v) >= 1) else f"{v:.4g}"
     return str(v)
 
 
