@@ -27,10 +27,10 @@ import numpy as np
 
 from runner.config.fingerprint import canonical_meaning, diff_keys
 from runner.config.load import Experiment, experiment_from_dict, find_project_root, to_yaml
-from runner.config.rules import devices, global_batch_tokens, max_duration_tokens
+from runner.config.rules import check_targets, devices, global_batch_tokens, max_duration_tokens
 from runner.config.schema import ExperimentSchema
 from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
-from runner.errors import RunnerError, display_path
+from runner.errors import Problems, RunnerError, display_path
 from runner.fsio import atomic_write_json, read_json, read_jsonl, read_yaml, repair_jsonl_tail
 from runner.planning.flops import Convention
 from runner.training.ledger import TokenLedger
@@ -337,7 +337,12 @@ def experiment_of_run(run_dir: Path) -> Experiment:
     """The resolved experiment a run folder trains (its own copy, not the file in experiments/)."""
     info = read_json(run_dir / "run.json")
     root = Path(info.get("project_root") or find_project_root(Path.cwd()))
-    return load_saved_experiment(run_dir / "experiment.yaml", project_root=root)
+    exp = load_saved_experiment(run_dir / "experiment.yaml", project_root=root)
+    # Operational keys of a run's copy may be edited between attempts; quality targets are checked again.
+    problems = Problems()
+    check_targets(exp.config, run_dir / "experiment.yaml", problems)
+    problems.raise_if_any()
+    return exp
 
 
 def checked_experiment_of_run(run_dir: Path) -> Experiment:

@@ -20,7 +20,7 @@ import pandas as pd
 import pandera.pandas as pa
 from pandera.extensions import register_check_method
 
-SCHEMA_VERSION = "runner-report/3"  # 2: device-seconds columns; MFU and cost over them. 3: validation samples, tokens
+SCHEMA_VERSION = "runner-report/3"  # 2: device-seconds columns; MFU and cost over them. 3: validation samples, tokens and progress columns; targets table
 """Bumped whenever a column is added, removed, renamed or changes meaning."""
 
 # Float equalities in derived columns (ratios, epochs, MFU) are recomputed from exact integers,
@@ -184,6 +184,64 @@ def exposure_grows_with_step(df):
     firsts = per_step.first().sort_index()
     monotone = bool(firsts.is_monotonic_increasing)
     return one_value & monotone
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def one_progress_per_step(df):
+    """An evaluation happens at one point of the run: one useful count and one time per step."""
+    per_step = df.groupby("step")
+    return (per_step["useful_tokens"].transform("nunique") == 1) & (
+        per_step["wall_seconds"].transform("nunique", dropna=False) == 1
+    )
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def validation_tokens_fixed(df):
+    """The same validation samples are scored at every evaluation: one token count per domain."""
+    return df.groupby("domain")["tokens"].transform("nunique") == 1
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def useful_within_exposure(df):
+    """SPEC invariant 1 at the evaluation: useful <= exposure."""
+    return df["useful_tokens"] <= df["exposure_tokens"]
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def device_time_covers_time(df):
+    """At least one device held through every second (rows without recorded times pass)."""
+    return df["wall_seconds"].isna() | (df["device_wall_seconds"] >= df["wall_seconds"] * (1 - 1e-9))
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def one_row_per_target_point(df):
+    """One row per (target, point)."""
+    return ~df.duplicated(["target", "point"], keep=False)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def value_on_the_right_side(df):
+    """`met` rows are at or below the threshold; `before` and `best` rows above it."""
+    met = df["point"] == "met"
+    return (met & (df["value"] <= df["threshold"])) | (~met & (df["value"] > df["threshold"]))
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def bracket_is_whole(df):
+    """A met target has a `met` row (and maybe `before`, at an earlier step); one never met has one
+    `best` row; `met` says which, on every row of the target."""
+    ok = pd.Series(True, index=df.index)
+    for _, g in df.groupby("target"):
+        points = list(g["point"])
+        met = bool(g["met"].iloc[0])
+        steps = dict(zip(g["point"], g["step"]))
+        whole = (
+            g["met"].nunique() == 1
+            and (sorted(points) in (["met"], ["before", "met"]) if met else points == ["best"])
+            and ("before" not in steps or steps["before"] < steps["met"])
+        )
+        ok[g.index] = whole
+    return ok
 
 
 @register_check_method(supported_types=pd.DataFrame)
@@ -384,11 +442,82 @@ VALIDATION = pa.DataFrameSchema(
         "samples": pa.Column(
             "int64", pa.Check.ge(1), description="Validation samples the loss is averaged over (below 16: noise)."
         ),
-        "tokens": _tokens("Target tokens the loss is averaged over"),
+        "tokens": pa.Column(
+            "int64",
+            pa.Check.gt(0),
+            description="Validation target tokens scored for the domain (the same every time): its weight in the mean over domains.",
+        ),
+        "useful_tokens": _tokens("Total useful tokens of the run when the evaluation ran"),
+        "wall_seconds": pa.Column(
+            "float64",
+            pa.Check.ge(0.0),
+            nullable=True,
+            description="Wall seconds from the first launch to the end of the evaluation, every attempt (lost work and restarts) included; empty for evaluations recorded before runs kept it.",
+        ),
+        "device_wall_seconds": pa.Column(
+            "float64",
+            pa.Check.ge(0.0),
+            nullable=True,
+            description="The same span in device-seconds (each attempt's wall x the devices it held); empty when wall_seconds is.",
+        ),
     },
     checks=[
         pa.Check.one_eval_per_step_and_domain(error="one row per (step, domain)"),
         pa.Check.exposure_grows_with_step(error="exposure is one non-decreasing value per step"),
+        pa.Check.one_progress_per_step(error="one useful count and one time per evaluation step"),
+        pa.Check.validation_tokens_fixed(error="one validation token count per domain"),
+        pa.Check.useful_within_exposure(error="useful <= exposure at every evaluation"),
+        pa.Check.device_time_covers_time(error="device_wall_seconds >= wall_seconds"),
+    ],
+)
+
+TARGETS = pa.DataFrameSchema(
+    name="targets",
+    description="Quality targets (SPEC 'Quality targets'): for each, the evaluation where it was first met and the one before it, or the best one if never met.",
+    strict=True,
+    columns={
+        "target": pa.Column(str, pa.Check.str_matches(r"^[A-Za-z0-9_-]+$"), description="Target name (eval recipe)."),
+        "domain": pa.Column(str, description="Domain whose value is judged, or `mean`: weighted by validation tokens."),
+        "metric": pa.Column(str, pa.Check.isin(["loss_nats", "bpb"]), description="loss_nats or bpb."),
+        "threshold": _finite_positive("Met when the value is <= this."),
+        "met": pa.Column(bool, description="Whether any evaluation of the run's lineage met the target."),
+        "point": pa.Column(
+            str,
+            pa.Check.isin(["before", "met", "best"]),
+            description="met: first evaluation at or below the threshold; before: the evaluation before it; best: the lowest value of a target never met.",
+        ),
+        "step": pa.Column("int64", pa.Check.gt(0), description="Committed steps at the evaluation."),
+        "exposure_tokens": _tokens("Total exposure at the evaluation"),
+        "useful_tokens": _tokens("Total useful tokens at the evaluation"),
+        "value": _finite_positive("The judged value at the evaluation (nats or bits per byte)."),
+        "wall_seconds": pa.Column(
+            "float64",
+            pa.Check.ge(0.0),
+            nullable=True,
+            description="time_to_target on the met row: wall seconds from the first launch to the end of the evaluation, all attempts.",
+        ),
+        "device_hours": pa.Column(
+            "float64",
+            pa.Check.ge(0.0),
+            nullable=True,
+            description="device_hours_to_target on the met row: device-seconds over the same span / 3600.",
+        ),
+        "cost_usd": pa.Column(
+            "float64",
+            pa.Check.ge(0.0),
+            nullable=True,
+            description="cost_to_target on the met row: device_hours x price per device-hour.",
+        ),
+    },
+    checks=[
+        pa.Check.one_row_per_target_point(error="one row per (target, point)"),
+        pa.Check.value_on_the_right_side(error="met rows <= threshold, before/best rows above it"),
+        pa.Check.bracket_is_whole(error="met target: [before,] met at a later step; never met: one best row"),
+        pa.Check(
+            lambda df: df["wall_seconds"].isna() | (df["device_hours"] * 3600.0 >= df["wall_seconds"] * (1 - 1e-9)),
+            name="device_hours_cover_wall",
+            error="device_hours x 3600 >= wall_seconds",
+        ),
     ],
 )
 
@@ -412,6 +541,7 @@ SCHEMAS: dict[str, pa.DataFrameSchema] = {
     "repetition": REPETITION,
     "validation": VALIDATION,
     "throughput": THROUGHPUT,
+    "targets": TARGETS,
 }
 
 

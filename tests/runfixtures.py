@@ -146,6 +146,12 @@ def config(manifests: dict[str, dict], recipe_devices: int = 2) -> dict:
             "interval_steps": 3,
             "samples_per_domain": 2,
             "micro_batch_sequences": 2,
+            "targets": {  # evaluations at steps 3 and 6 (see make_run's losses)
+                "code-5": {"domain": "code", "loss_nats": 5.0},  # met at step 6, bracket 3..6
+                "math-first": {"domain": "math", "loss_nats": 5.3},  # met at the first evaluation
+                "mean-bpb": {"domain": "mean", "bpb": 2.25},  # met at step 6
+                "web-never": {"domain": "web", "loss_nats": 4.0},  # never met: best 4.9 at step 6
+            },
         },
         "train": {
             "seq_len": SEQ_LEN,
@@ -258,6 +264,9 @@ def make_run(
                         "bpb": loss / math.log(2) / 3.2,
                         "samples": cfg["eval"]["samples_per_domain"],
                         "tokens": cfg["eval"]["samples_per_domain"] * SEQ_LEN,
+                        "useful_tokens": int(counters["total"]["useful"]),
+                        "wall_seconds": wall_seconds,
+                        "device_wall_seconds": wall_seconds * devices,
                     }
                 )
 

@@ -56,7 +56,7 @@ def one_error(code: int, err: str) -> str:
 
 def experiment(project: Path, name: str, body: str) -> Path:
     path = project / "experiments" / f"{name}.yaml"
-    path.write_text(f"base: cpu-tiny@1\nname: {name}\nversion: 1\ndescription: attack\n{body}")
+    path.write_text(f"base: cpu-tiny@2\nname: {name}\nversion: 1\ndescription: attack\n{body}")
     return path
 
 
@@ -372,7 +372,7 @@ def _fuzz_strategies():
                 "${train.seq_len}",
                 "${oc.env:HOME}",
                 "???",
-                "cpu-tiny@1",
+                "cpu-tiny@2",
                 "llama-tiny@1",
                 "data/builtin/code/manifest.json",
             ]
@@ -401,7 +401,7 @@ def _fuzz_strategies():
 
 
 def _document(changes) -> dict:
-    doc = {"base": "cpu-tiny@1", "name": "fuzz", "version": 1, "description": "fuzz"}
+    doc = {"base": "cpu-tiny@2", "name": "fuzz", "version": 1, "description": "fuzz"}
     for key, value in changes:
         node = doc
         *parents, leaf = key.split(".")
@@ -437,7 +437,7 @@ def test_fuzzed_recipes_and_yaml_exit_0_or_2_without_traceback_or_hang(project_w
     @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(yaml_text)
     def shapes(text):
-        check("base: cpu-tiny@1\nname: fuzz\nversion: 1\ndescription: fuzz\n" + text)
+        check("base: cpu-tiny@2\nname: fuzz\nversion: 1\ndescription: fuzz\n" + text)
 
     values()
     shapes()

@@ -95,7 +95,7 @@ def test_readme_main_job_end_to_end(tmp_path: Path):
     out = runner(project, "publish", str(run_dir), "--reports-dir", str(project / "reports"), env=env)
     assert out.returncode == 0, out.stderr
     index = (project / "reports/README.md").read_text()
-    assert "| cpu-tiny | 1 | [demo]" in index
+    assert "| cpu-tiny | 2 | [demo]" in index
     assert runner(project, "audit-reports", "--reports-dir", str(project / "reports")).returncode == 0
 
 

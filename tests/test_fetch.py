@@ -56,6 +56,14 @@ domains:
       files: [sample/10BT/*.parquet]
       local_dir: data/raw/tiny-fineweb
 """
+EVAL_RECIPE = """\
+name: tiny-hub-eval
+version: 1
+description: Validation loss of the one web domain (tiny-eval's targets name the built-in domains).
+interval_steps: 25
+samples_per_domain: 16
+micro_batch_sequences: 16
+"""
 EXPERIMENT = """\
 name: tiny-hub
 version: 1
@@ -66,7 +74,7 @@ recipes:
   model: llama-tiny@1
   optim: adamw-tiny@1
   hardware: cpu@1
-  eval: tiny-eval@1
+  eval: tiny-hub-eval@1
 seed: 7
 train:
   seq_len: 64
@@ -102,6 +110,7 @@ def hub(tmp_path: Path):
 def hub_project(project: Path, hub: FakeHub, monkeypatch) -> Path:
     (project / "recipes/tokenizer/tiny-hub.yaml").write_text(TOKENIZER_RECIPE)
     (project / "recipes/mixture/tiny-web.yaml").write_text(MIXTURE_RECIPE)
+    (project / "recipes/eval/tiny-hub-eval.yaml").write_text(EVAL_RECIPE)
     (project / "experiments/tiny-hub.yaml").write_text(EXPERIMENT)
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HOME", str(project.parent / "hf-home"))

@@ -224,6 +224,10 @@ def _git(cwd, *args):
     subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
 
 
+def _version(path: Path) -> int:
+    return yaml.safe_load(path.read_text())["version"]
+
+
 def _check_pr(cwd):
     return subprocess.run(
         [sys.executable, "-m", "runner", "check-pr", "--base", "main"], cwd=cwd, capture_output=True, text=True
@@ -250,16 +254,19 @@ def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(proj
     out = _check_pr(project)
     assert out.returncode == 2 and "experiments/cpu-tiny.yaml: version: changed" in out.stderr
 
-    edit(project / "experiments/cpu-tiny.yaml", _set("version", 2))  # its dependants must follow in turn
+    v = _version(project / "experiments/cpu-tiny.yaml")
+    edit(project / "experiments/cpu-tiny.yaml", _set("version", v + 1))  # its dependants must follow in turn
     out = _check_pr(project)
     assert out.returncode == 2
     assert (
-        "experiments/cpu-tiny-fsdp.yaml: base: names cpu-tiny@1 but experiments/cpu-tiny.yaml is version 2"
+        f"experiments/cpu-tiny-fsdp.yaml: base: names cpu-tiny@{v} but experiments/cpu-tiny.yaml is version {v + 1}"
         in out.stderr
     )
 
-    edit(project / "experiments/cpu-tiny-fsdp.yaml", _set("base", "cpu-tiny@2"))
-    edit(project / "experiments/cpu-tiny-fsdp.yaml", _set("version", 2))
+    for dependant in ("cpu-tiny-fsdp", "cpu-tiny-lr"):
+        path = project / f"experiments/{dependant}.yaml"
+        edit(path, _set("base", f"cpu-tiny@{v + 1}"))
+        edit(path, _set("version", _version(path) + 1))
     out = _check_pr(project)
     assert out.returncode == 0, out.stderr
     assert "meaning changed: experiments/cpu-tiny.yaml" in out.stdout
@@ -283,8 +290,9 @@ def test_check_pr_catches_meaning_change_through_a_base_experiment(project: Path
 def test_check_pr_and_validate_cover_pilot_experiments_in_subfolders(project: Path):
     pilots = project / "experiments/pilots"
     pilots.mkdir()
+    v = _version(project / "experiments/cpu-tiny.yaml")
     (pilots / "cpu-tiny-pilot-a.yaml").write_text(
-        "name: cpu-tiny-pilot-a\nversion: 1\ndescription: a pilot\nbase: cpu-tiny@1\n"
+        f"name: cpu-tiny-pilot-a\nversion: 1\ndescription: a pilot\nbase: cpu-tiny@{v}\n"
         "train: {exposure_tokens: 40960, max_duration_tokens: 40960}\n"
     )
     assert pilots / "cpu-tiny-pilot-a.yaml" in default_targets(project)
@@ -299,10 +307,10 @@ def test_check_pr_and_validate_cover_pilot_experiments_in_subfolders(project: Pa
         in out.stderr
     )
     edit(pilots / "cpu-tiny-pilot-a.yaml", _set("version", 2))
-    edit(project / "experiments/cpu-tiny.yaml", _set("version", 2))  # the pilot's base moves on under it
+    edit(project / "experiments/cpu-tiny.yaml", _set("version", v + 1))  # the pilot's base moves on under it
     out = _check_pr(project)
     assert out.returncode == 2
-    assert "experiments/pilots/cpu-tiny-pilot-a.yaml: base: names cpu-tiny@1 but" in out.stderr
+    assert f"experiments/pilots/cpu-tiny-pilot-a.yaml: base: names cpu-tiny@{v} but" in out.stderr
 
 
 def test_every_problem_in_a_file_is_listed_at_once(project: Path):

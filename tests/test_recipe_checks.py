@@ -137,10 +137,12 @@ def test_pinned_pool_sizes_check_feasibility_without_the_data(project_with_data:
         e: load_experiment(root / f"experiments/{e}.yaml").fingerprint for e in ("cpu-tiny", "cpu-tiny-fsdp")
     }
     result = pin_experiment(root / "experiments/cpu-tiny.yaml")
-    assert sorted(p.name for p in result.changes) == ["cpu-tiny-fsdp.yaml", "cpu-tiny.yaml"]
+    # cpu-tiny changed (its pins): its version is bumped, and the experiments built on it follow
+    assert sorted(p.name for p in result.changes) == ["cpu-tiny-fsdp.yaml", "cpu-tiny-lr.yaml", "cpu-tiny.yaml"]
     pinned = yaml.safe_load((root / "experiments/cpu-tiny.yaml").read_text())
-    assert pinned["version"] == 2 and pinned["data"]["manifests"]["legal"]["pool_tokens"] == 12744
-    assert yaml.safe_load((root / "experiments/cpu-tiny-fsdp.yaml").read_text())["base"] == "cpu-tiny@2"
+    assert pinned["version"] == 3 and pinned["data"]["manifests"]["legal"]["pool_tokens"] == 12744
+    for derived in ("cpu-tiny-fsdp", "cpu-tiny-lr"):
+        assert yaml.safe_load((root / f"experiments/{derived}.yaml").read_text())["base"] == "cpu-tiny@3"
     assert "# built by `runner data builtin`" in (root / "experiments/cpu-tiny.yaml").read_text()
     for e, fp in fingerprints.items():
         assert load_experiment(root / f"experiments/{e}.yaml").fingerprint == fp
@@ -157,8 +159,9 @@ def test_pinned_pool_sizes_check_feasibility_without_the_data(project_with_data:
     )
     for e in ("cpu-tiny", "cpu-tiny-fsdp"):
         path = root / f"experiments/{e}.yaml"
+        v = yaml.safe_load(path.read_text())["version"]
         path.write_text(
-            path.read_text().replace("builtin-3dom@1", "builtin-3dom@2").replace("version: 2", "version: 3")
+            path.read_text().replace("builtin-3dom@1", "builtin-3dom@2").replace(f"version: {v}", f"version: {v + 1}")
         )
     monkeypatch.chdir(root)
     assert main(["validate", "experiments/cpu-tiny.yaml"]) == 2
@@ -184,7 +187,7 @@ DROPPED = """\
 name: cpu-tiny-2dom
 version: 1
 description: cpu-tiny without the small legal domain.
-base: cpu-tiny@1
+base: cpu-tiny@2
 overrides:
   mixture:
     domains:

@@ -13,11 +13,11 @@ import os
 import sys
 from pathlib import Path
 
-from runner.cli import data, hub, plan, report, train
+from runner.cli import compare, data, hub, plan, report, train
 from runner.errors import EXIT_OK, EXIT_USAGE, RunnerError, display_path
 
 #: modules under runner/cli that add their verbs through `register(subparsers)`
-COMMAND_MODULES = (data, hub, train, report, plan)
+COMMAND_MODULES = (data, hub, train, report, plan, compare)
 
 
 def _cmd_validate(args) -> int:
@@ -97,9 +97,15 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_check_pr(args) -> int:
-    from runner.config.pr import check_pr
+    from runner.config.pr import Loads, check_pr, review_markdown
 
-    problems, report = check_pr(args.base, Path.cwd())
+    loads = Loads()
+    problems, report = check_pr(args.base, Path.cwd(), loads)
+    if args.markdown:
+        md = Path(args.markdown)
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(review_markdown(args.base, Path.cwd(), problems, loads))
+        report.append(f"review summary written to {md}")
     for line in report:
         print(line)
     for p in problems:
@@ -122,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_show)
     p = sub.add_parser("check-pr", help="what a pull request must satisfy, against a base git ref")
     p.add_argument("--base", required=True, help="git ref to compare with, e.g. origin/main")
+    p.add_argument(
+        "--markdown",
+        default=None,
+        metavar="FILE",
+        help="write the reviewer's summary (changed keys, plan before/after per experiment) to FILE",
+    )
     p.set_defaults(func=_cmd_check_pr)
     for module in COMMAND_MODULES:
         module.register(sub)

@@ -27,6 +27,13 @@ def cmd_plan(args) -> int:
     calibration = read_calibration(args.calibrate, cfg) if args.calibrate else None
     plan = build_plan(cfg, mfu=args.mfu, calibration=calibration, root=exp.project_root)
     plan["experiment"]["fingerprint"] = exp.fingerprint
+    if args.fit:
+        from runner.fsio import read_json
+        from runner.planning.plan import forecast_targets
+        from runner.reports.targets import declared_targets
+
+        plan["fit_file"] = args.fit
+        plan["forecast"] = forecast_targets(plan, read_json(args.fit), declared_targets(exp.config))
     if args.json:
         print(json.dumps(plan, indent=2, default=str))
     else:
@@ -110,6 +117,12 @@ def register(subparsers) -> None:
         metavar="RUN_DIR",
         default=None,
         help="a run folder whose measured throughput and overheads replace the assumptions",
+    )
+    p.add_argument(
+        "--fit",
+        metavar="SCALING_FIT_JSON",
+        default=None,
+        help="a `runner fit` result: forecast the tokens, days and dollars to each of the experiment's quality targets",
     )
     p.set_defaults(func=cmd_plan)
 

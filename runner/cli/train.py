@@ -366,6 +366,11 @@ def _print_summary(run_dir: Path) -> None:
             f"{conv.get('peak_source')}); goodput MFU {info.get('goodput_mfu', 0):.1%}; {hfu}"
             f"${info.get('cost_per_billion_useful_tokens', 0):,.2f} per billion useful tokens"
         )
+    if (run_dir / "report" / "targets.parquet").exists():
+        from runner.reports.targets import summary_lines
+
+        for line in summary_lines(run_dir / "report"):
+            print(f"  target {line}")
     if (run_dir / "report" / "report.md").exists():
         print(f"  report: {run_dir / 'report' / 'report.md'}  (check it: runner audit {run_dir})")
     ml = info.get("mlflow") or {}

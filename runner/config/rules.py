@@ -17,6 +17,7 @@ from pathlib import Path
 
 from runner.config.schema import (
     COMMIT_HEX,
+    MEAN_DOMAIN,
     SHA256_HEX,
     ExperimentSchema,
     HardwareRecipe,
@@ -79,6 +80,7 @@ def validate_experiment(
     check_device_peak(cfg.hardware, path, problems)
     check_speed_options(cfg, path, problems)
     check_manifests_match_mixture(cfg, path, problems)
+    check_targets(cfg, path, problems)
     notes = check_tokenizer_pin(cfg.tokenizer, path, root, problems, check_files=check_files)
     notes += [
         f"{display_path(path)}: {key}: '{hub.revision}' is not a commit yet: `runner fetch` resolves it, "
@@ -231,3 +233,20 @@ def check_warmup(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:
     length = max_duration_tokens(cfg)
     if cfg.optim.warmup_tokens > length:
         problems.add(path, "optim.warmup_tokens", f"{cfg.optim.warmup_tokens:,} exceeds the schedule length {length:,}")
+
+
+def check_targets(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:
+    """Quality targets (SPEC "Quality targets") name a domain of the mixture, or `mean` when no
+    domain has that name (each target's own threshold is the schema's to check)."""
+    domains = list(cfg.mixture.domains)
+    for name, target in cfg.eval.targets.items():
+        key = f"eval.targets.{name}.domain"
+        if target.domain == MEAN_DOMAIN and MEAN_DOMAIN in domains:
+            problems.add(path, key, f"'{MEAN_DOMAIN}' is ambiguous: the mixture has a domain of that name; rename it")
+        elif target.domain != MEAN_DOMAIN and target.domain not in domains:
+            problems.add(
+                path,
+                key,
+                f"'{target.domain}' is not a domain of the mixture ({', '.join(domains)}) nor '{MEAN_DOMAIN}'"
+                + did_you_mean(target.domain, domains + [MEAN_DOMAIN]),
+            )

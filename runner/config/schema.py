@@ -12,6 +12,7 @@ these objects (bench/gpu_bench.py).
 
 from __future__ import annotations
 
+import math
 import re
 import typing
 from collections.abc import Mapping
@@ -322,14 +323,49 @@ class HardwareRecipe(Recipe):
             problems.add(file, join_key(prefix, "precision"), "CPU training runs in fp32")
 
 
+MEAN_DOMAIN = "mean"
+"""A target's `domain` for the mean over domains, weighted by each domain's validation tokens."""
+TARGET_METRICS = ("loss_nats", "bpb")
+_TARGET_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # names MLflow metrics (target.<name>.step) and dotted keys
+
+
+@dataclass(frozen=True)
+class QualityTarget(Section):
+    domain: str = MISSING  #: a domain of the mixture, or `mean` (weighted by each domain's validation tokens)
+    loss_nats: float | None = None  #: met at the first evaluation whose validation loss (nats) is <= this
+    bpb: float | None = None  #: met at the first evaluation whose bits per byte is <= this (one of the two)
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        """One positive, finite threshold (the domain is checked against the mixture by the rules)."""
+        given = [m for m in TARGET_METRICS if getattr(self, m) is not None]
+        if len(given) != 1:
+            problems.add(
+                file,
+                prefix,
+                "give exactly one of loss_nats or bpb"
+                + (": a target is one threshold (declare two targets for both)" if given else ""),
+            )
+        for metric in given:
+            value = getattr(self, metric)
+            if not (math.isfinite(value) and value > 0):
+                problems.add(file, join_key(prefix, metric), f"must be a positive, finite number, got {value}")
+
+
 @dataclass(frozen=True)
 class EvalRecipe(Recipe):
     interval_steps: int = MISSING  #: evaluate every this many committed steps (and at the end)
     samples_per_domain: int = MISSING  #: held-out samples scored per domain, the same every time
     micro_batch_sequences: int = 8  #: sequences per evaluation forward
+    #: named quality targets (time- and cost-to-quality); operational: never part of the fingerprint
+    targets: dict[str, QualityTarget] = field(default_factory=dict)
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
+        for name, target in self.targets.items():
+            key = join_key(join_key(prefix, "targets"), name)
+            if not _TARGET_NAME.match(str(name)):
+                problems.add(file, key, "a target name is letters, digits, '_' and '-' (it names MLflow metrics)")
+            target.validate(problems, file, key)
         _at_least_one(problems, file, prefix, self, ("interval_steps", "samples_per_domain", "micro_batch_sequences"))
 
 
@@ -537,6 +573,7 @@ OPERATIONAL_KEYS = (
     "train.prefetch_batches",
     "train.system_metrics_interval_seconds",
     "eval.interval_steps",
+    "eval.targets",  # targets say when a run is good enough, not what it trains (SPEC "Quality targets")
 )
 #: optional sections left out of the fingerprint while null, so that adding them to the schema kept
 #: every existing experiment's fingerprint; once set (a Hub commit), they are part of what is trained.

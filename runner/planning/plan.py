@@ -1,8 +1,9 @@
 """The planner: what an experiment will cost before it runs, and after a calibration run.
 
 Owns: compute (6N and PaLM's 6N+attn), tokens per parameter, training and wall-clock time at an
-assumed or measured throughput, device-hours and cost, memory per device, storage, and the
-mixture's per-domain epochs with Muennighoff et al. (2023) effective data under repetition.
+assumed or measured throughput, device-hours and cost, memory per device, storage, the
+mixture's per-domain epochs with Muennighoff et al. (2023) effective data under repetition, and
+the forecast to quality targets (tokens from a `runner fit` result, then days and dollars).
 Never: trains, writes files, or changes a recipe; it reads manifests and run metrics only.
 
 Time is `T / q` (tokens over tokens per second) times `1 + overhead fractions` (SPEC: wall clock
@@ -26,6 +27,7 @@ from runner.errors import MixtureInfeasible, RunnerError
 from runner.fsio import read_json, read_jsonl
 from runner.planning import hardware
 from runner.planning.flops import DEFAULT_CONVENTION, Convention, flops_per_token, params_of_config
+from runner.planning.scaling import Point, forecast_target
 from runner.runs import load_saved_experiment
 
 SECONDS_PER_HOUR = 3600.0
@@ -508,6 +510,59 @@ def build_plan(
     }
 
 
+# ---------------------------------------------------------------- forecast to quality targets
+def forecast_targets(plan: Mapping[str, Any], fit_result: Mapping[str, Any], targets: list) -> list[dict]:
+    """For each target (name, domain, metric, threshold): the exposure tokens this experiment's model
+    needs to reach it (runner.planning.scaling.forecast_target over the fit's runs), and the FLOPs,
+    days, device-hours and dollars of that many tokens at the plan's assumed and measured throughput;
+    or why it cannot be reached, and whether the answer is beyond the fit's trusted range."""
+    try:
+        points = [Point(**p) for p in fit_result["points"]]
+    except (KeyError, TypeError) as err:
+        raise RunnerError(
+            f"not a `runner fit` result (scaling_fit.json): {type(err).__name__}: {err}", file=plan.get("fit_file")
+        ) from None
+    params = float(plan["params"]["non_embedding"])
+    hw = plan["hardware"]
+    out = []
+    fits: dict[tuple[str, str], Any] = {}  # targets judging the same quantity share its fit
+    for t in targets:
+        result = forecast_target(points, t.domain, t.metric, t.threshold, params, fits)
+        result.update(target=t.name, definition=t.describe())
+        if result["status"] == "reachable":
+            result["time"] = {
+                name: _time_block(
+                    result["tokens"],
+                    block["tokens_per_second"],
+                    block["overhead_fraction"],
+                    hw["devices"],
+                    hw["price_per_device_hour_usd"],
+                )
+                for name, block in plan["time"].items()
+                if block
+            }
+        out.append(result)
+    return out
+
+
+def format_forecast(forecast: list[dict], fit_file: str) -> list[str]:
+    out = [f"forecast to quality targets (L(N, D) fitted to each target's quantity over the runs of {fit_file})"]
+    if not forecast:
+        return out + ["  no targets declared (eval recipe `targets:`)"]
+    for f in forecast:
+        head = f"  {f['target']} ({f['definition']}): "
+        if f["status"] != "reachable":
+            out.append(head + f"{f['status'].upper()}: {f['detail']}")
+            continue
+        times = "; ".join(
+            f"{name} {_duration(b['wall_hours'])}, {b['device_hours']:,.1f} device-h, ${b['cost_usd']:,.2f}"
+            for name, b in f["time"].items()
+        )
+        out.append(head + f"{_si(f['tokens'])} tokens, {f['flops']:.3e} FLOPs; {times}")
+        out += [f"    flag: {flag}" for flag in f["flags"]]
+    return out
+
+
 def _si(x: float, unit: str = "") -> str:
     for factor, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
         if abs(x) >= factor:
@@ -617,5 +672,7 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     _format_time(plan, out)
     _format_memory_and_storage(plan, out)
     _format_mixture(plan["mixture"], out)
+    if "forecast" in plan:
+        out += format_forecast(plan["forecast"], plan.get("fit_file", "the fit"))
     out += [f"warning: {w}" for w in plan["warnings"]]
     return "\n".join(out)

@@ -3,7 +3,9 @@
 Owns: reading (N, D, loss) points from run folders, fitting L(N, D) = E + A/N^alpha + B/D^beta as
 Hoffmann et al. 2022 (Huber loss, delta 1e-3, on log residuals, log-sum-exp parametrization,
 L-BFGS-B from a grid of starts), held-out error, the compute-optimal N, D for C = 6ND (closed
-form), the inference-aware optimum (Sardana et al. 2023), extrapolation warnings and the plot.
+form), the inference-aware optimum (Sardana et al. 2023), extrapolation warnings, the plot, and the
+forecast to a quality target: the tokens a model size needs, by inverting a fit of the target's own
+quantity (a domain's loss or bits per byte, or their mean weighted by validation tokens).
 Never: trains, or edits run folders; N is the non-embedding parameter count, D exposure tokens.
 """
 
@@ -20,7 +22,7 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import minimize, minimize_scalar
 
-from runner.config.schema import ExperimentSchema
+from runner.config.schema import MEAN_DOMAIN, ExperimentSchema
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl
 from runner.planning.flops import params_of_config
@@ -57,6 +59,8 @@ class Point:
     loss: float
     domain_losses: dict = field(default_factory=dict)
     experiment: str = ""  # the experiment's name, when the run folder records it
+    domain_bpb: dict = field(default_factory=dict)  # final bits per byte per domain
+    validation_tokens: dict = field(default_factory=dict)  # per domain: the weights of the mean target
 
     @property
     def label(self) -> str:
@@ -108,6 +112,8 @@ def read_report_point(report_dir: Path) -> Point:
         float(np.mean(list(losses.values()))),
         losses,
         str(summary.get("experiment") or ""),
+        {str(d): float(v) for d, v in zip(final["domain"], final["bpb"])},
+        {str(d): int(v) for d, v in zip(final["domain"], final["tokens"])} if "tokens" in final else {},
     )
 
 
@@ -131,13 +137,16 @@ def read_point(run_dir: str | Path) -> Point:
     if not rows:
         raise RunnerError("no evaluation recorded", file=str(evals))
     last_step = max(int(r["step"]) for r in rows)
-    final = {r["domain"]: float(r["loss_nats"]) for r in rows if int(r["step"]) == last_step}
+    last = {r["domain"]: r for r in rows if int(r["step"]) == last_step}
+    final = {d: float(r["loss_nats"]) for d, r in last.items()}
     if not final:
         raise RunnerError("no per-domain loss at the final evaluation", file=str(evals))
     loss = float(np.mean(list(final.values())))
     if not math.isfinite(loss):
         raise RunnerError(f"final validation loss is {loss}", file=str(evals))
-    return Point(run_dir.name, float(params), float(tokens), loss, final, cfg.name)
+    bpb = {d: float(r["bpb"]) for d, r in last.items() if "bpb" in r}
+    weights = {d: int(r["tokens"]) for d, r in last.items() if "tokens" in r}
+    return Point(run_dir.name, float(params), float(tokens), loss, final, cfg.name, bpb, weights)
 
 
 def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
@@ -420,3 +429,69 @@ def fit_report(
         if inference_tokens:
             report["inference_optimal"] = inference_optimal(fit, opt["loss"], inference_tokens)
     return report
+
+
+# ---------------------------------------------------------------- forecast to a quality target
+def target_quantity(point: Point, domain: str, metric: str) -> float | None:
+    """A point's final value of what a target judges (SPEC "Quality targets"): a domain's loss
+    (nats) or bits per byte, or for `mean` their mean weighted by validation tokens. None when the
+    point does not record it (points read by an older runner hold no bpb or validation tokens)."""
+    values = point.domain_losses if metric == "loss_nats" else point.domain_bpb
+    if domain != MEAN_DOMAIN:
+        return values.get(domain)
+    weights = point.validation_tokens
+    if not values or any(d not in weights for d in values):
+        return None
+    return sum(values[d] * weights[d] for d in values) / sum(weights[d] for d in values)
+
+
+def tokens_to_reach(fit: Fit, params: float, loss: float) -> float:
+    """D such that L(N, D) = loss: (B / (loss - E - A / N^alpha))^(1/beta); inf when the model
+    size cannot reach the loss with any amount of data."""
+    rest = loss - fit.E - fit.A / params**fit.alpha
+    return (fit.B / rest) ** (1.0 / fit.beta) if rest > 0 else math.inf
+
+
+def forecast_target(
+    points: Sequence[Point], domain: str, metric: str, threshold: float, params: float, fits: dict | None = None
+) -> dict:
+    """Tokens that a model of `params` non-embedding parameters needs to reach `threshold`, from a
+    fit of the target's own quantity over `points` (kept in `fits` by (domain, metric) for the next
+    target), with why it cannot (`status`) and whether the answer leaves the fit's trusted range."""
+    values = [target_quantity(p, domain, metric) for p in points]
+    missing = [p.label for p, v in zip(points, values) if v is None]
+    if missing:
+        return {
+            "status": "no data",
+            "detail": f"{len(missing)} fitted runs do not record {domain} {metric} (re-run `runner fit` "
+            f"with this runner): {', '.join(missing[:3])}",
+        }
+    fits = {} if fits is None else fits
+    if (domain, metric) not in fits:
+        fits[(domain, metric)] = fit_loss(points, losses=[v for v in values if v is not None])
+    fit = fits[(domain, metric)]
+    out: dict[str, Any] = {"fit": fit.to_dict(), "params": params, "flags": []}
+    if threshold <= fit.E:
+        return {
+            **out,
+            "status": "below floor",
+            "detail": f"{threshold:g} is at or below the fitted floor E = {fit.E:.4g}: no model size reaches it",
+        }
+    tokens = tokens_to_reach(fit, params, threshold)
+    if not math.isfinite(tokens):
+        smallest = (fit.A / (threshold - fit.E)) ** (1.0 / fit.alpha)
+        return {
+            **out,
+            "status": "unreachable at this size",
+            "min_params": smallest,
+            "detail": f"N = {params:.3g} cannot reach {threshold:g} with any amount of data "
+            f"(its loss floor is {fit.E + fit.A / params**fit.alpha:.4g}); needs N > {smallest:.3g}",
+        }
+    out.update(status="reachable", tokens=tokens, flops=6.0 * params * tokens)
+    warning = extrapolation_warning(points, out["flops"])
+    if warning:
+        out["flags"].append("beyond the fit's trusted range: " + warning.split(";")[0])
+    sizes = [p.params for p in points]
+    if not min(sizes) <= params <= max(sizes):
+        out["flags"].append(f"N = {params:.3g} is outside the fitted sizes [{min(sizes):.3g}, {max(sizes):.3g}]")
+    return out

@@ -38,7 +38,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml
 from runner.planning.flops import Convention, flops_per_token, params_of_config
 from runner.planning.hardware import PEAKS, canonical_device, theoretical_peak_from_source
-from runner.reports import audit_tracked
+from runner.reports import audit_tracked, targets
 from runner.reports import evidence as ev
 from runner.reports import tables as rpt
 from runner.reports.checks import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
@@ -706,6 +706,12 @@ def _check_checkpoint(res: AuditResult, inp: AuditInput) -> None:
     res.add(name, problems, ok_detail=f"{path.name} verifies; its ledger recounts to the report")
 
 
+def _check_targets(res: AuditResult, inp: AuditInput) -> None:
+    """Time- and cost-to-target recounted from the evaluations and run.json (runner.reports.targets)."""
+    for name, problems, ok_detail in targets.audit_checks(inp.tables, inp.config, inp.run):
+        res.add(name, problems, ok_detail=ok_detail)
+
+
 def audit_input(
     inp: AuditInput,
     *,
@@ -731,6 +737,7 @@ def audit_input(
     if rep is not None:
         _check_replay(res, inp, rep)
     _check_compute(res, inp)
+    _check_targets(res, inp)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
     _check_evidence_file(res, inp)

@@ -25,6 +25,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
 from runner.planning.hardware import cost_per_billion_useful_tokens, mfu
+from runner.reports import targets
 from runner.runs import (
     conventions_of,
     device_seconds,
@@ -168,24 +169,9 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
         ]
     )
 
-    eval_rows = list(
-        {(int(r["step"]), str(r["domain"])): r for r in read_jsonl(run_dir / "metrics" / "eval.jsonl")}.values()
-    )
-    validation = pd.DataFrame(
-        [
-            {
-                "step": int(r["step"]),
-                "exposure_tokens": int(r["exposure_tokens"]),
-                "domain": str(r["domain"]),
-                "loss_nats": float(r["loss_nats"]),
-                "bpb": float(r["bpb"]),
-                "samples": int(r["samples"]),
-                "tokens": int(r["tokens"]),
-            }
-            for r in eval_rows
-        ],
-        columns=["step", "exposure_tokens", "domain", "loss_nats", "bpb", "samples", "tokens"],
-    )
+    eval_file = run_dir / "metrics" / "eval.jsonl"
+    eval_rows = list({(int(r["step"]), str(r["domain"])): r for r in read_jsonl(eval_file)}.values())
+    validation = targets.validation_frame(targets.complete_eval_rows(eval_rows, train_rows, str(eval_file)))
     throughput = pd.DataFrame(
         [
             {
@@ -205,6 +191,12 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
         "repetition": repetition,
         "validation": validation,
         "throughput": throughput,
+        "targets": targets.targets_table(
+            targets.declared_targets(targets.typed_config(cfg, run_dir / "experiment.yaml")),
+            validation,
+            int(run.get("committed_steps", 0)),
+            price,
+        ),
     }
 
 
@@ -380,6 +372,7 @@ def render_markdown(
         lines += ["![loss by domain](loss_by_domain.png)", ""]
     else:
         lines += ["No evaluation was recorded.", ""]
+    lines += targets.render_markdown(targets.declared_targets(targets.typed_config(cfg)), tables["targets"])
     lines += [
         "## How fast, at what cost",
         "",

@@ -1,7 +1,8 @@
 """Side effects of the training loop as callbacks: metrics files, MLflow and the progress line.
 
 Owns: what is written after each step, each evaluation and at the end of an attempt
-(metrics/train.jsonl, metrics/eval.jsonl, MLflow metrics, the progress bar or line on stderr).
+(metrics/train.jsonl, metrics/eval.jsonl, MLflow metrics, quality targets' MLflow record, the progress
+bar or line on stderr).
 Never changes what is trained.
 """
 
@@ -16,7 +17,8 @@ from typing import Any
 from tqdm import tqdm
 
 from runner import progress
-from runner.fsio import repair_jsonl_tail
+from runner.fsio import read_jsonl, repair_jsonl_tail
+from runner.reports import targets
 
 
 class Callback:
@@ -201,3 +203,45 @@ class TrainingProgress(Callback):
             self.bar.close()
         elif not self.last_printed and self.last_line:
             print(self.last_line, file=self.stream, flush=True)
+
+
+class TargetsCallback(Callback):
+    """Quality targets in MLflow (`target.<name>.*` metrics and tags, runner.reports.targets): logged
+    at the evaluation that first meets a target, and every target's outcome at the end of an attempt.
+    Judged on the lineage's evaluations: those before the resumed step, then this attempt's."""
+
+    def __init__(self, tracker, config, run_dir: Path, start_step: int, enabled: bool):
+        self.tracker = tracker
+        self.targets = targets.declared_targets(config)
+        self.price = float(config.hardware.price_per_device_hour_usd)
+        self.enabled = enabled and bool(self.targets)
+        self.rows: dict[tuple[int, str], dict] = {}
+        if self.enabled:
+            metrics = Path(run_dir) / "metrics"
+            earlier = [r for r in read_jsonl(metrics / "eval.jsonl", skip_torn=True) if int(r["step"]) <= start_step]
+            train = read_jsonl(metrics / "train.jsonl", skip_torn=True)
+            for r in targets.complete_eval_rows(earlier, train):
+                self.rows[(int(r["step"]), str(r["domain"]))] = r
+
+    def _table(self, committed_steps: int):
+        frame = targets.validation_frame(list(self.rows.values()))
+        return targets.targets_table(self.targets, frame, committed_steps, self.price)
+
+    def _log(self, table, only_met_at: int | None = None) -> None:
+        for target in self.targets:
+            rows = targets.outcome(table, target.name)
+            if only_met_at is not None and rows.get("met", {}).get("step") != only_met_at:
+                continue
+            metrics, tags, step = targets.mlflow_record(target, rows)
+            self.tracker.log_metrics(metrics, step=step)
+            self.tracker.log_tags(tags)
+
+    def on_eval(self, step, exposure_tokens, rows):
+        if not self.enabled:
+            return
+        self.rows.update({(int(r["step"]), str(r["domain"])): r for r in rows})
+        self._log(self._table(step), only_met_at=step)
+
+    def on_end(self, summary, counters, ratios):
+        if self.enabled:
+            self._log(self._table(int(summary["committed_steps"])))

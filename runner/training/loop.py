@@ -42,7 +42,7 @@ from runner.training.backends import (
     shard_fsdp2_cpu,
     sharding_mode,
 )
-from runner.training.callbacks import Callback, MetricsFiles, TrackingCallback, TrainingProgress
+from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
 from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
@@ -488,6 +488,7 @@ def _conventions(run: _Run, tracker) -> None:
         run.callbacks.append(run.system)
     if tracker is not None:
         run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
+        run.callbacks.append(TargetsCallback(tracker, run.cfg, run.folder.path, run.start_step, run.main))
         tracker.log_tags(
             {
                 **{f"mfu.{k}": v for k, v in conventions.items()},
@@ -676,14 +677,17 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
 
 
 def _evaluate(run: _Run, step: int) -> None:
+    total = run.ledger.counters()["total"]
     rows = evaluate.evaluate(
-        run.raw_model,
-        run.data,
-        run.acc,
-        run.cfg.eval.micro_batch_sequences,
-        step,
-        int(run.ledger.counters()["total"]["exposure"]),
+        run.raw_model, run.data, run.acc, run.cfg.eval.micro_batch_sequences, step, int(total["exposure"])
     )
+    # Where the run stood when this evaluation ended: time-to-target is recounted from these (SPEC).
+    stamp = {
+        "useful_tokens": int(total["useful"]),
+        "wall_seconds": run.wall_seconds(),
+        "device_wall_seconds": run.device_wall_seconds(),
+    }
+    rows = [{**r, **stamp} for r in rows]
     for cb in run.callbacks:
         cb.on_eval(step, rows[0]["exposure_tokens"] if rows else 0, rows)
     run.last_eval = step

@@ -1,0 +1,533 @@
+"""`runner compare`: runs side by side, from their run folders, published reports or MLflow run ids.
+
+Owns: reading each run's report tables, experiment.yaml and run.json; what a comparison shows (the
+fingerprinted keys where the resolved configs differ, token accounting per domain, final validation
+loss and bits per byte, time-, device-hours- and cost-to-target with who gets there first, MFU and
+goodput MFU with their conventions, marked not comparable when the conventions differ), its
+markdown, JSON and CSV forms, the overlaid loss plots against exposure tokens and against dollars,
+and a comparison folder that carries audited copies of the reports it was made from.
+Never: trains, edits a run or a report, or recomputes a figure the report tables already hold
+(targets are judged by runner.reports.targets on each run's own evaluations).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from runner.config.fingerprint import canonical_meaning
+from runner.errors import RunnerError
+from runner.fsio import read_json, read_yaml
+from runner.reports import tables as rpt
+from runner.reports import targets as tg
+from runner.reports.audit import audit
+from runner.runs import is_reportable_run
+from schemas.report_tables import SCHEMA_VERSION, validate_tables
+
+ACCOUNTING = ("processed_tokens", "exposure_tokens", "useful_tokens", "unique_tokens", "lost_tokens")
+ACCOUNTING_RATIOS = ("target_ratio", "realized_ratio", "epochs")
+#: convention fields that must agree for two MFU figures to be compared (SPEC "Throughput, MFU and
+#: cost"); devices_counted may differ (MFU is per device held) and so may the device itself, as long
+#: as each peak is of the same kind (datasheet or recipe, theoretical, measured).
+MFU_CONVENTION = (
+    "flops_formula",
+    "params_counted",
+    "attention_causal_half",
+    "recompute_counted",
+    "time_basis",
+    "peak_dtype",
+)
+PLOTS = ("loss_vs_tokens.png", "loss_vs_dollars.png")
+
+
+@dataclass
+class Source:
+    """One compared run: its report tables, saved resolved config and run.json."""
+
+    origin: str  # what the user named
+    folder: Path  # the run or report folder it was read from
+    tables: dict[str, pd.DataFrame]
+    cfg: dict
+    run: dict
+    label: str = ""
+
+    @property
+    def summary(self) -> pd.Series:
+        return self.tables["run_summary"].iloc[0]
+
+    @property
+    def price(self) -> float:
+        return float(self.summary["price_per_device_hour"])
+
+
+@dataclass
+class Comparison:
+    sources: list[Source]
+    targets: list[tg.Target]
+    frames: dict[str, pd.DataFrame] = field(default_factory=dict)
+    mfu_comparable: bool = True
+    mfu_differences: list[str] = field(default_factory=list)
+
+    @property
+    def labels(self) -> list[str]:
+        return [s.label for s in self.sources]
+
+
+# ---- reading the runs ---------------------------------------------------------------------------
+
+
+def load_source(target: str) -> Source:
+    """A run folder (its tables rebuilt from the raw files), a report folder, or an MLflow run id."""
+    path = Path(target)
+    if path.is_dir():
+        if rpt.is_report_dir(path):
+            _check_version(path / "run_summary.parquet")
+            tables = rpt.read_tables(path)
+        elif is_reportable_run(path):
+            tables = rpt.build_tables(path)
+        else:
+            raise RunnerError(
+                "neither a run folder (run.json, ledger.json) nor a report folder (run_summary.parquet)", file=target
+            )
+        run = read_json(path / "run.json") if (path / "run.json").exists() else {}
+        cfg = read_yaml(path / "experiment.yaml")
+        if not isinstance(cfg, dict):
+            raise RunnerError("expected a mapping (the resolved experiment config)", file=str(path / "experiment.yaml"))
+        source = Source(target, path, tables, cfg, run)
+        failures = validate_tables(tables)
+        if failures:
+            raise RunnerError(
+                f"its tables fail their schemas ({failures[0]}); see `runner audit {target}`", file=target
+            )
+        return source
+    if rpt.MLFLOW_RUN_ID.match(str(target)):
+        fetched = rpt.fetch_mlflow_run(str(target), tempfile.mkdtemp(prefix="runner-compare-"))
+        source = load_source(str(fetched))
+        source.origin = str(target)
+        return source
+    raise RunnerError("no such folder, and not an MLflow run id", file=target)
+
+
+def _check_version(summary_file: Path) -> None:
+    try:
+        written = str(pd.read_parquet(summary_file, columns=["schema_version"]).iloc[0, 0])
+    except Exception as err:  # pyarrow raises several types for a corrupt or foreign file
+        raise RunnerError(f"unreadable run summary: {type(err).__name__}", file=str(summary_file)) from None
+    if written != SCHEMA_VERSION:
+        raise RunnerError(
+            f"report written under {written}, this runner compares {SCHEMA_VERSION}: rebuild it with "
+            "`runner report RUN_DIR` (or compare the run folder)",
+            file=str(summary_file.parent),
+        )
+
+
+def assign_labels(sources: list[Source], labels: list[str] | None = None) -> None:
+    """Each run's column name: given, else its experiment, else experiment/run_id where experiments
+    repeat (and #n where even those do)."""
+    if labels:
+        if len(labels) != len(sources) or len(set(labels)) != len(labels):
+            raise RunnerError(f"--labels: give {len(sources)} distinct labels, got {labels}")
+    else:
+        names = [str(s.summary["experiment"]) for s in sources]
+        labels = [n if names.count(n) == 1 else f"{n}/{s.summary['run_id']}" for n, s in zip(names, sources)]
+        labels = [f"{x}#{labels[:i].count(x) + 1}" if labels.count(x) > 1 else x for i, x in enumerate(labels)]
+    for s, label in zip(sources, labels):
+        s.label = label
+
+
+def union_targets(sources: list[Source]) -> list[tg.Target]:
+    """Every target any run declares; one name must mean one target in all of them."""
+    found: dict[str, tuple[tg.Target, str]] = {}
+    for s in sources:
+        for t in tg.declared_targets(tg.typed_config(s.cfg, str(s.folder / "experiment.yaml"))):
+            if t.name in found and found[t.name][0] != t:
+                other, where = found[t.name]
+                raise RunnerError(
+                    f"target '{t.name}' is {other.describe()} in {where} but {t.describe()} in {s.label}: "
+                    "rename one so a comparison judges every run by the same target"
+                )
+            found.setdefault(t.name, (t, s.label))
+    return [found[name][0] for name in sorted(found)]
+
+
+# ---- the comparison (frames of mixed columns keep their Python types: dtype=object) -----------------------------------------------------------------------------
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: node}
+
+
+def config_differences(sources: list[Source]) -> pd.DataFrame:
+    """Fingerprinted keys (labels, recipe references and operational keys left out) whose values
+    differ between the runs, with each run's value; configs are read with the schema's defaults."""
+    flat = []
+    for s in sources:
+        typed = tg.typed_config(s.cfg, str(s.folder / "experiment.yaml"))
+        flat.append(_flatten(canonical_meaning(typed)))
+    keys = sorted(set().union(*flat))
+    rows = []
+    for key in keys:
+        values = [f.get(key, "(absent)") for f in flat]
+        if any(v != values[0] for v in values[1:]):
+            rows.append({"key": key, **{s.label: _cell(v) for s, v in zip(sources, values)}})
+    return pd.DataFrame(rows, columns=["key", *[s.label for s in sources]], dtype=object)
+
+
+def _cell(v: Any) -> Any:
+    return json.dumps(v) if isinstance(v, (list, dict)) else v
+
+
+def accounting(sources: list[Source]) -> pd.DataFrame:
+    """Per domain (and total): processed, exposure, useful, unique and lost tokens, target and
+    realized ratios, epochs; one column per run."""
+    domains = sorted(set().union(*(set(s.tables["accounting"]["domain"]) for s in sources)))
+    rows = []
+    for d in [*domains, "total"]:
+        for q in ACCOUNTING + (ACCOUNTING_RATIOS if d != "total" else ()):
+            row: dict[str, Any] = {"domain": d, "quantity": q}
+            for s in sources:
+                acct = s.tables["accounting"].set_index("domain")
+                if d == "total":
+                    row[s.label] = int(s.summary[q])
+                else:
+                    row[s.label] = acct.loc[d, q].item() if d in acct.index else None
+            rows.append(row)
+    return pd.DataFrame(rows, columns=["domain", "quantity", *[s.label for s in sources]], dtype=object)
+
+
+def _final_evaluation(s: Source) -> pd.DataFrame:
+    seen = tg.lineage(s.tables["validation"], int(s.summary["steps"]))
+    return seen[seen["step"] == seen["step"].max()] if len(seen) else seen
+
+
+def quality(sources: list[Source]) -> pd.DataFrame:
+    """Final validation loss (nats) and bits per byte per domain and their token-weighted mean."""
+    finals = {s.label: _final_evaluation(s) for s in sources}
+    domains = sorted(set().union(*(set(f["domain"]) for f in finals.values())))
+    rows = [
+        {
+            "domain": "(step)",
+            "metric": "step",
+            **{k: int(f["step"].max()) if len(f) else None for k, f in finals.items()},
+        }
+    ]
+    for d in [*domains, tg.MEAN_DOMAIN]:
+        for metric in ("loss_nats", "bpb"):
+            row: dict[str, Any] = {"domain": d, "metric": metric}
+            for label, f in finals.items():
+                values = tg.metric_by_step(f, d, metric) if len(f) else pd.Series(dtype=float)
+                row[label] = float(values.iloc[-1]) if len(values) else None
+            rows.append(row)
+    return pd.DataFrame(rows, columns=["domain", "metric", *finals], dtype=object)
+
+
+def target_results(sources: list[Source], targets: list[tg.Target]) -> pd.DataFrame:
+    """Every target judged on every run: where it was met (or the best value), and at what tokens,
+    seconds and dollars; `first_in_*` names the run(s) that got there first by each measure."""
+    rows = []
+    for t in targets:
+        for s in sources:
+            table = tg.targets_table([t], s.tables["validation"], int(s.summary["steps"]), s.price)
+            out = tg.outcome(table, t.name)
+            r = out.get("met") or out.get("best") or {}
+            rows.append(
+                {
+                    "target": t.name,
+                    "definition": t.describe(),
+                    "run": s.label,
+                    "met": "met" in out,
+                    "step": r.get("step"),
+                    "value": r.get("value"),
+                    "before_step": out.get("before", {}).get("step"),
+                    "exposure_tokens": r.get("exposure_tokens"),
+                    "useful_tokens": r.get("useful_tokens"),
+                    "wall_seconds": r.get("wall_seconds"),
+                    "device_hours": r.get("device_hours"),
+                    "cost_usd": r.get("cost_usd"),
+                }
+            )
+    columns = ["target", "definition", "run", "met", "step", "value", "before_step", "exposure_tokens"]
+    columns += ["useful_tokens", "wall_seconds", "device_hours", "cost_usd"]
+    df = pd.DataFrame(rows, columns=columns)
+    for measure in ("exposure_tokens", "wall_seconds", "cost_usd"):
+        first = pd.Series(False, index=df.index)
+        for _, g in df.groupby("target"):
+            met = g[g["met"] & g[measure].notna()]
+            if len(met):
+                values = met[measure].astype(float)
+                first[met.index[values <= values.min() * (1 + 1e-12)]] = True
+        df[f"first_in_{measure}"] = first
+    return df
+
+
+def _peak_kind(source: str) -> str:
+    head = str(source).split(":", 1)[0].strip().lower()
+    return head if head in ("measured", "theoretical") else "datasheet or recipe"
+
+
+def speed(sources: list[Source]) -> tuple[pd.DataFrame, bool, list[str]]:
+    """MFU, goodput MFU (and HFU), time and cost, with each run's convention record; whether the
+    MFU figures can be compared and, if not, which convention fields differ."""
+    quantities = [
+        "mfu",
+        "goodput_mfu",
+        "hfu",
+        "wall_seconds",
+        "step_seconds_total",
+        "device_wall_seconds",
+        "cost_per_billion_useful_tokens",
+        "cost_usd",
+        *MFU_CONVENTION,
+        "peak_tflops",
+        "peak_source",
+        "device_name",
+        "devices_counted",
+    ]
+    rows = []
+    for q in quantities:
+        row: dict[str, Any] = {"quantity": q}
+        for s in sources:
+            sm = s.summary
+            value = sm["device_wall_seconds"] / 3600.0 * s.price if q == "cost_usd" else sm[q]
+            row[s.label] = value.item() if hasattr(value, "item") else value
+        rows.append(row)
+    differences = []
+    for f in MFU_CONVENTION:
+        values = [str(s.summary[f]) for s in sources]
+        if len(set(values)) > 1:
+            differences.append(f"{f}: " + " vs ".join(f"{v} ({s.label})" for v, s in zip(values, sources)))
+    kinds = [_peak_kind(s.summary["peak_source"]) for s in sources]
+    if len(set(kinds)) > 1:
+        differences.append("peak kind: " + " vs ".join(f"{k} ({s.label})" for k, s in zip(kinds, sources)))
+    return (
+        pd.DataFrame(rows, columns=["quantity", *[s.label for s in sources]], dtype=object),
+        not differences,
+        differences,
+    )
+
+
+def compare(sources: list[Source]) -> Comparison:
+    """Every table of the comparison (labels already assigned)."""
+    if len(sources) < 2:
+        raise RunnerError(f"compare needs at least two runs, got {len(sources)}")
+    targets = union_targets(sources)
+    comp = Comparison(sources, targets)
+    speed_df, comp.mfu_comparable, comp.mfu_differences = speed(sources)
+    comp.frames = {
+        "runs": runs_table(sources),
+        "config_differences": config_differences(sources),
+        "targets": target_results(sources, targets),
+        "quality": quality(sources),
+        "accounting": accounting(sources),
+        "speed": speed_df,
+    }
+    return comp
+
+
+def runs_table(sources: list[Source]) -> pd.DataFrame:
+    fields = ("experiment", "version", "run_id", "fingerprint", "status", "steps", "device_name", "devices")
+    rows: list[dict[str, Any]] = [{"field": "origin", **{s.label: s.origin for s in sources}}]
+    rows += [{"field": f, **{s.label: _plain(s.summary[f]) for s in sources}} for f in fields]
+    rows.append({"field": "price_per_device_hour", **{s.label: s.price for s in sources}})
+    return pd.DataFrame(rows, columns=["field", *[s.label for s in sources]], dtype=object)
+
+
+def _plain(v: Any) -> Any:
+    return v.item() if hasattr(v, "item") else v
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+
+def to_json(comp: Comparison) -> dict:
+    def records(df: pd.DataFrame) -> list[dict]:
+        """Rows as JSON values at full precision; NaN (a figure not recorded) is null."""
+        return [{k: _json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
+
+    return {
+        "labels": comp.labels,
+        "target_definitions": [{"name": t.name, "definition": t.describe()} for t in comp.targets],
+        "mfu_comparable": comp.mfu_comparable,
+        "mfu_convention_differences": comp.mfu_differences,
+        **{name: records(df) for name, df in comp.frames.items()},
+    }
+
+
+def _json_value(v: Any) -> Any:
+    v = _plain(v)
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1e5 or (v.is_integer() and abs(v) >= 1) else f"{v:.4g}"
+    return str(v)
+
+
+def _md(df: pd.DataFrame) -> list[str]:
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in df.itertuples(index=False):
+        lines.append("| " + " | ".join(_fmt(_plain(v)) for v in row) + " |")
+    return lines
+
+
+def _target_cell(r: pd.Series) -> str:
+    if r["step"] is None or (isinstance(r["step"], float) and math.isnan(r["step"])):
+        return "no evaluation"
+    if not r["met"]:
+        return f"not met (best {r['value']:.4g} at step {int(r['step']):,})"
+    secs = "time not recorded" if pd.isna(r["wall_seconds"]) else f"{r['wall_seconds']:,.1f} s"
+    cost = "-" if pd.isna(r["cost_usd"]) else f"${r['cost_usd']:.4g}"
+    return f"step {int(r['step']):,}: {int(r['exposure_tokens']):,} tokens, {secs}, {cost}"
+
+
+def targets_markdown(comp: Comparison) -> list[str]:
+    df = comp.frames["targets"]
+    if df.empty:
+        return ["No run declares a quality target (eval recipe `targets:`).", ""]
+    header = ["target", *comp.labels, "first in tokens", "first in seconds", "first in dollars"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for t in comp.targets:
+        g = df[df["target"] == t.name].set_index("run")
+        firsts = [
+            ", ".join(g.index[g[f"first_in_{m}"]]) or "none" for m in ("exposure_tokens", "wall_seconds", "cost_usd")
+        ]
+        cells = [_target_cell(g.loc[label]) for label in comp.labels]
+        lines.append("| " + " | ".join([f"`{t.name}` ({t.describe()})", *cells, *firsts]) + " |")
+    return lines + [""]
+
+
+def render_markdown(comp: Comparison, plots: list[str] | None = None) -> str:
+    f = comp.frames
+    lines = [f"# Comparison: {' vs '.join(comp.labels)}", "", *_md(f["runs"]), ""]
+    lines += ["## Where the configs differ (fingerprinted keys)", ""]
+    diffs = f["config_differences"].assign(key=lambda df: "`" + df["key"] + "`")
+    lines += _md(diffs) if len(diffs) else ["The fingerprinted configs are equal."]
+    lines += ["", "## Quality targets: who gets there first", "", *targets_markdown(comp)]
+    lines += [
+        "A target is met at the first evaluation at or below it; tokens are exposure tokens, seconds the wall",
+        "time from the first launch to the end of that evaluation (every attempt), dollars its device-hours x",
+        "the price per device-hour (SPEC 'Quality targets').",
+        "",
+        "## Final validation loss (nats) and bits per byte",
+        "",
+        *_md(f["quality"]),
+        "",
+        "`mean` is weighted by each domain's validation tokens.",
+        "",
+        "## Token accounting",
+        "",
+        *_md(f["accounting"]),
+        "",
+        "## Speed and cost",
+        "",
+        *_md(f["speed"]),
+        "",
+    ]
+    if comp.mfu_comparable:
+        lines.append("MFU and goodput MFU are under the same convention: comparable.")
+    else:
+        lines.append(
+            "**MFU figures NOT comparable**: the conventions differ (" + "; ".join(comp.mfu_differences) + ")."
+        )
+    lines.append("")
+    for p in plots or []:
+        lines += [f"![{Path(p).stem}]({p})", ""]
+    return "\n".join(lines)
+
+
+def write_plots(comp: Comparison, out: Path) -> list[Path]:
+    """Per-domain validation loss of every run against exposure tokens and against dollars spent,
+    with each loss_nats target of the domain as a dashed line."""
+    import matplotlib  # noqa: PLC0415  (matplotlib: only when plots are written)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    domains = sorted(set().union(*(set(s.tables["validation"]["domain"]) for s in comp.sources))) + [tg.MEAN_DOMAIN]
+    paths = []
+    for name, xlabel in zip(PLOTS, ("exposure tokens", "dollars (device-hours x price)")):
+        fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.6), squeeze=False)
+        for ax, d in zip(axes[0], domains):
+            for s in comp.sources:
+                seen = tg.lineage(s.tables["validation"], int(s.summary["steps"]))
+                if seen.empty:
+                    continue
+                y = tg.metric_by_step(seen, d, "loss_nats")
+                progress = seen.groupby("step")[["exposure_tokens", "device_wall_seconds"]].first().loc[y.index]
+                x = (
+                    progress["exposure_tokens"]
+                    if name == PLOTS[0]
+                    else progress["device_wall_seconds"] / 3600.0 * s.price
+                )
+                ax.plot(x.to_numpy(dtype=float), y.to_numpy(), marker="o", ms=3, label=s.label)
+            for t in comp.targets:
+                if t.domain == d and t.metric == "loss_nats":
+                    ax.axhline(t.threshold, ls="--", lw=0.8, color="grey")
+                    ax.annotate(t.name, (0.02, t.threshold), xycoords=("axes fraction", "data"), fontsize=7)
+            ax.set(title=d, xlabel=xlabel, ylabel="validation loss (nats)" if d == domains[0] else "")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=80)
+        plt.close(fig)
+    return paths
+
+
+# ---- a comparison folder ------------------------------------------------------------------------
+
+
+def _folder_name(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
+
+
+def collect_reports(sources: list[Source], dest: Path) -> None:
+    """Audited copies of each run's report in dest/runs/<label>/, so a comparison folder carries what
+    it was made from (`runner compare dest/runs/*` remakes it; `runner audit` checks each). A run
+    folder's report is rebuilt first. Each source is then read back from its copy. Nothing is copied
+    when an audit FAILs (the offline audit cannot PASS: its MLflow checks are UNVERIFIED): RunnerError
+    names the run and the failed checks."""
+    reports = []
+    for s in sources:
+        folder = s.folder if rpt.is_report_dir(s.folder) else rpt.write_report(s.folder)
+        result = audit(folder, check_mlflow=False)  # offline: UNVERIFIED at best, never FAIL
+        if not result.consistent:
+            raise RunnerError(f"its report fails the audit ({', '.join(result.failed())})", file=s.origin)
+        reports.append(folder)
+    staged = dest / "runs"
+    if staged.exists():
+        shutil.rmtree(staged)
+    for s, folder in zip(sources, reports):
+        copy = staged / _folder_name(s.label)
+        shutil.copytree(folder, copy)
+        s.folder, s.tables = copy, rpt.read_tables(copy)
+
+
+def write_folder(comp: Comparison, out: Path) -> list[Path]:
+    """comparison.md, comparison.json, one CSV per table and the plots in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(comp, out)
+    (out / "comparison.md").write_text(render_markdown(comp, [p.name for p in plots]))
+    (out / "comparison.json").write_text(json.dumps(to_json(comp), indent=1) + "\n")
+    for name, df in comp.frames.items():
+        df.to_csv(out / f"{name}.csv", index=False)
+    return [out / "comparison.md", out / "comparison.json", *plots]

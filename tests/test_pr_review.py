@@ -1,0 +1,100 @@
+"""`runner check-pr --markdown`: what a recipe pull request changes and costs, for the job summary."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runner.cli import main
+from runner.config.load import load_experiment
+from runner.planning.plan import build_plan
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+
+
+def _edit(path: Path, **changes) -> None:
+    data = yaml.safe_load(path.read_text())
+    for dotted, value in changes.items():
+        node = data
+        *head, last = dotted.split(".")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+@pytest.fixture()
+def repo(project_with_data: Path) -> Path:
+    """The repository's recipes and experiments, committed in a fresh git repo (data ignored)."""
+    repo = project_with_data
+    (repo / ".gitignore").write_text("data/\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "base")
+    return repo
+
+
+def _review(repo: Path, monkeypatch, capsys) -> tuple[int, str]:
+    monkeypatch.chdir(repo)
+    code = main(["check-pr", "--base", "HEAD", "--markdown", "review/summary.md"])
+    capsys.readouterr()
+    return code, (repo / "review" / "summary.md").read_text()
+
+
+def _plan(path: Path, root: Path) -> dict:
+    return build_plan(load_experiment(path).to_container(), root=root)
+
+
+@pytest.mark.slow
+def test_summary_names_changed_keys_and_the_plan_before_and_after(repo, monkeypatch, capsys):
+    exp = repo / "experiments/cpu-tiny.yaml"
+    before = _plan(exp, repo)
+    _edit(exp, version=3, **{"train.exposure_tokens": 360448, "overrides.optim.lr": 0.01})
+    for dependant in ("cpu-tiny-fsdp", "cpu-tiny-lr"):
+        path = repo / f"experiments/{dependant}.yaml"
+        _edit(path, version=yaml.safe_load(path.read_text())["version"] + 1, base="cpu-tiny@3")
+    (repo / "experiments/cpu-tiny-h100.yaml").write_text(
+        "name: cpu-tiny-h100\nversion: 1\ndescription: cpu-tiny's shape on an H100\nbase: cpu-tiny@3\n"
+        "recipes: {hardware: h100@1}\n"
+    )
+    after = _plan(exp, repo)
+    code, md = _review(repo, monkeypatch, capsys)
+    assert code == 0 and "**check-pr: PASS**" in md
+    section = md.split("### `experiments/cpu-tiny.yaml` (modified)")[1].split("### ")[0]
+    assert "| `optim.lr` | 0.003 | 0.01 |" in section
+    assert "| `train.exposure_tokens` | 307200 | 360448 |" in section
+    assert "Not fingerprinted (labels, recipe references, operational keys): `version`" in section
+    assert "| exposure tokens | 307,200 | 360,448 | +17.3% |" in section
+    t0, t1 = before["time"]["assumed"], after["time"]["assumed"]
+    assert f"| cost (USD) | {t0['cost_usd']:.4g} | {t1['cost_usd']:.4g} | +17.3% |" in section
+    assert f"| device-hours | {t0['device_hours']:.4g} | {t1['device_hours']:.4g} |" in section
+    assert "| parameters | 354,624 | 354,624 | same |" in section
+    assert "| mixture | feasible (most epochs: legal 2.42) | feasible (most epochs: legal 2.85) |" in section
+    assert "### `experiments/cpu-tiny-fsdp.yaml` (modified)" in md
+    added = md.split("### `experiments/cpu-tiny-h100.yaml` (added)")[1].split("### ")[0]
+    assert "| parameters | - | 354,624 |" in added and "| fits in device memory | - | yes |" in added
+    assert "1p3b" not in md  # unchanged experiments are not listed
+
+
+@pytest.mark.slow
+def test_a_failing_pr_still_gets_its_summary(repo, monkeypatch, capsys):
+    exp = repo / "experiments/cpu-tiny.yaml"
+    _edit(exp, **{"train.exposure_tokens": 409600})  # no version bump, and legal needs 3.2 epochs (cap 3)
+    code, md = _review(repo, monkeypatch, capsys)
+    assert code == 2 and "**check-pr: FAIL**" in md
+    assert (
+        "- `experiments/cpu-tiny.yaml: version: changed since HEAD but its version was not bumped (was 2, now 2)`" in md
+    )
+    assert "| mixture | feasible (most epochs: legal 2.42) | INFEASIBLE: " in md
+    assert "largest feasible budget at these ratios: 378,880 tokens" in md
+
+
+@pytest.mark.slow
+def test_a_pr_that_changes_no_experiment_says_so(repo, monkeypatch, capsys):
+    code, md = _review(repo, monkeypatch, capsys)
+    assert code == 0 and "No experiment's resolved config changes." in md
