@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runner.config.schema import LABEL_KEYS, OPERATIONAL_KEYS
+from runner.config.schema import LABEL_KEYS, OMITTED_WHEN_NULL, OPERATIONAL_KEYS
 from runner.errors import join_key
 from runner.fsio import canonical_json
 
@@ -39,8 +39,17 @@ def _strip_labels(node: Any) -> Any:
     return node
 
 
+def _drop_null(node: Any, path: list[str]) -> None:
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict) and path[-1] in node and node[path[-1]] is None:
+        del node[path[-1]]
+
+
 def canonical_meaning(cfg) -> dict:
-    """What the experiment trains: the resolved config less labels and operational keys."""
+    """What the experiment trains: the resolved config less labels and operational keys, and less
+    the keys of OMITTED_WHEN_NULL while null (a dense model's `model.moe`), so that adding them
+    changed no earlier fingerprint."""
     data = (
         OmegaConf.to_container(cfg, resolve=True)
         if isinstance(cfg, (DictConfig, ListConfig))
@@ -49,6 +58,8 @@ def canonical_meaning(cfg) -> dict:
     data = _strip_labels(data)
     for key in OPERATIONAL_KEYS:
         _drop(data, key.split("."))
+    for key in OMITTED_WHEN_NULL:
+        _drop_null(data, key.split("."))
     return data
 
 

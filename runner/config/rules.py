@@ -57,6 +57,40 @@ def model_vocab_size(cfg) -> int:
     return -(-int(cfg.tokenizer.vocab_size) // m) * m
 
 
+def moe_rules(m, path: Path, problems: Problems) -> None:
+    """A mixture-of-experts model (arch olmoe) has a `moe` section that makes sense; a dense one has none."""
+    if m.arch != "olmoe":
+        if m.moe is not None:
+            problems.add(path, "model.moe", f"only a mixture-of-experts arch (olmoe) has experts, not {m.arch}")
+        return
+    moe = m.moe
+    if moe is None:
+        problems.add(
+            path, "model.moe", "arch olmoe needs a moe section (n_experts, experts_per_token, expert_intermediate_size)"
+        )
+        return
+    for k in ("n_experts", "experts_per_token", "expert_intermediate_size"):
+        if moe[k] < 1:
+            problems.add(path, f"model.moe.{k}", f"must be >= 1, got {moe[k]}")
+    if moe.experts_per_token > moe.n_experts:
+        problems.add(
+            path,
+            "model.moe.experts_per_token",
+            f"{moe.experts_per_token} experts per token but only {moe.n_experts} experts",
+        )
+    for k in ("router_aux_loss_coef", "router_z_loss_coef"):
+        if not (moe[k] >= 0 and moe[k] != float("inf")):
+            problems.add(path, f"model.moe.{k}", f"must be a finite number >= 0, got {moe[k]}")
+    if m.intermediate_size != moe.expert_intermediate_size:
+        problems.add(
+            path,
+            "model.intermediate_size",
+            f"olmoe has no dense MLP: its MLPs are the experts, so intermediate_size ({m.intermediate_size}) "
+            f"must equal moe.expert_intermediate_size ({moe.expert_intermediate_size}); "
+            "write intermediate_size: ${model.moe.expert_intermediate_size}",
+        )
+
+
 def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_files: bool = True) -> list[str]:
     """Rules that span keys. Returns notes for pins that cannot be verified on this machine."""
     notes: list[str] = []
@@ -138,6 +172,7 @@ def validate_rules(cfg, path: Path, root: Path, problems: Problems, *, check_fil
         problems.add(path, "model.n_heads", f"head dim {m.hidden_size // m.n_heads} must be even for RoPE")
     if m.n_kv_heads >= 1 and m.n_heads % m.n_kv_heads:
         problems.add(path, "model.n_kv_heads", f"n_heads {m.n_heads} is not divisible by n_kv_heads {m.n_kv_heads}")
+    moe_rules(m, path, problems)
 
     o = cfg.optim
     if o.lr <= 0:

@@ -40,6 +40,17 @@ class MixtureRecipe:
 
 
 @dataclass
+class MoeSection:
+    """Mixture-of-experts settings of a model recipe (arch olmoe); absent (null) for dense models."""
+
+    n_experts: int = "???"  # type: ignore[assignment]  #: routed experts per layer
+    experts_per_token: int = "???"  # type: ignore[assignment]  #: k: experts each input position is routed to
+    expert_intermediate_size: int = "???"  # type: ignore[assignment]  #: hidden size of each expert's SwiGLU MLP
+    router_aux_loss_coef: float = 0.01  #: load-balancing loss weight (Switch: E * sum_e f_e P_e; 1.0 = balanced)
+    router_z_loss_coef: float = 0.001  #: router z-loss weight (ST-MoE: mean squared log-sum-exp of router logits)
+
+
+@dataclass
 class ModelRecipe:
     name: str = "???"
     version: int = "???"  # type: ignore[assignment]
@@ -60,6 +71,7 @@ class ModelRecipe:
     activation_checkpointing: bool = False
     compile: bool = False
     compile_mode: str = "default"  #: torch.compile mode: default | reduce-overhead | max-autotune
+    moe: MoeSection | None = None  #: arch olmoe: experts, k, expert size, router loss weights; null = dense
 
 
 @dataclass
@@ -181,7 +193,7 @@ RECIPE_SCHEMAS = {
 #: keys an experiment file may hold at top level (the rest come from recipes)
 EXPERIMENT_KEYS = ("name", "version", "description", "base", "seed", "recipes", "overrides", "train", "data", "plan")
 CHOICES = {
-    "model.arch": ("llama",),
+    "model.arch": ("llama", "olmoe"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flash_attention_3"),
     "model.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "optim.schedule": ("cosine", "wsd", "constant"),
@@ -203,3 +215,6 @@ OPERATIONAL_KEYS = (
     "eval.interval_steps",
 )
 LABEL_KEYS = ("name", "version", "description")
+#: keys added after fingerprints were published: left out of the canonical meaning while null, so
+#: every experiment that does not use them keeps the fingerprint it had before they existed.
+OMITTED_WHEN_NULL = ("model.moe",)

@@ -21,7 +21,7 @@ from typing import Any
 from runner.config.rules import devices
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml
-from runner.planning.flops import DEFAULT_CONVENTION, Convention, as_plain, flops_per_token, params_of_config
+from runner.planning.flops import Convention, as_plain, convention_for, flops_per_token, params_of_config
 from runner.planning.hardware import resolve_peak
 
 SECONDS_PER_HOUR = 3600.0
@@ -95,6 +95,12 @@ def memory_per_device(cfg: Mapping[str, Any]) -> dict[str, Any]:
       mlp:       s*b*(2h + 4f)     (norm input, gate/up input, gate, silu(gate), up, product)
     eager attention adds the softmax output a*s^2*b. With activation checkpointing each layer keeps
     only its input (s*b*h) and one layer's activations are live during its recompute.
+    An OLMoE block (mixture of experts, expert size f_e, k experts per position, E experts) saves
+      attention: s*b*(5h + 3*kv)    (as Llama's, plus the q and k norms' inputs)
+      experts:   s*b*(2h + k*(2h + 4*f_e))  (norm and router inputs; per routed copy its gathered
+                 input, gate, silu(gate), up, product and weighted output)
+    plus the router's fp32 logits and probabilities, s*b*2E*4 bytes. Model state counts every
+    expert (total parameters, SPEC): all of them live in memory whichever a token uses.
     The head adds s*b*V for logits plus two fp32 s*b*V tensors (upcast, log-softmax) for the loss.
     Not counted: CUDA context, allocator fragmentation, communication buffers.
     """
@@ -114,13 +120,18 @@ def memory_per_device(cfg: Mapping[str, Any]) -> dict[str, Any]:
     h, f, a = int(model["hidden_size"]), int(model["intermediate_size"]), int(model["n_heads"])
     kv = int(model.get("n_kv_heads") or a) * (h // a)
     vocab_rows = counts.embedding // h
-    layer_elems = s * b * (6 * h + 2 * kv + 4 * f)
+    layer_elems, router_bytes = s * b * (6 * h + 2 * kv + 4 * f), 0
+    if counts.moe:
+        moe = model["moe"]
+        k, f_e = int(moe["experts_per_token"]), int(moe["expert_intermediate_size"])
+        layer_elems = s * b * (5 * h + 3 * kv + 2 * h + k * (2 * h + 4 * f_e))
+        router_bytes = s * b * 2 * int(moe["n_experts"]) * 4
     if model.get("attn_implementation") == "eager":
         layer_elems += a * s * s * b
     head_bytes = s * b * vocab_rows * (act_bytes + 4 + 4)
     layers = counts.n_layers
-    full = layers * layer_elems * act_bytes + head_bytes
-    checkpointed = (layers * s * b * h + layer_elems) * act_bytes + head_bytes
+    full = layers * (layer_elems * act_bytes + router_bytes) + head_bytes
+    checkpointed = (layers * s * b * h + layer_elems) * act_bytes + router_bytes + head_bytes
     checkpointing = bool(model.get("activation_checkpointing"))
     activations = checkpointed if checkpointing else full
     state_total = sum(state.values())
@@ -245,12 +256,12 @@ class Calibration:
     note: str
 
 
-def read_calibration(
-    run_dir: str | Path, cfg: Mapping[str, Any], convention: Convention = DEFAULT_CONVENTION
-) -> Calibration:
+def read_calibration(run_dir: str | Path, cfg: Mapping[str, Any], convention: Convention | None = None) -> Calibration:
     """Measured throughput (median tokens_per_second after the first step), overheads
-    (wall / sum of step time - 1) and useful fraction of a run folder."""
+    (wall / sum of step time - 1) and useful fraction of a run folder. The MFU is under
+    `convention`, by default the one a run of `cfg` records (flops.convention_for)."""
     run_dir = Path(run_dir)
+    convention = convention or convention_for(cfg)
     metrics = run_dir / "metrics" / "train.jsonl"
     if not metrics.exists():
         raise RunnerError("no metrics/train.jsonl: not a run folder, or it has not logged a step", file=str(run_dir))
@@ -322,10 +333,13 @@ def build_plan(
     mfu: float | None = None,
     calibration: Calibration | None = None,
     root: str | Path = ".",
-    convention: Convention = DEFAULT_CONVENTION,
+    convention: Convention | None = None,
 ) -> dict[str, Any]:
-    """Everything `runner plan` prints, as one JSON-able dict."""
+    """Everything `runner plan` prints, as one JSON-able dict. Compute (FLOPs, time, cost) is under
+    `convention`, by default the one a run records (a mixture of experts: active parameters);
+    memory and checkpoint sizes always count every parameter."""
     cfg = as_plain(cfg)
+    convention = convention or convention_for(cfg)
     train, hw, plan_cfg = cfg["train"], cfg["hardware"], cfg.get("plan") or {}
     counts = params_of_config(cfg)
     tokens = float(train["exposure_tokens"])
@@ -374,6 +388,7 @@ def build_plan(
             "flops_6n": fpt_6n * tokens,
             "flops_6n_attn": fpt_attn * tokens,
             "tokens_per_param": tokens / counts.all,
+            "tokens_per_active_param": tokens / counts.active,
             "chinchilla_optimal_tokens": chinchilla_optimal_tokens(counts.all),
         },
         "hardware": {
@@ -431,17 +446,30 @@ def format_plan(plan: Mapping[str, Any]) -> str:
         out.append((f"  {label:<34}" + "".join(f"{v:>22}" for v in values) + (f"   {note}" if note else "")).rstrip())
 
     out.append("model")
-    row("params (all)", f"{p['all']:,}")
+    row("params (all)", f"{p['all']:,}", note="memory and checkpoints" if p.get("moe") else "")
     row("params (non-embedding)", f"{p['non_embedding']:,}")
-    row(
-        "per layer (attn / mlp / norms)",
-        f"{p['per_layer']['attention']:,} / {p['per_layer']['mlp']:,} / {p['per_layer']['norms']:,}",
-    )
+    if p.get("moe"):
+        layer = p["per_layer"]
+        row("params (active per token)", f"{p['active']:,}", note="compute: FLOPs and MFU")
+        row("per layer (attn / router / norms)", f"{layer['attention']:,} / {layer['router']:,} / {layer['norms']:,}")
+        row(
+            "per layer experts: all (k active)",
+            f"{layer['mlp']:,} ({layer['mlp_active']:,})",
+            note=f"{layer['n_experts']} experts x {layer['expert']:,}, k = {layer['experts_per_token']}",
+        )
+    else:
+        row(
+            "per layer (attn / mlp / norms)",
+            f"{p['per_layer']['attention']:,} / {p['per_layer']['mlp']:,} / {p['per_layer']['norms']:,}",
+        )
     out.append("compute")
     row("exposure tokens", _si(c["exposure_tokens"]))
     # Pilots and smoke runs sit far below one token per parameter: keep 3 significant digits.
     tpp = c["tokens_per_param"]
     row("tokens per parameter", f"{tpp:.1f}" if tpp >= 1 else f"{tpp:.3g}")
+    if p.get("moe"):
+        tpa = c["tokens_per_active_param"]
+        row("tokens per active parameter", f"{tpa:.1f}" if tpa >= 1 else f"{tpa:.3g}")
     row("Chinchilla-optimal tokens (20 N)", _si(c["chinchilla_optimal_tokens"]))
     row("FLOPs 6N", f"{c['flops_6n']:.3e}")
     row("FLOPs 6N+attn", f"{c['flops_6n_attn']:.3e}")

@@ -29,6 +29,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.planning.flops import Convention, flops_per_token, params_of_config
 from runner.reports import tables as rpt
+from runner.reports.expert_audit import check_expert_load
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -541,6 +542,7 @@ def audit_input(inp: AuditInput, *, check_mlflow: bool = True) -> AuditResult:
     _check_config_agreement(res, inp, seq_len)
     _check_replay(res, inp, seq_len)
     _check_compute(res, inp, seq_len)
+    check_expert_load(res, inp)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
     if check_mlflow:

@@ -3,8 +3,12 @@
 Owns: what a claim file may state, the implied figures (MFU from tokens/s under the 6N convention,
 days from MFU or tokens/s, tokens per parameter against Chinchilla's 20) and the flags: figures
 that cannot be true (MFU above 100%, a sparse peak as denominator, a stated MFU or duration that
-disagrees with the implied one by more than 10% relative) and figures that cannot be compared
-(token kind unstated, device unknown).
+disagrees with the implied one by more than 10% relative, a mixture of experts' MFU that counted
+every parameter instead of the active ones) and figures that cannot be compared (token kind
+unstated, device unknown).
+A mixture-of-experts claim states both `model_params` (total) and `active_params` (what one token
+passes through, SPEC "Mixture-of-experts"): its compute, MFU and days use the active count;
+tokens per parameter stays over the total.
 Never: reads runs or reports, or fills a missing figure from another device's peak.
 """
 
@@ -22,12 +26,16 @@ from runner.planning.hardware import PEAKS, canonical_device
 TOKEN_KINDS = ("exposure", "unique", "useful", "processed")
 CHINCHILLA_TOKENS_PER_PARAM = 20.0
 DISAGREE_REL = 0.10
-CONVENTION = "6N (Kaplan/Chinchilla): flops_per_token = 6 * params as claimed; dense bf16 peak per device"
+CONVENTION = (
+    "6N (Kaplan/Chinchilla): flops_per_token = 6 * params as claimed (a mixture of experts: active_params); "
+    "dense bf16 peak per device"
+)
 SECONDS_PER_DAY = 86400.0
 KEYS = (
     "name",
     "source",
     "model_params",
+    "active_params",
     "tokens",
     "token_kind",
     "hardware",
@@ -50,6 +58,7 @@ class Flag:
 class ClaimResult:
     name: str
     claim: dict
+    params_counted: str = "all"  # "active" for a mixture of experts (active_params stated)
     peak_tflops: float | None = None
     peak_source: str = ""
     implied_mfu: float | None = None
@@ -93,7 +102,17 @@ def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
         raise RunnerError("missing", file=where, key="name")
     n_params = _number(claim, "model_params", where)
     if n_params is None:
-        raise RunnerError("missing", file=where, key="model_params")
+        raise RunnerError(
+            "missing (a mixture of experts states its total here and active_params)", file=where, key="model_params"
+        )
+    active = _number(claim, "active_params", where)
+    if active is not None and active > n_params:
+        raise RunnerError(
+            f"{active:,.0f} active exceed the {n_params:,.0f} model_params (the total, every expert)",
+            file=where,
+            key="active_params",
+        )
+    n_compute = active if active is not None else n_params  # parameters a token passes through
     tokens = _number(claim, "tokens", where)
     tps = _number(claim, "tokens_per_second", where)
     days = _number(claim, "days", where)
@@ -102,7 +121,7 @@ def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
     devices = claim.get("devices", 1)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices <= 0:
         raise RunnerError(f"must be a positive integer, got {devices!r}", file=where, key="devices")
-    res = ClaimResult(name, dict(claim))
+    res = ClaimResult(name, dict(claim), "active" if active is not None else "all")
 
     kind = claim.get("token_kind")
     if kind is None:
@@ -141,7 +160,7 @@ def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
         tps = tokens / (days * SECONDS_PER_DAY)
     peak_flops = res.peak_tflops * 1e12 * devices if res.peak_tflops else None
     if tps is not None and peak_flops:
-        res.implied_mfu = 6 * n_params * tps / peak_flops
+        res.implied_mfu = 6 * n_compute * tps / peak_flops
         if res.implied_mfu > 1.0:
             res.flags.append(
                 Flag(
@@ -152,7 +171,16 @@ def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
     if stated_mfu is not None:
         if stated_mfu > 1.0:
             res.flags.append(Flag("impossible", f"stated MFU {stated_mfu:.1%} > 100%"))
-        if res.implied_mfu is not None and abs(stated_mfu - res.implied_mfu) > DISAGREE_REL * res.implied_mfu:
+        all_params_mfu = 6 * n_params * tps / peak_flops if active is not None and tps and peak_flops else None
+        if all_params_mfu is not None and abs(stated_mfu - all_params_mfu) <= DISAGREE_REL * all_params_mfu:
+            res.flags.append(
+                Flag(
+                    "impossible",
+                    f"stated MFU {stated_mfu:.1%} counts all {n_params:,.0f} parameters of a mixture of "
+                    f"experts (6 x model_params); over the {active:,.0f} active it is {res.implied_mfu:.1%}",
+                )
+            )
+        elif res.implied_mfu is not None and abs(stated_mfu - res.implied_mfu) > DISAGREE_REL * res.implied_mfu:
             res.flags.append(
                 Flag(
                     "impossible",
@@ -165,7 +193,7 @@ def audit_claim(claim: dict, where: str = "claim") -> ClaimResult:
         if claim.get("tokens_per_second") is not None:
             res.implied_days = tokens / tps / SECONDS_PER_DAY
         elif stated_mfu is not None and peak_flops:
-            res.implied_days = 6 * n_params * tokens / (stated_mfu * peak_flops) / SECONDS_PER_DAY
+            res.implied_days = 6 * n_compute * tokens / (stated_mfu * peak_flops) / SECONDS_PER_DAY
         if (
             days is not None
             and res.implied_days is not None
@@ -203,7 +231,7 @@ def _pct(x: float | None) -> str:
 def render(results: list[ClaimResult]) -> str:
     lines = [
         f"Implied MFU convention: {CONVENTION}.",
-        f"{'claim':<32} {'peak TF/s':>9} {'implied MFU':>11} {'stated MFU':>10} {'days':>8} "
+        f"{'claim':<32} {'N counted':>12} {'peak TF/s':>9} {'implied MFU':>11} {'stated MFU':>10} {'days':>8} "
         f"{'tok/param':>9} {'x Chinchilla':>12}  verdict",
     ]
     for r in results:
@@ -213,8 +241,10 @@ def render(results: list[ClaimResult]) -> str:
         peak = "-" if r.peak_tflops is None else f"{r.peak_tflops:g}"
         stated = r.claim.get("mfu")
         verdict = "IMPOSSIBLE" if r.impossible else ("FLAGGED" if r.flags else "ok")
+        n = r.claim.get("active_params") if r.params_counted == "active" else r.claim.get("model_params")
+        counted = f"{float(n):.3g} {r.params_counted}"
         lines.append(
-            f"{r.name[:32]:<32} {peak:>9} {_pct(r.implied_mfu):>11} "
+            f"{r.name[:32]:<32} {counted:>12} {peak:>9} {_pct(r.implied_mfu):>11} "
             f"{_pct(None if stated is None else float(stated)):>10} {days:>8} {tpp:>9} {vs:>12}  {verdict}"
         )
         lines += [f"    - {f.severity}: {f.message}" for f in r.flags]

@@ -24,6 +24,7 @@ from runner.data.manifest import num_samples
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
+from runner.reports import expert_tables
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 
 TABLES = tuple(SCHEMAS)
@@ -288,6 +289,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
         "repetition": repetition,
         "validation": validation,
         "throughput": throughput,
+        **expert_tables.build(run_dir, cfg, accounting, train_rows),
     }
 
 
@@ -435,6 +437,7 @@ def render_markdown(tables: dict[str, pd.DataFrame], cfg: dict, manifests: dict[
         "",
         "![throughput](throughput.png)",
         "",
+        *expert_tables.markdown(tables, cfg, params_of_config(cfg).to_dict(), _md_table),
         "## How every figure is defined",
         "",
         "MFU convention record (SPEC, 'Throughput, MFU and cost'):",
@@ -531,7 +534,7 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     ax2.legend(loc="lower right")
     paths.append(out / "throughput.png")
     fig.savefig(paths[-1], dpi=80), plt.close(fig)
-    return paths
+    return paths + expert_tables.write_heatmap(tables, out)
 
 
 def write_report(run_dir: str | Path) -> Path:

@@ -11,6 +11,15 @@ from pathlib import Path
 
 from runner.fsio import repair_jsonl_tail
 
+#: a mixture-of-experts step's figures (runner.training.experts.RouterProbe.commit); absent for dense models
+MOE_METRICS = (
+    "router_aux_loss",
+    "router_z_loss",
+    "expert_load_imbalance",
+    "expert_load_cv",
+    "expert_idle_capacity",
+)
+
 
 class Callback:
     """Side effects of the loop. Hooks run on every rank; sinks act only where they should."""
@@ -69,6 +78,7 @@ class TrackingCallback(Callback):
                 "mfu",
                 "goodput_mfu",
                 "hfu",
+                *MOE_METRICS,
             )
             if record.get(k) is not None
         }

@@ -16,7 +16,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +133,7 @@ class _Run:
     tracker: object = None
     callbacks: list = field(default_factory=list)
     journal_file: object = None
+    experts: object = None  # runner.training.experts.RouterProbe of a mixture-of-experts model, else None
 
     @property
     def cfg(self):
@@ -243,6 +244,7 @@ def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
 
 def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume."""
+    from runner.training import experts
     from runner.training.backends import SHARD_RUNNER_CPU, apply_runtime_settings, shard_fsdp2_cpu, sharding_mode
     from runner.training.ledger import TokenLedger
     from runner.training.model import build_model
@@ -264,6 +266,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     data = load_data(exp, L)
     torch.manual_seed(int(cfg.seed))
     model = build_model(cfg)
+    probe = experts.attach(model, cfg, data.domains)  # hooks on the routers, before any wrapping
     if sharding == SHARD_RUNNER_CPU:
         shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = make_optimizer(model, cfg, fused=bool(runtime.get("adamw_fused")))
@@ -297,6 +300,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         checkpointer=checkpointer,
         resolved_config=exp.to_container(),
         sharding=sharding,
+        experts=probe,
     )
 
 
@@ -329,7 +333,10 @@ def _resume(run: _Run) -> None:
                 f"checkpoint {ckpt.path.name} does not fit this run's model: {str(e).splitlines()[0]}",
                 file=str(ckpt.path),
             ) from None
-        ledger.load_state_dict(ckpt.ledger_state())
+        ledger_state = ckpt.ledger_state()
+        ledger.load_state_dict(ledger_state)
+        if run.experts is not None:
+            run.experts.load_state_dict(ledger_state, str(ckpt.path))
         set_rng_state(ckpt.state["rng"])
         run.start_step = ckpt.step
         run.step_seconds_total = float(ckpt.state.get("step_seconds_total", 0.0))
@@ -379,9 +386,10 @@ def _resume(run: _Run) -> None:
 def _conventions(run: _Run, tracker) -> None:
     """FLOPs per token and the peak behind every MFU figure; recorded in run.json and as MLflow tags."""
     from runner.planning import hardware
-    from runner.planning.flops import Convention, flops_per_token, hfu_convention, hfu_flops_per_token
+    from runner.planning.flops import convention_for, flops_per_token, hfu_convention, hfu_flops_per_token
 
-    convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
+    # MFU: recomputation never counted (SPEC); a mixture of experts counts active parameters.
+    convention = replace(convention_for(run.cfg), recompute_counted=False)
     run.flops_per_token = flops_per_token(run.cfg, convention)
     recorded = run.info.get("conventions") or {}
     if str(recorded.get("peak_source", "")).startswith(("measured", "theoretical")):
@@ -454,13 +462,18 @@ def _train_step(run: _Run, step: int) -> _Step:
         sl = slice(m * run.micro, (m + 1) * run.micro)
         sync = contextlib.nullcontext() if m == run.accum - 1 else run.no_sync()
         with sync:
+            if run.experts is not None:
+                run.experts.arm(batch.domain_ids[sl], acc.device)
             logits = model(input_ids=x[sl]).logits
             per_token = F.cross_entropy(logits.float().flatten(0, 1), y[sl].flatten(), reduction="none")
             summed = (per_token * mask[sl].flatten()).sum()
             if opts.nonfinite_hook is not None:
                 summed = opts.nonfinite_hook(step, summed)
             # x world: DDP averages gradients over ranks; we want sum / global useful.
-            acc.backward(summed * (run.world / max(n_useful, 1.0)))
+            objective = summed * (run.world / max(n_useful, 1.0))
+            if run.experts is not None:  # router losses: a mean per micro batch, so / accum (DDP averages ranks)
+                objective = objective + run.experts.disarm() / run.accum
+            acc.backward(objective)
         loss_sum += summed.detach().double()
         run.ledger.record_processed(processed[m])
         if run.journal_file is not None:
@@ -556,8 +569,11 @@ def _save(run: _Run, step: int) -> None:
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
-        run.checkpointer.save(step, model_state, optimizer_state, run.ledger.state_dict(), _checkpoint_state(run, step))
+        ledger_state = run.ledger.state_dict() | (run.experts.state_dict() if run.experts is not None else {})
+        run.checkpointer.save(step, model_state, optimizer_state, ledger_state, _checkpoint_state(run, step))
         write_ledger_json(run.folder.path, run.ledger)
+        if run.experts is not None:
+            run.experts.load.write_json(run.folder.path, step)
         run.folder.update(
             committed_steps=step,
             step_seconds_total=run.step_seconds_total,
@@ -621,6 +637,7 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
             run.ledger.commit(s.global_pairs, s.useful)
+            step_experts = run.experts.commit(acc) if run.experts is not None else {}
             committed = step + 1
             step_seconds = time.perf_counter() - t0
             run.step_seconds_total += step_seconds
@@ -630,7 +647,11 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
             if broken:
                 raise RuntimeError(f"token accounting broke at step {committed}: " + "; ".join(broken))
             counters = run.ledger.counters()
-            record = _metrics_record(run, committed, s, step_seconds, counters)
+            if run.experts is not None:  # SPEC: per layer and domain, routed = exposure x k
+                broken = run.experts.load.broken_invariant({d: counters[d]["exposure"] for d in run.data.domains})
+                if broken:
+                    raise RuntimeError(f"expert load broke at step {committed}: " + "; ".join(broken[:4]))
+            record = _metrics_record(run, committed, s, step_seconds, counters) | step_experts
             for cb in run.callbacks:
                 cb.on_step(record, counters, run.ledger.realized_ratios())
             if eval_every and committed % eval_every == 0 and run.data.val_reader is not None:
@@ -707,6 +728,8 @@ def _finish(run: _Run, exit_code: int) -> None:
         )
     if run.main:
         write_ledger_json(run.folder.path, run.ledger)
+        if run.experts is not None:
+            run.experts.load.write_json(run.folder.path, committed)
         run.folder.update(status=status, **summary)
     for cb in run.callbacks:
         cb.on_end(summary)
@@ -723,6 +746,8 @@ def _rollback_to_last_checkpoint(run: _Run) -> int:
     ckpt = run.checkpointer.latest_valid(report=run.say)
     if ckpt is not None:
         ledger.load_state_dict(ckpt.ledger_state())
+    if run.experts is not None:
+        run.experts.load_state_dict(ckpt.ledger_state() if ckpt is not None else None, str(run.folder.path))
     _catch_up_processed(ledger, spent)
     run.ledger = ledger
     return ckpt.step if ckpt is not None else 0
