@@ -16,10 +16,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import yaml
 from trainfixtures import env, launch, make_project
 
 from runner.config.load import load_experiment
 from runner.errors import RunnerError
+from runner.reports.audit import audit
 from runner.training import experts
 from runner.training.expert_load import ExpertLoad, balance, read_expert_load
 from runner.training.model import build_model
@@ -218,3 +220,30 @@ def test_nonfinite_stop_rolls_the_expert_load_back_with_the_ledger(tmp_path):
     assert record["committed_steps"] == 0 and all(
         n == 0 for d in record["routed_tokens"].values() for l in d for n in l
     )
+
+
+@pytest.mark.slow
+def test_two_sharded_processes_count_both_ranks_routing(tmp_path):
+    # FSDP2 over 2 CPU processes: each rank routes its half of the batch inside sharded layers; the
+    # step's counts are summed over ranks before they are committed (else the invariant stops the run).
+    exp = make_project(tmp_path, steps=4, micro=2, checkpoint_every=2, model_extra=MOE)
+    hardware = tmp_path / "recipes/hardware/cpu.yaml"
+    hardware.write_text(yaml.safe_dump({**yaml.safe_load(hardware.read_text()), "distributed": "fsdp"}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        + ["-m", "runner", "launch", str(exp), "--run-dir", "runs/two", "--no-tracking"],
+        cwd=tmp_path,
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=3600,  # generous: only a hang should reach it on a loaded machine
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "two"
+    assert json.loads((run / "run.json").read_text())["runtime"]["sharding"] == "runner-fsdp2-cpu"
+    routed, exposure = _routed(run), _exposure(run)
+    assert exposure["total"] == 4 * 8 * 16
+    for d in ("a", "b"):
+        assert [sum(layer) for layer in routed[d]] == [exposure[d] * K] * 2
+    result = audit(run, check_mlflow=False)
+    assert result.passed, result.render()

@@ -224,8 +224,9 @@ def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(proj
         in out.stderr
     )
 
-    edit(project / "experiments/cpu-tiny-fsdp.yaml", _set("base", "cpu-tiny@2"))
-    edit(project / "experiments/cpu-tiny-fsdp.yaml", _set("version", 2))
+    for dependant in ("cpu-tiny-fsdp", "cpu-tiny-moe"):
+        edit(project / f"experiments/{dependant}.yaml", _set("base", "cpu-tiny@2"))
+        edit(project / f"experiments/{dependant}.yaml", _set("version", 2))
     out = _check_pr(project)
     assert out.returncode == 0, out.stderr
     assert "meaning changed: experiments/cpu-tiny.yaml" in out.stdout

@@ -34,8 +34,17 @@ ROUTER_COLUMNS = {
 }
 
 
+def _empty(name: str) -> pd.DataFrame:
+    """A table with no rows whose columns already have the schema's dtypes."""
+    columns = SCHEMAS[name].columns
+    dtypes = {
+        col: (str(spec.dtype) if str(spec.dtype) in ("int64", "float64") else "str") for col, spec in columns.items()
+    }
+    return pd.DataFrame({col: pd.Series(dtype=dtype) for col, dtype in dtypes.items()})
+
+
 def empty_tables() -> dict[str, pd.DataFrame]:
-    return {name: pd.DataFrame(columns=list(SCHEMAS[name].columns)) for name in TABLES}
+    return {name: _empty(name) for name in TABLES}
 
 
 def balance_rows(routed: np.ndarray, domains: list[str], exposure: dict[str, int], k: int) -> list[dict[str, Any]]:

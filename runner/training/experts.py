@@ -63,7 +63,9 @@ class RouterProbe:
         self._handles = [r.register_forward_hook(functools.partial(self._observe, i)) for i, r in enumerate(routers)]
 
     def _buffers(self, device: torch.device) -> None:
-        if self._pending is None or self._pending.device != device:
+        # Made once, on the first armed forward's device (which never changes within a run; a
+        # device comparison would not do: torchrun's CPU device is cpu:0, a CPU tensor's is cpu).
+        if self._pending is None:
             self._pending = torch.zeros(
                 (self.n_layers, len(self.load.domains) * self.n_experts), dtype=torch.int64, device=device
             )
