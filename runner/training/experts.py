@@ -9,7 +9,7 @@ training loss, and the step's commit into the run's ExpertLoad (runner.training.
 Router losses, per router call, averaged over layers:
 - load balancing (Switch Transformer eq. 4): `E * sum_e f_e * P_e`, f_e the share of the call's
   k x T assignments sent to expert e (no gradient), P_e the mean router probability of e over the
-  T positions: 1.0 when routing is uniform, E when every position goes to one expert;
+  T positions: 1.0 when routing is uniform, E / k when every position goes to the same k experts;
 - z-loss (ST-MoE eq. 5): the mean over positions of logsumexp(router logits)^2.
 Weighted by `model.moe.router_aux_loss_coef` / `router_z_loss_coef` and averaged over the micro
 batches of a step, like the cross-entropy.
@@ -57,7 +57,8 @@ class RouterProbe:
         self.n_layers, self.n_experts = load.n_layers, load.n_experts
         self._pending: torch.Tensor | None = None  # [layers, domains * experts] int64, on the model's device
         self._loss_sums: torch.Tensor | None = None  # [aux, z, forwards] float64
-        self._row_keys: torch.Tensor | None = None
+        self._row_keys: torch.Tensor | None = None  # [1, positions, 1]: domain * E of each routed row
+        self._layer_keys: torch.Tensor | None = None  # [layers, 1, 1]: layer * D * E
         self._routed_calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (logits, indices) per layer
         self._armed = False
         self._handles = [r.register_forward_hook(functools.partial(self._observe, i)) for i, r in enumerate(routers)]
@@ -70,32 +71,37 @@ class RouterProbe:
                 (self.n_layers, len(self.load.domains) * self.n_experts), dtype=torch.int64, device=device
             )
             self._loss_sums = torch.zeros(3, dtype=torch.float64, device=device)
+            self._layer_keys = torch.arange(self.n_layers, device=device)[:, None, None] * self._pending.shape[1]
 
     def arm(self, domain_ids: np.ndarray, device: torch.device) -> None:
         """The next forward is a training forward of sequences from these domains (ids, one per sequence)."""
         self._buffers(device)
         ids = torch.as_tensor(np.asarray(domain_ids, dtype=np.int64)).to(device)
         # The router sees [sequences x positions] rows in order: row r belongs to sequence r // L.
-        self._row_keys = (ids.repeat_interleave(self.seq_len) * self.n_experts)[:, None]
+        self._row_keys = (ids.repeat_interleave(self.seq_len) * self.n_experts)[None, :, None]
         self._routed_calls = []
         self._armed = True
 
     def _observe(self, layer: int, module, args, output) -> None:
-        if not self._armed:
-            return
-        logits, _, indices = output
-        keys = (self._row_keys + indices).reshape(-1)  # domain * E + expert, one per (position, k)
-        # index_add_ with fixed size: no device-to-host sync, unlike bincount on CUDA.
-        self._pending[layer].index_add_(0, keys, torch.ones_like(keys))
-        # The losses are computed in disarm(), outside the layer: under activation checkpointing,
-        # autograd work done here would be missing from the layer's recomputation, which must match.
-        self._routed_calls.append((logits, indices))
+        # Only kept here: counting and losses happen in disarm(), outside the layer. Autograd work
+        # done inside would be missing from an activation-checkpointed layer's recomputation, which
+        # must match its forward; and one count for all layers is one kernel instead of one per layer.
+        if self._armed:
+            logits, _, indices = output
+            self._routed_calls.append((logits, indices))
+
+    def _count(self, indices: list[torch.Tensor]) -> None:
+        """Add one forward's routing (each layer's [positions, k] expert indices) to the step's counts."""
+        keys = (self._layer_keys + self._row_keys + torch.stack(indices)).reshape(-1)  # layer*D*E + domain*E + expert
+        # index_add_ into a fixed-size buffer: no device-to-host sync (bincount on CUDA has one).
+        self._pending.view(-1).index_add_(0, keys, torch.ones_like(keys))
 
     def disarm(self) -> torch.Tensor:
         """End of the armed forward: its weighted router loss (add it to the loss before backward)."""
         self._armed = False
         if len(self._routed_calls) != self.n_layers:
             raise RuntimeError(f"{len(self._routed_calls)} of {self.n_layers} routers ran in a training forward")
+        self._count([indices for _, indices in self._routed_calls])
         losses = [router_losses(logits, indices, self.n_experts) for logits, indices in self._routed_calls]
         self._routed_calls = []
         aux = torch.stack([a for a, _ in losses]).mean()
