@@ -120,7 +120,7 @@ def relative_load(expert_load: pd.DataFrame) -> tuple[np.ndarray, list[str], int
 
 def write_heatmap(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     """expert_load_heatmap.png: domain x expert, one block of rows per layer; [] for a dense run."""
-    if tables["expert_load"].empty:
+    if tables.get("expert_load") is None or tables["expert_load"].empty:  # dense, or an older report
         return []
     import matplotlib
 
@@ -148,8 +148,8 @@ def markdown(
     tables: dict[str, pd.DataFrame], cfg: dict, params: dict[str, int], md_table: Callable[[pd.DataFrame], str]
 ) -> list[str]:
     """The report.md section on experts ([] for a dense run); `md_table` renders a frame as the report does."""
-    bal = tables["expert_balance"]
-    if bal.empty:
+    bal = tables.get("expert_balance")
+    if bal is None or bal.empty:  # dense, or an older report
         return []
     moe = (cfg.get("model") or {}).get("moe") or {}
     layers = bal[bal["domain"] == ALL_DOMAINS]

@@ -315,17 +315,23 @@ def _typed(name: str, df: pd.DataFrame) -> pd.DataFrame:
 
 
 def read_tables(report_dir: str | Path) -> dict[str, pd.DataFrame]:
-    """Read a report folder's tables back from parquet."""
+    """Read a report folder's tables back from parquet. A report written under an older schema may
+    lack tables added since: what it has is returned, and the audit says which version to rebuild."""
     report_dir = Path(report_dir)
-    tables = {}
+    tables, missing = {}, []
     for name in TABLES:
         path = report_dir / f"{name}.parquet"
         if not path.exists():
-            raise RunnerError("missing table", file=str(path))
+            missing.append(path)
+            continue
         try:
             tables[name] = pd.read_parquet(path)
         except Exception as err:  # pyarrow raises several types for a corrupt file
             raise RunnerError(f"unreadable parquet: {err}", file=str(path)) from None
+    summary = tables.get("run_summary")
+    older = summary is not None and "schema_version" in summary and set(summary["schema_version"]) != {SCHEMA_VERSION}
+    if missing and not older:
+        raise RunnerError("missing table", file=str(missing[0]))
     return tables
 
 

@@ -744,10 +744,11 @@ def _rollback_to_last_checkpoint(run: _Run) -> int:
     spent = {d: int(c["processed"]) for d, c in run.ledger.counters().items() if d != "total"}
     ledger = TokenLedger(run.data.samples, run.seq_len)
     ckpt = run.checkpointer.latest_valid(report=run.say)
-    if ckpt is not None:
-        ledger.load_state_dict(ckpt.ledger_state())
-    if run.experts is not None:
-        run.experts.load_state_dict(ckpt.ledger_state() if ckpt is not None else None, str(run.folder.path))
+    state = ckpt.ledger_state() if ckpt is not None else None
+    if state is not None:
+        ledger.load_state_dict(state)
+    if run.experts is not None:  # the expert load rolls back with the ledger (zero without a checkpoint)
+        run.experts.load_state_dict(state, str(run.folder.path))
     _catch_up_processed(ledger, spent)
     run.ledger = ledger
     return ckpt.step if ckpt is not None else 0

@@ -73,8 +73,9 @@ def olmoe_config(cfg) -> OlmoeConfig:
 
 
 def experts_implementation(cfg) -> str:
-    """transformers' expert kernel: one grouped matmul on accelerators; on CPU its eager per-expert
-    loop, which measured faster there (bench/bench_experts.py) and is deterministic."""
+    """transformers' expert kernel: one grouped matmul on accelerators; on CPU its reference
+    per-expert loop, no slower there (olmoe-tiny's forward + backward, side by side: 666 vs 694 ms
+    on one loaded core)."""
     return "eager" if cfg.hardware.accelerator == "cpu" else "grouped_mm"
 
 
