@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -247,3 +248,41 @@ def test_two_sharded_processes_count_both_ranks_routing(tmp_path):
         assert [sum(layer) for layer in routed[d]] == [exposure[d] * K] * 2
     result = audit(run, check_mlflow=False)
     assert result.passed, result.render()
+
+
+def test_dense_report_has_empty_expert_tables_and_an_older_report_is_told_to_rebuild(tmp_path):
+    from runfixtures import make_run
+
+    from runner.reports.tables import write_report
+
+    run = make_run(tmp_path)
+    report = write_report(run)
+    assert all(len(pd.read_parquet(report / f"{t}.parquet")) == 0 for t in ("expert_load", "expert_balance", "router"))
+    assert not (report / "expert_load_heatmap.png").exists() and "## Experts" not in (report / "report.md").read_text()
+    result = audit(report, check_mlflow=False)
+    assert result.passed, result.render()
+    assert next(c for c in result.checks if c.name == "expert tables empty for a dense model").status == "PASS"
+
+    # A dense report claiming expert load fails.
+    filled = tmp_path / "filled"
+    shutil.copytree(report, filled)
+    row = pd.DataFrame([{"layer": 0, "domain": "code", "expert": 0, "routed_tokens": 5}])
+    row.to_parquet(filled / "expert_load.parquet", index=False)
+    row.to_csv(filled / "expert_load.csv", index=False)
+    assert "expert_load: 1 rows" in audit(filled, check_mlflow=False).render()
+
+    # A report of the previous schema (no expert tables): the audit says which version to rebuild.
+    older = tmp_path / "older"
+    shutil.copytree(report, older)
+    for t in ("expert_load", "expert_balance", "router"):
+        for ext in ("parquet", "csv"):
+            (older / f"{t}.{ext}").unlink()
+    summary = pd.read_parquet(older / "run_summary.parquet").assign(schema_version="runner-report/2")
+    summary.to_parquet(older / "run_summary.parquet", index=False)
+    result = audit(older, check_mlflow=False)
+    assert not result.passed and result.failed() == ["schema version"]
+    assert "rebuild it with `runner report RUN_DIR`" in result.render()
+    # The current schema's report without one of its tables is unusable input.
+    (report / "router.parquet").unlink()
+    with pytest.raises(RunnerError, match="router.parquet: missing table"):
+        audit(report, check_mlflow=False)
