@@ -20,7 +20,7 @@ import pandas as pd
 import pandera.pandas as pa
 from pandera.extensions import register_check_method
 
-SCHEMA_VERSION = "runner-report/3"  # 2: device-seconds columns; MFU and cost over them. 3: validation samples, tokens and progress columns; targets table
+SCHEMA_VERSION = "runner-report/3"  # 2: device-seconds columns; MFU and cost over them. 3: validation samples, tokens and progress columns; targets table; expert tables
 """Bumped whenever a column is added, removed, renamed or changes meaning."""
 
 # Float equalities in derived columns (ratios, epochs, MFU) are recomputed from exact integers,
@@ -242,6 +242,34 @@ def bracket_is_whole(df):
         )
         ok[g.index] = whole
     return ok
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def one_row_per_layer_domain_expert(df):
+    """The expert load holds each (layer, domain, expert) once."""
+    return ~df.duplicated(["layer", "domain", "expert"], keep=False)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def one_row_per_layer_and_domain(df):
+    """The balance table holds each (layer, domain) once."""
+    return ~df.duplicated(["layer", "domain"], keep=False)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def routed_is_exposure_times_k(df):
+    """SPEC (Mixture-of-experts): per layer and domain the loads sum to exposure x k (no drops)."""
+    return df["routed_tokens"] == df["exposure_tokens"] * df["experts_per_token"]
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def balance_matches_definition(df):
+    """SPEC: load imbalance = max / mean; idle capacity = 1 - mean / max (empty where nothing was routed)."""
+    empty = df["mean_load_tokens"] == 0
+    imbalance = _close(df["load_imbalance"], df["max_load_tokens"] / df["mean_load_tokens"].where(~empty))
+    idle = _close(df["idle_capacity"], 1.0 - df["mean_load_tokens"] / df["max_load_tokens"].where(~empty))
+    both_empty = empty & df["load_imbalance"].isna() & df["idle_capacity"].isna() & df["load_cv"].isna()
+    return pd.Series(imbalance & idle, index=df.index) | both_empty
 
 
 @register_check_method(supported_types=pd.DataFrame)
@@ -535,6 +563,87 @@ THROUGHPUT = pa.DataFrameSchema(
     checks=[pa.Check.steps_strictly_increase(error="steps strictly increase")],
 )
 
+ALL_DOMAINS = "(all)"  #: the expert_balance row of a layer over every domain together
+
+EXPERT_LOAD = pa.DataFrameSchema(
+    name="expert_load",
+    description=(
+        "Mixture of experts only (empty for a dense model): input positions of each domain routed to "
+        "each expert of each layer in committed steps; a position counts once for each of the k experts it is sent to."
+    ),
+    strict=True,
+    columns={
+        "layer": pa.Column("int64", pa.Check.ge(0), description="Decoder layer (0 = nearest the embedding)."),
+        "domain": pa.Column(str, description="Domain of the samples the positions belong to."),
+        "expert": pa.Column("int64", pa.Check.ge(0), description="Routed expert of the layer."),
+        "routed_tokens": _tokens("Input positions routed to the expert in committed steps"),
+    },
+    checks=[pa.Check.one_row_per_layer_domain_expert(error="one row per (layer, domain, expert)")],
+)
+
+EXPERT_BALANCE = pa.DataFrameSchema(
+    name="expert_balance",
+    description=(
+        "Mixture of experts only: per layer and domain (and over all domains, domain '(all)'), the routed "
+        "positions against exposure x k, and how evenly the experts shared them."
+    ),
+    strict=True,
+    columns={
+        "layer": pa.Column("int64", pa.Check.ge(0), description="Decoder layer."),
+        "domain": pa.Column(str, description="Domain, or '(all)' for every domain together."),
+        "exposure_tokens": _tokens("Exposure of the domain (the ledger's counter)"),
+        "experts_per_token": pa.Column("int64", pa.Check.gt(0), description="k: experts each position is routed to."),
+        "routed_tokens": _tokens("Sum over the layer's experts of routed positions: exposure x k"),
+        "max_load_tokens": _tokens("Routed positions of the layer's busiest expert"),
+        "mean_load_tokens": pa.Column("float64", pa.Check.ge(0.0), description="routed_tokens / experts."),
+        "load_imbalance": pa.Column(
+            "float64",
+            pa.Check.ge(1.0),
+            nullable=True,
+            description="max / mean load (1 = uniform; experts = one expert took all).",
+        ),
+        "load_cv": pa.Column(
+            "float64", pa.Check.ge(0.0), nullable=True, description="Population std / mean of the loads."
+        ),
+        "idle_capacity": pa.Column(
+            "float64",
+            [pa.Check.ge(0.0), pa.Check.lt(1.0)],
+            nullable=True,
+            description="1 - mean / max: the share of the experts' capacity (sized for the busiest) left idle.",
+        ),
+    },
+    checks=[
+        pa.Check.one_row_per_layer_and_domain(error="one row per (layer, domain)"),
+        pa.Check.routed_is_exposure_times_k(error="routed = exposure x experts_per_token (SPEC)"),
+        pa.Check.balance_matches_definition(error="imbalance = max / mean, idle = 1 - mean / max"),
+    ],
+)
+
+ROUTER = pa.DataFrameSchema(
+    name="router",
+    description="Mixture of experts only: router losses and the step's load balance at each logged step.",
+    strict=True,
+    columns={
+        "step": pa.Column("int64", pa.Check.ge(0), description="Step the row was logged at."),
+        "router_aux_loss": pa.Column(
+            "float64",
+            [pa.Check.ge(0.0), pa.Check(np.isfinite, element_wise=False, name="finite")],
+            description="Load-balancing loss E * sum_e f_e P_e, mean over layers and micro batches (1 = uniform).",
+        ),
+        "router_z_loss": pa.Column(
+            "float64",
+            [pa.Check.ge(0.0), pa.Check(np.isfinite, element_wise=False, name="finite")],
+            description="z-loss: mean logsumexp(router logits)^2, mean over layers and micro batches.",
+        ),
+        "load_imbalance": pa.Column(
+            "float64", pa.Check.ge(1.0), description="The step's worst layer: max / mean load."
+        ),
+        "load_cv": pa.Column("float64", pa.Check.ge(0.0), description="The step's std / mean load, mean over layers."),
+        "idle_capacity": _fraction("The step's 1 - mean / max load, mean over layers."),
+    },
+    checks=[pa.Check.steps_strictly_increase(error="steps strictly increase")],
+)
+
 SCHEMAS: dict[str, pa.DataFrameSchema] = {
     "run_summary": RUN_SUMMARY,
     "accounting": ACCOUNTING,
@@ -542,6 +651,9 @@ SCHEMAS: dict[str, pa.DataFrameSchema] = {
     "validation": VALIDATION,
     "throughput": THROUGHPUT,
     "targets": TARGETS,
+    "expert_load": EXPERT_LOAD,
+    "expert_balance": EXPERT_BALANCE,
+    "router": ROUTER,
 }
 
 

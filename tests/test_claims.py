@@ -124,3 +124,45 @@ def test_plausibility_bound_applies_to_stated_mfu_and_can_be_set():
     assert not any(r.implausible for r in audit_claims(SEEDS))  # 23.7% and 36.9% are ordinary
     with pytest.raises(RunnerError, match="plausible-mfu"):
         audit_claims(SEEDS, plausible_mfu=1.5)
+
+
+# An OLMoE-1B-7B-class claim: 6.92B parameters in total, 1.18B active per token, 40K tokens/s on one H200.
+OLMOE = {
+    "name": "OLMoE-1B-7B on one H200",
+    "model_params": 6.92e9,
+    "active_params": 1.18e9,
+    "tokens_per_second": 40_000,
+    "token_kind": "processed",
+    "hardware": "H200",
+    "devices": 1,
+    "tokens": 20e9,
+}
+
+
+def test_moe_claim_counts_active_parameters_for_mfu_and_days():
+    r = audit_claim(OLMOE)
+    # 6 x 1.18e9 x 40e3 / 989.4e12 = 28.6%; over all 6.92e9 it would be 168%, "impossible".
+    assert r.implied_mfu == pytest.approx(6 * 1.18e9 * 40e3 / 989.4e12) == pytest.approx(0.286, abs=5e-4)
+    assert r.params_counted == "active" and not r.flags
+    assert r.implied_days == pytest.approx(20e9 / 40e3 / 86400)
+    assert r.tokens_per_param == pytest.approx(20e9 / 6.92e9)  # tokens per parameter stays over the total
+    dense_reading = audit_claim({k: v for k, v in OLMOE.items() if k != "active_params"})
+    assert dense_reading.impossible and dense_reading.implied_mfu == pytest.approx(1.678, abs=1e-3)
+
+
+def test_moe_claim_whose_mfu_counted_every_parameter_is_flagged(tmp_path, capsys):
+    r = audit_claim({**OLMOE, "mfu": 1.68})
+    assert r.impossible
+    assert any("counts all 6,920,000,000 parameters of a mixture of experts" in f.message for f in r.flags)
+    honest = audit_claim({**OLMOE, "mfu": 0.29, "tokens_per_second": None})
+    assert not honest.flags
+    assert honest.implied_days == pytest.approx(6 * 1.18e9 * 20e9 / (0.29 * 989.4e12) / 86400)
+    path = tmp_path / "moe.yaml"
+    path.write_text(yaml.safe_dump({"claims": [OLMOE]}))
+    assert _cli(["audit-claims", str(path)]) == 0
+    assert "1.18e+09 active" in capsys.readouterr().out
+
+
+def test_moe_claim_with_more_active_than_total_parameters_is_refused():
+    with pytest.raises(RunnerError, match="active_params: 7,000,000,000 active exceed the 6,920,000,000 model_params"):
+        audit_claim({**OLMOE, "active_params": 7e9})

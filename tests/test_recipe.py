@@ -200,6 +200,9 @@ SHIPPED_FINGERPRINTS = {
     "1p3b.yaml": "d451b5bdd485a300fcc755b92193856231bba2a8e018c550a17aa886ce423ba4",
     "cpu-tiny-fsdp.yaml": "44dd4132a8054a99c8062b5cfc8e99da0992ca39819da950d5e2ae7c9ed7e355",
     "cpu-tiny.yaml": "4f70b16fe06fec74b7cd229c09683bf5eb96022517ab5cca3a4d29ac512799b4",
+    "cpu-tiny-lr.yaml": "f2c4f6a7e9c445a4def58032699e185cef5cbd7e5f71cb57d8d09a174fc665f0",
+    "cpu-tiny-moe.yaml": "9aa0f50c2f9affa70f230d470d754ec44c0cf4f6fd625268f5ff974b0a099125",
+    "olmoe-1b-7b.yaml": "f278785c132e8cee8dacc5c9dac1dd0cab982769476f6b9d8f6a20db2264be5d",
     "gpu-smoke.yaml": "7e4dd2c9e26b2896688d5fecc657b770c20aeee5bca55c70de9921484e06d828",
     "gpu-smoke-cpu.yaml": "3228df23e48e0ed70c81b4d73feb75e376a7afa38152d1abe2619b0ecea5d403",
     "gpu-smoke-liger.yaml": "b696307c73487c41e388e9c35e68d04f7fb01bbdf5c47a4619d850b4ed264229",
@@ -263,7 +266,7 @@ def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(proj
         in out.stderr
     )
 
-    for dependant in ("cpu-tiny-fsdp", "cpu-tiny-lr"):
+    for dependant in ("cpu-tiny-fsdp", "cpu-tiny-lr", "cpu-tiny-moe"):
         path = project / f"experiments/{dependant}.yaml"
         edit(path, _set("base", f"cpu-tiny@{v + 1}"))
         edit(path, _set("version", _version(path) + 1))

@@ -138,10 +138,15 @@ def test_pinned_pool_sizes_check_feasibility_without_the_data(project_with_data:
     }
     result = pin_experiment(root / "experiments/cpu-tiny.yaml")
     # cpu-tiny changed (its pins): its version is bumped, and the experiments built on it follow
-    assert sorted(p.name for p in result.changes) == ["cpu-tiny-fsdp.yaml", "cpu-tiny-lr.yaml", "cpu-tiny.yaml"]
+    assert sorted(p.name for p in result.changes) == [
+        "cpu-tiny-fsdp.yaml",
+        "cpu-tiny-lr.yaml",
+        "cpu-tiny-moe.yaml",
+        "cpu-tiny.yaml",
+    ]
     pinned = yaml.safe_load((root / "experiments/cpu-tiny.yaml").read_text())
     assert pinned["version"] == 3 and pinned["data"]["manifests"]["legal"]["pool_tokens"] == 12744
-    for derived in ("cpu-tiny-fsdp", "cpu-tiny-lr"):
+    for derived in ("cpu-tiny-fsdp", "cpu-tiny-lr", "cpu-tiny-moe"):
         assert yaml.safe_load((root / f"experiments/{derived}.yaml").read_text())["base"] == "cpu-tiny@3"
     assert "# built by `runner data builtin`" in (root / "experiments/cpu-tiny.yaml").read_text()
     for e, fp in fingerprints.items():

@@ -307,9 +307,9 @@ def test_a_tampered_time_to_target_fails_the_audit(reported):
     true_wall = float(table.loc[row, "wall_seconds"])
     _tamper(report, "targets", row, "wall_seconds", true_wall / 2)
     failed = _failed(audit(report, check_mlflow=False))
-    assert failed == {
-        "quality targets recounted from the evaluations": f"code-5 met.wall_seconds: report {true_wall / 2!r}, recount {true_wall!r}"
-    }
+    assert failed["quality targets recounted from the evaluations"] == (
+        f"code-5 met.wall_seconds: report {true_wall / 2!r}, recount {true_wall!r}"
+    )
     # in a run folder the rebuilt tables disagree too
     assert "report matches the run folder" in _failed(audit(reported, check_mlflow=False))
 

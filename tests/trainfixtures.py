@@ -67,6 +67,7 @@ def make_project(
     eval_every: int = 4,
     pools: dict | None = None,
     train_extra: dict | None = None,
+    model_extra: dict | None = None,
     name: str = "t",
 ) -> Path:
     """Write recipes/, experiments/<name>.yaml and data/ under `root`; returns the experiment path."""
@@ -98,6 +99,7 @@ def make_project(
             "n_kv_heads": 2,
             "intermediate_size": 64,
             "tie_embeddings": True,
+            **(model_extra or {}),
         },
         "optim": {
             "name": "o",

@@ -478,6 +478,9 @@ def cmd_smoke(args) -> int:
         for k in ("exposure", "useful", "unique"):
             if la[d][k] != lb[d][k]:
                 problems.append(f"ledger {d}.{k}: {la[d][k]} uninterrupted vs {lb[d][k]} resumed")
+    ea, eb = (d / "expert_load.json" for d in (ref, res))  # a mixture of experts' routing, committed steps only
+    if ea.exists() and (not eb.exists() or read_json(ea)["routed_tokens"] != read_json(eb)["routed_tokens"]):
+        problems.append("expert load after kill+resume differs from the uninterrupted run")
     rows = read_jsonl(ref / "metrics" / "train.jsonl")
     steady = rows[2:] or rows
     tps = statistics.median(r["tokens_per_second"] for r in steady)

@@ -37,7 +37,7 @@ COMMIT_HEX = re.compile(r"^[0-9a-f]{40}$")
 _GLOB = re.compile(r"[*?\[]")
 
 TokenDtype = Literal["uint16", "uint32"]
-Arch = Literal["llama"]
+Arch = Literal["llama", "olmoe"]
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 SdpaKernel = Literal["flash", "efficient", "cudnn", "math"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -198,6 +198,30 @@ class MixtureRecipe(Recipe):
 
 
 @dataclass(frozen=True)
+class MoeSection(Section):
+    """Mixture-of-experts settings of a model recipe (arch olmoe); absent (null) for dense models."""
+
+    n_experts: int = MISSING  #: routed experts per layer
+    experts_per_token: int = MISSING  #: k: experts each input position is routed to
+    expert_intermediate_size: int = MISSING  #: hidden size of each expert's SwiGLU MLP
+    router_aux_loss_coef: float = 0.01  #: load-balancing loss weight (Switch: E * sum_e f_e P_e; 1.0 = balanced)
+    router_z_loss_coef: float = 0.001  #: router z-loss weight (ST-MoE: mean squared log-sum-exp of router logits)
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        _at_least_one(problems, file, prefix, self, ("n_experts", "experts_per_token", "expert_intermediate_size"))
+        if self.experts_per_token > self.n_experts:
+            problems.add(
+                file,
+                join_key(prefix, "experts_per_token"),
+                f"{self.experts_per_token} experts per token but only {self.n_experts} experts",
+            )
+        for k in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, k)
+            if not (value >= 0 and math.isfinite(value)):
+                problems.add(file, join_key(prefix, k), f"must be a finite number >= 0, got {value}")
+
+
+@dataclass(frozen=True)
 class ModelRecipe(Recipe):
     arch: Arch = "llama"  #: the architecture the trainer builds
     hidden_size: int = MISSING  #: d_model
@@ -221,6 +245,7 @@ class ModelRecipe(Recipe):
     kernels: Kernels = "none"
     #: LM head + loss: plain (fp32 logits [batch, seq, vocab]) | chunked (the runner's: head and loss per chunk of tokens, full logits never exist) | liger (Liger's fused linear cross-entropy; CUDA/ROCm only)
     cross_entropy: CrossEntropy = "plain"
+    moe: MoeSection | None = None  #: arch olmoe: experts, k, expert size, router loss weights; null = dense
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
@@ -250,9 +275,35 @@ class ModelRecipe(Recipe):
                 join_key(prefix, "sdpa_kernel"),
                 f"only applies to attn_implementation sdpa, not {self.attn_implementation}",
             )
+        self._validate_moe(problems, file, prefix)
         if self.compile_scope != "model" and not self.compile:
             problems.add(
                 file, join_key(prefix, "compile_scope"), f"{self.compile_scope} applies only with model.compile: true"
+            )
+
+    def _validate_moe(self, problems: Problems, file: File, prefix: str) -> None:
+        """A mixture-of-experts model (arch olmoe) has a `moe` section that makes sense; a dense one has none."""
+        key = join_key(prefix, "moe")
+        if self.arch != "olmoe":
+            if self.moe is not None:
+                problems.add(file, key, f"only a mixture-of-experts arch (olmoe) has experts, not {self.arch}")
+            return
+        if self.moe is None:
+            problems.add(
+                file, key, "arch olmoe needs a moe section (n_experts, experts_per_token, expert_intermediate_size)"
+            )
+            return
+        self.moe.validate(problems, file, key)
+        for k, plain in (("kernels", "none"), ("cross_entropy", "plain")):
+            if getattr(self, k) != plain:
+                problems.add(file, join_key(prefix, k), f"arch olmoe runs transformers' OLMoE: {k} {plain} only")
+        if self.intermediate_size != self.moe.expert_intermediate_size:
+            problems.add(
+                file,
+                join_key(prefix, "intermediate_size"),
+                f"olmoe has no dense MLP: its MLPs are the experts, so intermediate_size ({self.intermediate_size}) "
+                f"must equal moe.expert_intermediate_size ({self.moe.expert_intermediate_size}); "
+                "write intermediate_size: ${model.moe.expert_intermediate_size}",
             )
 
 
@@ -577,7 +628,7 @@ OPERATIONAL_KEYS = (
 )
 #: optional sections left out of the fingerprint while null, so that adding them to the schema kept
 #: every existing experiment's fingerprint; once set (a Hub commit), they are part of what is trained.
-ABSENT_WHEN_NULL = ("tokenizer.hub", "mixture.domains.*.source")
+ABSENT_WHEN_NULL = ("tokenizer.hub", "mixture.domains.*.source", "model.moe")
 #: keys added after runs were recorded, left out of the fingerprint while they hold this value (what
 #: every earlier run did), so adding them moved no fingerprint; any other value is part of the meaning.
 OMITTED_AT_DEFAULT = {

@@ -1,8 +1,9 @@
 """Parameter counts and FLOPs per token of a model recipe, under a named convention.
 
-Owns: the exact parameter count of the Llama architecture the trainer builds (it must equal
-`sum(p.numel())` of transformers' LlamaForCausalLM), and the FLOPs-per-token formulas of the
-SPEC's MFU conventions (`6N`, `6N+attn`, all/non-embedding params, causal halving, recompute).
+Owns: the exact parameter count of the architectures the trainer builds (it must equal
+`sum(p.numel())` of transformers' LlamaForCausalLM and OlmoeForCausalLM), the parameters a token
+activates in a mixture-of-experts model, and the FLOPs-per-token formulas of the SPEC's MFU
+conventions (`6N`, `6N+attn`, all/non-embedding/active params, causal halving, recompute).
 Never: reads hardware, times anything, or builds a model (counting is arithmetic only).
 """
 
@@ -17,6 +18,8 @@ from runner.errors import RunnerError
 
 FLOPS_FORMULAS = ("6N", "6N+attn")
 PARAMS_COUNTED = ("all", "non_embedding", "active")
+ARCHS = ("llama", "olmoe")
+MOE_ARCHS = ("olmoe",)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,20 @@ class Convention:
 # The convention runs record by default: PaLM's MFU (appendix B) with non-embedding params,
 # no causal halving, no recompute (so it stays MFU even with activation checkpointing on).
 DEFAULT_CONVENTION = Convention()
+# A mixture of experts counts the parameters a token passes through (SPEC, "Mixture-of-experts").
+MOE_CONVENTION = Convention(params_counted="active")
+
+
+def is_moe(cfg: ExperimentSchema | ModelRecipe) -> bool:
+    """Whether a resolved experiment config (or its model section) is a mixture-of-experts model."""
+    model = cfg.model if isinstance(cfg, ExperimentSchema) else cfg
+    return model.arch in MOE_ARCHS
+
+
+def convention_for(cfg: ExperimentSchema) -> Convention:
+    """The convention a run of `cfg` records: DEFAULT_CONVENTION, or MOE_CONVENTION (params_counted
+    active) for a mixture of experts, whose compute is set by the experts a token is routed to."""
+    return MOE_CONVENTION if is_moe(cfg) else DEFAULT_CONVENTION
 
 
 @dataclass(frozen=True)
@@ -98,8 +115,69 @@ class LayerParams:
 
 
 @dataclass(frozen=True)
+class MoeLayerParams:
+    """Parameters of one OLMoE decoder layer, by block: attention with q/k RMSNorm, a linear router
+    (hidden -> experts) and `n_experts` SwiGLU experts, of which a token passes through `k`.
+    OLMoE has no shared experts: a token's active parameters are attention, router, its k experts
+    and the norms (SPEC, "Mixture-of-experts")."""
+
+    q_proj: int
+    k_proj: int
+    v_proj: int
+    o_proj: int
+    q_norm: int
+    k_norm: int
+    router: int
+    expert: int  # one expert's gate, up and down projections
+    n_experts: int
+    experts_per_token: int
+    input_norm: int
+    post_attention_norm: int
+
+    @property
+    def attention(self) -> int:
+        return self.q_proj + self.k_proj + self.v_proj + self.o_proj
+
+    @property
+    def mlp(self) -> int:
+        """Every expert: what the layer holds in memory."""
+        return self.n_experts * self.expert
+
+    @property
+    def mlp_active(self) -> int:
+        """The k experts one token is routed to."""
+        return self.experts_per_token * self.expert
+
+    @property
+    def norms(self) -> int:
+        return self.input_norm + self.post_attention_norm + self.q_norm + self.k_norm
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.router + self.mlp + self.norms
+
+    @property
+    def active(self) -> int:
+        return self.attention + self.router + self.mlp_active + self.norms
+
+    def to_dict(self) -> dict[str, int]:
+        d = asdict(self)
+        d.update(
+            attention=self.attention,
+            mlp=self.mlp,
+            mlp_active=self.mlp_active,
+            norms=self.norms,
+            total=self.total,
+            active=self.active,
+        )
+        return d
+
+
+@dataclass(frozen=True)
 class ParamCounts:
-    """Parameter counts of a Llama model. `all` counts a tied head/embedding matrix once."""
+    """Parameter counts of a model. `all` counts a tied head/embedding matrix once. `active` is
+    what one token passes through (SPEC): for a dense model its non-embedding count; for a
+    mixture of experts, each layer's active part (k experts of n) plus final norm and head."""
 
     all: int
     non_embedding: int
@@ -107,24 +185,37 @@ class ParamCounts:
     lm_head: int
     final_norm: int
     n_layers: int
-    layer: LayerParams
+    layer: LayerParams | MoeLayerParams
     tie_embeddings: bool
 
     @property
     def layers(self) -> int:
         return self.n_layers * self.layer.total
 
+    @property
+    def moe(self) -> bool:
+        return isinstance(self.layer, MoeLayerParams)
+
+    @property
+    def active(self) -> int:
+        if isinstance(self.layer, MoeLayerParams):
+            return self.n_layers * self.layer.active + self.final_norm + self.lm_head
+        return self.non_embedding
+
     def get(self, params_counted: str) -> int:
         if params_counted == "all":
             return self.all
-        if params_counted in ("non_embedding", "active"):  # dense model: active == non-embedding
+        if params_counted == "non_embedding":
             return self.non_embedding
+        if params_counted == "active":
+            return self.active
         raise RunnerError(f"params_counted must be one of {PARAMS_COUNTED}, got {params_counted!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "all": self.all,
             "non_embedding": self.non_embedding,
+            "active": self.active,
             "embedding": self.embedding,
             "lm_head": self.lm_head,
             "final_norm": self.final_norm,
@@ -132,6 +223,7 @@ class ParamCounts:
             "layers": self.layers,
             "per_layer": self.layer.to_dict(),
             "tie_embeddings": self.tie_embeddings,
+            "moe": self.moe,
         }
 
 
@@ -142,9 +234,10 @@ def _positive(value: Any, key: str) -> int:
 
 
 def count_params(model: ModelRecipe, vocab_size: int) -> ParamCounts:
-    """Exact parameter counts of the Llama model section (q,k,v,o with GQA; SwiGLU; RMSNorm; no biases)."""
-    if model.arch != "llama":
-        raise RunnerError(f"only 'llama' is counted, got {model.arch!r}", key="model.arch")
+    """Exact parameter counts of the model section: Llama (q,k,v,o with GQA; SwiGLU; RMSNorm; no
+    biases) or OLMoE (the same attention plus q/k RMSNorm; a router and SwiGLU experts for the MLP)."""
+    if model.arch not in ARCHS:
+        raise RunnerError(f"only {', '.join(ARCHS)} are counted, got {model.arch!r}", key="model.arch")
     d_model, n_layers = _positive(model.hidden_size, "model.hidden_size"), _positive(model.n_layers, "model.n_layers")
     n_heads = _positive(model.n_heads, "model.n_heads")
     n_kv_heads = _positive(model.n_kv_heads, "model.n_kv_heads")
@@ -156,17 +249,21 @@ def count_params(model: ModelRecipe, vocab_size: int) -> ParamCounts:
     vocab_size = _positive(vocab_size, "tokenizer.vocab_size")
     head_dim = d_model // n_heads
     kv_dim = n_kv_heads * head_dim
-    layer = LayerParams(
-        q_proj=d_model * n_heads * head_dim,
-        k_proj=d_model * kv_dim,
-        v_proj=d_model * kv_dim,
-        o_proj=n_heads * head_dim * d_model,
-        gate_proj=d_model * d_ff,
-        up_proj=d_model * d_ff,
-        down_proj=d_ff * d_model,
-        input_norm=d_model,
-        post_attention_norm=d_model,
-    )
+    layer: LayerParams | MoeLayerParams
+    if model.arch == "olmoe":
+        layer = _moe_layer(model, d_model, n_heads * head_dim, kv_dim)
+    else:
+        layer = LayerParams(
+            q_proj=d_model * n_heads * head_dim,
+            k_proj=d_model * kv_dim,
+            v_proj=d_model * kv_dim,
+            o_proj=n_heads * head_dim * d_model,
+            gate_proj=d_model * d_ff,
+            up_proj=d_model * d_ff,
+            down_proj=d_ff * d_model,
+            input_norm=d_model,
+            post_attention_norm=d_model,
+        )
     tied = model.tie_embeddings
     embedding = vocab_size * d_model
     lm_head = vocab_size * d_model
@@ -195,6 +292,31 @@ def padded_vocab_size(vocab_size: int, multiple: int) -> int:
 def params_of_config(cfg: ExperimentSchema) -> ParamCounts:
     """`count_params` of a resolved experiment config, over its padded vocabulary."""
     return count_params(cfg.model, padded_vocab_size(cfg.tokenizer.vocab_size, cfg.model.pad_vocab_multiple))
+
+
+def _moe_layer(model: ModelRecipe, d_model: int, q_dim: int, kv_dim: int) -> MoeLayerParams:
+    moe = model.moe
+    if moe is None:
+        raise RunnerError("arch olmoe needs a moe section", key="model.moe")
+    n_experts = _positive(moe.n_experts, "model.moe.n_experts")
+    k = _positive(moe.experts_per_token, "model.moe.experts_per_token")
+    d_expert = _positive(moe.expert_intermediate_size, "model.moe.expert_intermediate_size")
+    if k > n_experts:
+        raise RunnerError(f"{k} experts per token but only {n_experts} experts", key="model.moe.experts_per_token")
+    return MoeLayerParams(
+        q_proj=d_model * q_dim,
+        k_proj=d_model * kv_dim,
+        v_proj=d_model * kv_dim,
+        o_proj=q_dim * d_model,
+        q_norm=q_dim,  # OLMoE normalises q and k over all heads at once
+        k_norm=kv_dim,
+        router=d_model * n_experts,
+        expert=3 * d_model * d_expert,  # SwiGLU: gate and up (hidden -> expert), down (expert -> hidden)
+        n_experts=n_experts,
+        experts_per_token=k,
+        input_norm=d_model,
+        post_attention_norm=d_model,
+    )
 
 
 def attention_flops_per_token(n_layers: int, d_model: int, seq_len: int) -> int:

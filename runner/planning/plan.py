@@ -26,7 +26,7 @@ from runner.data.mixture import plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError
 from runner.fsio import read_json, read_jsonl
 from runner.planning import hardware
-from runner.planning.flops import DEFAULT_CONVENTION, Convention, flops_per_token, params_of_config
+from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.scaling import Point, forecast_target
 from runner.runs import load_saved_experiment
 
@@ -148,6 +148,11 @@ def saved_activation_bytes(
     else:
         attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * kv + 4 * heads + c * h
     mlp = norm + (2 if autocast else 1) * c * h + (3 if liger else 4) * c * f
+    if model.moe is not None:  # OLMoE: q/k norms' inputs; router input and fp32 logits/probabilities; per
+        # routed copy its gathered input, gate, silu(gate), up, product and weighted output (estimated)
+        k, f_e, n_experts = model.moe.experts_per_token, model.moe.expert_intermediate_size, model.moe.n_experts
+        attention += c * h + c * kv
+        mlp = norm + c * h + 2 * n_experts * 4 + k * (2 * c * h + 4 * c * f_e)
     layer = attention + mlp
     plain = model.cross_entropy == "plain"
     head_per_token = norm + (c * h + 4 * vocab + 9 if plain else 4 * h)
@@ -191,6 +196,9 @@ def memory_per_device(cfg: ExperimentSchema | Mapping[str, Any], micro_batch: in
     inputs, one recomputed layer and the head. `micro_batch` overrides the recipe's (the automatic
     micro batch asks what each candidate needs). Not counted: CUDA context, allocator
     fragmentation, communication buffers (AUTO_MICRO_BATCH_MEMORY_FRACTION leaves room for them).
+    A mixture of experts (OLMoE) counts every expert in model state (all of them live in memory
+    whichever a token uses); its activations are estimated (not yet calibrated by the probe) in
+    `saved_activation_bytes`.
     """
     cfg = as_schema(cfg)
     train, hw = cfg.train, cfg.hardware
@@ -346,12 +354,12 @@ class Calibration:
     note: str
 
 
-def read_calibration(
-    run_dir: str | Path, cfg: ExperimentSchema, convention: Convention = DEFAULT_CONVENTION
-) -> Calibration:
+def read_calibration(run_dir: str | Path, cfg: ExperimentSchema, convention: Convention | None = None) -> Calibration:
     """Measured throughput (median tokens_per_second after the first step), overheads
-    (wall / sum of step time - 1) and useful fraction of a run folder."""
+    (wall / sum of step time - 1) and useful fraction of a run folder. The MFU is under
+    `convention`, by default the one a run of `cfg` records (flops.convention_for)."""
     run_dir = Path(run_dir)
+    convention = convention or convention_for(cfg)
     metrics = run_dir / "metrics" / "train.jsonl"
     if not metrics.exists():
         raise RunnerError("no metrics/train.jsonl: not a run folder, or it has not logged a step", file=str(run_dir))
@@ -467,9 +475,12 @@ def build_plan(
     mfu: float | None = None,
     calibration: Calibration | None = None,
     root: str | Path = ".",
-    convention: Convention = DEFAULT_CONVENTION,
+    convention: Convention | None = None,
 ) -> dict[str, Any]:
-    """Everything `runner plan` prints, as one JSON-able dict."""
+    """Everything `runner plan` prints, as one JSON-able dict. Compute (FLOPs, time, cost) is under
+    `convention`, by default the one a run records (a mixture of experts: active parameters);
+    memory and checkpoint sizes always count every parameter."""
+    convention = convention or convention_for(cfg)
     hw, plan = cfg.hardware, cfg.plan
     counts = params_of_config(cfg)
     tokens = float(cfg.train.exposure_tokens)  # the plan (and its JSON) counts in floats: 2.6e10, not 26000000000
@@ -488,6 +499,7 @@ def build_plan(
             "flops_6n": flops_per_token(cfg, Convention("6N", convention.params_counted)) * tokens,
             "flops_6n_attn": flops_per_token(cfg, Convention("6N+attn", convention.params_counted)) * tokens,
             "tokens_per_param": tokens / counts.all,
+            "tokens_per_active_param": tokens / counts.active,
             "chinchilla_optimal_tokens": chinchilla_optimal_tokens(counts.all),
         },
         "hardware": {
@@ -587,15 +599,32 @@ def _row(out: list[str], label: str, *values: str, note: str = "") -> None:
 def _format_model_and_compute(plan: Mapping[str, Any], out: list[str]) -> None:
     p, c, hw, conv = plan["params"], plan["compute"], plan["hardware"], plan["convention"]
     out.append("model")
-    _row(out, "params (all)", f"{p['all']:,}")
+    _row(out, "params (all)", f"{p['all']:,}", note="memory and checkpoints" if p.get("moe") else "")
     _row(out, "params (non-embedding)", f"{p['non_embedding']:,}")
     layer = p["per_layer"]
-    _row(out, "per layer (attn / mlp / norms)", f"{layer['attention']:,} / {layer['mlp']:,} / {layer['norms']:,}")
+    if p.get("moe"):
+        _row(out, "params (active per token)", f"{p['active']:,}", note="compute: FLOPs and MFU")
+        _row(
+            out,
+            "per layer (attn / router / norms)",
+            f"{layer['attention']:,} / {layer['router']:,} / {layer['norms']:,}",
+        )
+        _row(
+            out,
+            "per layer experts: all (k active)",
+            f"{layer['mlp']:,} ({layer['mlp_active']:,})",
+            note=f"{layer['n_experts']} experts x {layer['expert']:,}, k = {layer['experts_per_token']}",
+        )
+    else:
+        _row(out, "per layer (attn / mlp / norms)", f"{layer['attention']:,} / {layer['mlp']:,} / {layer['norms']:,}")
     out.append("compute")
     _row(out, "exposure tokens", _si(c["exposure_tokens"]))
     # Pilots and smoke runs sit far below one token per parameter: keep 3 significant digits.
     tpp = c["tokens_per_param"]
     _row(out, "tokens per parameter", f"{tpp:.1f}" if tpp >= 1 else f"{tpp:.3g}")
+    if p.get("moe"):
+        tpa = c["tokens_per_active_param"]
+        _row(out, "tokens per active parameter", f"{tpa:.1f}" if tpa >= 1 else f"{tpa:.3g}")
     _row(out, "Chinchilla-optimal tokens (20 N)", _si(c["chinchilla_optimal_tokens"]))
     _row(out, "FLOPs 6N", f"{c['flops_6n']:.3e}")
     _row(out, "FLOPs 6N+attn", f"{c['flops_6n_attn']:.3e}")

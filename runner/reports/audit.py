@@ -42,6 +42,7 @@ from runner.reports import audit_tracked, targets
 from runner.reports import evidence as ev
 from runner.reports import tables as rpt
 from runner.reports.checks import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
+from runner.reports.expert_audit import check_expert_load
 from runner.runs import device_seconds, devices_held, is_reportable_run, read_manifest_copies
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
 
@@ -738,6 +739,7 @@ def audit_input(
         _check_replay(res, inp, rep)
     _check_compute(res, inp)
     _check_targets(res, inp)
+    check_expert_load(res, inp)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
     _check_evidence_file(res, inp)

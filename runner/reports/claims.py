@@ -3,9 +3,13 @@
 Owns: what a claim file may state, the implied figures (MFU from tokens/s under the 6N convention,
 days from MFU or tokens/s, tokens per parameter against Chinchilla's 20) and the flags: figures
 that cannot be true (IMPOSSIBLE: MFU above 100%, a sparse peak as denominator, a stated MFU or
-duration that disagrees with the implied one by more than 10% relative), figures no published
-training run has reached (IMPLAUSIBLE: MFU above the plausibility bound, below) and figures that
-cannot be compared (token kind unstated, device unknown).
+duration that disagrees with the implied one by more than 10% relative, a mixture of experts' MFU
+that counted every parameter instead of the active ones), figures no published training run has
+reached (IMPLAUSIBLE: MFU above the plausibility bound, below) and figures that cannot be compared
+(token kind unstated, device unknown).
+A mixture-of-experts claim states both `model_params` (total) and `active_params` (what one token
+passes through, SPEC "Mixture-of-experts"): its compute, MFU and days use the active count;
+tokens per parameter stays over the total.
 Never: reads runs or reports, or fills a missing figure from another device's peak.
 """
 
@@ -34,11 +38,15 @@ PLAUSIBLE_MFU_SOURCE = (
     "the best published: llm-foundry MPT-7B on 8x A100 64.2%, on H100 46.4%; PaLM 540B 46.2% on TPU v4"
 )
 DISAGREE_REL = 0.10
-CONVENTION = "6N (Kaplan/Chinchilla): flops_per_token = 6 * params as claimed; dense bf16 peak per device"
+CONVENTION = (
+    "6N (Kaplan/Chinchilla): flops_per_token = 6 * params as claimed (a mixture of experts: active_params); "
+    "dense bf16 peak per device"
+)
 KEYS = (
     "name",
     "source",
     "model_params",
+    "active_params",
     "tokens",
     "token_kind",
     "hardware",
@@ -61,6 +69,7 @@ class Flag:
 class ClaimResult:
     name: str
     claim: dict
+    params_counted: str = "all"  # "active" for a mixture of experts (active_params stated)
     peak_tflops: float | None = None
     peak_source: str = ""
     implied_mfu: float | None = None
@@ -159,10 +168,19 @@ def _resolve_peak(claim: dict, stated_peak: float | None, res: ClaimResult) -> N
         )
 
 
-def _check_mfu(res: ClaimResult, n_params: float, tps: float | None, devices: int, stated_mfu: float | None) -> None:
-    """The MFU 6N x tokens/s implies on the devices' dense peak, against 100% and the stated MFU."""
+def _check_mfu(
+    res: ClaimResult,
+    n_params: float,
+    n_compute: float,
+    tps: float | None,
+    devices: int,
+    stated_mfu: float | None,
+) -> None:
+    """The MFU 6N x tokens/s implies on the devices' dense peak (N: the parameters a token passes
+    through), against 100% and the stated MFU; a mixture of experts' stated MFU over every parameter
+    is named as such."""
     if tps is not None and res.peak_tflops:
-        res.implied_mfu = mfu(6 * n_params, tps, 1.0, res.peak_tflops, devices)
+        res.implied_mfu = mfu(6 * n_compute, tps, 1.0, res.peak_tflops, devices)
         if res.implied_mfu > 1.0:
             res.flags.append(
                 Flag(
@@ -173,7 +191,20 @@ def _check_mfu(res: ClaimResult, n_params: float, tps: float | None, devices: in
     if stated_mfu is not None:
         if stated_mfu > 1.0:
             res.flags.append(Flag("impossible", f"stated MFU {stated_mfu:.1%} > 100%"))
-        if res.implied_mfu is not None and abs(stated_mfu - res.implied_mfu) > DISAGREE_REL * res.implied_mfu:
+        all_params_mfu = (
+            mfu(6 * n_params, tps, 1.0, res.peak_tflops, devices)
+            if n_compute < n_params and tps is not None and res.peak_tflops
+            else None
+        )
+        if all_params_mfu is not None and abs(stated_mfu - all_params_mfu) <= DISAGREE_REL * all_params_mfu:
+            res.flags.append(
+                Flag(
+                    "impossible",
+                    f"stated MFU {stated_mfu:.1%} counts all {n_params:,.0f} parameters of a mixture of "
+                    f"experts (6 x model_params); over the {n_compute:,.0f} active it is {res.implied_mfu:.1%}",
+                )
+            )
+        elif res.implied_mfu is not None and abs(stated_mfu - res.implied_mfu) > DISAGREE_REL * res.implied_mfu:
             res.flags.append(
                 Flag(
                     "impossible",
@@ -187,6 +218,7 @@ def _check_days(
     claim: dict,
     res: ClaimResult,
     n_params: float,
+    n_compute: float,
     tokens: float,
     tps: float | None,
     days: float | None,
@@ -198,7 +230,7 @@ def _check_days(
         res.implied_days = tokens / tps / SECONDS_PER_DAY
     elif stated_mfu is not None and res.peak_tflops:
         peak_flops = res.peak_tflops * 1e12 * devices
-        res.implied_days = 6 * n_params * tokens / (stated_mfu * peak_flops) / SECONDS_PER_DAY
+        res.implied_days = 6 * n_compute * tokens / (stated_mfu * peak_flops) / SECONDS_PER_DAY
     if (
         days is not None
         and res.implied_days is not None
@@ -225,7 +257,17 @@ def audit_claim(claim: dict, where: str = "claim", *, plausible_mfu: float = PLA
         raise RunnerError("missing", file=where, key="name")
     n_params = _number(claim, "model_params", where)
     if n_params is None:
-        raise RunnerError("missing", file=where, key="model_params")
+        raise RunnerError(
+            "missing (a mixture of experts states its total here and active_params)", file=where, key="model_params"
+        )
+    active = _number(claim, "active_params", where)
+    if active is not None and active > n_params:
+        raise RunnerError(
+            f"{active:,.0f} active exceed the {n_params:,.0f} model_params (the total, every expert)",
+            file=where,
+            key="active_params",
+        )
+    n_compute = active if active is not None else n_params  # parameters a token passes through
     tokens = _number(claim, "tokens", where)
     tps = _number(claim, "tokens_per_second", where)
     days = _number(claim, "days", where)
@@ -234,15 +276,15 @@ def audit_claim(claim: dict, where: str = "claim", *, plausible_mfu: float = PLA
     devices = claim.get("devices", 1)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices <= 0:
         raise RunnerError(f"must be a positive integer, got {devices!r}", file=where, key="devices")
-    res = ClaimResult(name, dict(claim))
+    res = ClaimResult(name, dict(claim), "active" if active is not None else "all")
     _check_token_kind(claim, where, res)
     _resolve_peak(claim, stated_peak, res)
     if tps is None and tokens is not None and days is not None:
         tps = tokens / (days * SECONDS_PER_DAY)
-    _check_mfu(res, n_params, tps, devices, stated_mfu)
+    _check_mfu(res, n_params, n_compute, tps, devices, stated_mfu)
     _plausibility(res, stated_mfu, plausible_mfu)
     if tokens is not None:
-        _check_days(claim, res, n_params, tokens, tps, days, stated_mfu, devices)
+        _check_days(claim, res, n_params, n_compute, tokens, tps, days, stated_mfu, devices)
     return res
 
 
@@ -272,7 +314,7 @@ def render(results: list[ClaimResult], plausible_mfu: float = PLAUSIBLE_MFU) -> 
         f"Implied MFU convention: {CONVENTION}.",
         f"IMPOSSIBLE: cannot be true (MFU > 100%, sparse peak, figures that contradict each other); "
         f"IMPLAUSIBLE: MFU above {plausible_mfu:.0%}, beyond any published dense BF16 training run ({PLAUSIBLE_MFU_SOURCE}).",
-        f"{'claim':<32} {'peak TF/s':>9} {'implied MFU':>11} {'stated MFU':>10} {'days':>8} "
+        f"{'claim':<32} {'N counted':>12} {'peak TF/s':>9} {'implied MFU':>11} {'stated MFU':>10} {'days':>8} "
         f"{'tok/param':>9} {'x Chinchilla':>12}  verdict",
     ]
     for r in results:
@@ -282,8 +324,10 @@ def render(results: list[ClaimResult], plausible_mfu: float = PLAUSIBLE_MFU) -> 
         peak = "-" if r.peak_tflops is None else f"{r.peak_tflops:g}"
         stated = r.claim.get("mfu")
         verdict = r.verdict
+        n = r.claim["active_params"] if r.params_counted == "active" else r.claim["model_params"]
+        counted = f"{float(n):.3g} {r.params_counted}"
         lines.append(
-            f"{r.name[:32]:<32} {peak:>9} {_pct(r.implied_mfu):>11} "
+            f"{r.name[:32]:<32} {counted:>12} {peak:>9} {_pct(r.implied_mfu):>11} "
             f"{_pct(None if stated is None else float(stated)):>10} {days:>8} {tpp:>9} {vs:>12}  {verdict}"
         )
         lines += [f"    - {f.severity}: {f.message}" for f in r.flags]

@@ -25,7 +25,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
 from runner.planning.hardware import cost_per_billion_useful_tokens, mfu
-from runner.reports import targets
+from runner.reports import expert_tables, targets
 from runner.runs import (
     conventions_of,
     device_seconds,
@@ -197,6 +197,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
             int(run.get("committed_steps", 0)),
             price,
         ),
+        **expert_tables.build(run_dir, cfg, accounting, train_rows),
     }
 
 
@@ -222,17 +223,23 @@ def _typed(name: str, df: pd.DataFrame) -> pd.DataFrame:
 
 
 def read_tables(report_dir: str | Path) -> dict[str, pd.DataFrame]:
-    """Read a report folder's tables back from parquet."""
+    """Read a report folder's tables back from parquet. A report written under an older schema may
+    lack tables added since: what it has is returned, and the audit says which version to rebuild."""
     report_dir = Path(report_dir)
-    tables = {}
+    tables, missing = {}, []
     for name in TABLES:
         path = report_dir / f"{name}.parquet"
         if not path.exists():
-            raise RunnerError("missing table", file=str(path))
+            missing.append(path)
+            continue
         try:
             tables[name] = pd.read_parquet(path)
         except Exception as err:  # pyarrow raises several types for a corrupt file
             raise RunnerError(f"unreadable parquet: {err}", file=str(path)) from None
+    summary = tables.get("run_summary")
+    older = summary is not None and "schema_version" in summary and set(summary["schema_version"]) != {SCHEMA_VERSION}
+    if missing and not older:
+        raise RunnerError("missing table", file=str(missing[0]))
     return tables
 
 
@@ -391,6 +398,7 @@ def render_markdown(
         "",
         "![throughput](throughput.png)",
         "",
+        *expert_tables.markdown(tables, cfg, params_of_config(cfg).to_dict(), _md_table),
         "## How every figure is defined",
         "",
         "MFU convention record (SPEC, 'Throughput, MFU and cost'):",
@@ -491,7 +499,7 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     paths.append(out / "throughput.png")
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
-    return paths
+    return paths + expert_tables.write_heatmap(tables, out)
 
 
 def write_report(run_dir: str | Path) -> Path:

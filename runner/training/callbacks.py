@@ -20,6 +20,15 @@ from runner import progress
 from runner.fsio import read_jsonl, repair_jsonl_tail
 from runner.reports import targets
 
+#: a mixture-of-experts step's figures (runner.training.experts.RouterProbe.commit); absent for dense models
+MOE_METRICS = (
+    "router_aux_loss",
+    "router_z_loss",
+    "expert_load_imbalance",
+    "expert_load_cv",
+    "expert_idle_capacity",
+)
+
 
 class Callback:
     """Side effects of the loop. Hooks run on every rank; sinks act only where they should.
@@ -77,6 +86,7 @@ class TrackingCallback(Callback):
         "mfu",
         "goodput_mfu",
         "hfu",
+        *MOE_METRICS,
     )
 
     def __init__(self, tracker, log_interval_steps: int):

@@ -16,12 +16,13 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from runner.config.load import Experiment
 from runner.config.rules import grad_accum, max_duration_tokens, total_steps
@@ -31,10 +32,11 @@ from runner.data.sampler import BatchReader, MixtureSampler
 from runner.data.tokenizer import load_tokenizer, token_byte_lengths
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.planning import hardware
-from runner.planning.flops import Convention, flops_per_token, hfu_convention, hfu_flops_per_token
+from runner.planning.flops import convention_for, flops_per_token, hfu_convention, hfu_flops_per_token
 from runner.planning.plan import choose_micro_batch
 from runner.runs import RunFolder, write_ledger_json
 from runner.training import evaluate
+from runner.training import experts as experts_mod
 from runner.training.backends import (
     SHARD_RUNNER_CPU,
     apply_runtime_settings,
@@ -164,6 +166,7 @@ class _Run:
 
     batches: Prefetcher | None = None  # of _HostBatch, one per step of this attempt
     system: SystemMetricsCallback | None = None  # when system metrics are on
+    experts: experts_mod.RouterProbe | None = None  # of a mixture-of-experts model, else None
 
     @property
     def cfg(self):
@@ -228,6 +231,7 @@ class _HostBatch:
     tensors: tuple  # this rank's input_ids, labels, loss_mask [accum * micro, L] (pinned on a GPU run)
     useful: torch.Tensor  # float64 [domains]: this rank's useful targets per domain
     processed: list  # per micro step: input positions per domain, all ranks
+    domain_ids: np.ndarray  # int64 [accum * micro]: the domain of each of this rank's sequences
 
 
 def _read_step(run: _Run, step: int) -> _HostBatch:
@@ -244,7 +248,7 @@ def _read_step(run: _Run, step: int) -> _HostBatch:
     useful = torch.zeros(len(data.domains), dtype=torch.float64)
     useful.index_add_(0, torch.as_tensor(batch.domain_ids), tensors[2].sum(1).double())
     processed = [domain_positions(grid[:, m], data.domains, run.seq_len) for m in range(run.accum)]
-    return _HostBatch(global_pairs, tensors, useful, processed)
+    return _HostBatch(global_pairs, tensors, useful, processed, np.asarray(batch.domain_ids, dtype=np.int64))
 
 
 class _StopFlag:
@@ -333,6 +337,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     data = load_data(exp, L, verify=opts.verify_shards and acc.is_local_main_process)  # one hasher per node
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
+    probe = experts_mod.attach(model, cfg, data.domains)  # hooks on the routers, before any wrapping
     if sharding == SHARD_RUNNER_CPU:
         shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = make_optimizer(model, cfg, fused=bool(runtime.get("adamw_fused")))
@@ -367,6 +372,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         checkpointer=checkpointer,
         resolved_config=exp.to_container(),
         sharding=sharding,
+        experts=probe,
     )
 
 
@@ -396,7 +402,10 @@ def _resume(run: _Run) -> None:
                 f"checkpoint {ckpt.path.name} does not fit this run's model: {str(err).splitlines()[0]}",
                 file=str(ckpt.path),
             ) from None
-        ledger.load_state_dict(ckpt.ledger_state())
+        ledger_state = ckpt.ledger_state()
+        ledger.load_state_dict(ledger_state)
+        if run.experts is not None:
+            run.experts.load_state_dict(ledger_state, str(ckpt.path))
         set_rng_state(ckpt.state["rng"])
         run.start_step = ckpt.step
         run.step_seconds_total = float(ckpt.state.get("step_seconds_total", 0.0))
@@ -445,7 +454,8 @@ def _resume(run: _Run) -> None:
 
 def _conventions(run: _Run, tracker) -> None:
     """FLOPs per token and the peak behind every MFU figure; recorded in run.json and as MLflow tags."""
-    convention = Convention(recompute_counted=False)  # MFU: recomputation never counted (SPEC)
+    # MFU: recomputation never counted (SPEC); a mixture of experts counts active parameters.
+    convention = replace(convention_for(run.cfg), recompute_counted=False)
     run.flops_per_token = flops_per_token(run.cfg, convention)
     recorded = run.info.get("conventions") or {}
     if str(recorded.get("peak_source", "")).startswith(("measured", "theoretical")):
@@ -532,12 +542,21 @@ def _train_step(run: _Run, step: int) -> _Step:
         sl = slice(m * run.micro, (m + 1) * run.micro)
         sync = contextlib.nullcontext() if m == run.accum - 1 else run.no_sync()
         with sync:
-            # The head and the loss run inside the model's forward (model.cross_entropy picks how).
-            summed = model(input_ids=x[sl], loss_targets=y[sl], loss_mask=mask[sl])
+            if run.experts is None:
+                # The head and the loss run inside the model's forward (model.cross_entropy picks how).
+                summed = model(input_ids=x[sl], loss_targets=y[sl], loss_mask=mask[sl])
+            else:  # OLMoE: transformers' model; the router probe counts each domain's routing
+                run.experts.arm(host.domain_ids[sl], acc.device)
+                logits = model(input_ids=x[sl]).logits
+                per_token = F.cross_entropy(logits.float().flatten(0, 1), y[sl].flatten(), reduction="none")
+                summed = (per_token * mask[sl].flatten()).sum()
             if opts.nonfinite_hook is not None:
                 summed = opts.nonfinite_hook(step, summed)
             # x world: DDP averages gradients over ranks; we want sum / global useful.
-            acc.backward(summed * (run.world / max(n_useful, 1.0)))
+            objective = summed * (run.world / max(n_useful, 1.0))
+            if run.experts is not None:  # router losses: a mean per micro batch, so / accum (DDP averages ranks)
+                objective = objective + run.experts.disarm() / run.accum
+            acc.backward(objective)
         loss_sum += summed.detach().double()
         run.ledger.record_processed(processed[m])
         if run.journal_file is not None:
@@ -656,15 +675,18 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
+        ledger_state = run.ledger.state_dict() | (run.experts.state_dict() if run.experts is not None else {})
         run.checkpointer.save(
             step,
             model_state,
             optimizer_state,
-            run.ledger.state_dict(),
+            ledger_state,
             _checkpoint_state(run, step),
             tied=tied_parameters(run.raw_model),
         )
         write_ledger_json(run.folder.path, run.ledger)
+        if run.experts is not None:
+            run.experts.load.write_json(run.folder.path, step)
         run.folder.update(
             committed_steps=step,
             step_seconds_total=run.step_seconds_total,
@@ -744,6 +766,7 @@ def _attempt(run: _Run, tracker) -> int:
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
             run.ledger.commit(s.global_pairs, s.useful)
+            step_experts = run.experts.commit(acc) if run.experts is not None else {}
             committed = step + 1
             step_seconds = time.perf_counter() - t0
             run.step_seconds_total += step_seconds
@@ -753,7 +776,11 @@ def _attempt(run: _Run, tracker) -> int:
             if broken:
                 raise RuntimeError(f"token accounting broke at step {committed}: " + "; ".join(broken))
             counters = run.ledger.counters()
-            record = _metrics_record(run, committed, s, step_seconds, counters)
+            if run.experts is not None:  # SPEC: per layer and domain, routed = exposure x k
+                broken = run.experts.load.broken_invariant({d: counters[d]["exposure"] for d in run.data.domains})
+                if broken:
+                    raise RuntimeError(f"expert load broke at step {committed}: " + "; ".join(broken[:4]))
+            record = _metrics_record(run, committed, s, step_seconds, counters) | step_experts
             for cb in run.callbacks:
                 cb.on_step(record, counters, run.ledger.realized_ratios())
             if eval_every and committed % eval_every == 0 and run.data.val_reader is not None:
@@ -840,6 +867,8 @@ def _finish(run: _Run, exit_code: int) -> None:
         summary["device_busy"] = system["device_busy"]
     if run.main:
         write_ledger_json(run.folder.path, run.ledger)
+        if run.experts is not None:
+            run.experts.load.write_json(run.folder.path, committed)
         run.folder.update(status=status, **summary, **({"system": system} if system is not None else {}))
     ratios = run.ledger.realized_ratios()
     for cb in run.callbacks:
@@ -854,8 +883,11 @@ def _rollback_to_last_checkpoint(run: _Run) -> int:
     spent = {d: int(c["processed"]) for d, c in run.ledger.counters().items() if d != "total"}
     ledger = TokenLedger(run.data.samples, run.seq_len)
     ckpt = run.checkpointer.latest_valid(report=run.say)
-    if ckpt is not None:
-        ledger.load_state_dict(ckpt.ledger_state())
+    state = ckpt.ledger_state() if ckpt is not None else None
+    if state is not None:
+        ledger.load_state_dict(state)
+    if run.experts is not None:  # the expert load rolls back with the ledger (zero without a checkpoint)
+        run.experts.load_state_dict(state, str(run.folder.path))
     _catch_up_processed(ledger, spent)
     run.ledger = ledger
     return ckpt.step if ckpt is not None else 0

@@ -1,0 +1,162 @@
+"""Observing a mixture-of-experts model's routing while it trains, and its router losses.
+
+Owns: the forward hook on every layer's router (`mlp.gate` of transformers' OLMoE, which returns
+the router logits and the top-k expert indices the experts then use, so what is counted is exactly
+what was computed), the per-step count of input positions routed to each expert of each layer,
+split by the domain of the sample each position belongs to, the router losses added to the
+training loss, and the step's commit into the run's ExpertLoad (runner.training.expert_load).
+
+Router losses, per router call, averaged over layers:
+- load balancing (Switch Transformer eq. 4): `E * sum_e f_e * P_e`, f_e the share of the call's
+  k x T assignments sent to expert e (no gradient), P_e the mean router probability of e over the
+  T positions: 1.0 when routing is uniform, E / k when every position goes to the same k experts;
+- z-loss (ST-MoE eq. 5): the mean over positions of logsumexp(router logits)^2.
+Weighted by `model.moe.router_aux_loss_coef` / `router_z_loss_coef` and averaged over the micro
+batches of a step, like the cross-entropy.
+
+Never: counts a forward it was not armed for (evaluation; the recomputed forward of activation
+checkpointing runs inside backward, after `disarm`), records autograd work inside a layer (which
+would differ between a checkpointed layer's forward and its recomputation), commits a step the
+trainer did not commit, or changes what the router decides.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from runner.training.expert_load import ExpertLoad, balance
+
+
+def router_losses(logits: torch.Tensor, indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(load-balancing loss, z-loss) of one router call: logits [T, E], indices [T, k]."""
+    logits = logits.float()
+    assigned = torch.zeros(n_experts, dtype=torch.float32, device=logits.device)
+    assigned.index_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=logits.device))
+    share = assigned / indices.numel()
+    aux = n_experts * (share * logits.softmax(dim=-1).mean(dim=0)).sum()
+    z = logits.logsumexp(dim=-1).square().mean()
+    return aux, z
+
+
+def _over_layers(reduce, values: np.ndarray) -> float:
+    """`reduce` over the layers that routed anything (NaN when none did)."""
+    values = values[~np.isnan(values)]
+    return float(reduce(values)) if values.size else float("nan")
+
+
+class RouterProbe:
+    """Counts routed positions per (layer, domain, expert) for the forwards it is armed for."""
+
+    def __init__(self, routers: list[torch.nn.Module], load: ExpertLoad, seq_len: int, aux_coef: float, z_coef: float):
+        self.load = load
+        self.seq_len = seq_len
+        self.aux_coef, self.z_coef = aux_coef, z_coef
+        self.n_layers, self.n_experts = load.n_layers, load.n_experts
+        self._pending: torch.Tensor | None = None  # [layers, domains * experts] int64, on the model's device
+        self._loss_sums: torch.Tensor | None = None  # [aux, z, forwards] float64
+        self._row_keys: torch.Tensor | None = None  # [1, positions, 1]: domain * E of each routed row
+        self._layer_keys: torch.Tensor | None = None  # [layers, 1, 1]: layer * D * E
+        self._routed_calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (logits, indices) per layer
+        self._armed = False
+        self._handles = [r.register_forward_hook(functools.partial(self._observe, i)) for i, r in enumerate(routers)]
+
+    def _buffers(self, device: torch.device) -> None:
+        # Made once, on the first armed forward's device (which never changes within a run; a
+        # device comparison would not do: torchrun's CPU device is cpu:0, a CPU tensor's is cpu).
+        if self._pending is None:
+            self._pending = torch.zeros(
+                (self.n_layers, len(self.load.domains) * self.n_experts), dtype=torch.int64, device=device
+            )
+            self._loss_sums = torch.zeros(3, dtype=torch.float64, device=device)
+            self._layer_keys = torch.arange(self.n_layers, device=device)[:, None, None] * self._pending.shape[1]
+
+    def arm(self, domain_ids: np.ndarray, device: torch.device) -> None:
+        """The next forward is a training forward of sequences from these domains (ids, one per sequence)."""
+        self._buffers(device)
+        ids = torch.as_tensor(np.asarray(domain_ids, dtype=np.int64)).to(device)
+        # The router sees [sequences x positions] rows in order: row r belongs to sequence r // L.
+        self._row_keys = (ids.repeat_interleave(self.seq_len) * self.n_experts)[None, :, None]
+        self._routed_calls = []
+        self._armed = True
+
+    def _observe(self, layer: int, module, args, output) -> None:
+        # Only kept here: counting and losses happen in disarm(), outside the layer. Autograd work
+        # done inside would be missing from an activation-checkpointed layer's recomputation, which
+        # must match its forward; and one count for all layers is one kernel instead of one per layer.
+        if self._armed:
+            logits, _, indices = output
+            self._routed_calls.append((logits, indices))
+
+    def _count(self, indices: list[torch.Tensor]) -> None:
+        """Add one forward's routing (each layer's [positions, k] expert indices) to the step's counts."""
+        assert self._pending is not None and self._layer_keys is not None and self._row_keys is not None  # armed
+        keys = (self._layer_keys + self._row_keys + torch.stack(indices)).reshape(-1)  # layer*D*E + domain*E + expert
+        # index_add_ into a fixed-size buffer: no device-to-host sync (bincount on CUDA has one).
+        self._pending.view(-1).index_add_(0, keys, torch.ones_like(keys))
+
+    def disarm(self) -> torch.Tensor:
+        """End of the armed forward: its weighted router loss (add it to the loss before backward)."""
+        self._armed = False
+        if len(self._routed_calls) != self.n_layers:
+            raise RuntimeError(f"{len(self._routed_calls)} of {self.n_layers} routers ran in a training forward")
+        self._count([indices for _, indices in self._routed_calls])
+        losses = [router_losses(logits, indices, self.n_experts) for logits, indices in self._routed_calls]
+        self._routed_calls = []
+        aux = torch.stack([a for a, _ in losses]).mean()
+        z = torch.stack([b for _, b in losses]).mean()
+        assert self._loss_sums is not None  # made by the arm() before this forward
+        self._loss_sums += torch.stack([aux.detach().double(), z.detach().double(), aux.new_ones(()).double()])
+        return self.aux_coef * aux + self.z_coef * z
+
+    def commit(self, acc) -> dict[str, float]:
+        """The step is committed: add its routed positions (every rank's) to the run's load; return
+        the step's figures for the metrics record."""
+        routed, sums = self._pending, self._loss_sums
+        if routed is None or sums is None:  # no armed forward yet on this rank
+            self._buffers(acc.device)
+            routed, sums = self._pending, self._loss_sums
+            assert routed is not None and sums is not None
+        if acc.num_processes > 1:
+            torch.distributed.all_reduce(routed)
+            torch.distributed.all_reduce(sums)
+        # A copy: on CPU .numpy() shares the buffer that discard() zeroes.
+        step = routed.cpu().numpy().reshape(self.load.routed.shape).copy()
+        self.load.add(step)
+        aux, z, forwards = sums.tolist()
+        self.discard()
+        per_layer = balance(step.sum(axis=1))  # all domains together, one row per layer
+        return {
+            "router_aux_loss": aux / max(forwards, 1.0),
+            "router_z_loss": z / max(forwards, 1.0),
+            "expert_load_imbalance": _over_layers(np.max, per_layer["imbalance"]),
+            "expert_load_cv": _over_layers(np.mean, per_layer["cv"]),
+            "expert_idle_capacity": _over_layers(np.mean, per_layer["idle_capacity"]),
+        }
+
+    def discard(self) -> None:
+        """Forget the uncommitted step (after a commit, or when the step is lost)."""
+        if self._pending is not None and self._loss_sums is not None:
+            self._pending.zero_()
+            self._loss_sums.zero_()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self.load.state_dict()
+
+    def load_state_dict(self, state, where: str) -> None:
+        self.load.load_state_dict(state, where)
+        self.discard()
+
+
+def attach(model: torch.nn.Module, cfg, domains: list[str]) -> RouterProbe | None:
+    """A probe on every router of an `arch: olmoe` model (before it is wrapped or sharded); None for a dense one."""
+    if cfg.model.arch != "olmoe":
+        return None
+    moe = cfg.model.moe
+    inner: Any = model
+    routers = [layer.mlp.gate for layer in inner.model.layers]
+    load = ExpertLoad(domains, len(routers), moe.n_experts, moe.experts_per_token)
+    return RouterProbe(routers, load, cfg.train.seq_len, moe.router_aux_loss_coef, moe.router_z_loss_coef)
