@@ -124,6 +124,7 @@ def _fraction(text: str) -> float:
 
 
 def register(subparsers) -> None:
+    """The five verbs' argparse declarations (long: one flat block per verb, no logic)."""
     p = subparsers.add_parser("report", help="(re)build a run's report/ folder from its run folder or MLflow run id")
     p.add_argument(
         "run",

@@ -242,6 +242,10 @@ def _owning(run_dir: Path, acc, command: str = "runner launch"):
 
 
 def _launch(args, held: contextlib.ExitStack) -> int:
+    """`runner launch` on every rank, in the order its refusals must come: the target and world
+    checked, the folder chosen and locked, records written, MLflow started, the loop run, the report
+    and summary written. Long because that order is the contract: each step may refuse before the
+    next writes anything, and splitting it would scatter the ranks' agreement over several calls."""
     from accelerate.utils import broadcast_object_list
 
     from runner.config.load import to_yaml
@@ -435,6 +439,8 @@ def _launch_cmd(run_dir: Path, *extra: str) -> list[str]:
 
 
 def cmd_smoke(args) -> int:
+    """`runner smoke`: one short run killed and resumed against one uninterrupted, compared bit for bit
+    (long: a scripted scenario whose steps read as a sequence)."""
     from runner.config.load import experiment_from_dict, load_experiment
     from runner.planning.plan import build_plan, read_calibration
     from runner.runs import create_run_folder

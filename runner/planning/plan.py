@@ -109,7 +109,8 @@ def as_schema(cfg: ExperimentSchema | Mapping[str, Any]) -> ExperimentSchema:
 def saved_activation_bytes(
     cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None, checkpointing: bool | None = None
 ) -> dict[str, float]:
-    """Bytes autograd saves for the backward during one training forward of a micro batch, by part.
+    """Bytes autograd saves for the backward during one training forward of a micro batch, by part
+    (long: one formula, tensor by tensor, best read in one piece).
 
     Counted tensor by tensor for transformers' Llama as the trainer runs it (calibrated against
     runner.training.memprobe, the saved-tensor probe: exact on CPU in fp32 and bf16 autocast, with

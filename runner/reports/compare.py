@@ -28,7 +28,9 @@ from runner.fsio import read_json, read_yaml
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
 from runner.reports.audit import audit
+from runner.reports.publish import portable
 from runner.runs import is_reportable_run
+from runner.training.tracking import repo_root
 from schemas.report_tables import SCHEMA_VERSION, validate_tables
 
 ACCOUNTING = ("processed_tokens", "exposure_tokens", "useful_tokens", "unique_tokens", "lost_tokens")
@@ -519,6 +521,10 @@ def collect_reports(sources: list[Source], dest: Path) -> None:
     for s, folder in zip(sources, reports):
         copy = staged / _folder_name(s.label)
         shutil.copytree(folder, copy)
+        if (copy / "run.json").exists():  # published: no machine paths, as `runner publish` writes it
+            info = read_json(copy / "run.json")
+            root = Path(info.get("project_root") or repo_root(folder))
+            (copy / "run.json").write_text(json.dumps(portable(info, root), indent=1))
         s.folder, s.tables = copy, rpt.read_tables(copy)
 
 

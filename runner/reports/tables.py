@@ -66,29 +66,59 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     run_dir = Path(run_dir)
     run = read_json(run_dir / "run.json")
     cfg = load_saved_experiment(run_dir / "experiment.yaml").config
-    ledger_file = str(run_dir / "ledger.json")
-    ledger = read_json(run_dir / "ledger.json")
+    domains = sorted(cfg.mixture.domains)
+    counters, hist = _ledger_counters(read_json(run_dir / "ledger.json"), domains, str(run_dir / "ledger.json"))
+    accounting = _accounting(cfg, counters, read_manifest_copies(run_dir / "manifests", domains))
+    # A resumed run appends again the steps it redid after its last checkpoint: the later row is
+    # the one in the model's lineage.
+    train_rows = list({int(r["step"]): r for r in read_jsonl(run_dir / "metrics" / "train.jsonl")}.values())
+    eval_file = run_dir / "metrics" / "eval.jsonl"
+    eval_rows = list({(int(r["step"]), str(r["domain"])): r for r in read_jsonl(eval_file)}.values())
+    validation = targets.validation_frame(targets.complete_eval_rows(eval_rows, train_rows, str(eval_file)))
+    return {
+        "run_summary": _summary(run_dir, run, cfg, accounting, train_rows),
+        "accounting": accounting,
+        "repetition": pd.DataFrame(
+            [
+                {"domain": d, "times_seen": int(k), "samples": int(v)}
+                for d in domains
+                for k, v in sorted(hist[d].items(), key=lambda kv: int(kv[0]))
+            ],
+            columns=["domain", "times_seen", "samples"],
+        ),
+        "validation": validation,
+        "throughput": pd.DataFrame(
+            [
+                {c: (int if c == "step" else float)(r[c]) for c in THROUGHPUT_COLUMNS}
+                for r in sorted(train_rows, key=lambda r: r["step"])
+            ],
+            columns=list(THROUGHPUT_COLUMNS),
+        ),
+        "targets": targets.targets_table(
+            targets.declared_targets(targets.typed_config(cfg, run_dir / "experiment.yaml")),
+            validation,
+            int(run.get("committed_steps", 0)),
+            cfg.hardware.price_per_device_hour_usd,
+        ),
+        **expert_tables.build(run_dir, cfg, accounting, train_rows),
+    }
 
-    seq_len = cfg.train.seq_len
-    global_batch = cfg.train.global_batch_sequences
-    mix = cfg.mixture.domains
+
+THROUGHPUT_COLUMNS = ("step", "tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
+
+
+def _accounting(cfg: ExperimentSchema, counters: dict, manifests: dict[str, dict]) -> pd.DataFrame:
+    """One row per domain: the ledger's counters against the pool the manifest copy describes."""
+    seq_len, mix = cfg.train.seq_len, cfg.mixture.domains
     domains = sorted(mix)
-    manifests = read_manifest_copies(run_dir / "manifests", domains)
-    counters, hist = _ledger_counters(ledger, domains, ledger_file)
-    conv = conventions_of(run, cfg)
-    convention = Convention.from_dict(conv)
-    hw = cfg.hardware
-    devices = devices_held(run, cfg)
-    price = hw.price_per_device_hour_usd
-
-    acct_rows = []
     exposure_total = sum(int(counters[d]["exposure"]) for d in domains)
+    rows = []
     for d in domains:
         c = counters[d]
         manifest_pool = int(manifests[d]["pool_tokens"])
         samples = num_samples(manifest_pool, seq_len)
         pool = samples * seq_len
-        acct_rows.append(
+        rows.append(
             {
                 "domain": d,
                 "target_ratio": mix[d].target_ratio,
@@ -105,100 +135,62 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
                 "samples": samples,
             }
         )
-    accounting = pd.DataFrame(acct_rows)
+    return pd.DataFrame(rows)
 
-    hist_rows = [
-        {"domain": d, "times_seen": int(k), "samples": int(v)}
-        for d in domains
-        for k, v in sorted(hist[d].items(), key=lambda kv: int(kv[0]))
-    ]
-    repetition = pd.DataFrame(hist_rows, columns=["domain", "times_seen", "samples"])
 
-    # A resumed run appends again the steps it redid after its last checkpoint: the later row is
-    # the one in the model's lineage.
-    train_rows = list({int(r["step"]): r for r in read_jsonl(run_dir / "metrics" / "train.jsonl")}.values())
+def _summary(
+    run_dir: Path, run: dict, cfg: ExperimentSchema, accounting: pd.DataFrame, train_rows: list[dict]
+) -> pd.DataFrame:
+    """The one-row run summary: totals, times, FLOPs, MFU and cost with their convention."""
+    conv = conventions_of(run, cfg)
+    convention = Convention.from_dict(conv)
+    hw, seq_len = cfg.hardware, cfg.train.seq_len
     wall_seconds, step_seconds_total = run_times(run, train_rows)
     device_wall, device_step = device_seconds(run, cfg, wall_seconds, step_seconds_total)
     fpt = flops_per_token(cfg, convention, seq_len=seq_len)
     hfu_fpt = hfu_flops_per_token_or_nan(cfg, convention, seq_len)
-    n_params = params_of_config(cfg).get(convention.params_counted)
     totals = {
         k: int(accounting[f"{k}_tokens"].sum()) for k in ("pool", "processed", "exposure", "useful", "unique", "lost")
     }
-    peak_tflops = float(conv["peak_tflops"])
-    useful = totals["useful"]
-    summary = pd.DataFrame(
-        [
-            {
-                "schema_version": SCHEMA_VERSION,
-                "experiment": str(run.get("experiment", cfg.name)),
-                "version": str(cfg.version),
-                "fingerprint": str(run.get("fingerprint")),
-                "run_id": str(run.get("run_id", run_dir.name)),
-                "status": str(run.get("status", "finished")),
-                "steps": int(run.get("committed_steps", 0)),
-                "seq_len": seq_len,
-                "global_batch_sequences": global_batch,
-                **{f"{k}_tokens": v for k, v in totals.items()},
-                "wall_seconds": wall_seconds,
-                "step_seconds_total": step_seconds_total,
-                "device_wall_seconds": device_wall,
-                "device_step_seconds": device_step,
-                "params": int(n_params),
-                "flops_per_token": float(fpt),
-                "mfu": mfu(fpt, totals["processed"], device_step, peak_tflops, 1),
-                "goodput_mfu": mfu(fpt, useful, device_wall, peak_tflops, 1),
-                "hfu_flops_per_token": hfu_fpt,
-                "hfu": mfu(hfu_fpt, totals["processed"], device_step, peak_tflops, 1),
-                "flops_formula": convention.flops_formula,
-                "params_counted": convention.params_counted,
-                "attention_causal_half": bool(convention.attention_causal_half),
-                "recompute_counted": bool(convention.recompute_counted),
-                "peak_tflops": peak_tflops,
-                "peak_dtype": str(conv["peak_dtype"]),
-                "peak_source": str(conv["peak_source"]),
-                "devices_counted": int(conv["devices_counted"]),
-                "time_basis": str(conv["time_basis"]),
-                "device_name": hw.device_name,
-                "devices": devices,
-                "price_per_device_hour": price,
-                "cost_per_billion_useful_tokens": cost_per_billion_useful_tokens(1, price, device_wall, useful)
-                if useful
-                else 0.0,
-            }
-        ]
-    )
-
-    eval_file = run_dir / "metrics" / "eval.jsonl"
-    eval_rows = list({(int(r["step"]), str(r["domain"])): r for r in read_jsonl(eval_file)}.values())
-    validation = targets.validation_frame(targets.complete_eval_rows(eval_rows, train_rows, str(eval_file)))
-    throughput = pd.DataFrame(
-        [
-            {
-                "step": int(r["step"]),
-                "tokens_per_second": float(r["tokens_per_second"]),
-                "step_seconds": float(r["step_seconds"]),
-                "mfu": float(r["mfu"]),
-                "goodput_mfu": float(r["goodput_mfu"]),
-            }
-            for r in sorted(train_rows, key=lambda r: r["step"])
-        ],
-        columns=["step", "tokens_per_second", "step_seconds", "mfu", "goodput_mfu"],
-    )
-    return {
-        "run_summary": summary,
-        "accounting": accounting,
-        "repetition": repetition,
-        "validation": validation,
-        "throughput": throughput,
-        "targets": targets.targets_table(
-            targets.declared_targets(targets.typed_config(cfg, run_dir / "experiment.yaml")),
-            validation,
-            int(run.get("committed_steps", 0)),
-            price,
-        ),
-        **expert_tables.build(run_dir, cfg, accounting, train_rows),
+    peak_tflops, price, useful = float(conv["peak_tflops"]), hw.price_per_device_hour_usd, totals["useful"]
+    row = {
+        "schema_version": SCHEMA_VERSION,
+        "experiment": str(run.get("experiment", cfg.name)),
+        "version": str(cfg.version),
+        "fingerprint": str(run.get("fingerprint")),
+        "run_id": str(run.get("run_id", run_dir.name)),
+        "status": str(run.get("status", "finished")),
+        "steps": int(run.get("committed_steps", 0)),
+        "seq_len": seq_len,
+        "global_batch_sequences": cfg.train.global_batch_sequences,
+        **{f"{k}_tokens": v for k, v in totals.items()},
+        "wall_seconds": wall_seconds,
+        "step_seconds_total": step_seconds_total,
+        "device_wall_seconds": device_wall,
+        "device_step_seconds": device_step,
+        "params": int(params_of_config(cfg).get(convention.params_counted)),
+        "flops_per_token": float(fpt),
+        "mfu": mfu(fpt, totals["processed"], device_step, peak_tflops, 1),
+        "goodput_mfu": mfu(fpt, useful, device_wall, peak_tflops, 1),
+        "hfu_flops_per_token": hfu_fpt,
+        "hfu": mfu(hfu_fpt, totals["processed"], device_step, peak_tflops, 1),
+        "flops_formula": convention.flops_formula,
+        "params_counted": convention.params_counted,
+        "attention_causal_half": bool(convention.attention_causal_half),
+        "recompute_counted": bool(convention.recompute_counted),
+        "peak_tflops": peak_tflops,
+        "peak_dtype": str(conv["peak_dtype"]),
+        "peak_source": str(conv["peak_source"]),
+        "devices_counted": int(conv["devices_counted"]),
+        "time_basis": str(conv["time_basis"]),
+        "device_name": hw.device_name,
+        "devices": devices_held(run, cfg),
+        "price_per_device_hour": price,
+        "cost_per_billion_useful_tokens": cost_per_billion_useful_tokens(1, price, device_wall, useful)
+        if useful
+        else 0.0,
     }
+    return pd.DataFrame([row])
 
 
 # ---- typed empty tables survive csv/parquet round trips with the schema's dtypes -----------------
@@ -319,6 +311,18 @@ def device_busy_line(run: dict | None, mfu: float) -> str:
 def render_markdown(
     tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, manifests: dict[str, dict], run: dict | None = None
 ) -> str:
+    """report.md: what was trained on what data, the token accounting, validation and targets, speed
+    and cost, the experts of a mixture of experts, and how every figure is defined."""
+    lines = _md_trained_and_data(tables, cfg, manifests)
+    lines += _md_validation(tables, cfg)
+    lines += _md_speed(tables, cfg, run)
+    lines += _md_definitions(tables["run_summary"].iloc[0])
+    return "\n".join(lines)
+
+
+def _md_trained_and_data(
+    tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, manifests: dict[str, dict]
+) -> list[str]:
     s = tables["run_summary"].iloc[0]
     acct = tables["accounting"]
     model, recipes = cfg.model, cfg.recipes
@@ -368,6 +372,11 @@ def render_markdown(
         "![repetition](repetition.png)",
         "",
     ]
+    return lines
+
+
+def _md_validation(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema) -> list[str]:
+    lines: list[str] = []
     losses = final_losses(tables["validation"])
     lines += ["## Validation loss", ""]
     if losses:
@@ -380,7 +389,12 @@ def render_markdown(
     else:
         lines += ["No evaluation was recorded.", ""]
     lines += targets.render_markdown(targets.declared_targets(targets.typed_config(cfg)), tables["targets"])
-    lines += [
+    return lines
+
+
+def _md_speed(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, run: dict | None) -> list[str]:
+    s = tables["run_summary"].iloc[0]
+    return [
         "## How fast, at what cost",
         "",
         f"- Wall time {s.wall_seconds:.1f} s, of which training steps {s.step_seconds_total:.1f} s; "
@@ -399,6 +413,11 @@ def render_markdown(
         "![throughput](throughput.png)",
         "",
         *expert_tables.markdown(tables, cfg, params_of_config(cfg).to_dict(), _md_table),
+    ]
+
+
+def _md_definitions(s: pd.Series) -> list[str]:
+    lines = [
         "## How every figure is defined",
         "",
         "MFU convention record (SPEC, 'Throughput, MFU and cost'):",
@@ -442,7 +461,7 @@ def render_markdown(
         "This folder holds experiment.yaml and manifests/ so `runner audit` can replay the sampler from it alone.",
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:

@@ -309,7 +309,8 @@ def _device_memory_bytes(acc) -> int | None:
 
 
 def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
-    """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume."""
+    """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume (long:
+    each object is built once, in the order the next one needs: model before sharding before optimizer)."""
     cfg, world = exp.config, acc.num_processes
     B, L, micro = cfg.train.global_batch_sequences, cfg.train.seq_len, cfg.train.micro_batch_sequences
     accum = grad_accum(cfg, world)  # a guard for callers that skip launch's check
@@ -377,7 +378,8 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
 
 
 def _resume(run: _Run) -> None:
-    """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work."""
+    """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work (long:
+    the checks that a checkpoint belongs to this run come before any state is loaded, in one place)."""
     acc, ledger, data = run.acc, run.ledger, run.data
     run.info = run.folder.read()
     fingerprints = {s["fingerprint"] for s in run.info.get("segments", [])} | {run.exp.fingerprint}
@@ -525,7 +527,8 @@ def _system_metrics(run: _Run, tracker: Tracker | None) -> SystemMetricsCallback
 
 
 def _train_step(run: _Run, step: int) -> _Step:
-    """Forward/backward of one global batch; each micro step's processed work is journaled as it is spent."""
+    """Forward/backward of one global batch; each micro step's processed work is journaled as it is
+    spent (long: the micro-step loop is the hot path, kept in one frame)."""
     acc, data, model, opts = run.acc, run.data, run.model, run.opts
     assert run.batches is not None  # made before the first step
     host = run.batches.get(step)
@@ -730,7 +733,8 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
 
 
 def _attempt(run: _Run, tracker) -> int:
-    """One attempt's loop, from the resumed step to the end (or a stop)."""
+    """One attempt's loop, from the resumed step to the end (or a stop). Long because commit, evaluate,
+    checkpoint and stop decisions are made in one place, in the order the ledger requires."""
     acc, opts = run.acc, run.opts
     _conventions(run, tracker)
     flag = _StopFlag()
