@@ -115,7 +115,7 @@ rm -rf "$RUN_DIR"
 # --kill-at-step: the runner SIGKILLs itself in that step (after its first micro batch): exit 137
 phase launch-killed 170 137 "$PY" -m runner launch "$SMOKE" --run-dir "$RUN_DIR" --no-tracking --kill-at-step "$KILL_AT"
 phase resume 180 0 "$PY" -m runner launch "$RUN_DIR" --no-tracking
-phase audit 45 0 "$PY" -m runner audit "$RUN_DIR"
+phase audit 45 "0, 5" "$PY" -m runner audit "$RUN_DIR"
 cp "$RUN_DIR/run.json" "$OUT_DIR/run.json" 2>/dev/null
 cp "$RUN_DIR/metrics/train.jsonl" "$OUT_DIR/train.jsonl" 2>/dev/null
 LEFT=$((DEADLINE - $(date +%s) - 25))

@@ -254,12 +254,12 @@ def test_an_edited_state_json_is_refused_as_damaged_and_the_run_falls_back(tmp_p
     run = tmp_path / "runs" / "s"
     launch(tmp_path, exp, "--run-dir", run, "--max-steps", 6, "--no-tracking")
     newest = run / "checkpoints" / "step-0000006"
-    _edit_state(newest, step_seconds_total=1.0)  # would silently change MFU if trusted
+    _edit_state(newest, step_seconds_total=1e6)  # would silently change MFU if trusted
     proc = launch(tmp_path, run, "--no-tracking")
     assert "checkpoint step-0000006 unusable (state.json sha256 mismatch" in proc.stderr
     assert "resuming from step-0000004 (step 4)" in proc.stderr
     info = json.loads((run / "run.json").read_text())
-    assert info["status"] == "finished" and info["step_seconds_total"] > 1.0
+    assert info["status"] == "finished" and 0 < info["step_seconds_total"] < 1e6
 
 
 def test_state_json_of_another_step_is_refused_even_in_an_unsealed_format_2_checkpoint(tmp_path):

@@ -234,7 +234,9 @@ def test_the_published_comparison_is_audited_and_reproducible(cli):
     assert remade == shipped
     assert [d["key"] for d in shipped["config_differences"]] == ["optim.lr"]
     assert {t["name"] for t in shipped["target_definitions"]} == {"code-6p2", "mean-6p2", "prose-bpb-2p3", "code-5p9"}
-    # the shipped claim: the higher learning rate reaches every target first, in tokens, seconds and dollars
+    # the shipped claim (its README): the higher learning rate meets every target, each at the first
+    # evaluation in exposure tokens (prose-bpb-2p3 at the same one as lr 3e-3), code-5p9 alone
     for r in shipped["targets"]:
         if r["run"] == "cpu-tiny-lr":
-            assert r["met"] and r["first_in_exposure_tokens"] and r["first_in_wall_seconds"] and r["first_in_cost_usd"]
+            assert r["met"] and r["first_in_exposure_tokens"], r
+    assert not next(r for r in shipped["targets"] if r["run"] == "cpu-tiny" and r["target"] == "code-5p9")["met"]

@@ -37,7 +37,8 @@ def test_device_check_runs_every_phase_on_cpu_without_mlflow(tmp_path):
     phases = {p["phase"]: p for p in map(json.loads, (work / "phases.jsonl").read_text().splitlines())}
     # the runner's own path: launched, SIGKILLed in step 23 (exit 137), resumed, audited
     assert phases["launch-killed"]["rc"] == 137, log[-3000:]
-    assert phases["resume"]["rc"] == 0 and phases["audit"]["rc"] == 0, log[-3000:]
+    # no MLflow on a device (--no-tracking): the audit is UNVERIFIED (exit 5) on its MLflow checks, never FAIL
+    assert phases["resume"]["rc"] == 0 and phases["audit"]["rc"] in (0, 5), log[-3000:]
     assert phases["env"]["rc"] == 0 and phases["corpus"]["rc"] == 0 and phases["memory-probe"]["rc"] == 0
     assert phases["pytest-gpu"]["rc"] in (0, 5)  # every GPU test skipped here
     run = json.loads((out / "run.json").read_text())

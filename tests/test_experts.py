@@ -159,7 +159,8 @@ def test_launch_records_expert_load_to_mlflow_and_report_and_the_audit_catches_o
         capture_output=True,
         text=True,
     )
-    assert audited.returncode == 0, audited.stdout
+    # UNVERIFIED (exit 5), not PASS: the test hardware recipe states its peak, not a datasheet figure
+    assert audited.returncode == 5 and "0 failed" in audited.stdout, audited.stdout
     assert "expert load: loads sum to exposure x k per layer and domain  PASS" in audited.stdout
 
     # One expert's count nudged by one position, in both copies of the table: the audit fails, naming it.
