@@ -55,7 +55,7 @@ def test_summary_names_changed_keys_and_the_plan_before_and_after(repo, monkeypa
     exp = repo / "experiments/cpu-tiny.yaml"
     before = _plan(exp, repo)
     _edit(exp, version=3, **{"train.exposure_tokens": 360448, "overrides.optim.lr": 0.01})
-    for dependant in ("cpu-tiny-fsdp", "cpu-tiny-lr"):
+    for dependant in ("cpu-tiny-fsdp", "cpu-tiny-lr", "cpu-tiny-moe"):
         path = repo / f"experiments/{dependant}.yaml"
         _edit(path, version=yaml.safe_load(path.read_text())["version"] + 1, base="cpu-tiny@3")
     (repo / "experiments/cpu-tiny-h100.yaml").write_text(

@@ -254,6 +254,9 @@ def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(proj
     assert out.returncode == 2 and "experiments/cpu-tiny.yaml: recipes.optim: names adamw-tiny@1" in out.stderr
 
     edit(project / "experiments/cpu-tiny.yaml", _set("recipes", "optim", "adamw-tiny@2"))
+    smoke = project / "experiments/gpu-smoke-cpu.yaml"  # the other experiment that names adamw-tiny
+    edit(smoke, _set("recipes", "optim", "adamw-tiny@2"))
+    edit(smoke, _set("version", _version(smoke) + 1))
     out = _check_pr(project)
     assert out.returncode == 2 and "experiments/cpu-tiny.yaml: version: changed" in out.stderr
 

@@ -355,11 +355,14 @@ class Calibration:
     note: str
 
 
-def read_calibration(run_dir: str | Path, cfg: ExperimentSchema, convention: Convention | None = None) -> Calibration:
+def read_calibration(
+    run_dir: str | Path, cfg: ExperimentSchema | Mapping[str, Any], convention: Convention | None = None
+) -> Calibration:
     """Measured throughput (median tokens_per_second after the first step), overheads
     (wall / sum of step time - 1) and useful fraction of a run folder. The MFU is under
     `convention`, by default the one a run of `cfg` records (flops.convention_for)."""
     run_dir = Path(run_dir)
+    cfg = as_schema(cfg)
     convention = convention or convention_for(cfg)
     metrics = run_dir / "metrics" / "train.jsonl"
     if not metrics.exists():
@@ -471,7 +474,7 @@ def _storage(cfg: ExperimentSchema, tokens: float, all_params: int, pool_tokens:
 
 
 def build_plan(
-    cfg: ExperimentSchema,
+    cfg: ExperimentSchema | Mapping[str, Any],
     *,
     mfu: float | None = None,
     calibration: Calibration | None = None,
@@ -481,6 +484,7 @@ def build_plan(
     """Everything `runner plan` prints, as one JSON-able dict. Compute (FLOPs, time, cost) is under
     `convention`, by default the one a run records (a mixture of experts: active parameters);
     memory and checkpoint sizes always count every parameter."""
+    cfg = as_schema(cfg)
     convention = convention or convention_for(cfg)
     hw, plan = cfg.hardware, cfg.plan
     counts = params_of_config(cfg)
