@@ -24,6 +24,7 @@ from runner.config.fingerprint import canonical_meaning
 from runner.fsio import read_json
 from runner.reports import evidence as ev
 from runner.reports.checks import AuditResult
+from runner.reports.tables import CONVENTION_KEYS
 from runner.training.tracking import missing_store, sqlite_path
 from schemas.report_tables import SCHEMA_VERSION
 
@@ -39,17 +40,6 @@ NAMES = (RUN, PARAMS, TAGS, METRICS, EVIDENCE)
 
 REL_TOL = 1e-9  # MLflow stores float64: a logged figure reads back exactly
 KINDS = ("processed", "exposure", "useful", "unique", "lost")
-CONVENTION_KEYS = (
-    "flops_formula",
-    "params_counted",
-    "attention_causal_half",
-    "recompute_counted",
-    "peak_tflops",
-    "peak_dtype",
-    "peak_source",
-    "devices_counted",
-    "time_basis",
-)
 # What the trainer logs at the end of each attempt (callbacks.TrackingCallback.on_end), by the
 # run_summary column that states the same figure.
 SUMMARY_METRICS = {

@@ -104,6 +104,18 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     }
 
 
+#: the MFU convention record's fields, as the run summary holds them (SPEC, 'Throughput, MFU and cost')
+CONVENTION_KEYS = (
+    "flops_formula",
+    "params_counted",
+    "attention_causal_half",
+    "recompute_counted",
+    "peak_tflops",
+    "peak_dtype",
+    "peak_source",
+    "devices_counted",
+    "time_basis",
+)
 THROUGHPUT_COLUMNS = ("step", "tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
 
 
@@ -425,17 +437,7 @@ def _md_definitions(s: pd.Series) -> list[str]:
         "| field | value |",
         "|---|---|",
     ]
-    for key in (
-        "flops_formula",
-        "params_counted",
-        "attention_causal_half",
-        "recompute_counted",
-        "peak_tflops",
-        "peak_dtype",
-        "peak_source",
-        "devices_counted",
-        "time_basis",
-    ):
+    for key in CONVENTION_KEYS:
         lines.append(f"| {key} | {s[key]} |")
     lines += [
         "",
