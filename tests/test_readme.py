@@ -32,6 +32,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,10 +198,11 @@ def test_every_readme_command_runs_as_written(tmp_path):
             skipped.append(f"README.md:{c.line} [{c.skip}] {c.text}")
             continue
         command = re.sub(r"(^|&&\s*)\./install\.sh(?=\s|$)", r"\1true", _resolve(c.text, root, first_runs))
+        t0 = time.monotonic()
         proc = subprocess.run(
             ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
         )
-        ran.append(command)
+        ran.append(f"{time.monotonic() - t0:6.1f} s  {command}")
         if proc.returncode != c.exits:
             failures.append(
                 f"README.md:{c.line}: `{command}` exited {proc.returncode} (expected {c.exits}):\n"

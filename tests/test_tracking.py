@@ -167,6 +167,74 @@ def test_a_run_created_just_before_a_kill_is_continued_not_created_twice(tmp_pat
         assert c.execute("select count(*) from runs").fetchone() == (1,)
 
 
+def _killed_mid_migration(url: str) -> None:
+    """The store a kill during MLflow's migrations leaves: the tables, then every migration up to
+    the first later one that makes a table, whose table was made but whose version stamp was not."""
+    import sqlalchemy
+    from alembic import command
+    from alembic.script import ScriptDirectory
+    from mlflow.store.db.utils import _get_alembic_config
+    from mlflow.store.tracking.dbmodels.initial_models import Base as InitialBase
+
+    config = _get_alembic_config(url)
+    history = list(reversed(list(ScriptDirectory.from_config(config).walk_revisions())))
+    cut = next(r for r in history[1:] if "op.create_table(" in Path(str(r.path)).read_text())
+    engine = sqlalchemy.create_engine(url)
+    InitialBase.metadata.create_all(engine)
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, cut.revision)
+        command.stamp(config, str(cut.down_revision), purge=True)
+    engine.dispose()
+
+
+def test_a_store_whose_creation_was_killed_is_moved_aside_and_made_again(tmp_path):
+    """MLflow makes its tables, then migrates them, in separate transactions: a kill in between (the
+    delivery thread makes the store while the first steps train) left a file MLflow then refused
+    forever ("table ... already exists"). It held nothing: moved aside, made again, the run tracked."""
+    db = tmp_path / "mlflow.db"
+    _killed_mid_migration(f"sqlite:///{db}")
+    alone = subprocess.run(  # what MLflow alone makes of it (in another process: MLflow caches engines)
+        [sys.executable, "-c", f"import mlflow; mlflow.MlflowClient('sqlite:///{db}').search_experiments()"],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+    assert alone.returncode != 0 and "already exists" in alone.stderr
+    said: list[str] = []
+    t = Tracker(tmp_path / "run", tracking_uri=f"sqlite:///{db}", report=said.append)
+    t.start("exp", "r", params=None, tags={})
+    t.log_metrics({"loss": 1.0}, step=1)
+    assert t.finish(), t.last_error
+    assert metric_rows(db, t.run_id) == [("loss", 1, 1.0)]
+    aside = [p.name for p in tmp_path.glob("mlflow.db.interrupted-*")]
+    assert len(aside) == 1 and said == [
+        f"mlflow: {db} was half-made (its creation was interrupted) and held no run; moved to {aside[0]}"
+    ]
+
+
+_MAKE_STORE = "import sys; from pathlib import Path; from runner.training.tracking import ensure_sqlite_store as e; e(Path(sys.argv[1]))"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_store_is_made_whole_or_not_at_all_whenever_its_maker_is_killed(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from runner.training.tracking import _half_made
+
+    for i, after in enumerate((0.5, 2.0, 3.5, 5.0)):  # import, tables, migrations, done (machine-dependent)
+        db = tmp_path / f"s{i}" / "mlflow.db"
+        proc = subprocess.Popen([sys.executable, "-c", _MAKE_STORE, str(db)], stderr=subprocess.DEVNULL)
+        try:
+            proc.wait(after)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        assert not db.exists() or not _half_made(db)
+        client = MlflowClient(f"sqlite:///{db}")
+        client.create_run(client.create_experiment("x"))  # whatever was left, MLflow uses it
+
+
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_dead_server_fails_fast_and_sync_sends_later(tmp_path, store):
     s = socket.socket()

@@ -207,6 +207,17 @@ class _Run:
     def wall_seconds(self) -> float:
         return self.prior_wall_seconds + time.perf_counter() - self.t_attempt
 
+    def journal_time(self) -> tuple[float, float]:
+        """Journal how long this attempt has run (no work) and return (wall, device wall) as of that
+        line: what an evaluation is stamped with, so a later resume, which counts an attempt's wall
+        from its journal, never starts below a figure the attempt already reported."""
+        held = math.ceil((time.perf_counter() - self.t_attempt) * 1000) / 1000
+        if self.journal_file is not None:
+            line = {"attempt": self.attempt, "world": self.world, "processed": {}, "wall_seconds": held}
+            self.journal_file.write(json.dumps(line) + "\n")
+            self.journal_file.flush()
+        return self.prior_wall_seconds + held, self.prior_device_wall_seconds + held * self.world
+
     def device_wall_seconds(self) -> float:
         """Device-seconds held so far: the goodput MFU and cost denominator. A run resumed with another
         world size counts each attempt with its own device count."""
@@ -707,11 +718,8 @@ def _evaluate(run: _Run, step: int) -> None:
         run.raw_model, run.data, run.acc, run.cfg.eval.micro_batch_sequences, step, int(total["exposure"])
     )
     # Where the run stood when this evaluation ended: time-to-target is recounted from these (SPEC).
-    stamp = {
-        "useful_tokens": int(total["useful"]),
-        "wall_seconds": run.wall_seconds(),
-        "device_wall_seconds": run.device_wall_seconds(),
-    }
+    wall, device_wall = run.journal_time()
+    stamp = {"useful_tokens": int(total["useful"]), "wall_seconds": wall, "device_wall_seconds": device_wall}
     rows = [{**r, **stamp} for r in rows]
     for cb in run.callbacks:
         cb.on_eval(step, rows[0]["exposure_tokens"] if rows else 0, rows)
@@ -820,6 +828,7 @@ def _attempt(run: _Run, tracker) -> int:
         run.batches.close()
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
+        run.journal_time()  # the attempt's whole wall, for the next resume (a kill loses only the tail)
         if run.journal_file is not None:
             run.journal_file.close()
     _finish(run, exit_code)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import threading
 import time
@@ -113,6 +114,50 @@ def check_run_store(uri: str, run_id: str | None, run_json: Path) -> None:
         file=str(run_json),
         key="mlflow.tracking_uri",
     )
+
+
+def _half_made(path: Path) -> bool:
+    """True for an SQLite file that MLflow began to create but did not finish (a kill while its tables
+    were made: MLflow's migrations are not one transaction) and that holds no run; MLflow itself
+    would fail on it forever ("table ... already exists")."""
+    from mlflow.store.db.utils import Base  # noqa: PLC0415  (mlflow: as in Tracker.client)
+
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {r[0] for r in con.execute("select name from sqlite_master where type = 'table'")}
+            runs = con.execute("select count(*) from runs").fetchone()[0] if "runs" in tables else 0
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return False  # not a database MLflow could have begun: leave it, MLflow's error names it
+    return not set(Base.metadata.tables) <= tables and runs == 0
+
+
+def ensure_sqlite_store(path: Path, report: Callable[[str], None] = print) -> None:
+    """Make MLflow's SQLite store at `path` so that a kill at any moment leaves either no file or a
+    whole store: the tables are made in a temporary file beside it, which is then linked into place
+    (atomic; a store another process made meanwhile wins). A half-made store left by an older
+    runner (or MLflow itself) that holds no run is moved aside, not deleted, and made again."""
+    from mlflow.tracking._tracking_service.utils import _get_store  # noqa: PLC0415  (mlflow: as above)
+
+    if path.exists():
+        if not _half_made(path):
+            return
+        aside = path.with_name(f"{path.name}.interrupted-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        os.replace(path, aside)
+        report(f"mlflow: {path} was half-made (its creation was interrupted) and held no run; moved to {aside.name}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        store = _get_store(f"sqlite:///{tmp}")  # as MlflowClient would make it: MLflow's tables and migrations
+        store.engine.dispose()
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # made by another process meanwhile: that one is the store
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _fail_fast_env() -> None:
@@ -245,6 +290,9 @@ class Tracker:
             _fail_fast_env()
             from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: seconds to import, first use only)
 
+            path = sqlite_path(self.tracking_uri)
+            if path is not None:
+                ensure_sqlite_store(path, self.report)
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
