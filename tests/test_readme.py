@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -193,7 +194,9 @@ def test_every_readme_command_runs_as_written(tmp_path):
     )
     first_runs: dict[str, str] = {}
     ran, skipped, failures = [], [], []
-    for c in readme_commands((REPO / "README.md").read_text()):
+    commands = readme_commands((REPO / "README.md").read_text())
+    main_job_checked = False
+    for c in commands:
         if c.skip:
             skipped.append(f"README.md:{c.line} [{c.skip}] {c.text}")
             continue
@@ -203,6 +206,9 @@ def test_every_readme_command_runs_as_written(tmp_path):
             ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
         )
         ran.append(f"{time.monotonic() - t0:6.1f} s  {command}")
+        if not main_job_checked and c.line == commands[0].line and proc.returncode == 0:
+            _check_main_job(root, proc, env, tmp_path / "elsewhere")
+            main_job_checked = True
         if proc.returncode != c.exits:
             failures.append(
                 f"README.md:{c.line}: `{command}` exited {proc.returncode} (expected {c.exits}):\n"
@@ -210,6 +216,61 @@ def test_every_readme_command_runs_as_written(tmp_path):
             )
     print("ran:\n  " + "\n  ".join(ran) + "\nskipped (marked):\n  " + "\n  ".join(skipped))
     assert not failures, "\n\n".join(failures)
+    assert main_job_checked
+    # `runner publish` put the main job's run beside the shipped ones, and the index names it.
+    assert (root / "reports" / "cpu-tiny" / first_runs["cpu-tiny"] / "report.md").exists()
+    assert f"| cpu-tiny | 2 | [{first_runs['cpu-tiny']}]" in (root / "reports" / "README.md").read_text()
+
+
+def _check_main_job(root: Path, launch: subprocess.CompletedProcess, env: dict, elsewhere: Path) -> None:
+    """What the README's first command must have made, figure by figure, before any later command
+    (resume, extension) changes it: the CPU experiment on the built-in data, in MLflow's default store."""
+    assert "Traceback" not in launch.stderr
+    assert (
+        "warning: experiments/cpu-tiny.yaml: data.manifests.legal: domain 'legal' is validated on 2 samples"
+        in launch.stderr
+    )
+    assert "tokens: processed 307,200  exposure 307,200  useful 307,200" in launch.stdout
+    (run_dir,) = (root / "runs" / "cpu-tiny").iterdir()
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "finished" and info["committed_steps"] == 150
+    assert info["conventions"]["peak_source"].startswith("theoretical: ")  # stable, unlike a matmul burst
+    ledger = json.loads((run_dir / "ledger.json").read_text())["counters"]
+    assert {d: c["exposure"] for d, c in ledger.items()} == {
+        "code": 153_600,
+        "prose": 122_880,
+        "legal": 30_720,
+        "total": 307_200,
+    }
+    assert ledger["legal"]["unique"] == ledger["legal"]["pool"]  # the small domain is repeated: every sample seen
+    for name in ("report.md", "accounting.parquet", "accounting.csv", "validation.parquet", "loss_by_domain.png"):
+        assert (run_dir / "report" / name).stat().st_size > 0
+
+    con = sqlite3.connect(root / "mlflow.db")  # MLflow's default store, in the checkout
+    metrics = dict(con.execute("select key, count(*) from metrics group by key").fetchall())
+    tags = dict(con.execute("select key, value from tags").fetchall())
+    artifacts_logged = con.execute("select artifact_uri from runs").fetchone()[0]
+    con.close()
+    assert metrics["loss"] == 150 // 10  # train.log_interval_steps: 10
+    assert {"val_loss.code", "val_bpb.legal", "tokens.total.unique", "realized_ratio.prose", "mfu"} <= set(metrics)
+    assert tags["fingerprint"] == info["fingerprint"] and tags["recipe.model"] == "llama-tiny@1"
+    assert artifacts_logged
+
+    # By MLflow run id, from the store launch wrote to; elsewhere, one line and no empty store made.
+    run_id = info["mlflow"]["run_id"]
+    for cwd, status in ((root, 0), (elsewhere, 2)):
+        cwd.mkdir(exist_ok=True)
+        out = subprocess.run(
+            ["bash", "-c", f"runner audit {run_id}"],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=SUBPROCESS_TIMEOUT_S,
+        )
+        assert out.returncode == status, out.stdout + out.stderr
+    assert out.stderr.startswith("error: no MLflow store at ") and "Traceback" not in out.stderr
+    assert not (elsewhere / "mlflow.db").exists()
 
 
 def test_the_1p3b_pin_error_names_the_tokenizer_recipe_and_the_readme_pin_command(project, monkeypatch, capsys):

@@ -200,9 +200,12 @@ def test_relaunching_a_finished_run_is_a_no_op(tmp_path):
 
 @pytest.mark.slow
 def test_edited_run_folder_experiment_is_refused_naming_keys(tmp_path):
-    exp = make_project(tmp_path, steps=6, checkpoint_every=2, keep_last=3)
+    exp = make_project(tmp_path, steps=6, checkpoint_every=2, keep_last=3, eval_every=2)
     run = tmp_path / "runs" / "e"
     launch(tmp_path, exp, "--run-dir", run, "--max-steps", 4, "--no-tracking")
+    # The attempt's end is journaled after its last evaluation: a resume counts at least that long.
+    stamp = max(r["wall_seconds"] for r in read_jsonl(run / "metrics" / "eval.jsonl"))
+    assert max(e["wall_seconds"] for e in read_jsonl(run / "journal" / "processed.jsonl")) >= stamp
     saved = (run / "experiment.yaml").read_text()
     assert "lr: 0.003" in saved
     (run / "experiment.yaml").write_text(saved.replace("lr: 0.003", "lr: 0.001"))
@@ -215,8 +218,13 @@ def test_edited_run_folder_experiment_is_refused_naming_keys(tmp_path):
     # Operational keys (checkpoint cadence, retention) may be edited: the fingerprint is the same.
     (run / "experiment.yaml").write_text(saved.replace("keep_last: 3", "keep_last: 1"))
     launch(tmp_path, "runs/e", "--no-tracking")
-    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished"
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000006"]
+    stamps = [(r["wall_seconds"], r["device_wall_seconds"]) for r in read_jsonl(run / "metrics" / "eval.jsonl")]
+    assert stamps == sorted(stamps) and all(
+        a <= b for a, b in zip(stamps[-1], (info["wall_seconds"], info["device_wall_seconds"]))
+    )
 
 
 @pytest.mark.slow

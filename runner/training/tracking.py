@@ -156,6 +156,9 @@ def ensure_sqlite_store(path: Path, report: Callable[[str], None] = print) -> No
             os.link(tmp, path)
         except FileExistsError:
             pass  # made by another process meanwhile: that one is the store
+        except OSError:  # a file system without hard links: a rename, unless one appeared meanwhile
+            if not path.exists():
+                os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
