@@ -34,3 +34,16 @@ def project_with_data(project: Path) -> Path:
 
     build_builtin(project / "data/builtin")
     return project
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The longest tests first, then the other slow ones, then the rest (a stable sort): parallel
+    workers (pytest -n) start the minutes-long tests at once and end together on short ones."""
+
+    def rank(item) -> tuple[int, float]:
+        longest = item.get_closest_marker("longest")
+        if longest is not None:
+            return 0, -float(longest.args[0] if longest.args else 1)  # its minutes, longest first
+        return (1 if item.get_closest_marker("slow") else 2), 0.0
+
+    items.sort(key=rank)

@@ -4,6 +4,7 @@ written (issue 12, item 6). Each attack of the issue is reproduced here, plus a 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -429,12 +430,15 @@ def test_fuzzed_recipes_and_yaml_exit_0_or_2_without_traceback_or_hang(project_w
             if code == 2:
                 assert err.strip() and all(line.startswith("error: ") for line in err.strip().splitlines()), err
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    # RUNNER_FUZZ_EXAMPLES=1000 for a longer hunt; CI's default keeps the suite inside its minutes.
+    examples = int(os.environ.get("RUNNER_FUZZ_EXAMPLES", "60"))
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(changes)
     def values(change_list):
         check(yaml.safe_dump(_document(change_list), allow_unicode=True))
 
-    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=max(examples // 2, 1), deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(yaml_text)
     def shapes(text):
         check("base: cpu-tiny@2\nname: fuzz\nversion: 1\ndescription: fuzz\n" + text)

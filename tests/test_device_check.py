@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.longest
 @pytest.mark.slow
 def test_device_check_runs_every_phase_on_cpu_without_mlflow(tmp_path):
     blocker = tmp_path / "blocker" / "mlflow"

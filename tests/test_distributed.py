@@ -100,6 +100,7 @@ def _weights(run, step):
     return load_file(str(run / "checkpoints" / f"step-{step:07d}" / "model.safetensors"))
 
 
+@pytest.mark.longest
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tmp_path):

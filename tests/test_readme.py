@@ -177,6 +177,7 @@ def _resolve(text: str, root: Path, first_runs: dict[str, str]) -> str:
     return _RUN_ID.sub(run_id, text)
 
 
+@pytest.mark.longest(6)
 @pytest.mark.slow
 @pytest.mark.timeout(4 * TEST_TIMEOUT_S)
 def test_every_readme_command_runs_as_written(tmp_path):

@@ -308,6 +308,7 @@ def _stop(p: subprocess.Popen) -> None:
     p.wait()
 
 
+@pytest.mark.longest
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_real_server_killed_mid_run_every_metric_exactly_once(tmp_path):
@@ -356,6 +357,7 @@ def test_real_server_killed_mid_run_every_metric_exactly_once(tmp_path):
 STEP_KEYS = ("loss", "lr", "grad_norm", "tokens.total.exposure", "tokens.a.processed", "realized_ratio.b")
 
 
+@pytest.mark.longest
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_trainer_sigkilled_mid_run_every_metric_of_every_step_once_per_attempt(tmp_path):

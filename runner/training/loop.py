@@ -213,7 +213,14 @@ class _Run:
         from its journal, never starts below a figure the attempt already reported."""
         held = math.ceil((time.perf_counter() - self.t_attempt) * 1000) / 1000
         if self.journal_file is not None:
-            line = {"attempt": self.attempt, "world": self.world, "processed": {}, "wall_seconds": held}
+            line = {
+                "attempt": self.attempt,
+                "world": self.world,
+                "processed": {},
+                "wall_seconds": held,
+                "step_seconds_total": round(self.step_seconds_total, 3),
+                "device_step_seconds_total": round(self.device_step_seconds_total, 3),
+            }
             self.journal_file.write(json.dumps(line) + "\n")
             self.journal_file.flush()
         return self.prior_wall_seconds + held, self.prior_device_wall_seconds + held * self.world
