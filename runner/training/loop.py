@@ -218,8 +218,9 @@ class _Run:
                 "world": self.world,
                 "processed": {},
                 "wall_seconds": held,
-                "step_seconds_total": round(self.step_seconds_total, 3),
-                "device_step_seconds_total": round(self.device_step_seconds_total, 3),
+                # unrounded: a resume takes the largest total it finds, and must find the checkpoint's
+                "step_seconds_total": self.step_seconds_total,
+                "device_step_seconds_total": self.device_step_seconds_total,
             }
             self.journal_file.write(json.dumps(line) + "\n")
             self.journal_file.flush()
