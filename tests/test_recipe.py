@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from trainfixtures import run_in_process
 
 from runner.cli import default_targets, validate_one
 from runner.config.load import load_experiment
@@ -231,10 +233,8 @@ def _version(path: Path) -> int:
     return yaml.safe_load(path.read_text())["version"]
 
 
-def _check_pr(cwd):
-    return subprocess.run(
-        [sys.executable, "-m", "runner", "check-pr", "--base", "main"], cwd=cwd, capture_output=True, text=True
-    )
+def _check_pr(cwd: Path) -> subprocess.CompletedProcess:
+    return run_in_process(cwd, ["check-pr", "--base", "main"], dict(os.environ))
 
 
 @pytest.mark.slow
@@ -348,13 +348,7 @@ def test_experiment_name_must_match_its_file(project: Path):
 
 
 def _validate(project: Path, *paths: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "runner", "validate", *paths],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
-    )
+    return run_in_process(project, ["validate", *paths], dict(os.environ))
 
 
 @pytest.mark.slow

@@ -3,13 +3,14 @@ pool sizes it pins (CI has no data), domains dropped through `base:`, small vali
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from trainfixtures import run_in_process
 
 from runner.cli import main
 from runner.config.load import load_experiment
@@ -92,9 +93,7 @@ def _git(cwd: Path, *args: str) -> None:
 
 
 def _check_pr(cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "runner", "check-pr", "--base", "main"], cwd=cwd, capture_output=True, text=True
-    )
+    return run_in_process(cwd, ["check-pr", "--base", "main"], dict(os.environ))
 
 
 def test_check_pr_refuses_a_bad_recipe_no_experiment_uses(project: Path):

@@ -231,6 +231,8 @@ def run_in_process(cwd: Path, argv: list[str], environ: dict) -> subprocess.Comp
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
     out, err = io.StringIO(), io.StringIO()
+    AcceleratorState._reset_state(reset_partial_state=True)  # whatever an earlier test made of it
+    GradientState._reset_state()
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
