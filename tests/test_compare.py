@@ -127,6 +127,7 @@ def test_config_differences_targets_accounting_and_quality_side_by_side(tmp_path
     assert out.stdout.count("| fast | fast | fast |") >= 2  # code-5 and mean-bpb: first by every measure
 
 
+@pytest.mark.slow
 def test_runs_reports_and_mlflow_run_ids_compare_alike(tmp_path, monkeypatch, cli):
     from mlflow.tracking import MlflowClient
 
@@ -152,6 +153,7 @@ def test_runs_reports_and_mlflow_run_ids_compare_alike(tmp_path, monkeypatch, cl
             assert r["fixture/b#1"] == r["fixture/b#2"], (table, r)  # the report and its MLflow copy agree
 
 
+@pytest.mark.slow
 def test_a_comparison_folder_carries_audited_reports_and_remakes_itself(tmp_path, cli):
     a = make_run(tmp_path, run_id="a")
     b = make_run(tmp_path, run_id="b", lost_step=None)
@@ -182,6 +184,7 @@ def test_a_comparison_folder_carries_audited_reports_and_remakes_itself(tmp_path
     assert set(csv["run"]) == {"fixture/a", "fixture/b"}
 
 
+@pytest.mark.slow
 def test_unusable_input_is_one_line_and_exit_2(tmp_path, cli):
     a = make_run(tmp_path, run_id="a")
     b = make_run(tmp_path, run_id="b")

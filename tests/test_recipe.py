@@ -279,6 +279,7 @@ def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(proj
     assert "meaning changed: experiments/cpu-tiny-fsdp.yaml" in out.stdout
 
 
+@pytest.mark.slow
 def test_check_pr_catches_meaning_change_through_a_base_experiment(project: Path):
     _git(project, "init", "-q", "-b", "main")
     _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")

@@ -96,6 +96,7 @@ def _check_pr(cwd: Path) -> subprocess.CompletedProcess:
     return run_in_process(cwd, ["check-pr", "--base", "main"], dict(os.environ))
 
 
+@pytest.mark.slow
 def test_check_pr_refuses_a_bad_recipe_no_experiment_uses(project: Path):
     _git(project, "init", "-q", "-b", "main")
     _git(project, "add", "-A")
@@ -127,6 +128,7 @@ def test_an_infeasible_cap_names_the_mixture_recipe_to_edit(project_with_data: P
     assert "(the cap is set in recipes/mixture/builtin-3dom.yaml: domains.legal.max_repetition_ratio)" in err
 
 
+@pytest.mark.slow
 def test_pinned_pool_sizes_check_feasibility_without_the_data(project_with_data: Path, monkeypatch, capsys):
     """`runner pin` writes each pool's size next to its sha256 (out of the fingerprint: the sha256
     already pins it); with the data gone, as in CI, validate and check-pr still refuse an

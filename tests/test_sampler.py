@@ -46,6 +46,7 @@ def test_tiny_domain_gets_its_share_even_below_one_sample_per_step():
     assert all(abs(c - 0.008 * s) <= 1 for s, c in enumerate(counts))
 
 
+@pytest.mark.slow
 def test_random_access_equals_sequential_and_is_fast():
     ratios = {"code": 0.25, "math": 0.05, "web": 0.6999, "rare": 0.0001}
     walked = MixtureSchedule(ratios, 512)

@@ -188,6 +188,7 @@ def _killed_mid_migration(url: str) -> None:
     engine.dispose()
 
 
+@pytest.mark.slow
 def test_a_store_whose_creation_was_killed_is_moved_aside_and_made_again(tmp_path):
     """MLflow makes its tables, then migrates them, in separate transactions: a kill in between (the
     delivery thread makes the store while the first steps train) left a file MLflow then refused
@@ -216,6 +217,7 @@ def test_a_store_whose_creation_was_killed_is_moved_aside_and_made_again(tmp_pat
 _MAKE_STORE = "import sys; from pathlib import Path; from runner.training.tracking import ensure_sqlite_store as e; e(Path(sys.argv[1]))"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_a_store_is_made_whole_or_not_at_all_whenever_its_maker_is_killed(tmp_path):
     from mlflow.tracking import MlflowClient
