@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from trainfixtures import run_in_process
+from trainfixtures import check_pr, run_in_process
 
 from runner.cli import default_targets, validate_one
 from runner.config.load import load_experiment
@@ -233,36 +233,32 @@ def _version(path: Path) -> int:
     return yaml.safe_load(path.read_text())["version"]
 
 
-def _check_pr(cwd: Path) -> subprocess.CompletedProcess:
-    return run_in_process(cwd, ["check-pr", "--base", "main"], dict(os.environ))
-
-
 @pytest.mark.slow
 def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(project: Path):
     _git(project, "init", "-q", "-b", "main")
     _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
     _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")
-    assert _check_pr(project).returncode == 0
+    assert check_pr(project).returncode == 0
 
     edit(project / "recipes/optim/adamw-tiny.yaml", _set("lr", 0.002))  # changed, not bumped
-    out = _check_pr(project)
+    out = check_pr(project)
     assert out.returncode == 2
     assert "recipes/optim/adamw-tiny.yaml: version: changed since main but its version was not bumped" in out.stderr
 
     edit(project / "recipes/optim/adamw-tiny.yaml", _set("version", 2))  # bumped: the experiment must follow
-    out = _check_pr(project)
+    out = check_pr(project)
     assert out.returncode == 2 and "experiments/cpu-tiny.yaml: recipes.optim: names adamw-tiny@1" in out.stderr
 
     edit(project / "experiments/cpu-tiny.yaml", _set("recipes", "optim", "adamw-tiny@2"))
     smoke = project / "experiments/gpu-smoke-cpu.yaml"  # the other experiment that names adamw-tiny
     edit(smoke, _set("recipes", "optim", "adamw-tiny@2"))
     edit(smoke, _set("version", _version(smoke) + 1))
-    out = _check_pr(project)
+    out = check_pr(project)
     assert out.returncode == 2 and "experiments/cpu-tiny.yaml: version: changed" in out.stderr
 
     v = _version(project / "experiments/cpu-tiny.yaml")
     edit(project / "experiments/cpu-tiny.yaml", _set("version", v + 1))  # its dependants must follow in turn
-    out = _check_pr(project)
+    out = check_pr(project)
     assert out.returncode == 2
     assert (
         f"experiments/cpu-tiny-fsdp.yaml: base: names cpu-tiny@{v} but experiments/cpu-tiny.yaml is version {v + 1}"
@@ -273,7 +269,7 @@ def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(proj
         path = project / f"experiments/{dependant}.yaml"
         edit(path, _set("base", f"cpu-tiny@{v + 1}"))
         edit(path, _set("version", _version(path) + 1))
-    out = _check_pr(project)
+    out = check_pr(project)
     assert out.returncode == 0, out.stderr
     assert "meaning changed: experiments/cpu-tiny.yaml" in out.stdout
     assert "meaning changed: experiments/cpu-tiny-fsdp.yaml" in out.stdout
@@ -289,7 +285,7 @@ def test_check_pr_catches_meaning_change_through_a_base_experiment(project: Path
         lambda d: (d.update(version=3), d["train"].update(log_interval_steps=5), d.update(seed=7)),
     )
     edit(project / "experiments/1p3b-mi300x.yaml", _set("base", "1p3b@3"))
-    out = _check_pr(project)
+    out = check_pr(project)
     assert "experiments/1p3b-mi300x.yaml: version: changed" in out.stderr
 
 
@@ -307,7 +303,7 @@ def test_check_pr_and_validate_cover_pilot_experiments_in_subfolders(project: Pa
     _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
     _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")
     edit(pilots / "cpu-tiny-pilot-a.yaml", _set("train", "exposure_tokens", 81920))  # changed, not bumped
-    out = _check_pr(project)
+    out = check_pr(project)
     assert out.returncode == 2
     assert (
         "experiments/pilots/cpu-tiny-pilot-a.yaml: version: changed since main but its version was not bumped"
@@ -315,7 +311,7 @@ def test_check_pr_and_validate_cover_pilot_experiments_in_subfolders(project: Pa
     )
     edit(pilots / "cpu-tiny-pilot-a.yaml", _set("version", 2))
     edit(project / "experiments/cpu-tiny.yaml", _set("version", v + 1))  # the pilot's base moves on under it
-    out = _check_pr(project)
+    out = check_pr(project)
     assert out.returncode == 2
     assert f"experiments/pilots/cpu-tiny-pilot-a.yaml: base: names cpu-tiny@{v} but" in out.stderr
 

@@ -3,14 +3,13 @@ pool sizes it pins (CI has no data), domains dropped through `base:`, small vali
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from trainfixtures import run_in_process
+from trainfixtures import check_pr
 
 from runner.cli import main
 from runner.config.load import load_experiment
@@ -92,17 +91,13 @@ def _git(cwd: Path, *args: str) -> None:
     )
 
 
-def _check_pr(cwd: Path) -> subprocess.CompletedProcess:
-    return run_in_process(cwd, ["check-pr", "--base", "main"], dict(os.environ))
-
-
 @pytest.mark.slow
 def test_check_pr_refuses_a_bad_recipe_no_experiment_uses(project: Path):
     _git(project, "init", "-q", "-b", "main")
     _git(project, "add", "-A")
     _git(project, "commit", "-qm", "base")
     (project / "recipes/mixture/x.yaml").write_text(BAD_MIXTURE)
-    out = _check_pr(project)
+    out = check_pr(project)
     assert out.returncode == 2
     assert "error: recipes/mixture/x.yaml: domains: target ratios sum to 1.1, not 1" in out.stderr
     assert "error: recipes/mixture/x.yaml: domains.web.max_repetition_ratio: must be >= 1.0" in out.stderr
@@ -172,7 +167,7 @@ def test_pinned_pool_sizes_check_feasibility_without_the_data(project_with_data:
     monkeypatch.chdir(root)
     assert main(["validate", "experiments/cpu-tiny.yaml"]) == 2
     assert "cpu-tiny.yaml: mixture.domains.legal.max_repetition_ratio: mixture infeasible" in capsys.readouterr().err
-    out = _check_pr(root)
+    out = check_pr(root)
     assert out.returncode == 2 and "mixture.domains.legal.max_repetition_ratio: mixture infeasible" in out.stderr
 
 

@@ -255,3 +255,8 @@ def run_in_process(cwd: Path, argv: list[str], environ: dict) -> subprocess.Comp
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
     return subprocess.CompletedProcess(["runner", *argv], code, out.getvalue(), err.getvalue())
+
+
+def check_pr(cwd: Path) -> subprocess.CompletedProcess:
+    """`runner check-pr --base main` in `cwd` (a git repository with a `main` branch), in this process."""
+    return run_in_process(cwd, ["check-pr", "--base", "main"], dict(os.environ))
