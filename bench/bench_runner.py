@@ -59,14 +59,22 @@ def project(tmp: Path, steps: int, hidden: int, log_every: int = 1) -> Path:
     return exp
 
 
-def runner_tokens_per_second(exp_path: Path, run_dir: Path) -> tuple[float, list[dict]]:
+def rates(ends: list[float], tokens_per_step: int) -> tuple[float, float]:
+    """(tokens/s over the whole steady span, tokens/s of the median step) from the times each step
+    ended. Steps 1-2 pay for allocator and thread-pool warm-up in both loops: not counted. A step's
+    time is everything from the end of the one before (the runner's callbacks, MLflow hand-off and
+    progress line included); the median step is what a long run repeats, and on a shared machine it
+    hardly moves when a neighbour's burst slows a few steps, which the span's mean cannot ignore."""
+    gaps = [b - a for a, b in zip(ends[1:], ends[2:])]
+    return tokens_per_step * len(gaps) / (ends[-1] - ends[1]), tokens_per_step / statistics.median(gaps)
+
+
+def runner_tokens_per_second(exp_path: Path, run_dir: Path) -> tuple[tuple[float, float], list[dict]]:
     from runner.cli import main
 
     assert main(["launch", str(exp_path), "--run-dir", str(run_dir)]) == 0
     rows = [json.loads(x) for x in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
-    steady = rows[2:]  # the first steps pay for allocator and thread-pool warm-up in both loops
-    seconds = steady[-1]["wall_seconds"] - rows[1]["wall_seconds"]
-    return sum(r["tokens_processed"] for r in steady) / seconds, rows
+    return rates([r["wall_seconds"] for r in rows], rows[0]["tokens_processed"]), rows
 
 
 def runner_cpu_seconds_per_step(short_exp: Path, long_exp: Path, tmp: Path, extra_steps: int) -> float:
@@ -84,9 +92,9 @@ def runner_cpu_seconds_per_step(short_exp: Path, long_exp: Path, tmp: Path, extr
     return (spent[2] - spent[1]) / extra_steps
 
 
-def bare_tokens_per_second(exp, steps: int, cpu: bool = False) -> float:
+def bare_tokens_per_second(exp, steps: int, cpu: bool = False) -> tuple[float, float]:
     """The same model, optimizer, batches and loss with nothing else: no ledger, journal or tracking.
-    Tokens per wall second, or with `cpu` per CPU second of this process."""
+    Tokens per wall second (span, median step: `rates`), or with `cpu` per CPU second of this process."""
     from runner.training.loop import load_data
     from runner.training.model import build_model
     from runner.training.schedule import make_optimizer
@@ -111,7 +119,7 @@ def bare_tokens_per_second(exp, steps: int, cpu: bool = False) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
         marks.append(clock())
-    return (len(marks) - 2) * B * L / (marks[-1] - marks[1])
+    return rates(marks, B * L)
 
 
 def bookkeeping_seconds(exp, tmp: Path, steps: int) -> dict[str, float]:
@@ -307,7 +315,10 @@ def main() -> int:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
         exps = {n: project(tmp / f"log{n}", args.steps, args.hidden, log_every=n) for n in intervals}
         exp = load_experiment(exps[intervals[0]])
-        bares, ours, ratios = [], {n: [] for n in intervals}, {n: [] for n in intervals}
+        # [0]: tokens/s over the steady span, [1]: of the median step (see `rates`)
+        bares: list[tuple[float, float]] = []
+        ours: dict[int, list[tuple[float, float]]] = {n: [] for n in intervals}
+        ratios: dict[int, list[tuple[float, float]]] = {n: [] for n in intervals}
         for r in range(args.repeats):
             # bare, runner(s), bare: each runner figure against the mean of the bare loops around it
             before = bare_tokens_per_second(exp, args.steps)
@@ -316,11 +327,13 @@ def main() -> int:
             bares += [before, after]
             for n, tps in runs.items():
                 ours[n].append(tps)
-                ratios[n].append(tps / statistics.mean([before, after]))
-        bare = statistics.median(bares)
+                ratios[n].append(
+                    (tps[0] / statistics.mean([before[0], after[0]]), tps[1] / statistics.mean([before[1], after[1]]))
+                )
+        bare = [statistics.median(b[i] for b in bares) for i in (0, 1)]
         # The same comparison in CPU seconds: what each loop costs, whoever else uses the cores.
         tokens_per_step = int(exp.config.train.global_batch_sequences) * int(exp.config.train.seq_len)
-        bare_cpu = bare_tokens_per_second(exp, args.steps, cpu=True)
+        bare_cpu = bare_tokens_per_second(exp, args.steps, cpu=True)[0]
         cpu_ratios = {}
         for n in intervals:
             short = project(tmp / f"cpu-short{n}", args.steps, args.hidden, log_every=n)
@@ -333,14 +346,18 @@ def main() -> int:
         f"model: 2 layers, hidden {args.hidden}; 16 x 128 tokens per step; {args.steps} steps; "
         f"{torch.get_num_threads()} threads"
     )
-    print(f"{'loop':<28}{'tokens/s':>12}")
-    print(f"{'bare PyTorch':<28}{bare:>12,.0f}")
+    print(f"{'loop':<30}{'tokens/s, median step':>22}{'steady span':>13}")
+    print(f"{'bare PyTorch':<30}{bare[1]:>22,.0f}{bare[0]:>13,.0f}")
     for n, tps in ours.items():
-        spread = f" (runs: {', '.join(f'{x:.3f}' for x in ratios[n])})" if len(ratios[n]) > 1 else ""
+        med = [statistics.median(x[i] for x in ratios[n]) for i in (0, 1)]
+        runs = [", ".join(f"{x[i]:.3f}" for x in ratios[n]) for i in (0, 1)]
         print(
-            f"{f'runner, MLflow every {n} step' + ('s' if n > 1 else ''):<28}{statistics.median(tps):>12,.0f}   "
-            f"ratio runner / bare: {statistics.median(ratios[n]):.3f}{spread} (target >= 0.95); "
-            f"in CPU seconds: {cpu_ratios[n]:.3f}"
+            f"{f'runner, MLflow every {n} step' + ('s' if n > 1 else ''):<30}"
+            f"{statistics.median(x[1] for x in tps):>22,.0f}{statistics.median(x[0] for x in tps):>13,.0f}"
+        )
+        print(
+            f"  ratio runner / bare: median step {med[1]:.3f} (runs: {runs[1]}) (target >= 0.95); "
+            f"steady span {med[0]:.3f} (runs: {runs[0]}); in CPU seconds {cpu_ratios[n]:.3f}"
         )
     print(
         f"\nrunner bookkeeping per step at 16 x 128 (1p3b step: {cfg.train.global_batch_sequences} x "

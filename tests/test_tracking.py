@@ -81,6 +81,10 @@ def test_metrics_are_journaled_first_and_sent_without_blocking_the_step(tmp_path
     t.log_metrics({"loss": 1.5}, step=2)
     assert time.monotonic() - t0 < 5  # ... while the training thread goes on
     assert [e["step"] for e in pending(tmp_path)] == [1, 2]  # both on disk before MLflow has either
+    # A bounded flush (a launch's wait for MLflow's start before its first step) gives up in time.
+    t1 = time.monotonic()
+    assert t.flush(timeout=0.3) is False
+    assert time.monotonic() - t1 < 5
     gate.set()
     assert t.flush()
     assert pending(tmp_path) == [] and read_jsonl(tmp_path / "journal" / "mlflow-pending.jsonl") == []

@@ -51,7 +51,7 @@ from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
-from runner.training.tracking import Tracker
+from runner.training.tracking import START_WAIT_SECONDS, Tracker
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -753,6 +753,10 @@ def _attempt(run: _Run, tracker) -> int:
     checkpoint and stop decisions are made in one place, in the order the ledger requires."""
     acc, opts = run.acc, run.opts
     _conventions(run, tracker)
+    if tracker is not None:
+        # MLflow's start-up (import, a new store's tables, the run) before the first step, not
+        # during the first steps: on the delivery thread it holds the GIL for seconds.
+        tracker.flush(timeout=START_WAIT_SECONDS)
     flag = _StopFlag()
     old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
     run.journal_file = open(run.folder.journal_path(), "a") if run.main else None

@@ -43,6 +43,9 @@ RETRY_AFTER_SECONDS = 10.0  # after a failed send, wait this long before trying 
 DELIVER_EVERY_SECONDS = 1.0
 HTTP_TIMEOUT_SECONDS = 30.0  # one MLflow request (unless MLFLOW_HTTP_REQUEST_TIMEOUT says otherwise)
 CLOSE_WAIT_SECONDS = 2 * HTTP_TIMEOUT_SECONDS  # the most `close` waits for a request in flight
+# Before its first step a launch waits this long, at most, for MLflow's start (its import, a new
+# store's tables, the run: seconds of Python that, in the background, would slow the first steps).
+START_WAIT_SECONDS = HTTP_TIMEOUT_SECONDS
 _BATCH = 100  # MLflow's per-request limit for params and tags
 _METRICS_PER_REQUEST = 1000  # MLflow's per-request limit for metrics
 
@@ -456,11 +459,13 @@ class Tracker:
             queue.extend(self._journal.append(entries))
             self._cond.notify_all()
 
-    def flush(self) -> bool:
+    def flush(self, timeout: float | None = None) -> bool:
         """Send everything journaled so far now (one try); False if something is still pending.
+        With `timeout`, wait at most that many seconds for the try (it goes on in the background).
         The reason of a failure is in `last_error`."""
         if not self.enabled:
             return True
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._load()
             if not self._queue:
@@ -469,7 +474,10 @@ class Tracker:
             self._force = True
             self._cond.notify_all()
             while self._queue and self._attempts_done < want and self._thread is not None and self._thread.is_alive():
-                self._cond.wait(1.0)
+                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if left <= 0:
+                    break
+                self._cond.wait(left)
             return not self._queue
 
     def close(self) -> None:
