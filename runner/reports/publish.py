@@ -28,7 +28,7 @@ from runner.fsio import read_json
 from runner.reports import tables as rpt
 from runner.reports.audit import AuditResult, audit
 from runner.reports.evidence import write_evidence
-from runner.runs import is_reportable_run
+from runner.runs import holder_text, is_reportable_run, lock_holder
 from runner.training.tracking import repo_root
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
@@ -58,6 +58,9 @@ def publish(
     run_dir, reports_dir = Path(run_dir), Path(reports_dir)
     if not is_reportable_run(run_dir):
         raise RunnerError("not a run folder (needs run.json and ledger.json)", file=str(run_dir))
+    held = lock_holder(run_dir)
+    if held is not None:
+        raise RunnerError(f"in use by {holder_text(held)}: publish it when that process ends", file=str(run_dir))
     report_dir = run_dir / rpt.REPORT_DIR
     if not rpt.is_report_dir(report_dir):
         rpt.write_report(run_dir)
