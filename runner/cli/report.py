@@ -32,13 +32,13 @@ def _report(args) -> int:
         fetched = rpt.fetch_mlflow_run(args.run, args.dest or tempfile.mkdtemp(prefix="runner-report-"))
         print(f"report written to {rpt.report_from_fetched(fetched)}")
         return EXIT_OK
-    from runner.reports.evidence import write_evidence
+    from runner.reports.evidence import write_report_with_evidence
     from runner.runs import RunLock, is_run_dir
 
     # Never rewrite report/ under a launch that writes it too.
     with RunLock(target, "runner report") if is_run_dir(target) else contextlib.nullcontext():
-        out = rpt.write_report(target)
-        write_evidence(target)  # what this report states; the copy logged to MLflow at the run's end is the proof
+        # evidence.json: what this report states; the copy logged to MLflow at the run's end is the proof
+        out, _ = write_report_with_evidence(target)
     print(f"report written to {out}")
     return EXIT_OK
 

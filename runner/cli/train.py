@@ -385,12 +385,13 @@ def _print_summary(run_dir: Path) -> None:
 
 
 def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
-    from runner.reports.evidence import record_evidence
-    from runner.reports.tables import write_report
+    from runner.reports.evidence import record_evidence, write_report_with_evidence
 
     try:
-        out = write_report(run_dir)
-        record_evidence(run_dir, tracker)  # table/config/checkpoint hashes as MLflow tags: what the audit trusts
+        out, evidence = write_report_with_evidence(run_dir)
+        record_evidence(
+            run_dir, tracker, evidence
+        )  # table/config/checkpoint hashes as MLflow tags: what the audit trusts
     except RunnerError as e:
         print(f"report: not written ({e})", file=sys.stderr)
         return

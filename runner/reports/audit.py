@@ -649,11 +649,25 @@ def _check_csv_copies(res: AuditResult, inp: AuditInput) -> None:
     res.add(name, csv_differences(inp.report_dir, inp.tables), ok_detail=f"{len(SCHEMAS)} tables compared")
 
 
+def _check_complete(res: AuditResult, inp: AuditInput) -> None:
+    """Every file a report is written with (a killed writer or an edit can leave fewer); run.json and
+    evidence.json are their own checks (UNVERIFIED when missing)."""
+    if inp.report_dir is None:
+        return
+    missing = [
+        f for f in rpt.missing_report_files(inp.report_dir, sorted(inp.config.mixture.domains)) if f != "run.json"
+    ]
+    res.add("report folder complete", [f"{', '.join(missing)} missing"] if missing else [])
+
+
 def _check_evidence_file(res: AuditResult, inp: AuditInput) -> None:
     name = "evidence.json matches the report"
-    found = ev.read_evidence_file(inp.report_dir) if inp.report_dir is not None else None
-    if found is None:
-        res.info(name, "no evidence.json next to the tables (written before the runner recorded evidence)")
+    if inp.report_dir is None:
+        res.info(name, "no report folder: the tables were built from the run folder")
+        return
+    found = ev.read_evidence_file(inp.report_dir)
+    if found is None:  # never a PASS: a report without it was cut short, or written before evidence existed
+        res.could_not(name, "no evidence.json next to the tables: rebuild the report (`runner report RUN_DIR`)")
         return
     problems = ev.evidence_differences(found, inp, checkpoint=True)
     if found.get("schema_version") != SCHEMA_VERSION:
@@ -742,6 +756,7 @@ def audit_input(
     check_expert_load(res, inp)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
+    _check_complete(res, inp)
     _check_evidence_file(res, inp)
     _note_small_validation(res, inp)
     _check_checkpoint(res, inp)

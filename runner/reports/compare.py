@@ -28,6 +28,7 @@ from runner.fsio import read_json, read_yaml
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
 from runner.reports.audit import audit
+from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
 from runner.runs import is_reportable_run
 from runner.training.tracking import repo_root
@@ -510,7 +511,7 @@ def collect_reports(sources: list[Source], dest: Path) -> None:
     names the run and the failed checks."""
     reports = []
     for s in sources:
-        folder = s.folder if rpt.is_report_dir(s.folder) else rpt.write_report(s.folder)
+        folder = s.folder if rpt.is_report_dir(s.folder) else write_report_with_evidence(s.folder)[0]
         result = audit(folder, check_mlflow=False)  # offline: UNVERIFIED at best, never FAIL
         if not result.consistent:
             raise RunnerError(f"its report fails the audit ({', '.join(result.failed())})", file=s.origin)
