@@ -144,7 +144,7 @@ def test_launch_records_expert_load_to_mlflow_and_report_and_the_audit_catches_o
     assert all(r["router_aux_loss"] >= 1.0 - 1e-6 and r["expert_load_imbalance"] >= 1.0 for r in rows)
     db = sqlite3.connect(tmp_path / "mlflow.db")
     keys = {k for (k,) in db.execute("select distinct key from metrics where run_uuid=?", (info["mlflow"]["run_id"],))}
-    assert {"router_aux_loss", "router_z_loss", "expert_load_imbalance", "expert_idle_capacity"} <= keys
+    assert {"router_aux_loss", "router_z_loss", "step/expert_load_imbalance", "step/expert_idle_capacity"} <= keys
 
     report = run / "report"
     load = pd.read_parquet(report / "expert_load.parquet")

@@ -42,7 +42,7 @@ from runner.reports import audit_tracked, targets
 from runner.reports import evidence as ev
 from runner.reports import tables as rpt
 from runner.reports.checks import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
-from runner.reports.expert_audit import check_expert_load
+from runner.reports.expert_audit import check_expert_load, checkpoint_load_problems
 from runner.runs import device_seconds, devices_held, is_reportable_run, read_manifest_copies
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
 
@@ -718,7 +718,8 @@ def _check_checkpoint(res: AuditResult, inp: AuditInput) -> None:
         seen = ledger[f"seen.{d}"]
         if int((seen > 0).sum()) * seq_len != int(acct.loc[d, "unique_tokens"]):
             problems.append(f"{d}: checkpoint ledger has {int((seen > 0).sum())} samples seen")
-    res.add(name, problems, ok_detail=f"{path.name} verifies; its ledger recounts to the report")
+    problems += checkpoint_load_problems(ledger, inp)
+    res.add(name, problems, ok_detail=f"{path.name} verifies; its ledger (and expert load) recounts to the report")
 
 
 def _check_targets(res: AuditResult, inp: AuditInput) -> None:
