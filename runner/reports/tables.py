@@ -472,6 +472,7 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
     paths = []
     val, acct, hist, thr = (tables[k] for k in ("validation", "accounting", "repetition", "throughput"))
@@ -504,7 +505,9 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     for i, d in enumerate(domains):
         g = hist[hist["domain"] == d]
         ax.bar(g["times_seen"] + (i - (len(domains) - 1) / 2) * width, g["samples"], width, label=d)
-    ax.set(xlabel="times seen", ylabel="samples", title="Repetition histogram")
+    ax.set(xlabel="times seen", ylabel="samples (log)", title="Repetition histogram")
+    ax.set_yscale("log")  # a small domain's few samples stay visible beside a large one's thousands
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # times seen is a count
     ax.legend()
     paths.append(out / "repetition.png")
     fig.savefig(paths[-1], dpi=80)
@@ -517,7 +520,8 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     ax2.plot(thr["step"], thr["mfu"], color="tab:red", label="MFU")
     ax2.plot(thr["step"], thr["goodput_mfu"], color="tab:orange", label="goodput MFU")
     ax2.set_ylabel("fraction of peak")
-    ax2.legend(loc="lower right")
+    lines = ax1.get_lines() + ax2.get_lines()  # one legend for both axes: tokens/s is the left one
+    ax2.legend(lines, [line.get_label() for line in lines], loc="lower right")
     paths.append(out / "throughput.png")
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
