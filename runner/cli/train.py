@@ -501,11 +501,14 @@ def cmd_smoke(args) -> int:
     try:
         plan = build_plan(cfg, calibration=read_calibration(ref, cfg), root=full.project_root)
         t = plan["time"]
+        # The assumed MFU is the hardware recipe's default_mfu: a guess until a run calibrates it, which
+        # on a CPU can be 10x off (20% assumed, 1.65% measured), so the measured line comes first.
         print(
-            f"full run ({cfg.train.exposure_tokens:,} tokens): planned {format_hours(t['assumed']['wall_hours'])}, "
-            f"${t['assumed']['cost_usd']:,.2f} at MFU {t['assumed']['mfu']:.0%}; measured "
-            f"{format_hours(t['measured']['wall_hours'])}, ${t['measured']['cost_usd']:,.2f} at MFU "
-            f"{t['measured']['mfu']:.1%}"
+            f"full run ({cfg.train.exposure_tokens:,} tokens): at this smoke's measured MFU {t['measured']['mfu']:.1%}: "
+            f"{format_hours(t['measured']['wall_hours'])}, ${t['measured']['cost_usd']:,.2f} "
+            f"(`runner plan {display_path(full.path)} --calibrate {ref}` says the same); at the recipe's assumed MFU "
+            f"{t['assumed']['mfu']:.0%} (a guess, hardware.default_mfu): {format_hours(t['assumed']['wall_hours'])}, "
+            f"${t['assumed']['cost_usd']:,.2f}"
         )
     except RunnerError as e:
         print(f"smoke: no plan comparison ({e})")

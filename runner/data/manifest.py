@@ -455,6 +455,25 @@ def small_validation_warnings(exp, sizes: dict[str, PoolSize]) -> list[str]:
     return out
 
 
+def said_once(warnings: list[str]) -> list[str]:
+    """Warnings of several experiments that say the same of the same domain (`<file>: <key>: <text>`:
+    the shipped demo's small `legal` validation set, in every experiment built on it) as one line
+    naming the files, in the order first seen."""
+    groups: dict[str, list[str]] = {}
+    for w in warnings:
+        file, sep, rest = w.partition(": ")
+        groups.setdefault(rest if sep else w, []).append(file if sep else "")
+    out = []
+    for rest, files in groups.items():
+        named = [f for f in files if f]
+        if len(named) <= 1:
+            out.append(f"{named[0]}: {rest}" if named else rest)
+        else:
+            shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+            out.append(f"{rest} (in {len(named)} experiments: {shown})")
+    return out
+
+
 def launch_warnings(exp) -> list[str]:
     """What `runner launch` warns about before training: domains with small validation sets."""
     manifests, _ = load_experiment_manifests(exp)

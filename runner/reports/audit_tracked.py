@@ -392,7 +392,7 @@ def key_groups(keys: list[str], shown: int = 6) -> str:
         cut = min((i for i in (key.find("/"), key.find(".")) if i > 0), default=-1)
         families.setdefault(key[: cut + 1] if cut > 0 else key, []).append(key)
     parts = [
-        (f"{fam}* ({len(members)} keys)" if len(members) > 1 or fam != members[0] else fam)
+        (f"{fam}* ({len(members)} keys)" if len(members) > 1 else members[0])
         for fam, members in sorted(families.items(), key=lambda kv: (-len(kv[1]), kv[0]))
     ]
     more = len(parts) - shown
