@@ -106,3 +106,36 @@ def test_stray_folders_and_files_fail_and_documented_kinds_pass(published, capsy
 
 def test_the_shipped_reports_folder_holds_only_complete_reports_and_documented_kinds():
     assert pub.layout_results(REPO / "reports") == []
+
+
+@pytest.mark.slow
+def test_a_comparison_folder_is_made_whole_or_not_at_all(published, tmp_path, monkeypatch):
+    from runner.reports import compare as cmp
+
+    _, dest = published
+    other = dest.parent / "20250101-other"
+    shutil.copytree(dest, other)
+    out = tmp_path / "comparisons" / "x"
+    out.mkdir(parents=True)
+    (out / "README.md").write_text("what this comparison shows\n")  # the author's own words stay
+
+    def sources():
+        found = [cmp.load_source(str(p)) for p in (dest, other)]
+        cmp.assign_labels(found, ["a", "b"])
+        return found
+
+    (out / "comparison.json").write_text("{}")  # an earlier comparison
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def killed(comp, folder):
+        raise KeyboardInterrupt  # after the report copies and tables, before the plots
+
+    monkeypatch.setattr(cmp, "write_plots", killed)
+    with pytest.raises(KeyboardInterrupt):
+        cmp.write_comparison_folder(sources(), out)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    monkeypatch.undo()
+    cmp.write_comparison_folder(sources(), out)
+    assert (out / "README.md").read_text() == "what this comparison shows\n"
+    assert (out / "runs" / "b" / "report.md").is_file() and (out / "loss_vs_tokens.png").is_file()
+    assert pub._kind_problems(out.parent) == []  # comparisons/x: a complete comparison

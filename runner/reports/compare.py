@@ -24,7 +24,7 @@ import pandas as pd
 
 from runner.config.fingerprint import canonical_meaning
 from runner.errors import RunnerError
-from runner.fsio import read_json, read_yaml
+from runner.fsio import read_json, read_yaml, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
 from runner.reports.audit import audit
@@ -696,6 +696,30 @@ def collect_reports(sources: list[Source], dest: Path) -> None:
             root = Path(info.get("project_root") or repo_root(folder))
             (copy / "run.json").write_text(json.dumps(portable(info, root), indent=1))
         s.folder, s.tables = copy, rpt.read_tables(copy)
+
+
+def write_comparison_folder(sources: list[Source], out: Path) -> tuple[Comparison, list[Path]]:
+    """A comparison folder made whole beside `out` and renamed into place (fsio.replace_folder): the
+    audited report copies (collect_reports), comparison.md/.json, the CSV tables and plots; files of
+    an earlier `out` that a comparison does not write (a README of its own) are kept. A writer killed
+    midway leaves the earlier folder or none. Returns the comparison and the paths it wrote in `out`."""
+    staged = staging_folder(out)
+    if out.is_dir():
+        for f in out.iterdir():
+            if f.is_file() and f.name not in _WRITTEN:
+                shutil.copy2(f, staged / f.name)
+    collect_reports(sources, staged)
+    comp = compare(sources)
+    written = write_folder(comp, staged)
+    replace_folder(staged, out)
+    for s in sources:  # the copies moved with the folder
+        s.folder = out / s.folder.relative_to(staged)
+    return comp, [out / p.name for p in written]
+
+
+_WRITTEN = {"comparison.md", "comparison.json", *PLOTS} | {
+    f"{name}.csv" for name in ("runs", "config_differences", "targets", "quality", "accounting", "speed")
+}
 
 
 def write_folder(comp: Comparison, out: Path) -> list[Path]:
