@@ -521,7 +521,7 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     ax2.plot(thr["step"], thr["goodput_mfu"], color="tab:orange", label="goodput MFU")
     ax2.set_ylabel("fraction of peak")
     lines = ax1.get_lines() + ax2.get_lines()  # one legend for both axes: tokens/s is the left one
-    ax2.legend(lines, [line.get_label() for line in lines], loc="lower right")
+    ax2.legend(lines, [str(line.get_label()) for line in lines], loc="lower right")
     paths.append(out / "throughput.png")
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
