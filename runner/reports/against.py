@@ -136,5 +136,5 @@ def compare_claims(results: list[ClaimResult], target: str) -> AgainstResult:
     return out
 
 
-_COLUMNS = ("pool_tokens", "exposure_tokens", "unique_tokens", "useful_tokens", "processed_tokens")
+_COLUMNS: tuple[str, ...] = ("pool_tokens", "exposure_tokens", "unique_tokens", "useful_tokens", "processed_tokens")
 _COLUMNS += ("realized_ratio", "epochs")
