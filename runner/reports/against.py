@@ -46,9 +46,9 @@ class AgainstResult:
 
     def render(self) -> str:
         lines = [f"against {self.target} (its own figures are checked by `runner audit`):"]
-        lines.append(f"  {'claim':<24} {'figure':<28} {'stated':>12} {'run':>12}  verdict")
+        lines.append(f"  {'claim':<28} {'figure':<30} {'stated':>12} {'run':>12}  verdict")
         for c in self.checks:
-            lines.append(f"  {c.claim[:24]:<24} {c.figure[:28]:<28} {c.stated:>12} {c.run:>12}  {c.verdict}")
+            lines.append(f"  {c.claim[:28]:<28} {c.figure[:30]:<30} {c.stated:>12} {c.run:>12}  {c.verdict}")
         supported = sum(c.verdict == "supported" for c in self.checks)
         lines.append(f"  {supported} of {len(self.checks)} stated figures supported by the run")
         return "\n".join(lines)
@@ -56,6 +56,10 @@ class AgainstResult:
 
 def _close(stated: float, run: float, half_unit: float = 0.0) -> bool:
     return abs(stated - run) <= max(AGAINST_REL * abs(run), half_unit) + 1e-12
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
 def _verdict(ok: bool) -> str:
@@ -79,8 +83,8 @@ def _source_checks(name: str, row: SourceRow, unit: str, dom: dict[str, float]) 
             Check(
                 name,
                 f"{row.source}: tokens in source",
-                f"{row.size:.4g}",
-                f"{pool:.4g}",
+                _num(row.size),
+                _num(pool),
                 _verdict(_close(row.size, pool)),
             )
         )
@@ -89,9 +93,7 @@ def _source_checks(name: str, row: SourceRow, unit: str, dom: dict[str, float]) 
         checks.append(Check(name, f"{row.source}: epochs", f"{row.stated_epochs:g}", f"{epochs:.4g}", _verdict(ok)))
     if row.stated_seen is not None:
         ok = _close(row.stated_seen, exposure)
-        checks.append(
-            Check(name, f"{row.source}: tokens seen", f"{row.stated_seen:.4g}", f"{exposure:.4g}", _verdict(ok))
-        )
+        checks.append(Check(name, f"{row.source}: tokens seen", _num(row.stated_seen), _num(exposure), _verdict(ok)))
     return checks
 
 
@@ -107,7 +109,7 @@ def claim_against(result: ClaimResult, domains: dict[str, dict[str, float]]) -> 
         run_total = sum(d[counter] for d in domains.values())
         verdict = _verdict(_close(m.total, run_total)) if kind in COUNTER_OF_KIND else "incomparable"
         label = f"total ({kind} tokens)" if kind in COUNTER_OF_KIND else "total (kind unstated; vs exposure)"
-        checks.append(Check(result.name, label, f"{m.total:.4g}", f"{run_total:.4g}", verdict))
+        checks.append(Check(result.name, label, _num(m.total), _num(run_total), verdict))
     by_name = {d.lower(): d for d in domains}
     claimed = set()
     for row in m.rows:
