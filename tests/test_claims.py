@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -385,3 +386,111 @@ def test_claim_files_give_one_line_and_exit_2_on_bad_shapes(tmp_path, capsys):
         assert main(["audit-claims", str(path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and f"{key}.yaml" in err[0] and key in err[0], err
+
+
+def _claim_fuzz_strategies():
+    from hypothesis import strategies as st
+
+    scalar = st.one_of(
+        st.integers(min_value=-3, max_value=10**6),
+        st.sampled_from([0, 2**63, 2**70, 10**27, 10**400]),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=12),
+        st.sampled_from(["3.3 TB", "1.4T", "4.5%", "150%", "-1%", "from_table", "exposure", "unique", "H100", "nan"]),
+        st.booleans(),
+        st.none(),
+    )
+    wild = st.recursive(
+        scalar,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=5,
+    )
+    keys = [
+        "name", "tokens", "bytes", "token_kind", "model_params", "active_params", "devices", "hardware", "mfu",
+        "tokens_per_second", "days", "peak_tflops", "bytes_per_token", "bytes_per_token_source", "mixture", "extra",
+        "mixture.0.source", "mixture.0.tokens", "mixture.0.bytes", "mixture.0.weight", "mixture.0.epochs",
+        "mixture.0.tokens_seen", "mixture.0.bytes_per_token", "mixture.1", "mixture.1.weight", "mixture.1.other",
+    ]  # fmt: skip
+    change = st.tuples(st.sampled_from(keys), st.one_of(wild, st.just("<delete>")))
+    yaml_text = st.text(alphabet=st.sampled_from(list("ab:- &*[]{},'\"!\n#%|>?.0123456789e+")), max_size=60)
+    return st.lists(change, min_size=1, max_size=3), yaml_text
+
+
+def _fuzzed_claim(changes) -> dict:
+    claim = {
+        "name": "fuzz",
+        "model_params": 1e9,
+        "hardware": "H100",
+        "tokens_per_second": 40000,
+        "tokens": "10B",
+        "token_kind": "exposure",
+        "mixture": [dict(SMALL), {**WEB, "bytes": "80 GB"}],
+        "bytes_per_token": 4.0,
+        "bytes_per_token_source": "fuzz",
+    }
+    del claim["mixture"][1]["tokens"]
+    for path, value in changes:
+        node: object = claim
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) and part.isdigit() and int(part) < len(node) else None
+            if node is None:
+                break
+        if isinstance(node, dict):
+            if value == "<delete>":
+                node.pop(leaf, None)
+            else:
+                node[leaf] = value
+        elif isinstance(node, list) and leaf.isdigit() and int(leaf) < len(node) and value != "<delete>":
+            node[int(leaf)] = value
+    return claim
+
+
+def test_fuzzed_claim_files_exit_0_1_or_2_with_one_line_and_no_traceback(tmp_path, capsys, monkeypatch):
+    """Every shape of a claim file: a verdict (0 or 1), or one `error: FILE: ...` line and exit 2."""
+    import signal
+
+    from hypothesis import HealthCheck, given, settings
+
+    import runner.cli
+    from runner.cli import main
+
+    parser = runner.cli.build_parser()  # the real main, its parser built once (most of a call's time)
+    monkeypatch.setattr(runner.cli, "build_parser", lambda: parser)
+
+    path = tmp_path / "fuzz-claims.yaml"
+    changes, yaml_text = _claim_fuzz_strategies()
+
+    def expired(signum, frame):
+        raise TimeoutError("audit-claims still running after 10 s: a hang")
+
+    def check(text: str) -> None:
+        path.write_text(text)
+        capsys.readouterr()
+        old = signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, 10)
+        try:
+            code = main(["audit-claims", str(path), "--json"])
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code in (0, 1, 2), (text, code)
+        if code == 2:  # one line; YAML's own parse errors continue on lines of their own, as for recipes
+            assert err and all(line.startswith("error: ") for line in err) and "fuzz-claims.yaml" in err[0], (text, err)
+            assert len(err) == 1 or "not valid YAML" in err[0], (text, err)
+
+    examples = int(os.environ.get("RUNNER_FUZZ_EXAMPLES", "60"))
+
+    @settings(max_examples=2 * examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(changes)
+    def values(change_list):
+        check(yaml.safe_dump({"claims": [_fuzzed_claim(change_list)]}, allow_unicode=True))
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(yaml_text)
+    def shapes(text):
+        check("claims:\n  - name: fuzz\n    tokens: 1e9\n    mixture:\n" + text)
+
+    values()
+    shapes()

@@ -43,6 +43,7 @@ PLAUSIBLE_MFU_SOURCE = (
     "the best published: llm-foundry MPT-7B on 8x A100 64.2%, on H100 46.4%; PaLM 540B 46.2% on TPU v4"
 )
 DISAGREE_REL = 0.10
+MAX_DEVICES = 10**7  #: no published run held ten million accelerators: more is a typo
 CONVENTION = (
     "6N (Kaplan/Chinchilla): flops_per_token = 6 * params as claimed (a mixture of experts: active_params); "
     "dense bf16 peak per device"
@@ -132,7 +133,7 @@ def _number(claim: dict, key: str, where: str, *, positive: bool = True) -> floa
         raise RunnerError(f"must be a number, got {value!r}", file=where, key=key)
     try:
         x = float(value)  # YAML 1.1 reads `68e3` as a string; accept it as the number it says
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise RunnerError(f"must be a number, got {value!r}", file=where, key=key) from None
     if not math.isfinite(x) or (positive and x <= 0):
         raise RunnerError(f"must be a positive number, got {value!r}", file=where, key=key)
@@ -313,8 +314,10 @@ def _audit_throughput(
     stated_mfu = _number(claim, "mfu", where)
     stated_peak = _number(claim, "peak_tflops", where)
     devices = claim.get("devices", 1)
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices <= 0:
-        raise RunnerError(f"must be a positive integer, got {devices!r}", file=where, key="devices")
+    if isinstance(devices, bool) or not isinstance(devices, int) or not 0 < devices <= MAX_DEVICES:
+        raise RunnerError(
+            f"must be a positive integer up to {MAX_DEVICES:,}, got {str(devices)[:20]}", file=where, key="devices"
+        )
     if any(claim.get(k) is not None for k in ("hardware", "tokens_per_second", "days", "mfu", "peak_tflops")):
         _resolve_peak(claim, stated_peak, res)  # a model size and tokens alone imply tokens per parameter only
     if tps is None and tokens is not None and days is not None:

@@ -96,6 +96,10 @@ def parse_quantity(value: Any, units: dict[str, float], where: str, key: str) ->
     """A positive number, or a string like `3.3 TB`, `227.12 GiB`, `1.4T` in the given units."""
     if isinstance(value, bool) or value is None:
         raise RunnerError(f"must be a number, got {value!r}", file=where, key=key)
+    if isinstance(value, int) and abs(value) > _LIMIT:
+        raise RunnerError(
+            f"must be a positive finite number below {_LIMIT:.0e}, got {len(str(value))} digits", file=where, key=key
+        )
     if isinstance(value, int | float):
         return _finite(float(value), where, key)
     match = _QUANTITY.match(str(value))
