@@ -494,3 +494,12 @@ def test_fuzzed_claim_files_exit_0_1_or_2_with_one_line_and_no_traceback(tmp_pat
 
     values()
     shapes()
+
+
+def test_the_readme_example_output_is_what_audit_claims_prints(capsys):
+    readme = (CLAIMS_DIR.parents[1] / "README.md").read_text()
+    section = readme[readme.index("**Auditing others' claims.**") :]
+    example = section[section.index("```text\n") + len("```text\n") : section.index("\n```", section.index("```text"))]
+    assert _cli(["audit-claims", str(CLAIMS_DIR / "mixtures.yaml")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert len(example.splitlines()) >= 10 and all(line in out for line in example.splitlines())
