@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -367,7 +368,15 @@ def test_a_claim_against_the_published_cpu_tiny_run(tmp_path, capsys):
         "law: in the run": ("yes", "no"),
         "legal: in the claim": ("no", "yes"),
     }
-    assert result["contradicted"] is True
+    assert result["contradicted"] is True and result["run_audit"] == "UNVERIFIED"  # no MLflow store here
+    # A report that fails its own audit supports nothing: its CSV copy of the accounting rewritten.
+    forged = tmp_path / "forged"
+    shutil.copytree(CPU_TINY_REPORT, forged)
+    csv = forged / "accounting.csv"
+    csv.write_text(csv.read_text().replace("153600", "153601", 1))
+    assert _cli(["audit-claims", str(claim_file), "--against", str(forged)]) == 1
+    out = capsys.readouterr().out
+    assert "its own audit without MLflow: FAIL" in out and "its ledger supports no figure" in out
 
 
 def test_claim_files_give_one_line_and_exit_2_on_bad_shapes(tmp_path, capsys):

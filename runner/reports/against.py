@@ -7,7 +7,9 @@ ratio (within the rounding the weight's printed digits allow), the tokens in a s
 pool, stated epochs against exposure / pool and stated tokens seen against exposure (within 1%, or
 the printed digits' rounding when larger). A source the run lacks, or a domain the claim leaves
 out, is a figure the run does not support.
-Never: changes the run or its report; says whether the run itself is sound (`runner audit` does).
+The run is audited first (`runner audit --no-mlflow`: schemas, invariants, the sampler replayed):
+a run that FAILs its audit supports nothing, and the comparison says so.
+Never: changes the run or its report.
 """
 
 from __future__ import annotations
@@ -35,17 +37,28 @@ class Check:
 @dataclass
 class AgainstResult:
     target: str
+    run_audit: str  # the run's own audit verdict without MLflow: PASS, UNVERIFIED or FAIL
+    run_audit_failed: list[str] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
 
     @property
     def contradicted(self) -> bool:
-        return any(c.verdict == "NOT SUPPORTED" for c in self.checks)
+        return self.run_audit == "FAIL" or any(c.verdict == "NOT SUPPORTED" for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "contradicted": self.contradicted, "checks": [asdict(c) for c in self.checks]}
+        return {
+            "target": self.target,
+            "run_audit": self.run_audit,
+            "run_audit_failed": self.run_audit_failed,
+            "contradicted": self.contradicted,
+            "checks": [asdict(c) for c in self.checks],
+        }
 
     def render(self) -> str:
-        lines = [f"against {self.target} (its own figures are checked by `runner audit`):"]
+        audit_line = f"its own audit without MLflow: {self.run_audit}"
+        if self.run_audit == "FAIL":
+            audit_line += f" ({', '.join(self.run_audit_failed)}): its ledger supports no figure"
+        lines = [f"against {self.target} ({audit_line}):"]
         lines.append(f"  {'claim':<28} {'figure':<30} {'stated':>12} {'run':>12}  verdict")
         for c in self.checks:
             lines.append(f"  {c.claim[:28]:<28} {c.figure[:30]:<30} {c.stated:>12} {c.run:>12}  {c.verdict}")
@@ -126,12 +139,14 @@ def claim_against(result: ClaimResult, domains: dict[str, dict[str, float]]) -> 
 
 def compare_claims(results: list[ClaimResult], target: str) -> AgainstResult:
     """Every mixture claim of `results` against the run or report `target` (folder or MLflow run id)."""
-    from runner.reports.compare import load_source  # noqa: PLC0415 - pandas and the report tables, only with --against
+    from runner.reports.audit import audit  # noqa: PLC0415 - pandas and the report tables, only with --against
+    from runner.reports.compare import load_source  # noqa: PLC0415 - the same
 
     source = load_source(target)
+    audited = audit(target, check_mlflow=False)
     accounting = source.tables["accounting"]
     domains = {str(r["domain"]): {k: float(r[k]) for k in _COLUMNS} for _, r in accounting.iterrows()}
-    out = AgainstResult(str(target))
+    out = AgainstResult(str(target), audited.verdict, audited.failed())
     for r in results:
         if r.mixture is not None:
             out.checks += claim_against(r, domains)
