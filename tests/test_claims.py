@@ -311,6 +311,10 @@ def test_bytes_per_token_from_the_tables_own_totals():
     assert r.mixture.bytes_per_token == pytest.approx(500e9 / 90e9)
     assert [row.size for row in r.mixture.rows] == pytest.approx([72e9, 18e9])
     assert [row.implied_epochs for row in r.mixture.rows] == pytest.approx([80 / 72, 20 / 18])
+    with pytest.raises(RunnerError, match="from_table needs every source in bytes with its stated epochs"):
+        audit_claim({**claim, "mixture": [{**claim["mixture"][0], "epochs": None}, claim["mixture"][1]]})
+    with pytest.raises(RunnerError, match="tokens: a mixture needs the total it was sampled over"):
+        audit_claim({k: v for k, v in claim.items() if k != "tokens"})
     b = next(f.message for f in r.flags if f.message.startswith("b:"))
     # b's stated 2 epochs hold if b tokenizes at 100 GB / 10B = 10 bytes per token
     assert "reconciled by 10B tokens in the source; or 10 bytes per token for it" in b
