@@ -85,12 +85,33 @@ def _audit_claims(args) -> int:
     from runner.reports.claims import PLAUSIBLE_MFU, audit_claims, render
 
     bound = PLAUSIBLE_MFU if args.plausible_mfu is None else args.plausible_mfu
-    results = audit_claims(args.file, plausible_mfu=bound)
+    results = [r for file in args.file for r in audit_claims(file, plausible_mfu=bound)]
+    against = None
+    if args.against:
+        from runner.reports.against import compare_claims
+
+        against = compare_claims(results, args.against)
     if args.json:
-        print(json.dumps([r.to_dict() for r in results], indent=1))
+        out: dict | list = [r.to_dict() for r in results]
+        print(json.dumps({"claims": out, "against": against.to_dict()} if against else out, indent=1))
     else:
         print(render(results, bound))
-    return EXIT_DISCREPANCY if any(r.impossible or r.implausible for r in results) else EXIT_OK
+        if against:
+            print(against.render())
+    failing = any(r.failing for r in results) or bool(against and against.contradicted)
+    return EXIT_DISCREPANCY if failing else EXIT_OK
+
+
+CLAIMS_EXITS = f"""verdicts (a claim takes its worst flag's) and exit codes:
+  IMPOSSIBLE    cannot be true: MFU > 100%, a sparse peak, more tokens seen than the sources hold
+  INCONSISTENT  stated figures contradict the claim's own arithmetic: epochs or tokens seen more than
+                10% from weight x total / source, weights off 100% beyond their printed digits
+  IMPLAUSIBLE   MFU above the plausibility bound (--plausible-mfu)
+  INCOMPARABLE  a token kind or device unstated: the figure cannot be compared
+  WARNING       repetition worth less than 0.9 of its tokens (Muennighoff et al. 2023)
+  exit {EXIT_DISCREPANCY} when any claim is IMPOSSIBLE, INCONSISTENT or IMPLAUSIBLE, or (--against) the run
+  contradicts a stated figure; else {EXIT_OK}; unusable input (a claim file's missing key, wrong type,
+  NaN): {EXIT_USAGE}, one line naming the file and key"""
 
 
 def _publish(args) -> int:
@@ -196,9 +217,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=_audit)
 
     p = subparsers.add_parser(
-        "audit-claims", help="check published training claims (YAML): implied MFU, impossible and implausible figures"
+        "audit-claims",
+        help="check published training claims (YAML): implied MFU, mixture tables' epochs, impossible figures",
+        epilog=CLAIMS_EXITS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("file", help="YAML file of claims (model size, device, tokens per second, ...)")
+    p.add_argument("file", nargs="+", help="YAML files of claims (model size, device, tokens per second, mixture)")
     p.add_argument("--json", action="store_true", help="machine-readable result")
     p.add_argument(
         "--plausible-mfu",
@@ -206,6 +230,12 @@ def register(subparsers) -> None:
         default=None,
         metavar="FRACTION",
         help="MFU above which a claim is IMPLAUSIBLE (default 0.65: above the best published dense BF16 runs)",
+    )
+    p.add_argument(
+        "--against",
+        default=None,
+        metavar="RUN_OR_REPORT",
+        help="a run folder, report folder or MLflow run id: which of each claim's stated figures its ledger supports",
     )
     p.set_defaults(func=_audit_claims)
 
