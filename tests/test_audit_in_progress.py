@@ -5,6 +5,7 @@ FAILed an honest run. A holder that ended, SIGKILL included, stops nothing."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -20,11 +21,18 @@ from runner.runs import RunLock
 HOLD = "import sys; from runner.runs import RunLock; l = RunLock(sys.argv[1], 'runner launch').__enter__(); print('held', flush=True); sys.stdin.read()"
 
 
-@pytest.fixture()
-def run(tmp_path):
-    folder = make_run(tmp_path)
+@pytest.fixture(scope="module")
+def _made(tmp_path_factory):
+    folder = make_run(tmp_path_factory.mktemp("held"))
     write_report(folder)
     return folder
+
+
+@pytest.fixture()
+def run(_made, tmp_path):
+    """A run folder with its report, each test its own copy."""
+    shutil.copytree(_made, tmp_path / "run")
+    return tmp_path / "run"
 
 
 def _audit(capsys, *argv) -> tuple[int, str]:
