@@ -181,6 +181,42 @@ class RunLock:
         return data if isinstance(data, dict) else {}
 
 
+def lock_holder(run_dir: Path) -> dict | None:
+    """The record of the process that holds a run folder now (a launch, sync or report writing it), or
+    None. Read only: the lock is never taken. A record released, or left by a dead process of this
+    host, holds nothing; one of another host (or not written yet) is asked of flock(2) itself, a shared
+    lock tried and dropped at once."""
+    run_dir = Path(run_dir)
+    owner = RunLock._read(run_dir / OWNER_FILE)
+    if owner and (owner.get("host") != socket.gethostname() or _alive(owner.get("pid"))):
+        return owner
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None  # never locked
+    try:
+        record = _read_fd(fd)
+        if "released_at" in record:
+            return None
+        if record.get("host") == socket.gethostname():
+            return record if _alive(record.get("pid")) else None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return record
+        except OSError:
+            return None  # no fcntl locks on this storage: the lock-file method was read above
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def holder_text(record: dict) -> str:
+    """`runner launch (...), pid P on host H since T`: who holds a run folder, in words."""
+    return _holder(record)
+
+
 def _holder(record: dict) -> str:
     if not record.get("pid"):
         return "another process (its record is not readable yet)"

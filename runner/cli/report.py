@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, RunnerError
+from runner.errors import EXIT_DISCREPANCY, EXIT_IN_PROGRESS, EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, RunnerError
 
 AUDIT_EXITS = f"""verdicts and exit codes:
   PASS        {EXIT_OK}  every check ran and held, the MLflow run's record included
@@ -17,6 +17,8 @@ AUDIT_EXITS = f"""verdicts and exit codes:
   UNVERIFIED  {EXIT_UNVERIFIED}  nothing disagrees, but the checks named in the last line could not run
               (MLflow run unreachable, run.json missing, a peak that is not a datasheet figure, ...);
               with --require-verified it exits {EXIT_DISCREPANCY} like FAIL
+  IN PROGRESS {EXIT_IN_PROGRESS}  `runner audit RUN_DIR` only: a launch, sync or report holds the run folder and is
+              writing it; nothing was audited (audit it when that process ends)
   unusable input (not a report, unreadable tables): {EXIT_USAGE}"""
 
 
@@ -30,20 +32,43 @@ def _report(args) -> int:
         fetched = rpt.fetch_mlflow_run(args.run, args.dest or tempfile.mkdtemp(prefix="runner-report-"))
         print(f"report written to {rpt.report_from_fetched(fetched)}")
         return EXIT_OK
-    from runner.reports.evidence import write_evidence
+    from runner.reports.evidence import write_report_with_evidence
     from runner.runs import RunLock, is_run_dir
 
     # Never rewrite report/ under a launch that writes it too.
     with RunLock(target, "runner report") if is_run_dir(target) else contextlib.nullcontext():
-        out = rpt.write_report(target)
-        write_evidence(target)  # what this report states; the copy logged to MLflow at the run's end is the proof
+        # evidence.json: what this report states; the copy logged to MLflow at the run's end is the proof
+        out, _ = write_report_with_evidence(target)
     print(f"report written to {out}")
     return EXIT_OK
 
 
+def _writer_of(target: str) -> tuple[Path, dict] | None:
+    """(run folder, lock record) when `target` is a run folder, or its report/, that a process holds now."""
+    from runner.reports.tables import REPORT_DIR
+    from runner.runs import is_run_dir, lock_holder
+
+    path = Path(target)
+    for folder in (path, path.parent) if path.name == REPORT_DIR else (path,):
+        held = lock_holder(folder) if folder.is_dir() and is_run_dir(folder) else None
+        if held is not None:
+            return folder, held
+    return None
+
+
 def _audit(args) -> int:
     from runner.reports.audit import audit
+    from runner.runs import holder_text
 
+    writer = _writer_of(args.run)
+    if writer is not None:  # its report/ and raw files change under the audit: any verdict would be noise
+        folder, held = writer
+        why = f"in use by {holder_text(held)}: the run is being written; audit it when that process ends"
+        if args.json:
+            print(json.dumps({"source": str(args.run), "verdict": "IN PROGRESS", "why": why, "holder": held}, indent=1))
+        else:
+            print(f"IN PROGRESS {args.run}: {why}")
+        return EXIT_IN_PROGRESS
     result = audit(
         args.run,
         check_mlflow=not args.no_mlflow,

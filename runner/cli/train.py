@@ -385,12 +385,13 @@ def _print_summary(run_dir: Path) -> None:
 
 
 def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
-    from runner.reports.evidence import record_evidence
-    from runner.reports.tables import write_report
+    from runner.reports.evidence import record_evidence, write_report_with_evidence
 
     try:
-        out = write_report(run_dir)
-        record_evidence(run_dir, tracker)  # table/config/checkpoint hashes as MLflow tags: what the audit trusts
+        out, evidence = write_report_with_evidence(run_dir)
+        record_evidence(
+            run_dir, tracker, evidence
+        )  # table/config/checkpoint hashes as MLflow tags: what the audit trusts
     except RunnerError as e:
         print(f"report: not written ({e})", file=sys.stderr)
         return
@@ -500,11 +501,14 @@ def cmd_smoke(args) -> int:
     try:
         plan = build_plan(cfg, calibration=read_calibration(ref, cfg), root=full.project_root)
         t = plan["time"]
+        # The assumed MFU is the hardware recipe's default_mfu: a guess until a run calibrates it, which
+        # on a CPU can be 10x off (20% assumed, 1.65% measured), so the measured line comes first.
         print(
-            f"full run ({cfg.train.exposure_tokens:,} tokens): planned {format_hours(t['assumed']['wall_hours'])}, "
-            f"${t['assumed']['cost_usd']:,.2f} at MFU {t['assumed']['mfu']:.0%}; measured "
-            f"{format_hours(t['measured']['wall_hours'])}, ${t['measured']['cost_usd']:,.2f} at MFU "
-            f"{t['measured']['mfu']:.1%}"
+            f"full run ({cfg.train.exposure_tokens:,} tokens): at this smoke's measured MFU {t['measured']['mfu']:.1%}: "
+            f"{format_hours(t['measured']['wall_hours'])}, ${t['measured']['cost_usd']:,.2f} "
+            f"(`runner plan {display_path(full.path)} --calibrate {ref}` says the same); at the recipe's assumed MFU "
+            f"{t['assumed']['mfu']:.0%} (a guess, hardware.default_mfu): {format_hours(t['assumed']['wall_hours'])}, "
+            f"${t['assumed']['cost_usd']:,.2f}"
         )
     except RunnerError as e:
         print(f"smoke: no plan comparison ({e})")

@@ -59,6 +59,23 @@ SUMMARY_METRICS = {
     "cost_per_billion_useful_tokens": "cost_per_billion_useful_tokens",
 }
 THROUGHPUT_METRICS = ("tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
+# A step's router figures, by the router table's column that states the same figure.
+ROUTER_METRICS = {
+    "router_aux_loss": "router_aux_loss",
+    "router_z_loss": "router_z_loss",
+    "expert_load_imbalance": "load_imbalance",
+    "expert_load_cv": "load_cv",
+    "expert_idle_capacity": "idle_capacity",
+}
+STEP_PREFIX = "step/"  # per-step figures the run also states as a whole (runner.training.callbacks.STEP_NAMES)
+
+
+def metric_name(key: str) -> str:
+    """The trainer's name for a logged key: `step/mfu` (runs since the rename) and `mfu` (runs recorded
+    before it) are the same figure of one step."""
+    return key[len(STEP_PREFIX) :] if key.startswith(STEP_PREFIX) else key
+
+
 # Keys whose value at a step the report's tables cannot state; extension segments change these params.
 EXTENSION_PARAMS = ("train.exposure_tokens", "train.max_duration_tokens")
 
@@ -238,6 +255,7 @@ class _Expected:
         self.domains = set(inp.config.mixture.domains)
         self.acct = t["accounting"].set_index("domain")
         self.throughput = {int(r["step"]): r for _, r in t["throughput"].iterrows()}
+        self.router = {int(r["step"]): r for _, r in t["router"].iterrows()} if "router" in t else {}
         self.validation = {(int(r["step"]), str(r["domain"])): r for _, r in t["validation"].iterrows()}
         self.snapshots: dict[int, dict[str, tuple[int, int]]] = rep.snapshots if rep is not None else {}
 
@@ -271,6 +289,7 @@ class _Expected:
 
     def values(self, key: str, step: int) -> list[float] | None:
         """The report's values for `key` at `step`, or None when the report does not state it."""
+        key = metric_name(key)
         domain = self.domain_of(key) or ""
         if key.startswith("tokens."):
             v = self._counter(domain, key.rsplit(".", 1)[1], step)
@@ -286,6 +305,8 @@ class _Expected:
             return None if isinstance(v, float) and math.isnan(v) else [v]
         if key in THROUGHPUT_METRICS and step in self.throughput:
             return [self.throughput[step][key]]
+        if key in ROUTER_METRICS and step in self.router:
+            return [self.router[step][ROUTER_METRICS[key]]]
         return None
 
 
@@ -328,7 +349,8 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
         if domain is not None and domain not in want.domains and domain != "total":
             problems.append(f"{key}: MLflow logs domain {domain!r}, absent from the report")
             continue
-        if domain is None and key not in SUMMARY_METRICS and key not in THROUGHPUT_METRICS:
+        name = metric_name(key)
+        if domain is None and name not in SUMMARY_METRICS and name not in (*THROUGHPUT_METRICS, *ROUTER_METRICS):
             without_counterpart.append(key)
             continue
         c, u = _compare_history(key, points, want, problems)
@@ -345,7 +367,7 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
     detail = (
         f"{compared} logged points compared over {len(tracked.history)} keys; {uncompared} at steps the report "
         f"does not state (processed, useful and lost before the last step); no report counterpart: "
-        f"{', '.join(without_counterpart) or 'none'}"
+        f"{key_groups(without_counterpart)}"
     )
     if later and not problems:
         res.could_not(METRICS, f"{later}: points up to step {want.final} agree; {detail}")
@@ -358,6 +380,23 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
         )
         return
     res.add(METRICS, problems, ok_detail=detail)
+
+
+def key_groups(keys: list[str], shown: int = 6) -> str:
+    """Metric keys said briefly: one entry per family (`system/... (24 keys)`, `target.* (40 keys)`),
+    single keys by name, at most `shown` entries (a line, not 2,000 characters of names)."""
+    if not keys:
+        return "none"
+    families: dict[str, list[str]] = {}
+    for key in keys:
+        cut = min((i for i in (key.find("/"), key.find(".")) if i > 0), default=-1)
+        families.setdefault(key[: cut + 1] if cut > 0 else key, []).append(key)
+    parts = [
+        (f"{fam}* ({len(members)} keys)" if len(members) > 1 else members[0])
+        for fam, members in sorted(families.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    ]
+    more = len(parts) - shown
+    return ", ".join(parts[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked, later: str) -> None:

@@ -89,6 +89,24 @@ class TrackingCallback(Callback):
         *MOE_METRICS,
     )
 
+    #: A step's figures that the run also states as a whole (`run.mfu`, the run's expert balance) go
+    #: to MLflow as `step/<key>`, so its UI never shows the last step's MFU as the run's. The audit
+    #: reads runs recorded before the rename, under the plain keys, too.
+    STEP_NAMES = {
+        k: f"step/{k}"
+        for k in (
+            "step_seconds",
+            "tokens_per_second",
+            "tokens_per_second_useful",
+            "mfu",
+            "goodput_mfu",
+            "hfu",
+            "expert_load_imbalance",
+            "expert_load_cv",
+            "expert_idle_capacity",
+        )
+    }
+
     def __init__(self, tracker, log_interval_steps: int):
         self.tracker = tracker
         self.every = max(1, log_interval_steps)
@@ -105,7 +123,7 @@ class TrackingCallback(Callback):
         return m
 
     def _log_step(self, record, counters, ratios) -> None:
-        m = {k: record[k] for k in self.STEP_KEYS if record.get(k) is not None}
+        m = {self.STEP_NAMES.get(k, k): record[k] for k in self.STEP_KEYS if record.get(k) is not None}
         m.update(self.accounting(counters, ratios))
         self.tracker.log_metrics(m, step=record["step"])
 
