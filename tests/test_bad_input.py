@@ -77,14 +77,26 @@ def test_hostile_yaml_is_refused_at_once(project, capsys, monkeypatch, body, say
     path = experiment(project, "bomb", body)
     t0 = time.perf_counter()
     line = one_error(*run_cli(capsys, "validate", path, seconds=30)[::2])
-    assert line.startswith("error: experiments/bomb.yaml: refused: ") and says in line
+    assert_refused(line, "experiments/bomb.yaml", says)
     assert time.perf_counter() - t0 < 10
     # The same file where a run folder keeps its resolved experiment (fsio.read_yaml): `show` of it.
     run = project / "runs" / "r"
     run.mkdir(parents=True)
     (run / "experiment.yaml").write_text(body)
+    t0 = time.perf_counter()
     line = one_error(*run_cli(capsys, "show", run, seconds=30)[::2])
-    assert line.startswith("error: runs/r/experiment.yaml: refused: ") and says in line
+    assert_refused(line, "runs/r/experiment.yaml", says)
+    assert time.perf_counter() - t0 < 10
+
+
+def assert_refused(line: str, file: str, says: str) -> None:
+    """The runner's own bound, or (for nesting) PyYAML's: from 6.0.4 its scanner refuses a flow
+    collection nested too deep ("exceeded maximum nesting depth") before the runner's bound is
+    reached. Either is one line naming the file."""
+    if says.startswith("nested deeper") and "exceeded maximum nesting depth" in line:
+        assert line.startswith(f"error: {file}: ") and "not valid YAML" in line, line
+    else:
+        assert line.startswith(f"error: {file}: refused: ") and says in line, line
 
 
 def test_a_budget_of_10_to_the_18_tokens_is_refused_without_replaying_it(project_with_data, capsys, monkeypatch):
