@@ -66,6 +66,57 @@ def test_a_forged_time_to_target_fails_even_after_an_honest_extension(targeted_r
     failed = _metrics_check(result)
     assert failed.status == FAIL
     step = int(true_met["step"])
-    assert f"target.loose.time_to_target_seconds at step {step}: MLflow {true_met['wall_seconds']:.10g}" in failed.detail
+    assert (
+        f"target.loose.time_to_target_seconds at step {step}: MLflow {true_met['wall_seconds']:.10g}" in failed.detail
+    )
     assert f"eval.wall_seconds at step {step}: MLflow" in failed.detail
     assert "eval.device_wall_seconds at step 6: MLflow" in failed.detail
+
+
+def test_a_figure_is_vouched_for_by_the_evaluation_the_lineage_kept():
+    """Unit check of the rule: at a step evaluated twice (a resume redid it), only points logged at or
+    after the later evaluation count; `before.*` is logged at the met step; a best so far at another
+    step than the report's best is not compared."""
+    from types import SimpleNamespace
+
+    from runner.reports.audit_tracked import Tracked, _compare_lineage, lineage_points
+
+    stamps = {
+        "val_loss.a": [(3, 5.0, 100), (6, 4.0, 200), (6, 4.1, 900)],  # step 6 redone at t=900
+        "eval.wall_seconds": [(3, 10.0, 100), (6, 20.0, 200), (6, 31.0, 900)],
+        "target.t.time_to_target_seconds": [(6, 20.0, 201), (6, 31.0, 901)],
+        "target.t.before.wall_seconds": [(6, 10.0, 901)],
+        "target.u.best_value": [(3, 5.0, 150)],  # attempt 1's best so far; the report's best is at 6
+        "target.v.step": [(6, 6.0, 150)],  # logged before the lineage's evaluation at 6: superseded
+    }
+    tracked = Tracked("uri", "id", "r", {}, {}, {k: [(s, v) for s, v, _ in p] for k, p in stamps.items()}, stamps)
+    assert lineage_points(tracked, "eval.wall_seconds") == {3: 10.0, 6: 31.0}
+    assert lineage_points(tracked, "target.t.time_to_target_seconds") == {6: 31.0}
+    assert lineage_points(tracked, "target.v.step") == {}
+
+    def row(step, **kw):
+        return {"step": step, **kw}
+
+    want = SimpleNamespace(
+        final=6,
+        progress={3: {"wall_seconds": 10.0}, 6: {"wall_seconds": 31.0}},
+        targets={
+            ("t", "met"): row(6, wall_seconds=31.0),
+            ("t", "before"): row(3, wall_seconds=10.0),
+            ("u", "best"): row(6, value=4.1),
+        },
+    )
+    problems: list[str] = []
+    for key in stamps:
+        if not key.startswith("val_loss"):
+            _compare_lineage(key, tracked, want, problems)
+    assert problems == []
+    assert _compare_lineage("target.u.best_value", tracked, want, problems) == (0, 1)
+    want.targets[("t", "before")] = row(3, wall_seconds=5.0)  # forged
+    want.progress[3] = {"wall_seconds": 5.0}
+    for key in ("eval.wall_seconds", "target.t.before.wall_seconds"):
+        _compare_lineage(key, tracked, want, problems)
+    assert problems == [
+        "eval.wall_seconds at step 3: MLflow 10, report 5",
+        "target.t.before.wall_seconds at step 6: MLflow 10, report 5",
+    ]

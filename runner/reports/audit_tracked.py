@@ -382,14 +382,16 @@ def _compare_lineage(key: str, tracked: Tracked, want: _Expected, problems: list
             continue
         if target is not None:
             name, point, col = target
-            row = want.targets.get((name, point)) if want.targets is not None else None
-            if row is None and point != "best" and want.targets is not None:
-                problems.append(
-                    f"{key} at step {step}: MLflow {value:.10g} (target {point} there), the report has no {point} row"
-                )
+            rows = want.targets or {}
+            anchor = rows.get((name, "best" if point == "best" else "met"))  # logged at its step, `before` too
+            if anchor is None or int(anchor["step"]) != step:
+                # a best so far a later evaluation bettered, or a target defined otherwise when it was
+                # logged (targets are operational): the step's evaluation times are compared anyway
+                uncompared += 1
                 continue
-            if row is None or (point == "best" and int(row["step"]) != step):
-                uncompared += 1  # a best so far that a later evaluation bettered
+            row = rows.get((name, point))
+            if row is None:
+                problems.append(f"{key} at step {step}: MLflow {value:.10g}, the report has no {point} row")
                 continue
             expected = row[col]
         else:
