@@ -5,9 +5,10 @@ names (paths, or fnmatch patterns like huggingface_hub's allow_patterns) with th
 the Hub reports, downloading each with huggingface_hub's client into a partial file that a later
 fetch resumes (an HTTP Range request; xet-backed files go through hf_xet when it is installed,
 whose chunk cache makes a refetch cheap, and over HTTP if hf_xet fails), checking every file against the Hub's LFS sha256 (or
-git blob id for small files) before it is moved into place, and the fetch record a later
-`runner data prepare` and `runner pin` read (`.runner-fetch.json` in the source's folder,
-`.runner-fetch.<file>.json` next to a tokenizer).
+git blob id for small files) before it is moved into place, refusing any listed path that would land
+outside the source's folder, and the fetch record a later `runner data prepare` and `runner pin` read
+(`.runner-fetch.json` in the source's folder, `.runner-fetch.<file>.json` next to a tokenizer; its
+format, typed reading, per-file journal and re-verification are runner.data.fetch_record's).
 Never edits recipes (runner.config.pin does), never tokenizes (runner.data.prepare does), and
 never leaves a file in place that the Hub's hash does not vouch for.
 """
