@@ -13,7 +13,7 @@ from test_targets import _set_targets, learnable_project
 from trainfixtures import launch
 
 from runner.reports.audit import audit
-from runner.reports.audit_tracked import METRICS
+from runner.reports.audit_tracked import EVIDENCE, METRICS
 from runner.reports.checks import FAIL, PASS
 from runner.reports.evidence import write_evidence
 from runner.reports.tables import read_tables, write_report
@@ -71,6 +71,9 @@ def test_a_forged_time_to_target_fails_even_after_an_honest_extension(targeted_r
     )
     assert f"eval.wall_seconds at step {step}: MLflow" in failed.detail
     assert "eval.device_wall_seconds at step 6: MLflow" in failed.detail
+    # the extension's evidence matches the forged tables, and says it vouches only as of its own end
+    evidence = next(c for c in result.checks if c.name == EVIDENCE)
+    assert evidence.status == PASS and "rows up to step 6 rest on MLflow's metric history" in evidence.detail
 
 
 def test_a_figure_is_vouched_for_by_the_evaluation_the_lineage_kept():

@@ -482,6 +482,12 @@ def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked, later: 
     compared = "tables, experiment.yaml, validation losses" + (
         ", final checkpoint" if inp.run_dir is not None and logged.get("checkpoint") else ""
     )
+    segments = inp.run.get("segments") or []
+    if len(segments) > 1:
+        # Logged at the last segment's end over the tables as they were then: it never vouches for
+        # figures of an earlier segment (those are compared with MLflow's history, METRICS).
+        start = int(segments[-1].get("start_step", 0) or 0)
+        compared += f" as of the last segment's end (rows up to step {start} rest on MLflow's metric history)"
     res.add(EVIDENCE, problems, ok_detail=compared)
 
 
