@@ -179,8 +179,17 @@ def read_yaml(path: str | os.PathLike) -> Any:
         raise RunnerError("missing", file=str(path)) from None
     except IsADirectoryError:
         raise RunnerError("is a folder, not a YAML file", file=str(path)) from None
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise RunnerError(f"not valid YAML: {err}", file=str(path)) from None
+    except yaml.YAMLError as err:
+        raise RunnerError(yaml_error_line(err), file=str(path)) from None
+    except UnicodeDecodeError as err:
+        raise RunnerError(f"not UTF-8 text: {err.reason} at byte {err.start}", file=str(path)) from None
+
+
+def yaml_error_line(err: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: its line and problem (PyYAML's own text spans lines)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = " ".join(str(getattr(err, "problem", None) or err).split())
+    return f"line {mark.line + 1}: not valid YAML: {problem}" if mark else f"not valid YAML: {problem}"
 
 
 def atomic_write_json(path: str | os.PathLike, data: Any) -> None:

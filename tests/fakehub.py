@@ -12,7 +12,9 @@ is how the client tells them apart. A repository's files are all LFS files (the 
 sha256, as for FineWeb-Edu's parquet shards) or all plain git blobs (a sha1 oid only, as for a
 tokenizer.json under 10 MB). Faults for tests: `stall_after[path] = n` serves n bytes of a file then
 holds the connection; `lie_sha256.add(path)` reports a wrong LFS sha256; `xet.add(path)` announces
-a file as xet-backed, whose xet token route (not served here) then fails.
+a file as xet-backed, whose xet token route (not served here) then fails; `hostile[path] = bytes`
+lists (and serves) an entry in every tree listing whatever folder is asked, as a hostile Hub or
+mirror would (`sample/../../../x.parquet`, an absolute path).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class FakeHub:
         self.stall_after: dict[str, int] = {}
         self.lie_sha256: set[str] = set()
         self.xet: set[str] = set()  # paths announced as xet-backed (whose xet token route then fails)
+        self.hostile: dict[str, bytes] = {}  # listed in every tree answer, served at any commit
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self._release = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -75,7 +78,7 @@ class FakeHub:
         commit = repo["refs"].get(rev, rev)
         if commit not in repo["commits"]:
             return "RevisionNotFound"
-        return commit, repo["commits"][commit], repo["lfs"]
+        return commit, {**repo["commits"][commit], **self.hostile}, repo["lfs"]
 
     def entry(self, path: str, data: bytes, lfs: bool) -> dict:
         out = {"type": "file", "path": path, "size": len(data), "oid": git_oid(data)}
@@ -138,6 +141,7 @@ def _handler(hub: FakeHub):
             else:  # tree, always listed recursively here
                 prefix = f"{path}/" if path else ""
                 listing = [hub.entry(p, d, lfs) for p, d in sorted(files.items()) if p.startswith(prefix)]
+                listing += [hub.entry(p, d, lfs) for p, d in hub.hostile.items() if not p.startswith(prefix)]
                 folders = {p.rsplit("/", 1)[0] for p in files if p.startswith(prefix) and "/" in p[len(prefix) :]}
                 self._json(listing + [{"type": "directory", "path": f, "oid": "0" * 40} for f in sorted(folders)])
 

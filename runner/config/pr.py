@@ -120,10 +120,21 @@ def _validate_head(root: Path, problems: list[str], report: list[str], loads: Lo
                 # feasibility over the pinned pool sizes: CI has no data, so without them an
                 # experiment whose mixture cannot be met would pass here and fail at launch
                 warnings += check_experiment_data(exp)[1]
+                report.extend(f"warning: {rel}: {w}" for w in _outside_project(exp))
         except RunnerError as e:
             problems.extend(l.replace(str(root) + "/", "") for l in str(e).splitlines())
     report.extend(f"warning: {w}" for w in said_once(warnings))  # one line per thing said, not per experiment
     return head_fp
+
+
+def _outside_project(exp) -> list[str]:
+    """The Hub sources whose relative local_dir is allowed to leave the project (a reviewer should see it)."""
+    return [
+        f"mixture.domains.{d}.source.local_dir_outside_project: true: files land in '{spec.source.local_dir}', "
+        "outside the project"
+        for d, spec in exp.config.mixture.domains.items()
+        if spec.source is not None and spec.source.local_dir_outside_project
+    ]
 
 
 def check_pr(base: str, cwd: Path, loads: Loads | None = None) -> tuple[list[str], list[str]]:

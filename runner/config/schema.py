@@ -34,6 +34,28 @@ SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 RATIO_SUM_TOLERANCE = 1e-9
 #: a Hub revision that names one commit (a branch or tag is resolved to one by `runner fetch`)
 COMMIT_HEX = re.compile(r"^[0-9a-f]{40}$")
+#: one part of a Hub repository id, as huggingface_hub's validate_repo_id checks it (ASCII here):
+#: 1-96 of [A-Za-z0-9_.-], starting and ending with a letter, digit or underscore
+_REPO_PART = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?$")
+
+
+def repo_id_problem(repo: str) -> str | None:
+    """Why `repo` is not an owner/name Hub repository id (the Hub client's rules), or None."""
+    parts = repo.split("/")
+    if len(parts) != 2 or not all(parts):
+        return "must be a Hub repository id, owner/name"
+    if not all(_REPO_PART.match(p) for p in parts):
+        return (
+            "must be a Hub repository id, owner/name: letters, digits, '-', '_', '.', each part at most 96, "
+            "not starting or ending with '-' or '.'"
+        )
+    if "--" in repo or ".." in repo:
+        return "must be a Hub repository id: '--' and '..' are not allowed"
+    if repo.endswith(".git"):
+        return "must be a Hub repository id: it cannot end in '.git'"
+    return None
+
+
 _GLOB = re.compile(r"[*?\[]")
 
 TokenDtype = Literal["uint16", "uint32"]
@@ -101,8 +123,9 @@ class HubFiles(Section):
     files: list[str] = field(default_factory=list)  #: paths in the repo, or fnmatch patterns (sample/10BT/*.parquet)
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        if self.repo.count("/") != 1 or not all(self.repo.split("/")):
-            problems.add(file, join_key(prefix, "repo"), f"'{self.repo}' must be a Hub repository id, owner/name")
+        wrong = repo_id_problem(self.repo)
+        if wrong:
+            problems.add(file, join_key(prefix, "repo"), f"'{self.repo[:200]}' {wrong}")
         if not self.revision:
             problems.add(
                 file, join_key(prefix, "revision"), "must name a commit (40 hex) or a branch or tag to resolve"
@@ -120,11 +143,32 @@ class DomainSource(HubFiles):
     the pool the experiment's manifest pin names."""
 
     local_dir: str = MISSING  #: where the files land (repo paths kept), relative to the project root or absolute
+    #: a relative local_dir that leaves the project (`../data`) is meant: check-pr names it (operational)
+    local_dir_outside_project: bool = False
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
         if not self.local_dir:
             problems.add(file, join_key(prefix, "local_dir"), "must name the folder the files land in")
+        elif local_dir_leaves_project(self.local_dir) and not self.local_dir_outside_project:
+            problems.add(
+                file,
+                join_key(prefix, "local_dir"),
+                f"'{self.local_dir[:200]}' leaves the project: give an absolute path (a data disk), or set "
+                "local_dir_outside_project: true if that is meant",
+            )
+
+
+def local_dir_leaves_project(local_dir: str) -> bool:
+    """A relative path whose `..` parts climb above the project root (an absolute one is a data disk)."""
+    if Path(local_dir).is_absolute():
+        return False
+    depth = 0
+    for part in Path(local_dir).parts:
+        depth += -1 if part == ".." else (0 if part == "." else 1)
+        if depth < 0:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -618,6 +662,7 @@ OPERATIONAL_KEYS = (
     "data.manifests.*.pool_tokens",
     "data.manifests.*.validation_tokens",
     "mixture.domains.*.source.local_dir",
+    "mixture.domains.*.source.local_dir_outside_project",
     "train.hard_stop_tokens",
     "train.checkpoint",
     "train.log_interval_steps",
