@@ -37,6 +37,32 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    from runner.export.sample import sample
+
+    got = sample(
+        args.target,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        step=args.step,
+    )
+    print(f"{got.prompt}{got.text}")
+    print(
+        f"({got.new_tokens} new tokens from {got.source}, temperature {args.temperature:g}, seed {args.seed})",
+        file=sys.stderr,
+    )
+    return EXIT_OK
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "export",
@@ -56,3 +82,19 @@ def register(subparsers) -> None:
         help=f"safetensors shards above this size are split, with an index (default {DEFAULT_MAX_SHARD_SIZE})",
     )
     p.set_defaults(func=cmd_export)
+
+    p = subparsers.add_parser(
+        "sample",
+        help="text from a run's checkpoint or an exported folder (transformers' generate, one process)",
+    )
+    p.add_argument(
+        "target", metavar="RUN_OR_DIR", help="a run folder (its last checkpoint, or --step) or an exported folder"
+    )
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N", help="tokens to generate (default 32)")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); above 0, sampled at T"
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="the sampling seed (default 0)")
+    p.add_argument("--step", type=_step, default=None, metavar="N", help="a run folder's checkpoint of step N")
+    p.set_defaults(func=cmd_sample)

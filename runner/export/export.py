@@ -20,6 +20,7 @@ from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
+from runner.config.load import Experiment
 from runner.errors import RunnerError
 from runner.export import DEFAULT_MAX_SHARD_SIZE, card, folder, verify
 from runner.export.source import Source, open_source
@@ -112,3 +113,23 @@ def _write_and_verify(src: Source, tmp: Path, dtype: str, max_shard_size: str, f
         fsync_file(path)
     fsync_dir(tmp)
     return verification
+
+
+def at_end_folder(run_dir: Path, exp: Experiment) -> Path | None:
+    """Where a finished run exports itself (`export.at_end`/<run id>), or None when the key is off.
+    Refused inside the run folder: export never changes a run folder."""
+    at_end = exp.config.export.at_end
+    if not at_end:
+        return None
+    out = exp.resolve_path(at_end) / run_dir.name
+    if out.resolve().is_relative_to(run_dir.resolve()):
+        raise RunnerError(f"{out} is inside the run folder; name a folder outside it", key="export.at_end")
+    return out
+
+
+def export_at_end(run_dir: Path, exp: Experiment, say: Callable[[str], None] = lambda line: None) -> Exported | None:
+    """The export a finished run's `export.at_end` asks for (its final checkpoint, `export.dtype`)."""
+    out = at_end_folder(run_dir, exp)
+    if out is None:
+        return None
+    return export_run(run_dir, out, dtype=exp.config.export.dtype, say=say)
