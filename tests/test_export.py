@@ -42,7 +42,7 @@ MOE = {
 }
 
 
-def _train(root: Path, **model_extra) -> Path:
+def _train(root: Path, export: dict | None = None, **model_extra) -> Path:
     exp = make_project(
         root,
         steps=STEPS,
@@ -52,13 +52,17 @@ def _train(root: Path, **model_extra) -> Path:
         eval_every=2,
         model_extra=model_extra,
     )
-    launch(root, exp, "--run-dir", "runs/r")
+    if export:
+        exp.write_text(yaml.safe_dump({**yaml.safe_load(exp.read_text()), "export": export}, sort_keys=False))
+    proc = launch(root, exp, "--run-dir", "runs/r")
+    (root / "launch.txt").write_text(proc.stdout)
     return root / "runs" / "r"
 
 
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory) -> Path:
-    return _train(tmp_path_factory.mktemp("llama"))  # tie_embeddings: true (make_project's model)
+    """The tied Llama (make_project's model), exporting itself at its end (`export.at_end`)."""
+    return _train(tmp_path_factory.mktemp("llama"), export={"at_end": "exports", "license": "apache-2.0"})
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +163,7 @@ def test_autotokenizer_gives_the_ids_the_run_trained_on(llama_run, llama_fp32):
 
 def test_the_card_carries_the_audited_reports_figures(llama_run, llama_fp32):
     card = ModelCard.load(llama_fp32 / "README.md")
-    assert card.data.library_name == "transformers" and card.data.license == "other"
+    assert card.data.library_name == "transformers" and card.data.license == "apache-2.0"  # export.license
     assert "runner" in card.data.tags and "llama" in card.data.tags
     tables = read_tables(llama_run / "report")
     exp = load_experiment(llama_run.parents[1] / "experiments" / "t.yaml")
@@ -330,3 +334,39 @@ def test_export_keys_are_operational_and_leave_the_fingerprint(llama_run):
     with pytest.raises(RunnerError, match="export.dtype"):
         load_experiment(path)
     path.unlink()
+
+
+# ---- export.at_end and runner sample ----------------------------------------------------------
+
+
+def test_a_finished_launch_exports_itself_where_export_at_end_says(llama_run):
+    root = llama_run.parents[1]
+    out = root / "exports" / llama_run.name  # export.at_end / <run id>, outside the run folder
+    assert f"export: {out.relative_to(root)} (bf16, verified" in (root / "launch.txt").read_text()
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert ModelCard.load(out / "README.md").data.license == "apache-2.0"  # export.license
+    assert json.loads((out / "export.json").read_text())["step"] == STEPS
+
+
+def test_sample_from_the_run_and_from_its_exported_folder_agree(llama_run, llama_fp32):
+    from runner.export.sample import sample
+
+    prompt = "def main("
+    from_run = sample(llama_run, prompt, max_new_tokens=6)
+    from_folder = sample(llama_fp32, prompt, max_new_tokens=6)
+    assert from_run.text == from_folder.text and from_run.new_tokens == 6
+    # The same greedy continuation as an argmax over the run's own model.
+    tok = AutoTokenizer.from_pretrained(llama_fp32)
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    model = _reference(llama_run, STEPS)
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert from_run.text == tok.decode(ids[0, -6:])
+    hot = [sample(llama_fp32, prompt, max_new_tokens=6, temperature=1.0, seed=s).text for s in (1, 1, 2)]
+    assert hot[0] == hot[1] != hot[2]  # seeded: reproducible, and not the greedy text of every seed
+    root = llama_run.parents[1]
+    proc = run_in_process(root, ["sample", str(root / "data"), "--prompt", "x"], env(root))
+    assert proc.returncode == 2 and "neither a run folder nor an exported model folder" in proc.stderr
+    proc = run_in_process(root, ["sample", str(llama_fp32), "--prompt", prompt, "--max-new-tokens", "3"], env(root))
+    assert proc.returncode == 0 and proc.stdout.startswith(prompt)

@@ -397,7 +397,9 @@ def _export_at_end(run_dir: Path, exp: Experiment) -> None:
         print(f"export: not written ({e})", file=sys.stderr)
         return
     if done is not None:
-        print(f"  export: {done.out} ({done.dtype}, verified; card {done.out / 'README.md'})")
+        print(
+            f"  export: {display_path(done.out)} ({done.dtype}, verified; card {display_path(done.out / 'README.md')})"
+        )
 
 
 def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
