@@ -370,3 +370,73 @@ def test_sample_from_the_run_and_from_its_exported_folder_agree(llama_run, llama
     assert proc.returncode == 2 and "neither a run folder nor an exported model folder" in proc.stderr
     proc = run_in_process(root, ["sample", str(llama_fp32), "--prompt", prompt, "--max-new-tokens", "3"], env(root))
     assert proc.returncode == 0 and proc.stdout.startswith(prompt)
+
+
+# ---- --push to the loopback Hub ----------------------------------------------------------------
+
+
+@pytest.fixture()
+def hub(monkeypatch):
+    from fakehub import FakeHub
+
+    with FakeHub() as server:
+        server.tokens.add("hf_writer")
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_writer")
+        yield server
+
+
+def test_push_commits_the_verified_folder_once_on_the_checkpoints_exposure_branch(llama_run, hub, tmp_path):
+    from huggingface_hub import HfApi, snapshot_download
+
+    root = llama_run.parents[1]
+    out = tmp_path / "pushed"
+    argv = ["export", str(llama_run), "--out", str(out), "--dtype", "fp32", "--push", "team/tiny", "--private"]
+    proc = run_in_process(root, argv, env(root, HF_ENDPOINT=hub.url, HF_TOKEN="hf_writer"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    exposure = STEPS * BATCH * SEQ_LEN  # the checkpoint's ledger: 4 steps x 8 x 16
+    branch = f"step-{STEPS:07d}-exposure-{exposure}"
+    assert branch == "step-0000004-exposure-512" and f"pushed: team/tiny branch {branch}" in proc.stdout
+    assert hub.repos[("model", "team/tiny")]["private"] is True
+    assert hub.commit_messages == ["runner export: step 4, exposure 512 tokens"]  # one commit per export
+    refs = {
+        b.name: b.target_commit for b in HfApi(endpoint=hub.url, token="hf_writer").list_repo_refs("team/tiny").branches
+    }
+    assert set(refs) == {"main", branch}
+    # What a user downloads from that branch is the exported folder, byte for byte, and it loads.
+    got = Path(snapshot_download("team/tiny", revision=branch, cache_dir=tmp_path / "cache", endpoint=hub.url))
+    for f in out.iterdir():
+        assert (got / f.name).read_bytes() == f.read_bytes(), f.name
+    assert AutoModelForCausalLM.from_pretrained(got).config.architectures == ["LlamaForCausalLM"]
+
+
+def test_push_failures_are_one_line_and_leave_no_branch_looking_complete(llama_fp32, hub, monkeypatch):
+    from runner.export.push import push_folder
+
+    def push(**kw):
+        return push_folder(llama_fp32, "team/tiny", step=STEPS, exposure_tokens=512, **kw)
+
+    pushed = push(revision="main")
+    assert pushed.branch == "main" and hub.repos[("model", "team/tiny")]["refs"]["main"] == pushed.commit
+    hub.fail_commits = True  # the commit fails after the branch was made: the branch goes again
+    with pytest.raises(RunnerError, match=r"push to .* failed \(400\).*branch step-0000004-exposure-512 removed"):
+        push()
+    assert set(hub.repos[("model", "team/tiny")]["refs"]) == {"main"}
+    hub.fail_commits, hub.refuse_writes = False, True
+    with pytest.raises(RunnerError, match=r"refused the push \(403\).*not created"):
+        push()
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    hub.refuse_writes = False
+    with pytest.raises(RunnerError, match=r"refused the token \(401\)"):
+        push()
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    with pytest.raises(RunnerError, match="cannot reach the Hub at http://127.0.0.1:9"):
+        push()
+    root = llama_fp32.parent
+    for name in ("HF_TOKEN", "HF_ENDPOINT"):
+        monkeypatch.delenv(name)
+    environ = {k: v for k, v in env(root).items() if k != "HF_TOKEN"}
+    environ["HF_HOME"] = str(root / "no-hf-home")  # no saved login either
+    proc = run_in_process(root, ["export", "x", "--out", str(root / "never"), "--push", "team/tiny"], environ)
+    assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "no Hugging Face token" in proc.stderr
+    assert not (root / "never").exists()

@@ -25,6 +25,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         step=args.step,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
+        push=args.push,
+        revision=args.revision,
+        private=args.private,
         say=lambda line: print(line, file=sys.stderr),
     )
     audit = done.verification
@@ -34,6 +37,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"{audit['model']['tolerance']:.3g}, tokenizer ids identical"
     )
     print(f"load it: AutoModelForCausalLM.from_pretrained({str(done.out)!r}); card: {done.out / 'README.md'}")
+    if done.pushed is not None:
+        p = done.pushed
+        print(f"pushed: {p.repo} branch {p.branch} commit {p.commit} ({p.url})")
     return EXIT_OK
 
 
@@ -81,6 +87,16 @@ def register(subparsers) -> None:
         metavar="SIZE",
         help=f"safetensors shards above this size are split, with an index (default {DEFAULT_MAX_SHARD_SIZE})",
     )
+    p.add_argument(
+        "--push", default=None, metavar="REPO", help="then commit the folder to this Hub repository (HF_TOKEN)"
+    )
+    p.add_argument(
+        "--revision",
+        default=None,
+        metavar="BRANCH",
+        help="the branch to commit to (default: step-NNNNNNN-exposure-TOKENS, the checkpoint's own)",
+    )
+    p.add_argument("--private", action="store_true", help="create the repository private (when it is new)")
     p.set_defaults(func=cmd_export)
 
     p = subparsers.add_parser(

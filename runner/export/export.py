@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 from runner.config.load import Experiment
 from runner.errors import RunnerError
 from runner.export import DEFAULT_MAX_SHARD_SIZE, card, folder, verify
+from runner.export.push import Pushed, check_token, push_folder
 from runner.export.source import Source, open_source
 from runner.fsio import fsync_dir, fsync_file
 
@@ -38,6 +39,7 @@ class Exported:
     verification: dict
     seconds: float
     files: list[str] = field(default_factory=list)
+    pushed: Pushed | None = None
 
 
 def _check_out(out: Path) -> None:
@@ -52,11 +54,19 @@ def export_run(
     step: int | None = None,
     dtype: str = "bf16",
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    push: str | None = None,
+    revision: str | None = None,
+    private: bool = False,
     say: Callable[[str], None] = lambda line: None,
 ) -> Exported:
-    """Export the checkpoint at `step` (default: the last) of the run at `run_dir` into `out`."""
+    """Export the checkpoint at `step` (default: the last) of the run at `run_dir` into `out`;
+    with `push`, then commit the verified folder to that Hub repository (runner.export.push)."""
     if dtype not in folder.DTYPES:
         raise RunnerError(f"unknown dtype {dtype!r}; one of {', '.join(folder.DTYPES)}", key="--dtype")
+    if (revision or private) and not push:
+        raise RunnerError("--revision and --private go with --push REPO", key="--revision" if revision else "--private")
+    if push:
+        check_token()  # before an export of minutes: a push that cannot happen is said now
     start = time.monotonic()
     out = Path(out)
     _check_out(out)
@@ -78,7 +88,14 @@ def export_run(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     files = sorted(p.name for p in out.iterdir())
-    return Exported(out, src, dtype, verification, time.monotonic() - start, files)
+    done = Exported(out, src, dtype, verification, time.monotonic() - start, files)
+    if push:
+        exposure = int(src.checkpoint.ledger_state()["exposure.total"][0])
+        say(f"push: {out} -> {push} (the folder stays, verified, whatever the Hub answers)")
+        done.pushed = push_folder(
+            out, push, step=src.step, exposure_tokens=exposure, revision=revision, private=private
+        )
+    return done
 
 
 @contextlib.contextmanager
