@@ -289,21 +289,26 @@ def test_a_folder_that_differs_from_the_run_is_an_error_and_is_removed(llama_run
 # ---- OLMoE, untied -----------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # its own run: ~15 s on 2 loaded cores
-def test_olmoe_untied_is_written_with_the_hubs_per_expert_keys_and_equals_the_run(moe_run, tmp_path):
-    out = tmp_path / "moe"
+@pytest.fixture(scope="module")
+def moe_fp32(moe_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("exports") / "moe"
     export_run(moe_run, out, dtype="fp32")
-    config = json.loads((out / "config.json").read_text())
+    return out
+
+
+@pytest.mark.slow  # its own run: ~15 s on 2 loaded cores
+def test_olmoe_untied_is_written_with_the_hubs_per_expert_keys_and_equals_the_run(moe_run, moe_fp32):
+    config = json.loads((moe_fp32 / "config.json").read_text())
     assert config["architectures"] == ["OlmoeForCausalLM"] and config["tie_word_embeddings"] is False
     assert (config["num_experts"], config["num_experts_per_tok"]) == (
         MOE["moe"]["n_experts"],
         MOE["moe"]["experts_per_token"],
     )
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
+    with safe_open(str(moe_fp32 / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in keys and "lm_head.weight" in keys
     assert not any(k.endswith("experts.gate_up_proj") for k in keys)  # the in-memory fused layout stays in memory
-    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(moe_fp32).eval()
     ids = _validation_ids(moe_run)
     with torch.no_grad():
         want = _reference(moe_run, STEPS)(input_ids=ids).logits
@@ -311,6 +316,52 @@ def test_olmoe_untied_is_written_with_the_hubs_per_expert_keys_and_equals_the_ru
     assert float((got - want).abs().max()) <= 1e-5
     src = open_source(moe_run)
     assert src.final and src.step == STEPS
+
+
+@pytest.mark.slow  # a process of its own (and, once, a pip install into the cache)
+def test_transformers_4_57_alone_loads_both_folders_with_the_same_logits(llama_run, llama_fp32, moe_run, moe_fp32):
+    from oldtransformers import consume
+
+    cases = ((llama_run, llama_fp32, "LlamaForCausalLM"), (moe_run, moe_fp32, "OlmoeForCausalLM"))
+    consumed = consume([(folder, _validation_ids(run).tolist(), "def main(") for run, folder, _ in cases])
+    for (run, folder, cls), got in zip(cases, consumed):
+        ids = _validation_ids(run)
+        assert got["version"].startswith("4.57.") and got["class"] == cls
+        with torch.no_grad():
+            want = _reference(run, STEPS)(input_ids=ids).logits
+        assert float((torch.tensor(got["logits"]) - want).abs().max()) <= 1e-5
+        tok = AutoTokenizer.from_pretrained(folder)
+        assert got["prompt_ids"] == tok("def main(")["input_ids"]
+        # pipeline("text-generation") there writes what transformers 5's generate writes here.
+        from runner.export.sample import sample
+
+        assert got["text"] == sample(folder, "def main(", max_new_tokens=6).text
+
+
+@pytest.mark.slow  # lm-eval's import alone takes seconds
+def test_lm_eval_hflm_scores_the_folder_as_the_runs_model(llama_run, llama_fp32):
+    lm_eval = pytest.importorskip("lm_eval", reason="the `eval` extra: pip install -e '.[eval]'")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    assert lm_eval.__version__ == "0.4.13"
+    lm = HFLM(pretrained=str(llama_fp32), dtype="float32", max_length=SEQ_LEN, device="cpu", batch_size=1)
+    pairs = [("def main(", " return x"), ("", "The license")]  # an empty context takes lm-eval's prefix token
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, idx=0) for pair in pairs])
+    tok = AutoTokenizer.from_pretrained(llama_fp32)
+    model = _reference(llama_run, STEPS)
+    for (context, continuation), (ll, _) in zip(pairs, got):
+        # docs/SPEC.md "Downstream evaluation": c = encode(context) (or [EOS], no BOS here), k the rest
+        if context:
+            c = tok(context)["input_ids"]
+            k = tok(context + continuation)["input_ids"][len(c) :]
+        else:
+            c, k = [tok.eos_token_id], tok(continuation, add_special_tokens=False)["input_ids"]
+        t = torch.tensor([(c + k)[-(SEQ_LEN + 1) :]])
+        with torch.no_grad():
+            logp = model(input_ids=t[:, :-1]).logits.float().log_softmax(-1)[0]
+        want = sum(float(logp[-len(k) + i, k[i]]) for i in range(len(k)))
+        assert ll == pytest.approx(want, abs=1e-4 + 1e-6 * abs(want))
 
 
 def test_export_keys_are_operational_and_leave_the_fingerprint(llama_run):
@@ -370,6 +421,13 @@ def test_sample_from_the_run_and_from_its_exported_folder_agree(llama_run, llama
     assert proc.returncode == 2 and "neither a run folder nor an exported model folder" in proc.stderr
     proc = run_in_process(root, ["sample", str(llama_fp32), "--prompt", prompt, "--max-new-tokens", "3"], env(root))
     assert proc.returncode == 0 and proc.stdout.startswith(prompt)
+    from transformers import pipeline
+
+    generate = pipeline("text-generation", model=str(llama_fp32), device="cpu")
+    assert (
+        generate(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
+        == from_run.text
+    )
 
 
 # ---- --push to the loopback Hub ----------------------------------------------------------------
