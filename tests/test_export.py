@@ -132,6 +132,7 @@ def test_fp32_folder_loads_with_transformers_alone_and_equals_the_runs_model(lla
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, 0, 0)
     generation = GenerationConfig.from_pretrained(llama_fp32)
     assert generation.eos_token_id == 0 and generation.pad_token_id == 0 and generation.bos_token_id is None
+    assert json.loads((llama_fp32 / "generation_config.json").read_text())["do_sample"] is False  # pipelines: greedy
     with safe_open(str(llama_fp32 / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys  # tied: stored once

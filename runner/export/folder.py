@@ -39,8 +39,10 @@ def write_folder(src: Source, dtype: str, out: Path, max_shard_size: str = DEFAU
 
 
 def generation_config(src: Source) -> GenerationConfig:
+    """EOS ends a sequence and pads a batch; greedy unless a caller asks to sample (written out:
+    transformers' text-generation pipeline samples at temperature 0.7 where the folder says nothing)."""
     eos = src.exp.config.tokenizer.eos_id
-    return GenerationConfig(bos_token_id=bos_id(src.exp), eos_token_id=eos, pad_token_id=eos)
+    return GenerationConfig(bos_token_id=bos_id(src.exp), eos_token_id=eos, pad_token_id=eos, do_sample=False)
 
 
 def _complete_config(path: Path, src: Source, dtype: str) -> None:
