@@ -189,7 +189,10 @@ def test_the_card_carries_the_audited_reports_figures(llama_run, llama_fp32):
     assert accounting["compute"]["convention"]["flops_formula"] == summary["flops_formula"]
     assert accounting["compute"]["device_hours"] == pytest.approx(summary["device_wall_seconds"] / 3600)
     assert accounting["audit"]["verdict"] in ("PASS", "UNVERIFIED") and accounting["audit"]["verdict"] in card.text
-    assert f"runner launch experiments/{exp.config.name}.yaml" in card.text
+    assert (
+        f"runner launch experiments/{exp.config.name}.yaml --run-name r   # fingerprint {exp.fingerprint[:12]}"
+        in card.text
+    )
     saved = yaml.safe_load((llama_fp32 / "experiment.yaml").read_text())
     assert experiment_from_dict(saved).fingerprint == exp.fingerprint
 

@@ -283,13 +283,30 @@ def card_text(src: Source, f: dict, dtype: str, verification: dict) -> str:
         "## Reproduce",
         "",
         "```bash",
-        f"runner launch experiments/{cfg.name}.yaml   # resolves to fingerprint {src.exp.fingerprint[:12]}",
+        *reproduce_lines(src),
         "```",
         "",
         f"`{EXPERIMENT}` here is the resolved experiment; `{ACCOUNTING}` holds these figures as JSON.",
         "",
     ]
     return "\n".join(lines)
+
+
+def reproduce_lines(src: Source) -> list[str]:
+    """The launches that retrain this run: the pinned experiment, then one `--extend-to` per later
+    segment (an extension changes the schedule's length, so it is part of what was trained)."""
+    cfg, run_id = src.exp.config, src.run.get("run_id") or src.run_dir.name
+    segments = src.run.get("segments") or []
+    first = segments[0].get("fingerprint", "")[:12] if segments else src.exp.fingerprint[:12]
+    lines = [f"runner launch experiments/{cfg.name}.yaml --run-name {run_id}   # fingerprint {first}"]
+    for seg in segments[1:]:
+        tokens = seg.get("exposure_tokens") or seg.get("max_duration_tokens")
+        lines.append(
+            f"runner launch runs/{cfg.name}/{run_id} --extend-to {tokens}   # fingerprint {str(seg.get('fingerprint'))[:12]}"
+        )
+    if src.final:
+        return lines
+    return lines + [f"# this export is of step {src.step:,}: checkpoints/{src.checkpoint.path.name} of that run"]
 
 
 def write(src: Source, out: Path, f: dict, dtype: str, verification: dict) -> None:
