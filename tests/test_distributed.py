@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from trainfixtures import env, launch, make_project
 
+from runner.export.export import export_run
 from runner.fsio import read_jsonl
 from runner.reports.audit import audit
 
@@ -126,6 +127,11 @@ def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tm
     wa, wb = _weights(one, 6), _weights(sharded, 6)
     assert set(wa) == set(wb) and all(wa[k].shape == wb[k].shape for k in wa)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+    # What FSDP2 wrote exports (issue 23): loaded back by transformers alone, equal to the run's model.
+    exported = export_run(sharded, tmp_path / "exported", dtype="fp32")
+    assert exported.verification["model"]["max_abs_logit_diff"] <= 1e-5
+    assert exported.verification["model"]["greedy_tokens_compared"] > 0
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
     # Sharded -> one process: stop the 2-rank FSDP run at step 3, finish it as a single process.
     _torchrun(root, exp, "--run-dir", "runs/down", "--max-steps", 3)

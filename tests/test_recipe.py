@@ -403,6 +403,7 @@ def test_the_config_is_typed_frozen_and_saves_as_before():
         "train",
         "data",
         "plan",
+        "export",  # operational (issue 23): saved with the run, never in the fingerprint
     ]
     again = experiment_from_dict(yaml.safe_load(to_yaml(cfg)))
     assert again.config == cfg and again.fingerprint == exp.fingerprint == SHIPPED_FINGERPRINTS["cpu-tiny.yaml"]

@@ -339,6 +339,8 @@ def _launch(args, held: contextlib.ExitStack) -> int:
                 print(f"mlflow: some data is still pending; send it with `runner sync {run_dir}`", file=sys.stderr)
         print(f"run {run_dir}: {status}")
         _print_summary(run_dir)
+        if status == "finished" and exp.config.export.at_end:
+            _export_at_end(run_dir, exp)
     acc.wait_for_everyone()
     acc.end_training()
     return code
@@ -381,6 +383,22 @@ def _print_summary(run_dir: Path) -> None:
     if ml.get("run_id"):
         print(
             f"  mlflow: run {ml['run_id']} in {ml.get('tracking_uri')}  (browse: mlflow ui --backend-store-uri {ml.get('tracking_uri')})"
+        )
+
+
+def _export_at_end(run_dir: Path, exp: Experiment) -> None:
+    """`export.at_end`: the finished run's final checkpoint exported and verified; a refusal is said
+    and leaves the run as it finished (its exit status is the training's)."""
+    from runner.export.export import export_at_end
+
+    try:
+        done = export_at_end(run_dir, exp, say=lambda line: print(line, file=sys.stderr))
+    except RunnerError as e:
+        print(f"export: not written ({e})", file=sys.stderr)
+        return
+    if done is not None:
+        print(
+            f"  export: {display_path(done.out)} ({done.dtype}, verified; card {display_path(done.out / 'README.md')})"
         )
 
 

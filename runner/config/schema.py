@@ -68,6 +68,7 @@ Accelerator = Literal["cpu", "cuda", "rocm"]
 Precision = Literal["bf16", "fp32"]
 Distributed = Literal["none", "ddp", "fsdp"]
 CpuPeak = Literal["theoretical", "measured"]
+ExportDtype = Literal["bf16", "fp32"]
 CompileScope = Literal["model", "regional"]
 Kernels = Literal["none", "liger"]
 CrossEntropy = Literal["plain", "chunked", "liger"]
@@ -583,6 +584,21 @@ class PlanSection(Section):
 
 
 @dataclass(frozen=True)
+class ExportSection(Section):
+    """What `runner export` writes and whether a run exports itself (operational: not in the fingerprint)."""
+
+    at_end: str | None = (
+        None  #: folder a finished run exports its final checkpoint to (outside the run folder); null = off
+    )
+    dtype: ExportDtype = "bf16"  #: weights' dtype of that export: bf16 | fp32
+    license: str | None = None  #: the model card's `license` (a Hub license id, e.g. apache-2.0); null = other
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        if self.at_end is not None and not str(self.at_end).strip():
+            problems.add(file, join_key(prefix, "at_end"), "must be a folder path, or null (no export at the end)")
+
+
+@dataclass(frozen=True)
 class ExperimentSchema(Section):
     """The resolved experiment: every section present, defaults filled, interpolations resolved."""
 
@@ -600,6 +616,7 @@ class ExperimentSchema(Section):
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
     plan: PlanSection = field(default_factory=PlanSection)
+    export: ExportSection = field(default_factory=ExportSection)  #: `runner export` (operational)
 
     def validate(self, problems: Problems, file: File, prefix: str = "") -> None:
         """Every section's own rules (the rules across sections are runner.config.rules')."""
@@ -624,7 +641,19 @@ RECIPE_SCHEMAS: dict[str, type[Recipe]] = {
     "eval": EvalRecipe,
 }
 #: keys an experiment file may hold at top level (the rest come from recipes)
-EXPERIMENT_KEYS = ("name", "version", "description", "base", "seed", "recipes", "overrides", "train", "data", "plan")
+EXPERIMENT_KEYS = (
+    "name",
+    "version",
+    "description",
+    "base",
+    "seed",
+    "recipes",
+    "overrides",
+    "train",
+    "data",
+    "plan",
+    "export",
+)
 
 
 def literal_choices(typ: Any) -> tuple[str, ...] | None:
@@ -656,6 +685,7 @@ CHOICES = _choices(ExperimentSchema)
 OPERATIONAL_KEYS = (
     "recipes",
     "plan",
+    "export",
     "tokenizer.path",
     "data.manifests.*.path",
     # implied by the manifest's sha256, which is in the fingerprint: pinning them changes no training
