@@ -149,3 +149,78 @@ def test_shape_comes_from_the_experiment_when_readable(bench, tmp_path):
     assert shape["vocab_size"] % 64 == 0
     _, fallback = bench.load_shape(tmp_path / "missing.yaml")
     assert fallback.startswith("built-in 1p3b defaults")
+
+
+def test_a_hung_warm_up_is_cut_at_the_variant_time_box(bench, monkeypatch):
+    """A compile that never ends (here: a step that never returns) becomes a `timeout` row at the box."""
+    import time
+
+    def hang(*args, **kwargs):
+        while True:  # Python between kernels, as compile runs: where the alarm's exception lands
+            time.sleep(0.01)
+
+    monkeypatch.setattr(bench, "build_model", lambda shape, v, device: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(bench, "train_step", hang)
+    t0 = time.perf_counter()
+    row = bench.run_variant(
+        bench.Variant("compile-regional mb1", 1),
+        bench.TINY_SHAPE,
+        torch.device("cpu"),
+        deadline=time.perf_counter() + 0.5,
+        warmup_steps=1,
+        timed_steps=1,
+        fpt=1.0,
+        peak_tflops=None,
+        ceiling_tflops=None,
+    )
+    assert row.status == "timeout" and row.detail.startswith("warm-up (compile) passed the variant's time box")
+    assert time.perf_counter() - t0 < 30  # the box (0.5 s + 1 s grace), not the hang
+
+
+@pytest.mark.slow
+def test_a_bench_killed_at_its_cap_leaves_its_rows_and_the_table_reads_them(tmp_path):
+    """SIGKILL (what `timeout` sends at a phase's cap) after the first measured row: bench.json holds
+    every row so far, valid JSON marked incomplete, and device_table builds the table from it."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    bench_json = out / "bench.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--cpu-tiny", "--out", str(bench_json), "--budget-s", "600"]
+        + ["--matmul-s", "0.2", "--variant-s", "600"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    rows: list = []
+    t0 = time.monotonic()
+    while not any(r["status"] == "ok" for r in rows) and proc.poll() is None and time.monotonic() - t0 < SUBPROCESS_TIMEOUT_S:
+        try:  # the file is replaced atomically: every read is one whole JSON document
+            rows = json.loads(bench_json.read_text())["rows"]
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)
+    still_running = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert still_running, proc.stderr.read()[-2000:]  # killed mid-ladder, not after it ended
+    result = json.loads(bench_json.read_text())
+    assert result["complete"] is False and len(result["rows"]) >= 3
+    assert [r["variant"] for r in result["rows"][:3]] == ["1p3b recipe mb2", "1p3b recipe liger mb2", "plain mb2"]
+    assert result["matmul"]["best_tflops"] > 0
+    work = tmp_path / "work"
+    work.mkdir()
+    table = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "device_table.py"), "table", "--out", str(out), "--work", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        cwd=ROOT,
+    )
+    assert table.returncode == 0, table.stderr[-2000:]
+    text = (out / "table.md").read_text()
+    assert f"partial: the bench stopped after {len(result['rows'])} rows" in text
+    assert all(f"| {r['variant']} |" in text for r in result["rows"])
