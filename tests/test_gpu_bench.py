@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -197,11 +198,13 @@ def test_a_bench_killed_at_its_cap_leaves_its_rows_and_the_table_reads_them(tmp_
     )
     rows: list = []
     t0 = time.monotonic()
-    while not any(r["status"] == "ok" for r in rows) and proc.poll() is None and time.monotonic() - t0 < SUBPROCESS_TIMEOUT_S:
-        try:  # the file is replaced atomically: every read is one whole JSON document
+    while (
+        not any(r["status"] == "ok" for r in rows)
+        and proc.poll() is None
+        and time.monotonic() - t0 < SUBPROCESS_TIMEOUT_S
+    ):
+        with contextlib.suppress(FileNotFoundError):  # replaced atomically: each read is one whole document
             rows = json.loads(bench_json.read_text())["rows"]
-        except FileNotFoundError:
-            pass
         time.sleep(0.05)
     still_running = proc.poll() is None
     proc.send_signal(signal.SIGKILL)

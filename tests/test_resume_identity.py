@@ -53,7 +53,10 @@ def test_gpu_noise_passes_on_a_gpu_and_fails_on_a_cpu(weights):
     assert on_gpu.ok and 0 < on_gpu.max_relative_difference < GPU_RELATIVE_TOLERANCE
     assert on_gpu.worst_tensor == "embed.weight"
     text = on_gpu.describe()
-    assert text.startswith("within tolerance: max relative difference") and "allowed 1e-03 relative per tensor on cuda" in text
+    assert (
+        text.startswith("within tolerance: max relative difference")
+        and "allowed 1e-03 relative per tensor on cuda" in text
+    )
 
 
 def test_a_resume_bug_fails_on_a_gpu_too(weights):

@@ -494,10 +494,7 @@ def cmd_smoke(args) -> int:
     tps = statistics.median(r["tokens_per_second"] for r in steady)
     mfu = statistics.median(r["mfu"] for r in steady)
     print(f"smoke: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, all finite")
-    print(
-        f"smoke: kill at step {kill_at} + resume: weights {identity.describe()}, "
-        f"lost tokens {lb['total']['lost']}"
-    )
+    print(f"smoke: kill at step {kill_at} + resume: weights {identity.describe()}, lost tokens {lb['total']['lost']}")
     print(f"smoke: measured {tps:,.0f} tokens/s, MFU {mfu:.2%} (median of steps 3..{steps})")
     try:
         plan = build_plan(cfg, calibration=read_calibration(ref, cfg), root=full.project_root)
