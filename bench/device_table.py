@@ -268,7 +268,8 @@ def render(out: Path, work: Path, command: str) -> str:
     failures = [f"test {t}" for t in failed_tests]
     for p in phases:
         if p.get("rc") not in p.get("expected", [0]):
-            failures.append(f"phase {p['phase']}: exit {p.get('rc')} (expected {p.get('expected', [0])})")
+            killed = " killed at its cap" if p.get("note") == "killed at its cap" else ""
+            failures.append(f"phase {p['phase']}: exit {p.get('rc')}{killed} (expected {p.get('expected', [0])})")
     pk = env.get("packages", {})
     total = sum(float(p.get("seconds", 0)) for p in phases)
     lines = [
@@ -282,10 +283,17 @@ def render(out: Path, work: Path, command: str) -> str:
         + (", ".join(f"{k} {v}" for k, v in (env.get("attention_kernels") or {}).items()) or "-"),
         "",
         f"Command: `{command}`; {total:.0f} s. pytest -m gpu: {tests}. Phases: "
-        + ", ".join(f"{p['phase']} {p.get('rc')} ({float(p.get('seconds', 0)):.0f} s)" for p in phases)
+        + ", ".join(
+            f"{p['phase']} {p.get('rc')} ({float(p.get('seconds', 0)):.0f} s"
+            + (f" of {p['cap']}" if p.get("cap") is not None else "")
+            + ")"
+            for p in phases
+        )
         + ".",
         "",
     ]
+    if (work / "budget.md").exists():  # what each phase was allowed, before what it did
+        lines += [(work / "budget.md").read_text().strip(), ""]
     if bench:
         lines += _bench_lines(bench, failures) + [""]
     else:

@@ -560,7 +560,11 @@ class VariantTimeout(BaseException):
 def time_box(until: float):
     """Interrupt the body at perf_counter() == `until` (SIGALRM; the main thread only, else unbounded).
     Compile runs Python between its kernels, where the alarm's exception lands."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+    if (
+        not math.isfinite(until)
+        or threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "setitimer")
+    ):
         yield
         return
     seconds = max(until - time.perf_counter(), 0.001)

@@ -77,7 +77,9 @@ def test_measured_rows_are_consistent(tiny_result):
 def test_the_ladder_and_the_smoke_row(tiny_result):
     result, _ = tiny_result
     names = [r["variant"] for r in result["rows"]]
-    assert names[:3] == ["plain mb2", "liger mb2", "chunked-ce mb2"]
+    # what decides first (1p3b's own settings, with and without Liger), then the ladder
+    assert names[:5] == ["1p3b recipe mb2", "1p3b recipe liger mb2", "plain mb2", "liger mb2", "chunked-ce mb2"]
+    assert result["complete"] is True and result["part"] == "all"
     smoke = next(r for r in result["rows"] if r["shape"] == "smoke")
     # the CPU stand-in's own settings, as runner launch runs them: chunked loss, fp32, auto micro batch
     assert smoke["variant"].startswith("gpu-smoke-cpu settings") and smoke["cross_entropy"] == "chunked"
@@ -167,7 +169,7 @@ def test_a_hung_warm_up_is_cut_at_the_variant_time_box(bench, monkeypatch):
         bench.Variant("compile-regional mb1", 1),
         bench.TINY_SHAPE,
         torch.device("cpu"),
-        deadline=time.perf_counter() + 0.5,
+        deadline=time.perf_counter() + 5,
         warmup_steps=1,
         timed_steps=1,
         fpt=1.0,
@@ -175,7 +177,7 @@ def test_a_hung_warm_up_is_cut_at_the_variant_time_box(bench, monkeypatch):
         ceiling_tflops=None,
     )
     assert row.status == "timeout" and row.detail.startswith("warm-up (compile) passed the variant's time box")
-    assert time.perf_counter() - t0 < 30  # the box (0.5 s + 1 s grace), not the hang
+    assert time.perf_counter() - t0 < 60  # the box (5 s + 1 s grace), not the hang
 
 
 @pytest.mark.slow
