@@ -164,12 +164,13 @@ def test_a_hung_warm_up_is_cut_at_the_variant_time_box(bench, monkeypatch):
 
     monkeypatch.setattr(bench, "build_model", lambda shape, v, device: torch.nn.Linear(2, 2))
     monkeypatch.setattr(bench, "train_step", hang)
+    torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), fused=True)  # its first use imports for seconds
     t0 = time.perf_counter()
     row = bench.run_variant(
         bench.Variant("compile-regional mb1", 1),
         bench.TINY_SHAPE,
         torch.device("cpu"),
-        deadline=time.perf_counter() + 5,
+        deadline=time.perf_counter() + 2,
         warmup_steps=1,
         timed_steps=1,
         fpt=1.0,
@@ -177,7 +178,7 @@ def test_a_hung_warm_up_is_cut_at_the_variant_time_box(bench, monkeypatch):
         ceiling_tflops=None,
     )
     assert row.status == "timeout" and row.detail.startswith("warm-up (compile) passed the variant's time box")
-    assert time.perf_counter() - t0 < 60  # the box (5 s + 1 s grace), not the hang
+    assert time.perf_counter() - t0 < 60  # the box (2 s + 1 s grace), not the hang
 
 
 @pytest.mark.slow
