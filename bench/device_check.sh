@@ -89,7 +89,7 @@ declare -A CAP=([wheels]=45 [env]=30 [bench-decisive]=150 [corpus]=20 [pytest-gp
 declare -A WHAT=([wheels]="omegaconf, pandera, liger-kernel from bench/wheels (only when missing)"
   [env]="torch, CUDA/ROCm, device, driver, kernels that import"
   [bench-decisive]="matmul ceiling; 1p3b recipe (whole-model compile, plain loss, bf16) with and without Liger"
-  [corpus]="runner data builtin" [pytest-gpu]="pytest -m gpu tests/test_gpu.py, 2 workers"
+  [corpus]="runner data builtin" [pytest-gpu]="pytest -m gpu tests/test_gpu.py, 2 workers (1 without pytest-xdist)"
   [memory-probe]="memory plan vs saved-tensor probe at gpu-smoke's shape"
   [launch-killed]="runner launch gpu-smoke, SIGKILLed in step $KILL_AT (checkpoint at 6)"
   [resume]="resume to step 16, one evaluation at the end" [audit]="runner audit of that run"
@@ -168,7 +168,9 @@ phase bench-decisive 0 "$PY" bench/gpu_bench.py "${BENCH_FLAGS[@]}" --part decis
 phase corpus 0 "$PY" -m runner data builtin
 # pytest's exit 5 = nothing collected to run: every test skipped for want of a GPU (--cpu-tiny);
 # -n 2: pyproject's `-n auto` would start a worker (and a CUDA context) per core of the device
-phase pytest-gpu 0,5 bash -c "set -o pipefail; '$PY' -m pytest -n 2 -m gpu tests/test_gpu.py -p no:cacheprovider -rfEs 2>&1 | tee '$WORK/pytest.txt'"
+# (without pytest-xdist on the device, its addopts would not parse: one process, addopts cleared)
+if "$PY" -c "import xdist" >/dev/null 2>&1; then WORKERS="-n 2"; else WORKERS="-o addopts="; fi
+phase pytest-gpu 0,5 bash -c "set -o pipefail; '$PY' -m pytest $WORKERS -m gpu tests/test_gpu.py -p no:cacheprovider -rfEs 2>&1 | tee '$WORK/pytest.txt'"
 phase memory-probe 0 "$PY" bench/memory_probe.py --experiment "$SMOKE" --micro-batches "$PROBE_MICRO" \
   --out "$OUT_DIR/probe.json"
 rm -rf "$RUN_DIR"
