@@ -84,8 +84,8 @@ KILL_AT=8   # gpu-smoke checkpoints at step 6: the resume redoes steps 7-8, then
 # Each phase's cap in seconds on a GPU (x SCALE on --cpu-tiny; --cap overrides), in the order they run.
 # bench-rest has none: it takes what the others leave. Caps are bounds, not estimates.
 PHASE_ORDER=(wheels env bench-decisive corpus pytest-gpu memory-probe launch-killed resume audit bench-rest)
-declare -A CAP=([wheels]=45 [env]=30 [bench-decisive]=150 [corpus]=20 [pytest-gpu]=60 [memory-probe]=40
-  [launch-killed]=75 [resume]=60 [audit]=20)
+declare -A CAP=([wheels]=30 [env]=20 [bench-decisive]=150 [corpus]=15 [pytest-gpu]=50 [memory-probe]=30
+  [launch-killed]=90 [resume]=90 [audit]=15)
 declare -A WHAT=([wheels]="omegaconf, pandera, liger-kernel from bench/wheels (only when missing)"
   [env]="torch, CUDA/ROCm, device, driver, kernels that import"
   [bench-decisive]="matmul ceiling; 1p3b recipe (whole-model compile, plain loss, bf16) with and without Liger"
@@ -118,8 +118,9 @@ say() { echo "== device_check: $*" | tee -a "$LOG"; }
     echo "| $i | $name | $cap | ${WHAT[$name]} |"
   done
   echo ""
-  echo "Bench's share: bench-decisive's ${CAP[bench-decisive]} s first, then bench-rest: at least"\
-    "$((BUDGET_S - fixed > 0 ? BUDGET_S - fixed : 0)) s if every other phase ran to its cap, more as they end sooner."
+  echo "Bench's share: bench-decisive's ${CAP[bench-decisive]} s first; bench-rest what the others leave:"\
+    "$((BUDGET_S - fixed > 0 ? BUDGET_S - fixed : 0)) s if every phase ran to its cap (the caps add up to"\
+    "${fixed} s of ${BUDGET_S}: the budget cuts the last phases first), more as they end sooner."
 } > "$WORK/budget.md"
 tee -a "$LOG" < "$WORK/budget.md"
 
