@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import EXIT_DISCREPANCY, EXIT_NONFINITE, EXIT_OK, RunnerError, display_path
-from runner.fsio import read_json, read_jsonl, sha256_file
+from runner.fsio import read_json, read_jsonl
 
 if TYPE_CHECKING:
     from runner.config.load import Experiment
@@ -458,12 +458,14 @@ def _launch_cmd(run_dir: Path, *extra: str) -> list[str]:
 
 
 def cmd_smoke(args) -> int:
-    """`runner smoke`: one short run killed and resumed against one uninterrupted, compared bit for bit
+    """`runner smoke`: one short run killed and resumed against one uninterrupted, compared bit for bit on
+    a CPU and within a stated tolerance on a GPU (runner.training.resume_identity)
     (long: a scripted scenario whose steps read as a sequence)."""
     from runner.config.load import experiment_from_dict, load_experiment
     from runner.planning.plan import build_plan, read_calibration
     from runner.runs import create_run_folder
     from runner.training.checkpoint import dirname
+    from runner.training.resume_identity import compare_weights
 
     full = load_experiment(args.experiment)
     cfg = full.config
@@ -495,9 +497,9 @@ def cmd_smoke(args) -> int:
         problems.append(f"resumed run exited {rc}")
     final = dirname(steps)
     a, b = ref / "checkpoints" / final / "model.safetensors", res / "checkpoints" / final / "model.safetensors"
-    same_weights = a.exists() and b.exists() and sha256_file(a) == sha256_file(b)
-    if not same_weights:
-        problems.append("weights after kill+resume differ from the uninterrupted run")
+    identity = compare_weights(a, b, str(cfg.hardware.accelerator))
+    if not identity.ok:
+        problems.append(f"weights after kill+resume differ from the uninterrupted run: {identity.describe()}")
     la, lb = (read_json(d / "ledger.json")["counters"] for d in (ref, res))
     for d in la:
         for k in ("exposure", "useful", "unique"):
@@ -511,10 +513,7 @@ def cmd_smoke(args) -> int:
     tps = statistics.median(r["tokens_per_second"] for r in steady)
     mfu = statistics.median(r["mfu"] for r in steady)
     print(f"smoke: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, all finite")
-    print(
-        f"smoke: kill at step {kill_at} + resume: weights {'bit-identical' if same_weights else 'DIFFERENT'}, "
-        f"lost tokens {lb['total']['lost']}"
-    )
+    print(f"smoke: kill at step {kill_at} + resume: weights {identity.describe()}, lost tokens {lb['total']['lost']}")
     print(f"smoke: measured {tps:,.0f} tokens/s, MFU {mfu:.2%} (median of steps 3..{steps})")
     try:
         plan = build_plan(cfg, calibration=read_calibration(ref, cfg), root=full.project_root)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import importlib
 import json
 import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx2
+import huggingface_hub
 from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -52,6 +53,9 @@ from runner.data.manifest import recipe_key
 from runner.errors import RunnerError
 from runner.fsio import atomic_write, fsync_dir
 
+# The HTTP client whose errors the Hub client raises: httpx2 for huggingface_hub 2.x, httpx for 1.x
+# (the range transformers 5.17, the GPU image's, requires). Both are supported (pyproject.toml).
+_http = importlib.import_module("httpx2" if int(huggingface_hub.__version__.split(".")[0]) >= 2 else "httpx")
 _GLOB_CHARS = "*?["
 
 
@@ -269,7 +273,7 @@ class _hub_errors:
         if err is None or isinstance(err, RunnerError):
             return False
         a = self.asset
-        if isinstance(err, (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled)):
+        if isinstance(err, (_http.ConnectError, _http.TimeoutException, OfflineModeIsEnabled)):
             msg = f"cannot reach the Hub at {self.endpoint} ({type(err).__name__}: {_first_line(err)}): check the network or HF_ENDPOINT"
         elif isinstance(err, GatedRepoError):
             msg = f"{a.repo} is gated: accept its terms at {self.endpoint}/{a.repo} and set HF_TOKEN"
@@ -279,7 +283,7 @@ class _hub_errors:
             msg = f"no {a.repo_type} repository {a.repo} (or it is private: set HF_TOKEN)"
         elif isinstance(err, RemoteEntryNotFoundError):
             msg = f"a file is missing from {a.repo}: {_first_line(err)}"
-        elif isinstance(err, (HfHubHTTPError, httpx2.HTTPError, OSError)):
+        elif isinstance(err, (HfHubHTTPError, _http.HTTPError, OSError)):
             msg = f"download from {self.endpoint} failed: {type(err).__name__}: {_first_line(err)}"
         else:
             return False

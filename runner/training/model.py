@@ -145,8 +145,26 @@ def build_model(cfg: ExperimentSchema) -> RunnerLlama | OlmoeForCausalLM:
         apply_kernels(llama, cfg.model.kernels)
         model = llama
     if cfg.model.activation_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     return model
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant). transformers
+    5.2x names it `activation_checkpointing_enable` (`gradient_checkpointing_enable` its deprecated
+    alias); 5.17, the GPU image's, has only `gradient_checkpointing_enable`: whichever exists."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def is_activation_checkpointing(model: Any) -> bool:
+    """Whether `enable_activation_checkpointing` is on, under either transformers' name."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(on if on is not None else model.is_gradient_checkpointing)
 
 
 def apply_kernels(model: LlamaForCausalLM, kernels: str) -> None:
