@@ -152,6 +152,14 @@ class AttentionBackend:
         return asdict(self)
 
 
+def attention_context(runtime: dict[str, Any]) -> contextlib.AbstractContextManager:
+    """The SDPA kernel pin of a runtime record (apply_runtime_settings checked it), as the context the
+    loop enters around each micro step's forward and backward and around evaluation: what is
+    recorded as `sdpa_kernel` is the kernel that runs (activation recomputation in backward included)."""
+    pinned = AttentionBackend(str(runtime["attn_implementation"]), runtime.get("sdpa_kernel"), "")
+    return pinned.context()
+
+
 def _sdpa_backend(kernel: str) -> SDPBackend:
     return {
         "flash": SDPBackend.FLASH_ATTENTION,

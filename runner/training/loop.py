@@ -40,6 +40,7 @@ from runner.training import experts as experts_mod
 from runner.training.backends import (
     SHARD_RUNNER_CPU,
     apply_runtime_settings,
+    attention_context,
     execution_record,
     shard_fsdp2_cpu,
     sharding_mode,
@@ -563,7 +564,7 @@ def _train_step(run: _Run, step: int) -> _Step:
     for m in range(run.accum):
         sl = slice(m * run.micro, (m + 1) * run.micro)
         sync = contextlib.nullcontext() if m == run.accum - 1 else run.no_sync()
-        with sync:
+        with sync, attention_context(run.runtime):  # model.sdpa_kernel, forward and backward
             if run.experts is None:
                 # The head and the loss run inside the model's forward (model.cross_entropy picks how).
                 summed = model(input_ids=x[sl], loss_targets=y[sl], loss_mask=mask[sl])
@@ -722,9 +723,10 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
 
 def _evaluate(run: _Run, step: int) -> None:
     total = run.ledger.counters()["total"]
-    rows = evaluate.evaluate(
-        run.raw_model, run.data, run.acc, run.cfg.eval.micro_batch_sequences, step, int(total["exposure"])
-    )
+    with attention_context(run.runtime):
+        rows = evaluate.evaluate(
+            run.raw_model, run.data, run.acc, run.cfg.eval.micro_batch_sequences, step, int(total["exposure"])
+        )
     # Where the run stood when this evaluation ended: time-to-target is recounted from these (SPEC).
     wall, device_wall = run.journal_time()
     stamp = {"useful_tokens": int(total["useful"]), "wall_seconds": wall, "device_wall_seconds": device_wall}
