@@ -24,6 +24,7 @@ from runner.config.schema import ExperimentSchema
 from runner.errors import RunnerError
 from runner.training import loss as losses
 from runner.training.backends import check_attention_backend
+from runner.training.experts import autocast_experts
 
 # transformers' own RoPE: Liger replaces this module-level function, so the model built last in a
 # process decides which one runs (a process trains one model; the bench builds them one at a time).
@@ -155,13 +156,17 @@ def experts_implementation(cfg: ExperimentSchema) -> str:
     return "eager" if cfg.hardware.accelerator == "cpu" else "grouped_mm"
 
 
-def _build_olmoe(cfg: ExperimentSchema, backend: str) -> OlmoeForCausalLM:
-    return OlmoeForCausalLM._from_config(
+def _build_olmoe(cfg: ExperimentSchema, backend: str, experts: str | None = None) -> OlmoeForCausalLM:
+    """OLMoE in fp32 with `experts` (default: experts_implementation(cfg)); its grouped experts run in the
+    autocast dtype under autocast, as Linear layers do (runner.training.experts.autocast_experts)."""
+    model = OlmoeForCausalLM._from_config(
         copy.deepcopy(olmoe_config(cfg)),
         attn_implementation=backend,
-        experts_implementation=experts_implementation(cfg),
+        experts_implementation=experts or experts_implementation(cfg),
         dtype=torch.float32,
     )
+    autocast_experts(model)
+    return model
 
 
 def build_model(cfg: ExperimentSchema) -> RunnerLlama | OlmoeForCausalLM:
