@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -262,6 +263,19 @@ def test_launch_turns_the_config_into_an_fsdp2_plugin(name, monkeypatch):
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    # The plugin the runner hands Accelerator for a GPU recipe: bf16 compute, fp32 gradient reduction,
+    # kept when AcceleratorState applies the launch's mixed precision (accelerate's own would reduce in bf16).
+    hardware = yaml.safe_load((ROOT / "recipes/hardware/h200-1x8-fsdp.yaml").read_text())
+    ours = backends.fsdp_plugin(replace(H200_HW, distributed=hardware["distributed"]))
+    ours.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])
+    plugin.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])
+    assert (ours.fsdp_version, ours.reshard_after_forward) == (2, True)
+    policy = ours.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16  # what accelerate alone would do
+    acc = SimpleNamespace(distributed_type=SimpleNamespace(name="FSDP"), state=SimpleNamespace(fsdp_plugin=ours))
+    assert backends.fsdp_record(acc) == {"fsdp_param_dtype": "torch.bfloat16", "fsdp_reduce_dtype": "torch.float32"}
+    assert backends.fsdp_plugin(H200_HW, environ={}) is None  # DDP or one process: accelerate's defaults
 
 
 def _acc(kind: str, world: int, device: str = "cuda", fsdp_version: int = 2):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
 import typing
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, packages_distributions
@@ -569,6 +570,37 @@ def sharding_mode(hardware_cfg: HardwareRecipe, acc: Any, *, file: str | None = 
         file=file,
         key="hardware.distributed",
     )
+
+
+def fsdp_plugin(hardware_cfg: HardwareRecipe, environ: typing.Mapping[str, str] | None = None) -> Any:
+    """The FSDP2 plugin for `Accelerator(fsdp_plugin=...)` when `accelerate launch` set up FSDP2 (its
+    FSDP_* environment gives the rest), else None. A bf16 recipe gets bf16 parameters for compute and
+    fp32 gradient reduction: accelerate's default policy reduces in bf16, and under no_sync FSDP2
+    accumulates the unsharded gradients in the reduce dtype, so bf16 would make FSDP runs round
+    what DDP runs (fp32 gradients of the fp32 parameters under autocast) sum exactly."""
+    environ = os.environ if environ is None else environ
+    if environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or environ.get("FSDP_VERSION") != "2":
+        return None  # FSDP1 is refused by sharding_mode, with its way out
+    # accelerate and FSDP2 only on this path: a DDP or single-process run never imports them here.
+    from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: PLC0415
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415
+
+    policy = None
+    if accelerate_mixed_precision(hardware_cfg) == "bf16":
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
+        )
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+
+
+def fsdp_record(acc: Any) -> dict[str, Any]:
+    """The FSDP2 mixed-precision policy accelerate holds (None under DDP or one process), for run.json `runtime`."""
+    plugin = getattr(acc.state, "fsdp_plugin", None) if acc.distributed_type.name == "FSDP" else None
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    return {
+        "fsdp_param_dtype": _str_or_none(getattr(policy, "param_dtype", None)),
+        "fsdp_reduce_dtype": _str_or_none(getattr(policy, "reduce_dtype", None)),
+    }
 
 
 def shard_fsdp2_cpu(model: torch.nn.Module, world: int) -> torch.nn.Module:

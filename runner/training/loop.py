@@ -42,6 +42,7 @@ from runner.training.backends import (
     apply_runtime_settings,
     attention_context,
     execution_record,
+    fsdp_record,
     shard_fsdp2_cpu,
     sharding_mode,
 )
@@ -342,6 +343,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
 
     runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
     sharding = runtime["sharding"] = sharding_mode(cfg.hardware, acc)
+    runtime.update(fsdp_record(acc))
     if cfg.train.micro_batch_policy == "auto":
         micro, why = choose_micro_batch(cfg, world, _device_memory_bytes(acc))
         accum = B // (micro * world)
