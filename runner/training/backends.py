@@ -603,6 +603,35 @@ def fsdp_record(acc: Any) -> dict[str, Any]:
     }
 
 
+def ddp_kwargs_handlers() -> list[Any]:
+    """accelerate's kwargs for the DDP wrapper it builds: no buffer broadcast before every forward (a
+    collective per micro batch, and a graph break under compile); the models' only buffers, RoPE's
+    inv_freq, are computed from the config alike on every rank and synced when DDP is built."""
+    from accelerate.utils import DistributedDataParallelKwargs  # noqa: PLC0415  (accelerate: launch only)
+
+    return [DistributedDataParallelKwargs(broadcast_buffers=False)]
+
+
+def ddp_compile_settings(model: torch.nn.Module, compile_on: bool) -> dict[str, Any]:
+    """Before compiling a DDP-wrapped model: dynamo's DDP optimizer off, so compiled graphs stay whole
+    (it splits every graph at the gradient buckets: ~210 subgraphs for 1p3b whole-model, 8 per regional
+    layer; the price is no overlap of the one all-reduce per optimizer step with the whole model's
+    backward, whereas regional graphs still overlap it layer by layer). Returns the DDP settings that
+    ran, read off the wrapper, for run.json `runtime` (None without DDP)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return {"ddp_broadcast_buffers": None, "ddp_bucket_cap_mb": None, "dynamo_optimize_ddp": None}
+    optimize_ddp = None
+    if compile_on:
+        dynamo_config: Any = torch._dynamo.config  # dynamo is imported only by a compiled run
+        dynamo_config.optimize_ddp = False
+        optimize_ddp = bool(dynamo_config.optimize_ddp)
+    return {
+        "ddp_broadcast_buffers": bool(model.broadcast_buffers),
+        "ddp_bucket_cap_mb": round(int(model.bucket_bytes_cap) / 2**20, 3),
+        "dynamo_optimize_ddp": optimize_ddp,
+    }
+
+
 def shard_fsdp2_cpu(model: torch.nn.Module, world: int) -> torch.nn.Module:
     """FSDP2 full shard over `world` CPU (gloo) processes: each decoder layer is one unit, then the root."""
     # FSDP2's public API exists from torch 2.6 (the dependency allows 2.4): only CPU sharding needs it.

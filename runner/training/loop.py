@@ -41,6 +41,7 @@ from runner.training.backends import (
     SHARD_RUNNER_CPU,
     apply_runtime_settings,
     attention_context,
+    ddp_compile_settings,
     execution_record,
     fsdp_record,
     shard_fsdp2_cpu,
@@ -473,6 +474,7 @@ def _resume(run: _Run) -> None:
             for e in journal
         ]
     )
+    run.runtime.update(ddp_compile_settings(run.model, run.cfg.model.compile))
     run.model = maybe_compile(run.model, run.cfg)
 
 
