@@ -18,7 +18,9 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import time
 import typing
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, packages_distributions
 from importlib.metadata import version as dist_version
@@ -159,6 +161,32 @@ def attention_context(runtime: dict[str, Any]) -> contextlib.AbstractContextMana
     recorded as `sdpa_kernel` is the kernel that runs (activation recomputation in backward included)."""
     pinned = AttentionBackend(str(runtime["attn_implementation"]), runtime.get("sdpa_kernel"), "")
     return pinned.context()
+
+
+class StepClock:
+    """Times optimizer steps on the device's clock: a step ends when the device has finished the work
+    the host queued for it (the optimizer's kernels included), read after one synchronize per
+    optimizer step, never per micro batch (each would stall the host's queueing ahead). A CPU computes
+    synchronously: its host clock is its device clock. `sync` and `now`: tests inject a device."""
+
+    basis = "device"  # the MFU convention's step_clock
+
+    def __init__(
+        self, device: torch.device, sync: Callable[[], None] | None = None, now: Callable[[], float] = time.perf_counter
+    ):
+        if sync is None:
+            sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self._sync, self.now = sync, now
+
+    def seconds_since(self, t0: float) -> float:
+        """Seconds from `t0` (a `now()` reading) to the device finishing everything queued so far."""
+        self._sync()
+        return self.now() - t0
+
+
+def step_clock(device: torch.device) -> StepClock:
+    """The clock a run on `device` times its optimizer steps with."""
+    return StepClock(device)
 
 
 def _sdpa_backend(kernel: str) -> SDPBackend:

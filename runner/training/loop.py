@@ -39,6 +39,7 @@ from runner.training import evaluate
 from runner.training import experts as experts_mod
 from runner.training.backends import (
     SHARD_RUNNER_CPU,
+    StepClock,
     apply_runtime_settings,
     attention_context,
     ddp_compile_settings,
@@ -46,6 +47,7 @@ from runner.training.backends import (
     fsdp_record,
     shard_fsdp2_cpu,
     sharding_mode,
+    step_clock,
 )
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
 from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
@@ -170,6 +172,7 @@ class _Run:
     batches: Prefetcher | None = None  # of _HostBatch, one per step of this attempt
     system: SystemMetricsCallback | None = None  # when system metrics are on
     experts: experts_mod.RouterProbe | None = None  # of a mixture-of-experts model, else None
+    clock: StepClock = field(default_factory=lambda: StepClock(torch.device("cpu")))  # _setup: the run's device
 
     @property
     def cfg(self):
@@ -397,6 +400,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         resolved_config=exp.to_container(),
         sharding=sharding,
         experts=probe,
+        clock=step_clock(acc.device),
     )
 
 
@@ -492,7 +496,7 @@ def _conventions(run: _Run, tracker) -> None:
     run.system = _system_metrics(run, tracker)
     busy_source = run.system.monitor.busy_source if run.system is not None else "not measured (interval 0)"
     conventions = {
-        **hardware.convention_record(convention, run.peak, run.world, "step"),
+        **hardware.convention_record(convention, run.peak, run.world, "step", run.clock.basis),
         **execution_record(run.runtime, busy_source),
     }
     hfu_fields: dict[str, Any] = {}
@@ -500,7 +504,9 @@ def _conventions(run: _Run, tracker) -> None:
     if run.hfu_flops_per_token is not None:
         hfu_fields = {
             "hfu_flops_per_token": run.hfu_flops_per_token,
-            "conventions_hfu": hardware.convention_record(hfu_convention(convention), run.peak, run.world, "step"),
+            "conventions_hfu": hardware.convention_record(
+                hfu_convention(convention), run.peak, run.world, "step", run.clock.basis
+            ),
         }
     if run.main:
         # `devices` is what the run HELD (the world size), not the recipe's plan: MFU and cost count it.
@@ -587,7 +593,7 @@ def _train_step(run: _Run, step: int) -> _Step:
         loss_sum += summed.detach().double()
         run.ledger.record_processed(processed[m])
         if run.journal_file is not None:
-            in_step = time.perf_counter() - run.step_t0
+            in_step = run.clock.now() - run.step_t0
             run.journal_file.write(
                 json.dumps(
                     {
@@ -782,7 +788,7 @@ def _attempt(run: _Run, tracker) -> int:
     try:
         run.model.train()
         for step in range(run.start_step, run.end_step):
-            t0 = run.step_t0 = time.perf_counter()
+            t0 = run.step_t0 = run.clock.now()
             s = _train_step(run, step)
             if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
                 run.optimizer.zero_grad(set_to_none=True)
@@ -798,7 +804,7 @@ def _attempt(run: _Run, tracker) -> int:
             run.ledger.commit(s.global_pairs, s.useful)
             step_experts = run.experts.commit(acc) if run.experts is not None else {}
             committed = step + 1
-            step_seconds = time.perf_counter() - t0
+            step_seconds = run.clock.seconds_since(t0)  # the device's clock: the optimizer's kernels done
             run.step_seconds_total += step_seconds
             run.device_step_seconds_total += step_seconds * run.world
             # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
