@@ -188,7 +188,7 @@ def autocast_experts(model: torch.nn.Module) -> None:
     """Every decoder layer's experts of transformers' OLMoE run `_autocast_forward` (set on the
     instances: other models in the process keep transformers' own)."""
     for layer in cast(torch.nn.ModuleList, model.get_submodule("model.layers")):
-        experts: Any = layer.mlp.experts
+        experts: Any = cast(Any, layer).mlp.experts
         experts.forward = functools.partial(_autocast_forward, experts)
 
 
