@@ -1,4 +1,5 @@
-"""Step time on the device's clock: read after the device finished the step, one sync per optimizer step."""
+"""Step time on the device's clock (read after the device finished the step, one sync per optimizer step)
+and what each checkpoint cost (t_checkpoint)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,7 @@ def test_step_time_is_read_on_the_device_clock_once_per_optimizer_step(tmp_path,
     assert info["step_seconds_total"] == 0.75
     assert info["conventions"]["step_clock"] == "device" and info["conventions"]["time_basis"] == "step"
     assert "step_clock" not in info["conventions_goodput"]  # wall time has no step clock
+    # what each checkpoint cost (host clock: gather + write while training waited)
+    assert [(c["step"], c["attempt"]) for c in info["checkpoints"]] == [(3, 1)] and info["checkpoints"][0][
+        "t_checkpoint"
+    ] > 0

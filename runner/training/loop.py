@@ -706,6 +706,7 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
     if failed.item() > 0:
         _raise_data_failure(run)
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
+    t_checkpoint = time.perf_counter()
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
         ledger_state = run.ledger.state_dict() | (run.experts.state_dict() if run.experts is not None else {})
@@ -726,9 +727,17 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
             device_step_seconds_total=run.device_step_seconds_total,
             wall_seconds=run.wall_seconds(),
             device_wall_seconds=run.device_wall_seconds(),
+            checkpoints=_checkpoint_times(run, step, time.perf_counter() - t_checkpoint),
         )
     run.acc.wait_for_everyone()
     run.last_saved = step
+
+
+def _checkpoint_times(run: _Run, step: int, seconds: float) -> list[dict]:
+    """run.json `checkpoints`: every checkpoint any attempt wrote, with its t_checkpoint (gather and
+    write, while training waited: the wall-clock formula's t_checkpoint is their sum)."""
+    earlier = list(run.folder.read().get("checkpoints") or [])
+    return earlier + [{"step": step, "attempt": run.attempt, "t_checkpoint": round(seconds, 6)}]
 
 
 def _evaluate(run: _Run, step: int) -> None:
