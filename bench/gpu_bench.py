@@ -391,7 +391,10 @@ def build_model(shape: dict[str, Any], v: Variant, device: torch.device):
     """The runner's Llama (its loss, Liger kernels, compile scope) at `shape`, on `device`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    runner_model = _runner_llama()
+    # The runner's config marks its causal attention mask-free (flash under whole-model compile too).
+    config_cls = getattr(runner_model, "RunnerLlamaConfig", LlamaConfig) if runner_model is not None else LlamaConfig
+    config = config_cls(
         vocab_size=shape["vocab_size"],
         hidden_size=shape["hidden_size"],
         num_hidden_layers=shape["n_layers"],
@@ -409,7 +412,6 @@ def build_model(shape: dict[str, Any], v: Variant, device: torch.device):
         eos_token_id=None,
         pad_token_id=None,
     )
-    runner_model = _runner_llama()
     cls = runner_model.RunnerLlama if runner_model is not None else LlamaForCausalLM
     with device:  # initialise on the device: a 1.4B CPU init alone would eat a tenth of the budget
         model = cls._from_config(config, attn_implementation=v.attn, dtype=torch.float32)

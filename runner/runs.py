@@ -528,6 +528,8 @@ def conventions_of(run: dict, cfg: ExperimentSchema) -> dict:
     conv["peak_source"] = recorded.get("peak_source", hw.peak_source)
     conv["devices_counted"] = int(recorded.get("devices_counted", devices_held(run, cfg)))
     conv["time_basis"] = recorded.get("time_basis", "step")
+    if conv["time_basis"] == "step":  # runs before issue 28 read step time when the host had queued it
+        conv["step_clock"] = recorded.get("step_clock", "host")
     if conv["peak_tflops"] is None:
         raise RunnerError(
             "no peak_tflops recorded in run.json conventions or hardware recipe", key="conventions.peak_tflops"

@@ -48,6 +48,9 @@ def test_two_processes_match_one(tmp_path):
     one, two = tmp_path / "runs" / "one", tmp_path / "runs" / "two"
     info = json.loads((two / "run.json").read_text())
     assert info["world_size"] == 2
+    # DDP as the runner sets it up (read off the wrapper): no buffer broadcast before every forward
+    assert info["runtime"]["ddp_broadcast_buffers"] is False and info["runtime"]["ddp_bucket_cap_mb"] == 25
+    assert info["runtime"]["dynamo_optimize_ddp"] is None  # not compiled (a compiled run records False)
     # The recipe plans 1 device; the run held 2: that is what run.json, MFU and cost count.
     assert info["devices"] == 2 and info["conventions"]["devices_counted"] == 2
     assert proc.stderr.count("warning: running on 2 devices (world size)") == 1

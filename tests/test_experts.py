@@ -368,3 +368,37 @@ def test_dense_report_has_empty_expert_tables_and_an_older_report_is_told_to_reb
     (report / "router.parquet").unlink()
     with pytest.raises(RunnerError, match="router.parquet: missing table"):
         audit(report, check_mlflow=False)
+
+
+def test_grouped_experts_run_in_bf16_under_bf16_autocast_with_the_loss_of_the_eager_loop(tmp_path, monkeypatch):
+    """torch's grouped_mm is not autocast-enabled and transformers casts its input to the (fp32) weight:
+    the runner casts the experts' weights to the autocast dtype instead, as autocast does for a Linear."""
+    from runner.training.model import _build_olmoe
+
+    exp = load_experiment(make_project(tmp_path, model_extra=MOE))
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    real = torch.nn.functional.grouped_mm
+
+    def spy(input, weight, *args, **kwargs):
+        seen.append((input.dtype, weight.dtype))
+        return real(input, weight, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", spy)
+    ids = torch.randint(1, 4096, (4, 16), generator=torch.Generator().manual_seed(1))
+    losses, grads, models = {}, {}, {}
+    for impl in ("grouped_mm", "eager"):
+        torch.manual_seed(0)
+        model = models[impl] = _build_olmoe(exp.config, "sdpa", impl)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+        loss.backward()
+        losses[impl] = loss.item()
+        grads[impl] = model.model.layers[0].mlp.experts.down_proj.grad
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}  # 2 layers x (up, down)
+    assert grads["grouped_mm"].dtype == torch.float32  # the parameters stay fp32
+    assert math.isclose(losses["grouped_mm"], losses["eager"], rel_tol=1e-2)
+    torch.testing.assert_close(grads["grouped_mm"], grads["eager"], rtol=5e-2, atol=5e-4)
+    seen.clear()
+    models["grouped_mm"](input_ids=ids)  # no autocast: fp32, as before
+    assert set(seen) == {(torch.float32, torch.float32)}

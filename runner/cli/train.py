@@ -90,9 +90,14 @@ def _timestamp() -> str:
 def make_accelerator(cfg: ExperimentSchema):
     from accelerate import Accelerator
 
-    from runner.training.backends import accelerate_mixed_precision, sharding_mode
+    from runner.training.backends import accelerate_mixed_precision, ddp_kwargs_handlers, fsdp_plugin, sharding_mode
 
-    acc = Accelerator(cpu=cfg.hardware.accelerator == "cpu", mixed_precision=accelerate_mixed_precision(cfg.hardware))
+    acc = Accelerator(
+        cpu=cfg.hardware.accelerator == "cpu",
+        mixed_precision=accelerate_mixed_precision(cfg.hardware),
+        fsdp_plugin=fsdp_plugin(cfg.hardware),  # FSDP2 under accelerate launch: fp32 gradient reduction
+        kwargs_handlers=ddp_kwargs_handlers(),
+    )
     sharding_mode(cfg.hardware, acc)  # a recipe/accelerate mismatch fails here, before any folder is written
     return acc
 

@@ -387,6 +387,9 @@ class HardwareRecipe(Recipe):
     peak_dtype: str = "bf16"  #: the dtype peak_tflops is for (the peak table holds bf16)
     peak_source: str | None = None  #: where a stated peak_tflops comes from (datasheet, measurement)
     memory_gib: float = MISSING  #: memory of one device
+    #: host (CPU) memory of one node in GiB: rank 0 gathers the full training state there to write a
+    #: checkpoint (null = unknown: validate and plan warn). Operational: not part of the fingerprint
+    host_memory_gib: float | None = None
     price_per_device_hour_usd: float = MISSING  #: for cost per useful token
     devices_per_node: int = 1  #: devices the recipe plans per node (a launcher may start more: MFU counts the held)
     nodes: int = 1  #: nodes the recipe plans
@@ -695,6 +698,7 @@ OPERATIONAL_KEYS = (
     "mixture.domains.*.source.local_dir_outside_project",
     "train.hard_stop_tokens",
     "train.checkpoint",
+    "hardware.host_memory_gib",  # where a checkpoint is gathered, not what is trained
     "train.log_interval_steps",
     "train.prefetch_batches",
     "train.system_metrics_interval_seconds",

@@ -489,6 +489,11 @@ def _storage(cfg: ExperimentSchema, tokens: float, all_params: int, pool_tokens:
         "checkpoint_bytes": checkpoint_bytes,
         "keep_last": keep_last,
         "checkpoints_bytes": checkpoint_bytes * keep_last,
+        # rank 0 gathers the whole checkpoint in host memory to write it (validate refuses what cannot fit)
+        "host_memory_bytes": None if cfg.hardware.host_memory_gib is None else cfg.hardware.host_memory_gib * 2**30,
+        "host_gather_fits": None
+        if cfg.hardware.host_memory_gib is None
+        else checkpoint_bytes <= cfg.hardware.host_memory_gib * 2**30,
     }
 
 
@@ -704,6 +709,14 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
     _row(out, "token shards", _gib(st["token_shard_bytes"]), note=f"{st['token_dtype_bytes']} B/token")
     each = f"{_gib(st['checkpoint_bytes'])} each (fp32 weights + AdamW moments)"
     _row(out, f"checkpoints (keep_last {st['keep_last']})", _gib(st["checkpoints_bytes"]), note=each)
+    host = st.get("host_memory_bytes")
+    if host is None:
+        gather = "host memory unknown (hardware.host_memory_gib)"
+    elif st["host_gather_fits"]:
+        gather = f"fits in {_gib(host)} of host memory"
+    else:
+        gather = f"does NOT fit in {_gib(host)} of host memory: nodes with more (no sharded checkpoint format yet)"
+    _row(out, "rank 0 gathers a checkpoint", _gib(st["checkpoint_bytes"]), note=gather)
 
 
 def _format_mixture(mix: Mapping[str, Any], out: list[str]) -> None:
