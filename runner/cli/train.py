@@ -232,6 +232,8 @@ def _owning(run_dir: Path, acc, command: str = "runner launch"):
         broadcast_object_list(refused)
     if refused[0] is not None:
         raise RunnerError(refused[0][0], file=refused[0][1])
+    if acc.num_processes > 1:
+        _check_same_folder(run_dir, lock.held() if lock is not None else None)
     try:
         for line in lock.warnings if lock is not None else []:
             print(line, file=sys.stderr)
@@ -239,6 +241,28 @@ def _owning(run_dir: Path, acc, command: str = "runner launch"):
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_same_folder(run_dir: Path, held: dict | None) -> None:
+    """Every rank must see the run folder rank 0 locked (shared storage): each reads the lock's
+    record there and compares it with rank 0's. A node with its own copy (or none) would resume from
+    another checkpoint or write beside the run; all ranks refuse with the same line, before training."""
+    import torch.distributed as dist
+
+    from runner.runs import lock_records
+
+    mine: list = [held]
+    dist.broadcast_object_list(mine, src=0)
+    sees = bool(mine[0]) and mine[0] in lock_records(run_dir)
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (sees, os.environ.get("GROUP_RANK", "0")))
+    blind = [f"rank {r} (node {node})" for r, (ok, node) in enumerate(views) if not ok]
+    if blind:
+        raise RunnerError(
+            f"ranks see different run folders: the folder rank 0 locked is not the one {', '.join(blind)} sees; "
+            "the run folder must be on storage every node shares (same path from the launch directory)",
+            file=str(run_dir),
+        )
 
 
 def _launch(args, held: contextlib.ExitStack) -> int:

@@ -1,0 +1,178 @@
+"""Two nodes on loopback: two torchrun agents meet through the c10d rendezvous, as two hosts would.
+
+Each agent is started as on its own host (`--nnodes 2 --nproc-per-node 1`, `--local-addr 127.0.0.1`
+and `127.0.0.2`; with c10d torchrun orders the agents itself, by address, and the node is
+`GROUP_RANK`). Node 1 runs from a folder of its own, so whatever it wrote beside the shared run
+folder (a run folder of its own, an MLflow store) would show there. Every run is compared with ONE
+one-process reference run of the same experiment (module fixture): ledger equal, audit consistent,
+weights within 1e-4 (as tests/test_distributed.py allows for reduction order).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
+from trainfixtures import env, launch, make_project
+
+from runner.fsio import read_jsonl
+from runner.reports.audit import audit
+
+PROJECT = {"steps": 6, "micro": 2, "checkpoint_every": 3, "eval_every": 3}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def two_nodes(root: Path, *launch_args, node1_cwd: Path, tracking: bool = False) -> list[subprocess.CompletedProcess]:
+    """`runner launch ARGS` under two torchrun agents (node 0 from `root`, node 1 from `node1_cwd`)."""
+    port = _free_port()
+    procs = []
+    for addr, cwd, host in (("127.0.0.1", root, 1), ("127.0.0.2", node1_cwd, 0)):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "multinode-test",
+            # Only node 0's host serves the store (two hosts: the endpoint is one of them).
+            "--rdzv-conf",
+            f"is_host={host},join_timeout={int(SUBPROCESS_TIMEOUT_S)}",
+            "--local-addr",
+            addr,
+            "-m",
+            "runner",
+            "launch",
+            *map(str, launch_args),
+            *([] if tracking else ["--no-tracking"]),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=cwd, env=env(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def _project(root: Path, distributed: str | None = None) -> Path:
+    exp = make_project(root, **PROJECT)
+    if distributed:
+        recipe = root / "recipes" / "hardware" / "cpu.yaml"
+        recipe.write_text(yaml.safe_dump({**yaml.safe_load(recipe.read_text()), "distributed": distributed}))
+    return exp
+
+
+def _files(run: Path) -> set[str]:
+    return {str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()}
+
+
+def _weights(run: Path) -> dict:
+    return load_file(str(run / "checkpoints" / "step-0000006" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One process, the same experiment: the run every two-node run must equal."""
+    root = tmp_path_factory.mktemp("reference")
+    launch(root, _project(root), "--run-dir", "runs/one", "--no-tracking")
+    return root / "runs" / "one"
+
+
+def _check_equal_to(reference: Path, run: Path, node1: Path, procs) -> dict:
+    for p in procs:
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert not any(node1.iterdir()), sorted(node1.rglob("*"))  # node 1 wrote nothing beside the shared folder
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["world_size"] == 2 and info["devices"] == 2
+    assert info["nodes"] == 2
+    host = socket.gethostname()
+    assert info["system"]["nodes"] == {f"{host}#0": [0], f"{host}#1": [1]}  # rank 0 on node 0, rank 1 on node 1
+    assert json.loads((run / "ledger.json").read_text()) == json.loads((reference / "ledger.json").read_text())
+    for name, key in (("train.jsonl", "loss"), ("eval.jsonl", "loss_nats")):
+        a, b = read_jsonl(reference / "metrics" / name), read_jsonl(run / "metrics" / name)
+        assert len(a) == len(b) and all(x[key] == pytest.approx(y[key], rel=1e-5) for x, y in zip(a, b))
+    wa, wb = _weights(reference), _weights(run)
+    assert set(wa) == set(wb) and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+    # Only rank 0 writes the folder: the reference's files, plus rank 1's own system samples.
+    extra = _files(run) - _files(reference)
+    assert extra == {"metrics/system-rank00001.jsonl"}, extra
+    # Progress lines from node 0's rank 0 only.
+    assert not [x for x in procs[1].stderr.splitlines() if x.startswith("train: step ")]
+    return info
+
+
+@pytest.mark.longest
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_two_nodes_fsdp2_equal_one_process(reference, tmp_path):
+    exp = _project(tmp_path, "fsdp")
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    run = tmp_path / "runs" / "two"
+    procs = two_nodes(tmp_path, exp, "--run-dir", run, node1_cwd=node1)
+    info = _check_equal_to(reference, run, node1, procs)
+    assert info["runtime"]["sharding"] == "runner-fsdp2-cpu"
+    result = audit(run, check_mlflow=False)
+    assert result.consistent, result.render()
+
+
+@pytest.mark.longest
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_two_nodes_ddp_with_mlflow_equal_one_process(reference, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    exp = _project(tmp_path)
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    run = tmp_path / "runs" / "two"
+    # Each node's environment names a store in its own folder: only node 0's may appear.
+    procs = two_nodes(tmp_path, exp, "--run-dir", run, node1_cwd=node1, tracking=True)
+    info = _check_equal_to(reference, run, node1, procs)
+    assert info["runtime"]["sharding"] == "none"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert [r.info.run_id for r in runs] == [info["mlflow"]["run_id"]]
+    assert len(client.get_metric_history(runs[0].info.run_id, "train/loss")) == 6
+    result = audit(run)  # the MLflow run included
+    assert result.consistent, result.render()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_nodes_seeing_different_run_folders_are_refused_in_one_line(tmp_path):
+    exp = _project(tmp_path)
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    # A relative run folder from two launch folders: each node would write its own copy.
+    procs = two_nodes(tmp_path, exp, "--run-dir", "runs/split", node1_cwd=node1)
+    for p in procs:
+        assert p.returncode != 0
+        errors = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+        assert len(errors) == 1, p.stderr[-3000:]
+        assert errors[0] == (
+            "error: runs/split: ranks see different run folders: the folder rank 0 locked is not the one "
+            "rank 1 (node 1) sees; the run folder must be on storage every node shares (same path from the launch directory)"
+        )
+    assert not any(node1.iterdir())
+    assert not (tmp_path / "runs" / "split" / "run.json").exists()
