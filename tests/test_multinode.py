@@ -1,5 +1,10 @@
 """Two nodes on loopback: two torchrun agents meet through the c10d rendezvous, as two hosts would.
 
+The one-process reference is a real one-node Slurm job (`runner job --slurm`'s script, sbatch'ed
+to a slurm-wlm cluster started on loopback, tests/slurmcluster.py) where Slurm can start, else an
+in-process launch. The DDP two-node run is that script's torchrun line on each node, with Slurm's
+variables set by hand (a two-node Slurm job on one host needs a multiple-slurmd build).
+
 Each agent is started as on its own host (`--nnodes 2 --nproc-per-node 1`, `--local-addr 127.0.0.1`
 and `127.0.0.2`; with c10d torchrun orders the agents itself, by address, and the node is
 `GROUP_RANK`). Node 1 runs from a folder of its own, so whatever it wrote beside the shared run
@@ -11,16 +16,18 @@ weights within 1e-4 (as tests/test_distributed.py allows for reduction order).
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import slurmcluster
 import yaml
 from safetensors.torch import load_file
 from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
-from trainfixtures import env, launch, make_project
+from trainfixtures import env, launch, make_project, run_in_process
 
 from runner.fsio import read_jsonl
 from runner.reports.audit import audit
@@ -34,44 +41,51 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def two_nodes(root: Path, *launch_args, node1_cwd: Path, tracking: bool = False) -> list[subprocess.CompletedProcess]:
-    """`runner launch ARGS` under two torchrun agents (node 0 from `root`, node 1 from `node1_cwd`)."""
-    port = _free_port()
-    procs = []
-    for addr, cwd, host in (("127.0.0.1", root, 1), ("127.0.0.2", node1_cwd, 0)):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv-id",
-            "multinode-test",
-            # Only node 0's host serves the store (two hosts: the endpoint is one of them).
-            "--rdzv-conf",
-            f"is_host={host},join_timeout={int(SUBPROCESS_TIMEOUT_S)}",
-            "--local-addr",
-            addr,
-            "-m",
-            "runner",
-            "launch",
-            *map(str, launch_args),
-            *([] if tracking else ["--no-tracking"]),
-        ]
-        procs.append(
-            subprocess.Popen(cmd, cwd=cwd, env=env(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
+NODES = (("127.0.0.1", 1), ("127.0.0.2", 0))  # (--local-addr, is_host): node 0's host serves the rendezvous
+
+
+def _rdzv_conf(is_host: int) -> str:
+    return f"is_host={is_host},join_timeout={int(SUBPROCESS_TIMEOUT_S)}"
+
+
+def _wait(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
     done = []
     for p in procs:
         out, err = p.communicate(timeout=SUBPROCESS_TIMEOUT_S)
         done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     return done
+
+
+def _start(cmd: list[str], cwd: Path, environ: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def two_nodes(root: Path, *launch_args, node1_cwd: Path) -> list[subprocess.CompletedProcess]:
+    """`runner launch ARGS --no-tracking` under two torchrun agents (node 0 from `root`, node 1 from `node1_cwd`)."""
+    port = _free_port()
+    procs = []
+    for (addr, is_host), cwd in zip(NODES, (root, node1_cwd)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "multinode-test",
+               "--rdzv-conf", _rdzv_conf(is_host), "--local-addr", addr,
+               "-m", "runner", "launch", *map(str, launch_args), "--no-tracking"]  # fmt: skip
+        procs.append(_start(cmd, cwd, env(cwd)))
+    return _wait(procs)
+
+
+def slurm_nodes(root: Path, script: str, node1: Path) -> list[subprocess.CompletedProcess]:
+    """The Slurm script's per-node command (what `srun` starts on each node) on two nodes, with the
+    variables Slurm would set; torchrun's loopback-only options come from its PET_* variables."""
+    body = re.sub(r"^srun .*\\$", lambda m: "exec \\", script, count=1, flags=re.M)
+    assert body != script
+    port = _free_port()
+    procs = []
+    for (addr, is_host), mine in zip(NODES, (root, node1)):
+        slurm = {"SLURM_SUBMIT_DIR": str(root), "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "MASTER_ADDR": "127.0.0.1"}
+        torchrun = {"MASTER_PORT": str(port), "PET_LOCAL_ADDR": addr, "PET_RDZV_CONF": _rdzv_conf(is_host)}
+        # Each node's environment names an MLflow store in a folder of its own: only node 0's may appear.
+        procs.append(_start(["bash", "-c", body], root, env(mine, **slurm, **torchrun)))
+    return _wait(procs)
 
 
 def _project(root: Path, distributed: str | None = None) -> Path:
@@ -90,12 +104,48 @@ def _weights(run: Path) -> dict:
     return load_file(str(run / "checkpoints" / "step-0000006" / "model.safetensors"))
 
 
+def slurm_script(root: Path, exp: Path, run_dir: str) -> str:
+    proc = run_in_process(root, ["job", str(exp), "--slurm", "--run-dir", run_dir], env(root))
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """One process, the same experiment: the run every two-node run must equal."""
+def reference(tmp_path_factory) -> tuple[Path, str | None]:
+    """One process, the same experiment: the run every two-node run must equal; with the Slurm job's
+    output when it ran as one (None: launched in process)."""
     root = tmp_path_factory.mktemp("reference")
-    launch(root, _project(root), "--run-dir", "runs/one", "--no-tracking")
-    return root / "runs" / "one"
+    exp = _project(root)
+    if slurmcluster.why_not() is not None:
+        launch(root, exp, "--run-dir", "runs/one", "--no-tracking")
+        return root / "runs" / "one", None
+    script = root / "job.sbatch"
+    script.write_text(slurm_script(root, exp, "runs/one"))
+    cluster = slurmcluster.Cluster(tmp_path_factory.mktemp("slurm")).start(timeout=SUBPROCESS_TIMEOUT_S)
+    try:
+        proc = subprocess.run(
+            ["sbatch", "--wait", "--output=slurm-%j.out", str(script)],
+            cwd=root,
+            env={**env(root, MASTER_PORT=_free_port()), **cluster.env},
+            capture_output=True,
+            text=True,
+            timeout=SUBPROCESS_TIMEOUT_S,
+        )
+    finally:
+        cluster.stop()
+    outputs = list(root.glob("slurm-*.out"))
+    assert proc.returncode == 0 and len(outputs) == 1, (proc.stdout, proc.stderr, [o.read_text() for o in outputs])
+    return root / "runs" / "one", outputs[0].read_text()
+
+
+def test_the_slurm_script_runs_as_a_real_slurm_job(reference):
+    run, output = reference
+    if output is None:
+        pytest.skip(f"no Slurm cluster here: {slurmcluster.why_not()}")
+    assert "run runs/one: finished" in output, output[-3000:]
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["nodes"] == 1 and info["world_size"] == 1
+    assert audit(run, check_mlflow=False).consistent
 
 
 def _check_equal_to(reference: Path, run: Path, node1: Path, procs, tracked: bool = False) -> dict:
@@ -114,8 +164,10 @@ def _check_equal_to(reference: Path, run: Path, node1: Path, procs, tracked: boo
     wa, wb = _weights(reference), _weights(run)
     assert set(wa) == set(wb) and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
     # Only rank 0 writes the folder: the reference's files, plus rank 1's own system samples.
-    extra = _files(run) - _files(reference)  # (and rank 0's MLflow journal when tracked)
-    assert extra == {"metrics/system-rank00001.jsonl"} | ({"journal/mlflow-pending.jsonl"} if tracked else set()), extra
+    journal = "journal/mlflow-pending.jsonl"  # rank 0's MLflow journal: in a tracked run (the Slurm reference is)
+    assert (journal in _files(run)) == tracked
+    extra = (_files(run) ^ _files(reference)) - {journal}
+    assert extra == {"metrics/system-rank00001.jsonl"}, extra
     # Progress lines from node 0's rank 0 only.
     assert not [x for x in procs[1].stderr.splitlines() if x.startswith("train: step ")]
     return info
@@ -130,7 +182,7 @@ def test_two_nodes_fsdp2_equal_one_process(reference, tmp_path):
     node1.mkdir()
     run = tmp_path / "runs" / "two"
     procs = two_nodes(tmp_path, exp, "--run-dir", run, node1_cwd=node1)
-    info = _check_equal_to(reference, run, node1, procs)
+    info = _check_equal_to(reference[0], run, node1, procs)
     assert info["runtime"]["sharding"] == "runner-fsdp2-cpu"
     result = audit(run, check_mlflow=False)
     assert result.consistent, result.render()
@@ -139,16 +191,15 @@ def test_two_nodes_fsdp2_equal_one_process(reference, tmp_path):
 @pytest.mark.longest
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_two_nodes_ddp_with_mlflow_equal_one_process(reference, tmp_path):
+def test_two_nodes_ddp_from_the_slurm_script_with_mlflow_equal_one_process(reference, tmp_path):
     from mlflow.tracking import MlflowClient
 
     exp = _project(tmp_path)
     node1 = tmp_path / "node1"
     node1.mkdir()
     run = tmp_path / "runs" / "two"
-    # Each node's environment names a store in its own folder: only node 0's may appear.
-    procs = two_nodes(tmp_path, exp, "--run-dir", run, node1_cwd=node1, tracking=True)
-    info = _check_equal_to(reference, run, node1, procs, tracked=True)
+    procs = slurm_nodes(tmp_path, slurm_script(tmp_path, exp, "runs/two"), node1)
+    info = _check_equal_to(reference[0], run, node1, procs, tracked=True)
     assert info["runtime"]["sharding"] == "none"
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]

@@ -111,7 +111,11 @@ def slurm_script(exp, exp_path: str, run_dir: str) -> str:
         "srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\",
         "  "
         + _torchrun(
-            str(hw.devices_per_node), '"$SLURM_NNODES"', f'"$MASTER_ADDR:{RDZV_PORT}"', '"$SLURM_JOB_ID"', exp_path
+            str(hw.devices_per_node),
+            '"$SLURM_NNODES"',
+            f'"$MASTER_ADDR:${{MASTER_PORT:-{RDZV_PORT}}}"',
+            '"$SLURM_JOB_ID"',
+            exp_path,
         ),
     ]
     return "\n".join(lines) + "\n"
