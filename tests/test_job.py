@@ -53,18 +53,19 @@ def test_slurm_script_from_the_hardware_recipe():
     assert "requeue" in sbatch  # preempted: back in the queue, and the fixed RUN_DIR resumes
     assert "RUN_DIR=runs/1p3b/main " in script
     srun = script[script.index("srun ") :]
-    assert 'torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 8 --rdzv-backend c10d' in srun
+    assert 'torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 8 --max-restarts 1 --rdzv-backend c10d' in srun
     assert '--rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "$SLURM_JOB_ID"' in srun
     assert '-m runner launch experiments/1p3b-4x8-fsdp.yaml --run-dir "$RUN_DIR"' in srun
     exports = dict(kv.split("=") for kv in re.search(r"^export (.*)$", script, re.M).group(1).split())
-    assert exports == {"ACCELERATE_MIXED_PRECISION": "bf16", **FSDP2_ENV}  # docs/MULTI_NODE.md's list
+    restart = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torchrun's restart needs it (test_multinode)
+    assert exports == {"ACCELERATE_MIXED_PRECISION": "bf16", **restart, **FSDP2_ENV}  # docs/MULTI_NODE.md's list
     exp = load_experiment(REPO / "experiments" / "1p3b-4x8-fsdp.yaml", check_files=False)
     cost = build_plan(exp.config, root=exp.project_root)["time"]["assumed"]["cost_usd"]
     assert f"x $3.50/device-h = ${cost:,.0f}" in script
     check = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     ddp = job("experiments/1p3b-1x8-ddp.yaml", "--slurm")
-    assert "FSDP" not in ddp and "export ACCELERATE_MIXED_PRECISION=bf16\n" in ddp
+    assert "FSDP" not in ddp and "export ACCELERATE_MIXED_PRECISION=bf16 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in ddp
     assert "--gpus-per-node" not in job("experiments/cpu-tiny-fsdp.yaml", "--slurm")  # a CPU recipe books no GPU
 
 
@@ -96,7 +97,10 @@ def test_skypilot_task_loads_in_skypilots_own_loader_offline(tmp_path):
     assert task["storage"] == {"/runner-store": "my-runs"}
     assert task["envs"]["RUN_DIR"].startswith("/runner-store/runs/1p3b-4x8-fsdp/")  # on the shared bucket
     assert task["envs"]["FSDP_VERSION"] == "2" and task["setup"].strip() == "./install.sh"
-    assert "--nnodes $SKYPILOT_NUM_NODES --nproc-per-node 8" in task["run"] and "$SKYPILOT_NODE_IPS" in task["run"]
+    assert (
+        "--nnodes $SKYPILOT_NUM_NODES --nproc-per-node 8 --max-restarts 1" in task["run"]
+        and "$SKYPILOT_NODE_IPS" in task["run"]
+    )
     mi = json.loads(_load(tmp_path, job("experiments/1p3b-mi300x.yaml", "--skypilot")).stdout.splitlines()[-1])
     assert mi["accelerators"] == {"MI300X": 1} and mi["num_nodes"] == 1
     # The loader is a real check: a task it cannot read is refused.

@@ -56,7 +56,13 @@ def launch_env(cfg) -> dict[str, str]:
     """What torchrun's processes need beside their own variables: mixed precision, FSDP2's plugin."""
     from runner.training.backends import accelerate_mixed_precision
 
-    out = {"ACCELERATE_MIXED_PRECISION": accelerate_mixed_precision(cfg.hardware)}
+    out = {
+        "ACCELERATE_MIXED_PRECISION": accelerate_mixed_precision(cfg.hardware),
+        # torchrun's restart (--max-restarts) re-forms the group only with a process-group store of
+        # its own per round: the store shared with the rendezvous keeps the dead round's addresses
+        # (pytorch/pytorch#135712; seen with gloo on torch 2.13, tests/test_multinode.py).
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     if cfg.hardware.distributed == "fsdp":
         out.update(FSDP2_ENV)
     return out
@@ -82,7 +88,7 @@ def _plan_lines(exp) -> list[str]:
 
 def _torchrun(nproc: str, nnodes: str, endpoint: str, rdzv_id: str, exp_path: str) -> str:
     return (
-        f"torchrun --nnodes {nnodes} --nproc-per-node {nproc} --rdzv-backend c10d --rdzv-endpoint {endpoint} "
+        f"torchrun --nnodes {nnodes} --nproc-per-node {nproc} --max-restarts 1 --rdzv-backend c10d --rdzv-endpoint {endpoint} "
         f'--rdzv-id {rdzv_id} \\\n    -m runner launch {shlex.quote(exp_path)} --run-dir "$RUN_DIR"'
     )
 

@@ -49,6 +49,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="stop after N steps in this attempt (tests)")
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (smoke, bench)")
     p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
+    # fault injection under torchrun: only this global rank, in the agents' first attempt (not after a restart)
+    p.add_argument("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_launch)
 
     s = subparsers.add_parser(
@@ -338,7 +340,12 @@ def _launch(args, held: contextlib.ExitStack) -> int:
             info = RunFolder(run_dir).read()
             seg = info["segments"][-1]
             tracker.log_tags({f"segment.{seg['index']}.{k}": v for k, v in seg.items() if k != "index"})
-    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=args.kill_at_step)
+    kill = args.kill_at_step
+    if args.kill_rank is not None and (
+        args.kill_rank != acc.process_index or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    ):
+        kill = None
+    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=kill)
     try:
         code = train(exp, run_dir, acc, tracker, opts)
     except BaseException:
