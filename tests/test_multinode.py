@@ -8,10 +8,11 @@ variables set by hand (a two-node Slurm job on one host needs a multiple-slurmd 
 Each agent is started as on its own host (`--nnodes 2 --nproc-per-node 1`, `--local-addr 127.0.0.1`
 and `127.0.0.2`; with c10d torchrun orders the agents itself, by address, and the node is
 `GROUP_RANK`). Node 1 runs from a folder of its own, so whatever it wrote beside the shared run
-folder (a run folder of its own, an MLflow store) would show there. The FSDP2 run also loses node
-1's worker mid-run and comes back through torchrun's restart (--max-restarts 1). Every run is compared with ONE
-one-process reference run of the same experiment (module fixture): ledger equal, audit consistent,
-weights within 1e-4 (as tests/test_distributed.py allows for reduction order).
+folder (a run folder of its own, an MLflow store) would show there. Every run is compared with ONE
+one-process reference run of the same experiment (a session-wide fixture): weights within 1e-4 (as
+tests/test_distributed.py allows for reduction order), audit consistent; the DDP run's ledger is
+equal exactly; the FSDP2 run loses node 1's worker mid-run and comes back through torchrun's restart
+(--max-restarts 1), its ledger equal but for the lost work, counted once. Three torchrun runs in all.
 """
 
 from __future__ import annotations
