@@ -29,7 +29,7 @@ import pytest
 import slurmcluster
 import yaml
 from safetensors.torch import load_file
-from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
+from timeouts import SCALE, SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from trainfixtures import env, launch, make_project, run_in_process
 
 from runner.fsio import read_jsonl
@@ -47,8 +47,13 @@ def _free_port() -> int:
 NODES = (("127.0.0.1", 1), ("127.0.0.2", 0))  # (--local-addr, is_host): node 0's host serves the rendezvous
 
 
+# How long an agent waits for the others (each round, restarts included): far below torchrun's 600 s,
+# so a node that never comes back ends the job soon; ample for agents started together on a busy machine.
+JOIN_TIMEOUT_S = int(120 * SCALE)
+
+
 def _rdzv_conf(is_host: int) -> str:
-    return f"is_host={is_host},join_timeout={int(SUBPROCESS_TIMEOUT_S)}"
+    return f"is_host={is_host},join_timeout={JOIN_TIMEOUT_S}"
 
 
 def _wait(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
