@@ -67,6 +67,9 @@ def test_slurm_script_from_the_hardware_recipe():
     ddp = job("experiments/1p3b-1x8-ddp.yaml", "--slurm")
     assert "FSDP" not in ddp and "export ACCELERATE_MIXED_PRECISION=bf16 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in ddp
     assert "--gpus-per-node" not in job("experiments/cpu-tiny-fsdp.yaml", "--slurm")  # a CPU recipe books no GPU
+    wrong = run_in_process(REPO, ["job", "experiments/1p3b.yaml", "--slurm", "--bucket", "b"], dict(os.environ))
+    assert wrong.returncode == 2 and wrong.stdout == ""
+    assert wrong.stderr == "error: --bucket: only a SkyPilot task mounts a bucket (--skypilot)\n"
 
 
 def _load(tmp_path, text: str) -> subprocess.CompletedProcess:

@@ -181,7 +181,7 @@ def cmd_job(args) -> int:
 
     exp = load_experiment(args.experiment, check_files=False)
     if args.bucket is not None and not args.skypilot:
-        raise RunnerError("--bucket is for --skypilot", key="--bucket")
+        raise RunnerError("only a SkyPilot task mounts a bucket (--skypilot)", key="--bucket")
     runs = Path("runs") if args.slurm else Path(STORE) / "runs"  # SkyPilot: on the bucket every node mounts
     run_dir = args.run_dir or str(runs / exp.config.name / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     if args.slurm:
