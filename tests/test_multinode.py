@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import re
 import socket
 import subprocess
@@ -125,7 +126,8 @@ def reference(tmp_path_factory) -> tuple[Path, str | None]:
     """One process, the same experiment: the run every two-node run must equal; with the Slurm job's
     output when it ran as one (None: launched in process). ONE for the session: pytest-xdist's
     workers share the folder above their base temp, and the first to take the lock runs it."""
-    shared = tmp_path_factory.getbasetemp().parent / "multinode-reference"
+    base = tmp_path_factory.getbasetemp()  # under xdist: <session>/popen-gwN, the session's folder above it
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "multinode-reference"
     shared.mkdir(exist_ok=True)
     with open(shared / "lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
