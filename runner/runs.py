@@ -98,6 +98,12 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         self.release()
 
+    def held(self) -> dict:
+        """The record this owner wrote (host, pid, since): what every rank must read in the folder."""
+        if self._fd is not None:
+            return _read_fd(self._fd)
+        return self._read(self._owner) if self._owner is not None else {}
+
     def release(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
@@ -215,6 +221,11 @@ def lock_holder(run_dir: Path) -> dict | None:
 def holder_text(record: dict) -> str:
     """`runner launch (...), pid P on host H since T`: who holds a run folder, in words."""
     return _holder(record)
+
+
+def lock_records(run_dir: Path) -> list[dict]:
+    """The owners' records as a reader sees them in `run_dir` (either method's file; none: [])."""
+    return [RunLock._read(Path(run_dir) / name) for name in (LOCK_FILE, OWNER_FILE) if (Path(run_dir) / name).exists()]
 
 
 def _holder(record: dict) -> str:

@@ -49,6 +49,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="stop after N steps in this attempt (tests)")
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (smoke, bench)")
     p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
+    # fault injection under torchrun: only this global rank, in the agents' first attempt (not after a restart)
+    p.add_argument("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_launch)
 
     s = subparsers.add_parser(
@@ -237,6 +239,8 @@ def _owning(run_dir: Path, acc, command: str = "runner launch"):
         broadcast_object_list(refused)
     if refused[0] is not None:
         raise RunnerError(refused[0][0], file=refused[0][1])
+    if acc.num_processes > 1:
+        _check_same_folder(run_dir, lock.held() if lock is not None else None)
     try:
         for line in lock.warnings if lock is not None else []:
             print(line, file=sys.stderr)
@@ -244,6 +248,28 @@ def _owning(run_dir: Path, acc, command: str = "runner launch"):
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_same_folder(run_dir: Path, held: dict | None) -> None:
+    """Every rank must see the run folder rank 0 locked (shared storage): each reads the lock's
+    record there and compares it with rank 0's. A node with its own copy (or none) would resume from
+    another checkpoint or write beside the run; all ranks refuse with the same line, before training."""
+    import torch.distributed as dist
+
+    from runner.runs import lock_records
+
+    mine: list = [held]
+    dist.broadcast_object_list(mine, src=0)
+    sees = bool(mine[0]) and mine[0] in lock_records(run_dir)
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (sees, os.environ.get("GROUP_RANK", "0")))
+    blind = [f"rank {r} (node {node})" for r, (ok, node) in enumerate(views) if not ok]
+    if blind:
+        raise RunnerError(
+            f"ranks see different run folders: the folder rank 0 locked is not the one {', '.join(blind)} sees; "
+            "the run folder must be on storage every node shares (same path from the launch directory)",
+            file=str(run_dir),
+        )
 
 
 def _launch(args, held: contextlib.ExitStack) -> int:
@@ -319,7 +345,12 @@ def _launch(args, held: contextlib.ExitStack) -> int:
             info = RunFolder(run_dir).read()
             seg = info["segments"][-1]
             tracker.log_tags({f"segment.{seg['index']}.{k}": v for k, v in seg.items() if k != "index"})
-    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=args.kill_at_step)
+    kill = args.kill_at_step
+    if args.kill_rank is not None and (
+        args.kill_rank != acc.process_index or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    ):
+        kill = None
+    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=kill)
     try:
         code = train(exp, run_dir, acc, tracker, opts)
     except BaseException:

@@ -556,6 +556,19 @@ def restore_default_settings() -> None:
 
 # ---- sharding -----------------------------------------------------------------------------------
 
+
+def node_count(world: int, env: dict[str, str] | None = None) -> int:
+    """Nodes (launcher agents) the processes run on: torchrun's `GROUP_WORLD_SIZE` (accelerate
+    launch sets it too: it starts torchrun's agent), else the world over `LOCAL_WORLD_SIZE`, else 1.
+    With the c10d rendezvous a node's place is `GROUP_RANK` (torchrun orders agents itself and
+    ignores `--node-rank`)."""
+    env = dict(os.environ) if env is None else env
+    if env.get("GROUP_WORLD_SIZE", "").isdigit():
+        return max(1, int(env["GROUP_WORLD_SIZE"]))
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    return max(1, world // int(local)) if local.isdigit() and int(local) > 0 else 1
+
+
 SHARD_NONE = "none"
 SHARD_ACCELERATE = "accelerate-fsdp2"  # accelerate's FSDP2 plugin wraps the model in prepare()
 SHARD_RUNNER_CPU = "runner-fsdp2-cpu"  # CPU processes: the runner applies the same FSDP2 wrapping

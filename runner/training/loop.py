@@ -45,6 +45,7 @@ from runner.training.backends import (
     ddp_compile_settings,
     execution_record,
     fsdp_record,
+    node_count,
     shard_fsdp2_cpu,
     sharding_mode,
     step_clock,
@@ -516,6 +517,7 @@ def _conventions(run: _Run, tracker) -> None:
             runtime=run.runtime,
             world_size=run.world,
             devices=int(run.world),
+            nodes=node_count(run.world),  # this attempt's nodes (torchrun's agents)
             attempts=run.attempt,
             flops_per_token=run.flops_per_token,
             conventions_goodput=hardware.convention_record(convention, run.peak, run.world, "wall"),
