@@ -464,6 +464,42 @@ def test_export_samples_logs_each_evaluations_greedy_text_equal_to_generate_on_i
     assert (llama_run / "samples" / "step-000004.txt").read_text() == text
 
 
+def test_publish_includes_the_card_of_the_runs_export_and_still_audits(llama_run, llama_fp32, tmp_path):
+    from runner.reports.publish import CARD_FILES, audit_reports
+
+    root = llama_run.parents[1]
+    run_id = json.loads((llama_run / "run.json").read_text())["run_id"]
+    reports = tmp_path / "reports"
+    # Without --card: the run's own export.at_end export (exports/<run id>) is found and included.
+    proc = run_in_process(root, ["publish", str(llama_run), "--reports-dir", str(reports)], env(root))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    card = reports / "models" / f"t-{run_id}"
+    assert f"model card: {card} (from {root / 'exports' / llama_run.name})" in proc.stdout
+    assert sorted(p.name for p in card.iterdir()) == sorted(CARD_FILES)
+    for f in CARD_FILES:
+        assert (card / f).read_bytes() == (root / "exports" / llama_run.name / f).read_bytes()
+    assert ModelCard.load(card / "README.md").data.license == "apache-2.0"
+    results = audit_reports(reports)
+    assert [r.source for r in results if not r.consistent] == [], "\n".join(r.render() for r in results)
+    assert len(results) == 1 and Path(results[0].source).parent.name == "t"  # the report; the card's folder passes
+    # --card names another export of the same final checkpoint (fp32): its card replaces the first.
+    proc = run_in_process(
+        root, ["publish", str(llama_run), "--reports-dir", str(reports), "--card", str(llama_fp32)], env(root)
+    )
+    assert proc.returncode == 0 and (card / "README.md").read_bytes() == (llama_fp32 / "README.md").read_bytes()
+    # Not this run's final export: refused in one line before anything is published.
+    other = tmp_path / "step2"
+    shutil.copytree(llama_fp32, other)
+    record = json.loads((other / "export.json").read_text())
+    (other / "export.json").write_text(json.dumps({**record, "step": 2}))
+    for bad, why in ((other, "exported at step 2, not the run's final step 4"), (root / "data", "no export.json")):
+        proc = run_in_process(
+            root, ["publish", str(llama_run), "--reports-dir", str(tmp_path / "r2"), "--card", str(bad)], env(root)
+        )
+        assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (tmp_path / "r2").exists()
+
+
 # ---- --push to the loopback Hub ----------------------------------------------------------------
 
 
