@@ -100,6 +100,9 @@ def _update(root, kind: str, **fields) -> None:
     recipe.write_text(yaml.safe_dump({**yaml.safe_load(recipe.read_text()), **fields}))
 
 
+SAMPLES = {"prompts": ["def main(", "the"], "max_new_tokens": 4}
+
+
 def _weights(run, step):
     return load_file(str(run / "checkpoints" / f"step-{step:07d}" / "model.safetensors"))
 
@@ -115,6 +118,8 @@ def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tm
     _update(root, "hardware", distributed="fsdp")
     for r in (ref_root, root):  # 9 samples over 2 ranks in micro batches of 2: 3 forwards on one, 2 on the other
         _update(r, "eval", samples_per_domain=9, micro_batch_sequences=2)
+    for e in (ref_exp, exp):  # export.samples: generation with the sharded model runs on both ranks
+        e.write_text(yaml.safe_dump({**yaml.safe_load(e.read_text()), "export": {"samples": SAMPLES}}))
     launch(ref_root, ref_exp, "--run-dir", "runs/one", "--no-tracking")
     one = ref_root / "runs" / "one"
 
@@ -130,6 +135,11 @@ def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tm
     wa, wb = _weights(one, 6), _weights(sharded, 6)
     assert set(wa) == set(wb) and all(wa[k].shape == wb[k].shape for k in wa)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+    # Each evaluation's greedy samples: the sharded model's text is the one-process model's.
+    for step in (3, 6):
+        name = f"samples/step-{step:06d}.txt"
+        assert (sharded / name).read_text() == (one / name).read_text()
+        assert all(f"=== prompt {i}: {p!r}" in (one / name).read_text() for i, p in enumerate(SAMPLES["prompts"], 1))
     # What FSDP2 wrote exports (issue 23): loaded back by transformers alone, equal to the run's model.
     exported = export_run(sharded, tmp_path / "exported", dtype="fp32")
     assert exported.verification["model"]["max_abs_logit_diff"] <= 1e-5

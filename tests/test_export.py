@@ -34,6 +34,7 @@ from runner.training.checkpoint import Checkpoint, dirname
 from runner.training.model import build_model
 
 STEPS, SEQ_LEN, BATCH = 4, 16, 8
+PROMPTS = ["def main(", "the"]  #: llama_run's export.samples
 MOE = {
     "arch": "olmoe",
     "intermediate_size": 32,
@@ -62,7 +63,10 @@ def _train(root: Path, export: dict | None = None, **model_extra) -> Path:
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory) -> Path:
     """The tied Llama (make_project's model), exporting itself at its end (`export.at_end`)."""
-    return _train(tmp_path_factory.mktemp("llama"), export={"at_end": "exports", "license": "apache-2.0"})
+    samples = {"prompts": PROMPTS, "max_new_tokens": 5}
+    return _train(
+        tmp_path_factory.mktemp("llama"), export={"at_end": "exports", "license": "apache-2.0", "samples": samples}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -388,6 +392,12 @@ def test_export_keys_are_operational_and_leave_the_fingerprint(llama_run):
     path.write_text(yaml.safe_dump({**data, "name": "t-export", "export": {"dtype": "fp16"}}))
     with pytest.raises(RunnerError, match="export.dtype"):
         load_experiment(path)
+    assert data["export"]["samples"]["prompts"] == PROMPTS  # llama_run samples; its fingerprint is the plain one
+    path.write_text(yaml.safe_dump({**data, "name": "t-export", "export": {}}))
+    assert load_experiment(path).fingerprint == exp.fingerprint
+    path.write_text(yaml.safe_dump({**data, "name": "t-export", "export": {"samples": {"max_new_tokens": 0}}}))
+    with pytest.raises(RunnerError, match="export.samples.max_new_tokens: must be >= 1"):
+        load_experiment(path)
     path.unlink()
 
 
@@ -432,6 +442,62 @@ def test_sample_from_the_run_and_from_its_exported_folder_agree(llama_run, llama
         generate(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
         == from_run.text
     )
+
+
+def test_export_samples_logs_each_evaluations_greedy_text_equal_to_generate_on_its_checkpoint(llama_run):
+    from mlflow.tracking import MlflowClient
+
+    from runner.export.sample import sample
+
+    root = llama_run.parents[1]
+    run_id = json.loads((llama_run / "run.json").read_text())["mlflow"]["run_id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    names = sorted(a.path for a in client.list_artifacts(run_id, "samples"))
+    assert names == ["samples/step-000002.txt", "samples/step-000004.txt"]  # eval every 2 steps
+    for step in (2, 4):  # checkpoints every 2 steps: the weights each evaluation sampled from
+        local = Path(client.download_artifacts(run_id, f"samples/step-{step:06d}.txt", str(root / f"dl{step}")))
+        text = local.read_text()
+        assert text.startswith(f"step {step}, exposure {step * BATCH * SEQ_LEN} tokens, greedy")
+        for i, prompt in enumerate(PROMPTS, 1):
+            want = sample(llama_run, prompt, max_new_tokens=5, step=step)  # transformers generate
+            assert f"=== prompt {i}: {prompt!r}\n{prompt}{want.text}\n" in text
+    assert (llama_run / "samples" / "step-000004.txt").read_text() == text
+
+
+def test_publish_includes_the_card_of_the_runs_export_and_still_audits(llama_run, llama_fp32, tmp_path):
+    from runner.reports.publish import CARD_FILES, audit_reports
+
+    root = llama_run.parents[1]
+    run_id = json.loads((llama_run / "run.json").read_text())["run_id"]
+    reports = tmp_path / "reports"
+    # Without --card: the run's own export.at_end export (exports/<run id>) is found and included.
+    proc = run_in_process(root, ["publish", str(llama_run), "--reports-dir", str(reports)], env(root))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    card = reports / "models" / f"t-{run_id}"
+    assert f"model card: {card} (from {root / 'exports' / llama_run.name})" in proc.stdout
+    assert sorted(p.name for p in card.iterdir()) == sorted(CARD_FILES)
+    for f in CARD_FILES:
+        assert (card / f).read_bytes() == (root / "exports" / llama_run.name / f).read_bytes()
+    assert ModelCard.load(card / "README.md").data.license == "apache-2.0"
+    results = audit_reports(reports)
+    assert [r.source for r in results if not r.consistent] == [], "\n".join(r.render() for r in results)
+    assert len(results) == 1 and Path(results[0].source).parent.name == "t"  # the report; the card's folder passes
+    # --card names another export of the same final checkpoint (fp32): its card replaces the first.
+    proc = run_in_process(
+        root, ["publish", str(llama_run), "--reports-dir", str(reports), "--card", str(llama_fp32)], env(root)
+    )
+    assert proc.returncode == 0 and (card / "README.md").read_bytes() == (llama_fp32 / "README.md").read_bytes()
+    # Not this run's final export: refused in one line before anything is published.
+    other = tmp_path / "step2"
+    shutil.copytree(llama_fp32, other)
+    record = json.loads((other / "export.json").read_text())
+    (other / "export.json").write_text(json.dumps({**record, "step": 2}))
+    for bad, why in ((other, "exported at step 2, not the run's final step 4"), (root / "data", "no export.json")):
+        proc = run_in_process(
+            root, ["publish", str(llama_run), "--reports-dir", str(tmp_path / "r2"), "--card", str(bad)], env(root)
+        )
+        assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (tmp_path / "r2").exists()
 
 
 # ---- --push to the loopback Hub ----------------------------------------------------------------

@@ -115,8 +115,12 @@ CLAIMS_EXITS = f"""verdicts (a claim takes its worst flag's) and exit codes:
 
 
 def _publish(args) -> int:
-    from runner.reports.publish import publish
+    from runner.reports.publish import card_problem, exported_card, publish, publish_card
 
+    card = Path(args.card) if args.card else exported_card(Path(args.run_dir))
+    why = card_problem(Path(args.run_dir), card) if card is not None else None
+    if why:  # before anything is published: --card names a folder that is not this run's final export
+        raise RunnerError(why, file=str(card), key="--card")
     dest, result = publish(args.run_dir, args.reports_dir, require_verified=args.require_verified)
     if dest is None:
         print(result.render())
@@ -126,6 +130,8 @@ def _publish(args) -> int:
     if not result.passed:
         print(f"published UNVERIFIED: not verified: {', '.join(result.unverified())}", file=sys.stderr)
     print(f"published {dest}; index {Path(args.reports_dir) / 'README.md'}")
+    if card is not None:
+        print(f"model card: {publish_card(Path(args.run_dir), card, args.reports_dir)} (from {card})")
     return EXIT_OK
 
 
@@ -248,6 +254,13 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--require-verified", action="store_true", help="publish only a PASS (default: PASS or UNVERIFIED, never FAIL)"
+    )
+    p.add_argument(
+        "--card",
+        default=None,
+        metavar="EXPORT_DIR",
+        help="a `runner export` folder of the run's final checkpoint: its model card goes to "
+        "reports/models/<experiment>-<run_id>/ (default: the run's own export.at_end export, when there)",
     )
     p.set_defaults(func=_publish)
 

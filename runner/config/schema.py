@@ -587,6 +587,20 @@ class PlanSection(Section):
 
 
 @dataclass(frozen=True)
+class SamplesSection(Section):
+    """Fixed-prompt greedy samples logged to MLflow at every evaluation (runner.training.samples)."""
+
+    prompts: list[str] = field(default_factory=list)  #: text to continue; none = no samples
+    max_new_tokens: int = 32  #: tokens generated per prompt (greedy; stops after an EOS)
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        _at_least_one(problems, file, prefix, self, ("max_new_tokens",))
+        for i, p in enumerate(self.prompts):
+            if not str(p):
+                problems.add(file, join_key(prefix, f"prompts[{i}]"), "must be non-empty text to continue")
+
+
+@dataclass(frozen=True)
 class ExportSection(Section):
     """What `runner export` writes and whether a run exports itself (operational: not in the fingerprint)."""
 
@@ -595,8 +609,10 @@ class ExportSection(Section):
     )
     dtype: ExportDtype = "bf16"  #: weights' dtype of that export: bf16 | fp32
     license: str | None = None  #: the model card's `license` (a Hub license id, e.g. apache-2.0); null = other
+    samples: SamplesSection = field(default_factory=SamplesSection)  #: text samples at each evaluation
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        self.samples.validate(problems, file, join_key(prefix, "samples"))
         if self.at_end is not None and not str(self.at_end).strip():
             problems.add(file, join_key(prefix, "at_end"), "must be a folder path, or null (no export at the end)")
 

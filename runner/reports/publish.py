@@ -28,7 +28,7 @@ from runner.fsio import atomic_write, read_json, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports.audit import AuditResult, audit
 from runner.reports.evidence import write_report_with_evidence
-from runner.runs import holder_text, is_reportable_run, load_saved_experiment, lock_holder
+from runner.runs import experiment_of_run, holder_text, is_reportable_run, load_saved_experiment, lock_holder
 from runner.training.tracking import repo_root
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
@@ -223,6 +223,59 @@ def _kind_problems(folder: Path) -> list[str]:
                 f"{entry.name}: incomplete ({', '.join(lacks[:8])}{' ...' if len(lacks) > 8 else ''} missing)"
             )
     return problems
+
+
+#: what `runner export` writes beside the weights that a published card carries (MODEL_CARD_FILES first),
+#: and the record that says which run and checkpoint the folder was exported from
+CARD_FILES = (*MODEL_CARD_FILES, "accounting.json", "experiment.yaml")
+EXPORT_RECORD = "export.json"
+
+
+def card_problem(run_dir: Path, card_dir: Path) -> str | None:
+    """Why the exported folder `card_dir` is not of `run_dir`'s final checkpoint (None when it is)."""
+    card_dir = Path(card_dir)
+    if not (card_dir / EXPORT_RECORD).is_file():
+        return f"not an exported model folder (no {EXPORT_RECORD})"
+    lacks = [f for f in CARD_FILES if not (card_dir / f).is_file()]
+    if lacks:
+        return f"no model card ({', '.join(lacks)} missing)"
+    record, run = read_json(card_dir / EXPORT_RECORD), read_json(Path(run_dir) / "run.json")
+    if record.get("fingerprint") != run.get("fingerprint"):
+        return f"exported from fingerprint {str(record.get('fingerprint'))[:12]}, the run is {str(run.get('fingerprint'))[:12]}"
+    if int(record.get("step", -1)) != int(run.get("committed_steps", 0)):
+        return f"exported at step {record.get('step')}, not the run's final step {run.get('committed_steps')}"
+    ran = read_json(card_dir / "accounting.json").get("run_id")
+    if ran != run.get("run_id"):
+        return f"the card is of run {ran}, not {run.get('run_id')}"
+    return None
+
+
+def exported_card(run_dir: Path) -> Path | None:
+    """The folder a finished run exported itself to (`export.at_end`/<run id>), when it is there and
+    holds the card of the run's final checkpoint."""
+    if not (Path(run_dir) / "experiment.yaml").is_file():
+        return None  # not a run folder: publish says so
+    exp = experiment_of_run(Path(run_dir))
+    if not exp.config.export.at_end:
+        return None
+    folder = exp.resolve_path(exp.config.export.at_end) / Path(run_dir).name  # as runner.export.at_end_folder
+    return folder if folder.is_dir() and card_problem(run_dir, folder) is None else None
+
+
+def publish_card(run_dir: Path, card_dir: Path, reports_dir: str | Path = "reports") -> Path:
+    """Copy an exported folder's card (CARD_FILES) to reports/models/<experiment>-<run_id>/, the
+    documented kind `audit-reports` accepts; refused (one line) unless it is of the run's final checkpoint."""
+    why = card_problem(run_dir, card_dir)
+    if why:
+        raise RunnerError(why, file=str(card_dir))
+    run = read_json(Path(run_dir) / "run.json")
+    name = load_saved_experiment(Path(run_dir) / "experiment.yaml").config.name
+    dest = Path(reports_dir) / "models" / f"{name}-{run.get('run_id')}"
+    staged = staging_folder(dest)
+    for f in CARD_FILES:
+        shutil.copy2(Path(card_dir) / f, staged / f)
+    replace_folder(staged, dest)
+    return dest
 
 
 def layout_results(reports_dir: str | Path) -> list[AuditResult]:

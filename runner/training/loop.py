@@ -55,6 +55,7 @@ from runner.training.checkpoint import Checkpointer, gather_full_state, rng_stat
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
+from runner.training.samples import samples_callback
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
 from runner.training.tracking import START_WAIT_SECONDS, Tracker
@@ -530,6 +531,9 @@ def _conventions(run: _Run, tracker) -> None:
         run.callbacks.append(TrainingProgress(run.start_step, run.natural_end, hard_stop))
     if run.system is not None:
         run.callbacks.append(run.system)
+    sampler = samples_callback(run.exp, run.raw_model, run.acc, run.runtime, run.folder.path, tracker)
+    if sampler is not None:  # export.samples: every rank generates at each evaluation, rank 0 logs
+        run.callbacks.append(sampler)
     if tracker is not None:
         run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
         run.callbacks.append(TargetsCallback(tracker, run.cfg, run.folder.path, run.start_step, run.main))
