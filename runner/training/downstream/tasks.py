@@ -140,7 +140,9 @@ def _olmes_offset(config_path: Path) -> int:
     kwargs = config.get("metric_kwargs") or (config.get("task_config") or {}).get("metric_kwargs") or {}
     offset = kwargs.get("uncond_docid_offset", UNCOND_DOCID_OFFSET)
     if not isinstance(offset, int):
-        raise RunnerError(f"metric_kwargs.uncond_docid_offset must be an integer, got {offset!r}", file=str(config_path))
+        raise RunnerError(
+            f"metric_kwargs.uncond_docid_offset must be an integer, got {offset!r}", file=str(config_path)
+        )
     return offset
 
 
@@ -170,7 +172,9 @@ def read_olmes(path: Path, config_path: Path) -> list[Document]:
     for doc_id in sorted(by_doc):
         choices = by_doc[doc_id]
         if sorted(choices) != list(range(len(choices))) or len(choices) < 2:
-            raise RunnerError(f"document {doc_id}: choices must be 0..n-1 (n >= 2), got {sorted(choices)}", file=str(path))
+            raise RunnerError(
+                f"document {doc_id}: choices must be 0..n-1 (n >= 2), got {sorted(choices)}", file=str(path)
+            )
         if not 0 <= labels[doc_id] < len(choices):
             raise RunnerError(f"document {doc_id}: label {labels[doc_id]} is not a choice", file=str(path))
         docs.append(Document(doc_id, labels[doc_id], tuple(choices[i] for i in range(len(choices)))))
