@@ -1,0 +1,145 @@
+"""Downstream tasks in a run: scored in the loop at eval.downstream_interval_steps and at the end
+(metrics/downstream.jsonl, per-request files, MLflow `downstream/<task>/<metric>`), and by
+`runner eval` after the fact without touching the training lineage."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from trainfixtures import env, launch, make_project, run_in_process
+
+from runner.fsio import read_jsonl, sha256_file
+
+REPO = Path(__file__).resolve().parents[1]
+ARC = REPO / "tests/data/downstream/olmes/arc_easy_rc_5shot"
+STEPS = 4
+
+
+def _with_tasks(root: Path, **eval_extra) -> Path:
+    exp = make_project(root, steps=STEPS, seq_len=64, global_batch=4, micro=4, checkpoint_every=2, eval_every=4)
+    recipe = root / "recipes/eval/e.yaml"
+    body = yaml.safe_load(recipe.read_text())
+    body["tasks"] = {
+        "builtin": {"format": "builtin", "limit": 4, "metrics": ["acc", "centered_acc", "bpb"]},
+        "arc_easy": {
+            "format": "olmes",
+            "path": str(ARC / "requests.jsonl.gz"),
+            "sha256": sha256_file(ARC / "requests.jsonl.gz"),
+            "config_path": str(ARC / "config.json"),
+            "config_sha256": sha256_file(ARC / "config.json"),
+            "limit": 3,
+            "seed": 1,
+            "metrics": ["acc", "acc_per_char"],
+        },
+    }
+    body.update(eval_extra)
+    recipe.write_text(yaml.safe_dump(body))
+    return exp
+
+
+@pytest.fixture(scope="module")
+def scored_run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("downstream")
+    launch(tmp, _with_tasks(tmp, downstream_interval_steps=2, downstream_micro_batch=5), "--run-dir", tmp / "run")
+    return tmp
+
+
+def _lls(path: Path) -> dict[tuple, float]:
+    with gzip.open(path, "rt") as f:
+        return {(r["task"], r["doc_id"], r["choice"]): r["ll"] for r in map(json.loads, f)}
+
+
+@pytest.mark.slow
+def test_loop_scores_at_the_interval_and_the_end_and_tracks_it(scored_run):
+    run = scored_run / "run"
+    rows = read_jsonl(run / "metrics/downstream.jsonl")
+    expected = {("builtin", m) for m in ("acc", "centered_acc", "bpb")} | {
+        ("arc_easy", "acc"),
+        ("arc_easy", "acc_per_char"),
+    }
+    expected |= {("aggregate", "mean_centered")}
+    assert {(r["step"], r["task"], r["metric"]) for r in rows} == {(s, t, m) for s in (2, 4) for t, m in expected}
+    for r in rows:
+        assert r["t_eval_seconds"] > 0 and r["exposure_tokens"] == r["step"] * 4 * 64
+        assert r["documents"] == {"builtin": 4, "arc_easy": 3, "aggregate": 7}[r["task"]]
+    arc = next(r for r in rows if r["task"] == "arc_easy")
+    record = json.loads(arc["convention"])
+    assert (
+        record["task_sha256"] == sha256_file(ARC / "requests.jsonl.gz") and record["limit"] == 3 and record["seed"] == 1
+    )
+    assert arc["random_baseline"] == pytest.approx(0.25)
+    lls = _lls(run / "downstream/requests-loop-step-0000004.jsonl.gz")
+    assert len(lls) == 4 * 4 + 3 * 4 and all(v < 0 for v in lls.values())
+    # training steps' own time excludes the scoring: train.jsonl is unchanged in shape
+    assert [r["step"] for r in read_jsonl(run / "metrics/train.jsonl")] == list(range(1, STEPS + 1))
+
+    from mlflow.tracking import MlflowClient
+
+    info = json.loads((run / "run.json").read_text())
+    client = MlflowClient(f"sqlite:///{scored_run / 'mlflow.db'}")
+    history = client.get_metric_history(info["mlflow"]["run_id"], "downstream/arc_easy/acc")
+    assert [h.step for h in history] == [2, 4]
+    final = next(r for r in rows if r["step"] == 4 and r["task"] == "arc_easy" and r["metric"] == "acc")
+    assert history[-1].value == pytest.approx(final["value"])
+    tags = client.get_run(info["mlflow"]["run_id"]).data.tags
+    assert json.loads(tags["downstream.arc_easy.acc.convention"]) == record
+
+
+@pytest.mark.slow
+def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_run):
+    run = scored_run / "run"
+    lineage = [run / "run.json", run / "ledger.json", *sorted((run / "checkpoints").rglob("*.*"))]
+    before = {p: sha256_file(p) for p in lineage}
+    train_rows = (run / "metrics/downstream.jsonl").read_text()
+    proc = run_in_process(scored_run, ["eval", str(run)], env(scored_run))
+    assert proc.returncode == 0, proc.stderr
+    assert {p: sha256_file(p) for p in lineage} == before
+    assert (run / "metrics/downstream.jsonl").read_text() == train_rows
+    record = json.loads((run / "downstream/eval-step-0000004.json").read_text())
+    assert record["source"] == "runner eval" and record["checkpoint"] == "step-0000004"
+    got = _lls(run / "downstream" / record["requests_file"])
+    loop = _lls(run / "downstream/requests-loop-step-0000004.jsonl.gz")
+    assert got.keys() == loop.keys()
+    assert all(abs(got[k] - loop[k]) <= 1e-4 + 1e-6 * abs(loop[k]) for k in got)
+    loop_rows = {
+        (r["task"], r["metric"]): r["value"] for r in read_jsonl(run / "metrics/downstream.jsonl") if r["step"] == 4
+    }
+    assert {(r["task"], r["metric"]): r["value"] for r in record["rows"]}.keys() == loop_rows.keys()
+
+    proc = run_in_process(
+        scored_run, ["eval", str(run / "checkpoints/step-0000002"), "--tasks", "builtin"], env(scored_run)
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert {r["task"] for r in json.loads((run / "downstream/eval-step-0000002.json").read_text())["rows"]} == {
+        "builtin"
+    }
+
+    proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "hellaswag"], env(scored_run))
+    assert proc.returncode == 2 and "no task hellaswag in the eval recipe" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_runner_eval_refuses_what_is_no_run(tmp_path):
+    proc = run_in_process(tmp_path, ["eval", str(tmp_path)], env(tmp_path))
+    assert proc.returncode == 2 and "neither a run folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_interval_is_operational_and_tasks_are_meaning(tmp_path):
+    from runner.config.load import load_experiment
+
+    exp = make_project(tmp_path, steps=STEPS, seq_len=64)
+    plain = load_experiment(exp).fingerprint
+    recipe = tmp_path / "recipes/eval/e.yaml"
+    body = yaml.safe_load(recipe.read_text())
+    recipe.write_text(yaml.safe_dump({**body, "downstream_interval_steps": 7, "downstream_micro_batch": 3}))
+    assert load_experiment(exp).fingerprint == plain
+    recipe.write_text(yaml.safe_dump({**body, "tasks": {"builtin": {"format": "builtin"}}}))
+    assert load_experiment(exp).fingerprint != plain
+    recipe.write_text(yaml.safe_dump({**body, "tasks": {"x": {"format": "mc", "limit": 0}}}))
+    with pytest.raises(Exception, match=r"eval.tasks.x.path") as e:
+        load_experiment(exp)
+    assert "eval.tasks.x.limit" in str(e.value)
