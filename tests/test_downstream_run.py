@@ -114,9 +114,8 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
         scored_run, ["eval", str(run / "checkpoints/step-0000002"), "--tasks", "builtin"], env(scored_run)
     )
     assert proc.returncode == 0, proc.stderr
-    assert {r["task"] for r in json.loads((run / "downstream/eval-step-0000002.json").read_text())["rows"]} == {
-        "builtin"
-    }
+    rows = json.loads((run / "downstream/eval-step-0000002.json").read_text())["rows"]
+    assert {r["task"] for r in rows} == {"builtin", "aggregate"}
 
     proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "hellaswag"], env(scored_run))
     assert proc.returncode == 2 and "no task hellaswag in the eval recipe" in proc.stderr
@@ -140,6 +139,8 @@ def test_interval_is_operational_and_tasks_are_meaning(tmp_path):
     recipe.write_text(yaml.safe_dump({**body, "tasks": {"builtin": {"format": "builtin"}}}))
     assert load_experiment(exp).fingerprint != plain
     recipe.write_text(yaml.safe_dump({**body, "tasks": {"x": {"format": "mc", "limit": 0}}}))
-    with pytest.raises(Exception, match=r"eval.tasks.x.path") as e:
+    from runner.errors import RunnerError
+
+    with pytest.raises(RunnerError, match=r"recipes/eval/e.yaml: tasks.x.path: a mc task pins its file") as e:
         load_experiment(exp)
-    assert "eval.tasks.x.limit" in str(e.value)
+    assert "e.yaml: tasks.x.limit: must be >= 1" in str(e.value)
