@@ -117,6 +117,13 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
     rows = json.loads((run / "downstream/eval-step-0000002.json").read_text())["rows"]
     assert {r["task"] for r in rows} == {"builtin", "aggregate"}
 
+    from runner.reports.downstream_table import downstream_table
+
+    table = downstream_table(run)
+    assert set(table["source"]) == {"loop", "runner eval"}
+    assert sorted(set(table.loc[table["source"] == "runner eval", "step"])) == [2, 4]
+    assert len(table[table["source"] == "loop"]) == 2 * 6
+
     proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "hellaswag"], env(scored_run))
     assert proc.returncode == 2 and "no task hellaswag in the eval recipe" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -144,3 +151,33 @@ def test_interval_is_operational_and_tasks_are_meaning(tmp_path):
     with pytest.raises(RunnerError, match=r"recipes/eval/e.yaml: tasks.x.path: a mc task pins its file") as e:
         load_experiment(exp)
     assert "e.yaml: tasks.x.limit: must be >= 1" in str(e.value)
+
+
+def test_downstream_table_schema_refuses_impossible_figures():
+    import pandas as pd
+    import pandera.errors
+
+    from schemas.report_tables import DOWNSTREAM
+
+    good = {
+        "source": "loop",
+        "step": 10,
+        "exposure_tokens": 640,
+        "task": "arc_easy",
+        "metric": "acc",
+        "value": 0.5,
+        "documents": 3,
+        "random_baseline": 0.25,
+        "convention": json.dumps({"metric": "acc", "task_sha256": "0" * 64}),
+        "t_eval_seconds": 0.1,
+    }
+    DOWNSTREAM.validate(pd.DataFrame([good]))
+    for bad in (
+        {"value": 1.5},
+        {"metric": "bpb", "value": -1.0},
+        {"metric": "acc_norm"},
+        {"documents": 0},
+        {"source": "hand"},
+    ):
+        with pytest.raises(pandera.errors.SchemaError):
+            DOWNSTREAM.validate(pd.DataFrame([{**good, **bad}]))
