@@ -693,9 +693,12 @@ OPERATIONAL_KEYS = (
     "train.prefetch_batches",
     "train.system_metrics_interval_seconds",
     "eval.interval_steps",
-    # when and how fast downstream tasks are scored changes no figure (SPEC "Downstream evaluation")
+    # downstream tasks measure what was trained, as targets judge it: each figure carries its own
+    # convention record (task file sha256, subset, ...), so a figure never needs the fingerprint to compare
+    "eval.tasks",
     "eval.downstream_interval_steps",
     "eval.downstream_micro_batch",
+    "eval.aggregate",
     "eval.targets",  # targets say when a run is good enough, not what it trains (SPEC "Quality targets")
 )
 #: optional sections left out of the fingerprint while null, so that adding them to the schema kept
@@ -708,8 +711,6 @@ OMITTED_AT_DEFAULT = {
     "model.kernels": "none",
     "model.cross_entropy": "plain",
     "train.micro_batch_policy": "fixed",
-    "eval.tasks": {},
-    "eval.aggregate": "mean_centered",
 }
 LABEL_KEYS = ("name", "version", "description")
 
