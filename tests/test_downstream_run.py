@@ -111,11 +111,14 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
     assert {(r["task"], r["metric"]): r["value"] for r in record["rows"]}.keys() == loop_rows.keys()
 
     proc = run_in_process(
-        scored_run, ["eval", str(run / "checkpoints/step-0000002"), "--tasks", "builtin"], env(scored_run)
+        scored_run,
+        ["eval", str(run / "checkpoints/step-0000002"), "--tasks", "builtin", "--limit", "2"],
+        env(scored_run),
     )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((run / "downstream/eval-step-0000002.json").read_text())["rows"]
     assert {r["task"] for r in rows} == {"builtin", "aggregate"}
+    assert rows[0]["documents"] == 2 and json.loads(rows[0]["convention"])["limit"] == 2
 
     from runner.reports.downstream_table import downstream_table
 

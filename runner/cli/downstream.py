@@ -14,7 +14,7 @@ def _eval(args) -> int:
     from runner.training.downstream.posthoc import run_eval
 
     names = [n for part in args.tasks for n in part.split(",") if n] if args.tasks else None
-    run_eval(Path(args.target), names, args.micro_batch)
+    run_eval(Path(args.target), names, args.micro_batch, args.limit)
     return EXIT_OK
 
 
@@ -39,5 +39,8 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--micro-batch", type=int, default=None, help="requests per forward (default eval.downstream_micro_batch)"
+    )
+    p.add_argument(
+        "--limit", type=int, default=None, help="documents per task instead of each task's own limit (recorded)"
     )
     p.set_defaults(func=_eval)

@@ -41,12 +41,16 @@ def find_checkpoint(target: Path) -> tuple[Path, Path]:
 
 
 def run_eval(
-    target: Path, names: list[str] | None = None, micro_batch: int | None = None, say: Callable = print
+    target: Path,
+    names: list[str] | None = None,
+    micro_batch: int | None = None,
+    limit: int | None = None,
+    say: Callable = print,
 ) -> dict:
     """Score the checkpoint; returns (and writes) the record `downstream/eval-step-NNNNNNN.json`."""
     run_dir, path = find_checkpoint(target)
     exp = experiment_of_run(run_dir)
-    specs = task_specs(exp, names)
+    specs = task_specs(exp, names, limit)
     if not specs:
         raise RunnerError(
             "the eval recipe names no downstream task: give --tasks builtin, or list tasks under eval.tasks",

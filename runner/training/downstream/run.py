@@ -10,6 +10,7 @@ log-likelihood file. Callers: the training loop (runner.training.downstream.inlo
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import time
@@ -43,16 +44,22 @@ class Prepared:
     aggregate: str
 
 
-def task_specs(exp: Experiment, names: list[str] | None = None) -> dict[str, DownstreamTask]:
-    """The recipe's tasks, or the named ones among them (`builtin` is always available)."""
+def task_specs(exp: Experiment, names: list[str] | None = None, limit: int | None = None) -> dict[str, DownstreamTask]:
+    """The recipe's tasks, or the named ones among them (`builtin` is always available); `limit`
+    replaces each task's own (the convention record says which was used)."""
     declared = dict(exp.config.eval.tasks)
+    if limit is not None:
+        if limit < 1:
+            raise RunnerError(f"must be >= 1, got {limit}", key="--limit")
+        declared = {n: dataclasses.replace(t, limit=limit) for n, t in declared.items()}
     if names is None:
         return declared
+    builtin = BUILTIN if limit is None else dataclasses.replace(BUILTIN, limit=limit)
     unknown = [n for n in names if n not in declared and n != "builtin"]
     if unknown:
         known = ", ".join(sorted(declared) + ["builtin"])
         raise RunnerError(f"no task {', '.join(unknown)} in the eval recipe (known: {known})", key="--tasks")
-    return {n: declared.get(n, BUILTIN) for n in names}
+    return {n: declared.get(n, builtin) for n in names}
 
 
 def prepare(exp: Experiment, specs: dict[str, DownstreamTask]) -> Prepared:
