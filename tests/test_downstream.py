@@ -252,6 +252,8 @@ def test_batched_scoring_equals_one_request_per_forward(tokenizer, tiny_model):
         lls, forwards = loglikelihoods(tiny_model, encoded, micro)
         assert forwards == math.ceil(len(encoded) / micro)
         assert np.allclose(lls, alone, rtol=1e-6, atol=1e-4)
+    fixed, _ = loglikelihoods(tiny_model, encoded, 4, fixed_shape=True)
+    assert np.allclose(fixed, alone, rtol=1e-6, atol=1e-4)
     assert [len(b) for b in batches(encoded, 4)] == [4, 2]
     widths = [len(encoded[i].inputs) for b in batches(encoded, 4) for i in b]
     assert widths == sorted(widths, reverse=True)  # longest first: little padding

@@ -27,10 +27,11 @@ def batches(encoded: Sequence[Encoded], micro_batch: int) -> list[list[int]]:
     return [order[i : i + micro_batch] for i in range(0, len(order), micro_batch)]
 
 
-def _forward(model, encoded: Sequence[Encoded], idx: list[int], device, autocast) -> torch.Tensor:
-    """The fp64 copy of each request's fp32 log-likelihood sum (nats)."""
-    width = max(len(encoded[i].inputs) for i in idx)
-    x = torch.zeros(len(idx), width, dtype=torch.long)
+def _forward(model, encoded: Sequence[Encoded], idx: list[int], device, autocast, shape) -> torch.Tensor:
+    """The fp64 copy of each request's fp32 log-likelihood sum (nats). `shape` (rows, width) pads
+    every forward to one shape (a compiled model then compiles once), else the batch's own."""
+    height, width = shape or (len(idx), max(len(encoded[i].inputs) for i in idx))
+    x = torch.zeros(height, width, dtype=torch.long)  # rows past len(idx) (a fixed shape's padding) are never read
     for row, i in enumerate(idx):
         x[row, : len(encoded[i].inputs)] = torch.as_tensor(encoded[i].inputs)
     with autocast():
@@ -60,10 +61,13 @@ def loglikelihoods(
     world: int = 1,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fixed_shape: bool = False,
 ) -> tuple[list[float], int]:
     """Each request's `ll` (nats) and the number of forwards this rank ran. Under several ranks
-    `all_reduce` sums a float64 tensor over them (required when world > 1)."""
+    `all_reduce` sums a float64 tensor over them (required when world > 1). `fixed_shape` pads
+    every forward to (micro_batch, longest input), for a compiled model: no recompilation per shape."""
     plan = batches(encoded, micro_batch)
+    shape = (micro_batch, max((len(e.inputs) for e in encoded), default=1)) if fixed_shape else None
     mine = plan[rank::world]
     forwards = math.ceil(len(plan) / world)
     out = torch.zeros(len(encoded), dtype=torch.float64)
@@ -72,7 +76,7 @@ def loglikelihoods(
     try:
         for n in range(forwards):
             idx = mine[n] if n < len(mine) else plan[0]
-            sums = _forward(model, encoded, idx, device, autocast)
+            sums = _forward(model, encoded, idx, device, autocast, shape)
             if n < len(mine):
                 out[torch.as_tensor(idx)] = sums
     finally:
