@@ -127,9 +127,46 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
     assert sorted(set(table.loc[table["source"] == "runner eval", "step"])) == [2, 4]
     assert len(table[table["source"] == "loop"]) == 2 * 6
 
+    from runner.reports.downstream_audit import check_run
+
+    assert check_run(run) == []
+
     proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "hellaswag"], env(scored_run))
     assert proc.returncode == 2 and "no task hellaswag in the eval recipe" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_audit_recomputes_every_figure_and_fails_a_forgery(scored_run, tmp_path):
+    import shutil
+
+    from runner.reports.downstream_audit import check_run
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run)
+    assert check_run(run) == []
+    rows = read_jsonl(run / "metrics/downstream.jsonl")
+    forged = [
+        dict(r, value=r["value"] + 0.25) if (r["step"], r["task"], r["metric"]) == (4, "builtin", "acc") else r
+        for r in rows
+    ]
+    (run / "metrics/downstream.jsonl").write_text("".join(json.dumps(r) + "\n" for r in forged))
+    problems = check_run(run)
+    assert len(problems) == 1 and problems[0].startswith("loop step 4: builtin.acc: recorded")
+    # a consistent forgery (the accuracy, its centered form and the aggregate over it) still fails
+    b = next(r["random_baseline"] for r in rows if r["task"] == "builtin")
+    consistent = []
+    for r in rows:
+        if r["step"] == 4 and r["task"] == "builtin" and r["metric"] in ("acc", "centered_acc"):
+            r = dict(r, value=r["value"] + (0.25 if r["metric"] == "acc" else 0.25 / (1 - b)))
+        elif r["step"] == 4 and r["task"] == "aggregate":
+            r = dict(r, value=r["value"] + 0.25 / (1 - b) / 2)
+        consistent.append(r)
+    (run / "metrics/downstream.jsonl").write_text("".join(json.dumps(r) + "\n" for r in consistent))
+    flagged = {p.split(":")[1].strip() for p in check_run(run)}
+    assert flagged == {"builtin.acc", "builtin.centered_acc", "aggregate"}
+    (run / "downstream/requests-loop-step-0000002.jsonl.gz").unlink()
+    assert any("loop step 2: no per-request file" in p for p in check_run(run))
 
 
 def test_runner_eval_refuses_what_is_no_run(tmp_path):

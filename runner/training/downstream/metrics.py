@@ -63,16 +63,22 @@ def task_metrics(task: Task, lls: Sequence[float], token_counts: Sequence[int]) 
     return out
 
 
-def aggregate(tasks: Sequence[Task], metrics: dict[str, dict[str, float]], rule: str) -> float | None:
-    """`mean_centered`: the mean over tasks of each task's first listed centered metric, else the
-    centered form of its first listed accuracy (None when no task has an accuracy or rule = none)."""
-    if rule == "none":
-        return None
-    values = []
+def aggregate_metrics(tasks: Sequence[Task]) -> dict[str, str]:
+    """Per task, the metric `mean_centered` averages: its first listed centered metric, else the
+    centered form of its first listed accuracy (tasks with neither are left out)."""
+    out = {}
     for t in tasks:
         centered = [m for m in t.metrics if m.startswith("centered_")]
         accs = [m for m in t.metrics if m in DOWNSTREAM_ACCURACIES]
-        name = centered[0] if centered else (f"centered_{accs[0]}" if accs else None)
-        if name is not None:
-            values.append(metrics[t.name][name])
-    return float(np.mean(values)) if values else None
+        if centered or accs:
+            out[t.name] = centered[0] if centered else f"centered_{accs[0]}"
+    return out
+
+
+def aggregate(tasks: Sequence[Task], metrics: dict[str, dict[str, float]], rule: str) -> float | None:
+    """`mean_centered`: the mean over tasks of aggregate_metrics' choice (None when no task has an
+    accuracy, or rule = none)."""
+    chosen = aggregate_metrics(tasks)
+    if rule == "none" or not chosen:
+        return None
+    return float(np.mean([metrics[name][m] for name, m in chosen.items()]))

@@ -27,7 +27,7 @@ from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
 from runner.fsio import canonical_json
 from runner.training.downstream.encode import Encoded, Encoder
-from runner.training.downstream.metrics import aggregate, random_baseline, task_metrics
+from runner.training.downstream.metrics import aggregate, aggregate_metrics, random_baseline, task_metrics
 from runner.training.downstream.score import loglikelihoods
 from runner.training.downstream.tasks import Task, load_task
 
@@ -133,43 +133,52 @@ def score(
         mine, tokens = lls[pos : pos + len(enc)], [len(e.targets) for e in enc]
         pos += len(enc)
         values = per_task[task.name] = task_metrics(task, mine, tokens)
+        stamp = {"step": step, "exposure_tokens": exposure_tokens, "task": task.name}
         for metric in task.metrics:
-            rows.append(
-                {
-                    "step": step,
-                    "exposure_tokens": exposure_tokens,
-                    "task": task.name,
-                    "metric": metric,
-                    "value": values[metric],
-                    "documents": len(task.documents),
-                    "random_baseline": random_baseline(task),
-                    "convention": canonical_json(convention(task, prepared, metric, dtype)),
-                    "t_eval_seconds": t_eval,
-                }
-            )
-        for (i, j, _), ll, n in zip(task.requests, mine, tokens):
-            doc = task.documents[i]
-            requests.append(
-                {"task": task.name, "doc_id": doc.doc_id, "choice": j, "gold": doc.gold, "ll": ll, "tokens": n}
-            )
+            record = canonical_json(convention(task, prepared, metric, dtype))
+            rows.append(_row(stamp, metric, values[metric], len(task.documents), random_baseline(task), record, t_eval))
+        requests += _request_records(task, mine, tokens)
     overall = aggregate(prepared.tasks, per_task, prepared.aggregate)
     if overall is not None:
-        rows.append(
+        stamp = {"step": step, "exposure_tokens": exposure_tokens, "task": "aggregate"}
+        record = canonical_json({"tasks": aggregate_metrics(prepared.tasks), "rule": prepared.aggregate})
+        documents = sum(len(t.documents) for t in prepared.tasks)
+        rows.append(_row(stamp, prepared.aggregate, overall, documents, 0.0, record, t_eval))
+    return Scored(rows, requests, t_eval, forwards)
+
+
+def _row(stamp: dict, metric: str, value: float, documents: int, baseline: float, record: str, t_eval: float) -> dict:
+    return {
+        **stamp,
+        "metric": metric,
+        "value": value,
+        "documents": documents,
+        "random_baseline": baseline,
+        "convention": record,
+        "t_eval_seconds": t_eval,
+    }
+
+
+def _request_records(task: Task, lls: list[float], tokens: list[int]) -> list[dict]:
+    """Per request what the audit needs to recompute every metric without the task file."""
+    out = []
+    for (i, j, r), ll, n in zip(task.requests, lls, tokens):
+        doc, cont = task.documents[i], r.continuation
+        out.append(
             {
-                "step": step,
-                "exposure_tokens": exposure_tokens,
-                "task": "aggregate",
-                "metric": prepared.aggregate,
-                "value": overall,
-                "documents": sum(len(t.documents) for t in prepared.tasks),
-                "random_baseline": 0.0,
-                "convention": canonical_json(
-                    {"tasks": sorted(t.name for t in prepared.tasks), "rule": prepared.aggregate}
-                ),
-                "t_eval_seconds": t_eval,
+                "task": task.name,
+                "doc_id": doc.doc_id,
+                "choice": j,
+                "choices": doc.choices,
+                "gold": doc.gold,
+                "ll": ll,
+                "tokens": n,
+                "chars": len(cont),  # the continuation as given (acc_per_char)
+                "choice_chars": len(cont[1:] if cont.startswith(" ") else cont),  # acc_norm's
+                "bytes": len(cont.encode("utf-8")),  # bpb's
             }
         )
-    return Scored(rows, requests, t_eval, forwards)
+    return out
 
 
 def write_requests(path: Path, scored: Scored, step: int) -> Path:
