@@ -169,6 +169,20 @@ def test_audit_recomputes_every_figure_and_fails_a_forgery(scored_run, tmp_path)
     assert any("loop step 2: no per-request file" in p for p in check_run(run))
 
 
+@pytest.mark.slow
+def test_a_refused_task_stops_the_run_after_its_first_step(tmp_path):
+    exp = _with_tasks(tmp_path, downstream_interval_steps=1000)
+    recipe = tmp_path / "recipes/eval/e.yaml"
+    body = yaml.safe_load(recipe.read_text())
+    body["tasks"]["arc_easy"]["sha256"] = "0" * 64
+    recipe.write_text(yaml.safe_dump(body))
+    proc = launch(tmp_path, exp, "--run-dir", tmp_path / "run", "--no-tracking", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "requests.jsonl.gz: eval.tasks.arc_easy.sha256: file sha256 is" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert json.loads((tmp_path / "run/run.json").read_text()).get("committed_steps", 0) <= 1
+
+
 def test_runner_eval_refuses_what_is_no_run(tmp_path):
     proc = run_in_process(tmp_path, ["eval", str(tmp_path)], env(tmp_path))
     assert proc.returncode == 2 and "neither a run folder" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,7 +1,8 @@
 """Downstream tasks scored inside the training loop: the loop's one call-out, `at_step(run, committed)`.
 
 Owns: when (every `eval.downstream_interval_steps` committed steps, and at the end of every
-segment: the attempt's last step), preparing the tasks once per attempt (at the first call), the
+segment: the attempt's last step), preparing the tasks once per attempt (after its first step,
+so a refused task stops the run there, not at its first scoring), the
 scoring on every rank (the same forwards on each; results summed exactly), and where the figures
 go: metrics/downstream.jsonl (one row per task and metric, with `t_eval_seconds`), the per-request
 log-likelihoods downstream/requests-loop-step-NNNNNNN.jsonl.gz, MLflow metrics
@@ -36,10 +37,12 @@ def _summed(device) -> Any:
 def at_step(run: Any, committed: int) -> None:
     """Score the tasks when due (a no-op without tasks). `run` is the loop's _Run."""
     spec = run.cfg.eval
-    if not spec.tasks or not due(spec.downstream_interval_steps, committed, run.end_step):
+    if not spec.tasks:
         return
-    if run.downstream is None:
+    if run.downstream is None:  # at the attempt's first step, due or not: a refused task stops it there
         run.downstream = prepare(run.exp, dict(spec.tasks))
+    if not due(spec.downstream_interval_steps, committed, run.end_step):
+        return
     prepared: Prepared = run.downstream
     acc = run.acc
     exposure = int(run.ledger.counters()["total"]["exposure"])
