@@ -140,11 +140,17 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
 def test_audit_recomputes_every_figure_and_fails_a_forgery(scored_run, tmp_path):
     import shutil
 
+    from runner.reports.audit import audit
     from runner.reports.downstream_audit import check_run
 
     run = tmp_path / "run"
     shutil.copytree(scored_run / "run", run)
     assert check_run(run) == []
+    passed = {c.name: c.status for c in audit(run, check_mlflow=False).checks if c.name.startswith("downstream")}
+    assert passed == {
+        "downstream table schema": "PASS",
+        "downstream figures recomputed from per-request log-likelihoods": "PASS",
+    }
     rows = read_jsonl(run / "metrics/downstream.jsonl")
     forged = [
         dict(r, value=r["value"] + 0.25) if (r["step"], r["task"], r["metric"]) == (4, "builtin", "acc") else r
@@ -153,6 +159,10 @@ def test_audit_recomputes_every_figure_and_fails_a_forgery(scored_run, tmp_path)
     (run / "metrics/downstream.jsonl").write_text("".join(json.dumps(r) + "\n" for r in forged))
     problems = check_run(run)
     assert len(problems) == 1 and problems[0].startswith("loop step 4: builtin.acc: recorded")
+
+    result = audit(run, check_mlflow=False)
+    failed = [c for c in result.checks if c.name.startswith("downstream figures") and c.status == "FAIL"]
+    assert failed and "builtin.acc" in failed[0].detail and result.verdict == "FAIL"
     # a consistent forgery (the accuracy, its centered form and the aggregate over it) still fails
     b = next(r["random_baseline"] for r in rows if r["task"] == "builtin")
     consistent = []

@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from runner.fsio import read_json, read_jsonl
+from runner.reports.downstream_table import downstream_table
 
 REL_TOL = 1e-9
 _NORMS = {"acc": None, "acc_norm": "choice_chars", "acc_per_char": "chars", "acc_per_token": "tokens"}
@@ -111,3 +112,28 @@ def check_run(run_dir: str | Path) -> list[str]:
             continue
         problems += check_scoring(rows, _read_requests(requests_file), where)
     return problems
+
+
+NAME = "downstream figures recomputed from per-request log-likelihoods"
+
+
+def audit_checks(run_dir: Path | None) -> list[tuple[str, list[str], str]]:
+    """(check name, problems, ok detail) for runner.reports.audit; none for a folder without
+    downstream figures (a report folder, or a run that scored no task)."""
+    if run_dir is None:
+        return []
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics/downstream.jsonl").exists() and not list(
+        (run_dir / "downstream").glob("eval-step-*.json")
+    ):
+        return []
+    try:
+        table = downstream_table(run_dir)
+    except Exception as err:  # pandera's SchemaError(s), a malformed row (RunnerError)
+        return [("downstream table schema", [str(err).splitlines()[0]], "")]
+    problems = check_run(run_dir)
+    scorings = table.groupby(["source", "step"]).ngroups
+    return [
+        ("downstream table schema", [], f"{len(table)} figures"),
+        (NAME, problems, f"{len(table)} figures of {scorings} scorings agree with their request files"),
+    ]
