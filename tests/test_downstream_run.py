@@ -119,6 +119,12 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
     rows = json.loads((run / "downstream/eval-step-0000002.json").read_text())["rows"]
     assert {r["task"] for r in rows} == {"builtin", "aggregate"}
     assert rows[0]["documents"] == 2 and json.loads(rows[0]["convention"])["limit"] == 2
+    proc = run_in_process(
+        scored_run, ["eval", str(run / "checkpoints/step-0000002"), "--tasks", "builtin"], env(scored_run)
+    )
+    assert proc.returncode == 0, proc.stderr
+    again = json.loads((run / "downstream/eval-step-0000002-2.json").read_text())  # the first one is kept
+    assert again["requests_file"] == "requests-eval-step-0000002-2.jsonl.gz" and again["rows"][0]["documents"] == 4
 
     from runner.reports.downstream_table import downstream_table
 

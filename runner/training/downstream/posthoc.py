@@ -4,7 +4,8 @@ Owns: finding the checkpoint (a checkpoint folder, or a run folder's newest one 
 loading its weights into the model experiment.yaml describes (safetensors, verified against its
 own sha256s), scoring the tasks in fp32 in this process, and appending the result to the run's
 record as files of its own: `downstream/eval-step-NNNNNNN.json` (the rows, the checkpoint, its
-fingerprint, t_eval) and `downstream/requests-eval-step-NNNNNNN.jsonl.gz` (per-request `ll`).
+fingerprint, t_eval) and `downstream/requests-eval-step-NNNNNNN.jsonl.gz` (per-request `ll`); a
+later scoring of the same step is `eval-step-NNNNNNN-2.json` and so on (nothing is overwritten).
 Never: touches run.json, the ledger, the metrics files or any checkpoint (the training lineage).
 """
 
@@ -38,6 +39,15 @@ def find_checkpoint(target: Path) -> tuple[Path, Path]:
         if path.name.removeprefix("step-").isdigit() and verify(path) is None:
             return target, path
     raise RunnerError("no checkpoint that verifies", file=str(target / "checkpoints"))
+
+
+def _free_stem(out: Path, step: int) -> str:
+    """`step-NNNNNNN`, or `step-NNNNNNN-K` with the first K >= 2 not yet used at that step."""
+    stem, k = f"step-{step:07d}", 1
+    while (out / f"eval-{stem}.json").exists():
+        k += 1
+        stem = f"step-{step:07d}-{k}"
+    return stem
 
 
 def run_eval(
@@ -76,7 +86,8 @@ def run_eval(
         dtype="float32",
     )
     out = run_dir / "downstream"
-    requests = write_requests(out / requests_name(step, "eval"), scored, step)
+    stem = _free_stem(out, step)
+    requests = write_requests(out / requests_name(step, "eval").replace(f"step-{step:07d}", stem), scored, step)
     record = {
         "source": "runner eval",
         "checkpoint": path.name,
@@ -87,7 +98,7 @@ def run_eval(
         "requests_file": requests.name,
         "rows": scored.rows,
     }
-    atomic_write_json(out / f"eval-step-{step:07d}.json", record)
+    atomic_write_json(out / f"eval-{stem}.json", record)
     for r in scored.rows:
         say(f"  {r['task']:<24} {r['metric']:<18} {r['value']:.4f}  ({r['documents']} documents)")
     say(f"  t_eval {scored.t_eval_seconds:.2f} s in {scored.forwards} forwards; written to {out}")
