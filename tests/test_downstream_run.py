@@ -19,8 +19,8 @@ ARC = REPO / "tests/data/downstream/olmes/arc_easy_rc_5shot"
 STEPS = 4
 
 
-def _with_tasks(root: Path, **eval_extra) -> Path:
-    exp = make_project(root, steps=STEPS, seq_len=64, global_batch=4, micro=4, checkpoint_every=2, eval_every=4)
+def _with_tasks(root: Path, micro: int = 4, **eval_extra) -> Path:
+    exp = make_project(root, steps=STEPS, seq_len=64, global_batch=4, micro=micro, checkpoint_every=2, eval_every=4)
     recipe = root / "recipes/eval/e.yaml"
     body = yaml.safe_load(recipe.read_text())
     body["tasks"] = {
@@ -197,6 +197,42 @@ def test_a_refused_task_stops_the_run_after_its_first_step(tmp_path):
     assert "requests.jsonl.gz: eval.tasks.arc_easy.sha256: file sha256 is" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert json.loads((tmp_path / "run/run.json").read_text()).get("committed_steps", 0) <= 1
+
+
+@pytest.mark.longest(1)
+@pytest.mark.slow
+def test_two_fsdp2_ranks_score_as_one_process(tmp_path):
+    """Under FSDP2 every rank runs the same forwards (a short rank repeats one: 7 batches on 2 ranks),
+    or the weights' all-gathers deadlock; the figures equal one process's."""
+    import subprocess
+    import sys
+
+    from timeouts import SUBPROCESS_TIMEOUT_S
+
+    roots = {"one": tmp_path / "one", "two": tmp_path / "two"}
+    for name, root in roots.items():
+        _with_tasks(root, micro=2, downstream_interval_steps=2, downstream_micro_batch=4)  # 28 requests: 7 batches
+        if name == "two":
+            hw = root / "recipes/hardware/cpu.yaml"
+            hw.write_text(yaml.safe_dump({**yaml.safe_load(hw.read_text()), "distributed": "fsdp"}))
+    launch(roots["one"], roots["one"] / "experiments/t.yaml", "--run-dir", "run", "--no-tracking")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "runner"]
+        + ["launch", str(roots["two"] / "experiments/t.yaml"), "--run-dir", "run", "--no-tracking"],
+        cwd=roots["two"],
+        env=env(roots["two"]),
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (read_jsonl(roots[n] / "run/metrics/downstream.jsonl") for n in ("one", "two"))
+    assert [(r["step"], r["task"], r["metric"]) for r in a] == [(r["step"], r["task"], r["metric"]) for r in b]
+    assert {r["forwards"] for r in b} == {4} and {r["forwards"] for r in a} == {7}
+    for step in (2, 4):
+        la = _lls(roots["one"] / f"run/downstream/requests-loop-step-{step:07d}.jsonl.gz")
+        lb = _lls(roots["two"] / f"run/downstream/requests-loop-step-{step:07d}.jsonl.gz")
+        assert la.keys() == lb.keys() and all(abs(la[k] - lb[k]) <= 1e-3 + 1e-5 * abs(la[k]) for k in la)
 
 
 def test_runner_eval_refuses_what_is_no_run(tmp_path):
