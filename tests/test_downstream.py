@@ -57,7 +57,17 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tokenizer):
+def one_thread():
+    """One intra-op thread, as the runner's in-process launches use: on a shared 2-core machine two
+    spinning threads make a tiny model's forward ~30x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer, one_thread):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
