@@ -6,7 +6,7 @@ the forward-only loop runs `model(input_ids=x).logits` and nothing else. Prints 
 positions fed, padding included) side by side and their ratio (the issue's goal: >= 0.8 on CPU),
 the median of `--repeats` runs each, alternated so that a loaded machine slows both alike.
 
-    python bench/bench_downstream.py [--hidden 64] [--layers 2] [--seq-len 128] [--micro-batch 16] [--repeats 3]
+    OMP_NUM_THREADS=1 python bench/bench_downstream.py [--hidden 64] [--layers 2] [--seq-len 128] [--micro-batch 16] [--repeats 3]
 """
 
 from __future__ import annotations
