@@ -238,6 +238,8 @@ def test_two_fsdp2_ranks_score_as_one_process(tmp_path):
 def test_runner_eval_refuses_what_is_no_run(tmp_path):
     proc = run_in_process(tmp_path, ["eval", str(tmp_path)], env(tmp_path))
     assert proc.returncode == 2 and "neither a run folder" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_in_process(tmp_path, ["eval", str(tmp_path), "--micro-batch", "0"], env(tmp_path))
+    assert proc.returncode == 2 and "--micro-batch: must be >= 1" in proc.stderr
 
 
 def test_downstream_keys_are_operational_and_checked(tmp_path):

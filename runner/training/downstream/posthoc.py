@@ -58,6 +58,8 @@ def run_eval(
     say: Callable = print,
 ) -> dict:
     """Score the checkpoint; returns (and writes) the record `downstream/eval-step-NNNNNNN.json`."""
+    if micro_batch is not None and micro_batch < 1:
+        raise RunnerError(f"must be >= 1, got {micro_batch}", key="--micro-batch")
     run_dir, path = find_checkpoint(target)
     exp = experiment_of_run(run_dir)
     specs = task_specs(exp, names, limit)
