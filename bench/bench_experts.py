@@ -10,7 +10,8 @@
    batches of 4 x 2048 per step, one domain): a bandwidth estimate (the bytes the recording moves /
    an assumed 10% of the HBM's 4.8 TB/s, scatter-adds being atomics) and, where a CUDA device is
    present, the recording's operations at those shapes timed on it; both against the planned step:
-   1,048,576 tokens at the plan's 50,228 tokens/s (40% MFU over active parameters) = 20.9 s. (On a
+   1,048,576 tokens at the plan's 22,760 tokens/s (18.1% MFU over active parameters: the H200 recipe's
+   dense 40% x 0.453 for a mixture of experts, runner.planning.assumptions) = 46.1 s. (On a
    CPU these scatters take seconds per step: a CPU is no stand-in for the H200 here.)
 
 Run: python bench/bench_experts.py [--steps 20]

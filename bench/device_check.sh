@@ -2,19 +2,24 @@
 # The device check: one prepared script for a GPU machine with no internet, in under 8 minutes.
 #
 #   bash bench/device_check.sh [--out DIR] [--work DIR] [--budget-s 470] [--cpu-tiny] [--python python3]
-#   (--cpu-tiny: phase caps x3 and a 1200 s budget by default, for shared CI CPUs)
+#        [--only PHASE,PHASE] [--cap PHASE=SECONDS ...] [--bench-args "..."]
+#   (--cpu-tiny: phase caps x3 and a 1200 s budget by default, for shared CI CPUs; --only runs those
+#   phases alone, --cap sets one phase's cap (not scaled), --bench-args adds gpu_bench.py flags:
+#   what tests/test_device_check.py uses to prove the caps cheaply)
 #
 # Writes to --out (default $OUT, else bench/results/device-check-<time>), at most 8 files, none deeper:
 #   env.json    torch, CUDA/ROCm, device, driver, which kernels and packages import
 #   probe.json  the memory plan against the saved-tensor probe at gpu-smoke's shape (bench/memory_probe.py)
-#   bench.json  the gpu_bench.py ladder: plain -> liger -> chunked loss -> regional compile -> gpu-smoke's
-#               settings -> micro-batch sweep of the best -> whole-model compile and the rest
-#   run.json, train.jsonl   the runner's own gpu-smoke run: launched, SIGKILLed in step 23, resumed
-#   table.md    one screen of markdown for docs/GPU_BENCH.md (bench/device_table.py)
-#   log.txt     everything every phase printed
-# Phases, in order (each under its own time cap and the global budget; one that fails is a line in the
-# table, never the end of the check): env, carried wheels, built-in corpus, pytest -m gpu, memory probe,
-# launch + SIGKILL, resume, runner audit, bench ladder (takes the time left), table.
+#   bench.json  gpu_bench.py, written row by row: first the matmul ceiling and the decisive rows (1p3b's
+#               own settings, with and without Liger), then the ladder: plain -> liger -> chunked loss ->
+#               regional compile -> gpu-smoke's settings -> micro-batch sweep -> whole-model compile, ...
+#   run.json, train.jsonl   the runner's own gpu-smoke run: launched, SIGKILLed in step 8, resumed
+#   table.md    one screen of markdown for docs/GPU_BENCH.md (bench/device_table.py), budget table first
+#   log.txt     the budget table, then everything every phase printed
+# Phases, in order (each under its own cap and the global budget; one that fails or is killed at its cap
+# is a line in the table, never the end of the check; the budget table at the start lists the caps):
+# carried wheels, env, bench-decisive, built-in corpus, pytest -m gpu (2 workers), memory probe,
+# launch + SIGKILL, resume, runner audit, bench-rest (takes the time left), table.
 #
 # The device has torch, transformers, accelerate, huggingface_hub, nvidia-ml-py but not omegaconf,
 # pandera or liger-kernel: they travel as wheels in bench/wheels/ (bench/fetch_device_wheels.sh, run
@@ -31,6 +36,9 @@ WORK=""
 BUDGET_S=""
 CPU_TINY=0
 PY=${PYTHON:-python3}
+ONLY=""
+BENCH_ARGS=""
+declare -A CAP_SET=()
 COMMAND="bash bench/device_check.sh $*"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -39,7 +47,10 @@ while [ $# -gt 0 ]; do
     --budget-s) BUDGET_S=$2; shift 2 ;;
     --cpu-tiny) CPU_TINY=1; shift ;;
     --python) PY=$2; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    --only) ONLY=",$2,"; shift 2 ;;
+    --cap) CAP_SET[${2%%=*}]=${2#*=}; shift 2 ;;
+    --bench-args) BENCH_ARGS=$2; shift 2 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "device_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -66,17 +77,59 @@ if [ "$CPU_TINY" = 1 ]; then
 else
   SMOKE=experiments/gpu-smoke.yaml; PROBE_MICRO=1,2; BENCH_FLAGS=(--variant-s 20 --steps 8 --warmup-steps 2)
 fi
-KILL_AT=23   # gpu-smoke checkpoints at step 20: the resume redoes steps 21-23
+# shellcheck disable=SC2206
+BENCH_FLAGS+=($BENCH_ARGS)
+KILL_AT=8   # gpu-smoke checkpoints at step 6: the resume redoes steps 7-8, then runs to 16
+
+# Each phase's cap in seconds on a GPU (x SCALE on --cpu-tiny; --cap overrides), in the order they run.
+# bench-rest has none: it takes what the others leave. Caps are bounds, not estimates.
+PHASE_ORDER=(wheels env bench-decisive corpus pytest-gpu memory-probe launch-killed resume audit bench-rest)
+declare -A CAP=([wheels]=30 [env]=20 [bench-decisive]=150 [corpus]=15 [pytest-gpu]=50 [memory-probe]=30
+  [launch-killed]=90 [resume]=90 [audit]=15)
+declare -A WHAT=([wheels]="omegaconf, pandera, liger-kernel from bench/wheels (only when missing)"
+  [env]="torch, CUDA/ROCm, device, driver, kernels that import"
+  [bench-decisive]="matmul ceiling; 1p3b recipe (whole-model compile, plain loss, bf16) with and without Liger"
+  [corpus]="runner data builtin" [pytest-gpu]="pytest -m gpu tests/test_gpu.py, 2 workers (1 without pytest-xdist)"
+  [memory-probe]="memory plan vs saved-tensor probe at gpu-smoke's shape"
+  [launch-killed]="runner launch gpu-smoke, SIGKILLed in step $KILL_AT (checkpoint at 6)"
+  [resume]="resume to step 16, one evaluation at the end" [audit]="runner audit of that run"
+  [bench-rest]="the ladder after the decisive rows, appended to bench.json")
+for name in "${!CAP[@]}"; do CAP[$name]=$((CAP[$name] * SCALE)); done
+for name in "${!CAP_SET[@]}"; do CAP[$name]=${CAP_SET[$name]}; done
+selected() { [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]]; }
 RUN_DIR=$WORK/run
 printf '{"experiment": "%s", "kill_at_step": %s, "cpu_tiny": %s}\n' "$SMOKE" "$KILL_AT" "$CPU_TINY" > "$WORK/check.json"
 
 say() { echo "== device_check: $*" | tee -a "$LOG"; }
 
-# phase NAME CAP_SECONDS EXPECTED_RCS CMD...: run CMD under min(CAP, time left), log it, record it.
+# The budget table, first in the log and (budget.md) in table.md: each phase's cap, the bench's share.
+{
+  fixed=0
+  echo "Budget: ${BUDGET_S} s in all (phase caps x${SCALE}); a phase ends when its command does, or at its cap"
+  echo "(timeout: TERM, KILL 20 s later), or when the budget is spent."
+  echo ""
+  echo "| # | phase | cap s | runs |"
+  echo "|---|---|---|---|"
+  i=0
+  for name in "${PHASE_ORDER[@]}"; do
+    selected "$name" || continue
+    i=$((i + 1))
+    if [ "$name" = bench-rest ]; then cap=${CAP_SET[bench-rest]:-the rest}; else cap=${CAP[$name]}; fixed=$((fixed + cap)); fi
+    echo "| $i | $name | $cap | ${WHAT[$name]} |"
+  done
+  echo ""
+  echo "Bench's share: bench-decisive's ${CAP[bench-decisive]} s first; bench-rest what the others leave:"\
+    "$((BUDGET_S - fixed > 0 ? BUDGET_S - fixed : 0)) s if every phase ran to its cap (the caps add up to"\
+    "${fixed} s of ${BUDGET_S}: the budget cuts the last phases first), more as they end sooner."
+} > "$WORK/budget.md"
+tee -a "$LOG" < "$WORK/budget.md"
+
+# phase NAME EXPECTED_RCS CMD...: run CMD under min(its cap, time left), log it, record it.
 phase() {
-  local name=$1 cap=$2 expected=$3; shift 3
+  local name=$1 expected=$2; shift 2
+  selected "$name" || return 0
   local left=$((DEADLINE - $(date +%s)))
-  cap=$((cap * SCALE))
+  local cap=${CAP[$name]}
   local limit=$(( cap < left ? cap : left ))
   if [ "$limit" -lt 5 ]; then
     say "$name: skipped, budget spent"
@@ -88,8 +141,11 @@ phase() {
   start=$(date +%s)
   timeout --kill-after=20 "$limit" "$@" >> "$LOG" 2>&1
   rc=$?
-  say "$name: exit $rc after $(( $(date +%s) - start )) s"
-  printf '{"phase": "%s", "rc": %s, "seconds": %s, "expected": [%s]}\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$expected" >> "$PHASES"
+  local took=$(( $(date +%s) - start ))
+  local note=""
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && [ "$took" -ge "$limit" ] && note=", \"note\": \"killed at its cap\""
+  say "$name: exit $rc after $took s"
+  printf '{"phase": "%s", "rc": %s, "seconds": %s, "cap": %s, "expected": [%s]%s}\n' "$name" "$rc" "$took" "$limit" "$expected" "$note" >> "$PHASES"
   return 0
 }
 
@@ -97,7 +153,7 @@ phase() {
 SITE=$WORK/site
 if ! "$PY" -c "import omegaconf, pandera" >/dev/null 2>&1; then
   if ls bench/wheels/*.whl >/dev/null 2>&1; then
-    phase wheels 60 0 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    phase wheels 0 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" bench/wheels/*.whl
   else
     say "wheels: this Python lacks omegaconf/pandera and bench/wheels/ is empty: run bench/fetch_device_wheels.sh first"
@@ -105,26 +161,36 @@ if ! "$PY" -c "import omegaconf, pandera" >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-phase env 60 0 "$PY" bench/device_table.py env --out "$OUT_DIR/env.json"
-phase corpus 60 0 "$PY" -m runner data builtin
-# pytest's exit 5 = nothing collected to run: every test skipped for want of a GPU (--cpu-tiny)
-phase pytest-gpu 90 0,5 bash -c "set -o pipefail; '$PY' -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -rfEs 2>&1 | tee '$WORK/pytest.txt'"
-phase memory-probe 60 0 "$PY" bench/memory_probe.py --experiment "$SMOKE" --micro-batches "$PROBE_MICRO" \
+phase env 0 "$PY" bench/device_table.py env --out "$OUT_DIR/env.json"
+# what decides first: the ceiling and 1p3b's own settings with and without Liger (bench.json row by row)
+phase bench-decisive 0 "$PY" bench/gpu_bench.py "${BENCH_FLAGS[@]}" --part decisive \
+  --budget-s "$(( ${CAP[bench-decisive]} > 20 ? ${CAP[bench-decisive]} - 10 : ${CAP[bench-decisive]} ))" \
+  --smoke-experiment "$SMOKE" --out "$OUT_DIR/bench.json"
+phase corpus 0 "$PY" -m runner data builtin
+# pytest's exit 5 = nothing collected to run: every test skipped for want of a GPU (--cpu-tiny);
+# -n 2: pyproject's `-n auto` would start a worker (and a CUDA context) per core of the device
+# (without pytest-xdist on the device, its addopts would not parse: one process, addopts cleared)
+if "$PY" -c "import xdist" >/dev/null 2>&1; then WORKERS="-n 2"; else WORKERS="-o addopts="; fi
+phase pytest-gpu 0,5 bash -c "set -o pipefail; '$PY' -m pytest $WORKERS -m gpu tests/test_gpu.py -p no:cacheprovider -rfEs 2>&1 | tee '$WORK/pytest.txt'"
+phase memory-probe 0 "$PY" bench/memory_probe.py --experiment "$SMOKE" --micro-batches "$PROBE_MICRO" \
   --out "$OUT_DIR/probe.json"
 rm -rf "$RUN_DIR"
 # --kill-at-step: the runner SIGKILLs itself in that step (after its first micro batch): exit 137
-phase launch-killed 170 137 "$PY" -m runner launch "$SMOKE" --run-dir "$RUN_DIR" --no-tracking --kill-at-step "$KILL_AT"
-phase resume 180 0 "$PY" -m runner launch "$RUN_DIR" --no-tracking
-phase audit 45 "0, 5" "$PY" -m runner audit "$RUN_DIR"
+phase launch-killed 137 "$PY" -m runner launch "$SMOKE" --run-dir "$RUN_DIR" --no-tracking --kill-at-step "$KILL_AT"
+phase resume 0 "$PY" -m runner launch "$RUN_DIR" --no-tracking
+phase audit "0, 5" "$PY" -m runner audit "$RUN_DIR"
 cp "$RUN_DIR/run.json" "$OUT_DIR/run.json" 2>/dev/null
 cp "$RUN_DIR/metrics/train.jsonl" "$OUT_DIR/train.jsonl" 2>/dev/null
-LEFT=$((DEADLINE - $(date +%s) - 25))
-if [ "$LEFT" -ge 30 ]; then
-  phase bench $((LEFT + 15)) 0 "$PY" bench/gpu_bench.py "${BENCH_FLAGS[@]}" --budget-s "$LEFT" \
-    --smoke-experiment "$SMOKE" --out "$OUT_DIR/bench.json"
-else
-  say "bench: skipped, ${LEFT} s left"
-  printf '{"phase": "bench", "rc": null, "seconds": 0, "expected": [0], "note": "budget spent"}\n' >> "$PHASES"
+if selected bench-rest; then
+  LEFT=$((DEADLINE - $(date +%s) - 25))
+  CAP[bench-rest]=${CAP_SET[bench-rest]:-$((LEFT + 15))}
+  if [ "$LEFT" -ge 30 ] || [ -n "${CAP_SET[bench-rest]:-}" ]; then
+    phase bench-rest 0 "$PY" bench/gpu_bench.py "${BENCH_FLAGS[@]}" --part rest --budget-s "$LEFT" \
+      --smoke-experiment "$SMOKE" --out "$OUT_DIR/bench.json"
+  else
+    say "bench-rest: skipped, ${LEFT} s left"
+    printf '{"phase": "bench-rest", "rc": null, "seconds": 0, "expected": [0], "note": "budget spent"}\n' >> "$PHASES"
+  fi
 fi
 "$PY" bench/device_table.py table --out "$OUT_DIR" --work "$WORK" --command "$COMMAND" 2>>"$LOG" | tee -a "$LOG"
 say "done in $(( $(date +%s) - T0 )) s; results in $OUT_DIR, work (run folder, checkpoints) in $WORK"

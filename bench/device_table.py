@@ -170,25 +170,32 @@ def pytest_summary(text: str) -> tuple[str, list[str]]:
 
 def _bench_lines(bench: dict, failures: list[str]) -> list[str]:
     mm = bench["matmul"]
+    rows = bench.get("rows") or []
+    partial = (
+        f" **partial: the bench stopped after {len(rows)} rows** (killed at its cap; every finished row is here)."
+        if bench.get("complete") is False
+        else ""
+    )
     lines = [
         f"Matmul ceiling ({mm['size']}^3 {mm['dtype']}): best **{mm['best_tflops']:.4g} TFLOP/s**, median "
         f"{mm['median_tflops']:.4g} = {_pct(mm.get('fraction_of_peak'))} of the datasheet "
         f"{_num(bench.get('peak_tflops'), '.1f')} TFLOP/s ({bench.get('peak_source')}).",
         "",
         f"Ladder (1p3b shape unless marked smoke; MFU {bench['convention']['flops_formula']}, "
-        f"{bench['convention']['params_counted']}; warmup {bench['warmup_steps']}, up to {bench['timed_steps']} timed steps):",
+        f"{bench['convention']['params_counted']}; warmup {bench['warmup_steps']}, up to {bench['timed_steps']} timed steps):"
+        + partial,
         "",
         "| variant | mb | tok/s | MFU | of matmul | peak GiB | plan GiB | status |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in bench["rows"]:
+    for r in rows:
         name = r["variant"] + (" (smoke shape)" if r.get("shape") == "smoke" else "")
         lines.append(
             f"| {name} | {r['micro_batch']} | {_num(r['tokens_per_second'], ',.0f')} | {_pct(r['mfu'])} | "
             f"{_pct(r['fraction_of_matmul'])} | {_num(r['peak_memory_gib'], '.1f')} | "
             f"{_num(r.get('planned_memory_gib'), '.1f')} | {r['status']} |"
         )
-        if r["status"] in ("error", "oom"):
+        if r["status"] in ("error", "oom", "timeout"):
             failures.append(f"bench `{r['variant']}`: {r['status']}: {r['detail'][:120]}")
     return lines
 
@@ -261,7 +268,8 @@ def render(out: Path, work: Path, command: str) -> str:
     failures = [f"test {t}" for t in failed_tests]
     for p in phases:
         if p.get("rc") not in p.get("expected", [0]):
-            failures.append(f"phase {p['phase']}: exit {p.get('rc')} (expected {p.get('expected', [0])})")
+            killed = " killed at its cap" if p.get("note") == "killed at its cap" else ""
+            failures.append(f"phase {p['phase']}: exit {p.get('rc')}{killed} (expected {p.get('expected', [0])})")
     pk = env.get("packages", {})
     total = sum(float(p.get("seconds", 0)) for p in phases)
     lines = [
@@ -275,10 +283,17 @@ def render(out: Path, work: Path, command: str) -> str:
         + (", ".join(f"{k} {v}" for k, v in (env.get("attention_kernels") or {}).items()) or "-"),
         "",
         f"Command: `{command}`; {total:.0f} s. pytest -m gpu: {tests}. Phases: "
-        + ", ".join(f"{p['phase']} {p.get('rc')} ({float(p.get('seconds', 0)):.0f} s)" for p in phases)
+        + ", ".join(
+            f"{p['phase']} {p.get('rc')} ({float(p.get('seconds', 0)):.0f} s"
+            + (f" of {p['cap']}" if p.get("cap") is not None else "")
+            + ")"
+            for p in phases
+        )
         + ".",
         "",
     ]
+    if (work / "budget.md").exists():  # what each phase was allowed, before what it did
+        lines += [(work / "budget.md").read_text().strip(), ""]
     if bench:
         lines += _bench_lines(bench, failures) + [""]
     else:

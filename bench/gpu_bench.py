@@ -6,9 +6,13 @@ figure beside it) of the 1p3b model for a ladder of variants: plain -> Liger ker
 runner's chunked loss -> regional compile -> the gpu-smoke experiment's own settings -> a micro
 batch sweep of the best -> whole-model compile and the rest, inside one global time budget. The
 model and its loss are the runner's own (runner.training.model.RunnerLlama), so a variant measures
-exactly what `runner launch` runs with those recipe options. Writes a JSON record, prints a table.
-Never: crashes on a variant (OOM, a missing backend, a kernel error become rows), runs past its
-budget by more than one training step, downloads anything, or invents a peak for an unknown device.
+exactly what `runner launch` runs with those recipe options. `--part decisive` measures the ceiling
+and the rows that decide (the 1p3b recipe's own settings, with and without Liger); `--part rest` the
+ladder after them, appending to the same file. Writes the JSON record as it measures (each row
+replaces the file atomically: a bench killed at its cap leaves every finished row, `complete` false),
+prints a table. Never: crashes on a variant (OOM, a missing backend, a kernel error become rows),
+lets a variant's build, warm-up (compile) or timing run past its time box (SIGALRM: a `timeout`
+row), downloads anything, or invents a peak for an unknown device.
 
 Standalone: `python bench/gpu_bench.py --out results.json` needs only this repository, torch and
 transformers. runner modules are imported lazily; the recipe loader (omegaconf) is optional.
@@ -24,9 +28,12 @@ import gc
 import importlib.util
 import json
 import math
+import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -112,7 +119,7 @@ class Row:
     kernels: str = "none"
     cross_entropy: str = "plain"
     shape: str = "main"
-    status: str = "ok"  # ok | oom | unavailable | error | skipped
+    status: str = "ok"  # ok | oom | unavailable | error | timeout | skipped
     detail: str = ""
     steps_timed: int = 0
     step_seconds: float | None = None
@@ -384,7 +391,10 @@ def build_model(shape: dict[str, Any], v: Variant, device: torch.device):
     """The runner's Llama (its loss, Liger kernels, compile scope) at `shape`, on `device`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    runner_model = _runner_llama()
+    # The runner's config marks its causal attention mask-free (flash under whole-model compile too).
+    config_cls = getattr(runner_model, "RunnerLlamaConfig", LlamaConfig) if runner_model is not None else LlamaConfig
+    config = config_cls(
         vocab_size=shape["vocab_size"],
         hidden_size=shape["hidden_size"],
         num_hidden_layers=shape["n_layers"],
@@ -402,7 +412,6 @@ def build_model(shape: dict[str, Any], v: Variant, device: torch.device):
         eos_token_id=None,
         pad_token_id=None,
     )
-    runner_model = _runner_llama()
     cls = runner_model.RunnerLlama if runner_model is not None else LlamaForCausalLM
     with device:  # initialise on the device: a 1.4B CPU init alone would eat a tenth of the budget
         model = cls._from_config(config, attn_implementation=v.attn, dtype=torch.float32)
@@ -480,35 +489,30 @@ def run_variant(
         return row
     row.planned_memory_gib = planned_memory_gib(shape, v, device)
     model = optimizer = batch = None
+    stage = ["build"]  # where the time box caught it, for the row's detail
     try:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        model = build_model(shape, v, device)
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=v.fused_adamw
-        )
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        size = (v.micro_batch, shape["seq_len"])
-        batch = (
-            torch.randint(0, shape["vocab_size"], size, generator=gen).to(device),
-            torch.randint(0, shape["vocab_size"], size, generator=gen).to(device),
-            torch.ones(size, dtype=torch.bool, device=device),
-        )
-        for _ in range(warmup_steps):  # the first steps pay for compilation, autotuning and allocator growth
-            train_step(model, optimizer, batch, v, device)
-        _sync(device)
-        row.build_seconds = time.perf_counter() - t0
-        t_start = time.perf_counter()
-        steps = 0
-        while steps < timed_steps and (steps == 0 or time.perf_counter() < deadline):
-            train_step(model, optimizer, batch, v, device)
-            steps += 1
-        _sync(device)
-        elapsed = time.perf_counter() - t_start
-        tokens = steps * v.micro_batch * shape["seq_len"]
-        row.steps_timed, row.step_seconds = steps, elapsed / steps
-        row.tokens_per_second = tokens / elapsed
+        with time_box(deadline + max(1.0, 0.1 * (deadline - time.perf_counter()))):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            model = build_model(shape, v, device)
+            optimizer = torch.optim.AdamW(
+                model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=v.fused_adamw
+            )
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            size = (v.micro_batch, shape["seq_len"])
+            batch = (
+                torch.randint(0, shape["vocab_size"], size, generator=gen).to(device),
+                torch.randint(0, shape["vocab_size"], size, generator=gen).to(device),
+                torch.ones(size, dtype=torch.bool, device=device),
+            )
+            stage[0] = "warm-up (compile)"
+            for _ in range(warmup_steps):  # the first steps pay for compilation, autotuning and allocator growth
+                train_step(model, optimizer, batch, v, device)
+            _sync(device)
+            row.build_seconds = time.perf_counter() - t0
+            stage[0] = "timed steps"
+            _time_steps(row, model, optimizer, batch, v, device, deadline, timed_steps, shape["seq_len"])
         row.model_tflops = fpt * row.tokens_per_second / 1e12
         row.mfu = row.model_tflops / peak_tflops if peak_tflops else None
         row.fraction_of_matmul = row.model_tflops / ceiling_tflops if ceiling_tflops else None
@@ -516,6 +520,8 @@ def run_variant(
             row.peak_memory_gib = torch.cuda.max_memory_allocated(device) / 2**30
         if time.perf_counter() > deadline:
             row.detail = "variant time box reached during warmup/timing; fewer steps timed"
+    except VariantTimeout as exc:
+        row.status, row.detail = "timeout", f"{stage[0]} passed the variant's time box ({exc})"
     except torch.OutOfMemoryError as exc:
         row.status, row.detail = "oom", str(exc).strip().splitlines()[0][:200]
     except Exception as exc:  # a kernel or compile failure is a finding about this variant, not a crash
@@ -532,6 +538,49 @@ def run_variant(
             with contextlib.suppress(Exception):
                 torch._dynamo.reset()
     return row
+
+
+def _time_steps(row: Row, model, optimizer, batch, v: Variant, device, deadline: float, steps_max: int, seq: int):
+    """Up to `steps_max` optimizer steps between two synchronizes, fewer when the deadline passes."""
+    t_start = time.perf_counter()
+    steps = 0
+    while steps < steps_max and (steps == 0 or time.perf_counter() < deadline):
+        train_step(model, optimizer, batch, v, device)
+        steps += 1
+    _sync(device)
+    elapsed = time.perf_counter() - t_start
+    row.steps_timed, row.step_seconds = steps, elapsed / steps
+    row.tokens_per_second = steps * v.micro_batch * seq / elapsed
+
+
+class VariantTimeout(BaseException):
+    """Raised by `time_box`'s alarm: a BaseException, so no `except Exception` in torch's compile stack
+    swallows it."""
+
+
+@contextlib.contextmanager
+def time_box(until: float):
+    """Interrupt the body at perf_counter() == `until` (SIGALRM; the main thread only, else unbounded).
+    Compile runs Python between its kernels, where the alarm's exception lands."""
+    if (
+        not math.isfinite(until)
+        or threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "setitimer")
+    ):
+        yield
+        return
+    seconds = max(until - time.perf_counter(), 0.001)
+
+    def fire(signum, frame):
+        raise VariantTimeout(f"{seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def variants(micro_batches: list[int], smoke: Variant) -> list[Variant]:
@@ -663,9 +712,91 @@ def _skipped(v: Variant, why: str) -> Row:
     return _row(v, status="skipped", detail=why)
 
 
+def decisive_variants(experiment: Path, micro_batch: int) -> list[Variant]:
+    """The rows that decide, measured first: the main experiment's own settings (1p3b: whole-model
+    compile, plain loss, bf16) at the 1p3b shape, and the same with Liger's kernels and loss."""
+    try:
+        from runner.config.load import load_experiment
+
+        m = load_experiment(experiment, check_files=False).config.model
+        settings: dict[str, Any] = {
+            "attn": str(m.attn_implementation),
+            "sdpa_kernel": m.sdpa_kernel,
+            "compile": str(m.compile_scope) if m.compile else "none",
+            "cross_entropy": str(m.cross_entropy),
+            "kernels": str(m.kernels),
+        }
+    except Exception:  # no omegaconf or no recipe: 1p3b's shipped settings
+        settings = {"compile": "model"}
+    name = experiment.stem
+    factor = {"model": 4.0, "regional": 3.0}.get(settings.get("compile", "none"), 1.0)
+    own = Variant(f"{name} recipe mb{micro_batch}", micro_batch, budget_factor=factor, **settings)
+    liger = replace(own, name=f"{name} recipe liger mb{micro_batch}", kernels="liger", cross_entropy="liger")
+    return [own, liger]
+
+
+def _header(args, device, facts, peak, peak_source, mm, shapes, fpts, sources, smoke, tiny) -> dict[str, Any]:
+    fpt, n_params, formula = fpts["main"]
+    return {
+        "format": "runner-gpu-bench/3",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "mode": "cpu-tiny" if tiny else "gpu",
+        "part": args.part,
+        "complete": False,  # true once every variant of this part has its row
+        "device": facts,
+        "peak_tflops": peak,
+        "peak_dtype": "bf16",
+        "peak_source": peak_source,
+        "matmul": mm,
+        "model_source": sources[0],
+        "model_shape": shapes["main"],
+        "params_non_embedding": n_params,
+        "flops_per_token": fpt,
+        "flops_formula": formula,
+        "smoke_source": sources[1],
+        "smoke_shape": shapes["smoke"],
+        "smoke_micro_batch": smoke.micro_batch,
+        "smoke_variant": smoke.name,
+        "smoke_flops_per_token": fpts["smoke"][0],
+        "best_main_variant": None,
+        "convention": {
+            "flops_formula": "6N+attn",
+            "params_counted": "non_embedding",
+            "attention_causal_half": False,
+            "recompute_counted": False,
+            "devices_counted": 1,
+            "time_basis": "step",
+        },
+        "warmup_steps": 1 if tiny else args.warmup_steps,
+        "timed_steps": 2 if tiny else args.steps,
+        "budget_seconds": args.budget_s,
+        "elapsed_seconds": 0.0,
+        "rows": [],
+    }
+
+
+def write_result(out: Path, result: dict[str, Any]) -> None:
+    """Replace `out` atomically (a temporary file beside it, then os.replace): a reader, or a kill at
+    any moment, sees the previous complete JSON or this one, never half of one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    os.replace(tmp, out)
+
+
+def _previous(out: Path) -> dict[str, Any] | None:
+    """What an earlier `--part decisive` wrote to `out` (its ceiling and rows), for `--part rest`."""
+    try:
+        old = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return None
+    return old if isinstance(old, dict) and isinstance(old.get("matmul"), dict) and "rows" in old else None
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t_begin = time.perf_counter()
     global_deadline = t_begin + args.budget_s
+    out = Path(args.out)
     tiny = args.cpu_tiny or not torch.cuda.is_available()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_tiny else "cpu")
     facts = device_facts() if device.type == "cuda" else {**device_facts(), "accelerator": "cpu"}
@@ -681,23 +812,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         micro_batches = args.micro_batches
     shapes = {"main": shape, "smoke": smoke_shape}
     fpts = {name: flops_per_token(sh) for name, sh in shapes.items()}
-    fpt, n_params, formula = fpts["main"]
     if device.type == "cuda":
         peak, peak_source = datasheet_peak(facts["device_name"], facts.get("arch"))
     else:
         peak, peak_source = None, "a CPU has no datasheet peak: MFU not computed, see fraction_of_matmul"
-
-    mm = matmul_ceiling(device, 256 if tiny else args.matmul_size, min(args.matmul_s, args.budget_s / 10))
-    mm["fraction_of_peak"] = mm["best_tflops"] / peak if peak else None
+    before = _previous(out) if args.part == "rest" else None
+    if before is not None:  # the decisive part measured the ceiling: the rest appends to its rows
+        mm = before["matmul"]
+    else:
+        mm = matmul_ceiling(device, 256 if tiny else args.matmul_size, min(args.matmul_s, args.budget_s / 10))
+        mm["fraction_of_peak"] = mm["best_tflops"] / peak if peak else None
+    result = _header(args, device, facts, peak, peak_source, mm, shapes, fpts, (source, smoke_source), smoke, tiny)
+    result["rows"] = list(before["rows"]) if before else []
+    write_result(out, result)
     done: list[tuple[Variant, Row]] = []
-    warmup, timed = (1, 2) if tiny else (args.warmup_steps, args.steps)
 
     def measure(v: Variant) -> None:
         remaining = global_deadline - time.perf_counter()
         box = args.variant_s * v.budget_factor
         if tiny and v.compile != "none":
             row = _skipped(v, "torch.compile skipped in --cpu-tiny (needs a C++ toolchain and minutes)")
-        elif remaining < box * 0.5:  # compile cannot be interrupted: start it only with room to finish
+        elif remaining < box * 0.5:  # a compile cut at its box measures nothing: start it only with room
             row = _skipped(v, f"global budget: {max(remaining, 0):.0f} s left")
         else:
             row = run_variant(
@@ -705,59 +840,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 shapes[v.shape],
                 device,
                 deadline=time.perf_counter() + min(box, remaining),
-                warmup_steps=warmup,
-                timed_steps=timed,
+                warmup_steps=result["warmup_steps"],
+                timed_steps=result["timed_steps"],
                 fpt=fpts[v.shape][0],
                 peak_tflops=peak,
                 ceiling_tflops=mm["best_tflops"],
             )
             print(f"  {row.variant}: {row.status} {_fmt(row.tokens_per_second, ',.0f')} tok/s", flush=True)
         done.append((v, row))
+        result["rows"].append(asdict(row))
+        result["elapsed_seconds"] = time.perf_counter() - t_begin
+        write_result(out, result)  # every row as it is measured
 
-    for v in variants(micro_batches, smoke):
-        measure(v)
-    for v in sweep(done, micro_batches) + tail_variants(micro_batches):
-        measure(v)
-    rows = [r for _, r in done]
+    mid = micro_batches[len(micro_batches) // 2]
+    if args.part in ("decisive", "all"):
+        for v in decisive_variants(Path(args.experiment), mid):
+            measure(v)
+    if args.part in ("rest", "all"):
+        for v in variants(micro_batches, smoke):
+            measure(v)
+        for v in sweep(done, micro_batches) + tail_variants(micro_batches):
+            measure(v)
     best = max(
-        (r for r in rows if r.status == "ok" and r.shape == "main" and r.mfu is not None),
-        key=lambda r: r.mfu,
+        (r for r in result["rows"] if r["status"] == "ok" and r["shape"] == "main" and r["mfu"] is not None),
+        key=lambda r: r["mfu"],
         default=None,
     )
-    return {
-        "format": "runner-gpu-bench/2",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "mode": "cpu-tiny" if tiny else "gpu",
-        "device": facts,
-        "peak_tflops": peak,
-        "peak_dtype": "bf16",
-        "peak_source": peak_source,
-        "matmul": mm,
-        "model_source": source,
-        "model_shape": shape,
-        "params_non_embedding": n_params,
-        "flops_per_token": fpt,
-        "flops_formula": formula,
-        "smoke_source": smoke_source,
-        "smoke_shape": smoke_shape,
-        "smoke_micro_batch": smoke.micro_batch,
-        "smoke_variant": smoke.name,
-        "smoke_flops_per_token": fpts["smoke"][0],
-        "best_main_variant": best.variant if best else None,
-        "convention": {
-            "flops_formula": "6N+attn",
-            "params_counted": "non_embedding",
-            "attention_causal_half": False,
-            "recompute_counted": False,
-            "devices_counted": 1,
-            "time_basis": "step",
-        },
-        "warmup_steps": warmup,
-        "timed_steps": timed,
-        "budget_seconds": args.budget_s,
-        "elapsed_seconds": time.perf_counter() - t_begin,
-        "rows": [asdict(r) for r in rows],
-    }
+    result.update(best_main_variant=best["variant"] if best else None, complete=True)
+    result["elapsed_seconds"] = time.perf_counter() - t_begin
+    write_result(out, result)
+    return result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -778,6 +890,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (fewer if its box ends)")
     p.add_argument("--cpu-tiny", action="store_true", help="tiny sizes on CPU (automatic without a GPU)")
+    p.add_argument(
+        "--part",
+        choices=("decisive", "rest", "all"),
+        default="all",
+        help="decisive: the ceiling and the main experiment's own settings with and without Liger; "
+        "rest: the ladder after them, appended to --out's rows; all: both (default)",
+    )
     args = p.parse_args(argv)
     if args.budget_s <= 0 or math.isnan(args.budget_s):
         p.error("--budget-s must be positive")
@@ -786,12 +905,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    result = run(args)  # writes --out as it measures
     print_table(result)
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -64,3 +64,4 @@ EXIT_USAGE = 2  #: unusable input (a RunnerError)
 EXIT_PREEMPTED = 3  #: a run stopped by a signal after saving a checkpoint (resume it)
 EXIT_NONFINITE = 4  #: a run stopped at a non-finite loss, the step not committed
 EXIT_UNVERIFIED = 5  #: `runner audit`: consistent, but named checks could not run (`--require-verified` makes it 1)
+EXIT_IN_PROGRESS = 6  #: `runner audit RUN`: a launch (or sync, report) holds the run folder; nothing was audited

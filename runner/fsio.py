@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,33 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def staging_folder(dest: str | os.PathLike) -> Path:
+    """An empty folder beside `dest` to build its next content in (`replace_folder` puts it in place);
+    what a killed writer left beside `dest` before is removed first."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".{dest.name}.*-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    staged = dest.parent / f".{dest.name}.staged-{os.getpid()}"
+    staged.mkdir()
+    return staged
+
+
+def replace_folder(staged: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Put a complete folder in place of `dest` by renames: a reader, or a writer killed at any point,
+    sees the old folder, the new one, or none (never part of one). Its files are fsynced first."""
+    staged, dest = Path(staged), Path(dest)
+    for f in staged.rglob("*"):
+        if f.is_file():
+            fsync_file(f)
+    old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+    if dest.exists():
+        os.rename(dest, old)
+    os.rename(staged, dest)
+    fsync_dir(dest.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -151,8 +179,17 @@ def read_yaml(path: str | os.PathLike) -> Any:
         raise RunnerError("missing", file=str(path)) from None
     except IsADirectoryError:
         raise RunnerError("is a folder, not a YAML file", file=str(path)) from None
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise RunnerError(f"not valid YAML: {err}", file=str(path)) from None
+    except yaml.YAMLError as err:
+        raise RunnerError(yaml_error_line(err), file=str(path)) from None
+    except UnicodeDecodeError as err:
+        raise RunnerError(f"not UTF-8 text: {err.reason} at byte {err.start}", file=str(path)) from None
+
+
+def yaml_error_line(err: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: its line and problem (PyYAML's own text spans lines)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = " ".join(str(getattr(err, "problem", None) or err).split())
+    return f"line {mark.line + 1}: not valid YAML: {problem}" if mark else f"not valid YAML: {problem}"
 
 
 def atomic_write_json(path: str | os.PathLike, data: Any) -> None:

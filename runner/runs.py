@@ -98,6 +98,12 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         self.release()
 
+    def held(self) -> dict:
+        """The record this owner wrote (host, pid, since): what every rank must read in the folder."""
+        if self._fd is not None:
+            return _read_fd(self._fd)
+        return self._read(self._owner) if self._owner is not None else {}
+
     def release(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
@@ -179,6 +185,47 @@ class RunLock:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
+
+
+def lock_holder(run_dir: Path) -> dict | None:
+    """The record of the process that holds a run folder now (a launch, sync or report writing it), or
+    None. Read only: the lock is never taken. A record released, or left by a dead process of this
+    host, holds nothing; one of another host (or not written yet) is asked of flock(2) itself, a shared
+    lock tried and dropped at once."""
+    run_dir = Path(run_dir)
+    owner = RunLock._read(run_dir / OWNER_FILE)
+    if owner and (owner.get("host") != socket.gethostname() or _alive(owner.get("pid"))):
+        return owner
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None  # never locked
+    try:
+        record = _read_fd(fd)
+        if "released_at" in record:
+            return None
+        if record.get("host") == socket.gethostname():
+            return record if _alive(record.get("pid")) else None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return record
+        except OSError:
+            return None  # no fcntl locks on this storage: the lock-file method was read above
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def holder_text(record: dict) -> str:
+    """`runner launch (...), pid P on host H since T`: who holds a run folder, in words."""
+    return _holder(record)
+
+
+def lock_records(run_dir: Path) -> list[dict]:
+    """The owners' records as a reader sees them in `run_dir` (either method's file; none: [])."""
+    return [RunLock._read(Path(run_dir) / name) for name in (LOCK_FILE, OWNER_FILE) if (Path(run_dir) / name).exists()]
 
 
 def _holder(record: dict) -> str:
@@ -492,6 +539,8 @@ def conventions_of(run: dict, cfg: ExperimentSchema) -> dict:
     conv["peak_source"] = recorded.get("peak_source", hw.peak_source)
     conv["devices_counted"] = int(recorded.get("devices_counted", devices_held(run, cfg)))
     conv["time_basis"] = recorded.get("time_basis", "step")
+    if conv["time_basis"] == "step":  # runs before issue 28 read step time when the host had queued it
+        conv["step_clock"] = recorded.get("step_clock", "host")
     if conv["peak_tflops"] is None:
         raise RunnerError(
             "no peak_tflops recorded in run.json conventions or hardware recipe", key="conventions.peak_tflops"

@@ -28,6 +28,7 @@ from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED
 from runner.fsio import sha256_file
 from runner.planning.flops import Convention, flops_per_token
 from runner.reports import evidence as ev
+from runner.reports import tables as rpt
 from runner.reports.audit import audit, replay
 from runner.reports.audit_tracked import EVIDENCE, METRICS, PARAMS, TAGS
 from runner.reports.checks import FAIL, PASS, UNVERIFIED
@@ -390,6 +391,41 @@ def test_consistent_forgery_never_passes(real_run, tmp_path, attack, must_fail):
     else:
         assert result.verdict == UNVERIFIED and result.failed() == [], result.render()
     assert audit(report, check_mlflow=False).verdict != PASS  # offline: at best UNVERIFIED
+
+
+def test_a_report_cut_short_never_passes(real_run, tmp_path):
+    """Issue 27 item 6: a SIGKILLed `runner report` left a report without plots or evidence.json that
+    PASSed and published. Missing evidence is UNVERIFIED, a missing plot or table FAILs."""
+    report = _copy(real_run, tmp_path)
+    (report / "evidence.json").unlink()
+    result = audit(report)
+    assert result.verdict == UNVERIFIED and result.failed() == [], result.render()
+    assert result.unverified() == ["evidence.json matches the report"]
+    (report / "throughput.png").unlink()
+    (report / "report.md").unlink()
+    result = audit(report)
+    assert result.failed() == ["report folder complete"], result.render()
+    assert "report.md, throughput.png missing" in result.render()
+
+
+def test_a_report_writer_killed_midway_leaves_the_previous_report_whole(real_run, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(real_run, run)
+    before = {p.relative_to(run): p.read_bytes() for p in (run / "report").rglob("*") if p.is_file()}
+
+    def killed(tables, out):
+        raise KeyboardInterrupt  # the writer dies after its tables, before its plots and evidence
+
+    monkeypatch.setattr(rpt, "write_plots", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ev.write_report_with_evidence(run)
+    after = {p.relative_to(run): p.read_bytes() for p in (run / "report").rglob("*") if p.is_file()}
+    assert after == before  # the old report, whole; the half-built one is beside it, hidden
+    monkeypatch.undo()
+    out, evidence = ev.write_report_with_evidence(run)  # the next writer clears what the killed one left
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".report")) == []
+    assert json.loads((out / "evidence.json").read_text()) == evidence
+    assert audit(out).verdict == PASS
 
 
 def test_recompute_eval_fails_edited_losses_with_no_mlflow_at_hand(real_run, tmp_path, capsys):

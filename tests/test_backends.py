@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -262,6 +263,19 @@ def test_launch_turns_the_config_into_an_fsdp2_plugin(name, monkeypatch):
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    # The plugin the runner hands Accelerator for a GPU recipe: bf16 compute, fp32 gradient reduction,
+    # kept when AcceleratorState applies the launch's mixed precision (accelerate's own would reduce in bf16).
+    hardware = yaml.safe_load((ROOT / "recipes/hardware/h200-1x8-fsdp.yaml").read_text())
+    ours = backends.fsdp_plugin(replace(H200_HW, distributed=hardware["distributed"]))
+    ours.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])
+    plugin.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])
+    assert (ours.fsdp_version, ours.reshard_after_forward) == (2, True)
+    policy = ours.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16  # what accelerate alone would do
+    acc = SimpleNamespace(distributed_type=SimpleNamespace(name="FSDP"), state=SimpleNamespace(fsdp_plugin=ours))
+    assert backends.fsdp_record(acc) == {"fsdp_param_dtype": "torch.bfloat16", "fsdp_reduce_dtype": "torch.float32"}
+    assert backends.fsdp_plugin(H200_HW, environ={}) is None  # DDP or one process: accelerate's defaults
 
 
 def _acc(kind: str, world: int, device: str = "cuda", fsdp_version: int = 2):
@@ -302,3 +316,38 @@ def test_sharding_mismatch_is_one_line_naming_the_key(distributed, acc, says):
     with pytest.raises(RunnerError) as e:
         backends.sharding_mode(HardwareRecipe(distributed=distributed), acc, file="recipes/hardware/x.yaml")
     assert says in str(e.value) and e.value.key == "hardware.distributed"
+
+
+@pytest.mark.slow  # dynamo traces a DDP model: ~15 s on a loaded core
+def test_compiled_ddp_graphs_stay_whole_instead_of_split_at_gradient_buckets(monkeypatch, tmp_path):
+    """dynamo's DDP optimizer splits a compiled DDP model's graph at every gradient bucket; the runner
+    turns it off before compiling and records what the wrapper ran with."""
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.parallel import DistributedDataParallel
+
+    from runner.config.schema import ExperimentSchema, TokenizerRecipe, TrainSection
+    from runner.training.model import build_model, maybe_compile
+
+    c = ExperimentSchema(
+        # 2.6 MB of fp32 weights per layer: a few 1 MB gradient buckets (DDP's first bucket is 1 MB)
+        model=ModelRecipe(hidden_size=256, n_layers=2, n_heads=4, n_kv_heads=4, intermediate_size=512, compile=True),
+        tokenizer=TokenizerRecipe(vocab_size=100, eos_id=0),
+        train=TrainSection(seq_len=16),
+        hardware=HardwareRecipe(accelerator="cpu"),
+    )
+
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)  # torch's default, put back after
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        torch._dynamo.reset()
+        ddp = DistributedDataParallel(build_model(c), bucket_cap_mb=1, broadcast_buffers=False)
+        record = backends.ddp_compile_settings(ddp, True)
+        counter = CompileCounter()  # dynamo's DDP optimizer on: a graph per gradient bucket
+        maybe_compile(ddp, c, backend=counter)
+        x = torch.randint(0, 100, (2, 16))
+        ddp(input_ids=x, loss_targets=x, loss_mask=torch.ones_like(x, dtype=torch.bool)).backward()
+    finally:
+        torch.distributed.destroy_process_group()
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
+    assert record == {"ddp_broadcast_buffers": False, "ddp_bucket_cap_mb": 1.0, "dynamo_optimize_ddp": False}

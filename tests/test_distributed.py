@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from trainfixtures import env, launch, make_project
 
+from runner.export.export import export_run
 from runner.fsio import read_jsonl
 from runner.reports.audit import audit
 
@@ -47,6 +48,9 @@ def test_two_processes_match_one(tmp_path):
     one, two = tmp_path / "runs" / "one", tmp_path / "runs" / "two"
     info = json.loads((two / "run.json").read_text())
     assert info["world_size"] == 2
+    # DDP as the runner sets it up (read off the wrapper): no buffer broadcast before every forward
+    assert info["runtime"]["ddp_broadcast_buffers"] is False and info["runtime"]["ddp_bucket_cap_mb"] == 25
+    assert info["runtime"]["dynamo_optimize_ddp"] is None  # not compiled (a compiled run records False)
     # The recipe plans 1 device; the run held 2: that is what run.json, MFU and cost count.
     assert info["devices"] == 2 and info["conventions"]["devices_counted"] == 2
     assert proc.stderr.count("warning: running on 2 devices (world size)") == 1
@@ -126,6 +130,11 @@ def test_fsdp2_sharded_run_matches_one_process_and_resumes_across_world_sizes(tm
     wa, wb = _weights(one, 6), _weights(sharded, 6)
     assert set(wa) == set(wb) and all(wa[k].shape == wb[k].shape for k in wa)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+    # What FSDP2 wrote exports (issue 23): loaded back by transformers alone, equal to the run's model.
+    exported = export_run(sharded, tmp_path / "exported", dtype="fp32")
+    assert exported.verification["model"]["max_abs_logit_diff"] <= 1e-5
+    assert exported.verification["model"]["greedy_tokens_compared"] > 0
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
     # Sharded -> one process: stop the 2-rank FSDP run at step 3, finish it as a single process.
     _torchrun(root, exp, "--run-dir", "runs/down", "--max-steps", 3)

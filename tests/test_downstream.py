@@ -329,8 +329,8 @@ def test_loglikelihoods_and_answers_match_lm_eval_hflm(tmp_path, tokenizer, tiny
     try:
         from lm_eval.api.instance import Instance
         from lm_eval.models.huggingface import HFLM
-    except ImportError as e:  # the `test` extra is not installed
-        pytest.skip(f"lm_eval (the `test` extra, lm-eval==0.4.13) cannot be imported: {e}")
+    except ImportError as e:  # the `eval` extra is not installed
+        pytest.skip(f"lm_eval (the `eval` extra, lm-eval==0.4.13) cannot be imported: {e}")
     from transformers import PreTrainedTokenizerFast
 
     folder = tmp_path / "hf"

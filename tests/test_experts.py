@@ -22,10 +22,16 @@ from trainfixtures import env, launch, make_project
 
 from runner.config.load import load_experiment
 from runner.errors import RunnerError
+from runner.reports import evidence as ev
 from runner.reports.audit import audit
+from runner.reports.audit_tracked import METRICS
+from runner.reports.evidence import write_report_with_evidence
+from runner.reports.expert_tables import balance_rows
+from runner.reports.tables import _typed
 from runner.training import experts
 from runner.training.expert_load import ExpertLoad, balance, read_expert_load
 from runner.training.model import build_model
+from schemas.report_tables import SCHEMAS
 
 # A 2-layer OLMoE: 4 experts of 32 per layer, each position routed to 2.
 MOE = {
@@ -144,7 +150,7 @@ def test_launch_records_expert_load_to_mlflow_and_report_and_the_audit_catches_o
     assert all(r["router_aux_loss"] >= 1.0 - 1e-6 and r["expert_load_imbalance"] >= 1.0 for r in rows)
     db = sqlite3.connect(tmp_path / "mlflow.db")
     keys = {k for (k,) in db.execute("select distinct key from metrics where run_uuid=?", (info["mlflow"]["run_id"],))}
-    assert {"router_aux_loss", "router_z_loss", "expert_load_imbalance", "expert_idle_capacity"} <= keys
+    assert {"router_aux_loss", "router_z_loss", "step/expert_load_imbalance", "step/expert_idle_capacity"} <= keys
 
     report = run / "report"
     load = pd.read_parquet(report / "expert_load.parquet")
@@ -180,6 +186,81 @@ def test_launch_records_expert_load_to_mlflow_and_report_and_the_audit_catches_o
     layer, domain = int(load.loc[5, "layer"]), load.loc[5, "domain"]
     want = exposure[domain] * K
     assert f"layer {layer}, {domain}: {want + 1} routed, exposure {exposure[domain]} x k {K} = {want}" in nudged.stdout
+    # Consistent forgeries (issue 27 item 9) fail on two more defences than the sums: on this same run.
+    genuine = tmp_path / "genuine"
+    shutil.copytree(run, genuine)
+    write_report_with_evidence(genuine)  # the report as the run wrote it, before the nudge above
+    _a_consistent_expert_load_forgery_fails_against_the_checkpoint(genuine, tmp_path)
+    _the_router_table_is_compared_with_mlflows_router_metrics(genuine, tmp_path)
+
+
+CHECKPOINT = "final checkpoint agrees with the report"
+
+
+def _save(report: Path, name: str, df: pd.DataFrame) -> None:
+    df = _typed(name, df)
+    df.to_parquet(report / f"{name}.parquet", index=False)
+    df.to_csv(report / f"{name}.csv", index=False)
+
+
+def _reseal(report: Path) -> None:
+    """A careful forger: evidence.json recomputed from the edited tables."""
+    found = json.loads((report / "evidence.json").read_text())
+    found["tables"] = {n: ev.table_sha256(n, pd.read_parquet(report / f"{n}.parquet")) for n in found["tables"]}
+    (report / "evidence.json").write_text(json.dumps(found, indent=1))
+
+
+def _check(result, name):
+    return next(c for c in result.checks if c.name == name)
+
+
+def _a_consistent_expert_load_forgery_fails_against_the_checkpoint(moe_run: Path, tmp_path: Path) -> None:
+    """One position moved between two experts in the report and in the run folder's expert_load.json,
+    expert_balance recomputed, evidence resealed: every table-level check holds; the final
+    checkpoint's stored expert load does not."""
+    run = tmp_path / "forged"
+    shutil.copytree(moe_run, run)
+    report = run / "report"
+    genuine = audit(run, check_mlflow=False)
+    assert _check(genuine, CHECKPOINT).status == "PASS", genuine.render()
+    load = pd.read_parquet(report / "expert_load.parquet")
+    first = load.index[(load["layer"] == 0) & (load["domain"] == "a")]
+    load.loc[first[0], "routed_tokens"] -= 1  # every sum holds
+    load.loc[first[1], "routed_tokens"] += 1
+    _save(report, "expert_load", load)
+    raw = json.loads((run / "expert_load.json").read_text())  # and the run folder's own record of it
+    e0, e1 = (int(load.loc[i, "expert"]) for i in first[:2])
+    raw["routed_tokens"]["a"][0][e0] -= 1
+    raw["routed_tokens"]["a"][0][e1] += 1
+    (run / "expert_load.json").write_text(json.dumps(raw))
+    domains = sorted(load["domain"].unique())
+    routed = np.zeros((2, len(domains), 4), dtype=np.int64)
+    for r in load.itertuples():
+        routed[r.layer, domains.index(r.domain), r.expert] = r.routed_tokens
+    acct = pd.read_parquet(report / "accounting.parquet").set_index("domain")["exposure_tokens"]
+    rows = balance_rows(routed, domains, {d: int(acct[d]) for d in domains}, K)
+    _save(report, "expert_balance", pd.DataFrame(rows, columns=list(SCHEMAS["expert_balance"].columns)))
+    _reseal(report)
+    result = audit(run, check_mlflow=False)
+    assert result.failed() == [CHECKPOINT], result.render()
+    detail = _check(result, CHECKPOINT).detail
+    assert f"expert load layer 0, a, expert {e0}: checkpoint {int(load.loc[first[0], 'routed_tokens']) + 1}" in detail
+    assert f"expert {e1}: checkpoint {int(load.loc[first[1], 'routed_tokens']) - 1}" in detail
+
+
+def _the_router_table_is_compared_with_mlflows_router_metrics(moe_run: Path, tmp_path: Path) -> None:
+    report = tmp_path / "router-forged"
+    shutil.copytree(moe_run / "report", report)
+    genuine = _check(audit(report), METRICS)
+    assert genuine.status == "PASS", genuine.detail
+    assert "expert_load" not in genuine.detail.split("no report counterpart:")[1]  # compared, not listed
+    router = pd.read_parquet(report / "router.parquet")
+    router["load_imbalance"] = 1.0 + (router["load_imbalance"] - 1.0) / 2  # a better-balanced story
+    _save(report, "router", router)
+    _reseal(report)
+    result = audit(report)
+    assert METRICS in result.failed(), result.render()
+    assert "step/expert_load_imbalance at step " in _check(result, METRICS).detail
 
 
 @pytest.mark.slow
@@ -287,3 +368,37 @@ def test_dense_report_has_empty_expert_tables_and_an_older_report_is_told_to_reb
     (report / "router.parquet").unlink()
     with pytest.raises(RunnerError, match="router.parquet: missing table"):
         audit(report, check_mlflow=False)
+
+
+def test_grouped_experts_run_in_bf16_under_bf16_autocast_with_the_loss_of_the_eager_loop(tmp_path, monkeypatch):
+    """torch's grouped_mm is not autocast-enabled and transformers casts its input to the (fp32) weight:
+    the runner casts the experts' weights to the autocast dtype instead, as autocast does for a Linear."""
+    from runner.training.model import _build_olmoe
+
+    exp = load_experiment(make_project(tmp_path, model_extra=MOE))
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    real = torch.nn.functional.grouped_mm
+
+    def spy(input, weight, *args, **kwargs):
+        seen.append((input.dtype, weight.dtype))
+        return real(input, weight, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", spy)
+    ids = torch.randint(1, 4096, (4, 16), generator=torch.Generator().manual_seed(1))
+    losses, grads, models = {}, {}, {}
+    for impl in ("grouped_mm", "eager"):
+        torch.manual_seed(0)
+        model = models[impl] = _build_olmoe(exp.config, "sdpa", impl)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+        loss.backward()
+        losses[impl] = loss.item()
+        grads[impl] = model.model.layers[0].mlp.experts.down_proj.grad
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}  # 2 layers x (up, down)
+    assert grads["grouped_mm"].dtype == torch.float32  # the parameters stay fp32
+    assert math.isclose(losses["grouped_mm"], losses["eager"], rel_tol=1e-2)
+    torch.testing.assert_close(grads["grouped_mm"], grads["eager"], rtol=5e-2, atol=5e-4)
+    seen.clear()
+    models["grouped_mm"](input_ids=ids)  # no autocast: fp32, as before
+    assert set(seen) == {(torch.float32, torch.float32)}

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -88,8 +89,8 @@ data:
 """
 
 
-@pytest.fixture()
-def hub(tmp_path: Path):
+@contextmanager
+def serving_hub(tmp_path: Path):
     """A loopback Hub holding the tokenizer (plain git file) and two parquet shards (LFS) plus files
     the experiment does not name (another sample folder, a README)."""
     src = tmp_path / "hub-src"
@@ -107,7 +108,18 @@ def hub(tmp_path: Path):
 
 
 @pytest.fixture()
+def hub(tmp_path: Path):
+    with serving_hub(tmp_path) as server:
+        yield server
+
+
+@pytest.fixture()
 def hub_project(project: Path, hub: FakeHub, monkeypatch) -> Path:
+    return use_hub(project, hub, monkeypatch)
+
+
+def use_hub(project: Path, hub: FakeHub, monkeypatch) -> Path:
+    """`project` with the tiny-hub experiment and its recipes, HF_ENDPOINT at `hub`, in its folder."""
     (project / "recipes/tokenizer/tiny-hub.yaml").write_text(TOKENIZER_RECIPE)
     (project / "recipes/mixture/tiny-web.yaml").write_text(MIXTURE_RECIPE)
     (project / "recipes/eval/tiny-hub-eval.yaml").write_text(EVAL_RECIPE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -76,7 +77,9 @@ def test_measured_rows_are_consistent(tiny_result):
 def test_the_ladder_and_the_smoke_row(tiny_result):
     result, _ = tiny_result
     names = [r["variant"] for r in result["rows"]]
-    assert names[:3] == ["plain mb2", "liger mb2", "chunked-ce mb2"]
+    # what decides first (1p3b's own settings, with and without Liger), then the ladder
+    assert names[:5] == ["1p3b recipe mb2", "1p3b recipe liger mb2", "plain mb2", "liger mb2", "chunked-ce mb2"]
+    assert result["complete"] is True and result["part"] == "all"
     smoke = next(r for r in result["rows"] if r["shape"] == "smoke")
     # the CPU stand-in's own settings, as runner launch runs them: chunked loss, fp32, auto micro batch
     assert smoke["variant"].startswith("gpu-smoke-cpu settings") and smoke["cross_entropy"] == "chunked"
@@ -149,3 +152,81 @@ def test_shape_comes_from_the_experiment_when_readable(bench, tmp_path):
     assert shape["vocab_size"] % 64 == 0
     _, fallback = bench.load_shape(tmp_path / "missing.yaml")
     assert fallback.startswith("built-in 1p3b defaults")
+
+
+def test_a_hung_warm_up_is_cut_at_the_variant_time_box(bench, monkeypatch):
+    """A compile that never ends (here: a step that never returns) becomes a `timeout` row at the box."""
+    import time
+
+    def hang(*args, **kwargs):
+        while True:  # Python between kernels, as compile runs: where the alarm's exception lands
+            time.sleep(0.01)
+
+    monkeypatch.setattr(bench, "build_model", lambda shape, v, device: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(bench, "train_step", hang)
+    torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), fused=True)  # its first use imports for seconds
+    t0 = time.perf_counter()
+    row = bench.run_variant(
+        bench.Variant("compile-regional mb1", 1),
+        bench.TINY_SHAPE,
+        torch.device("cpu"),
+        deadline=time.perf_counter() + 2,
+        warmup_steps=1,
+        timed_steps=1,
+        fpt=1.0,
+        peak_tflops=None,
+        ceiling_tflops=None,
+    )
+    assert row.status == "timeout" and row.detail.startswith("warm-up (compile) passed the variant's time box")
+    assert time.perf_counter() - t0 < 60  # the box (2 s + 1 s grace), not the hang
+
+
+@pytest.mark.slow
+def test_a_bench_killed_at_its_cap_leaves_its_rows_and_the_table_reads_them(tmp_path):
+    """SIGKILL (what `timeout` sends at a phase's cap) after the first measured row: bench.json holds
+    every row so far, valid JSON marked incomplete, and device_table builds the table from it."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    bench_json = out / "bench.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--cpu-tiny", "--out", str(bench_json), "--budget-s", "600"]
+        + ["--matmul-s", "0.2", "--variant-s", "600"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    rows: list = []
+    t0 = time.monotonic()
+    while (
+        not any(r["status"] == "ok" for r in rows)
+        and proc.poll() is None
+        and time.monotonic() - t0 < SUBPROCESS_TIMEOUT_S
+    ):
+        with contextlib.suppress(FileNotFoundError):  # replaced atomically: each read is one whole document
+            rows = json.loads(bench_json.read_text())["rows"]
+        time.sleep(0.05)
+    still_running = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert still_running, proc.stderr.read()[-2000:]  # killed mid-ladder, not after it ended
+    result = json.loads(bench_json.read_text())
+    assert result["complete"] is False and len(result["rows"]) >= 3
+    assert [r["variant"] for r in result["rows"][:3]] == ["1p3b recipe mb2", "1p3b recipe liger mb2", "plain mb2"]
+    assert result["matmul"]["best_tflops"] > 0
+    work = tmp_path / "work"
+    work.mkdir()
+    table = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "device_table.py"), "table", "--out", str(out), "--work", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        cwd=ROOT,
+    )
+    assert table.returncode == 0, table.stderr[-2000:]
+    text = (out / "table.md").read_text()
+    assert f"partial: the bench stopped after {len(result['rows'])} rows" in text
+    assert all(f"| {r['variant']} |" in text for r in result["rows"])

@@ -98,3 +98,8 @@ def test_a_failing_pr_still_gets_its_summary(repo, monkeypatch, capsys):
 def test_a_pr_that_changes_no_experiment_says_so(repo, monkeypatch, capsys):
     code, md = _review(repo, monkeypatch, capsys)
     assert code == 0 and "No experiment's resolved config changes." in md
+    assert main(["check-pr", "--base", "HEAD"]) == 0
+    out = capsys.readouterr().out
+    legal = [line for line in out.splitlines() if "domain 'legal' is validated on 2 samples" in line]
+    assert len(legal) == 1, out  # said once, naming the experiments (it was 11 lines before PASS: issue 27)
+    assert legal[0].startswith("warning: data.manifests.legal: ") and " experiments: " in legal[0]

@@ -3,6 +3,7 @@ byte-identical across runs, worker counts, batch sizes and interruptions."""
 
 from __future__ import annotations
 
+import gzip
 import os
 import signal
 import subprocess
@@ -42,13 +43,18 @@ def dir_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "text"])
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "jsonl.gz", "text"])
 def test_pool_is_documents_plus_eos_in_order(tmp_path, tok_path, fmt):
     docs = documents(60)
     if fmt == "parquet":
         src, key = write_parquet(tmp_path / "src" / "a.parquet", docs), lambda d: d["id"]
     elif fmt == "jsonl":
         src, key = write_jsonl(tmp_path / "src" / "a.jsonl", docs), lambda d: d["id"]
+    elif fmt == "jsonl.gz":  # read through gzip (it was refused as "not UTF-8": issue 27)
+        plain = write_jsonl(tmp_path / "plain" / "a.jsonl", docs)
+        src, key = tmp_path / "src" / "a.jsonl.gz", lambda d: d["id"]
+        src.parent.mkdir()
+        src.write_bytes(gzip.compress(Path(plain).read_bytes()))
     else:
         src, key = write_text_dir(tmp_path / "src", docs), lambda d: d["text"]  # no id: text decides
     path, sha = prepare(
@@ -64,7 +70,20 @@ def test_pool_is_documents_plus_eos_in_order(tmp_path, tok_path, fmt):
     assert (m.data["documents"], m.data["validation_documents"]) == (len(docs) - n_val, n_val)
     assert sum(s.documents for s in m.shards) == len(docs) - n_val
     assert m.data["validation"] == {"fraction": 0.2, "rule": SPLIT_RULE}
-    assert m.data["sources"][0]["kind"] == fmt
+    assert m.data["sources"][0]["kind"] == fmt.removesuffix(".gz")
+
+
+def test_other_compressed_files_say_decompress_it(tmp_path, tok_path):
+    src = tmp_path / "a.txt.gz"
+    src.write_bytes(gzip.compress(b"some text"))
+    with pytest.raises(
+        RunnerError, match=r"a compressed file \(\.gz\): decompress it first \(e\.g\. `gunzip a\.txt\.gz`\)"
+    ):
+        prepare("web", tok_path, tmp_path / "out", [src], workers=0)
+    (tmp_path / "b.jsonl.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(RunnerError, match="not a readable gzip file"):
+        prepare("web", tok_path, tmp_path / "out", [tmp_path / "b.jsonl.gz"], workers=0)
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_split_is_deterministic_and_disjoint():

@@ -8,8 +8,8 @@ from pathlib import Path
 from runfixtures import make_run
 
 from runner.reports.audit import audit
+from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable, publish
-from runner.reports.tables import write_report
 
 
 def _strings(value):
@@ -36,7 +36,7 @@ def test_published_run_json_has_paths_relative_to_the_project_or_none(tmp_path):
         elsewhere=str(tmp_path / "scratch" / "run"),
     )
     (run / "run.json").write_text(json.dumps(info))
-    write_report(run)
+    write_report_with_evidence(run)
     dest, result = publish(run, root / "reports")
     assert result.consistent, result.render()  # UNVERIFIED: the fixture names an MLflow run no store holds
     published = json.loads((dest / "run.json").read_text())

@@ -205,9 +205,9 @@ SHIPPED_FINGERPRINTS = {
     "cpu-tiny-lr.yaml": "f2c4f6a7e9c445a4def58032699e185cef5cbd7e5f71cb57d8d09a174fc665f0",
     "cpu-tiny-moe.yaml": "9aa0f50c2f9affa70f230d470d754ec44c0cf4f6fd625268f5ff974b0a099125",
     "olmoe-1b-7b.yaml": "f278785c132e8cee8dacc5c9dac1dd0cab982769476f6b9d8f6a20db2264be5d",
-    "gpu-smoke.yaml": "7e4dd2c9e26b2896688d5fecc657b770c20aeee5bca55c70de9921484e06d828",
-    "gpu-smoke-cpu.yaml": "3228df23e48e0ed70c81b4d73feb75e376a7afa38152d1abe2619b0ecea5d403",
-    "gpu-smoke-liger.yaml": "b696307c73487c41e388e9c35e68d04f7fb01bbdf5c47a4619d850b4ed264229",
+    "gpu-smoke.yaml": "833fef114ea040d464aaf51bd36545cdc0c618c68e5d79c5f3df992c66aaf999",  # v2: 16 steps (issue 21)
+    "gpu-smoke-cpu.yaml": "156e579cd9b8a3d9520ceccba9e92e402c9e1a875e4fe793454b7aa455fde944",  # v2: 16 steps
+    "gpu-smoke-liger.yaml": "4fc59a335ee13b9ba91520b21abc253309b17ba11fed7f6a3a922d101ce315d4",  # gpu-smoke@2
 }
 
 
@@ -403,6 +403,7 @@ def test_the_config_is_typed_frozen_and_saves_as_before():
         "train",
         "data",
         "plan",
+        "export",  # operational (issue 23): saved with the run, never in the fingerprint
     ]
     again = experiment_from_dict(yaml.safe_load(to_yaml(cfg)))
     assert again.config == cfg and again.fingerprint == exp.fingerprint == SHIPPED_FINGERPRINTS["cpu-tiny.yaml"]

@@ -231,7 +231,7 @@ def test_small_validation_sets_are_warned_at_validate(project_with_data: Path, m
     assert main(["validate", "experiments/cpu-tiny.yaml"]) == 0
     warnings = [line for line in capsys.readouterr().out.splitlines() if "warning:" in line]
     assert warnings == [
-        "  warning: experiments/cpu-tiny.yaml: data.manifests.legal: domain 'legal' is validated on 2 samples "
+        "warning: experiments/cpu-tiny.yaml: data.manifests.legal: domain 'legal' is validated on 2 samples "
         "(256 tokens), fewer than 16: its validation loss is mostly noise (hold out more text: "
         "`runner data prepare --validation-fraction`)"
     ]

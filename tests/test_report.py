@@ -12,14 +12,15 @@ from runfixtures import GLOBAL_BATCH, SEQ_LEN, STEPS, make_run, run_commands
 
 from runner.cli.report import register
 from runner.errors import EXIT_UNVERIFIED, RunnerError
+from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import audit_reports, publish
-from runner.reports.tables import PLOTS, TABLES, build_tables, write_report
+from runner.reports.tables import PLOTS, TABLES, build_tables
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run = make_run(tmp_path_factory.mktemp("report"))
-    write_report(run)
+    write_report_with_evidence(run)
     return run
 
 
@@ -120,7 +121,7 @@ def test_publish_refuses_failing_audit_and_large_files(run_dir, tmp_path):
     dest, result = publish(run, reports)
     assert dest is None and result.verdict == "FAIL" and not (reports / "fixture").exists()
 
-    write_report(run)
+    write_report_with_evidence(run)
     (run / "report" / "big.bin").write_bytes(b"\0" * (2 * 1024 * 1024 + 1))
     with pytest.raises(RunnerError, match="big.bin"):
         publish(run, reports)

@@ -13,29 +13,34 @@ import os
 import sys
 from pathlib import Path
 
-from runner.cli import compare, data, downstream, hub, plan, report, train
+from runner.cli import compare, data, downstream, export, hub, job, plan, report, train
 from runner.errors import EXIT_OK, EXIT_USAGE, RunnerError, display_path
 
 #: modules under runner/cli that add their verbs through `register(subparsers)`
-COMMAND_MODULES = (data, hub, train, report, plan, compare, downstream)
+COMMAND_MODULES = (data, hub, train, job, report, plan, compare, export, downstream)
 
 
 def _cmd_validate(args) -> int:
+    from runner.data.manifest import said_once
+
     paths = [Path(p) for p in args.paths] or default_targets(Path.cwd())
     failed = 0
+    warned: list[str] = []
+    # Flushed line by line: piped together (2>&1 | less), errors and the summary keep their order.
     for path in paths:
         try:
             line, notes, warnings = validate_one(path)
-            print(line)
+            print(line, flush=True)
             for n in notes:
-                print(f"  note: {n}")
-            for w in warnings:
-                print(f"  warning: {w}")
+                print(f"  note: {n}", flush=True)
+            warned += warnings
         except RunnerError as e:
             failed += 1
             for msg in str(e).splitlines():
-                print(f"error: {msg}", file=sys.stderr)
-    print(f"{len(paths) - failed} valid, {failed} invalid")
+                print(f"error: {msg}", file=sys.stderr, flush=True)
+    for w in said_once(warned):  # the same warning of many experiments is said once, naming them
+        print(f"warning: {w}", flush=True)
+    print(f"{len(paths) - failed} valid, {failed} invalid", flush=True)
     return EXIT_USAGE if failed else EXIT_OK
 
 

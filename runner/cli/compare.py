@@ -14,13 +14,11 @@ def _compare(args) -> int:
     sources = [cmp.load_source(target) for target in args.runs]
     cmp.assign_labels(sources, [x.strip() for x in args.labels.split(",")] if args.labels else None)
     plots: list[str] = []
-    if args.out:
-        out = Path(args.out)
-        cmp.collect_reports(sources, out)
-    comp = cmp.compare(sources)
-    if args.out:
-        written = cmp.write_folder(comp, out)
+    if args.out:  # built beside --out and renamed into place: never half a comparison
+        comp, written = cmp.write_comparison_folder(sources, Path(args.out))
         plots = [str(p.resolve()) for p in written if p.suffix == ".png"]
+    else:
+        comp = cmp.compare(sources)
     if args.markdown:
         md = Path(args.markdown)
         md.parent.mkdir(parents=True, exist_ok=True)

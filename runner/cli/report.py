@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, RunnerError
+from runner.errors import EXIT_DISCREPANCY, EXIT_IN_PROGRESS, EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, RunnerError
 
 AUDIT_EXITS = f"""verdicts and exit codes:
   PASS        {EXIT_OK}  every check ran and held, the MLflow run's record included
@@ -17,6 +17,8 @@ AUDIT_EXITS = f"""verdicts and exit codes:
   UNVERIFIED  {EXIT_UNVERIFIED}  nothing disagrees, but the checks named in the last line could not run
               (MLflow run unreachable, run.json missing, a peak that is not a datasheet figure, ...);
               with --require-verified it exits {EXIT_DISCREPANCY} like FAIL
+  IN PROGRESS {EXIT_IN_PROGRESS}  `runner audit RUN_DIR` only: a launch, sync or report holds the run folder and is
+              writing it; nothing was audited (audit it when that process ends)
   unusable input (not a report, unreadable tables): {EXIT_USAGE}"""
 
 
@@ -30,20 +32,43 @@ def _report(args) -> int:
         fetched = rpt.fetch_mlflow_run(args.run, args.dest or tempfile.mkdtemp(prefix="runner-report-"))
         print(f"report written to {rpt.report_from_fetched(fetched)}")
         return EXIT_OK
-    from runner.reports.evidence import write_evidence
+    from runner.reports.evidence import write_report_with_evidence
     from runner.runs import RunLock, is_run_dir
 
     # Never rewrite report/ under a launch that writes it too.
     with RunLock(target, "runner report") if is_run_dir(target) else contextlib.nullcontext():
-        out = rpt.write_report(target)
-        write_evidence(target)  # what this report states; the copy logged to MLflow at the run's end is the proof
+        # evidence.json: what this report states; the copy logged to MLflow at the run's end is the proof
+        out, _ = write_report_with_evidence(target)
     print(f"report written to {out}")
     return EXIT_OK
 
 
+def _writer_of(target: str) -> tuple[Path, dict] | None:
+    """(run folder, lock record) when `target` is a run folder, or its report/, that a process holds now."""
+    from runner.reports.tables import REPORT_DIR
+    from runner.runs import is_run_dir, lock_holder
+
+    path = Path(target)
+    for folder in (path, path.parent) if path.name == REPORT_DIR else (path,):
+        held = lock_holder(folder) if folder.is_dir() and is_run_dir(folder) else None
+        if held is not None:
+            return folder, held
+    return None
+
+
 def _audit(args) -> int:
     from runner.reports.audit import audit
+    from runner.runs import holder_text
 
+    writer = _writer_of(args.run)
+    if writer is not None:  # its report/ and raw files change under the audit: any verdict would be noise
+        folder, held = writer
+        why = f"in use by {holder_text(held)}: the run is being written; audit it when that process ends"
+        if args.json:
+            print(json.dumps({"source": str(args.run), "verdict": "IN PROGRESS", "why": why, "holder": held}, indent=1))
+        else:
+            print(f"IN PROGRESS {args.run}: {why}")
+        return EXIT_IN_PROGRESS
     result = audit(
         args.run,
         check_mlflow=not args.no_mlflow,
@@ -60,12 +85,33 @@ def _audit_claims(args) -> int:
     from runner.reports.claims import PLAUSIBLE_MFU, audit_claims, render
 
     bound = PLAUSIBLE_MFU if args.plausible_mfu is None else args.plausible_mfu
-    results = audit_claims(args.file, plausible_mfu=bound)
+    results = [r for file in args.file for r in audit_claims(file, plausible_mfu=bound)]
+    against = None
+    if args.against:
+        from runner.reports.against import compare_claims
+
+        against = compare_claims(results, args.against)
     if args.json:
-        print(json.dumps([r.to_dict() for r in results], indent=1))
+        out: dict | list = [r.to_dict() for r in results]
+        print(json.dumps({"claims": out, "against": against.to_dict()} if against else out, indent=1))
     else:
         print(render(results, bound))
-    return EXIT_DISCREPANCY if any(r.impossible or r.implausible for r in results) else EXIT_OK
+        if against:
+            print(against.render())
+    failing = any(r.failing for r in results) or bool(against and against.contradicted)
+    return EXIT_DISCREPANCY if failing else EXIT_OK
+
+
+CLAIMS_EXITS = f"""verdicts (a claim takes its worst flag's) and exit codes:
+  IMPOSSIBLE    cannot be true: MFU > 100%, a sparse peak, more tokens seen than the sources hold
+  INCONSISTENT  stated figures contradict the claim's own arithmetic: epochs or tokens seen more than
+                10% from weight x total / source, weights off 100% beyond their printed digits
+  IMPLAUSIBLE   MFU above the plausibility bound (--plausible-mfu)
+  INCOMPARABLE  a token kind or device unstated: the figure cannot be compared
+  WARNING       repetition worth less than 0.9 of its tokens (Muennighoff et al. 2023)
+  exit {EXIT_DISCREPANCY} when any claim is IMPOSSIBLE, INCONSISTENT or IMPLAUSIBLE, or (--against) the run
+  contradicts a stated figure; else {EXIT_OK}; unusable input (a claim file's missing key, wrong type,
+  NaN): {EXIT_USAGE}, one line naming the file and key"""
 
 
 def _publish(args) -> int:
@@ -171,9 +217,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=_audit)
 
     p = subparsers.add_parser(
-        "audit-claims", help="check published training claims (YAML): implied MFU, impossible and implausible figures"
+        "audit-claims",
+        help="check published training claims (YAML): implied MFU, mixture tables' epochs, impossible figures",
+        epilog=CLAIMS_EXITS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("file", help="YAML file of claims (model size, device, tokens per second, ...)")
+    p.add_argument("file", nargs="+", help="YAML files of claims (model size, device, tokens per second, mixture)")
     p.add_argument("--json", action="store_true", help="machine-readable result")
     p.add_argument(
         "--plausible-mfu",
@@ -181,6 +230,12 @@ def register(subparsers) -> None:
         default=None,
         metavar="FRACTION",
         help="MFU above which a claim is IMPLAUSIBLE (default 0.65: above the best published dense BF16 runs)",
+    )
+    p.add_argument(
+        "--against",
+        default=None,
+        metavar="RUN_OR_REPORT",
+        help="a run folder, report folder or MLflow run id: which of each claim's stated figures its ledger supports",
     )
     p.set_defaults(func=_audit_claims)
 

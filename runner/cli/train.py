@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import EXIT_DISCREPANCY, EXIT_NONFINITE, EXIT_OK, RunnerError, display_path
-from runner.fsio import read_json, read_jsonl, sha256_file
+from runner.fsio import read_json, read_jsonl
 
 if TYPE_CHECKING:
     from runner.config.load import Experiment
@@ -49,6 +49,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="stop after N steps in this attempt (tests)")
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (smoke, bench)")
     p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
+    # fault injection under torchrun: only this global rank, in the agents' first attempt (not after a restart)
+    p.add_argument("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_launch)
 
     s = subparsers.add_parser(
@@ -90,9 +92,14 @@ def _timestamp() -> str:
 def make_accelerator(cfg: ExperimentSchema):
     from accelerate import Accelerator
 
-    from runner.training.backends import accelerate_mixed_precision, sharding_mode
+    from runner.training.backends import accelerate_mixed_precision, ddp_kwargs_handlers, fsdp_plugin, sharding_mode
 
-    acc = Accelerator(cpu=cfg.hardware.accelerator == "cpu", mixed_precision=accelerate_mixed_precision(cfg.hardware))
+    acc = Accelerator(
+        cpu=cfg.hardware.accelerator == "cpu",
+        mixed_precision=accelerate_mixed_precision(cfg.hardware),
+        fsdp_plugin=fsdp_plugin(cfg.hardware),  # FSDP2 under accelerate launch: fp32 gradient reduction
+        kwargs_handlers=ddp_kwargs_handlers(),
+    )
     sharding_mode(cfg.hardware, acc)  # a recipe/accelerate mismatch fails here, before any folder is written
     return acc
 
@@ -232,6 +239,8 @@ def _owning(run_dir: Path, acc, command: str = "runner launch"):
         broadcast_object_list(refused)
     if refused[0] is not None:
         raise RunnerError(refused[0][0], file=refused[0][1])
+    if acc.num_processes > 1:
+        _check_same_folder(run_dir, lock.held() if lock is not None else None)
     try:
         for line in lock.warnings if lock is not None else []:
             print(line, file=sys.stderr)
@@ -239,6 +248,28 @@ def _owning(run_dir: Path, acc, command: str = "runner launch"):
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_same_folder(run_dir: Path, held: dict | None) -> None:
+    """Every rank must see the run folder rank 0 locked (shared storage): each reads the lock's
+    record there and compares it with rank 0's. A node with its own copy (or none) would resume from
+    another checkpoint or write beside the run; all ranks refuse with the same line, before training."""
+    import torch.distributed as dist
+
+    from runner.runs import lock_records
+
+    mine: list = [held]
+    dist.broadcast_object_list(mine, src=0)
+    sees = bool(mine[0]) and mine[0] in lock_records(run_dir)
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (sees, os.environ.get("GROUP_RANK", "0")))
+    blind = [f"rank {r} (node {node})" for r, (ok, node) in enumerate(views) if not ok]
+    if blind:
+        raise RunnerError(
+            f"ranks see different run folders: the folder rank 0 locked is not the one {', '.join(blind)} sees; "
+            "the run folder must be on storage every node shares (same path from the launch directory)",
+            file=str(run_dir),
+        )
 
 
 def _launch(args, held: contextlib.ExitStack) -> int:
@@ -314,7 +345,12 @@ def _launch(args, held: contextlib.ExitStack) -> int:
             info = RunFolder(run_dir).read()
             seg = info["segments"][-1]
             tracker.log_tags({f"segment.{seg['index']}.{k}": v for k, v in seg.items() if k != "index"})
-    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=args.kill_at_step)
+    kill = args.kill_at_step
+    if args.kill_rank is not None and (
+        args.kill_rank != acc.process_index or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    ):
+        kill = None
+    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=kill)
     try:
         code = train(exp, run_dir, acc, tracker, opts)
     except BaseException:
@@ -339,6 +375,8 @@ def _launch(args, held: contextlib.ExitStack) -> int:
                 print(f"mlflow: some data is still pending; send it with `runner sync {run_dir}`", file=sys.stderr)
         print(f"run {run_dir}: {status}")
         _print_summary(run_dir)
+        if status == "finished" and exp.config.export.at_end:
+            _export_at_end(run_dir, exp)
     acc.wait_for_everyone()
     acc.end_training()
     return code
@@ -384,13 +422,30 @@ def _print_summary(run_dir: Path) -> None:
         )
 
 
-def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
-    from runner.reports.evidence import record_evidence
-    from runner.reports.tables import write_report
+def _export_at_end(run_dir: Path, exp: Experiment) -> None:
+    """`export.at_end`: the finished run's final checkpoint exported and verified; a refusal is said
+    and leaves the run as it finished (its exit status is the training's)."""
+    from runner.export.export import export_at_end
 
     try:
-        out = write_report(run_dir)
-        record_evidence(run_dir, tracker)  # table/config/checkpoint hashes as MLflow tags: what the audit trusts
+        done = export_at_end(run_dir, exp, say=lambda line: print(line, file=sys.stderr))
+    except RunnerError as e:
+        print(f"export: not written ({e})", file=sys.stderr)
+        return
+    if done is not None:
+        print(
+            f"  export: {display_path(done.out)} ({done.dtype}, verified; card {display_path(done.out / 'README.md')})"
+        )
+
+
+def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
+    from runner.reports.evidence import record_evidence, write_report_with_evidence
+
+    try:
+        out, evidence = write_report_with_evidence(run_dir)
+        record_evidence(
+            run_dir, tracker, evidence
+        )  # table/config/checkpoint hashes as MLflow tags: what the audit trusts
     except RunnerError as e:
         print(f"report: not written ({e})", file=sys.stderr)
         return
@@ -439,12 +494,14 @@ def _launch_cmd(run_dir: Path, *extra: str) -> list[str]:
 
 
 def cmd_smoke(args) -> int:
-    """`runner smoke`: one short run killed and resumed against one uninterrupted, compared bit for bit
+    """`runner smoke`: one short run killed and resumed against one uninterrupted, compared bit for bit on
+    a CPU and within a stated tolerance on a GPU (runner.training.resume_identity)
     (long: a scripted scenario whose steps read as a sequence)."""
     from runner.config.load import experiment_from_dict, load_experiment
     from runner.planning.plan import build_plan, read_calibration
     from runner.runs import create_run_folder
     from runner.training.checkpoint import dirname
+    from runner.training.resume_identity import compare_weights
 
     full = load_experiment(args.experiment)
     cfg = full.config
@@ -476,9 +533,9 @@ def cmd_smoke(args) -> int:
         problems.append(f"resumed run exited {rc}")
     final = dirname(steps)
     a, b = ref / "checkpoints" / final / "model.safetensors", res / "checkpoints" / final / "model.safetensors"
-    same_weights = a.exists() and b.exists() and sha256_file(a) == sha256_file(b)
-    if not same_weights:
-        problems.append("weights after kill+resume differ from the uninterrupted run")
+    identity = compare_weights(a, b, str(cfg.hardware.accelerator))
+    if not identity.ok:
+        problems.append(f"weights after kill+resume differ from the uninterrupted run: {identity.describe()}")
     la, lb = (read_json(d / "ledger.json")["counters"] for d in (ref, res))
     for d in la:
         for k in ("exposure", "useful", "unique"):
@@ -492,19 +549,19 @@ def cmd_smoke(args) -> int:
     tps = statistics.median(r["tokens_per_second"] for r in steady)
     mfu = statistics.median(r["mfu"] for r in steady)
     print(f"smoke: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, all finite")
-    print(
-        f"smoke: kill at step {kill_at} + resume: weights {'bit-identical' if same_weights else 'DIFFERENT'}, "
-        f"lost tokens {lb['total']['lost']}"
-    )
+    print(f"smoke: kill at step {kill_at} + resume: weights {identity.describe()}, lost tokens {lb['total']['lost']}")
     print(f"smoke: measured {tps:,.0f} tokens/s, MFU {mfu:.2%} (median of steps 3..{steps})")
     try:
         plan = build_plan(cfg, calibration=read_calibration(ref, cfg), root=full.project_root)
         t = plan["time"]
+        # The assumed MFU is the hardware recipe's default_mfu: a guess until a run calibrates it, which
+        # on a CPU can be 10x off (20% assumed, 1.65% measured), so the measured line comes first.
         print(
-            f"full run ({cfg.train.exposure_tokens:,} tokens): planned {format_hours(t['assumed']['wall_hours'])}, "
-            f"${t['assumed']['cost_usd']:,.2f} at MFU {t['assumed']['mfu']:.0%}; measured "
-            f"{format_hours(t['measured']['wall_hours'])}, ${t['measured']['cost_usd']:,.2f} at MFU "
-            f"{t['measured']['mfu']:.1%}"
+            f"full run ({cfg.train.exposure_tokens:,} tokens): at this smoke's measured MFU {t['measured']['mfu']:.1%}: "
+            f"{format_hours(t['measured']['wall_hours'])}, ${t['measured']['cost_usd']:,.2f} "
+            f"(`runner plan {display_path(full.path)} --calibrate {ref}` says the same); at the recipe's assumed MFU "
+            f"{t['assumed']['mfu']:.0%} (a guess, hardware.default_mfu): {format_hours(t['assumed']['wall_hours'])}, "
+            f"${t['assumed']['cost_usd']:,.2f}"
         )
     except RunnerError as e:
         print(f"smoke: no plan comparison ({e})")

@@ -371,6 +371,10 @@ def _load_recipes(
     return recipes, files
 
 
+#: the sections an experiment file writes itself (the others come from its recipes)
+OWN_SECTIONS = ("train", "data", "plan", "export")
+
+
 def _check_sections(data: dict, path: Path, problems: Problems) -> tuple[dict, dict[str, Any], dict[str, str]]:
     """The experiment's own train/data/plan sections and its overrides. Returns the data and the
     overrides without the nulls that drop a domain, and the domains dropped (see _take_dropped_domains)."""
@@ -380,15 +384,15 @@ def _check_sections(data: dict, path: Path, problems: Problems) -> tuple[dict, d
         problems.add(path, "overrides", "must be a mapping of section -> keys")
         overrides = {}
     data, overrides, dropped = _take_dropped_domains(data, overrides)
-    for section in ("train", "data", "plan"):
+    for section in OWN_SECTIONS:
         if section in data:
             _check_value(data[section], sections[section], section, path, problems)
     for section, body in overrides.items():
-        if section not in KINDS + ("train", "data", "plan"):
+        if section not in KINDS + OWN_SECTIONS:
             problems.add(
                 path,
                 f"overrides.{section}",
-                f"unknown section{did_you_mean(section, KINDS + ('train', 'data', 'plan'))}",
+                f"unknown section{did_you_mean(section, KINDS + OWN_SECTIONS)}",
             )
             continue
         if isinstance(body, dict) and any(k in body for k in LABEL_KEYS):
@@ -424,7 +428,7 @@ def compose(
     recipes, files = _load_recipes(refs, path, root, problems)
     data, overrides, dropped = _check_sections(data, path, problems)
     problems.raise_if_any()
-    top = {k: data[k] for k in ("name", "version", "description", "seed", "train", "data", "plan") if k in data}
+    top = {k: data[k] for k in ("name", "version", "description", "seed", *OWN_SECTIONS) if k in data}
     top["recipes"] = dict(refs)
     _drop_domains(recipes, top, dropped, path, problems)
     problems.raise_if_any()

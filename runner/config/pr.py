@@ -22,7 +22,7 @@ import yaml
 from runner.config.fingerprint import canonical_meaning, diff_keys
 from runner.config.load import Experiment, load_experiment, load_recipe_file
 from runner.config.schema import KINDS
-from runner.data.manifest import check_experiment_data
+from runner.data.manifest import check_experiment_data, said_once
 from runner.errors import Problems, RunnerError
 from runner.fsio import load_yaml_text
 from runner.planning.plan import build_plan
@@ -106,6 +106,7 @@ def _validate_head(root: Path, problems: list[str], report: list[str], loads: Lo
     head_targets = [p for k in KINDS for p in sorted((root / "recipes" / k).glob("*.yaml"))]
     head_targets += sorted((root / "experiments").rglob("*.yaml"))  # pilots live in experiments/pilots/
     head_fp: dict[str, str] = {}
+    warnings: list[str] = []
     for path in head_targets:
         rel = str(path.relative_to(root))
         try:
@@ -118,10 +119,22 @@ def _validate_head(root: Path, problems: list[str], report: list[str], loads: Lo
                 head_fp[rel] = exp.fingerprint
                 # feasibility over the pinned pool sizes: CI has no data, so without them an
                 # experiment whose mixture cannot be met would pass here and fail at launch
-                report.extend(f"warning: {w}" for w in check_experiment_data(exp)[1])
+                warnings += check_experiment_data(exp)[1]
+                report.extend(f"warning: {rel}: {w}" for w in _outside_project(exp))
         except RunnerError as e:
             problems.extend(l.replace(str(root) + "/", "") for l in str(e).splitlines())
+    report.extend(f"warning: {w}" for w in said_once(warnings))  # one line per thing said, not per experiment
     return head_fp
+
+
+def _outside_project(exp) -> list[str]:
+    """The Hub sources whose relative local_dir is allowed to leave the project (a reviewer should see it)."""
+    return [
+        f"mixture.domains.{d}.source.local_dir_outside_project: true: files land in '{spec.source.local_dir}', "
+        "outside the project"
+        for d, spec in exp.config.mixture.domains.items()
+        if spec.source is not None and spec.source.local_dir_outside_project
+    ]
 
 
 def check_pr(base: str, cwd: Path, loads: Loads | None = None) -> tuple[list[str], list[str]]:

@@ -92,6 +92,7 @@ def validate_experiment(
     check_batch_split(cfg, path, problems)
     check_warmup(cfg, path, problems)
     check_model_fits(cfg, path, problems)
+    notes += check_host_gather(cfg, path, problems)
     return notes
 
 
@@ -120,6 +121,9 @@ def check_speed_options(cfg: ExperimentSchema, path: Path, problems: Problems) -
 INT_MAX = 2**63 - 1
 #: bytes per parameter that training certainly holds: fp32 weights, fp32 grads, AdamW's two fp32 moments.
 STATE_BYTES_PER_PARAM = 16
+#: bytes per parameter a checkpoint holds, gathered whole in rank 0's host memory to be written:
+#: fp32 weights and AdamW's two fp32 moments (gradients are not saved).
+CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 def _entries(node) -> list[tuple[str, object]] | None:
@@ -163,6 +167,35 @@ def check_model_fits(cfg, path: Path, problems: Problems) -> None:
             + (f", sharded over {shard}" if shard > 1 else "")
             + f"); hardware.memory_gib is {cfg.hardware.memory_gib:g}",
         )
+
+
+def host_gather_bytes(cfg: ExperimentSchema) -> int:
+    """Bytes rank 0 holds in host memory while it writes a checkpoint: the full state, gathered."""
+    return params_of_config(cfg).all * CHECKPOINT_BYTES_PER_PARAM
+
+
+def check_host_gather(cfg: ExperimentSchema, path: Path, problems: Problems) -> list[str]:
+    """Refuse a GPU experiment whose checkpoint, gathered whole on rank 0, exceeds the node's stated host
+    memory (it would be killed at its first checkpoint, hours in); unknown host memory is a note."""
+    if cfg.hardware.accelerator == "cpu":
+        return []  # the device memory is the host's: check_model_fits covers it
+    need = host_gather_bytes(cfg)
+    host = cfg.hardware.host_memory_gib
+    if host is None:
+        return [
+            f"{display_path(path)}: hardware.host_memory_gib: unknown; rank 0 gathers {need / 2**30:,.4g} GiB "
+            "(fp32 weights + AdamW moments) in host memory to write each checkpoint: state the node's host memory"
+        ]
+    if need > host * 2**30:
+        problems.add(
+            path,
+            "hardware.host_memory_gib",
+            f"a checkpoint gathers {need / 2**30:,.4g} GiB on rank 0 ({params_of_config(cfg).all:,} parameters x "
+            f"{CHECKPOINT_BYTES_PER_PARAM} B: fp32 weights + AdamW moments), more than the {host:g} GiB of host "
+            "memory; use nodes with more host memory (a sharded checkpoint format, which would not gather, "
+            "is not implemented)",
+        )
+    return []
 
 
 def check_recipe(recipe: Recipe, kind: str, path: Path, problems: Problems) -> None:

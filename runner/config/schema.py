@@ -34,6 +34,28 @@ SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 RATIO_SUM_TOLERANCE = 1e-9
 #: a Hub revision that names one commit (a branch or tag is resolved to one by `runner fetch`)
 COMMIT_HEX = re.compile(r"^[0-9a-f]{40}$")
+#: one part of a Hub repository id, as huggingface_hub's validate_repo_id checks it (ASCII here):
+#: 1-96 of [A-Za-z0-9_.-], starting and ending with a letter, digit or underscore
+_REPO_PART = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?$")
+
+
+def repo_id_problem(repo: str) -> str | None:
+    """Why `repo` is not an owner/name Hub repository id (the Hub client's rules), or None."""
+    parts = repo.split("/")
+    if len(parts) != 2 or not all(parts):
+        return "must be a Hub repository id, owner/name"
+    if not all(_REPO_PART.match(p) for p in parts):
+        return (
+            "must be a Hub repository id, owner/name: letters, digits, '-', '_', '.', each part at most 96, "
+            "not starting or ending with '-' or '.'"
+        )
+    if "--" in repo or ".." in repo:
+        return "must be a Hub repository id: '--' and '..' are not allowed"
+    if repo.endswith(".git"):
+        return "must be a Hub repository id: it cannot end in '.git'"
+    return None
+
+
 _GLOB = re.compile(r"[*?\[]")
 
 TokenDtype = Literal["uint16", "uint32"]
@@ -46,6 +68,7 @@ Accelerator = Literal["cpu", "cuda", "rocm"]
 Precision = Literal["bf16", "fp32"]
 Distributed = Literal["none", "ddp", "fsdp"]
 CpuPeak = Literal["theoretical", "measured"]
+ExportDtype = Literal["bf16", "fp32"]
 CompileScope = Literal["model", "regional"]
 Kernels = Literal["none", "liger"]
 CrossEntropy = Literal["plain", "chunked", "liger"]
@@ -101,8 +124,9 @@ class HubFiles(Section):
     files: list[str] = field(default_factory=list)  #: paths in the repo, or fnmatch patterns (sample/10BT/*.parquet)
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        if self.repo.count("/") != 1 or not all(self.repo.split("/")):
-            problems.add(file, join_key(prefix, "repo"), f"'{self.repo}' must be a Hub repository id, owner/name")
+        wrong = repo_id_problem(self.repo)
+        if wrong:
+            problems.add(file, join_key(prefix, "repo"), f"'{self.repo[:200]}' {wrong}")
         if not self.revision:
             problems.add(
                 file, join_key(prefix, "revision"), "must name a commit (40 hex) or a branch or tag to resolve"
@@ -120,11 +144,32 @@ class DomainSource(HubFiles):
     the pool the experiment's manifest pin names."""
 
     local_dir: str = MISSING  #: where the files land (repo paths kept), relative to the project root or absolute
+    #: a relative local_dir that leaves the project (`../data`) is meant: check-pr names it (operational)
+    local_dir_outside_project: bool = False
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
         if not self.local_dir:
             problems.add(file, join_key(prefix, "local_dir"), "must name the folder the files land in")
+        elif local_dir_leaves_project(self.local_dir) and not self.local_dir_outside_project:
+            problems.add(
+                file,
+                join_key(prefix, "local_dir"),
+                f"'{self.local_dir[:200]}' leaves the project: give an absolute path (a data disk), or set "
+                "local_dir_outside_project: true if that is meant",
+            )
+
+
+def local_dir_leaves_project(local_dir: str) -> bool:
+    """A relative path whose `..` parts climb above the project root (an absolute one is a data disk)."""
+    if Path(local_dir).is_absolute():
+        return False
+    depth = 0
+    for part in Path(local_dir).parts:
+        depth += -1 if part == ".." else (0 if part == "." else 1)
+        if depth < 0:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -342,6 +387,9 @@ class HardwareRecipe(Recipe):
     peak_dtype: str = "bf16"  #: the dtype peak_tflops is for (the peak table holds bf16)
     peak_source: str | None = None  #: where a stated peak_tflops comes from (datasheet, measurement)
     memory_gib: float = MISSING  #: memory of one device
+    #: host (CPU) memory of one node in GiB: rank 0 gathers the full training state there to write a
+    #: checkpoint (null = unknown: validate and plan warn). Operational: not part of the fingerprint
+    host_memory_gib: float | None = None
     price_per_device_hour_usd: float = MISSING  #: for cost per useful token
     devices_per_node: int = 1  #: devices the recipe plans per node (a launcher may start more: MFU counts the held)
     nodes: int = 1  #: nodes the recipe plans
@@ -608,6 +656,21 @@ class PlanSection(Section):
 
 
 @dataclass(frozen=True)
+class ExportSection(Section):
+    """What `runner export` writes and whether a run exports itself (operational: not in the fingerprint)."""
+
+    at_end: str | None = (
+        None  #: folder a finished run exports its final checkpoint to (outside the run folder); null = off
+    )
+    dtype: ExportDtype = "bf16"  #: weights' dtype of that export: bf16 | fp32
+    license: str | None = None  #: the model card's `license` (a Hub license id, e.g. apache-2.0); null = other
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        if self.at_end is not None and not str(self.at_end).strip():
+            problems.add(file, join_key(prefix, "at_end"), "must be a folder path, or null (no export at the end)")
+
+
+@dataclass(frozen=True)
 class ExperimentSchema(Section):
     """The resolved experiment: every section present, defaults filled, interpolations resolved."""
 
@@ -625,6 +688,7 @@ class ExperimentSchema(Section):
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
     plan: PlanSection = field(default_factory=PlanSection)
+    export: ExportSection = field(default_factory=ExportSection)  #: `runner export` (operational)
 
     def validate(self, problems: Problems, file: File, prefix: str = "") -> None:
         """Every section's own rules (the rules across sections are runner.config.rules')."""
@@ -649,7 +713,19 @@ RECIPE_SCHEMAS: dict[str, type[Recipe]] = {
     "eval": EvalRecipe,
 }
 #: keys an experiment file may hold at top level (the rest come from recipes)
-EXPERIMENT_KEYS = ("name", "version", "description", "base", "seed", "recipes", "overrides", "train", "data", "plan")
+EXPERIMENT_KEYS = (
+    "name",
+    "version",
+    "description",
+    "base",
+    "seed",
+    "recipes",
+    "overrides",
+    "train",
+    "data",
+    "plan",
+    "export",
+)
 
 
 def literal_choices(typ: Any) -> tuple[str, ...] | None:
@@ -681,14 +757,17 @@ CHOICES = _choices(ExperimentSchema)
 OPERATIONAL_KEYS = (
     "recipes",
     "plan",
+    "export",
     "tokenizer.path",
     "data.manifests.*.path",
     # implied by the manifest's sha256, which is in the fingerprint: pinning them changes no training
     "data.manifests.*.pool_tokens",
     "data.manifests.*.validation_tokens",
     "mixture.domains.*.source.local_dir",
+    "mixture.domains.*.source.local_dir_outside_project",
     "train.hard_stop_tokens",
     "train.checkpoint",
+    "hardware.host_memory_gib",  # where a checkpoint is gathered, not what is trained
     "train.log_interval_steps",
     "train.prefetch_batches",
     "train.system_metrics_interval_seconds",

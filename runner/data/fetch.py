@@ -5,9 +5,10 @@ names (paths, or fnmatch patterns like huggingface_hub's allow_patterns) with th
 the Hub reports, downloading each with huggingface_hub's client into a partial file that a later
 fetch resumes (an HTTP Range request; xet-backed files go through hf_xet when it is installed,
 whose chunk cache makes a refetch cheap, and over HTTP if hf_xet fails), checking every file against the Hub's LFS sha256 (or
-git blob id for small files) before it is moved into place, and the fetch record a later
-`runner data prepare` and `runner pin` read (`.runner-fetch.json` in the source's folder,
-`.runner-fetch.<file>.json` next to a tokenizer).
+git blob id for small files) before it is moved into place, refusing any listed path that would land
+outside the source's folder, and the fetch record a later `runner data prepare` and `runner pin` read
+(`.runner-fetch.json` in the source's folder, `.runner-fetch.<file>.json` next to a tokenizer; its
+format, typed reading, per-file journal and re-verification are runner.data.fetch_record's).
 Never edits recipes (runner.config.pin does), never tokenizes (runner.data.prepare does), and
 never leaves a file in place that the Hub's hash does not vouch for.
 """
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import importlib
 import json
 import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx2
+import huggingface_hub
 from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -38,11 +40,22 @@ from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils._runtime import is_xet_available
 
 from runner.config.schema import COMMIT_HEX as COMMIT
+from runner.data.fetch_record import (
+    RECORD_FORMAT,
+    append_journal,
+    identity,
+    journal_path,
+    read_journal,
+    read_record_file,
+    still_verified,
+)
 from runner.data.manifest import recipe_key
 from runner.errors import RunnerError
 from runner.fsio import atomic_write, fsync_dir
 
-RECORD_FORMAT = "runner-fetch/1"
+# The HTTP client whose errors the Hub client raises: httpx2 for huggingface_hub 2.x, httpx for 1.x
+# (the range transformers 5.17, the GPU image's, requires). Both are supported (pyproject.toml).
+_http = importlib.import_module("httpx2" if int(huggingface_hub.__version__.split(".")[0]) >= 2 else "httpx")
 _GLOB_CHARS = "*?["
 
 
@@ -77,6 +90,7 @@ class FetchedFile:
     sha256: str  # of the bytes on disk, checked against the Hub's
     git_oid: str  # the Hub's git blob id
     lfs: bool  # whether the Hub stores it in LFS (then `sha256` is the Hub's own)
+    identity: list[int] | None = None  # [size, mtime_ns, ctime_ns, inode] once in place (fetch_record.identity)
 
 
 def experiment_assets(exp) -> list[Asset]:
@@ -99,14 +113,23 @@ def _asset(name: str, key: str, hub, folder: Path, single: Path | None) -> Asset
 
 
 def read_record(asset: Asset) -> dict | None:
-    """The fetch record of an asset, or None when it was never fetched (or by another format)."""
+    """The fetch record of an asset (typed: a hand-edited one is a RunnerError naming the file and
+    key), or None when it was never fetched."""
+    return read_record_file(asset.record_path)
+
+
+def _old_entries(asset: Asset, say=None) -> dict[str, dict]:
+    """What an earlier fetch verified, by repo path: the record's files, then the journal of a fetch
+    that did not finish. Only a speed-up: a file nothing vouches for is hashed in place."""
     try:
-        record = json.loads(asset.record_path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
-        return None
-    return record
+        files = (read_record(asset) or {}).get("files", [])
+    except RunnerError as err:
+        if say is not None:
+            say(f"  {err}: ignored, the files in place are checked by their hash")
+        files = []
+    old = {f["path"]: f for f in files}
+    old.update({f["path"]: f for f in read_journal(journal_path(asset.record_path))})
+    return old
 
 
 def fetched_files(exp, asset: Asset) -> tuple[dict, list[Path]]:
@@ -129,15 +152,41 @@ def fetched_files(exp, asset: Asset) -> tuple[dict, list[Path]]:
             file=file,
             key=key,
         )
+    return record, _verified_paths(asset, record, file, key)
+
+
+def _verified_paths(asset: Asset, record: dict, file, key: str) -> list[Path]:
+    """Each recorded file where the fetch put it, still holding the bytes it verified (identity
+    unchanged, else hashed again): a changed file is named, and `runner fetch` downloads it again."""
+    files = record["files"]
+    if not files or (asset.single_file is not None and len(files) != 1):
+        raise RunnerError(
+            f"lists {len(files)} files, the fetch of {asset.repo} wrote {'one' if asset.single_file else 'some'}: "
+            "run `runner fetch` again",
+            file=str(asset.record_path),
+            key="files",
+        )
     paths = []
-    for f in record["files"]:
+    for i, f in enumerate(files):
+        _check_destination(asset, f["path"], str(asset.record_path), f"files[{i}].path", ": run `runner fetch` again")
         local = asset.record_path.parent / f["local"]
-        if not local.is_file() or local.stat().st_size != f["size"]:
+        if os.path.normpath(local) != os.path.normpath(asset.destination(f["path"])):
             raise RunnerError(
-                f"{local} is missing or changed since it was fetched: run `runner fetch` again", file=file, key=key
+                f"'{f['local'][:120]}' is not where `runner fetch` puts {f['path'][:120]}: run `runner fetch` again",
+                file=str(asset.record_path),
+                key=f"files[{i}].local",
+            )
+        if not local.is_file():
+            raise RunnerError(f"{local} is missing: run `runner fetch` again", file=file, key=key)
+        if not still_verified(local, f):
+            raise RunnerError(
+                f"{local} changed since `runner fetch` verified it (its bytes no longer hash to {f['sha256'][:12]}...): "
+                "run `runner fetch` again (it downloads that file again)",
+                file=file,
+                key=key,
             )
         paths.append(local)
-    return record, paths
+    return paths
 
 
 def fetch_experiment(exp, *, endpoint: str | None = None, token: str | None = None, say=print) -> list[dict]:
@@ -188,12 +237,14 @@ def _fetch_planned(api: HfApi, plan: _Plan, *, token: str | None, say) -> dict:
         f"{asset.name}: {asset.repo} ({asset.repo_type}) '{asset.revision}' = commit {plan.commit}: "
         f"{len(remote)} file(s), {sum(r.size for r in remote):,} bytes"
     )
-    old = {f["path"]: f for f in (read_record(asset) or {}).get("files", [])}
+    old = _old_entries(asset, say)
+    journal = journal_path(asset.record_path)
+    asset.record_path.parent.mkdir(parents=True, exist_ok=True)
+    fetched = []
     with _hub_errors(api.endpoint, asset, plan.file, plan.key):
-        fetched = [
-            _fetch_file(api, plan, r, old.get(r.path), token, say=say, index=(i, len(remote)))
-            for i, r in enumerate(remote, 1)
-        ]
+        for i, r in enumerate(remote, 1):
+            fetched.append(_fetch_file(api, plan, r, old.get(r.path), token, say=say, index=(i, len(remote))))
+            append_journal(journal, asdict(fetched[-1]))  # a killed fetch resumes after this file
     record = {
         "format": RECORD_FORMAT,
         "repo": asset.repo,
@@ -205,6 +256,7 @@ def _fetch_planned(api: HfApi, plan: _Plan, *, token: str | None, say) -> dict:
     }
     asset.record_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(asset.record_path, (json.dumps(record, indent=1) + "\n").encode())
+    journal.unlink(missing_ok=True)
     return record
 
 
@@ -221,7 +273,7 @@ class _hub_errors:
         if err is None or isinstance(err, RunnerError):
             return False
         a = self.asset
-        if isinstance(err, (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled)):
+        if isinstance(err, (_http.ConnectError, _http.TimeoutException, OfflineModeIsEnabled)):
             msg = f"cannot reach the Hub at {self.endpoint} ({type(err).__name__}: {_first_line(err)}): check the network or HF_ENDPOINT"
         elif isinstance(err, GatedRepoError):
             msg = f"{a.repo} is gated: accept its terms at {self.endpoint}/{a.repo} and set HF_TOKEN"
@@ -231,7 +283,7 @@ class _hub_errors:
             msg = f"no {a.repo_type} repository {a.repo} (or it is private: set HF_TOKEN)"
         elif isinstance(err, RemoteEntryNotFoundError):
             msg = f"a file is missing from {a.repo}: {_first_line(err)}"
-        elif isinstance(err, (HfHubHTTPError, httpx2.HTTPError, OSError)):
+        elif isinstance(err, (HfHubHTTPError, _http.HTTPError, OSError)):
             msg = f"download from {self.endpoint} failed: {type(err).__name__}: {_first_line(err)}"
         else:
             return False
@@ -249,7 +301,7 @@ def _list_files(api: HfApi, asset: Asset, commit: str, file, key: str) -> list[R
     plain = [f for f in asset.files if not any(c in f for c in _GLOB_CHARS)]
     if plain:
         infos = api.get_paths_info(asset.repo, plain, revision=commit, repo_type=asset.repo_type)
-        found.update({i.path: i for i in infos if isinstance(i, RepoFile)})
+        found.update({i.path: i for i in infos if isinstance(i, RepoFile) and i.path in plain})  # only what was asked
         missing = [p for p in plain if p not in found]
         if missing:
             raise RunnerError(f"not in {asset.repo} at {commit[:12]}: {', '.join(missing)}", file=file, key=key)
@@ -265,7 +317,38 @@ def _list_files(api: HfApi, asset: Asset, commit: str, file, key: str) -> list[R
         found.update(matched)
     if asset.single_file is not None and len(found) != 1:
         raise RunnerError(f"names {len(found)} files, a tokenizer is one", file=file, key=key)
+    for path in found:  # every path, before anything is downloaded: a hostile listing writes nowhere
+        _check_destination(asset, path, file, key)
     return [found[p] for p in sorted(found)]
+
+
+def _check_destination(asset: Asset, repo_path: str, file, key: str, advice: str = "") -> None:
+    """Refuse a repo path (as a Hub or mirror lists it) that would land outside the asset's folder:
+    absolute, with `.`/`..`/empty parts, a NUL or backslash, or through a symlink below the folder
+    (the folder itself may be a link, to a data disk)."""
+    if asset.single_file is not None:
+        return  # a tokenizer lands at the recipe's `path`, not at its repo path
+    shown = repr(repo_path[:200])
+    parts = repo_path.split("/")
+    if repo_path.startswith("/") or any(p in ("", ".", "..") for p in parts) or any(c in repo_path for c in "\\\0"):
+        raise RunnerError(
+            f"{shown} would land outside {asset.folder}: refused (nothing is written or read there){advice}",
+            file=file,
+            key=key,
+        )
+    root = asset.folder.resolve()
+    node = asset.folder
+    for part in parts:
+        node = node / part
+        if node.is_symlink():
+            raise RunnerError(
+                f"{node} is a symlink: {shown} would be written through it, outside {asset.folder}: refused "
+                "(remove the link; make local_dir itself the link to a data disk)",
+                file=file,
+                key=key,
+            )
+    if not node.resolve().is_relative_to(root):
+        raise RunnerError(f"{shown} resolves outside {asset.folder}: refused", file=file, key=key)
 
 
 def _expected_hash(remote: RepoFile) -> str:
@@ -293,7 +376,7 @@ def _check_space(plans: list[_Plan]) -> None:
     """Refuse before any download what the disks cannot hold (a FineWeb-Edu sample is hundreds of GB)."""
     need: dict[int, list] = {}  # device -> [bytes, folder, first plan]
     for plan in plans:
-        old = {f["path"]: f for f in (read_record(plan.asset) or {}).get("files", [])}
+        old = _old_entries(plan.asset)
         folder = plan.asset.folder
         while not folder.exists():
             folder = folder.parent
@@ -323,11 +406,12 @@ def _fetch_file(api, plan: _Plan, remote: RepoFile, old: dict | None, token, *, 
     local = os.path.relpath(dest, asset.record_path.parent)
 
     def fetched(sha256: str) -> FetchedFile:
-        return FetchedFile(remote.path, local, remote.size, sha256, remote.blob_id, remote.lfs is not None)
+        ident = identity(dest)
+        return FetchedFile(remote.path, local, remote.size, sha256, remote.blob_id, remote.lfs is not None, ident)
 
-    if old is not None and _kept(asset, remote, old):
-        say(f"  [{index[0]}/{index[1]}] {remote.path}: already here, verified at fetch")
-        return fetched(old["sha256"])
+    kept = _in_place(asset, remote, old, say, index)
+    if kept is not None:
+        return fetched(kept)
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = _partial(asset, remote)
     have = part.stat().st_size if part.exists() else 0
@@ -347,9 +431,29 @@ def _fetch_file(api, plan: _Plan, remote: RepoFile, old: dict | None, token, *, 
             file=plan.file,
             key=plan.files_key,
         )
+    _check_destination(asset, remote.path, plan.file, plan.files_key)  # nothing swapped in since the plan
     os.replace(part, dest)
     fsync_dir(dest.parent)
     return fetched(sha256)
+
+
+def _in_place(asset: Asset, remote: RepoFile, old: dict | None, say, index) -> str | None:
+    """The sha256 of the file in place when it holds the Hub's content: vouched for by an earlier
+    fetch (same git oid, identity unchanged), else hashed now. None: download it."""
+    dest = asset.destination(remote.path)
+    at = f"  [{index[0]}/{index[1]}] {remote.path}"
+    if not dest.is_file() or dest.is_symlink() or dest.stat().st_size != remote.size:
+        return None
+    if old is not None and old.get("git_oid") == remote.blob_id and old.get("identity") == identity(dest):
+        say(f"{at}: already here, verified at fetch")
+        return str(old["sha256"])
+    sha256, git_oid = _hashes(dest)
+    if (sha256 if remote.lfs is not None else git_oid) == _expected_hash(remote):
+        say(f"{at}: already here, its hash checked again")
+        return sha256
+    if old is not None:
+        say(f"{at}: changed since it was fetched (its bytes hash to {sha256[:12]}...): downloading it again")
+    return None
 
 
 def _download(api, asset: Asset, commit: str, remote: RepoFile, part: Path, have: int, token, say) -> None:

@@ -8,6 +8,7 @@ whose size does not match its token count.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -282,6 +283,7 @@ def load_experiment_manifests(
     where = exp.path
     manifests: dict[str, Manifest] = {}
     notes: list[str] = []
+    check_tokenizer_vocabulary(exp)
     if not missing_ok:
         if cfg.tokenizer.sha256 is None:
             file, key = recipe_key(exp, "tokenizer.sha256")
@@ -328,8 +330,46 @@ def load_experiment_manifests(
                 file=where,
                 key=key,
             )
+        if m.vocab_size > cfg.tokenizer.vocab_size:
+            file, vkey = recipe_key(exp, "tokenizer.vocab_size")
+            raise RunnerError(
+                _vocab_too_small(cfg.tokenizer.vocab_size, m.vocab_size, f"{pin.path} was tokenized with"),
+                file=file,
+                key=vkey,
+            )
         manifests[d] = m
     return manifests, notes
+
+
+def _vocab_too_small(recipe_vocab: int, ids: int, holder: str) -> str:
+    return (
+        f"{recipe_vocab:,}, but {holder} {ids:,} ids: the model's embedding and LM head would have no row for "
+        f"ids >= {recipe_vocab:,} (an IndexError, a device-side assert on a GPU); set vocab_size: {ids}"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_ids(path: str, size: int, mtime_ns: int) -> int:
+    from runner.data.tokenizer import load_tokenizer, vocab_size_of  # noqa: PLC0415  (tokenizers: only with a file here)
+
+    return vocab_size_of(load_tokenizer(path))
+
+
+def check_tokenizer_vocabulary(exp: Experiment) -> None:
+    """The tokenizer file on this machine emits no id the recipe's `vocab_size` leaves out (a model
+    sized for 4,096 ids over a 74,096-id tokenizer crashes at its first batch). Files absent here are
+    checked where they are: the manifests' own `vocab_size` is compared by load_experiment_manifests."""
+    tok = exp.config.tokenizer
+    path = exp.resolve_path(tok.path)
+    if not path.is_file():
+        return
+    if tok.sha256 is not None and sha256_file(path) != tok.sha256:
+        return  # validate names the pin mismatch; launch refuses the file
+    st = path.stat()
+    ids = _tokenizer_ids(str(path), st.st_size, st.st_mtime_ns)
+    if ids > tok.vocab_size:
+        file, key = recipe_key(exp, "tokenizer.vocab_size")
+        raise RunnerError(_vocab_too_small(tok.vocab_size, ids, f"{tok.path} has"), file=file, key=key)
 
 
 @dataclass(frozen=True)
@@ -412,6 +452,25 @@ def small_validation_warnings(exp, sizes: dict[str, PoolSize]) -> list[str]:
         warning = small_validation_warning(d, samples, tokens, asked)
         if warning:
             out.append(f"{_display(exp.path)}: data.manifests.{d}: {warning}")
+    return out
+
+
+def said_once(warnings: list[str]) -> list[str]:
+    """Warnings of several experiments that say the same of the same domain (`<file>: <key>: <text>`:
+    the shipped demo's small `legal` validation set, in every experiment built on it) as one line
+    naming the files, in the order first seen."""
+    groups: dict[str, list[str]] = {}
+    for w in warnings:
+        file, sep, rest = w.partition(": ")
+        groups.setdefault(rest if sep else w, []).append(file if sep else "")
+    out = []
+    for rest, files in groups.items():
+        named = [f for f in files if f]
+        if len(named) <= 1:
+            out.append(f"{named[0]}: {rest}" if named else rest)
+        else:
+            shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+            out.append(f"{rest} (in {len(named)} experiments: {shown})")
     return out
 
 

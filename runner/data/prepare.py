@@ -10,11 +10,13 @@ batches of text in memory, and never lets a manifest name a shard that is not co
 from __future__ import annotations
 
 import ctypes
+import gzip
 import hashlib
 import json
 import multiprocessing
 import os
 import signal
+import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -86,6 +88,14 @@ def _kind(path: Path, input_format: str, strict: bool) -> str | None:
         raise RunnerError(f"unknown input format {input_format!r} (auto or nanogpt-bin)", key="input_format")
     if path.suffix in KINDS:
         return KINDS[path.suffix]
+    if path.name.endswith(".jsonl.gz"):
+        return "jsonl"  # read through gzip
+    if strict and path.suffix in (".gz", ".zst", ".bz2", ".xz"):
+        raise RunnerError(
+            f"a compressed file ({path.suffix}): decompress it first (e.g. `gunzip {path.name}`); "
+            "only .jsonl.gz is read as it is",
+            file=str(path),
+        )
     if strict or path.suffix in TEXT_SUFFIXES:
         return "text"
     return None
@@ -107,21 +117,7 @@ def iter_documents(source: Source, batch_docs: int = 1024) -> Iterator[tuple[str
                 yield (text if doc_id is None else str(doc_id)), text
                 row += 1
     elif source.kind == "jsonl":
-        with open(source.path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    text = record["text"]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise RunnerError(
-                        f"line {line_no}: needs a JSON object with `text` ({e})", file=str(source.path)
-                    ) from None
-                if not isinstance(text, str):
-                    raise RunnerError(f"line {line_no}: `text` is not a string", file=str(source.path), key="text")
-                doc_id = record.get("id")
-                yield (text if doc_id is None else str(doc_id)), text
+        yield from _jsonl_documents(source)
     elif source.kind == "text":
         try:
             text = source.path.read_text(encoding="utf-8")
@@ -130,6 +126,33 @@ def iter_documents(source: Source, batch_docs: int = 1024) -> Iterator[tuple[str
         yield text, text
     else:
         raise ValueError(f"{source.kind} sources hold tokens, not documents")
+
+
+def _jsonl_documents(source: Source) -> Iterator[tuple[str, str]]:
+    """A jsonl source's documents, a `.jsonl.gz` one read through gzip."""
+    gz = source.path.name.endswith(".gz")
+    try:
+        with gzip.open(source.path, "rt", encoding="utf-8") if gz else open(source.path, encoding="utf-8") as f:
+            yield from _json_lines(f, source)
+    except UnicodeDecodeError as e:
+        raise RunnerError(f"not UTF-8 text: {e}", file=str(source.path)) from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise RunnerError(f"not a readable gzip file ({e})", file=str(source.path)) from None
+
+
+def _json_lines(f, source: Source) -> Iterator[tuple[str, str]]:
+    for line_no, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            text = record["text"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise RunnerError(f"line {line_no}: needs a JSON object with `text` ({e})", file=str(source.path)) from None
+        if not isinstance(text, str):
+            raise RunnerError(f"line {line_no}: `text` is not a string", file=str(source.path), key="text")
+        doc_id = record.get("id")
+        yield (text if doc_id is None else str(doc_id)), text
 
 
 def _parquet_file(source: Source):

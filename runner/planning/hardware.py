@@ -308,11 +308,17 @@ def cost_per_billion_useful_tokens(
     return devices * price_per_device_hour * (wall_seconds / 3600) / (useful_tokens / 1e9)
 
 
-def convention_record(convention: Convention, peak: Peak, devices_counted: int, time_basis: str) -> dict:
-    """The full SPEC convention record stored next to an MFU figure."""
+def convention_record(
+    convention: Convention, peak: Peak, devices_counted: int, time_basis: str, step_clock: str | None = None
+) -> dict:
+    """The full SPEC convention record stored next to an MFU figure; `step_clock` (step basis, runs
+    only): `device` when step time was read after the device finished the step (records without it:
+    `host`, read when the host had queued it)."""
     if time_basis not in ("step", "wall"):
         raise RunnerError(f"time_basis must be 'step' or 'wall', got {time_basis!r}")
+    clock = {"step_clock": step_clock} if step_clock is not None and time_basis == "step" else {}
     return {
+        **clock,
         **convention.to_dict(),
         "peak_tflops": peak.peak_tflops,
         "peak_dtype": peak.peak_dtype,

@@ -26,6 +26,7 @@ from runner.data.mixture import plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError
 from runner.fsio import read_json, read_jsonl
 from runner.planning import hardware
+from runner.planning.assumptions import AssumedMfu, assumed_mfu, carried_mfu
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.scaling import Point, forecast_target
 from runner.runs import load_saved_experiment
@@ -353,6 +354,7 @@ class Calibration:
     mfu: float | None
     same_experiment: bool
     note: str
+    architecture: str = "dense"  #: the calibration run's ("moe" or "dense"), for carrying its MFU over
 
 
 def read_calibration(
@@ -404,7 +406,8 @@ def read_calibration(
         mfu_value = hardware.mfu(flops_per_token(run_cfg, convention), tps, 1.0, peak, n_devices)
     except RunnerError as e:
         note = (note + "; " if note else "") + f"MFU not derivable: {e}"
-    return Calibration(str(run_dir), len(rows), tps, useful_fraction, overhead, mfu_value, same, note)
+    arch = architecture(run_cfg)
+    return Calibration(str(run_dir), len(rows), tps, useful_fraction, overhead, mfu_value, same, note, arch)
 
 
 # ---------------------------------------------------------------- the plan
@@ -424,27 +427,43 @@ def _time_block(tokens: float, tps: float, overhead_fraction: float, devices: in
     }
 
 
+def architecture(cfg: ExperimentSchema) -> str:
+    """ "moe" for a mixture of experts (model.moe set), else "dense": the assumed MFU depends on it."""
+    return "moe" if cfg.model.moe is not None else "dense"
+
+
 def _time_plans(
-    cfg: ExperimentSchema, tokens: float, fpt: float, peak_tflops: float, mfu: float, calibration: Calibration | None
+    cfg: ExperimentSchema,
+    tokens: float,
+    fpt: float,
+    peak_tflops: float,
+    assumption: AssumedMfu,
+    calibration: Calibration | None,
 ) -> tuple[dict, dict | None]:
-    """(assumed, measured) time and cost of the `tokens` budget: at `mfu`, and at the calibration
-    run's throughput (its MFU carried over when it trained another model or hardware)."""
+    """(assumed, measured) time and cost of the `tokens` budget: at the assumed MFU, and at the
+    calibration run's throughput (its MFU carried over when it trained another model or hardware,
+    scaled to this architecture: runner.planning.assumptions.carried_mfu)."""
     n_devices, price, plan = devices(cfg), cfg.hardware.price_per_device_hour_usd, cfg.plan
     overheads = plan.checkpoint_overhead_fraction + plan.eval_overhead_fraction + plan.recovery_overhead_fraction
+    mfu = assumption.value
     assumed_tps = mfu * peak_tflops * 1e12 * n_devices / fpt
     assumed = _time_block(tokens, assumed_tps, overheads, n_devices, price)
     assumed["mfu"] = mfu
+    assumed["mfu_rule"], assumed["mfu_source"] = assumption.rule, assumption.source
     n_all = params_of_config(cfg).all
     assumed["pure_hours_6n_all"] = (
         compute_seconds(training_flops(n_all, tokens), mfu, peak_tflops, n_devices) / SECONDS_PER_HOUR
     )
     if calibration is None:
         return assumed, None
+    carried_note = ""
     if calibration.same_experiment or calibration.mfu is None:
         tps = calibration.processed_tokens_per_second
     else:
-        tps = calibration.mfu * peak_tflops * 1e12 * n_devices / fpt
+        carried, carried_note = carried_mfu(calibration.mfu, calibration.architecture, architecture(cfg))
+        tps = carried * peak_tflops * 1e12 * n_devices / fpt
     measured = _time_block(tokens, tps, calibration.overhead_fraction, n_devices, price)
+    measured["mfu_carried_note"] = carried_note
     measured["mfu"] = hardware.mfu(fpt, tps, 1.0, peak_tflops, n_devices)
     measured["useful_fraction"] = calibration.useful_fraction
     return assumed, measured
@@ -470,6 +489,11 @@ def _storage(cfg: ExperimentSchema, tokens: float, all_params: int, pool_tokens:
         "checkpoint_bytes": checkpoint_bytes,
         "keep_last": keep_last,
         "checkpoints_bytes": checkpoint_bytes * keep_last,
+        # rank 0 gathers the whole checkpoint in host memory to write it (validate refuses what cannot fit)
+        "host_memory_bytes": None if cfg.hardware.host_memory_gib is None else cfg.hardware.host_memory_gib * 2**30,
+        "host_gather_fits": None
+        if cfg.hardware.host_memory_gib is None
+        else checkpoint_bytes <= cfg.hardware.host_memory_gib * 2**30,
     }
 
 
@@ -491,8 +515,8 @@ def build_plan(
     tokens = float(cfg.train.exposure_tokens)  # the plan (and its JSON) counts in floats: 2.6e10, not 26000000000
     peak = hardware.resolve_peak(hw)
     fpt = flops_per_token(cfg, convention)
-    mfu = hw.default_mfu if mfu is None else mfu
-    assumed, measured = _time_plans(cfg, tokens, fpt, peak.peak_tflops, mfu, calibration)
+    assumption = assumed_mfu(architecture(cfg), hw.default_mfu, cfg.recipes.get("hardware", ""), mfu)
+    assumed, measured = _time_plans(cfg, tokens, fpt, peak.peak_tflops, assumption, calibration)
     mix = mixture_plan(cfg, Path(root))
     return {
         "experiment": {"name": cfg.name, "version": cfg.version},
@@ -519,6 +543,7 @@ def build_plan(
             "recovery_overhead_fraction": plan.recovery_overhead_fraction,
         },
         "time": {"assumed": assumed, "measured": measured},
+        "assumptions": {"mfu": assumption.to_dict()},
         "calibration": asdict(calibration) if calibration else None,
         "memory": memory_per_device(cfg),
         "storage": _storage(cfg, tokens, counts.all, mix.get("pool_tokens")),
@@ -655,8 +680,11 @@ def _format_time(plan: Mapping[str, Any], out: list[str]) -> None:
     _row(out, "device-hours", *(f"{b['device_hours']:,.1f}" for _, b in cols))
     costs = (f"{b['cost_usd']:,.0f}" if b["cost_usd"] >= 100 else f"{b['cost_usd']:.2f}" for _, b in cols)
     _row(out, "cost (USD)", *costs)
+    out.append(f"  assumed MFU: {t['assumed']['mfu_rule']} ({t['assumed']['mfu_source']})")
     if plan.get("calibration") and plan["calibration"].get("note"):
         out.append(f"  calibration: {plan['calibration']['note']}")
+    if t["measured"] and t["measured"].get("mfu_carried_note"):
+        out.append(f"  calibration: {t['measured']['mfu_carried_note']}")
 
 
 def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
@@ -681,6 +709,14 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
     _row(out, "token shards", _gib(st["token_shard_bytes"]), note=f"{st['token_dtype_bytes']} B/token")
     each = f"{_gib(st['checkpoint_bytes'])} each (fp32 weights + AdamW moments)"
     _row(out, f"checkpoints (keep_last {st['keep_last']})", _gib(st["checkpoints_bytes"]), note=each)
+    host = st.get("host_memory_bytes")
+    if host is None:
+        gather = "host memory unknown (hardware.host_memory_gib)"
+    elif st["host_gather_fits"]:
+        gather = f"fits in {_gib(host)} of host memory"
+    else:
+        gather = f"does NOT fit in {_gib(host)} of host memory: nodes with more (no sharded checkpoint format yet)"
+    _row(out, "rank 0 gathers a checkpoint", _gib(st["checkpoint_bytes"]), note=gather)
 
 
 def _format_mixture(mix: Mapping[str, Any], out: list[str]) -> None:

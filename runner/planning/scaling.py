@@ -92,14 +92,17 @@ class Fit:
 # ---------------------------------------------------------------- reading points
 def read_report_point(report_dir: Path) -> Point:
     """A point from a report folder: run_summary.parquet (N, D) and validation.parquet (final loss)."""
-    summary = pd.read_parquet(report_dir / "run_summary.parquet").iloc[0]
+    table = _report_table(report_dir / "run_summary.parquet", ("params_counted", "params", "exposure_tokens"))
+    if table.empty:
+        raise RunnerError("no row", file=str(report_dir / "run_summary.parquet"))
+    summary = table.iloc[0]
     if summary.get("params_counted") not in ("non_embedding", "active"):
         raise RunnerError(
             f"run_summary counts {summary.get('params_counted')!r} params; the fit needs "
             "non-embedding N: pass the run folder instead",
             file=str(report_dir),
         )
-    validation = pd.read_parquet(report_dir / "validation.parquet")
+    validation = _report_table(report_dir / "validation.parquet", ("step", "domain", "loss_nats", "bpb"))
     if validation.empty:
         raise RunnerError("no evaluation recorded", file=str(report_dir / "validation.parquet"))
     final = validation[validation["step"] == validation["step"].max()]
@@ -115,6 +118,44 @@ def read_report_point(report_dir: Path) -> Point:
         {str(d): float(v) for d, v in zip(final["domain"], final["bpb"])},
         {str(d): int(v) for d, v in zip(final["domain"], final["tokens"])} if "tokens" in final else {},
     )
+
+
+_NUMERIC = ("params", "exposure_tokens", "step", "loss_nats", "bpb", "tokens")
+
+
+def _report_table(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
+    """A report table the fit reads, with the columns it needs (numbers where numbers are meant), or
+    one line naming the file and the column."""
+    try:
+        df = pd.read_parquet(path)
+    except FileNotFoundError:
+        raise RunnerError("missing table", file=str(path)) from None
+    except Exception as err:  # pyarrow raises several types for a corrupt file
+        raise RunnerError(
+            f"unreadable parquet: {str(err).splitlines()[0][:160] if str(err) else err!r}", file=str(path)
+        ) from None
+    for col in columns:
+        if col not in df.columns:
+            raise RunnerError("column missing (rebuild the report: `runner report RUN`)", file=str(path), key=col)
+    for col in (c for c in _NUMERIC if c in df.columns):
+        if not pd.api.types.is_numeric_dtype(df[col]):
+            raise RunnerError(f"must hold numbers, holds {df[col].dtype}", file=str(path), key=col)
+    return df
+
+
+def _eval_rows(path: Path) -> list[dict]:
+    """metrics/eval.jsonl's rows, each with the keys the fit reads (one line naming the row and key otherwise)."""
+    rows = read_jsonl(path)
+    for n, r in enumerate(rows, 1):
+        if not isinstance(r, dict):
+            raise RunnerError(f"line {n}: not a JSON object", file=str(path))
+        for key in ("step", "domain", "loss_nats"):
+            if key not in r:
+                raise RunnerError(f"line {n}: missing", file=str(path), key=key)
+        for key in ("step", "loss_nats", "bpb", "tokens"):
+            if key in r and (isinstance(r[key], bool) or not isinstance(r[key], (int, float))):
+                raise RunnerError(f"line {n}: must be a number, got {str(r[key])[:40]!r}", file=str(path), key=key)
+    return rows
 
 
 def read_point(run_dir: str | Path) -> Point:
@@ -133,7 +174,7 @@ def read_point(run_dir: str | Path) -> Point:
     cfg = load_saved_experiment(exp).config
     params = params_of_config(cfg).non_embedding
     tokens = _exposure_tokens(run_dir, cfg)
-    rows = read_jsonl(evals)
+    rows = _eval_rows(evals)
     if not rows:
         raise RunnerError("no evaluation recorded", file=str(evals))
     last_step = max(int(r["step"]) for r in rows)

@@ -42,7 +42,7 @@ from runner.reports import audit_tracked, downstream_audit, targets
 from runner.reports import evidence as ev
 from runner.reports import tables as rpt
 from runner.reports.checks import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
-from runner.reports.expert_audit import check_expert_load
+from runner.reports.expert_audit import check_expert_load, checkpoint_load_problems
 from runner.runs import device_seconds, devices_held, is_reportable_run, read_manifest_copies
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
 
@@ -555,7 +555,10 @@ def _check_compute(res: AuditResult, inp: AuditInput) -> None:
             if inp.run.get(key) is not None:
                 want[key] = float(inp.run[key])
     for key, value in want.items():
-        ok = _close(s[key], value) or (math.isnan(float(s[key])) and math.isnan(value))  # hfu: both empty
+        if key == "hfu" and math.isnan(float(s[key])) and math.isnan(value):
+            res.info("hfu", "none: the run recomputes no activations (HFU = MFU)")
+            continue
+        ok = _close(s[key], value)
         res.add(
             f"{key} recomputed",
             [] if ok else [f"report {float(s[key]):.6g}, recomputed {value:.6g}"],
@@ -649,11 +652,25 @@ def _check_csv_copies(res: AuditResult, inp: AuditInput) -> None:
     res.add(name, csv_differences(inp.report_dir, inp.tables), ok_detail=f"{len(SCHEMAS)} tables compared")
 
 
+def _check_complete(res: AuditResult, inp: AuditInput) -> None:
+    """Every file a report is written with (a killed writer or an edit can leave fewer); run.json and
+    evidence.json are their own checks (UNVERIFIED when missing)."""
+    if inp.report_dir is None:
+        return
+    missing = [
+        f for f in rpt.missing_report_files(inp.report_dir, sorted(inp.config.mixture.domains)) if f != "run.json"
+    ]
+    res.add("report folder complete", [f"{', '.join(missing)} missing"] if missing else [])
+
+
 def _check_evidence_file(res: AuditResult, inp: AuditInput) -> None:
     name = "evidence.json matches the report"
-    found = ev.read_evidence_file(inp.report_dir) if inp.report_dir is not None else None
-    if found is None:
-        res.info(name, "no evidence.json next to the tables (written before the runner recorded evidence)")
+    if inp.report_dir is None:
+        res.info(name, "no report folder: the tables were built from the run folder")
+        return
+    found = ev.read_evidence_file(inp.report_dir)
+    if found is None:  # never a PASS: a report without it was cut short, or written before evidence existed
+        res.could_not(name, "no evidence.json next to the tables: rebuild the report (`runner report RUN_DIR`)")
         return
     problems = ev.evidence_differences(found, inp, checkpoint=True)
     if found.get("schema_version") != SCHEMA_VERSION:
@@ -704,7 +721,8 @@ def _check_checkpoint(res: AuditResult, inp: AuditInput) -> None:
         seen = ledger[f"seen.{d}"]
         if int((seen > 0).sum()) * seq_len != int(acct.loc[d, "unique_tokens"]):
             problems.append(f"{d}: checkpoint ledger has {int((seen > 0).sum())} samples seen")
-    res.add(name, problems, ok_detail=f"{path.name} verifies; its ledger recounts to the report")
+    problems += checkpoint_load_problems(ledger, inp)
+    res.add(name, problems, ok_detail=f"{path.name} verifies; its ledger (and expert load) recounts to the report")
 
 
 def _check_targets(res: AuditResult, inp: AuditInput) -> None:
@@ -749,6 +767,7 @@ def audit_input(
     check_expert_load(res, inp)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
+    _check_complete(res, inp)
     _check_evidence_file(res, inp)
     _note_small_validation(res, inp)
     _check_checkpoint(res, inp)

@@ -59,6 +59,39 @@ SUMMARY_METRICS = {
     "cost_per_billion_useful_tokens": "cost_per_billion_useful_tokens",
 }
 THROUGHPUT_METRICS = ("tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
+# A step's router figures, by the router table's column that states the same figure.
+ROUTER_METRICS = {
+    "router_aux_loss": "router_aux_loss",
+    "router_z_loss": "router_z_loss",
+    "expert_load_imbalance": "load_imbalance",
+    "expert_load_cv": "load_cv",
+    "expert_idle_capacity": "idle_capacity",
+}
+STEP_PREFIX = "step/"  # per-step figures the run also states as a whole (runner.training.callbacks.STEP_NAMES)
+
+
+def metric_name(key: str) -> str:
+    """The trainer's name for a logged key: `step/mfu` (runs since the rename) and `mfu` (runs recorded
+    before it) are the same figure of one step."""
+    return key[len(STEP_PREFIX) :] if key.startswith(STEP_PREFIX) else key
+
+
+# What each evaluation logs besides its losses (callbacks.TrackingCallback.on_eval), by validation column.
+EVAL_METRICS = {"eval.useful_tokens": "useful_tokens", "eval.wall_seconds": "wall_seconds"}
+EVAL_METRICS["eval.device_wall_seconds"] = "device_wall_seconds"
+# `target.<name>.<suffix>` (targets.mlflow_record) -> (the targets table's point, its column)
+TARGET_METRICS = {
+    "step": ("met", "step"),
+    "exposure_tokens": ("met", "exposure_tokens"),
+    "useful_tokens": ("met", "useful_tokens"),
+    "value": ("met", "value"),
+    "time_to_target_seconds": ("met", "wall_seconds"),
+    "device_hours_to_target": ("met", "device_hours"),
+    "cost_to_target_usd": ("met", "cost_usd"),
+    **{f"before.{k}": ("before", k) for k in ("step", "exposure_tokens", "useful_tokens", "value", "wall_seconds")},
+    "best_value": ("best", "value"),
+    "best_step": ("best", "step"),
+}
 # Keys whose value at a step the report's tables cannot state; extension segments change these params.
 EXTENSION_PARAMS = ("train.exposure_tokens", "train.max_duration_tokens")
 
@@ -73,6 +106,8 @@ class Tracked:
     params: dict[str, str]
     tags: dict[str, str]
     history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # key -> [(step, value)]
+    #: key -> [(step, value, timestamp in ms)]: which attempt logged a point (see lineage_points)
+    stamps: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
 
     @property
     def last_step(self) -> int:
@@ -138,10 +173,12 @@ def _read_run(uri: str, run_id: str) -> Tracked:
 
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(run_id)
-    history = {
-        key: [(int(m.step), float(m.value)) for m in client.get_metric_history(run_id, key)] for key in run.data.metrics
+    stamps = {
+        key: [(int(m.step), float(m.value), int(m.timestamp)) for m in client.get_metric_history(run_id, key)]
+        for key in run.data.metrics
     }
-    return Tracked(uri, run_id, run.info.run_name or "", dict(run.data.params), dict(run.data.tags), history)
+    history = {key: [(step, value) for step, value, _ in points] for key, points in stamps.items()}
+    return Tracked(uri, run_id, run.info.run_name or "", dict(run.data.params), dict(run.data.tags), history, stamps)
 
 
 def _replayable(key: str) -> bool:
@@ -238,7 +275,12 @@ class _Expected:
         self.domains = set(inp.config.mixture.domains)
         self.acct = t["accounting"].set_index("domain")
         self.throughput = {int(r["step"]): r for _, r in t["throughput"].iterrows()}
+        self.router = {int(r["step"]): r for _, r in t["router"].iterrows()} if "router" in t else {}
         self.validation = {(int(r["step"]), str(r["domain"])): r for _, r in t["validation"].iterrows()}
+        self.progress = {step: r for (step, _), r in self.validation.items()}  # the same in every domain's row
+        self.targets = (
+            {(str(r["target"]), str(r["point"])): r for _, r in t["targets"].iterrows()} if "targets" in t else None
+        )
         self.snapshots: dict[int, dict[str, tuple[int, int]]] = rep.snapshots if rep is not None else {}
 
     def domain_of(self, key: str) -> str | None:
@@ -271,6 +313,7 @@ class _Expected:
 
     def values(self, key: str, step: int) -> list[float] | None:
         """The report's values for `key` at `step`, or None when the report does not state it."""
+        key = metric_name(key)
         domain = self.domain_of(key) or ""
         if key.startswith("tokens."):
             v = self._counter(domain, key.rsplit(".", 1)[1], step)
@@ -286,6 +329,8 @@ class _Expected:
             return None if isinstance(v, float) and math.isnan(v) else [v]
         if key in THROUGHPUT_METRICS and step in self.throughput:
             return [self.throughput[step][key]]
+        if key in ROUTER_METRICS and step in self.router:
+            return [self.router[step][ROUTER_METRICS[key]]]
         return None
 
 
@@ -318,17 +363,89 @@ def _compare_history(
     return compared, uncompared
 
 
+# ---- evaluation times and target figures, by the attempt that evaluated --------------------------
+
+
+def _target_field(key: str) -> tuple[str, str, str] | None:
+    """(target name, point, targets column) of a `target.<name>.<suffix>` metric, else None."""
+    if not key.startswith("target."):
+        return None
+    for suffix in sorted(TARGET_METRICS, key=len, reverse=True):
+        if key.endswith(f".{suffix}") and len(key) > len("target.") + len(suffix) + 1:
+            return (key[len("target.") : -len(suffix) - 1], *TARGET_METRICS[suffix])
+    return None
+
+
+def lineage_points(tracked: Tracked, key: str) -> dict[int, float]:
+    """step -> the value of `key` the lineage's evaluation at that step vouches for: logged at or
+    after the latest `val_loss.*` point of that step (the evaluation the lineage kept; an earlier
+    attempt's, redone after a resume, is superseded), the latest such point. A step no evaluation
+    logged at has none: nothing vouches for a figure there."""
+    evaluated: dict[int, int] = {}
+    for k, points in tracked.stamps.items():
+        if k.startswith("val_loss."):
+            for step, _, ts in points:
+                evaluated[step] = max(evaluated.get(step, ts), ts)
+    out: dict[int, tuple[int, int, float]] = {}
+    for i, (step, value, ts) in enumerate(tracked.stamps.get(key, [])):
+        at = evaluated.get(step)
+        if at is not None and ts >= at and (step not in out or (ts, i) >= out[step][:2]):
+            out[step] = (ts, i, value)
+    return {step: v for step, (_, _, v) in out.items()}
+
+
+def _compare_lineage(key: str, tracked: Tracked, want: _Expected, problems: list[str]) -> tuple[int, int]:
+    """An evaluation time or target figure against what MLflow recorded when the evaluation happened."""
+    target = _target_field(key)
+    compared = uncompared = 0
+    for step, value in sorted(lineage_points(tracked, key).items()):
+        if step > want.final:
+            continue
+        if target is not None:
+            name, point, col = target
+            rows = want.targets or {}
+            anchor = rows.get((name, "best" if point == "best" else "met"))  # logged at its step, `before` too
+            if anchor is None or int(anchor["step"]) != step:
+                # a best so far a later evaluation bettered, or a target defined otherwise when it was
+                # logged (targets are operational): the step's evaluation times are compared anyway
+                uncompared += 1
+                continue
+            row = rows.get((name, point))
+            if row is None:
+                problems.append(f"{key} at step {step}: MLflow {value:.10g}, the report has no {point} row")
+                continue
+            expected = row[col]
+        else:
+            row = want.progress.get(step)
+            if row is None:
+                uncompared += 1
+                continue
+            expected = row[EVAL_METRICS[key]]
+        compared += 1
+        if not _same(value, expected):
+            problems.append(f"{key} at step {step}: MLflow {value:.10g}, report {float(expected):.10g}")
+    return compared, uncompared
+
+
 def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Replay | None, later: str) -> None:
     want = _Expected(inp, rep, tracked)
     problems: list[str] = []
+    lineage_problems: list[str] = []  # shown first: the figures a forger of time-to-target edits
     compared = uncompared = 0
     without_counterpart = []
+    for key in sorted(tracked.history, key=lambda k: (not k.startswith("target."), k)):
+        if key in EVAL_METRICS or _target_field(key) is not None:
+            c, u = _compare_lineage(key, tracked, want, lineage_problems)
+            compared, uncompared = compared + c, uncompared + u
     for key, points in sorted(tracked.history.items()):
+        if key in EVAL_METRICS or _target_field(key) is not None:
+            continue
         domain = want.domain_of(key)
         if domain is not None and domain not in want.domains and domain != "total":
             problems.append(f"{key}: MLflow logs domain {domain!r}, absent from the report")
             continue
-        if domain is None and key not in SUMMARY_METRICS and key not in THROUGHPUT_METRICS:
+        name = metric_name(key)
+        if domain is None and name not in SUMMARY_METRICS and name not in (*THROUGHPUT_METRICS, *ROUTER_METRICS):
             without_counterpart.append(key)
             continue
         c, u = _compare_history(key, points, want, problems)
@@ -336,6 +453,7 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
     logged_domains = {want.domain_of(k) or "" for k in tracked.history if k.startswith("tokens.")} - {"", "total"}
     if logged_domains and logged_domains != want.domains:
         problems.append(f"MLflow logs counters for domains {sorted(logged_domains)}, the report {sorted(want.domains)}")
+    problems = lineage_problems + problems
     missing = [
         k
         for k, col in SUMMARY_METRICS.items()
@@ -345,7 +463,7 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
     detail = (
         f"{compared} logged points compared over {len(tracked.history)} keys; {uncompared} at steps the report "
         f"does not state (processed, useful and lost before the last step); no report counterpart: "
-        f"{', '.join(without_counterpart) or 'none'}"
+        f"{key_groups(without_counterpart)}"
     )
     if later and not problems:
         res.could_not(METRICS, f"{later}: points up to step {want.final} agree; {detail}")
@@ -358,6 +476,23 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
         )
         return
     res.add(METRICS, problems, ok_detail=detail)
+
+
+def key_groups(keys: list[str], shown: int = 6) -> str:
+    """Metric keys said briefly: one entry per family (`system/... (24 keys)`, `target.* (40 keys)`),
+    single keys by name, at most `shown` entries (a line, not 2,000 characters of names)."""
+    if not keys:
+        return "none"
+    families: dict[str, list[str]] = {}
+    for key in keys:
+        cut = min((i for i in (key.find("/"), key.find(".")) if i > 0), default=-1)
+        families.setdefault(key[: cut + 1] if cut > 0 else key, []).append(key)
+    parts = [
+        (f"{fam}* ({len(members)} keys)" if len(members) > 1 else members[0])
+        for fam, members in sorted(families.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    ]
+    more = len(parts) - shown
+    return ", ".join(parts[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked, later: str) -> None:
@@ -386,6 +521,12 @@ def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked, later: 
     compared = "tables, experiment.yaml, validation losses" + (
         ", final checkpoint" if inp.run_dir is not None and logged.get("checkpoint") else ""
     )
+    segments = inp.run.get("segments") or []
+    if len(segments) > 1:
+        # Logged at the last segment's end over the tables as they were then: it never vouches for
+        # figures of an earlier segment (those are compared with MLflow's history, METRICS).
+        start = int(segments[-1].get("start_step", 0) or 0)
+        compared += f" as of the last segment's end (rows up to step {start} rest on MLflow's metric history)"
     res.add(EVIDENCE, problems, ok_detail=compared)
 
 

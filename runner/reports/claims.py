@@ -10,6 +10,10 @@ reached (IMPLAUSIBLE: MFU above the plausibility bound, below) and figures that 
 A mixture-of-experts claim states both `model_params` (total) and `active_params` (what one token
 passes through, SPEC "Mixture-of-experts"): its compute, MFU and days use the active count;
 tokens per parameter stays over the total.
+A claim may also state what the model trained on, as a mixture table (`mixture:`; its audit is
+runner.reports.mixture_claims): then `model_params` is optional and the verdict takes the worst of
+both: IMPOSSIBLE, INCONSISTENT (stated figures that contradict the table's own arithmetic),
+IMPLAUSIBLE, INCOMPARABLE (a kind or device unstated), WARNING (repetition worth less), ok.
 Never: reads runs or reports, or fills a missing figure from another device's peak.
 """
 
@@ -24,6 +28,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_yaml
 from runner.planning.hardware import PEAKS, canonical_device, mfu
 from runner.planning.plan import CHINCHILLA_TOKENS_PER_PARAM, SECONDS_PER_DAY
+from runner.reports.mixture_claims import TOKEN_UNITS, MixtureResult, audit_mixture, parse_quantity, render_mixture
 
 TOKEN_KINDS = ("exposure", "unique", "useful", "processed")
 #: Dense BF16 training MFU above which a claim is IMPLAUSIBLE (not impossible: the device could, no
@@ -38,6 +43,7 @@ PLAUSIBLE_MFU_SOURCE = (
     "the best published: llm-foundry MPT-7B on 8x A100 64.2%, on H100 46.4%; PaLM 540B 46.2% on TPU v4"
 )
 DISAGREE_REL = 0.10
+MAX_DEVICES = 10**7  #: no published run held ten million accelerators: more is a typo
 CONVENTION = (
     "6N (Kaplan/Chinchilla): flops_per_token = 6 * params as claimed (a mixture of experts: active_params); "
     "dense bf16 peak per device"
@@ -56,12 +62,25 @@ KEYS = (
     "mfu",
     "peak_tflops",
     "notes",
+    "mixture",
+    "bytes",
+    "bytes_per_token",
+    "bytes_per_token_source",
 )
+#: flag severity -> verdict, worst first; a claim's verdict is its worst flag's
+VERDICTS = (
+    ("impossible", "IMPOSSIBLE"),
+    ("inconsistent", "INCONSISTENT"),
+    ("implausible", "IMPLAUSIBLE"),
+    ("unstated", "INCOMPARABLE"),
+    ("warning", "WARNING"),
+)
+FAILING = ("impossible", "inconsistent", "implausible")  #: severities that make `audit-claims` exit 1
 
 
 @dataclass
 class Flag:
-    severity: str  # "impossible", "implausible" or "unstated"
+    severity: str  # a key of VERDICTS: "impossible", "inconsistent", "implausible", "unstated", "warning"
     message: str
 
 
@@ -77,6 +96,7 @@ class ClaimResult:
     tokens_per_param: float | None = None
     tokens_per_param_vs_chinchilla: float | None = None
     flags: list[Flag] = field(default_factory=list)
+    mixture: MixtureResult | None = None
 
     @property
     def impossible(self) -> bool:
@@ -87,17 +107,20 @@ class ClaimResult:
         return any(f.severity == "implausible" for f in self.flags)
 
     @property
+    def failing(self) -> bool:
+        """A flag that makes `audit-claims` exit 1 (impossible, inconsistent or implausible)."""
+        return any(f.severity in FAILING for f in self.flags)
+
+    @property
     def verdict(self) -> str:
-        if self.impossible:
-            return "IMPOSSIBLE"
-        if self.implausible:
-            return "IMPLAUSIBLE"
-        return "FLAGGED" if self.flags else "ok"
+        severities = {f.severity for f in self.flags}
+        return next((v for s, v in VERDICTS if s in severities), "ok")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["impossible"] = self.impossible
         d["implausible"] = self.implausible
+        d["failing"] = self.failing
         d["verdict"] = self.verdict
         return d
 
@@ -110,7 +133,7 @@ def _number(claim: dict, key: str, where: str, *, positive: bool = True) -> floa
         raise RunnerError(f"must be a number, got {value!r}", file=where, key=key)
     try:
         x = float(value)  # YAML 1.1 reads `68e3` as a string; accept it as the number it says
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise RunnerError(f"must be a number, got {value!r}", file=where, key=key) from None
     if not math.isfinite(x) or (positive and x <= 0):
         raise RunnerError(f"must be a positive number, got {value!r}", file=where, key=key)
@@ -249,18 +272,35 @@ def _check_days(
 
 def audit_claim(claim: dict, where: str = "claim", *, plausible_mfu: float = PLAUSIBLE_MFU) -> ClaimResult:
     """Implied figures and flags of one claim (see the module docstring)."""
-    unknown = set(claim) - set(KEYS)
+    unknown = set(map(str, claim)) - set(KEYS)
     if unknown:
         raise RunnerError(f"unknown keys {sorted(unknown)} (known: {', '.join(KEYS)})", file=where)
     name = str(claim.get("name") or "").strip()
     if not name:
         raise RunnerError("missing", file=where, key="name")
     n_params = _number(claim, "model_params", where)
-    if n_params is None:
+    if n_params is None and claim.get("mixture") is None:
         raise RunnerError(
-            "missing (a mixture of experts states its total here and active_params)", file=where, key="model_params"
+            "missing (a mixture of experts states its total here and active_params; a mixture claim may "
+            "leave it out and state mixture:)",
+            file=where,
+            key="model_params",
         )
     active = _number(claim, "active_params", where)
+    res = ClaimResult(name, dict(claim), "active" if active is not None else "all")
+    _check_token_kind(claim, where, res)
+    if n_params is not None:
+        _audit_throughput(claim, where, res, n_params, active, plausible_mfu)
+    if claim.get("mixture") is not None:
+        res.mixture, flags = audit_mixture(claim, where)
+        res.flags += [Flag(severity, message) for severity, message in flags]
+    return res
+
+
+def _audit_throughput(
+    claim: dict, where: str, res: ClaimResult, n_params: float, active: float | None, plausible_mfu: float
+) -> None:
+    """Implied MFU, days and tokens per parameter of a claim that states its model size."""
     if active is not None and active > n_params:
         raise RunnerError(
             f"{active:,.0f} active exceed the {n_params:,.0f} model_params (the total, every expert)",
@@ -268,24 +308,24 @@ def audit_claim(claim: dict, where: str = "claim", *, plausible_mfu: float = PLA
             key="active_params",
         )
     n_compute = active if active is not None else n_params  # parameters a token passes through
-    tokens = _number(claim, "tokens", where)
+    tokens = None if claim.get("tokens") is None else parse_quantity(claim["tokens"], TOKEN_UNITS, where, "tokens")
     tps = _number(claim, "tokens_per_second", where)
     days = _number(claim, "days", where)
     stated_mfu = _number(claim, "mfu", where)
     stated_peak = _number(claim, "peak_tflops", where)
     devices = claim.get("devices", 1)
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices <= 0:
-        raise RunnerError(f"must be a positive integer, got {devices!r}", file=where, key="devices")
-    res = ClaimResult(name, dict(claim), "active" if active is not None else "all")
-    _check_token_kind(claim, where, res)
-    _resolve_peak(claim, stated_peak, res)
+    if isinstance(devices, bool) or not isinstance(devices, int) or not 0 < devices <= MAX_DEVICES:
+        raise RunnerError(
+            f"must be a positive integer up to {MAX_DEVICES:,}, got {str(devices)[:20]}", file=where, key="devices"
+        )
+    if any(claim.get(k) is not None for k in ("hardware", "tokens_per_second", "days", "mfu", "peak_tflops")):
+        _resolve_peak(claim, stated_peak, res)  # a model size and tokens alone imply tokens per parameter only
     if tps is None and tokens is not None and days is not None:
         tps = tokens / (days * SECONDS_PER_DAY)
     _check_mfu(res, n_params, n_compute, tps, devices, stated_mfu)
     _plausibility(res, stated_mfu, plausible_mfu)
     if tokens is not None:
         _check_days(claim, res, n_params, n_compute, tokens, tps, days, stated_mfu, devices)
-    return res
 
 
 def load_claims(path: str | Path) -> list[dict]:
@@ -309,26 +349,37 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
+def _throughput_row(r: ClaimResult) -> str:
+    days = "-" if r.implied_days is None else f"{r.implied_days:.3g}"
+    tpp = "-" if r.tokens_per_param is None else f"{r.tokens_per_param:.3g}"
+    vs = "-" if r.tokens_per_param_vs_chinchilla is None else f"{r.tokens_per_param_vs_chinchilla:.3g}"
+    peak = "-" if r.peak_tflops is None else f"{r.peak_tflops:g}"
+    stated = r.claim.get("mfu")
+    if r.claim.get("model_params") is None:
+        counted = "-"
+    else:
+        n = r.claim["active_params"] if r.params_counted == "active" else r.claim["model_params"]
+        counted = f"{float(n):.3g} {r.params_counted}"
+    return (
+        f"{r.name[:32]:<32} {counted:>12} {peak:>9} {_pct(r.implied_mfu):>11} "
+        f"{_pct(None if stated is None else float(stated)):>10} {days:>8} {tpp:>9} {vs:>12}  {r.verdict}"
+    )
+
+
 def render(results: list[ClaimResult], plausible_mfu: float = PLAUSIBLE_MFU) -> str:
     lines = [
         f"Implied MFU convention: {CONVENTION}.",
         f"IMPOSSIBLE: cannot be true (MFU > 100%, sparse peak, figures that contradict each other); "
         f"IMPLAUSIBLE: MFU above {plausible_mfu:.0%}, beyond any published dense BF16 training run ({PLAUSIBLE_MFU_SOURCE}).",
+        "Mixtures: implied epochs = weight x total / source; INCONSISTENT: stated epochs or tokens seen more than 10% "
+        "from the implied, or weights off 100% by more than their printed digits allow; INCOMPARABLE: a kind or "
+        "device unstated; WARNING: repetition worth less (D'/D < 0.9).",
         f"{'claim':<32} {'N counted':>12} {'peak TF/s':>9} {'implied MFU':>11} {'stated MFU':>10} {'days':>8} "
         f"{'tok/param':>9} {'x Chinchilla':>12}  verdict",
     ]
     for r in results:
-        days = "-" if r.implied_days is None else f"{r.implied_days:.3g}"
-        tpp = "-" if r.tokens_per_param is None else f"{r.tokens_per_param:.3g}"
-        vs = "-" if r.tokens_per_param_vs_chinchilla is None else f"{r.tokens_per_param_vs_chinchilla:.3g}"
-        peak = "-" if r.peak_tflops is None else f"{r.peak_tflops:g}"
-        stated = r.claim.get("mfu")
-        verdict = r.verdict
-        n = r.claim["active_params"] if r.params_counted == "active" else r.claim["model_params"]
-        counted = f"{float(n):.3g} {r.params_counted}"
-        lines.append(
-            f"{r.name[:32]:<32} {counted:>12} {peak:>9} {_pct(r.implied_mfu):>11} "
-            f"{_pct(None if stated is None else float(stated)):>10} {days:>8} {tpp:>9} {vs:>12}  {verdict}"
-        )
+        lines.append(_throughput_row(r))
+        if r.mixture is not None:
+            lines += render_mixture(r.mixture)
         lines += [f"    - {f.severity}: {f.message}" for f in r.flags]
     return "\n".join(lines)

@@ -24,10 +24,11 @@ import pandas as pd
 
 from runner.config.fingerprint import canonical_meaning
 from runner.errors import RunnerError
-from runner.fsio import read_json, read_yaml
+from runner.fsio import read_json, read_yaml, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
 from runner.reports.audit import audit
+from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
 from runner.runs import is_reportable_run
 from runner.training.tracking import repo_root
@@ -76,6 +77,10 @@ class Comparison:
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
     mfu_comparable: bool = True
     mfu_differences: list[str] = field(default_factory=list)
+    #: (domain, metric) -> why the runs' values of it are not comparable (absent: comparable)
+    not_comparable: dict[tuple[str, str], str] = field(default_factory=dict)
+    tokens_not_comparable: str = ""  # why token counts are not in one unit ("" when they are)
+    machines: dict[str, str] = field(default_factory=dict)  # label -> machine, when the runs' machines differ
 
     @property
     def labels(self) -> list[str]:
@@ -274,6 +279,102 @@ def target_results(sources: list[Source], targets: list[tg.Target]) -> pd.DataFr
     return df
 
 
+# ---- what can be compared ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossBasis:
+    """What a run's validation figures rest on: its tokenizer, and per domain the validation set it
+    scored (the manifests' validation shards and the samples scored) and the documents those were cut
+    from (the manifest's sources and its validation rule), None where its manifest copy is missing."""
+
+    tokenizer: str
+    scored: dict[str, tuple | None]
+    documents: dict[str, tuple | None]
+
+
+def loss_basis(s: Source) -> LossBasis:
+    domains = sorted((s.cfg.get("mixture") or {}).get("domains") or {})
+    final = _final_evaluation(s)
+    samples = {str(r.domain): int(r.samples) for r in final.itertuples()} if "samples" in final else {}
+    scored: dict[str, tuple | None] = {}
+    documents: dict[str, tuple | None] = {}
+    for d in domains:
+        path = s.folder / "manifests" / f"{d}.json"
+        m = read_json(path) if path.is_file() else None
+        if not isinstance(m, dict):
+            scored[d] = documents[d] = None
+            continue
+        shards = tuple(str(x.get("sha256")) for x in m.get("validation_shards") or [])
+        scored[d] = (shards, samples.get(d))
+        sources = tuple(sorted(str(x.get("sha256")) for x in m.get("sources") or []))
+        documents[d] = (sources, json.dumps(m.get("validation"), sort_keys=True))
+    return LossBasis(str((s.cfg.get("tokenizer") or {}).get("sha256")), scored, documents)
+
+
+def _each(sources: list[Source], values: list) -> str:
+    return " vs ".join(f"{v} ({s.label})" for v, s in zip(values, sources))
+
+
+def _domain_reasons(sources: list[Source], bases: list[LossBasis], d: str) -> tuple[str, str]:
+    """(why loss_nats is not comparable, why bpb is not) for domain d; "" when it is."""
+    if any(d not in b.scored for b in bases):
+        missing = "domain absent from " + ", ".join(s.label for s, b in zip(sources, bases) if d not in b.scored)
+        return missing, missing
+    if any(b.scored[d] is None for b in bases):
+        why = "no manifest copy to say what was scored in " + ", ".join(
+            s.label for s, b in zip(sources, bases) if b.scored[d] is None
+        )
+        return why, why
+    same_docs = len({b.documents[d] for b in bases}) == 1
+    docs_why = "" if same_docs else "validation documents differ (the manifests' sources or validation rule)"
+    if len({b.tokenizer for b in bases}) > 1:
+        why = "tokenizers differ: sha256 " + _each(sources, [b.tokenizer[:12] for b in bases])
+        return why, docs_why  # bits per byte stays comparable across tokenizers (SPEC, "Validation loss")
+    scored = [b.scored[d] for b in bases]
+    if len({x[0] for x in scored if x}) > 1:
+        why = "validation sets differ (the manifests' validation shard sha256s)"
+        return why, why
+    if len({x[1] for x in scored if x}) > 1:
+        why = "validation samples scored differ: " + _each(sources, [x[1] for x in scored if x])
+        return why, why
+    return "", ""
+
+
+def comparability(sources: list[Source]) -> tuple[dict[tuple[str, str], str], str]:
+    """What cannot be compared: {(domain, metric): why} over every domain and the token-weighted mean,
+    and why token counts are not one unit ("" when the runs share a tokenizer)."""
+    bases = [loss_basis(s) for s in sources]
+    domains = sorted(set().union(*(set(b.scored) for b in bases)))
+    out: dict[tuple[str, str], str] = {}
+    for d in domains:
+        for metric, why in zip(("loss_nats", "bpb"), _domain_reasons(sources, bases, d)):
+            if why:
+                out[(d, metric)] = why
+    for metric in ("loss_nats", "bpb"):
+        bad = [d for d in domains if (d, metric) in out]
+        if bad:
+            out[(tg.MEAN_DOMAIN, metric)] = f"not comparable in {', '.join(bad)}"
+    tokenizers = [b.tokenizer for b in bases]
+    tokens_why = (
+        "" if len(set(tokenizers)) == 1 else "tokenizers differ: sha256 " + _each(sources, [t[:12] for t in tokenizers])
+    )
+    return out, tokens_why
+
+
+def machine_of(s: Source) -> str:
+    """Where a run's seconds were measured: its device, the devices held and the hosts (run.json)."""
+    hosts = sorted({str(k).rsplit("#", 1)[0] for k in ((s.run.get("system") or {}).get("nodes") or {})})
+    where = f" on {', '.join(hosts)}" if hosts else " (hosts not recorded)"
+    return f"{s.summary['device_name']} x {int(s.summary['devices'])}{where}"
+
+
+def machines(sources: list[Source]) -> dict[str, str]:
+    """label -> machine when the runs' wall-clock figures were measured on different machines, else {}."""
+    found = {s.label: machine_of(s) for s in sources}
+    return found if len(set(found.values())) > 1 else {}
+
+
 def _peak_kind(source: str) -> str:
     head = str(source).split(":", 1)[0].strip().lower()
     return head if head in ("measured", "theoretical") else "datasheet or recipe"
@@ -327,15 +428,29 @@ def compare(sources: list[Source]) -> Comparison:
     targets = union_targets(sources)
     comp = Comparison(sources, targets)
     speed_df, comp.mfu_comparable, comp.mfu_differences = speed(sources)
+    comp.not_comparable, comp.tokens_not_comparable = comparability(sources)
+    comp.machines = machines(sources)
     comp.frames = {
         "runs": runs_table(sources),
         "config_differences": config_differences(sources),
-        "targets": target_results(sources, targets),
+        "targets": _without_incomparable_firsts(target_results(sources, targets), comp),
         "quality": quality(sources),
         "accounting": accounting(sources),
         "speed": speed_df,
     }
     return comp
+
+
+def _without_incomparable_firsts(df: pd.DataFrame, comp: Comparison) -> pd.DataFrame:
+    """No run is first at a target whose figure cannot be compared across the runs, nor first in
+    tokens when the runs count tokens of different tokenizers."""
+    for t in comp.targets:
+        rows = df["target"] == t.name
+        if (t.domain, t.metric) in comp.not_comparable:
+            df.loc[rows, [f"first_in_{m}" for m in ("exposure_tokens", "wall_seconds", "cost_usd")]] = False
+        elif comp.tokens_not_comparable:
+            df.loc[rows, "first_in_exposure_tokens"] = False
+    return df
 
 
 def runs_table(sources: list[Source]) -> pd.DataFrame:
@@ -364,7 +479,23 @@ def to_json(comp: Comparison) -> dict:
         "mfu_comparable": comp.mfu_comparable,
         "mfu_convention_differences": comp.mfu_differences,
         **{name: records(df) for name, df in comp.frames.items()},
+        **_incomparable_json(comp),
     }
+
+
+def _incomparable_json(comp: Comparison) -> dict:
+    """What cannot be compared, only where something cannot (comparisons of comparable runs keep the
+    form they had)."""
+    out: dict[str, Any] = {}
+    if comp.not_comparable:
+        out["not_comparable"] = [
+            {"domain": d, "metric": m, "why": why} for (d, m), why in sorted(comp.not_comparable.items())
+        ]
+    if comp.tokens_not_comparable:
+        out["tokens_not_comparable"] = comp.tokens_not_comparable
+    if comp.machines:
+        out["wall_clock_machines"] = comp.machines
+    return out
 
 
 def _json_value(v: Any) -> Any:
@@ -413,8 +544,31 @@ def targets_markdown(comp: Comparison) -> list[str]:
         firsts = [
             ", ".join(g.index[g[f"first_in_{m}"]]) or "none" for m in ("exposure_tokens", "wall_seconds", "cost_usd")
         ]
+        if (t.domain, t.metric) in comp.not_comparable:
+            firsts = ["not comparable"] * 3
+        elif comp.tokens_not_comparable:
+            firsts[0] = "not comparable (tokenizers differ)"
+        if comp.machines:
+            firsts[1:] = [f"{x} (different machines)" for x in firsts[1:]]
         cells = [_target_cell(g.loc[label]) for label in comp.labels]
         lines.append("| " + " | ".join([f"`{t.name}` ({t.describe()})", *cells, *firsts]) + " |")
+    return lines + [""]
+
+
+def _incomparable_markdown(comp: Comparison) -> list[str]:
+    """Which final figures are NOT comparable and why (losses in nats need the same tokenizer and
+    validation set; bits per byte the same validation documents)."""
+    if not comp.not_comparable:
+        return []
+    lines = ["**NOT comparable** (shown, not to be compared):", ""]
+    lines += [f"- {d} {m}: {why}" for (d, m), why in sorted(comp.not_comparable.items())]
+    comparable = [
+        d
+        for d in sorted({d for d, _ in comp.not_comparable} | {tg.MEAN_DOMAIN})
+        if (d, "bpb") not in comp.not_comparable
+    ]
+    if comparable:
+        lines.append(f"- bits per byte is comparable for {', '.join(comparable)}")
     return lines + [""]
 
 
@@ -436,14 +590,30 @@ def render_markdown(comp: Comparison, plots: list[str] | None = None) -> str:
         "",
         "`mean` is weighted by each domain's validation tokens.",
         "",
+        *_incomparable_markdown(comp),
         "## Token accounting",
         "",
         *_md(f["accounting"]),
         "",
+        *(
+            [f"**Token counts NOT comparable**: {comp.tokens_not_comparable}; compare bits per byte.", ""]
+            if comp.tokens_not_comparable
+            else []
+        ),
         "## Speed and cost",
         "",
         *_md(f["speed"]),
         "",
+        *(
+            [
+                "**Wall-clock figures measured on different machines** (seconds, device-hours, dollars, MFU): "
+                + "; ".join(f"{label}: {m}" for label, m in comp.machines.items())
+                + ".",
+                "",
+            ]
+            if comp.machines
+            else []
+        ),
     ]
     if comp.mfu_comparable:
         lines.append("MFU and goodput MFU are under the same convention: comparable.")
@@ -510,7 +680,7 @@ def collect_reports(sources: list[Source], dest: Path) -> None:
     names the run and the failed checks."""
     reports = []
     for s in sources:
-        folder = s.folder if rpt.is_report_dir(s.folder) else rpt.write_report(s.folder)
+        folder = s.folder if rpt.is_report_dir(s.folder) else write_report_with_evidence(s.folder)[0]
         result = audit(folder, check_mlflow=False)  # offline: UNVERIFIED at best, never FAIL
         if not result.consistent:
             raise RunnerError(f"its report fails the audit ({', '.join(result.failed())})", file=s.origin)
@@ -526,6 +696,30 @@ def collect_reports(sources: list[Source], dest: Path) -> None:
             root = Path(info.get("project_root") or repo_root(folder))
             (copy / "run.json").write_text(json.dumps(portable(info, root), indent=1))
         s.folder, s.tables = copy, rpt.read_tables(copy)
+
+
+def write_comparison_folder(sources: list[Source], out: Path) -> tuple[Comparison, list[Path]]:
+    """A comparison folder made whole beside `out` and renamed into place (fsio.replace_folder): the
+    audited report copies (collect_reports), comparison.md/.json, the CSV tables and plots; files of
+    an earlier `out` that a comparison does not write (a README of its own) are kept. A writer killed
+    midway leaves the earlier folder or none. Returns the comparison and the paths it wrote in `out`."""
+    staged = staging_folder(out)
+    if out.is_dir():
+        for f in out.iterdir():
+            if f.is_file() and f.name not in _WRITTEN:
+                shutil.copy2(f, staged / f.name)
+    collect_reports(sources, staged)
+    comp = compare(sources)
+    written = write_folder(comp, staged)
+    replace_folder(staged, out)
+    for s in sources:  # the copies moved with the folder
+        s.folder = out / s.folder.relative_to(staged)
+    return comp, [out / p.name for p in written]
+
+
+_WRITTEN = {"comparison.md", "comparison.json", *PLOTS} | {
+    f"{name}.csv" for name in ("runs", "config_differences", "targets", "quality", "accounting", "speed")
+}
 
 
 def write_folder(comp: Comparison, out: Path) -> list[Path]:

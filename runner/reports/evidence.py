@@ -70,10 +70,11 @@ def final_checkpoint(run_dir: Path, committed_steps: int) -> dict[str, Any] | No
     }
 
 
-def build_evidence(run_dir: str | Path) -> dict[str, Any]:
-    """The evidence of a run folder whose report/ is written."""
+def build_evidence(run_dir: str | Path, report: Path | None = None) -> dict[str, Any]:
+    """The evidence of a run folder whose report is written (in report/, or in `report`: the folder
+    write_report is building)."""
     run_dir = Path(run_dir)
-    report = run_dir / rpt.REPORT_DIR
+    report = run_dir / rpt.REPORT_DIR if report is None else Path(report)
     tables = rpt.read_tables(report)
     summary = tables["run_summary"].iloc[0]
     committed = int(read_json(run_dir / "run.json").get("committed_steps", summary["steps"]))
@@ -94,10 +95,25 @@ def write_evidence(run_dir: str | Path) -> dict[str, Any]:
     return evidence
 
 
-def record_evidence(run_dir: str | Path, tracker) -> dict[str, Any]:
-    """At the end of a run: write report/evidence.json and log it to the MLflow run as tags
-    (journaled like every other entry when the server is unreachable, sent by `runner sync`)."""
-    evidence = write_evidence(run_dir)
+def write_report_with_evidence(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
+    """Write run_dir/report/ with its evidence.json in it, put in place whole (tables.write_report):
+    a writer killed midway never leaves a report without its evidence. Returns (report/, evidence)."""
+    run_dir = Path(run_dir)
+    built: dict[str, Any] = {}
+
+    def seal(staged: Path) -> None:
+        built.update(build_evidence(run_dir, staged))
+        atomic_write_json(staged / EVIDENCE_FILE, built)
+
+    return rpt.write_report(run_dir, seal=seal), built
+
+
+def record_evidence(run_dir: str | Path, tracker, evidence: dict[str, Any] | None = None) -> dict[str, Any]:
+    """At the end of a run: log the report's evidence (written as report/evidence.json by
+    `write_report_with_evidence`, else now) to the MLflow run as tags (journaled like every other
+    entry when the server is unreachable, sent by `runner sync`)."""
+    if evidence is None:
+        evidence = write_evidence(run_dir)
     if tracker is not None:
         tracker.log_tags(evidence_tags(evidence))
     return evidence

@@ -4,7 +4,9 @@ Owns: the named checks `runner audit` adds for the expert tables (runner.reports
 the tables are empty for a dense model; a mixture of experts has one expert_load row per layer,
 domain and expert of its config; per layer and domain the loads sum to the domain's exposure (the
 ledger's counter, in the accounting table) times k from the config (SPEC, "Mixture-of-experts");
-expert_balance is recomputed from the loads; router losses are recorded at every logged step.
+expert_balance is recomputed from the loads; router losses are recorded at every logged step; the
+expert load a run's final checkpoint stores (ledger.safetensors, a record apart from the tables)
+equals the table.
 Never: edits a report, or raises for a discrepancy (discrepancies are check results).
 """
 
@@ -17,6 +19,7 @@ import pandas as pd
 
 from runner.planning.flops import is_moe
 from runner.reports.expert_tables import TABLES, balance_rows
+from runner.training.expert_load import STATE_KEY
 
 INT_COLUMNS = ("exposure_tokens", "experts_per_token", "routed_tokens", "max_load_tokens")
 FLOAT_COLUMNS = ("mean_load_tokens", "load_imbalance", "load_cv", "idle_capacity")
@@ -108,3 +111,23 @@ def check_expert_load(res, inp) -> None:
         [] if logged == recorded else [f"router rows at steps {recorded[:6]}..., throughput at {logged[:6]}..."],
         ok_detail=f"{len(recorded)} steps",
     )
+
+
+def checkpoint_load_problems(ledger: dict[str, np.ndarray], inp) -> list[str]:
+    """Where the expert load a final checkpoint stores (its ledger state's STATE_KEY) differs from the
+    report's expert_load table; [] for a dense model."""
+    cfg = inp.config
+    if not is_moe(cfg) or cfg.model.moe is None:
+        return []
+    if STATE_KEY not in ledger:
+        return ["the checkpoint stores no expert load"]
+    domains = sorted(cfg.mixture.domains)
+    table, _ = _routed_array(inp.tables["expert_load"], cfg.model.n_layers, domains, cfg.model.moe.n_experts)
+    stored = np.asarray(ledger[STATE_KEY], dtype=np.int64)
+    if stored.shape != table.shape:
+        return [f"the checkpoint's expert load has shape {list(stored.shape)}, the report's {list(table.shape)}"]
+    return [
+        f"expert load layer {layer}, {domains[d]}, expert {e}: checkpoint {int(stored[layer, d, e])}, "
+        f"report {int(table[layer, d, e])}"
+        for layer, d, e in np.argwhere(stored != table)
+    ]

@@ -24,11 +24,11 @@ from pathlib import Path
 import pandas as pd
 
 from runner.errors import RunnerError
-from runner.fsio import read_json
+from runner.fsio import atomic_write, read_json, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports.audit import AuditResult, audit
-from runner.reports.evidence import write_evidence
-from runner.runs import is_reportable_run
+from runner.reports.evidence import write_report_with_evidence
+from runner.runs import holder_text, is_reportable_run, load_saved_experiment, lock_holder
 from runner.training.tracking import repo_root
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
@@ -58,27 +58,35 @@ def publish(
     run_dir, reports_dir = Path(run_dir), Path(reports_dir)
     if not is_reportable_run(run_dir):
         raise RunnerError("not a run folder (needs run.json and ledger.json)", file=str(run_dir))
+    held = lock_holder(run_dir)
+    if held is not None:
+        raise RunnerError(f"in use by {holder_text(held)}: publish it when that process ends", file=str(run_dir))
     report_dir = run_dir / rpt.REPORT_DIR
     if not rpt.is_report_dir(report_dir):
-        rpt.write_report(run_dir)
-        write_evidence(run_dir)
+        write_report_with_evidence(run_dir)
     result = audit(run_dir)
     if not result.consistent or (require_verified and not result.passed):
         return None, result
     summary = rpt.read_tables(report_dir)["run_summary"].iloc[0]
     files = _report_files(report_dir)
+    lacks = _incomplete_report(report_dir, published=True)
+    if lacks:  # audit-reports would FAIL it: a report cut short, or written without its evidence
+        raise RunnerError(
+            f"{rpt.REPORT_DIR}/ is incomplete ({', '.join(lacks)} missing): rebuild it with `runner report RUN_DIR`",
+            file=str(run_dir),
+        )
     dest = reports_dir / str(summary["experiment"]) / str(summary["run_id"])
-    if dest.exists():
-        shutil.rmtree(dest)
+    staged = staging_folder(dest)  # renamed into place whole: a killed publish leaves no partial report
     for f in files:
-        target = dest / f.relative_to(report_dir)
+        target = staged / f.relative_to(report_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.relative_to(dest) == Path("run.json"):
+        if target.relative_to(staged) == Path("run.json"):
             info = read_json(f)
             root = Path(info.get("project_root") or repo_root(run_dir))
             target.write_text(json.dumps(portable(info, root), indent=1))
         else:
             shutil.copy2(f, target)
+    replace_folder(staged, dest)
     write_index(reports_dir)
     return dest, result
 
@@ -161,11 +169,103 @@ def write_index(reports_dir: str | Path) -> Path:
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
     path = reports_dir / INDEX
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write(path, ("\n".join(lines) + "\n").encode())
     return path
+
+
+#: What may sit under reports/ besides the index and published runs (reports/<experiment>/<run_id>/,
+#: each a complete report): the documented kinds, by folder, and what each holds.
+DOCUMENTED_KINDS = {
+    "comparisons": "<name>/: a `runner compare --out` folder (comparison.json, comparison.md, its CSV tables and "
+    "plots, runs/<label>/: complete copies of the compared reports)",
+    "claims": "claims files for `runner audit-claims` (*.yaml) and README.md",
+    "models": "<name>/: an exported model card (README.md, with accounting.json and experiment.yaml beside it)",
+}
+PUBLISHED_EXTRA_FILES = ("evidence.json",)  # a published report carries these beyond a report's own files
+COMPARISON_FILES = ("comparison.json", "comparison.md", "runs.csv", "quality.csv", "accounting.csv", "speed.csv")
+MODEL_CARD_FILES = ("README.md",)
+LAYOUT = "a complete report or a documented kind"
+
+
+def _incomplete_report(folder: Path, *, published: bool) -> list[str]:
+    """What a report folder lacks to be whole (domains from its experiment.yaml)."""
+    try:
+        domains = sorted(load_saved_experiment(folder / "experiment.yaml").config.mixture.domains)
+    except RunnerError as err:
+        return [f"experiment.yaml unreadable ({err})"] if (folder / "experiment.yaml").exists() else ["experiment.yaml"]
+    missing = rpt.missing_report_files(folder, domains)
+    return missing + [f for f in PUBLISHED_EXTRA_FILES if published and not (folder / f).is_file()]
+
+
+def _kind_problems(folder: Path) -> list[str]:
+    """Problems of a documented kind's folder (reports/comparisons, reports/claims, reports/models)."""
+    problems = []
+    entries = sorted(folder.iterdir())
+    if folder.name == "claims":
+        return [
+            f"{e.name}: not a claims file (*.yaml) or README.md"
+            for e in entries
+            if not (e.is_file() and (e.suffix == ".yaml" or e.name == INDEX))
+        ]
+    wanted = COMPARISON_FILES if folder.name == "comparisons" else MODEL_CARD_FILES
+    for entry in entries:
+        if not entry.is_dir():
+            problems.append(f"{entry.name}: a file where only folders belong")
+            continue
+        lacks = [f for f in wanted if not (entry / f).is_file()]
+        if folder.name == "comparisons":
+            copies = sorted(p for p in (entry / "runs").glob("*") if p.is_dir())
+            lacks += [] if copies else ["runs/"]
+            for copy in copies:
+                lacks += [f"runs/{copy.name}/{f}" for f in _incomplete_report(copy, published=False)]
+        if lacks:
+            problems.append(
+                f"{entry.name}: incomplete ({', '.join(lacks[:8])}{' ...' if len(lacks) > 8 else ''} missing)"
+            )
+    return problems
+
+
+def layout_results(reports_dir: str | Path) -> list[AuditResult]:
+    """One FAIL per folder or file under reports/ that is neither a complete published report nor a
+    documented kind (DOCUMENTED_KINDS): a publish killed midway, a report without its plots or
+    evidence, a stray file. Published reports are audited on their own by `audit_reports`."""
+    reports_dir = Path(reports_dir)
+    found: list[tuple[Path, list[str]]] = []
+    for top in sorted(reports_dir.iterdir()) if reports_dir.is_dir() else []:
+        if top.is_file():
+            if top.name != INDEX:
+                found.append(
+                    (top, ["a file under reports/ that is neither the index (README.md) nor a documented kind"])
+                )
+        elif top.name in DOCUMENTED_KINDS:
+            found.append((top, _kind_problems(top)))
+        else:
+            for entry in sorted(top.iterdir()):
+                if not entry.is_dir():
+                    found.append((entry, ["a file where only published reports (<experiment>/<run_id>/) belong"]))
+                elif not rpt.is_report_dir(entry):
+                    found.append(
+                        (entry, ["not a report (no run_summary.parquet): a publish cut short, or a stray folder"])
+                    )
+                else:
+                    lacks = _incomplete_report(entry, published=True)
+                    found.append((entry, [f"incomplete report: {', '.join(lacks)} missing"] if lacks else []))
+    results = []
+    for path, problems in found:
+        if problems:
+            result = AuditResult(str(path))
+            result.add(LAYOUT, problems)
+            results.append(result)
+    return results
 
 
 def audit_reports(reports_dir: str | Path = "reports", *, tracking_uri: str | None = None) -> list[AuditResult]:
     """Audit every published report, against its MLflow run where the store is on hand (the one run.json
-    records, or `tracking_uri`); where it is not (CI), the MLflow checks are UNVERIFIED."""
-    return [audit(folder, tracking_uri=tracking_uri) for folder in published_reports(reports_dir)]
+    records, or `tracking_uri`); where it is not (CI), the MLflow checks are UNVERIFIED. Every folder
+    under reports/ that is neither a complete report nor a documented kind is a FAIL of its own."""
+    broken = layout_results(reports_dir)
+    skip = {Path(r.source) for r in broken}
+    audited = [
+        audit(folder, tracking_uri=tracking_uri) for folder in published_reports(reports_dir) if folder not in skip
+    ]
+    return broken + audited

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ import pandas as pd
 from runner.config.schema import ExperimentSchema, HubFiles
 from runner.data.manifest import num_samples, small_validation_warning
 from runner.errors import RunnerError
-from runner.fsio import read_json, read_jsonl
+from runner.fsio import read_json, read_jsonl, replace_folder, staging_folder
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
 from runner.planning.hardware import cost_per_billion_useful_tokens, mfu
 from runner.reports import expert_tables, targets
@@ -471,6 +472,7 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
     paths = []
     val, acct, hist, thr = (tables[k] for k in ("validation", "accounting", "repetition", "throughput"))
@@ -503,7 +505,9 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     for i, d in enumerate(domains):
         g = hist[hist["domain"] == d]
         ax.bar(g["times_seen"] + (i - (len(domains) - 1) / 2) * width, g["samples"], width, label=d)
-    ax.set(xlabel="times seen", ylabel="samples", title="Repetition histogram")
+    ax.set(xlabel="times seen", ylabel="samples (log)", title="Repetition histogram")
+    ax.set_yscale("log")  # a small domain's few samples stay visible beside a large one's thousands
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # times seen is a count
     ax.legend()
     paths.append(out / "repetition.png")
     fig.savefig(paths[-1], dpi=80)
@@ -516,23 +520,27 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     ax2.plot(thr["step"], thr["mfu"], color="tab:red", label="MFU")
     ax2.plot(thr["step"], thr["goodput_mfu"], color="tab:orange", label="goodput MFU")
     ax2.set_ylabel("fraction of peak")
-    ax2.legend(loc="lower right")
+    lines = ax1.get_lines() + ax2.get_lines()  # one legend for both axes: tokens/s is the left one
+    ax2.legend(lines, [str(line.get_label()) for line in lines], loc="lower right")
     paths.append(out / "throughput.png")
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
     return paths + expert_tables.write_heatmap(tables, out)
 
 
-def write_report(run_dir: str | Path) -> Path:
-    """Write run_dir/report/ (tables, report.md, plots, audit inputs); return its path."""
+def write_report(run_dir: str | Path, seal: Callable[[Path], None] | None = None) -> Path:
+    """Write run_dir/report/ (tables, report.md, plots, audit inputs); return its path.
+
+    The folder is built beside report/ and renamed into place (fsio.replace_folder), `seal` (the
+    evidence writer) called on it last: a writer killed at any point leaves the previous report or
+    none, never a report without its plots or evidence.json."""
     run_dir = Path(run_dir)
     tables = build_tables(run_dir)
     cfg = load_saved_experiment(run_dir / "experiment.yaml").config
     domains = sorted(cfg.mixture.domains)
     manifests = read_manifest_copies(run_dir / "manifests", domains)
-    out = run_dir / REPORT_DIR
-    if out.exists():
-        shutil.rmtree(out)
+    final = run_dir / REPORT_DIR
+    out = staging_folder(final)
     (out / "manifests").mkdir(parents=True)
     for name, df in tables.items():
         df = _typed(name, df)
@@ -544,7 +552,10 @@ def write_report(run_dir: str | Path) -> Path:
         shutil.copy2(run_dir / "manifests" / f"{d}.json", out / "manifests" / f"{d}.json")
     (out / "report.md").write_text(render_markdown(tables, cfg, manifests, read_json(run_dir / "run.json")))
     write_plots(tables, out)
-    return out
+    if seal is not None:
+        seal(out)
+    replace_folder(out, final)
+    return final
 
 
 def render_report_dir(report_dir: str | Path) -> Path:
@@ -608,3 +619,23 @@ def fetch_mlflow_run(run_id: str, dst: str | Path) -> Path:
 
 def is_report_dir(path: Path) -> bool:
     return (path / "run_summary.parquet").exists()
+
+
+#: What `write_report` puts in every report folder besides one manifests/<domain>.json per domain.
+REPORT_FILES = (
+    *(f"{name}.{ext}" for name in TABLES for ext in ("parquet", "csv")),
+    "report.md",
+    *PLOTS,
+    "experiment.yaml",
+    "run.json",
+)
+
+
+def missing_report_files(report_dir: Path, domains: list[str]) -> list[str]:
+    """The files of a complete report (REPORT_FILES, manifests/<d>.json, the expert heat map of a
+    mixture of experts) that `report_dir` lacks: a report cut short by a killed writer, or edited."""
+    wanted = [*REPORT_FILES, *(f"manifests/{d}.json" for d in domains)]
+    load = report_dir / "expert_load.parquet"
+    if load.exists() and len(pd.read_parquet(load, columns=["layer"])):
+        wanted.append(expert_tables.HEATMAP)
+    return [name for name in wanted if not (report_dir / name).is_file()]

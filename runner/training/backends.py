@@ -17,7 +17,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
+import time
 import typing
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, packages_distributions
 from importlib.metadata import version as dist_version
@@ -150,6 +153,40 @@ class AttentionBackend:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def attention_context(runtime: dict[str, Any]) -> contextlib.AbstractContextManager:
+    """The SDPA kernel pin of a runtime record (apply_runtime_settings checked it), as the context the
+    loop enters around each micro step's forward and backward and around evaluation: what is
+    recorded as `sdpa_kernel` is the kernel that runs (activation recomputation in backward included)."""
+    pinned = AttentionBackend(str(runtime["attn_implementation"]), runtime.get("sdpa_kernel"), "")
+    return pinned.context()
+
+
+class StepClock:
+    """Times optimizer steps on the device's clock: a step ends when the device has finished the work
+    the host queued for it (the optimizer's kernels included), read after one synchronize per
+    optimizer step, never per micro batch (each would stall the host's queueing ahead). A CPU computes
+    synchronously: its host clock is its device clock. `sync` and `now`: tests inject a device."""
+
+    basis = "device"  # the MFU convention's step_clock
+
+    def __init__(
+        self, device: torch.device, sync: Callable[[], None] | None = None, now: Callable[[], float] = time.perf_counter
+    ):
+        if sync is None:
+            sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self._sync, self.now = sync, now
+
+    def seconds_since(self, t0: float) -> float:
+        """Seconds from `t0` (a `now()` reading) to the device finishing everything queued so far."""
+        self._sync()
+        return self.now() - t0
+
+
+def step_clock(device: torch.device) -> StepClock:
+    """The clock a run on `device` times its optimizer steps with."""
+    return StepClock(device)
 
 
 def _sdpa_backend(kernel: str) -> SDPBackend:
@@ -519,6 +556,19 @@ def restore_default_settings() -> None:
 
 # ---- sharding -----------------------------------------------------------------------------------
 
+
+def node_count(world: int, env: dict[str, str] | None = None) -> int:
+    """Nodes (launcher agents) the processes run on: torchrun's `GROUP_WORLD_SIZE` (accelerate
+    launch sets it too: it starts torchrun's agent), else the world over `LOCAL_WORLD_SIZE`, else 1.
+    With the c10d rendezvous a node's place is `GROUP_RANK` (torchrun orders agents itself and
+    ignores `--node-rank`)."""
+    env = dict(os.environ) if env is None else env
+    if env.get("GROUP_WORLD_SIZE", "").isdigit():
+        return max(1, int(env["GROUP_WORLD_SIZE"]))
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    return max(1, world // int(local)) if local.isdigit() and int(local) > 0 else 1
+
+
 SHARD_NONE = "none"
 SHARD_ACCELERATE = "accelerate-fsdp2"  # accelerate's FSDP2 plugin wraps the model in prepare()
 SHARD_RUNNER_CPU = "runner-fsdp2-cpu"  # CPU processes: the runner applies the same FSDP2 wrapping
@@ -561,6 +611,66 @@ def sharding_mode(hardware_cfg: HardwareRecipe, acc: Any, *, file: str | None = 
         file=file,
         key="hardware.distributed",
     )
+
+
+def fsdp_plugin(hardware_cfg: HardwareRecipe, environ: typing.Mapping[str, str] | None = None) -> Any:
+    """The FSDP2 plugin for `Accelerator(fsdp_plugin=...)` when `accelerate launch` set up FSDP2 (its
+    FSDP_* environment gives the rest), else None. A bf16 recipe gets bf16 parameters for compute and
+    fp32 gradient reduction: accelerate's default policy reduces in bf16, and under no_sync FSDP2
+    accumulates the unsharded gradients in the reduce dtype, so bf16 would make FSDP runs round
+    what DDP runs (fp32 gradients of the fp32 parameters under autocast) sum exactly."""
+    environ = os.environ if environ is None else environ
+    if environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or environ.get("FSDP_VERSION") != "2":
+        return None  # FSDP1 is refused by sharding_mode, with its way out
+    # accelerate and FSDP2 only on this path: a DDP or single-process run never imports them here.
+    from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: PLC0415
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415
+
+    policy = None
+    if accelerate_mixed_precision(hardware_cfg) == "bf16":
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
+        )
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+
+
+def fsdp_record(acc: Any) -> dict[str, Any]:
+    """The FSDP2 mixed-precision policy accelerate holds (None under DDP or one process), for run.json `runtime`."""
+    plugin = getattr(acc.state, "fsdp_plugin", None) if acc.distributed_type.name == "FSDP" else None
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    return {
+        "fsdp_param_dtype": _str_or_none(getattr(policy, "param_dtype", None)),
+        "fsdp_reduce_dtype": _str_or_none(getattr(policy, "reduce_dtype", None)),
+    }
+
+
+def ddp_kwargs_handlers() -> list[Any]:
+    """accelerate's kwargs for the DDP wrapper it builds: no buffer broadcast before every forward (a
+    collective per micro batch, and a graph break under compile); the models' only buffers, RoPE's
+    inv_freq, are computed from the config alike on every rank and synced when DDP is built."""
+    from accelerate.utils import DistributedDataParallelKwargs  # noqa: PLC0415  (accelerate: launch only)
+
+    return [DistributedDataParallelKwargs(broadcast_buffers=False)]
+
+
+def ddp_compile_settings(model: torch.nn.Module, compile_on: bool) -> dict[str, Any]:
+    """Before compiling a DDP-wrapped model: dynamo's DDP optimizer off, so compiled graphs stay whole
+    (it splits every graph at the gradient buckets: ~210 subgraphs for 1p3b whole-model, 8 per regional
+    layer; the price is no overlap of the one all-reduce per optimizer step with the whole model's
+    backward, whereas regional graphs still overlap it layer by layer). Returns the DDP settings that
+    ran, read off the wrapper, for run.json `runtime` (None without DDP)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return {"ddp_broadcast_buffers": None, "ddp_bucket_cap_mb": None, "dynamo_optimize_ddp": None}
+    optimize_ddp = None
+    if compile_on:
+        dynamo_config: Any = torch._dynamo.config  # dynamo is imported only by a compiled run
+        dynamo_config.optimize_ddp = False
+        optimize_ddp = bool(dynamo_config.optimize_ddp)
+    return {
+        "ddp_broadcast_buffers": bool(model.broadcast_buffers),
+        "ddp_bucket_cap_mb": round(int(model.bucket_bytes_cap) / 2**20, 3),
+        "dynamo_optimize_ddp": optimize_ddp,
+    }
 
 
 def shard_fsdp2_cpu(model: torch.nn.Module, world: int) -> torch.nn.Module:

@@ -89,6 +89,24 @@ class TrackingCallback(Callback):
         *MOE_METRICS,
     )
 
+    #: A step's figures that the run also states as a whole (`run.mfu`, the run's expert balance) go
+    #: to MLflow as `step/<key>`, so its UI never shows the last step's MFU as the run's. The audit
+    #: reads runs recorded before the rename, under the plain keys, too.
+    STEP_NAMES = {
+        k: f"step/{k}"
+        for k in (
+            "step_seconds",
+            "tokens_per_second",
+            "tokens_per_second_useful",
+            "mfu",
+            "goodput_mfu",
+            "hfu",
+            "expert_load_imbalance",
+            "expert_load_cv",
+            "expert_idle_capacity",
+        )
+    }
+
     def __init__(self, tracker, log_interval_steps: int):
         self.tracker = tracker
         self.every = max(1, log_interval_steps)
@@ -105,7 +123,7 @@ class TrackingCallback(Callback):
         return m
 
     def _log_step(self, record, counters, ratios) -> None:
-        m = {k: record[k] for k in self.STEP_KEYS if record.get(k) is not None}
+        m = {self.STEP_NAMES.get(k, k): record[k] for k in self.STEP_KEYS if record.get(k) is not None}
         m.update(self.accounting(counters, ratios))
         self.tracker.log_metrics(m, step=record["step"])
 
@@ -120,6 +138,10 @@ class TrackingCallback(Callback):
         for r in rows:
             m[f"val_loss.{r['domain']}"] = r["loss_nats"]
             m[f"val_bpb.{r['domain']}"] = r["bpb"]
+        # Where the run stood when the evaluation ended (what time-to-target is counted from), logged
+        # by the attempt that evaluated: the audit compares the report's evaluation times with these.
+        if rows:
+            m.update({f"eval.{k}": rows[0][k] for k in targets.PROGRESS_FIELDS if rows[0].get(k) is not None})
         self.tracker.log_metrics(m, step=step)
 
     def on_end(self, summary, counters, ratios):
@@ -226,6 +248,7 @@ class TargetsCallback(Callback):
         self.price = float(config.hardware.price_per_device_hour_usd)
         self.enabled = enabled and bool(self.targets)
         self.rows: dict[tuple[int, str], dict] = {}
+        self.start_step = int(start_step)
         if self.enabled:
             metrics = Path(run_dir) / "metrics"
             earlier = [r for r in read_jsonl(metrics / "eval.jsonl", skip_torn=True) if int(r["step"]) <= start_step]
@@ -237,12 +260,16 @@ class TargetsCallback(Callback):
         frame = targets.validation_frame(list(self.rows.values()))
         return targets.targets_table(self.targets, frame, committed_steps, self.price)
 
-    def _log(self, table, only_met_at: int | None = None) -> None:
+    def _log(self, table, only_met_at: int | None = None, after_step: int | None = None) -> None:
         for target in self.targets:
             rows = targets.outcome(table, target.name)
             if only_met_at is not None and rows.get("met", {}).get("step") != only_met_at:
                 continue
             metrics, tags, step = targets.mlflow_record(target, rows)
+            if after_step is not None and step <= after_step:
+                # An outcome at a step an earlier attempt or segment evaluated: that attempt logged it
+                # from what it measured; this one would re-log it from files (SPEC "Quality targets").
+                metrics = {}
             self.tracker.log_metrics(metrics, step=step)
             self.tracker.log_tags(tags)
 
@@ -254,4 +281,4 @@ class TargetsCallback(Callback):
 
     def on_end(self, summary, counters, ratios):
         if self.enabled:
-            self._log(self._table(int(summary["committed_steps"])))
+            self._log(self._table(int(summary["committed_steps"])), after_step=self.start_step)

@@ -4,7 +4,8 @@ Owns: the forward hook on every layer's router (`mlp.gate` of transformers' OLMo
 the router logits and the top-k expert indices the experts then use, so what is counted is exactly
 what was computed), the per-step count of input positions routed to each expert of each layer,
 split by the domain of the sample each position belongs to, the router losses added to the
-training loss, and the step's commit into the run's ExpertLoad (runner.training.expert_load).
+training loss, and the step's commit into the run's ExpertLoad (runner.training.expert_load); and
+the experts' matmuls under autocast (`autocast_experts`).
 
 Router losses, per router call, averaged over layers:
 - load balancing (Switch Transformer eq. 4): `E * sum_e f_e * P_e`, f_e the share of the call's
@@ -23,7 +24,7 @@ trainer did not commit, or changes what the router decides.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -149,6 +150,46 @@ class RouterProbe:
     def load_state_dict(self, state, where: str) -> None:
         self.load.load_state_dict(state, where)
         self.discard()
+
+
+_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+class _CastExperts:
+    """An experts module as the grouped-matmul forward reads it, its weights cast to `dtype`."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
+        self._module = module
+        for name in _EXPERT_WEIGHTS:
+            weight = getattr(module, name, None)
+            if isinstance(weight, torch.Tensor):
+                setattr(self, name, weight.to(dtype))  # differentiable: the fp32 parameter gets the gradient
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _autocast_forward(module: torch.nn.Module, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts forward; on the grouped_mm path under autocast, with its weights in the
+    autocast dtype. torch's grouped_mm is not autocast-enabled and transformers casts the input to the
+    weight's dtype, so fp32 weights made every expert matmul fp32 (on a GPU: torch's per-expert fp32
+    loop with a host sync instead of the bf16 grouped kernel). Cast per forward, as autocast does for
+    a Linear's weight; the input is cast to the weights' dtype by transformers."""
+    from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: PLC0415  (OLMoE runs only)
+
+    device, config = hidden_states.device.type, cast(Any, module.config)
+    if config._experts_implementation != "grouped_mm" or not torch.is_autocast_enabled(device):
+        return type(module).forward(module, hidden_states, top_k_index, top_k_weights)
+    view = _CastExperts(module, torch.get_autocast_dtype(device))
+    return grouped_mm_experts_forward(view, hidden_states, top_k_index, top_k_weights)  # type: ignore[arg-type]
+
+
+def autocast_experts(model: torch.nn.Module) -> None:
+    """Every decoder layer's experts of transformers' OLMoE run `_autocast_forward` (set on the
+    instances: other models in the process keep transformers' own)."""
+    for layer in cast(torch.nn.ModuleList, model.get_submodule("model.layers")):
+        experts: Any = cast(Any, layer).mlp.experts
+        experts.forward = functools.partial(_autocast_forward, experts)
 
 
 def attach(model: torch.nn.Module, cfg, domains: list[str]) -> RouterProbe | None:

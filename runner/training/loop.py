@@ -39,10 +39,16 @@ from runner.training import evaluate
 from runner.training import experts as experts_mod
 from runner.training.backends import (
     SHARD_RUNNER_CPU,
+    StepClock,
     apply_runtime_settings,
+    attention_context,
+    ddp_compile_settings,
     execution_record,
+    fsdp_record,
+    node_count,
     shard_fsdp2_cpu,
     sharding_mode,
+    step_clock,
 )
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
 from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
@@ -168,6 +174,7 @@ class _Run:
     batches: Prefetcher | None = None  # of _HostBatch, one per step of this attempt
     system: SystemMetricsCallback | None = None  # when system metrics are on
     experts: experts_mod.RouterProbe | None = None  # of a mixture-of-experts model, else None
+    clock: StepClock = field(default_factory=lambda: StepClock(torch.device("cpu")))  # _setup: the run's device
     downstream: Any = None  # the downstream tasks, prepared at their first scoring (runner.training.downstream)
 
     @property
@@ -343,6 +350,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
 
     runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
     sharding = runtime["sharding"] = sharding_mode(cfg.hardware, acc)
+    runtime.update(fsdp_record(acc))
     if cfg.train.micro_batch_policy == "auto":
         micro, why = choose_micro_batch(cfg, world, _device_memory_bytes(acc))
         accum = B // (micro * world)
@@ -395,6 +403,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         resolved_config=exp.to_container(),
         sharding=sharding,
         experts=probe,
+        clock=step_clock(acc.device),
     )
 
 
@@ -472,6 +481,7 @@ def _resume(run: _Run) -> None:
             for e in journal
         ]
     )
+    run.runtime.update(ddp_compile_settings(run.model, run.cfg.model.compile))
     run.model = maybe_compile(run.model, run.cfg)
 
 
@@ -489,7 +499,7 @@ def _conventions(run: _Run, tracker) -> None:
     run.system = _system_metrics(run, tracker)
     busy_source = run.system.monitor.busy_source if run.system is not None else "not measured (interval 0)"
     conventions = {
-        **hardware.convention_record(convention, run.peak, run.world, "step"),
+        **hardware.convention_record(convention, run.peak, run.world, "step", run.clock.basis),
         **execution_record(run.runtime, busy_source),
     }
     hfu_fields: dict[str, Any] = {}
@@ -497,7 +507,9 @@ def _conventions(run: _Run, tracker) -> None:
     if run.hfu_flops_per_token is not None:
         hfu_fields = {
             "hfu_flops_per_token": run.hfu_flops_per_token,
-            "conventions_hfu": hardware.convention_record(hfu_convention(convention), run.peak, run.world, "step"),
+            "conventions_hfu": hardware.convention_record(
+                hfu_convention(convention), run.peak, run.world, "step", run.clock.basis
+            ),
         }
     if run.main:
         # `devices` is what the run HELD (the world size), not the recipe's plan: MFU and cost count it.
@@ -507,6 +519,7 @@ def _conventions(run: _Run, tracker) -> None:
             runtime=run.runtime,
             world_size=run.world,
             devices=int(run.world),
+            nodes=node_count(run.world),  # this attempt's nodes (torchrun's agents)
             attempts=run.attempt,
             flops_per_token=run.flops_per_token,
             conventions_goodput=hardware.convention_record(convention, run.peak, run.world, "wall"),
@@ -565,7 +578,7 @@ def _train_step(run: _Run, step: int) -> _Step:
     for m in range(run.accum):
         sl = slice(m * run.micro, (m + 1) * run.micro)
         sync = contextlib.nullcontext() if m == run.accum - 1 else run.no_sync()
-        with sync:
+        with sync, attention_context(run.runtime):  # model.sdpa_kernel, forward and backward
             if run.experts is None:
                 # The head and the loss run inside the model's forward (model.cross_entropy picks how).
                 summed = model(input_ids=x[sl], loss_targets=y[sl], loss_mask=mask[sl])
@@ -584,7 +597,7 @@ def _train_step(run: _Run, step: int) -> _Step:
         loss_sum += summed.detach().double()
         run.ledger.record_processed(processed[m])
         if run.journal_file is not None:
-            in_step = time.perf_counter() - run.step_t0
+            in_step = run.clock.now() - run.step_t0
             run.journal_file.write(
                 json.dumps(
                     {
@@ -697,6 +710,7 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
     if failed.item() > 0:
         _raise_data_failure(run)
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
+    t_checkpoint = time.perf_counter()
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
         ledger_state = run.ledger.state_dict() | (run.experts.state_dict() if run.experts is not None else {})
@@ -717,16 +731,25 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
             device_step_seconds_total=run.device_step_seconds_total,
             wall_seconds=run.wall_seconds(),
             device_wall_seconds=run.device_wall_seconds(),
+            checkpoints=_checkpoint_times(run, step, time.perf_counter() - t_checkpoint),
         )
     run.acc.wait_for_everyone()
     run.last_saved = step
 
 
+def _checkpoint_times(run: _Run, step: int, seconds: float) -> list[dict]:
+    """run.json `checkpoints`: every checkpoint any attempt wrote, with its t_checkpoint (gather and
+    write, while training waited: the wall-clock formula's t_checkpoint is their sum)."""
+    earlier = list(run.folder.read().get("checkpoints") or [])
+    return earlier + [{"step": step, "attempt": run.attempt, "t_checkpoint": round(seconds, 6)}]
+
+
 def _evaluate(run: _Run, step: int) -> None:
     total = run.ledger.counters()["total"]
-    rows = evaluate.evaluate(
-        run.raw_model, run.data, run.acc, run.cfg.eval.micro_batch_sequences, step, int(total["exposure"])
-    )
+    with attention_context(run.runtime):
+        rows = evaluate.evaluate(
+            run.raw_model, run.data, run.acc, run.cfg.eval.micro_batch_sequences, step, int(total["exposure"])
+        )
     # Where the run stood when this evaluation ended: time-to-target is recounted from these (SPEC).
     wall, device_wall = run.journal_time()
     stamp = {"useful_tokens": int(total["useful"]), "wall_seconds": wall, "device_wall_seconds": device_wall}
@@ -778,7 +801,7 @@ def _attempt(run: _Run, tracker) -> int:
     try:
         run.model.train()
         for step in range(run.start_step, run.end_step):
-            t0 = run.step_t0 = time.perf_counter()
+            t0 = run.step_t0 = run.clock.now()
             s = _train_step(run, step)
             if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
                 run.optimizer.zero_grad(set_to_none=True)
@@ -794,7 +817,7 @@ def _attempt(run: _Run, tracker) -> int:
             run.ledger.commit(s.global_pairs, s.useful)
             step_experts = run.experts.commit(acc) if run.experts is not None else {}
             committed = step + 1
-            step_seconds = time.perf_counter() - t0
+            step_seconds = run.clock.seconds_since(t0)  # the device's clock: the optimizer's kernels done
             run.step_seconds_total += step_seconds
             run.device_step_seconds_total += step_seconds * run.world
             # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.

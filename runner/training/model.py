@@ -15,18 +15,60 @@ import copy
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, OlmoeConfig, OlmoeForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, OlmoeConfig, OlmoeForCausalLM, masking_utils
 from transformers.models.llama import modeling_llama
+from transformers.models.olmoe import modeling_olmoe
 
 from runner.config.rules import model_vocab_size
 from runner.config.schema import ExperimentSchema
 from runner.errors import RunnerError
 from runner.training import loss as losses
 from runner.training.backends import check_attention_backend
+from runner.training.experts import autocast_experts
 
 # transformers' own RoPE: Liger replaces this module-level function, so the model built last in a
 # process decides which one runs (a process trains one model; the bench builds them one at a time).
 _HF_ROTARY = modeling_llama.apply_rotary_pos_emb
+_HF_CAUSAL_MASK = masking_utils.create_causal_mask
+
+
+class _CausalWithoutMask:
+    """Marks the configs of the models build_model makes: every sequence is one causal block (no
+    padding, no cache), so their attention needs no mask (see `_causal_mask`). A class attribute:
+    it is never serialized with the config."""
+
+    runner_causal_without_mask = True
+
+
+class RunnerLlamaConfig(_CausalWithoutMask, LlamaConfig):
+    pass
+
+
+class RunnerOlmoeConfig(_CausalWithoutMask, OlmoeConfig):
+    pass
+
+
+def _causal_mask(*args: Any, **kwargs: Any) -> Any:
+    """transformers' create_causal_mask, except for the runner's models asked for SDPA with neither a
+    mask nor a cache: None, so SDPA runs with is_causal=True (its flash kernel, half the work) under
+    torch.compile too. transformers returns None there when eager, but while dynamo traces it skips
+    that shortcut and builds a full [B, 1, L, L] mask (SDPA then gets attn_mask, is_causal=False: no
+    flash kernel) under whole-model compile; regional compile traces only the layers."""
+    config = kwargs.get("config")
+    if (
+        not args
+        and getattr(config, "runner_causal_without_mask", False)
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("cache", kwargs.get("past_key_values")) is None
+    ):
+        return None
+    return _HF_CAUSAL_MASK(*args, **kwargs)
+
+
+# Module-level names, as transformers' models look them up at call time; other models keep theirs.
+modeling_llama.create_causal_mask = _causal_mask
+modeling_olmoe.create_causal_mask = _causal_mask
 
 
 class RunnerLlama(LlamaForCausalLM):
@@ -51,12 +93,12 @@ class RunnerLlama(LlamaForCausalLM):
         return losses.liger_loss_sum(hidden, self.lm_head.weight, loss_targets, loss_mask)
 
 
-def llama_config(cfg: ExperimentSchema) -> LlamaConfig:
+def llama_config(cfg: ExperimentSchema) -> RunnerLlamaConfig:
     """The LlamaConfig of a resolved experiment (vocab: the tokenizer's, padded per the recipe; context from train)."""
     m = cfg.model
     if m.arch != "llama":
         raise RunnerError(f"unsupported arch {m.arch!r} (only 'llama')", key="model.arch")
-    return LlamaConfig(
+    return RunnerLlamaConfig(
         vocab_size=model_vocab_size(cfg),
         hidden_size=m.hidden_size,
         num_hidden_layers=m.n_layers,
@@ -77,12 +119,12 @@ def llama_config(cfg: ExperimentSchema) -> LlamaConfig:
     )
 
 
-def olmoe_config(cfg: ExperimentSchema) -> OlmoeConfig:
+def olmoe_config(cfg: ExperimentSchema) -> RunnerOlmoeConfig:
     """The OlmoeConfig of a resolved `arch: olmoe` experiment. Router losses are the runner's
     (runner.training.experts adds them to the loss), so transformers' own stays off."""
     m, moe = cfg.model, cfg.model.moe
     assert moe is not None  # arch olmoe: validated with its moe section
-    return OlmoeConfig(
+    return RunnerOlmoeConfig(
         vocab_size=model_vocab_size(cfg),
         hidden_size=m.hidden_size,
         num_hidden_layers=m.n_layers,
@@ -114,13 +156,17 @@ def experts_implementation(cfg: ExperimentSchema) -> str:
     return "eager" if cfg.hardware.accelerator == "cpu" else "grouped_mm"
 
 
-def _build_olmoe(cfg: ExperimentSchema, backend: str) -> OlmoeForCausalLM:
-    return OlmoeForCausalLM._from_config(
+def _build_olmoe(cfg: ExperimentSchema, backend: str, experts: str | None = None) -> OlmoeForCausalLM:
+    """OLMoE in fp32 with `experts` (default: experts_implementation(cfg)); its grouped experts run in the
+    autocast dtype under autocast, as Linear layers do (runner.training.experts.autocast_experts)."""
+    model = OlmoeForCausalLM._from_config(
         copy.deepcopy(olmoe_config(cfg)),
         attn_implementation=backend,
-        experts_implementation=experts_implementation(cfg),
+        experts_implementation=experts or experts_implementation(cfg),
         dtype=torch.float32,
     )
+    autocast_experts(model)
+    return model
 
 
 def build_model(cfg: ExperimentSchema) -> RunnerLlama | OlmoeForCausalLM:
@@ -145,8 +191,26 @@ def build_model(cfg: ExperimentSchema) -> RunnerLlama | OlmoeForCausalLM:
         apply_kernels(llama, cfg.model.kernels)
         model = llama
     if cfg.model.activation_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     return model
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant). transformers
+    5.2x names it `activation_checkpointing_enable` (`gradient_checkpointing_enable` its deprecated
+    alias); 5.17, the GPU image's, has only `gradient_checkpointing_enable`: whichever exists."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def is_activation_checkpointing(model: Any) -> bool:
+    """Whether `enable_activation_checkpointing` is on, under either transformers' name."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(on if on is not None else model.is_gradient_checkpointing)
 
 
 def apply_kernels(model: LlamaForCausalLM, kernels: str) -> None:
@@ -173,17 +237,18 @@ def apply_kernels(model: LlamaForCausalLM, kernels: str) -> None:
     modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP = classes  # type: ignore[misc]
 
 
-def maybe_compile(model: torch.nn.Module, cfg: ExperimentSchema) -> torch.nn.Module:
+def maybe_compile(model: torch.nn.Module, cfg: ExperimentSchema, *, backend: Any = "inductor") -> torch.nn.Module:
     """torch.compile as the model recipe asks: the whole model as one graph, or each decoder layer
     alone (`compile_scope: regional`: the 24 layers of 1p3b share one compiled graph, so compiling
-    costs one layer's time, not the model's). Never on by default on CPU tests."""
+    costs one layer's time, not the model's). Never on by default on CPU tests. `backend`: torch's
+    (tests pass a graph-inspecting one; the recipe's mode applies to inductor only)."""
     if not cfg.model.compile:
         return model
-    mode = cfg.model.compile_mode
+    options: dict[str, Any] = {"mode": cfg.model.compile_mode} if backend == "inductor" else {"backend": backend}
     if cfg.model.compile_scope == "regional":
         inner: Any = getattr(model, "module", model)  # under DDP the layers are the wrapped model's
         for layer in inner.model.layers:
-            layer.compile(mode=mode)
+            layer.compile(**options)
         return model
-    model.compile(mode=mode)
+    model.compile(**options)
     return model

@@ -1,0 +1,86 @@
+"""The MFU the planner assumes before a run has measured one, per architecture, with its source.
+
+Owns: the sourced reference figures (dense, and a fine-grained mixture of experts) and the rule that
+picks the assumed MFU of a plan. Precedence, first that applies:
+  1. `runner plan --mfu X`: X, for any architecture (source "--mfu").
+  2. the hardware recipe's `default_mfu`: the device's figure for a dense model (the schema's 0.40 is
+     DENSE_REFERENCE); a mixture of experts assumes it times MOE_TO_DENSE, the ratio of the published
+     MoE throughput to a dense one on the same device and training stack.
+`runner plan --calibrate RUN` never changes the assumption: it fills the plan's `measured` column
+from the run (its tokens/s when it trained this model and hardware, else its MFU carried over,
+times MOE_TO_DENSE or its inverse when the run's architecture differs from the plan's).
+Never: reads runs, or changes a recipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+H100_DENSE_BF16_TFLOPS = 989.4  # the peak table's H100 SXM figure (runner.planning.hardware.PEAKS)
+
+#: OLMo-core's published BF16 throughput for its 7B at sequence length 4096 on H100: 10,000 tokens/s per
+#: device (ai2-olmo-core 1.4.0 README, "Official training scripts" table): 6 x 7e9 x 10,000 / 989.4e12 = 42.5%.
+DENSE_7B_TOKENS_PER_SECOND, DENSE_7B_PARAMS = 10_000.0, 7e9
+#: OLMoE-1B-7B (Muennighoff et al. 2024, ICLR 2025), section 4.1.4: dropless token-choice routing at about
+#: 24,400 tokens/s per H100 (its expert-choice variant 29,400), 1.3B active parameters (its Table 1):
+#: 6 x 1.3e9 x 24,400 / 989.4e12 = 19.2%, read in the summary of the paper at
+#: github.com/bzhng-development/summary-of-some-paper-in-cuda docs/architecture/OLMoE-OpenMixture-of-ExpertsLanguageModels.md.
+MOE_TOKENS_PER_SECOND, MOE_ACTIVE_PARAMS = 24_400.0, 1.3e9
+MOE_TO_DENSE = (MOE_ACTIVE_PARAMS * MOE_TOKENS_PER_SECOND) / (DENSE_7B_PARAMS * DENSE_7B_TOKENS_PER_SECOND)  # 0.453
+DENSE_REFERENCE = 0.40  #: the schema's hardware.default_mfu
+DENSE_SOURCE = (
+    "dense BF16 training reaches 40-46% of peak: OLMo-core 7B on H100 10,000 tokens/s/device = 42.5% (6N); "
+    "llm-foundry MPT-7B on H100 46.4%; PaLM 540B on TPU v4 46.2%"
+)
+MOE_SOURCE = (
+    f"a fine-grained mixture of experts reaches {MOE_TO_DENSE:.3f} of a dense model's MFU on the same stack: "
+    "OLMoE-1B-7B (Muennighoff et al. 2024, section 4.1.4) 24,400 tokens/s/H100 x 1.3B active = 19.2% "
+    "against OLMo-core 7B's 42.5%"
+)
+
+
+@dataclass(frozen=True)
+class AssumedMfu:
+    value: float
+    architecture: str  # "dense" or "moe"
+    rule: str  # how the value was reached, with its numbers
+    source: str  # where the figures behind the rule come from
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def reference_mfu(architecture: str) -> float:
+    """The published MFU of the architecture's reference run (dense 42.5%, MoE 19.2%, 6N on H100)."""
+    if architecture == "moe":
+        return 6 * MOE_ACTIVE_PARAMS * MOE_TOKENS_PER_SECOND / (H100_DENSE_BF16_TFLOPS * 1e12)
+    return 6 * DENSE_7B_PARAMS * DENSE_7B_TOKENS_PER_SECOND / (H100_DENSE_BF16_TFLOPS * 1e12)
+
+
+def assumed_mfu(architecture: str, default_mfu: float, hardware_recipe: str, cli_mfu: float | None) -> AssumedMfu:
+    """The plan's assumed MFU by the module docstring's precedence."""
+    if cli_mfu is not None:
+        return AssumedMfu(cli_mfu, architecture, f"--mfu {cli_mfu:g}", "given on the command line")
+    stated = f"hardware.default_mfu {default_mfu:.0%} ({hardware_recipe + ', ' if hardware_recipe else ''}dense)"
+    if architecture == "moe":
+        rule = f"{stated} x {MOE_TO_DENSE:.3f} for a mixture of experts"
+        return AssumedMfu(default_mfu * MOE_TO_DENSE, architecture, rule, MOE_SOURCE)
+    return AssumedMfu(default_mfu, architecture, stated, DENSE_SOURCE)
+
+
+def carried_mfu(run_mfu: float, run_architecture: str, plan_architecture: str) -> tuple[float, str]:
+    """A calibration run's MFU carried to a plan of another model, and a note when the architectures
+    differ: a dense run's MFU times MOE_TO_DENSE for a mixture-of-experts plan (the dense figure
+    overstates it); a mixture of experts' MFU carried to a dense plan as measured (a lower bound)."""
+    if run_architecture == plan_architecture:
+        return run_mfu, ""
+    if plan_architecture == "moe":
+        return run_mfu * MOE_TO_DENSE, (
+            f"the calibration run is dense, this plan a mixture of experts: its MFU {run_mfu:.1%} x "
+            f"{MOE_TO_DENSE:.3f} = {run_mfu * MOE_TO_DENSE:.1%} ({MOE_SOURCE})"
+        )
+    return run_mfu, (
+        f"the calibration run is a mixture of experts, this plan dense: its MFU {run_mfu:.1%} carried as "
+        "measured, a lower bound for a dense model"
+    )

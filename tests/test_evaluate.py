@@ -1,0 +1,41 @@
+"""Per-domain validation: evaluation of a compiled model runs eager, and so triggers no compilation."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from trainfixtures import make_project
+
+from runner.config.load import load_experiment
+from runner.training import evaluate
+from runner.training.loop import load_data
+from runner.training.model import build_model, maybe_compile
+
+
+@pytest.mark.slow  # dynamo traces the model: ~10 s on a loaded core
+def test_evaluation_after_compiled_training_compiles_nothing(tmp_path):
+    exp = load_experiment(make_project(tmp_path, model_extra={"compile": True}))
+    cfg = exp.config
+    data = load_data(exp, cfg.train.seq_len)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    eager_rows = evaluate.evaluate(model, data, _CPU, 3, 0, 0)
+    counter = CompileCounter()  # a torch.compile backend that counts the graphs dynamo hands it
+    maybe_compile(model, cfg, backend=counter)
+    model.train()
+    x = torch.randint(1, 4096, (cfg.train.micro_batch_sequences, cfg.train.seq_len))
+    model(input_ids=x, loss_targets=x, loss_mask=torch.ones_like(x, dtype=torch.bool)).backward()
+    compiled = counter.frame_count
+    assert compiled >= 1
+    # 8 validation samples per domain in micro batches of 3: sizes 3, 3, 2 (new shapes), in eval mode
+    rows = evaluate.evaluate(model, data, _CPU, 3, 1, 0)
+    assert counter.frame_count == compiled
+    assert model.training
+    assert [r["loss_nats"] for r in rows] == [r["loss_nats"] for r in eager_rows]
+
+
+_CPU = SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cpu"), autocast=contextlib.nullcontext)

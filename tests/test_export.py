@@ -1,0 +1,504 @@
+"""`runner export`: a run's checkpoint as a folder transformers alone loads, verified, with its card.
+
+Two tiny runs trained once per module (a tied Llama, an untied OLMoE) serve every case; the
+reference each export is compared with here is the runner's own model with the checkpoint's
+weights (build_model + the checkpoint's state), not anything the export wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from huggingface_hub import ModelCard
+from safetensors import safe_open
+from tokenizers import Tokenizer
+from trainfixtures import env, launch, make_project, run_in_process
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from runner.config.load import experiment_from_dict, load_experiment
+from runner.errors import RunnerError
+from runner.export import folder as folder_mod
+from runner.export import source as source_mod
+from runner.export.export import export_run
+from runner.export.source import open_source
+from runner.export.verify import BF16_ATOL
+from runner.fsio import read_jsonl, sha256_file
+from runner.reports.tables import read_tables
+from runner.training.checkpoint import Checkpoint, dirname
+from runner.training.model import build_model
+
+STEPS, SEQ_LEN, BATCH = 4, 16, 8
+MOE = {
+    "arch": "olmoe",
+    "intermediate_size": 32,
+    "tie_embeddings": False,
+    "moe": {"n_experts": 4, "experts_per_token": 2, "expert_intermediate_size": 32},
+}
+
+
+def _train(root: Path, export: dict | None = None, **model_extra) -> Path:
+    exp = make_project(
+        root,
+        steps=STEPS,
+        seq_len=SEQ_LEN,
+        global_batch=BATCH,
+        checkpoint_every=2,
+        eval_every=2,
+        model_extra=model_extra,
+    )
+    if export:
+        exp.write_text(yaml.safe_dump({**yaml.safe_load(exp.read_text()), "export": export}, sort_keys=False))
+    proc = launch(root, exp, "--run-dir", "runs/r")
+    (root / "launch.txt").write_text(proc.stdout)
+    return root / "runs" / "r"
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory) -> Path:
+    """The tied Llama (make_project's model), exporting itself at its end (`export.at_end`)."""
+    return _train(tmp_path_factory.mktemp("llama"), export={"at_end": "exports", "license": "apache-2.0"})
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory) -> Path:
+    return _train(tmp_path_factory.mktemp("moe"), **MOE)
+
+
+@pytest.fixture(scope="module")
+def llama_fp32(llama_run, tmp_path_factory) -> Path:
+    """The tied Llama exported in fp32 through the CLI (in this process), and the run's hashes before."""
+    before = _tree_hashes(llama_run)
+    out = tmp_path_factory.mktemp("exports") / "llama-fp32"
+    proc = run_in_process(
+        llama_run.parents[1],
+        ["export", str(llama_run), "--out", str(out), "--dtype", "fp32"],
+        env(llama_run.parents[1]),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verified: logits within 1e-05" in proc.stdout
+    assert _tree_hashes(llama_run) == before, "export changed the run folder"
+    return out
+
+
+def _tree_hashes(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "lock"
+    }
+
+
+def _reference(run: Path, step: int) -> torch.nn.Module:
+    state = json.loads((run / "checkpoints" / dirname(step) / "state.json").read_text())
+    model = build_model(experiment_from_dict(state["config"]).config)
+    model.load_state_dict(Checkpoint(run / "checkpoints" / dirname(step), step, state).model_state())
+    return model.eval()
+
+
+def _validation_ids(run: Path) -> torch.Tensor:
+    """The first validation window of each domain, as the trainer's pools hold them."""
+    root = run.parents[1]
+    rows = []
+    for d in ("a", "b"):
+        tokens = np.fromfile(root / "data" / d / "validation-00000.bin", dtype=np.uint16)[:SEQ_LEN]
+        rows.append(torch.from_numpy(tokens.astype(np.int64)))
+    return torch.stack(rows)
+
+
+# ---- item 1 and 2: the folder, loaded by transformers alone, equal to the run's model ----------
+
+
+def test_fp32_folder_loads_with_transformers_alone_and_equals_the_runs_model(llama_run, llama_fp32):
+    config = json.loads((llama_fp32 / "config.json").read_text())
+    exp = load_experiment(llama_run.parents[1] / "experiments" / "t.yaml")
+    m = exp.config.model
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert config["dtype"] == config["torch_dtype"] == "float32"
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]) == (
+        m.hidden_size,
+        m.n_layers,
+        m.n_heads,
+    )
+    assert (config["num_key_value_heads"], config["intermediate_size"]) == (m.n_kv_heads, m.intermediate_size)
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == m.rope_theta
+    assert config["rms_norm_eps"] == m.rms_norm_eps and config["vocab_size"] == exp.config.tokenizer.vocab_size
+    assert config["max_position_embeddings"] == SEQ_LEN and config["tie_word_embeddings"] is True
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, 0, 0)
+    generation = GenerationConfig.from_pretrained(llama_fp32)
+    assert generation.eos_token_id == 0 and generation.pad_token_id == 0 and generation.bos_token_id is None
+    assert json.loads((llama_fp32 / "generation_config.json").read_text())["do_sample"] is False  # pipelines: greedy
+    with safe_open(str(llama_fp32 / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys  # tied: stored once
+
+    loaded = AutoModelForCausalLM.from_pretrained(llama_fp32).eval()
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    ids = _validation_ids(llama_run)
+    with torch.no_grad():
+        want = _reference(llama_run, STEPS)(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+    assert float((got - want).abs().max()) <= 1e-5
+    record = json.loads((llama_fp32 / "export.json").read_text())
+    assert record["step"] == STEPS and record["verification"]["model"]["max_abs_logit_diff"] <= 1e-5
+
+
+def test_autotokenizer_gives_the_ids_the_run_trained_on(llama_run, llama_fp32):
+    exp = load_experiment(llama_run.parents[1] / "experiments" / "t.yaml")
+    pinned = Tokenizer.from_file(str(exp.resolve_path(exp.config.tokenizer.path)))
+    pinned.encode_special_tokens = True  # how runner data prepare encodes documents
+    assert sha256_file(llama_fp32 / "tokenizer.json") == exp.config.tokenizer.sha256  # the pinned file itself
+    tok = AutoTokenizer.from_pretrained(llama_fp32)
+    text = "def f(x):\n    return x  # <|endoftext|> is text inside a document\n"
+    assert tok(text)["input_ids"] == pinned.encode(text, add_special_tokens=False).ids
+    assert tok.eos_token_id == 0 and tok.bos_token is None and tok.model_max_length == SEQ_LEN
+    tok_config = json.loads((llama_fp32 / "tokenizer_config.json").read_text())
+    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast" and tok_config["split_special_tokens"] is True
+
+
+def test_the_card_carries_the_audited_reports_figures(llama_run, llama_fp32):
+    card = ModelCard.load(llama_fp32 / "README.md")
+    assert card.data.library_name == "transformers" and card.data.license == "apache-2.0"  # export.license
+    assert "runner" in card.data.tags and "llama" in card.data.tags
+    tables = read_tables(llama_run / "report")
+    exp = load_experiment(llama_run.parents[1] / "experiments" / "t.yaml")
+    accounting = json.loads((llama_fp32 / "accounting.json").read_text())
+    assert accounting["experiment"]["fingerprint"] == exp.fingerprint and exp.fingerprint in card.text
+    by_domain = {r["domain"]: r for r in accounting["accounting"]}
+    for row in tables["accounting"].to_dict("records"):
+        mine = by_domain[row["domain"]]
+        for k in ("pool_tokens", "unique_tokens", "exposure_tokens", "useful_tokens"):
+            assert mine[k] == row[k] and f"{row[k]:,}" in card.text
+        assert mine["epochs"] == pytest.approx(row["epochs"]) and mine["realized_ratio"] == pytest.approx(
+            row["realized_ratio"]
+        )
+        assert mine["manifest_sha256"] == exp.config.data.manifests[row["domain"]].sha256 in card.text
+    last = read_jsonl(llama_run / "metrics" / "eval.jsonl")[-2:]
+    assert accounting["validation"]["step"] == STEPS
+    for r in last:
+        mine = next(v for v in accounting["validation"]["domains"] if v["domain"] == r["domain"])
+        assert mine["loss_nats"] == pytest.approx(r["loss_nats"]) and f"{r['loss_nats']:.4g}" in card.text
+    summary = tables["run_summary"].iloc[0]
+    assert accounting["compute"]["mfu"] == pytest.approx(summary["mfu"])
+    assert accounting["compute"]["convention"]["flops_formula"] == summary["flops_formula"]
+    assert accounting["compute"]["device_hours"] == pytest.approx(summary["device_wall_seconds"] / 3600)
+    assert accounting["audit"]["verdict"] in ("PASS", "UNVERIFIED") and accounting["audit"]["verdict"] in card.text
+    assert (
+        f"runner launch experiments/{exp.config.name}.yaml --run-name r   # fingerprint {exp.fingerprint[:12]}"
+        in card.text
+    )
+    saved = yaml.safe_load((llama_fp32 / "experiment.yaml").read_text())
+    assert experiment_from_dict(saved).fingerprint == exp.fingerprint
+
+
+# ---- bf16, sharding, an earlier step -----------------------------------------------------------
+
+
+def test_bf16_export_sharded_matches_the_runs_model_cast_to_bf16(llama_run, tmp_path):
+    out = tmp_path / "bf16"
+    done = export_run(llama_run, out, dtype="bf16", max_shard_size="100KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = _validation_ids(llama_run)
+    reference = _reference(llama_run, STEPS).to(torch.bfloat16)
+    with torch.no_grad():
+        want, got = reference(input_ids=ids).logits.float(), loaded(input_ids=ids).logits.float()
+    assert float((got - want).abs().max()) <= BF16_ATOL * max(1.0, float(want.abs().max()))
+    assert done.verification["model"]["dtype"] == "bf16"
+
+
+def test_an_earlier_step_carries_its_own_ledger_and_replayed_evaluation(llama_run, tmp_path):
+    done = export_run(llama_run, tmp_path / "step2", step=2, dtype="fp32")
+    accounting = json.loads((done.out / "accounting.json").read_text())
+    assert accounting["checkpoint"] == {**accounting["checkpoint"], "step": 2, "final": False}
+    assert accounting["checkpoint"]["exposure_tokens"] == 2 * BATCH * SEQ_LEN  # not the final 4 steps' figure
+    assert sum(r["exposure_tokens"] for r in accounting["accounting"]) == 2 * BATCH * SEQ_LEN
+    # The replayed evaluation equals what the trainer recorded at step 2 (the same samples, the same weights).
+    recorded = {r["domain"]: r for r in read_jsonl(llama_run / "metrics" / "eval.jsonl") if r["step"] == 2}
+    for r in accounting["validation"]["domains"]:
+        assert r["loss_nats"] == pytest.approx(recorded[r["domain"]]["loss_nats"], rel=1e-5)
+    assert "step 2" in (done.out / "README.md").read_text()
+
+
+# ---- refusals: nothing is left behind ----------------------------------------------------------
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir()) if parent.exists() else []
+
+
+def test_a_damaged_checkpoint_is_refused_in_one_line_and_no_folder_is_written(llama_run, tmp_path):
+    copy = tmp_path / "runs" / "r"
+    shutil.copytree(llama_run, copy)
+    weights = copy / "checkpoints" / dirname(STEPS) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    out = tmp_path / "exports" / "x"
+    proc = run_in_process(tmp_path, ["export", str(copy), "--out", str(out)], env(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.safetensors sha256 mismatch" in errors[0] and "refusing to export" in errors[0]
+    assert _leftovers(tmp_path / "exports") == []
+    proc = run_in_process(tmp_path, ["export", str(copy), "--out", str(out), "--step", "3"], env(tmp_path))
+    assert proc.returncode == 2 and "no checkpoint of step 3" in proc.stderr and "step-0000002" in proc.stderr
+
+
+def test_an_existing_folder_is_never_written_over(llama_run, tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("keep")
+    with pytest.raises(RunnerError, match="already exists"):
+        export_run(llama_run, tmp_path / "taken")
+    assert _leftovers(tmp_path / "taken") == ["mine.txt"]
+
+
+def test_a_folder_that_differs_from_the_run_is_an_error_and_is_removed(llama_run, tmp_path, monkeypatch):
+    real = source_mod.export_model
+
+    def perturbed(src, dtype):
+        model = real(src, dtype)
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight[0, 0] += 0.5  # one weight off
+        return model
+
+    monkeypatch.setattr(folder_mod, "export_model", perturbed)
+    with pytest.raises(RunnerError, match="exported logits differ from the run's model"):
+        export_run(llama_run, tmp_path / "out", dtype="fp32")
+    assert _leftovers(tmp_path) == []
+    monkeypatch.setattr(folder_mod, "export_model", real)
+
+    real_tokenizer = folder_mod.write_tokenizer
+
+    def wrong_eos(src, out):
+        real_tokenizer(src, out)
+        path = out / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token": "the"}))
+
+    monkeypatch.setattr(folder_mod, "write_tokenizer", wrong_eos)
+    with pytest.raises(RunnerError, match="tokenizer mismatch: AutoTokenizer's eos_token_id"):
+        export_run(llama_run, tmp_path / "out", dtype="fp32")
+    assert _leftovers(tmp_path) == []
+
+
+# ---- OLMoE, untied -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_fp32(moe_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("exports") / "moe"
+    export_run(moe_run, out, dtype="fp32")
+    return out
+
+
+@pytest.mark.slow  # its own run: ~15 s on 2 loaded cores
+def test_olmoe_untied_is_written_with_the_hubs_per_expert_keys_and_equals_the_run(moe_run, moe_fp32):
+    config = json.loads((moe_fp32 / "config.json").read_text())
+    assert config["architectures"] == ["OlmoeForCausalLM"] and config["tie_word_embeddings"] is False
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (
+        MOE["moe"]["n_experts"],
+        MOE["moe"]["experts_per_token"],
+    )
+    with safe_open(str(moe_fp32 / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in keys and "lm_head.weight" in keys
+    assert not any(k.endswith("experts.gate_up_proj") for k in keys)  # the in-memory fused layout stays in memory
+    loaded = AutoModelForCausalLM.from_pretrained(moe_fp32).eval()
+    ids = _validation_ids(moe_run)
+    with torch.no_grad():
+        want = _reference(moe_run, STEPS)(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+    assert float((got - want).abs().max()) <= 1e-5
+    src = open_source(moe_run)
+    assert src.final and src.step == STEPS
+
+
+@pytest.mark.slow  # a process of its own (and, once, a pip install into the cache)
+def test_transformers_4_57_alone_loads_both_folders_with_the_same_logits(llama_run, llama_fp32, moe_run, moe_fp32):
+    from oldtransformers import consume
+
+    cases = ((llama_run, llama_fp32, "LlamaForCausalLM"), (moe_run, moe_fp32, "OlmoeForCausalLM"))
+    consumed = consume([(folder, _validation_ids(run).tolist(), "def main(") for run, folder, _ in cases])
+    for (run, folder, cls), got in zip(cases, consumed):
+        ids = _validation_ids(run)
+        assert got["version"].startswith("4.57.") and got["class"] == cls
+        with torch.no_grad():
+            want = _reference(run, STEPS)(input_ids=ids).logits
+        assert float((torch.tensor(got["logits"]) - want).abs().max()) <= 1e-5
+        tok = AutoTokenizer.from_pretrained(folder)
+        assert got["prompt_ids"] == tok("def main(")["input_ids"]
+        # pipeline("text-generation") there writes what transformers 5's generate writes here.
+        from runner.export.sample import sample
+
+        assert got["text"] == sample(folder, "def main(", max_new_tokens=6).text
+
+
+@pytest.mark.slow  # lm-eval's import alone takes seconds
+def test_lm_eval_hflm_scores_the_folder_as_the_runs_model(llama_run, llama_fp32):
+    lm_eval = pytest.importorskip("lm_eval", reason="the `eval` extra: pip install -e '.[eval]'")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    assert lm_eval.__version__ == "0.4.13"
+    lm = HFLM(pretrained=str(llama_fp32), dtype="float32", max_length=SEQ_LEN, device="cpu", batch_size=1)
+    pairs = [("def main(", " return x"), ("", "The license")]  # an empty context takes lm-eval's prefix token
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, idx=0) for pair in pairs])
+    tok = AutoTokenizer.from_pretrained(llama_fp32)
+    model = _reference(llama_run, STEPS)
+    for (context, continuation), (ll, _) in zip(pairs, got):
+        # docs/SPEC.md "Downstream evaluation": c = encode(context) (or [EOS], no BOS here), k the rest
+        if context:
+            c = tok(context)["input_ids"]
+            k = tok(context + continuation)["input_ids"][len(c) :]
+        else:
+            c, k = [tok.eos_token_id], tok(continuation, add_special_tokens=False)["input_ids"]
+        t = torch.tensor([(c + k)[-(SEQ_LEN + 1) :]])
+        with torch.no_grad():
+            logp = model(input_ids=t[:, :-1]).logits.float().log_softmax(-1)[0]
+        want = sum(float(logp[-len(k) + i, k[i]]) for i in range(len(k)))
+        assert ll == pytest.approx(want, abs=1e-4 + 1e-6 * abs(want))
+
+
+def test_export_keys_are_operational_and_leave_the_fingerprint(llama_run):
+    root = llama_run.parents[1]
+    exp = load_experiment(root / "experiments" / "t.yaml")
+    data = yaml.safe_load((root / "experiments" / "t.yaml").read_text())
+    path = root / "experiments" / "t-export.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {**data, "name": "t-export", "export": {"at_end": "/tmp/x", "license": "apache-2.0", "dtype": "fp32"}}
+        )
+    )
+    other = load_experiment(path)
+    assert other.fingerprint == exp.fingerprint
+    assert (other.config.export.at_end, other.config.export.license, other.config.export.dtype) == (
+        "/tmp/x",
+        "apache-2.0",
+        "fp32",
+    )
+    path.write_text(yaml.safe_dump({**data, "name": "t-export", "export": {"dtype": "fp16"}}))
+    with pytest.raises(RunnerError, match="export.dtype"):
+        load_experiment(path)
+    path.unlink()
+
+
+# ---- export.at_end and runner sample ----------------------------------------------------------
+
+
+def test_a_finished_launch_exports_itself_where_export_at_end_says(llama_run):
+    root = llama_run.parents[1]
+    out = root / "exports" / llama_run.name  # export.at_end / <run id>, outside the run folder
+    assert f"export: {out.relative_to(root)} (bf16, verified" in (root / "launch.txt").read_text()
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert ModelCard.load(out / "README.md").data.license == "apache-2.0"  # export.license
+    assert json.loads((out / "export.json").read_text())["step"] == STEPS
+
+
+def test_sample_from_the_run_and_from_its_exported_folder_agree(llama_run, llama_fp32):
+    from runner.export.sample import sample
+
+    prompt = "def main("
+    from_run = sample(llama_run, prompt, max_new_tokens=6)
+    from_folder = sample(llama_fp32, prompt, max_new_tokens=6)
+    assert from_run.text == from_folder.text and from_run.new_tokens == 6
+    # The same greedy continuation as an argmax over the run's own model.
+    tok = AutoTokenizer.from_pretrained(llama_fp32)
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    model = _reference(llama_run, STEPS)
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert from_run.text == tok.decode(ids[0, -6:])
+    hot = [sample(llama_fp32, prompt, max_new_tokens=6, temperature=1.0, seed=s).text for s in (1, 1, 2)]
+    assert hot[0] == hot[1] != hot[2]  # seeded: reproducible, and not the greedy text of every seed
+    root = llama_run.parents[1]
+    proc = run_in_process(root, ["sample", str(root / "data"), "--prompt", "x"], env(root))
+    assert proc.returncode == 2 and "neither a run folder nor an exported model folder" in proc.stderr
+    proc = run_in_process(root, ["sample", str(llama_fp32), "--prompt", prompt, "--max-new-tokens", "3"], env(root))
+    assert proc.returncode == 0 and proc.stdout.startswith(prompt)
+    from transformers import pipeline
+
+    generate = pipeline("text-generation", model=str(llama_fp32), device="cpu")
+    assert (
+        generate(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
+        == from_run.text
+    )
+
+
+# ---- --push to the loopback Hub ----------------------------------------------------------------
+
+
+@pytest.fixture()
+def hub(monkeypatch):
+    from fakehub import FakeHub
+
+    with FakeHub() as server:
+        server.tokens.add("hf_writer")
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_writer")
+        yield server
+
+
+def test_push_commits_the_verified_folder_once_on_the_checkpoints_exposure_branch(llama_run, hub, tmp_path):
+    from huggingface_hub import HfApi, snapshot_download
+
+    root = llama_run.parents[1]
+    out = tmp_path / "pushed"
+    argv = ["export", str(llama_run), "--out", str(out), "--dtype", "fp32", "--push", "team/tiny", "--private"]
+    proc = run_in_process(root, argv, env(root, HF_ENDPOINT=hub.url, HF_TOKEN="hf_writer"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    exposure = STEPS * BATCH * SEQ_LEN  # the checkpoint's ledger: 4 steps x 8 x 16
+    branch = f"step-{STEPS:07d}-exposure-{exposure}"
+    assert branch == "step-0000004-exposure-512" and f"pushed: team/tiny branch {branch}" in proc.stdout
+    assert hub.repos[("model", "team/tiny")]["private"] is True
+    assert hub.commit_messages == ["runner export: step 4, exposure 512 tokens"]  # one commit per export
+    refs = {
+        b.name: b.target_commit for b in HfApi(endpoint=hub.url, token="hf_writer").list_repo_refs("team/tiny").branches
+    }
+    assert set(refs) == {"main", branch}
+    # What a user downloads from that branch is the exported folder, byte for byte, and it loads.
+    got = Path(snapshot_download("team/tiny", revision=branch, cache_dir=tmp_path / "cache", endpoint=hub.url))
+    for f in out.iterdir():
+        assert (got / f.name).read_bytes() == f.read_bytes(), f.name
+    assert AutoModelForCausalLM.from_pretrained(got).config.architectures == ["LlamaForCausalLM"]
+
+
+def test_push_failures_are_one_line_and_leave_no_branch_looking_complete(llama_fp32, hub, monkeypatch):
+    from runner.export.push import push_folder
+
+    def push(**kw):
+        return push_folder(llama_fp32, "team/tiny", step=STEPS, exposure_tokens=512, **kw)
+
+    pushed = push(revision="main")
+    assert pushed.branch == "main" and hub.repos[("model", "team/tiny")]["refs"]["main"] == pushed.commit
+    hub.fail_commits = True  # the commit fails after the branch was made: the branch goes again
+    with pytest.raises(RunnerError, match=r"push to .* failed \(400\).*branch step-0000004-exposure-512 removed"):
+        push()
+    assert set(hub.repos[("model", "team/tiny")]["refs"]) == {"main"}
+    hub.fail_commits, hub.refuse_writes = False, True
+    with pytest.raises(RunnerError, match=r"refused the push \(403\).*not created"):
+        push()
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    hub.refuse_writes = False
+    with pytest.raises(RunnerError, match=r"refused the token \(401\)"):
+        push()
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    with pytest.raises(RunnerError, match="cannot reach the Hub at http://127.0.0.1:9"):
+        push()
+    root = llama_fp32.parent
+    for name in ("HF_TOKEN", "HF_ENDPOINT"):
+        monkeypatch.delenv(name)
+    environ = {k: v for k, v in env(root).items() if k != "HF_TOKEN"}
+    environ["HF_HOME"] = str(root / "no-hf-home")  # no saved login either
+    proc = run_in_process(root, ["export", "x", "--out", str(root / "never"), "--push", "team/tiny"], environ)
+    assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "no Hugging Face token" in proc.stderr
+    assert not (root / "never").exists()
