@@ -13,6 +13,7 @@ pool of a domain is `samples * L` by definition.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -642,6 +643,71 @@ ROUTER = pa.DataFrameSchema(
         "idle_capacity": _fraction("The step's 1 - mean / max load, mean over layers."),
     },
     checks=[pa.Check.steps_strictly_increase(error="steps strictly increase")],
+)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def downstream_metric_in_range(df):
+    """SPEC "Downstream evaluation": an accuracy is in [0, 1], a centered one <= 1, bpb > 0."""
+    metric, value = df["metric"].astype(str), df["value"]
+    accuracy = metric.str.startswith("acc")
+    centered = metric.str.startswith("centered_") | (metric == "mean_centered")
+    return (~accuracy | ((value >= 0) & (value <= 1))) & (~centered | (value <= 1)) & ((metric != "bpb") | (value > 0))
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def downstream_convention_names_its_metric(df):
+    """Each figure's convention record (canonical JSON) names the figure's metric (the aggregate: its rule)."""
+
+    def names(row) -> bool:
+        try:
+            record = json.loads(row["convention"])
+        except (TypeError, ValueError):
+            return False
+        return record.get("metric", record.get("rule")) == row["metric"]
+
+    return df.apply(names, axis=1).astype(bool)
+
+
+#: Not yet one of SCHEMAS (a report's tables): runner.reports.downstream_table builds and validates it
+#: from a run folder; published reports predate it.
+DOWNSTREAM = pa.DataFrameSchema(
+    name="downstream",
+    description="Downstream multiple-choice figures per task and metric at each scoring (SPEC 'Downstream evaluation').",
+    strict=True,
+    columns={
+        "source": pa.Column(
+            str,
+            pa.Check.isin(["loop", "runner eval"]),
+            description="Scored in the training loop or by `runner eval` after the fact.",
+        ),
+        "step": pa.Column("int64", pa.Check.ge(0), description="Committed steps of the scored weights."),
+        "exposure_tokens": _tokens("Total exposure of the scored weights"),
+        "task": pa.Column(str, description="Task name in the eval recipe (`aggregate`: the figure over tasks)."),
+        "metric": pa.Column(
+            str, description="acc, acc_norm, acc_per_char, acc_per_token, centered_<acc>, bpb, or the aggregate's rule."
+        ),
+        "value": pa.Column(
+            "float64", pa.Check(np.isfinite, element_wise=False, name="finite"), description="The figure."
+        ),
+        "documents": pa.Column("int64", pa.Check.ge(1), description="Documents scored (the fixed subset)."),
+        "random_baseline": pa.Column(
+            "float64",
+            [pa.Check.ge(0.0), pa.Check.lt(1.0)],
+            description="Mean over documents of 1 / choices, or the task's stated baseline.",
+        ),
+        "convention": pa.Column(
+            str,
+            description="The convention record (canonical JSON): task file sha256, format, metric, limit, seed, shots, empty-context prefix, delimiter, seq_len, dtype. Figures compare only when equal.",
+        ),
+        "t_eval_seconds": pa.Column(
+            "float64", pa.Check.ge(0.0), description="Wall seconds of the scoring (t_eval; never step time)."
+        ),
+    },
+    checks=[
+        pa.Check.downstream_metric_in_range(error="accuracies in [0, 1], centered <= 1, bpb > 0"),
+        pa.Check.downstream_convention_names_its_metric(error="the convention record names the metric"),
+    ],
 )
 
 SCHEMAS: dict[str, pa.DataFrameSchema] = {

@@ -13,11 +13,11 @@ import os
 import sys
 from pathlib import Path
 
-from runner.cli import compare, data, export, hub, job, plan, report, train
+from runner.cli import compare, data, downstream, export, hub, job, plan, report, train
 from runner.errors import EXIT_OK, EXIT_USAGE, RunnerError, display_path
 
 #: modules under runner/cli that add their verbs through `register(subparsers)`
-COMMAND_MODULES = (data, hub, train, job, report, plan, compare, export)
+COMMAND_MODULES = (data, hub, train, job, report, plan, compare, export, downstream)
 
 
 def _cmd_validate(args) -> int:

@@ -450,6 +450,56 @@ class QualityTarget(Section):
                 problems.add(file, join_key(prefix, metric), f"must be a positive, finite number, got {value}")
 
 
+#: downstream metrics (SPEC "Downstream evaluation"): the accuracies, bits per byte of the gold choice, and
+#: each accuracy centered on the random baseline (`centered_acc`, ...)
+DOWNSTREAM_ACCURACIES = ("acc", "acc_norm", "acc_per_char", "acc_per_token")
+DOWNSTREAM_METRICS = (*DOWNSTREAM_ACCURACIES, "bpb", *(f"centered_{m}" for m in DOWNSTREAM_ACCURACIES))
+TaskFormat = Literal["olmes", "mc", "schema", "builtin"]
+DownstreamAggregate = Literal["mean_centered", "none"]
+_TASK_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # names MLflow metrics downstream/<task>/<metric>
+
+
+@dataclass(frozen=True)
+class DownstreamTask(Section):
+    """One multiple-choice task as pinned data (SPEC "Downstream evaluation")."""
+
+    #: olmes (requests.jsonl.gz + config.json) | mc ({query, choices, gold} jsonl) | schema ({context_options, continuation, gold} jsonl) | builtin (made from the built-in corpus)
+    format: TaskFormat = MISSING
+    path: str | None = None  #: the task file (olmes: requests.jsonl.gz), relative to the repo root; not for builtin
+    sha256: str | None = None  #: the task file's sha256 (required but for builtin)
+    config_path: str | None = None  #: olmes only: the task's config.json
+    config_sha256: str | None = None  #: olmes only: its sha256
+    delimiter: str = " "  #: mc and schema: put between the context and each choice (olmes rows carry their own)
+    limit: int | None = None  #: documents scored (a fixed subset, SPEC "Subset"); null = all
+    seed: int = 0  #: the subset's numpy default_rng seed
+    metrics: list[str] = field(default_factory=lambda: ["acc"])  #: of DOWNSTREAM_METRICS
+    random_baseline: float | None = None  #: the task's stated baseline; null = mean over documents of 1 / choices
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        pinned = {"path": self.path, "sha256": self.sha256}
+        if self.format == "olmes":
+            pinned |= {"config_path": self.config_path, "config_sha256": self.config_sha256}
+        for key, value in pinned.items():
+            if self.format != "builtin" and not value:
+                problems.add(file, join_key(prefix, key), f"a {self.format} task pins its file: give {key}")
+        _sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
+        _sha256_format(problems, file, join_key(prefix, "config_sha256"), self.config_sha256)
+        if self.limit is not None and self.limit < 1:
+            problems.add(file, join_key(prefix, "limit"), f"must be >= 1 (or null for all), got {self.limit}")
+        if not 0 <= self.seed <= SEED_MAX:
+            problems.add(file, join_key(prefix, "seed"), f"must be in [0, 2**32 - 1], got {self.seed}")
+        if not self.metrics:
+            problems.add(file, join_key(prefix, "metrics"), "must list at least one metric")
+        for i, m in enumerate(self.metrics):
+            if m not in DOWNSTREAM_METRICS:
+                problems.add(
+                    file, f"{join_key(prefix, 'metrics')}[{i}]", f"'{m}' is not one of {', '.join(DOWNSTREAM_METRICS)}"
+                )
+        b = self.random_baseline
+        if b is not None and not (math.isfinite(b) and 0 <= b < 1):
+            problems.add(file, join_key(prefix, "random_baseline"), f"must be in [0, 1), got {b}")
+
+
 @dataclass(frozen=True)
 class EvalRecipe(Recipe):
     interval_steps: int = MISSING  #: evaluate every this many committed steps (and at the end)
@@ -457,9 +507,28 @@ class EvalRecipe(Recipe):
     micro_batch_sequences: int = 8  #: sequences per evaluation forward
     #: named quality targets (time- and cost-to-quality); operational: never part of the fingerprint
     targets: dict[str, QualityTarget] = field(default_factory=dict)
+    #: downstream multiple-choice tasks scored in the loop and by `runner eval` (SPEC "Downstream evaluation")
+    tasks: dict[str, DownstreamTask] = field(default_factory=dict)
+    #: score the tasks every this many committed steps (and at the end of every segment); 0 = only at the end; operational
+    downstream_interval_steps: int = 0
+    downstream_micro_batch: int = 16  #: requests per scoring forward; operational
+    aggregate: DownstreamAggregate = (
+        "mean_centered"  #: the figure over tasks: mean of each task's first centered metric
+    )
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
+        for name, task in self.tasks.items():
+            key = join_key(join_key(prefix, "tasks"), name)
+            if not _TASK_NAME.match(str(name)):
+                problems.add(file, key, "a task name is letters, digits, '_', '.' and '-' (it names MLflow metrics)")
+            task.validate(problems, file, key)
+        if self.downstream_interval_steps < 0:
+            problems.add(file, join_key(prefix, "downstream_interval_steps"), "must be >= 0 (0 = at the end only)")
+        if self.downstream_micro_batch < 1:
+            problems.add(
+                file, join_key(prefix, "downstream_micro_batch"), f"must be >= 1, got {self.downstream_micro_batch}"
+            )
         for name, target in self.targets.items():
             key = join_key(join_key(prefix, "targets"), name)
             if not _TARGET_NAME.match(str(name)):
@@ -719,6 +788,12 @@ OPERATIONAL_KEYS = (
     "train.prefetch_batches",
     "train.system_metrics_interval_seconds",
     "eval.interval_steps",
+    # downstream tasks measure what was trained, as targets judge it: each figure carries its own
+    # convention record (task file sha256, subset, ...), so a figure never needs the fingerprint to compare
+    "eval.tasks",
+    "eval.downstream_interval_steps",
+    "eval.downstream_micro_batch",
+    "eval.aggregate",
     "eval.targets",  # targets say when a run is good enough, not what it trains (SPEC "Quality targets")
 )
 #: optional sections left out of the fingerprint while null, so that adding them to the schema kept

@@ -38,7 +38,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml
 from runner.planning.flops import Convention, flops_per_token, params_of_config
 from runner.planning.hardware import PEAKS, canonical_device, theoretical_peak_from_source
-from runner.reports import audit_tracked, targets
+from runner.reports import audit_tracked, downstream_audit, targets
 from runner.reports import evidence as ev
 from runner.reports import tables as rpt
 from runner.reports.checks import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
@@ -731,6 +731,12 @@ def _check_targets(res: AuditResult, inp: AuditInput) -> None:
         res.add(name, problems, ok_detail=ok_detail)
 
 
+def _check_downstream(res: AuditResult, inp: AuditInput) -> None:
+    """A run's downstream figures recomputed from its per-request files (runner.reports.downstream_audit)."""
+    for name, problems, ok_detail in downstream_audit.audit_checks(inp.run_dir):
+        res.add(name, problems, ok_detail=ok_detail)
+
+
 def audit_input(
     inp: AuditInput,
     *,
@@ -757,6 +763,7 @@ def audit_input(
         _check_replay(res, inp, rep)
     _check_compute(res, inp)
     _check_targets(res, inp)
+    _check_downstream(res, inp)
     check_expert_load(res, inp)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)

@@ -52,6 +52,7 @@ from runner.training.backends import (
 )
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
 from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
+from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
@@ -175,6 +176,7 @@ class _Run:
     system: SystemMetricsCallback | None = None  # when system metrics are on
     experts: experts_mod.RouterProbe | None = None  # of a mixture-of-experts model, else None
     clock: StepClock = field(default_factory=lambda: StepClock(torch.device("cpu")))  # _setup: the run's device
+    downstream: Any = None  # the downstream tasks, prepared at their first scoring (runner.training.downstream)
 
     @property
     def cfg(self):
@@ -836,6 +838,7 @@ def _attempt(run: _Run, tracker) -> int:
                 cb.on_step(record, counters, run.ledger.realized_ratios())
             if eval_every and committed % eval_every == 0 and run.data.val_reader is not None:
                 _evaluate(run, committed)
+            downstream.at_step(run, committed)  # at eval.downstream_interval_steps and the segment's last step
             # Minutes-based intervals differ per rank's clock: rank 0 decides for all.
             due = torch.tensor(
                 [

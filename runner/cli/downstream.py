@@ -1,0 +1,46 @@
+"""CLI for downstream tasks: `runner eval RUN_OR_CHECKPOINT [--tasks ...]`.
+
+Owns the verb's arguments only; scoring and what it writes are runner.training.downstream.posthoc's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.errors import EXIT_OK
+
+
+def _eval(args) -> int:
+    from runner.training.downstream.posthoc import run_eval
+
+    names = [n for part in args.tasks for n in part.split(",") if n] if args.tasks else None
+    run_eval(Path(args.target), names, args.micro_batch, args.limit)
+    return EXIT_OK
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="score a checkpoint's downstream tasks after the fact (appends to the run's record)",
+        description="Score the eval recipe's downstream tasks (SPEC 'Downstream evaluation') on a checkpoint, in fp32 "
+        "on this machine. Writes RUN/downstream/eval-step-NNNNNNN.json (figures, convention records, t_eval) and "
+        "the per-request log-likelihoods beside it; never changes run.json, the ledger or a checkpoint.",
+    )
+    p.add_argument(
+        "target",
+        metavar="RUN_OR_CHECKPOINT",
+        help="a run folder (its newest valid checkpoint) or RUN/checkpoints/step-NNNNNNN",
+    )
+    p.add_argument(
+        "--tasks",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="only these of the recipe's tasks (default all); `builtin` is always available",
+    )
+    p.add_argument(
+        "--micro-batch", type=int, default=None, help="requests per forward (default eval.downstream_micro_batch)"
+    )
+    p.add_argument(
+        "--limit", type=int, default=None, help="documents per task instead of each task's own limit (recorded)"
+    )
+    p.set_defaults(func=_eval)

@@ -1,0 +1,139 @@
+"""Every downstream figure of a run recomputed from its recorded per-request log-likelihoods.
+
+Owns: an arithmetic of its own (not runner.training.downstream.metrics': two implementations
+that must agree) over the request files (`ll`, tokens, characters, bytes, gold and choices per
+request), and the comparison with every row the loop (metrics/downstream.jsonl) and `runner eval`
+(downstream/eval-step-*.json) recorded: the value, the documents, the random baseline, and the
+aggregate over the tasks its record names. A row without its request file is a problem too.
+Never scores a model and never writes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from runner.fsio import read_json, read_jsonl
+from runner.reports.downstream_table import downstream_table
+
+REL_TOL = 1e-9
+_NORMS = {"acc": None, "acc_norm": "choice_chars", "acc_per_char": "chars", "acc_per_token": "tokens"}
+
+
+def _read_requests(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def recompute(requests: list[dict]) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} (every accuracy, its centered form with the 1/choices baseline, bpb,
+    `documents` and `baseline`) from one scoring's request records."""
+    docs: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in requests:
+        docs[r["task"]][int(r["doc_id"])].append(r)
+    out = {}
+    for task, by_doc in docs.items():
+        right = dict.fromkeys(_NORMS, 0)
+        bpb, baseline = 0.0, 0.0
+        for reqs in by_doc.values():
+            reqs = sorted(reqs, key=lambda r: r["choice"])
+            gold = reqs[0]["gold"]
+            for metric, norm in _NORMS.items():
+                scores = [r["ll"] / (max(r[norm], 1) if norm else 1) for r in reqs]
+                right[metric] += scores.index(max(scores)) == gold  # first maximum: numpy's argmax
+            bpb += -reqs[gold]["ll"] / (math.log(2) * max(reqs[gold]["bytes"], 1))
+            baseline += 1 / len(reqs)
+        n = len(by_doc)
+        values = {m: right[m] / n for m in _NORMS} | {"bpb": bpb / n, "documents": n, "baseline": baseline / n}
+        out[task] = values
+    return out
+
+
+def _centered(value: float, b: float) -> float:
+    return (value - b) / (1 - b)
+
+
+def check_scoring(rows: list[dict], requests: list[dict], where: str) -> list[str]:
+    """Problems of one scoring's rows against its request records."""
+    got, problems, baselines = recompute(requests), [], {}
+    for r in [r for r in rows if r["task"] != "aggregate"]:
+        task, metric = r["task"], r["metric"]
+        if task not in got:
+            problems.append(f"{where}: {task}.{metric}: no request of the task is recorded")
+            continue
+        stated = json.loads(r["convention"]).get("random_baseline")
+        b = baselines[task] = got[task]["baseline"] if stated is None else float(stated)
+        if not math.isclose(r["random_baseline"], b, rel_tol=REL_TOL, abs_tol=1e-12):
+            problems.append(f"{where}: {task}: random baseline {r['random_baseline']!r}, requests give {b!r}")
+        want = (
+            _centered(got[task][metric.removeprefix("centered_")], b)
+            if metric.startswith("centered_")
+            else got[task][metric]
+        )
+        if not math.isclose(r["value"], want, rel_tol=REL_TOL, abs_tol=1e-12):
+            problems.append(f"{where}: {task}.{metric}: recorded {r['value']!r}, the requests give {want!r}")
+        if r["documents"] != got[task]["documents"]:
+            problems.append(f"{where}: {task}: {r['documents']} documents recorded, {got[task]['documents']} scored")
+    for r in [r for r in rows if r["task"] == "aggregate"]:
+        chosen = json.loads(r["convention"]).get("tasks") or {}
+        if not chosen or any(t not in baselines for t in chosen):
+            problems.append(f"{where}: aggregate: names tasks whose figures are not recorded ({chosen})")
+            continue
+        parts = [_centered(got[t][m.removeprefix("centered_")], baselines[t]) for t, m in chosen.items()]
+        want = sum(parts) / len(parts)
+        if not math.isclose(r["value"], want, rel_tol=REL_TOL, abs_tol=1e-12):
+            problems.append(f"{where}: aggregate: recorded {r['value']!r}, the tasks give {want!r}")
+    return problems
+
+
+def check_run(run_dir: str | Path) -> list[str]:
+    """Every scoring of the run (loop and runner eval) against its request file; [] when all agree."""
+    run_dir = Path(run_dir)
+    scorings: list[tuple[list[dict], Path, str]] = []
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    latest = {
+        (int(r["step"]), r["task"], r["metric"]): r
+        for r in read_jsonl(run_dir / "metrics/downstream.jsonl", skip_torn=True)
+    }
+    for (step, _, _), r in latest.items():
+        by_step[step].append(r)
+    for step, rows in sorted(by_step.items()):
+        scorings.append((rows, run_dir / "downstream" / f"requests-loop-step-{step:07d}.jsonl.gz", f"loop step {step}"))
+    for path in sorted((run_dir / "downstream").glob("eval-step-*.json")):
+        record = read_json(path)
+        scorings.append((record.get("rows", []), path.parent / str(record.get("requests_file")), path.name))
+    problems = []
+    for rows, requests_file, where in scorings:
+        if not requests_file.is_file():
+            problems.append(f"{where}: no per-request file {requests_file.name}")
+            continue
+        problems += check_scoring(rows, _read_requests(requests_file), where)
+    return problems
+
+
+NAME = "downstream figures recomputed from per-request log-likelihoods"
+
+
+def audit_checks(run_dir: Path | None) -> list[tuple[str, list[str], str]]:
+    """(check name, problems, ok detail) for runner.reports.audit; none for a folder without
+    downstream figures (a report folder, or a run that scored no task)."""
+    if run_dir is None:
+        return []
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics/downstream.jsonl").exists() and not list(
+        (run_dir / "downstream").glob("eval-step-*.json")
+    ):
+        return []
+    try:
+        table = downstream_table(run_dir)
+    except Exception as err:  # pandera's SchemaError(s), a malformed row (RunnerError)
+        return [("downstream table schema", [str(err).splitlines()[0]], "")]
+    problems = check_run(run_dir)
+    scorings = table.groupby(["source", "step"]).ngroups
+    return [
+        ("downstream table schema", [], f"{len(table)} figures"),
+        (NAME, problems, f"{len(table)} figures of {scorings} scorings agree with their request files"),
+    ]
