@@ -768,7 +768,7 @@ def _header(args, device, facts, peak, peak_source, mm, shapes, fpts, sources, s
             "time_basis": "step",
         },
         "warmup_steps": 1 if tiny else args.warmup_steps,
-        "timed_steps": 2 if tiny else args.steps,
+        "timed_steps": args.steps if args.steps is not None else (2 if tiny else 10),
         "budget_seconds": args.budget_s,
         "elapsed_seconds": 0.0,
         "rows": [],
@@ -888,7 +888,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
     p.add_argument("--warmup-steps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per variant (fewer if its box ends)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per variant (fewer if its box ends; default 10, 2 in --cpu-tiny)",
+    )
     p.add_argument("--cpu-tiny", action="store_true", help="tiny sizes on CPU (automatic without a GPU)")
     p.add_argument(
         "--part",

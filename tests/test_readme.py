@@ -253,7 +253,7 @@ def _check_main_job(root: Path, launch: subprocess.CompletedProcess, env: dict, 
     artifacts_logged = con.execute("select artifact_uri from runs").fetchone()[0]
     con.close()
     assert metrics["loss"] == 150 // 10  # train.log_interval_steps: 10
-    assert {"val_loss.code", "val_bpb.legal", "tokens.total.unique", "realized_ratio.prose", "mfu"} <= set(metrics)
+    assert {"val_loss.code", "val_bpb.legal", "tokens.total.unique", "realized_ratio.prose", "step/mfu"} <= set(metrics)
     assert tags["fingerprint"] == info["fingerprint"] and tags["recipe.model"] == "llama-tiny@1"
     assert artifacts_logged
 

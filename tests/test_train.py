@@ -45,8 +45,8 @@ def test_launch_writes_run_folder_and_mlflow(tmp_path):
     assert {
         "loss",
         "lr",
-        "mfu",
-        "goodput_mfu",
+        "step/mfu",  # a step's figure (the run's own MFU is run.mfu)
+        "step/goodput_mfu",
         "tokens.total.exposure",
         "val_loss.a",
         "val_bpb.b",
