@@ -336,7 +336,10 @@ def test_compiled_ddp_graphs_stay_whole_instead_of_split_at_gradient_buckets(mon
         hardware=HardwareRecipe(accelerator="cpu"),
     )
 
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)  # torch's default, put back after
+    # torch's default, put back after by hand: pytest 9.2's monkeypatch undoes a module attribute it
+    # cannot see in the module's __dict__ with delattr, which hides the option from torch for good
+    before = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = True
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         torch._dynamo.reset()
@@ -349,5 +352,6 @@ def test_compiled_ddp_graphs_stay_whole_instead_of_split_at_gradient_buckets(mon
     finally:
         torch.distributed.destroy_process_group()
         torch._dynamo.reset()
+        torch._dynamo.config.optimize_ddp = before
     assert counter.frame_count == 1
     assert record == {"ddp_broadcast_buffers": False, "ddp_bucket_cap_mb": 1.0, "dynamo_optimize_ddp": False}

@@ -22,7 +22,17 @@ def test_a_vocab_below_the_tokenizers_ids_is_one_line_at_validate_and_launch(pro
         "has 4,096 ids"
     ), line
     assert "set vocab_size: 4096" in line
-    assert one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml")[::2]) == line
+    # launch makes its Accelerator before the data's check: start from a clean accelerate state, as
+    # tests/trainfixtures.run_in_process does (an earlier test in this process may have made another)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        assert one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml")[::2]) == line
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     assert not (project / "runs").exists()
 
 
