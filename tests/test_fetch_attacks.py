@@ -182,6 +182,7 @@ RECORD_EDITS = [
 ]
 
 
+@pytest.mark.slow  # 4-6 s: out of the fast subset (under 2 minutes)
 def test_a_hand_edited_fetch_record_is_one_line_in_pin_and_prepare(hub_project: Path, capsys):
     fetch_experiment(_exp(hub_project), say=lambda _: None)
     assert main(["data", "prepare", "experiments/tiny-hub.yaml"]) == 0  # pin reads the record after the manifest
@@ -235,6 +236,7 @@ def test_a_fetch_killed_part_way_resumes_after_the_last_verified_file(hub_projec
     )
 
 
+@pytest.mark.slow  # 4-6 s: out of the fast subset (under 2 minutes)
 def test_a_fetched_file_whose_bytes_changed_is_named_and_fetched_again(hub_project: Path, hub: FakeHub, capsys):
     fetch_experiment(_exp(hub_project), say=lambda _: None)
     shard = hub_project / RAW / SHARDS[0]

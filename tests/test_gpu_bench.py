@@ -154,6 +154,7 @@ def test_shape_comes_from_the_experiment_when_readable(bench, tmp_path):
     assert fallback.startswith("built-in 1p3b defaults")
 
 
+@pytest.mark.slow  # 4-6 s: out of the fast subset (under 2 minutes)
 def test_a_hung_warm_up_is_cut_at_the_variant_time_box(bench, monkeypatch):
     """A compile that never ends (here: a step that never returns) becomes a `timeout` row at the box."""
     import time

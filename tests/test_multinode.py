@@ -162,6 +162,8 @@ def _reference_run(root: Path, tmp_path_factory) -> str | None:
     return outputs[0].read_text()
 
 
+@pytest.mark.slow  # the shared reference run: a real Slurm job, ~40 s
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_the_slurm_script_ran_as_a_real_slurm_job(reference):
     run, output = reference
     if output is None:
