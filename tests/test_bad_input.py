@@ -5,54 +5,22 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
+from bad_input_helpers import one_error, run_cli, time_limit
 from trainfixtures import env, launch, make_project
 
-from runner.cli import main
 from runner.errors import RunnerError
 
 BILLION_LAUGHS = "\n".join(
     ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
     + [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
 )
-
-
-@contextmanager
-def time_limit(seconds: float):
-    """Fail instead of hanging: SIGALRM interrupts the code under test."""
-
-    def expired(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s: a hang")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def run_cli(capsys, *argv: str, seconds: float = 60) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with time_limit(seconds):
-        code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error(code: int, err: str) -> str:
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
-    return lines[0]
 
 
 def experiment(project: Path, name: str, body: str) -> Path:
