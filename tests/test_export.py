@@ -153,6 +153,20 @@ def test_fp32_folder_loads_with_transformers_alone_and_equals_the_runs_model(lla
     assert record["step"] == STEPS and record["verification"]["model"]["max_abs_logit_diff"] <= 1e-5
 
 
+def test_the_plans_export_estimate_is_the_folders_weight_bytes(llama_run, llama_fp32):
+    """`runner plan`'s export section: the folder holds every parameter once (the tied head once)."""
+    from runner.planning.plan import build_plan  # noqa: PLC0415 (this test alone plans)
+
+    exp = experiment_from_dict(yaml.safe_load((llama_run / "experiment.yaml").read_text()))
+    stored = 0
+    for name in (p for p in llama_fp32.iterdir() if p.suffix == ".safetensors"):
+        with safe_open(str(name), framework="pt") as f:
+            stored += sum(int(np.prod(f.get_slice(k).get_shape())) * 4 for k in f)
+    plan = build_plan(exp.config, root=llama_run)
+    assert plan["export"]["dtype"] == "bf16"  # the recipe's export.dtype; this folder was written in fp32
+    assert stored == 2 * plan["export"]["weights_bytes"]
+
+
 def test_autotokenizer_gives_the_ids_the_run_trained_on(llama_run, llama_fp32):
     exp = load_experiment(llama_run.parents[1] / "experiments" / "t.yaml")
     pinned = Tokenizer.from_file(str(exp.resolve_path(exp.config.tokenizer.path)))

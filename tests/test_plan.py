@@ -1,15 +1,20 @@
 """The planner's arithmetic reproduces the seed examples; plans of built configs are complete."""
 
+import dataclasses
 import json
 import math
 
 import pytest
 from conftest import REPO
+from transformers.utils.hub import convert_file_size_to_int
 
-from runner.config.load import experiment_from_dict
+from runner.config.load import experiment_from_dict, load_experiment
 from runner.errors import RunnerError
+from runner.export import DEFAULT_MAX_SHARD_SIZE
+from runner.planning import assumptions
 from runner.planning.flops import params_of_config
 from runner.planning.plan import (
+    EXPORT_SHARD_BYTES,
     build_plan,
     chinchilla_optimal_tokens,
     effective_tokens,
@@ -348,3 +353,28 @@ def test_a_pilot_far_below_one_token_per_parameter_does_not_print_zero(tmp_path)
     assert 0 < tpp < 0.05
     line = next(l for l in format_plan(plan).splitlines() if "tokens per parameter" in l)
     assert line.split()[-1] == f"{tpp:.3g}" and line.split()[-1] != "0.0"
+
+
+def test_the_export_estimate_of_1p3b_by_hand():
+    """`runner plan` says what `runner export` of the model writes and costs: bf16 weights stored once,
+    5 GB shards, the host's peak memory and time from the measured per-parameter figures."""
+    assert convert_file_size_to_int(DEFAULT_MAX_SHARD_SIZE) == EXPORT_SHARD_BYTES
+    cfg = load_experiment(REPO / "experiments" / "1p3b.yaml").config
+    n = params_of_config(cfg).all
+    ex = build_plan(cfg, root=REPO)["export"]
+    assert ex["dtype"] == cfg.export.dtype == "bf16"
+    assert ex["weights_bytes"] == 2 * n and ex["shards"] == math.ceil(2 * n / 5e9) == 1
+    assert ex["host_peak_bytes"] == pytest.approx(0.55e9 + 10.1 * n)
+    assert ex["seconds"] == pytest.approx(3.9 + 0.33e-6 * n)
+    assert 6 * 60 < ex["seconds"] < 10 * 60 and 12 * 2**30 < ex["host_peak_bytes"] < 16 * 2**30
+    text = format_plan(build_plan(cfg, root=REPO))
+    assert "export (runner export, bf16" in text and "host peak memory" in text
+    # fp32 doubles the folder; a 7B model in fp32 is split into shards
+    cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, dtype="fp32"))
+    ex = build_plan(cfg, root=REPO)["export"]
+    assert ex["weights_bytes"] == 4 * n and ex["host_peak_bytes"] == pytest.approx(0.55e9 + 8.3 * n)
+    assert assumptions.EXPORT_HOST_BYTES_PER_PARAM["fp32"] < assumptions.EXPORT_HOST_BYTES_PER_PARAM["bf16"]
+    olmoe = load_experiment(REPO / "experiments" / "olmoe-1b-7b.yaml").config
+    olmoe = dataclasses.replace(olmoe, export=dataclasses.replace(olmoe.export, dtype="fp32"))
+    ex = build_plan(olmoe, root=REPO)["export"]
+    assert ex["shards"] == math.ceil(4 * params_of_config(olmoe).all / 5e9) > 1

@@ -25,7 +25,7 @@ from runner.data.manifest import load_manifest, num_samples
 from runner.data.mixture import plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError
 from runner.fsio import read_json, read_jsonl
-from runner.planning import hardware
+from runner.planning import assumptions, hardware
 from runner.planning.assumptions import AssumedMfu, assumed_mfu, carried_mfu
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.scaling import Point, forecast_target
@@ -497,6 +497,32 @@ def _storage(cfg: ExperimentSchema, tokens: float, all_params: int, pool_tokens:
     }
 
 
+#: `runner export`'s safetensors shard size, transformers' "5GB" (10**9 bytes a GB), as
+#: runner.export.DEFAULT_MAX_SHARD_SIZE says (the export layer sits above planning; a test keeps them equal)
+EXPORT_SHARD_BYTES = 5 * 10**9
+EXPORT_DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
+def export_estimate(cfg: ExperimentSchema, all_params: int) -> dict[str, Any]:
+    """What `runner export` of the run's model will write and cost its host, in the recipe's
+    `export.dtype`: the folder's weights (every parameter once, a tied head stored once) and shards,
+    the host's peak memory and the time (runner.planning.assumptions' measured per-parameter figures)."""
+    dtype = cfg.export.dtype
+    weights = float(all_params * EXPORT_DTYPE_BYTES[dtype])
+    host = assumptions.EXPORT_FIXED_HOST_BYTES + assumptions.EXPORT_HOST_BYTES_PER_PARAM[dtype] * all_params
+    return {
+        "dtype": dtype,
+        "weights_bytes": weights,
+        "shards": max(1, math.ceil(weights / EXPORT_SHARD_BYTES)),
+        "host_peak_bytes": host,
+        "seconds": assumptions.EXPORT_FIXED_SECONDS + assumptions.EXPORT_SECONDS_PER_PARAM * all_params,
+        "host_memory_fits": None
+        if cfg.hardware.host_memory_gib is None
+        else host <= cfg.hardware.host_memory_gib * 2**30,
+        "source": assumptions.EXPORT_SOURCE,
+    }
+
+
 def build_plan(
     cfg: ExperimentSchema | Mapping[str, Any],
     *,
@@ -547,6 +573,7 @@ def build_plan(
         "calibration": asdict(calibration) if calibration else None,
         "memory": memory_per_device(cfg),
         "storage": _storage(cfg, tokens, counts.all, mix.get("pool_tokens")),
+        "export": export_estimate(cfg, counts.all),
         "mixture": mix,
         "warnings": list(mix.get("warnings", [])),
     }
@@ -717,6 +744,18 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
     else:
         gather = f"does NOT fit in {_gib(host)} of host memory: nodes with more (no sharded checkpoint format yet)"
     _row(out, "rank 0 gathers a checkpoint", _gib(st["checkpoint_bytes"]), note=gather)
+    if "export" in plan:
+        _format_export(plan["export"], out)
+
+
+def _format_export(ex: Mapping[str, Any], out: list[str]) -> None:
+    out.append(f"export (runner export, {ex['dtype']}; estimated from exports measured on a 2-core host)")
+    shards = f"{ex['shards']} safetensors shard{'s' if ex['shards'] > 1 else ''} of at most 5 GB"
+    _row(out, "folder weights", _gib(ex["weights_bytes"]), note=shards)
+    fits = {None: "host memory unknown (hardware.host_memory_gib)", True: "fits in host memory"}
+    fit = fits.get(ex["host_memory_fits"], "does NOT fit in host memory")
+    _row(out, "host peak memory", _gib(ex["host_peak_bytes"]), note=fit)
+    _row(out, "time on a 2-core host", _duration(ex["seconds"] / 3600.0), note="one CPU process, verification included")
 
 
 def _format_mixture(mix: Mapping[str, Any], out: list[str]) -> None:
