@@ -31,7 +31,7 @@ from runner.training.model import build_model
 from runner.training.schedule import make_optimizer
 
 if TYPE_CHECKING:
-    from runner.reports.audit import AuditInput
+    from runner.reports.audit_input import AuditInput
 
 NAME = "validation loss recomputed from the final checkpoint"
 # fp32 on CPU repeats the trainer's kernels up to summation order; a bf16 run (autocast on its GPU)

@@ -29,7 +29,7 @@ from runner.training.tracking import missing_store, sqlite_path
 from schemas.report_tables import SCHEMA_VERSION
 
 if TYPE_CHECKING:
-    from runner.reports.audit import AuditInput, Replay
+    from runner.reports.audit_input import AuditInput, Replay
 
 RUN = "MLflow run reachable"
 PARAMS = "MLflow params = experiment.yaml"
