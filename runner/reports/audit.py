@@ -10,7 +10,7 @@ recomputed) and from them MFU, goodput MFU, HFU and cost; the CSV copies against
 tables; a run folder's raw files and final checkpoint against its report; then, through
 runner.reports.audit_tracked, the run's MLflow run (params, tags, every logged metric, the evidence
 logged at the end) and, when asked, the validation loss recomputed from the final checkpoint
-(runner.reports.audit_eval). A check that cannot run is UNVERIFIED (runner.reports.checks), never
+(runner.reports.audit_eval). A check that cannot run is UNVERIFIED (runner.reports.audit_result), never
 a pass.
 Never: edits a report or a run, trains, or raises for a discrepancy (discrepancies are results;
 only unusable input raises RunnerError).
@@ -40,7 +40,7 @@ from runner.reports import audit_tracked, downstream_audit, targets
 from runner.reports import evidence as ev
 from runner.reports import tables as rpt
 from runner.reports.audit_input import AuditInput, Replay
-from runner.reports.checks import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
+from runner.reports.audit_result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
 from runner.reports.expert_audit import check_expert_load, checkpoint_load_problems
 from runner.runs import device_seconds, devices_held, is_reportable_run, read_manifest_copies
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables

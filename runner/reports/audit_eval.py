@@ -23,7 +23,7 @@ from runner.config.load import experiment_from_dict, find_project_root
 from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.reports import evidence as ev
-from runner.reports.checks import AuditResult
+from runner.reports.audit_result import AuditResult
 from runner.training.checkpoint import Checkpoint, dirname, verify
 from runner.training.evaluate import evaluate
 from runner.training.loop import load_data
