@@ -54,7 +54,7 @@ def register(subparsers) -> None:
 
 def launch_env(cfg) -> dict[str, str]:
     """What torchrun's processes need beside their own variables: mixed precision, FSDP2's plugin."""
-    from runner.training.backends import accelerate_mixed_precision
+    from runner.training.accelerator import accelerate_mixed_precision
 
     out = {
         "ACCELERATE_MIXED_PRECISION": accelerate_mixed_precision(cfg.hardware),

@@ -92,7 +92,7 @@ def _timestamp() -> str:
 def make_accelerator(cfg: ExperimentSchema):
     from accelerate import Accelerator
 
-    from runner.training.backends import accelerate_mixed_precision, ddp_kwargs_handlers, fsdp_plugin, sharding_mode
+    from runner.training.accelerator import accelerate_mixed_precision, ddp_kwargs_handlers, fsdp_plugin, sharding_mode
 
     acc = Accelerator(
         cpu=cfg.hardware.accelerator == "cpu",
