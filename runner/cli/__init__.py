@@ -102,7 +102,7 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_check_pr(args) -> int:
-    from runner.config.pr import Loads, check_pr, review_markdown
+    from runner.reports.pr_review import Loads, check_pr, review_markdown
 
     loads = Loads()
     problems, report = check_pr(args.base, Path.cwd(), loads)

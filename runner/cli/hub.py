@@ -1,7 +1,7 @@
 """CLI for Hub assets and pins: `runner fetch EXPERIMENT`, `runner pin EXPERIMENT`.
 
 Owns: argument parsing and printing for these two verbs; the work is in runner.data.fetch and
-runner.config.pin. Never holds logic of its own.
+runner.data.pin. Never holds logic of its own.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def cmd_pin(args: argparse.Namespace) -> int:
     from runner.config.load import load_experiment
-    from runner.config.pin import pin_experiment
+    from runner.data.pin import pin_experiment
 
     result = pin_experiment(args.experiment, write=not args.dry_run)
     for note in result.notes:
