@@ -10,7 +10,7 @@ from conftest import REPO
 
 from runner.config.fingerprint import fingerprint
 from runner.config.load import load_experiment
-from runner.config.rules import check_host_gather
+from runner.planning.resources import check_host_gather
 from runner.errors import Problems
 from runner.planning.plan import build_plan, format_plan
 

@@ -177,7 +177,7 @@ def _block_dumper():
 
 
 def cmd_job(args) -> int:
-    from runner.config.load import load_experiment
+    from runner.planning.resources import load_experiment
 
     exp = load_experiment(args.experiment, check_files=False)
     if args.bucket is not None and not args.skypilot:

@@ -106,7 +106,7 @@ def make_accelerator(cfg: ExperimentSchema):
 
 def _resolve(args) -> tuple[Experiment, Path | None, bool]:
     """(experiment, run folder or None for a new default one, whether the folder holds a run)."""
-    from runner.config.load import load_experiment
+    from runner.planning.resources import load_experiment
     from runner.runs import check_same_experiment, checked_experiment_of_run, is_run_dir
 
     target = Path(args.target)
@@ -497,8 +497,9 @@ def cmd_smoke(args) -> int:
     """`runner smoke`: one short run killed and resumed against one uninterrupted, compared bit for bit on
     a CPU and within a stated tolerance on a GPU (runner.training.resume_identity)
     (long: a scripted scenario whose steps read as a sequence)."""
-    from runner.config.load import experiment_from_dict, load_experiment
+    from runner.config.load import experiment_from_dict
     from runner.planning.plan import build_plan, read_calibration
+    from runner.planning.resources import load_experiment
     from runner.runs import create_run_folder
     from runner.training.checkpoint import dirname
     from runner.training.resume_identity import compare_weights
