@@ -70,6 +70,16 @@ def find_project_root(start: Path) -> Path:
     return Path.cwd().resolve()
 
 
+def repo_root(start: Path | None = None) -> Path:
+    """The enclosing git checkout of `start` (default cwd), else `start` itself: where the default MLflow
+    store lives and what a published run.json's paths are made relative to (find_project_root: where recipes are)."""
+    start = Path(start or Path.cwd()).resolve()
+    for p in (start, *start.parents):
+        if (p / ".git").exists():
+            return p
+    return start
+
+
 def _read_yaml(path: Path, problems: Problems) -> dict | None:
     try:
         text = path.read_text(encoding="utf-8")
