@@ -63,11 +63,6 @@ def compute_seconds(total_flops: float, mfu: float, peak_tflops: float, devices:
     return total_flops / (mfu * peak_tflops * 1e12 * devices)
 
 
-def training_days_6n(params: float, tokens: float, mfu: float, peak_tflops: float, devices: int = 1) -> float:
-    """Days of pure training for 6ND at `mfu` (e.g. 0.76e9 params, 25e9 tokens, 40% of one H200: 3.3)."""
-    return compute_seconds(training_flops(params, tokens), mfu, peak_tflops, devices) / SECONDS_PER_DAY
-
-
 def pure_training_seconds(tokens: float, tokens_per_second: float) -> float:
     """T / q: seconds to get through `tokens` at a throughput (10e9 at 100K/s: 27.8 h)."""
     if tokens_per_second <= 0:

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 FORMAT = "runner-evidence/1"
 EVIDENCE_FILE = "evidence.json"
-TAG_PREFIX = "evidence."
 
 
 def table_text(name: str, df: pd.DataFrame) -> str:
