@@ -146,6 +146,12 @@ def test_a_model_whose_training_state_cannot_fit_is_refused_by_the_planning_rule
         load_experiment(project / "experiments/1p3b.yaml")
     # config's own loader judges what config alone can: FLOPs and peaks are planning's (config imports below it)
     assert config_load.load_experiment(project / "experiments/1p3b.yaml").config.hardware.memory_gib == 8
+    # `runner pin` hands pin the same rules: it refuses before computing any pin
+    from runner.data.pin import pin_experiment
+    from runner.planning.resources import RULES
+
+    with pytest.raises(RunnerError, match="parameters need"):
+        pin_experiment(project / "experiments/1p3b.yaml", write=False, resources=RULES)
 
 
 def test_cli_refuses_with_one_line_per_problem_and_exit_2(project: Path):
