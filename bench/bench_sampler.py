@@ -35,7 +35,7 @@ STEPS, COLD_STEPS, START_STEP = 20, 3, 25_000
 
 
 class MemmapPool:
-    """The duck type of runner.data.manifest.Pool over one memory-mapped file."""
+    """The duck type of runner.data.pool.Pool over one memory-mapped file."""
 
     def __init__(self, path: Path, tokens: int):
         with open(path, "wb") as f:

@@ -80,7 +80,7 @@ def environment() -> dict[str, Any]:
     kernels = {}
     if torch.cuda.is_available():
         from runner.errors import RunnerError
-        from runner.training.backends import check_attention_backend, device_identity
+        from runner.training.accelerator import check_attention_backend, device_identity
 
         dev = device_identity()
         for kernel in ("flash", "efficient", "cudnn", "math"):

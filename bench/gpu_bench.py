@@ -347,7 +347,7 @@ def _check_backend(v: Variant, device: torch.device) -> str | None:
     """Why the variant's attention cannot run here (None when it can); no fallback, no download."""
     try:
         from runner.errors import RunnerError
-        from runner.training.backends import check_attention_backend
+        from runner.training.accelerator import check_attention_backend
     except ImportError:
         if v.attn in ("flash_attention_2", "flash_attention_3"):
             package = "flash_attn" if v.attn == "flash_attention_2" else "flash_attn_interface"

@@ -15,8 +15,8 @@ from runfixtures import SEQ_LEN, make_run, run_commands
 from runner.cli.report import register
 from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED, RunnerError
 from runner.reports.audit import audit
+from runner.reports.audit_result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
 from runner.reports.audit_tracked import NAMES as MLFLOW_CHECKS
-from runner.reports.checks import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
 from runner.reports.evidence import write_evidence
 from runner.reports.tables import write_report
 

@@ -30,8 +30,8 @@ from runner.planning.flops import Convention, flops_per_token
 from runner.reports import evidence as ev
 from runner.reports import tables as rpt
 from runner.reports.audit import audit, replay
+from runner.reports.audit_result import FAIL, PASS, UNVERIFIED
 from runner.reports.audit_tracked import EVIDENCE, METRICS, PARAMS, TAGS
-from runner.reports.checks import FAIL, PASS, UNVERIFIED
 from runner.reports.publish import publish
 from runner.reports.tables import _typed
 

@@ -13,8 +13,8 @@ from test_targets import _set_targets, learnable_project
 from trainfixtures import launch
 
 from runner.reports.audit import audit
+from runner.reports.audit_result import FAIL, PASS
 from runner.reports.audit_tracked import EVIDENCE, METRICS
-from runner.reports.checks import FAIL, PASS
 from runner.reports.evidence import write_evidence
 from runner.reports.tables import read_tables, write_report
 

@@ -1,4 +1,4 @@
-"""runner.training.backends and the accelerate launch configs, on CPU, with simulated H200 / MI300X identities."""
+"""runner.training.accelerator and the accelerate launch configs, on CPU, with simulated H200 / MI300X identities."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import yaml
 
 from runner.config.schema import HardwareRecipe, ModelRecipe, OptimRecipe
 from runner.errors import RunnerError
-from runner.training import backends
+from runner.training import accelerator as backends
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCEL_DIR = ROOT / "recipes" / "hardware" / "accelerate"

@@ -10,7 +10,8 @@ import yaml
 from datafixtures import run_cli
 
 from runner.data.builtin.build import ASSETS, TOKENIZER_PATH, build_builtin
-from runner.data.manifest import Pool, load_manifest
+from runner.data.manifest import load_manifest
+from runner.data.pool import Pool
 from runner.data.tokenizer import tokenizer_info
 from runner.fsio import sha256_file
 

@@ -20,10 +20,11 @@ from runner.data.tokenizer import load_tokenizer, vocab_size_of
 from runner.errors import Problems, RunnerError
 from runner.fsio import sha256_file
 from runner.training.downstream.builtin_task import _held_out_texts, builtin_documents
+from runner.training.downstream.documents import Document, Request, Task
 from runner.training.downstream.encode import Encoder, bos_id_of
 from runner.training.downstream.metrics import aggregate, task_metrics
 from runner.training.downstream.score import batches, loglikelihoods
-from runner.training.downstream.tasks import Document, Request, Task, load_task, subset
+from runner.training.downstream.tasks import load_task, subset
 
 REPO = Path(__file__).resolve().parents[1]
 OLMES = REPO / "tests/data/downstream/olmes"

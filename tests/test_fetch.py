@@ -20,9 +20,9 @@ from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
 
 from runner.cli import main
 from runner.config.load import load_experiment
-from runner.config.pin import pin_experiment
 from runner.data.fetch import fetch_experiment
 from runner.data.manifest import load_experiment_manifests, load_manifest
+from runner.data.pin import pin_experiment
 from runner.data.prepare import prepare, prepare_experiment
 from runner.errors import RunnerError
 

@@ -14,10 +14,10 @@ from fakehub import FakeHub
 from test_fetch import DATA_REPO, SHARDS, _downloads, _exp, serving_hub, use_hub
 
 from runner.cli import main
-from runner.config.pr import check_pr
 from runner.config.schema import repo_id_problem
 from runner.data.fetch import fetch_experiment
 from runner.data.fetch_record import journal_path
+from runner.reports.pr_review import check_pr
 
 RAW = Path("data/raw/tiny-fineweb")
 RECORD = RAW / ".runner-fetch.json"

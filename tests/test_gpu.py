@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from runner.config.schema import ExperimentSchema
 from runner.planning.plan import saved_activation_bytes
-from runner.training.backends import check_attention_backend, device_identity
+from runner.training.accelerator import check_attention_backend, device_identity
 from runner.training.loss import chunked_loss_sum, liger_loss_sum, plain_loss_sum
 from runner.training.memprobe import probe_training_forward
 from runner.training.model import build_model, maybe_compile

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from datafixtures import documents, make_tokenizer, run_cli, write_jsonl
 
-from runner.data.manifest import Pool, load_manifest, manifest_sha256, num_samples
+from runner.data.manifest import load_manifest, manifest_sha256, num_samples
+from runner.data.pool import Pool
 from runner.data.prepare import prepare
 from runner.errors import RunnerError
 

@@ -15,14 +15,15 @@ from runner.planning import assumptions
 from runner.planning.flops import params_of_config
 from runner.planning.plan import (
     EXPORT_SHARD_BYTES,
+    SECONDS_PER_DAY,
     build_plan,
     chinchilla_optimal_tokens,
+    compute_seconds,
     effective_tokens,
     format_plan,
     memory_per_device,
     pure_training_seconds,
     read_calibration,
-    training_days_6n,
     training_flops,
     wall_clock_seconds,
 )
@@ -34,7 +35,8 @@ H200 = 989.4
     "params,tokens,days", [(0.76e9, 25e9, 3.3), (1.3e9, 26e9, 6.0), (7e9, 140e9, 172.0), (13e9, 260e9, 590.0)]
 )
 def test_seed_training_days_at_40_percent_of_one_h200(params, tokens, days):
-    assert training_days_6n(params, tokens, 0.40, H200) == pytest.approx(days, rel=0.02)
+    seconds = compute_seconds(training_flops(params, tokens), 0.40, H200)  # 6ND at 40% of one H200
+    assert seconds / SECONDS_PER_DAY == pytest.approx(days, rel=0.02)
 
 
 def test_seed_wall_clock_with_overheads():
@@ -47,7 +49,7 @@ def test_compute_rules_of_thumb():
     assert training_flops(1e9, 2e10) == 1.2e20
     assert chinchilla_optimal_tokens(1.3e9) == 26e9
     with pytest.raises(RunnerError):
-        training_days_6n(1e9, 1e9, 0.0, H200)
+        compute_seconds(training_flops(1e9, 1e9), 0.0, H200)
 
 
 def test_effective_tokens_under_repetition():

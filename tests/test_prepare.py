@@ -17,7 +17,8 @@ from datafixtures import documents, make_tokenizer, run_cli, write_jsonl, write_
 from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from runner.data.manifest import Pool, load_manifest
+from runner.data.manifest import load_manifest
+from runner.data.pool import Pool
 from runner.data.prepare import SPLIT_RULE, is_validation, prepare
 from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError

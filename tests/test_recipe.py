@@ -13,9 +13,10 @@ import yaml
 from trainfixtures import check_pr, run_in_process
 
 from runner.cli import default_targets, validate_one
-from runner.config.load import load_experiment
+from runner.config import load as config_load
 from runner.config.rules import global_batch_tokens, grad_accum, model_vocab_size, total_steps
 from runner.errors import RunnerError
+from runner.planning.resources import load_experiment  # with the rules that need FLOPs and peaks, as the CLI
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,6 +138,20 @@ def test_unknown_device_without_peak_is_refused(project: Path):
     edit(project / "recipes/hardware/h200.yaml", _set("device_name", "Z9000"))
     with pytest.raises(RunnerError, match="recipes/hardware/h200.yaml: device_name.*Z9000.*never another device"):
         load_experiment(project / "experiments/1p3b.yaml")
+
+
+def test_a_model_whose_training_state_cannot_fit_is_refused_by_the_planning_rules(project: Path):
+    edit(project / "recipes/hardware/h200.yaml", _set("memory_gib", 8))
+    with pytest.raises(RunnerError, match=r"1p3b.yaml: model: 1,[0-9,]+ parameters need [0-9.,]+ GiB per device.*is 8"):
+        load_experiment(project / "experiments/1p3b.yaml")
+    # config's own loader judges what config alone can: FLOPs and peaks are planning's (config imports below it)
+    assert config_load.load_experiment(project / "experiments/1p3b.yaml").config.hardware.memory_gib == 8
+    # `runner pin` hands pin the same rules: it refuses before computing any pin
+    from runner.data.pin import pin_experiment
+    from runner.planning.resources import RULES
+
+    with pytest.raises(RunnerError, match="parameters need"):
+        pin_experiment(project / "experiments/1p3b.yaml", write=False, resources=RULES)
 
 
 def test_cli_refuses_with_one_line_per_problem_and_exit_2(project: Path):

@@ -13,7 +13,7 @@ from trainfixtures import check_pr
 
 from runner.cli import main
 from runner.config.load import load_experiment
-from runner.config.pin import pin_experiment
+from runner.data.pin import pin_experiment
 from runner.errors import RunnerError
 
 BAD_MIXTURE = """\

@@ -141,7 +141,7 @@ def test_replay_counts_match_stepping_through_every_batch():
 
 
 class FakePool:
-    """In-memory stand-in for runner.data.manifest.Pool."""
+    """In-memory stand-in for runner.data.pool.Pool."""
 
     def __init__(self, tokens):
         self.array = np.asarray(tokens, dtype=np.uint16)

@@ -10,7 +10,7 @@ from trainfixtures import launch, make_project
 
 from runner.fsio import read_jsonl
 from runner.training import loop
-from runner.training.backends import StepClock
+from runner.training.accelerator import StepClock
 
 
 @pytest.mark.slow  # a launch: ~8 s on a loaded core

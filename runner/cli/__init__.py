@@ -63,9 +63,9 @@ def validate_one(path: Path) -> tuple[str, list[str], list[str]]:
     """Validate a recipe on its own (kind from its folder) or an experiment with the data checks that
     need no training (pins present here, feasibility over the pools' sizes, pinned when the data is
     absent). Returns the OK line, notes and warnings (small validation sets)."""
-    from runner.config.load import load_experiment, load_recipe_file
     from runner.config.schema import KINDS
     from runner.errors import Problems
+    from runner.planning.resources import load_experiment, load_recipe_file
 
     if path.parent.name in KINDS:
         problems = Problems()
@@ -80,8 +80,9 @@ def validate_one(path: Path) -> tuple[str, list[str], list[str]]:
 
 
 def _cmd_show(args) -> int:
-    from runner.config.load import experiment_from_dict, load_experiment, to_yaml
+    from runner.config.load import experiment_from_dict, to_yaml
     from runner.fsio import read_yaml
+    from runner.planning.resources import load_experiment
 
     path = Path(args.experiment)
     if path.is_dir():  # a run folder: its resolved experiment.yaml
@@ -102,7 +103,7 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_check_pr(args) -> int:
-    from runner.config.pr import Loads, check_pr, review_markdown
+    from runner.reports.pr_review import Loads, check_pr, review_markdown
 
     loads = Loads()
     problems, report = check_pr(args.base, Path.cwd(), loads)

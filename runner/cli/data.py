@@ -96,7 +96,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         batch_docs=args.batch_docs,
     )
     if args.experiment is not None:
-        from runner.config.load import load_experiment
+        from runner.planning.resources import load_experiment
 
         if args.tokenizer or args.input or args.out or args.input_format != "auto":
             raise RunnerError("an experiment names its tokenizer, inputs and output: drop --tokenizer/--input/--out")

@@ -1,7 +1,7 @@
 """CLI for Hub assets and pins: `runner fetch EXPERIMENT`, `runner pin EXPERIMENT`.
 
 Owns: argument parsing and printing for these two verbs; the work is in runner.data.fetch and
-runner.config.pin. Never holds logic of its own.
+runner.data.pin. Never holds logic of its own.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def register(subparsers) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from runner.config.load import load_experiment
     from runner.data.fetch import fetch_experiment
+    from runner.planning.resources import load_experiment
 
     exp = load_experiment(args.experiment, check_files=False)  # the files are what fetch brings
     records = fetch_experiment(exp, say=lambda line: print(line, file=sys.stderr))
@@ -39,10 +39,10 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    from runner.config.load import load_experiment
-    from runner.config.pin import pin_experiment
+    from runner.data.pin import pin_experiment
+    from runner.planning.resources import RULES, load_experiment
 
-    result = pin_experiment(args.experiment, write=not args.dry_run)
+    result = pin_experiment(args.experiment, write=not args.dry_run, resources=RULES)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     if not result.changes:

@@ -54,7 +54,7 @@ def register(subparsers) -> None:
 
 def launch_env(cfg) -> dict[str, str]:
     """What torchrun's processes need beside their own variables: mixed precision, FSDP2's plugin."""
-    from runner.training.backends import accelerate_mixed_precision
+    from runner.training.accelerator import accelerate_mixed_precision
 
     out = {
         "ACCELERATE_MIXED_PRECISION": accelerate_mixed_precision(cfg.hardware),
@@ -177,7 +177,7 @@ def _block_dumper():
 
 
 def cmd_job(args) -> int:
-    from runner.config.load import load_experiment
+    from runner.planning.resources import load_experiment
 
     exp = load_experiment(args.experiment, check_files=False)
     if args.bucket is not None and not args.skypilot:

@@ -17,8 +17,8 @@ def _float(text: str, flag: str) -> float:
 
 
 def cmd_plan(args) -> int:
-    from runner.config.load import load_experiment
     from runner.planning.plan import build_plan, format_plan, read_calibration
+    from runner.planning.resources import load_experiment
 
     exp = load_experiment(args.experiment, check_files=False)
     cfg = exp.config

@@ -176,7 +176,16 @@ def _fraction(text: str) -> float:
 
 
 def register(subparsers) -> None:
-    """The five verbs' argparse declarations (long: one flat block per verb, no logic)."""
+    """The five verbs' argparse declarations, in the order `runner --help` lists them."""
+    _register_report(subparsers)
+    _register_audit(subparsers)
+    _register_audit_claims(subparsers)
+    _register_publish(subparsers)
+    _register_audit_reports(subparsers)
+
+
+def _register_report(subparsers) -> None:
+    """`runner report`."""
     p = subparsers.add_parser("report", help="(re)build a run's report/ folder from its run folder or MLflow run id")
     p.add_argument(
         "run",
@@ -186,6 +195,9 @@ def register(subparsers) -> None:
     p.add_argument("--dest", help="where to download an MLflow run's artifacts (default: a temp folder)")
     p.set_defaults(func=_report)
 
+
+def _register_audit(subparsers) -> None:
+    """`runner audit`."""
     p = subparsers.add_parser(
         "audit",
         help="check a report against what it cannot rewrite: PASS, FAIL or UNVERIFIED",
@@ -222,6 +234,9 @@ def register(subparsers) -> None:
     )
     p.set_defaults(func=_audit)
 
+
+def _register_audit_claims(subparsers) -> None:
+    """`runner audit-claims`."""
     p = subparsers.add_parser(
         "audit-claims",
         help="check published training claims (YAML): implied MFU, mixture tables' epochs, impossible figures",
@@ -245,6 +260,9 @@ def register(subparsers) -> None:
     )
     p.set_defaults(func=_audit_claims)
 
+
+def _register_publish(subparsers) -> None:
+    """`runner publish`."""
     p = subparsers.add_parser("publish", help="audit a run, then copy its report to reports/<experiment>/<run_id>/")
     p.add_argument("run_dir", help="run folder to audit and publish (its report/ is written if missing)")
     p.add_argument(
@@ -264,6 +282,9 @@ def register(subparsers) -> None:
     )
     p.set_defaults(func=_publish)
 
+
+def _register_audit_reports(subparsers) -> None:
+    """`runner audit-reports`."""
     p = subparsers.add_parser(
         "audit-reports",
         help="audit every published report (CI)",

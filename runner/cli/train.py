@@ -92,7 +92,7 @@ def _timestamp() -> str:
 def make_accelerator(cfg: ExperimentSchema):
     from accelerate import Accelerator
 
-    from runner.training.backends import accelerate_mixed_precision, ddp_kwargs_handlers, fsdp_plugin, sharding_mode
+    from runner.training.accelerator import accelerate_mixed_precision, ddp_kwargs_handlers, fsdp_plugin, sharding_mode
 
     acc = Accelerator(
         cpu=cfg.hardware.accelerator == "cpu",
@@ -106,7 +106,7 @@ def make_accelerator(cfg: ExperimentSchema):
 
 def _resolve(args) -> tuple[Experiment, Path | None, bool]:
     """(experiment, run folder or None for a new default one, whether the folder holds a run)."""
-    from runner.config.load import load_experiment
+    from runner.planning.resources import load_experiment
     from runner.runs import check_same_experiment, checked_experiment_of_run, is_run_dir
 
     target = Path(args.target)
@@ -275,15 +275,9 @@ def _check_same_folder(run_dir: Path, held: dict | None) -> None:
 def _launch(args, held: contextlib.ExitStack) -> int:
     """`runner launch` on every rank, in the order its refusals must come: the target and world
     checked, the folder chosen and locked, records written, MLflow started, the loop run, the report
-    and summary written. Long because that order is the contract: each step may refuse before the
-    next writes anything, and splitting it would scatter the ranks' agreement over several calls."""
-    from accelerate.utils import broadcast_object_list
-
-    from runner.config.load import to_yaml
-    from runner.config.rules import global_batch_tokens
-    from runner.runs import RunFolder, check_mixture_feasible, create_run_folder, extend_run, is_run_dir
+    and summary written. Each step may refuse before the next writes anything."""
+    from runner.runs import extend_run
     from runner.training.loop import Options, train
-    from runner.training.tracking import flatten
 
     exp, run_dir, existing = _resolve(args)
     if existing and args.extend_to is None:
@@ -304,6 +298,38 @@ def _launch(args, held: contextlib.ExitStack) -> int:
     warning = check_world(exp.config, acc.num_processes)  # before any folder is written
     if warning and main:
         print(warning, file=sys.stderr)
+    run_dir = _claim_folder(args, exp, run_dir, existing, acc, held)
+    tracker = None if args.no_tracking else _start_tracking(args, exp, run_dir, existing, main)
+    kill = args.kill_at_step
+    if args.kill_rank is not None and (
+        args.kill_rank != acc.process_index or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    ):
+        kill = None
+    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=kill)
+    try:
+        code = train(exp, run_dir, acc, tracker, opts)
+    except BaseException:
+        if tracker is not None:  # what the delivery thread still holds reaches MLflow, or stays journaled
+            tracker.flush()
+            tracker.close()
+        raise
+    if main:
+        _close_run(exp, run_dir, tracker)
+    acc.wait_for_everyone()
+    acc.end_training()
+    return code
+
+
+def _claim_folder(args, exp: Experiment, run_dir: Path | None, existing: bool, acc, held: contextlib.ExitStack) -> Path:
+    """The run folder chosen (ranks agree on one), locked for this launch, and its records written (rank 0):
+    created, extended, or given the experiment's new operational keys. Every rank returns after rank 0 wrote."""
+    from accelerate.utils import broadcast_object_list
+
+    from runner.config.load import to_yaml
+    from runner.data.manifest import launch_warnings
+    from runner.runs import check_mixture_feasible, create_run_folder, extend_run, is_run_dir
+
+    main = acc.is_main_process
     if run_dir is None:
         name = args.run_name or _timestamp()
         chosen = [str(Path("runs") / exp.config.name / name)]
@@ -326,60 +352,58 @@ def _launch(args, held: contextlib.ExitStack) -> int:
         elif args.target != str(run_dir):
             # Same fingerprint, maybe other operational keys (checkpoint interval, hard stop): use them.
             (run_dir / "experiment.yaml").write_text(to_yaml(exp.config))
-        from runner.data.manifest import launch_warnings
-
         for line in launch_warnings(exp):  # after the refusals: a launch that will not run warns of nothing
             print(f"warning: {line}", file=sys.stderr)
     acc.wait_for_everyone()
-    tracker = None if args.no_tracking else _make_tracker(run_dir, main)
+    return run_dir
+
+
+def _start_tracking(args, exp: Experiment, run_dir: Path, existing: bool, main: bool) -> Tracker:
+    """The MLflow run started or resumed: params and the experiment.yaml artifact on the first start only,
+    the new segment's tags after an --extend-to."""
+    from runner.runs import RunFolder
+    from runner.training.tracking import flatten
+
+    tracker = _make_tracker(run_dir, main)
     first_start = not existing
-    if tracker is not None:
-        tracker.start(
-            exp.config.name,
-            RunFolder(run_dir).read()["run_id"],
-            params=flatten(exp.to_container()) if first_start else None,
-            tags=_tags(exp, run_dir),
-            artifacts=[run_dir / "experiment.yaml"] if first_start else [],
-        )
-        if args.extend_to is not None:
-            info = RunFolder(run_dir).read()
-            seg = info["segments"][-1]
-            tracker.log_tags({f"segment.{seg['index']}.{k}": v for k, v in seg.items() if k != "index"})
-    kill = args.kill_at_step
-    if args.kill_rank is not None and (
-        args.kill_rank != acc.process_index or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    ):
-        kill = None
-    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=kill)
-    try:
-        code = train(exp, run_dir, acc, tracker, opts)
-    except BaseException:
-        if tracker is not None:  # what the delivery thread still holds reaches MLflow, or stays journaled
-            tracker.flush()
-            tracker.close()
-        raise
-    if main:
+    tracker.start(
+        exp.config.name,
+        RunFolder(run_dir).read()["run_id"],
+        params=flatten(exp.to_container()) if first_start else None,
+        tags=_tags(exp, run_dir),
+        artifacts=[run_dir / "experiment.yaml"] if first_start else [],
+    )
+    if args.extend_to is not None:
         info = RunFolder(run_dir).read()
-        status = info.get("status")
-        hard_stop = exp.config.train.hard_stop_tokens
-        at_hard_stop = (
-            hard_stop is not None and int(info.get("committed_steps", 0)) * global_batch_tokens(exp.config) == hard_stop
-        )
-        if status == "finished" or at_hard_stop:  # the run's end as the user chose it: report it
-            if tracker is not None:  # the MLflow run id reaches run.json (delivery is asynchronous) before the copy
-                tracker.flush()
-            _write_report(run_dir, tracker)
-        if tracker is not None:
-            done = tracker.finish({"finished": "FINISHED", "failed": "FAILED"}.get(str(status), "KILLED"))
-            if not done:
-                print(f"mlflow: some data is still pending; send it with `runner sync {run_dir}`", file=sys.stderr)
-        print(f"run {run_dir}: {status}")
-        _print_summary(run_dir)
-        if status == "finished" and exp.config.export.at_end:
-            _export_at_end(run_dir, exp)
-    acc.wait_for_everyone()
-    acc.end_training()
-    return code
+        seg = info["segments"][-1]
+        tracker.log_tags({f"segment.{seg['index']}.{k}": v for k, v in seg.items() if k != "index"})
+    return tracker
+
+
+def _close_run(exp: Experiment, run_dir: Path, tracker: Tracker | None) -> None:
+    """Rank 0 after the loop: the report when the run ended as the user chose (finished, or at its hard
+    stop), the MLflow run's end, the summary, and the export the experiment asks for at its end."""
+    from runner.config.rules import global_batch_tokens
+    from runner.runs import RunFolder
+
+    info = RunFolder(run_dir).read()
+    status = info.get("status")
+    hard_stop = exp.config.train.hard_stop_tokens
+    at_hard_stop = (
+        hard_stop is not None and int(info.get("committed_steps", 0)) * global_batch_tokens(exp.config) == hard_stop
+    )
+    if status == "finished" or at_hard_stop:  # the run's end as the user chose it: report it
+        if tracker is not None:  # the MLflow run id reaches run.json (delivery is asynchronous) before the copy
+            tracker.flush()
+        _write_report(run_dir, tracker)
+    if tracker is not None:
+        done = tracker.finish({"finished": "FINISHED", "failed": "FAILED"}.get(str(status), "KILLED"))
+        if not done:
+            print(f"mlflow: some data is still pending; send it with `runner sync {run_dir}`", file=sys.stderr)
+    print(f"run {run_dir}: {status}")
+    _print_summary(run_dir)
+    if status == "finished" and exp.config.export.at_end:
+        _export_at_end(run_dir, exp)
 
 
 def _print_summary(run_dir: Path) -> None:
@@ -495,29 +519,14 @@ def _launch_cmd(run_dir: Path, *extra: str) -> list[str]:
 
 def cmd_smoke(args) -> int:
     """`runner smoke`: one short run killed and resumed against one uninterrupted, compared bit for bit on
-    a CPU and within a stated tolerance on a GPU (runner.training.resume_identity)
-    (long: a scripted scenario whose steps read as a sequence)."""
-    from runner.config.load import experiment_from_dict, load_experiment
-    from runner.planning.plan import build_plan, read_calibration
-    from runner.runs import create_run_folder
-    from runner.training.checkpoint import dirname
-    from runner.training.resume_identity import compare_weights
+    a CPU and within a stated tolerance on a GPU (runner.training.resume_identity)."""
+    from runner.planning.resources import load_experiment
 
     full = load_experiment(args.experiment)
     cfg = full.config
     steps = max(4, args.steps)
-    B, L = cfg.train.global_batch_sequences, cfg.train.seq_len
-    small = full.to_container()
-    small["train"].update(exposure_tokens=steps * B * L, max_duration_tokens=steps * B * L, hard_stop_tokens=None)
-    small["train"]["checkpoint"].update(interval_steps=steps // 2, interval_minutes=0, keep_last=2)
-    small["eval"].update(interval_steps=steps)
-    exp = experiment_from_dict(small, project_root=full.project_root, path=full.path)
     out = Path(args.out) if args.out else Path("runs") / cfg.name / f"smoke-{_timestamp()}"
-    ref, res = out / "reference", out / "resumed"
-    for d in (ref, res):
-        if d.exists():
-            shutil.rmtree(d)
-        create_run_folder(exp, d, d.name)
+    ref, res = _smoke_folders(full, steps, out)
     print(f"smoke: {steps} steps of {cfg.name} x2 in {out}")
     rc = subprocess.run(_launch_cmd(ref)).returncode
     if rc != EXIT_OK:
@@ -531,9 +540,52 @@ def cmd_smoke(args) -> int:
         problems.append(f"fault injection did not kill the run (exit {killed})")
     if rc != EXIT_OK:
         problems.append(f"resumed run exited {rc}")
+    identity, differences = _smoke_differences(ref, res, steps, str(cfg.hardware.accelerator))
+    problems += differences
+    rows = read_jsonl(ref / "metrics" / "train.jsonl")
+    steady = rows[2:] or rows
+    tps = statistics.median(r["tokens_per_second"] for r in steady)
+    mfu = statistics.median(r["mfu"] for r in steady)
+    lost = read_json(res / "ledger.json")["counters"]["total"]["lost"]
+    print(f"smoke: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, all finite")
+    print(f"smoke: kill at step {kill_at} + resume: weights {identity.describe()}, lost tokens {lost}")
+    print(f"smoke: measured {tps:,.0f} tokens/s, MFU {mfu:.2%} (median of steps 3..{steps})")
+    _print_smoke_plan(full, ref)
+    for p in problems:
+        print(f"smoke: FAILED: {p}")
+    return EXIT_DISCREPANCY if problems else EXIT_OK
+
+
+def _smoke_folders(full: Experiment, steps: int, out: Path) -> tuple[Path, Path]:
+    """The reference and resumed run folders (emptied first) of `steps` steps of `full`, checkpointed at
+    steps // 2 and at the end, evaluated once."""
+    from runner.config.load import experiment_from_dict
+    from runner.runs import create_run_folder
+
+    B, L = full.config.train.global_batch_sequences, full.config.train.seq_len
+    small = full.to_container()
+    small["train"].update(exposure_tokens=steps * B * L, max_duration_tokens=steps * B * L, hard_stop_tokens=None)
+    small["train"]["checkpoint"].update(interval_steps=steps // 2, interval_minutes=0, keep_last=2)
+    small["eval"].update(interval_steps=steps)
+    exp = experiment_from_dict(small, project_root=full.project_root, path=full.path)
+    ref, res = out / "reference", out / "resumed"
+    for d in (ref, res):
+        if d.exists():
+            shutil.rmtree(d)
+        create_run_folder(exp, d, d.name)
+    return ref, res
+
+
+def _smoke_differences(ref: Path, res: Path, steps: int, accelerator: str):
+    """(weight identity, problems): the final weights, the ledger's counters and the expert load of the
+    resumed run against the uninterrupted one."""
+    from runner.training.checkpoint import dirname
+    from runner.training.resume_identity import compare_weights
+
+    problems = []
     final = dirname(steps)
     a, b = ref / "checkpoints" / final / "model.safetensors", res / "checkpoints" / final / "model.safetensors"
-    identity = compare_weights(a, b, str(cfg.hardware.accelerator))
+    identity = compare_weights(a, b, accelerator)
     if not identity.ok:
         problems.append(f"weights after kill+resume differ from the uninterrupted run: {identity.describe()}")
     la, lb = (read_json(d / "ledger.json")["counters"] for d in (ref, res))
@@ -544,13 +596,14 @@ def cmd_smoke(args) -> int:
     ea, eb = (d / "expert_load.json" for d in (ref, res))  # a mixture of experts' routing, committed steps only
     if ea.exists() and (not eb.exists() or read_json(ea)["routed_tokens"] != read_json(eb)["routed_tokens"]):
         problems.append("expert load after kill+resume differs from the uninterrupted run")
-    rows = read_jsonl(ref / "metrics" / "train.jsonl")
-    steady = rows[2:] or rows
-    tps = statistics.median(r["tokens_per_second"] for r in steady)
-    mfu = statistics.median(r["mfu"] for r in steady)
-    print(f"smoke: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, all finite")
-    print(f"smoke: kill at step {kill_at} + resume: weights {identity.describe()}, lost tokens {lb['total']['lost']}")
-    print(f"smoke: measured {tps:,.0f} tokens/s, MFU {mfu:.2%} (median of steps 3..{steps})")
+    return identity, problems
+
+
+def _print_smoke_plan(full: Experiment, ref: Path) -> None:
+    """The full run's time and cost at the smoke's measured MFU, then at the recipe's assumed one."""
+    from runner.planning.plan import build_plan, read_calibration
+
+    cfg = full.config
     try:
         plan = build_plan(cfg, calibration=read_calibration(ref, cfg), root=full.project_root)
         t = plan["time"]
@@ -565,6 +618,3 @@ def cmd_smoke(args) -> int:
         )
     except RunnerError as e:
         print(f"smoke: no plan comparison ({e})")
-    for p in problems:
-        print(f"smoke: FAILED: {p}")
-    return EXIT_DISCREPANCY if problems else EXIT_OK

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config.fingerprint import fingerprint
-from runner.config.rules import check_recipe, validate_experiment
+from runner.config.rules import ResourceRules, check_recipe, validate_experiment
 from runner.config.schema import (
     EXPERIMENT_KEYS,
     KINDS,
@@ -68,6 +68,16 @@ def find_project_root(start: Path) -> Path:
         if (d / "recipes").is_dir():
             return d
     return Path.cwd().resolve()
+
+
+def repo_root(start: Path | None = None) -> Path:
+    """The enclosing git checkout of `start` (default cwd), else `start` itself: where the default MLflow
+    store lives and what a published run.json's paths are made relative to (find_project_root: where recipes are)."""
+    start = Path(start or Path.cwd()).resolve()
+    for p in (start, *start.parents):
+        if (p / ".git").exists():
+            return p
+    return start
 
 
 def _read_yaml(path: Path, problems: Problems) -> dict | None:
@@ -196,7 +206,7 @@ def parse_ref(ref: Any) -> tuple[str, int]:
     return name, int(ver)
 
 
-def load_recipe_file(path: Path, kind: str, problems: Problems) -> dict | None:
+def load_recipe_file(path: Path, kind: str, problems: Problems, resources: ResourceRules | None = None) -> dict | None:
     """Read and check one recipe on its own: types, unknown keys, labels, then its kind's rules
     (ratios, caps, divisibility, ...) on its values with the schema's defaults filled in, so a
     fault is named in the recipe file, `recipes/mixture/x.yaml: domains.web.max_repetition_ratio`."""
@@ -214,11 +224,13 @@ def load_recipe_file(path: Path, kind: str, problems: Problems) -> dict | None:
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         problems.add(path, "version", f"must be an integer >= 1, got {v!r}")
     if len(problems.lines) == before:
-        _check_recipe_values(data, kind, path, problems)
+        _check_recipe_values(data, kind, path, problems, resources)
     return data
 
 
-def _check_recipe_values(data: dict, kind: str, path: Path, problems: Problems) -> None:
+def _check_recipe_values(
+    data: dict, kind: str, path: Path, problems: Problems, resources: ResourceRules | None
+) -> None:
     """A recipe's values on their own, the schema's defaults filled in: its kind's `validate`."""
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(RECIPE_SCHEMAS[kind]), data)
@@ -239,7 +251,7 @@ def _check_recipe_values(data: dict, kind: str, path: Path, problems: Problems) 
         problems.add(path, getattr(e, "full_key", "") or "", str(e).splitlines()[0])
         return
     assert isinstance(typed, Recipe)
-    check_recipe(typed, kind, path, problems)
+    check_recipe(typed, kind, path, problems, resources)
 
 
 def recipe_path(root: Path, kind: str, name: str) -> Path:
@@ -250,17 +262,25 @@ def available_recipes(root: Path, kind: str) -> list[str]:
     return sorted(p.stem for p in (root / "recipes" / kind).glob("*.yaml"))
 
 
-def load_experiment(path: str | Path, *, check_files: bool = True) -> Experiment:
-    """Resolve and validate `experiments/NAME.yaml`. Raises RunnerError listing every problem."""
+def load_experiment(
+    path: str | Path, *, check_files: bool = True, resources: ResourceRules | None = None
+) -> Experiment:
+    """Resolve and validate `experiments/NAME.yaml`. Raises RunnerError listing every problem. The rules
+    that need FLOPs or the peak table run only with `resources` (runner.planning.resources.load_experiment
+    hands them in: what the CLI calls)."""
     path = Path(path)
     problems = Problems()
     data = _read_yaml(path, problems)
     problems.raise_if_any()
     assert data is not None
-    return load_experiment_data(data, path, find_project_root(path.parent), check_files=check_files)
+    return load_experiment_data(
+        data, path, find_project_root(path.parent), check_files=check_files, resources=resources
+    )
 
 
-def load_experiment_data(data: dict, path: Path, root: Path, *, check_files: bool = True) -> Experiment:
+def load_experiment_data(
+    data: dict, path: Path, root: Path, *, check_files: bool = True, resources: ResourceRules | None = None
+) -> Experiment:
     """An experiment file's content (not yet written to `path`, e.g. a pilot), resolved and validated
     exactly as `load_experiment` would resolve the file."""
     problems = Problems()
@@ -268,7 +288,7 @@ def load_experiment_data(data: dict, path: Path, root: Path, *, check_files: boo
     problems.raise_if_any()
     data = _apply_base(data, path, root, problems, seen=(path.resolve(),))
     problems.raise_if_any()
-    return compose(data, path, root, problems, check_files=check_files)
+    return compose(data, path, root, problems, check_files=check_files, resources=resources)
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -334,7 +354,7 @@ def _check_experiment_keys(data: dict, path: Path, problems: Problems) -> dict[s
 
 
 def _load_recipes(
-    refs: dict[str, Any], path: Path, root: Path, problems: Problems
+    refs: dict[str, Any], path: Path, root: Path, problems: Problems, resources: ResourceRules | None
 ) -> tuple[dict[str, dict], dict[str, Path]]:
     """Each kind's recipe file named by `refs`, checked against its schema and its version; and the
     files they were read from."""
@@ -357,7 +377,7 @@ def _load_recipes(
                 f"no recipe '{name}' in recipes/{kind}/" + did_you_mean(name, available_recipes(root, kind)),
             )
             continue
-        recipe = load_recipe_file(rpath, kind, problems)
+        recipe = load_recipe_file(rpath, kind, problems, resources)
         if recipe is None:
             continue
         if recipe.get("version") != version:
@@ -420,12 +440,18 @@ def _typed(layers: list[dict], path: Path, problems: Problems) -> ExperimentSche
 
 
 def compose(
-    data: dict, path: Path, root: Path, problems: Problems | None = None, *, check_files: bool = True
+    data: dict,
+    path: Path,
+    root: Path,
+    problems: Problems | None = None,
+    *,
+    check_files: bool = True,
+    resources: ResourceRules | None = None,
 ) -> Experiment:
     """An experiment file's data (base applied) composed with its recipes, typed and validated."""
     problems = problems or Problems()
     refs = _check_experiment_keys(data, path, problems)
-    recipes, files = _load_recipes(refs, path, root, problems)
+    recipes, files = _load_recipes(refs, path, root, problems, resources)
     data, overrides, dropped = _check_sections(data, path, problems)
     problems.raise_if_any()
     top = {k: data[k] for k in ("name", "version", "description", "seed", *OWN_SECTIONS) if k in data}
@@ -437,7 +463,7 @@ def compose(
     _check_keys(composed, ExperimentSchema, "", path, problems, choices=True)
     problems.raise_if_any()
     cfg = _typed([recipes, top, overrides], path, problems)
-    notes = validate_experiment(cfg, path, root, problems, check_files=check_files)
+    notes = validate_experiment(cfg, path, root, problems, check_files=check_files, resources=resources)
     problems.raise_if_any()
     return Experiment(
         config=cfg, fingerprint=fingerprint(cfg), path=path, project_root=root, notes=notes, recipe_files=files

@@ -2,8 +2,11 @@
 
 Owns: what a resolved config must satisfy beyond each section's own rules (the schema's
 `validate`): the batch split over the hardware's devices, warm-up against the schedule length,
-manifests against the mixture's domains, the device against the peak table, and the tokenizer pin
-on disk; plus the derived numbers (devices, gradient accumulation, steps, padded vocab).
+manifests against the mixture's domains, and the tokenizer pin on disk; plus the derived numbers
+(devices, gradient accumulation, steps, padded vocab). The rules that need FLOPs or the peak table
+(the device has a peak, the model fits, a checkpoint gather fits the host) are
+runner.planning.resources', handed in as `ResourceRules` where these are checked: config imports
+nothing above it.
 Checks that need files on disk are done here only for the tokenizer pin, because its vocab
 decides the token dtype every later stage relies on.
 """
@@ -14,6 +17,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from runner.config.schema import (
     COMMIT_HEX,
@@ -25,10 +29,8 @@ from runner.config.schema import (
     Recipe,
     TokenizerRecipe,
 )
-from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
+from runner.errors import Problems, RunnerError, did_you_mean, display_path
 from runner.fsio import sha256_file
-from runner.planning.flops import padded_vocab_size, params_of_config
-from runner.planning.hardware import canonical_device
 
 
 def devices(cfg: ExperimentSchema) -> int:
@@ -63,21 +65,45 @@ def max_duration_tokens(cfg: ExperimentSchema) -> int:
     return cfg.train.exposure_tokens if m is None else m
 
 
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """Embedding rows: the tokenizer's `vocab_size` rounded up to `multiple` (model.pad_vocab_multiple)."""
+    for value, key in ((vocab_size, "tokenizer.vocab_size"), (multiple, "model.pad_vocab_multiple")):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise RunnerError(f"must be a positive integer, got {value!r}", key=key)
+    return -(-vocab_size // multiple) * multiple
+
+
 def model_vocab_size(cfg: ExperimentSchema) -> int:
     """Embedding rows: the tokenizer's vocab rounded up to model.pad_vocab_multiple."""
     return padded_vocab_size(cfg.tokenizer.vocab_size, cfg.model.pad_vocab_multiple)
 
 
+class ResourceRules(Protocol):
+    """The rules that need FLOPs or the hardware peak table (runner.planning.resources implements them):
+    handed to the loader by the layers above planning, called where the config's own rules are."""
+
+    def check_hardware(self, hw: HardwareRecipe, path: Path, problems: Problems, prefix: str) -> None: ...
+
+    def check_experiment(self, cfg: ExperimentSchema, path: Path, problems: Problems) -> list[str]: ...
+
+
 def validate_experiment(
-    cfg: ExperimentSchema, path: Path, root: Path, problems: Problems, *, check_files: bool = True
+    cfg: ExperimentSchema,
+    path: Path,
+    root: Path,
+    problems: Problems,
+    *,
+    check_files: bool = True,
+    resources: ResourceRules | None = None,
 ) -> list[str]:
-    """Each section's rules, then the rules across sections. Returns notes for pins that cannot be
-    verified on this machine."""
+    """Each section's rules, then the rules across sections (with `resources`, those that need FLOPs or
+    the peak table too). Returns notes for pins that cannot be verified on this machine."""
     check_numbers(cfg, "", path, problems)
     if problems.lines:
         return []  # the rules below compare numbers: NaN and 10**30 would only confuse them
     cfg.validate(problems, path)
-    check_device_peak(cfg.hardware, path, problems)
+    if resources is not None:
+        resources.check_hardware(cfg.hardware, path, problems, "hardware")
     check_speed_options(cfg, path, problems)
     check_manifests_match_mixture(cfg, path, problems)
     check_targets(cfg, path, problems)
@@ -91,8 +117,8 @@ def validate_experiment(
         return notes  # the arithmetic below divides by values already found wrong
     check_batch_split(cfg, path, problems)
     check_warmup(cfg, path, problems)
-    check_model_fits(cfg, path, problems)
-    notes += check_host_gather(cfg, path, problems)
+    if resources is not None:
+        notes += resources.check_experiment(cfg, path, problems)
     return notes
 
 
@@ -119,11 +145,6 @@ def check_speed_options(cfg: ExperimentSchema, path: Path, problems: Problems) -
 
 #: int64: what torch, numpy and safetensors hold; a larger integer overflows them.
 INT_MAX = 2**63 - 1
-#: bytes per parameter that training certainly holds: fp32 weights, fp32 grads, AdamW's two fp32 moments.
-STATE_BYTES_PER_PARAM = 16
-#: bytes per parameter a checkpoint holds, gathered whole in rank 0's host memory to be written:
-#: fp32 weights and AdamW's two fp32 moments (gradients are not saved).
-CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 def _entries(node) -> list[tuple[str, object]] | None:
@@ -150,74 +171,14 @@ def check_numbers(node, key: str, path: Path, problems: Problems) -> None:
         problems.add(path, key, f"{node:.3e} is out of range (at most 2**63 - 1, what torch and numpy hold)")
 
 
-def check_model_fits(cfg, path: Path, problems: Problems) -> None:
-    """A model whose training state alone (16 B/param, before any activation) exceeds the hardware
-    recipe's memory can never train: say so here, not as an allocation failure after launch wrote a run folder."""
-    if not cfg.hardware.memory_gib or cfg.hardware.memory_gib <= 0:
-        return
-    shard = devices(cfg) if cfg.hardware.distributed == "fsdp" else 1
-    need_bytes = params_of_config(cfg).all * STATE_BYTES_PER_PARAM // shard
-    have_bytes = cfg.hardware.memory_gib * 2**30
-    if need_bytes > have_bytes:
-        problems.add(
-            path,
-            "model",
-            f"{params_of_config(cfg).all:,} parameters need {need_bytes / 2**30:,.4g} GiB per device for weights, "
-            f"gradients and AdamW moments alone ({STATE_BYTES_PER_PARAM} B/param"
-            + (f", sharded over {shard}" if shard > 1 else "")
-            + f"); hardware.memory_gib is {cfg.hardware.memory_gib:g}",
-        )
-
-
-def host_gather_bytes(cfg: ExperimentSchema) -> int:
-    """Bytes rank 0 holds in host memory while it writes a checkpoint: the full state, gathered."""
-    return params_of_config(cfg).all * CHECKPOINT_BYTES_PER_PARAM
-
-
-def check_host_gather(cfg: ExperimentSchema, path: Path, problems: Problems) -> list[str]:
-    """Refuse a GPU experiment whose checkpoint, gathered whole on rank 0, exceeds the node's stated host
-    memory (it would be killed at its first checkpoint, hours in); unknown host memory is a note."""
-    if cfg.hardware.accelerator == "cpu":
-        return []  # the device memory is the host's: check_model_fits covers it
-    need = host_gather_bytes(cfg)
-    host = cfg.hardware.host_memory_gib
-    if host is None:
-        return [
-            f"{display_path(path)}: hardware.host_memory_gib: unknown; rank 0 gathers {need / 2**30:,.4g} GiB "
-            "(fp32 weights + AdamW moments) in host memory to write each checkpoint: state the node's host memory"
-        ]
-    if need > host * 2**30:
-        problems.add(
-            path,
-            "hardware.host_memory_gib",
-            f"a checkpoint gathers {need / 2**30:,.4g} GiB on rank 0 ({params_of_config(cfg).all:,} parameters x "
-            f"{CHECKPOINT_BYTES_PER_PARAM} B: fp32 weights + AdamW moments), more than the {host:g} GiB of host "
-            "memory; use nodes with more host memory (a sharded checkpoint format, which would not gather, "
-            "is not implemented)",
-        )
-    return []
-
-
-def check_recipe(recipe: Recipe, kind: str, path: Path, problems: Problems) -> None:
-    """A recipe file on its own: its section's rules, and for hardware the device against the peak
-    table (a fault is named in the recipe file: `recipes/hardware/x.yaml: device_name: ...`)."""
+def check_recipe(
+    recipe: Recipe, kind: str, path: Path, problems: Problems, resources: ResourceRules | None = None
+) -> None:
+    """A recipe file on its own: its section's rules, and with `resources` for hardware the device against
+    the peak table (a fault is named in the recipe file: `recipes/hardware/x.yaml: device_name: ...`)."""
     recipe.validate(problems, path, "")
-    if isinstance(recipe, HardwareRecipe):
-        check_device_peak(recipe, path, problems, "")
-
-
-def check_device_peak(hw: HardwareRecipe, path: Path, problems: Problems, prefix: str = "hardware") -> None:
-    """An accelerator without a stated peak must be in the peak table, for its dtype: MFU is never
-    measured against another device's number."""
-    if hw.accelerator == "cpu" or hw.peak_tflops is not None:
-        return
-    if canonical_device(hw.device_name) is None or hw.peak_dtype != "bf16":
-        problems.add(
-            path,
-            join_key(prefix, "device_name"),
-            f"'{hw.device_name}' has no {hw.peak_dtype} peak in the table: state peak_tflops and peak_source "
-            "(never another device's number)",
-        )
+    if resources is not None and isinstance(recipe, HardwareRecipe):
+        resources.check_hardware(recipe, path, problems, "")
 
 
 def check_manifests_match_mixture(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:

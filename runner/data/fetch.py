@@ -9,7 +9,7 @@ git blob id for small files) before it is moved into place, refusing any listed 
 outside the source's folder, and the fetch record a later `runner data prepare` and `runner pin` read
 (`.runner-fetch.json` in the source's folder, `.runner-fetch.<file>.json` next to a tokenizer; its
 format, typed reading, per-file journal and re-verification are runner.data.fetch_record's).
-Never edits recipes (runner.config.pin does), never tokenizes (runner.data.prepare does), and
+Never edits recipes (runner.data.pin does), never tokenizes (runner.data.prepare does), and
 never leaves a file in place that the Hub's hash does not vouch for.
 """
 

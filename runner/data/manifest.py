@@ -1,7 +1,8 @@
 """Manifests: the files that pin a domain's token pool, and the pools they describe.
 
-Owns: the manifest format (`runner-manifest/1`), its self-hash, checking that the shards on
-disk are the ones it names, and reading a pool across shard boundaries by memory map.
+Owns: the manifest format (`runner-manifest/1`), its self-hash, and checking that the shards on
+disk are the ones it names. The records it reads into and the memory-mapped pool are in
+runner.data.pool.
 Never tokenizes and never writes shards (that is `runner.data.prepare`); never trusts a shard
 whose size does not match its token count.
 """
@@ -15,11 +16,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-import numpy as np
-
 from runner.config.load import Experiment
 from runner.config.rules import unresolved_revisions
 from runner.data.mixture import MixturePlan, plan_mixture
+from runner.data.pool import DTYPES, Manifest, Shard
+from runner.data.pool import Pool as Pool  # re-exported: the loop imports it from here
 from runner.errors import MixtureInfeasible, RunnerError, display_path
 from runner.fsio import atomic_write, canonical_json, read_yaml, sha256_file
 
@@ -42,7 +43,6 @@ REQUIRED_KEYS = (
     "manifest_sha256",
 )
 SHARD_KEYS = ("path", "tokens", "documents", "sha256")
-DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 def manifest_sha256(fields: dict) -> str:
@@ -58,35 +58,6 @@ def write_manifest(path: Path, fields: dict) -> str:
     sealed["manifest_sha256"] = manifest_sha256(sealed)
     atomic_write(Path(path), (json.dumps(sealed, indent=1, sort_keys=True) + "\n").encode("ascii"))
     return sealed["manifest_sha256"]
-
-
-@dataclass(frozen=True)
-class Shard:
-    path: Path  # absolute: the manifest stores it relative to its folder
-    tokens: int
-    documents: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class Manifest:
-    path: Path
-    dir: Path
-    domain: str
-    tokenizer_sha256: str
-    token_dtype: str
-    vocab_size: int
-    eos_id: int
-    pool_tokens: int
-    validation_tokens: int
-    shards: tuple[Shard, ...]
-    validation_shards: tuple[Shard, ...]
-    sha256: str
-    data: dict  # the manifest as written
-
-    @property
-    def dtype(self) -> np.dtype:
-        return DTYPES[self.token_dtype]
 
 
 def _shards(raw, file: str, key: str, folder: Path) -> tuple[Shard, ...]:
@@ -227,40 +198,6 @@ def load_manifest(
 def num_samples(pool_tokens: int, seq_len: int) -> int:
     """Samples of length L in a pool: each needs L inputs plus one more target token."""
     return max(0, (pool_tokens - 1) // seq_len)
-
-
-class Pool:
-    """One split of a domain's tokens, memory mapped shard by shard, addressed as one array."""
-
-    def __init__(self, manifest: Manifest, split: str = "train"):
-        if split not in ("train", "validation"):
-            raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
-        shards = manifest.shards if split == "train" else manifest.validation_shards
-        self.manifest, self.split, self.dtype = manifest, split, manifest.dtype
-        self._maps = [
-            np.memmap(s.path, dtype=self.dtype, mode="r", shape=(s.tokens,)) for s in shards if s.tokens > 0
-        ]  # numpy cannot map an empty file
-        self._starts = np.cumsum([0] + [len(m) for m in self._maps])
-        self.tokens = int(self._starts[-1])
-
-    def __len__(self) -> int:
-        return self.tokens
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the split, copied out of the shards they span."""
-        if not 0 <= start <= stop <= self.tokens:
-            raise IndexError(f"range [{start}, {stop}) outside the {self.split} pool of {self.tokens} tokens")
-        out = np.empty(stop - start, dtype=self.dtype)
-        first = int(np.searchsorted(self._starts, start, side="right")) - 1
-        filled = 0
-        for i in range(max(first, 0), len(self._maps)):
-            if filled == len(out):
-                break
-            lo = start + filled - int(self._starts[i])
-            n = min(len(self._maps[i]) - lo, len(out) - filled)
-            out[filled : filled + n] = self._maps[i][lo : lo + n]
-            filled += n
-        return out
 
 
 def recipe_key(exp: Experiment, dotted: str) -> tuple[Path | None, str]:

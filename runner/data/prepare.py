@@ -28,7 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from runner.data.fetch import experiment_assets, fetched_files
-from runner.data.manifest import DTYPES, FORMAT, write_manifest
+from runner.data.manifest import FORMAT, write_manifest
+from runner.data.pool import DTYPES
 from runner.data.tokenizer import load_tokenizer, tokenizer_info
 from runner.errors import RunnerError, did_you_mean
 from runner.fsio import fsync_dir, sha256_file

@@ -36,7 +36,7 @@ from runner.errors import RunnerError
 if TYPE_CHECKING:
     import torch
 
-    from runner.data.manifest import Pool
+    from runner.data.pool import Pool
 
 _CHECKPOINT_EVERY_STEPS = 256  # replay snapshots: random access replays at most this many steps
 _FEISTEL_ROUNDS = 6

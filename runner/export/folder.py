@@ -25,8 +25,6 @@ from runner.export.source import Source, bos_id, export_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
-#: what a reader needs to run the folder, and what this runner wrote it from
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def write_folder(src: Source, dtype: str, out: Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from runner.config.rules import padded_vocab_size
 from runner.config.schema import ExperimentSchema, ModelRecipe
 from runner.errors import RunnerError
 
@@ -281,12 +282,6 @@ def count_params(model: ModelRecipe, vocab_size: int) -> ParamCounts:
         layer=layer,
         tie_embeddings=tied,
     )
-
-
-def padded_vocab_size(vocab_size: int, multiple: int) -> int:
-    """Embedding rows: the tokenizer's `vocab_size` rounded up to `multiple` (model.pad_vocab_multiple)."""
-    vocab, multiple = _positive(vocab_size, "tokenizer.vocab_size"), _positive(multiple, "model.pad_vocab_multiple")
-    return -(-vocab // multiple) * multiple
 
 
 def params_of_config(cfg: ExperimentSchema) -> ParamCounts:

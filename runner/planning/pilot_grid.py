@@ -17,12 +17,13 @@ from typing import Any
 
 import yaml
 
-from runner.config.load import Experiment, load_experiment, load_experiment_data
+from runner.config.load import Experiment
 from runner.config.schema import ModelRecipe
 from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
 from runner.errors import MixtureInfeasible, RunnerError
 from runner.fsio import read_yaml
 from runner.planning.flops import params_of_config
+from runner.planning.resources import load_experiment, load_experiment_data
 
 SIZE_KEYS = ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}

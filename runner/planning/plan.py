@@ -63,11 +63,6 @@ def compute_seconds(total_flops: float, mfu: float, peak_tflops: float, devices:
     return total_flops / (mfu * peak_tflops * 1e12 * devices)
 
 
-def training_days_6n(params: float, tokens: float, mfu: float, peak_tflops: float, devices: int = 1) -> float:
-    """Days of pure training for 6ND at `mfu` (e.g. 0.76e9 params, 25e9 tokens, 40% of one H200: 3.3)."""
-    return compute_seconds(training_flops(params, tokens), mfu, peak_tflops, devices) / SECONDS_PER_DAY
-
-
 def pure_training_seconds(tokens: float, tokens_per_second: float) -> float:
     """T / q: seconds to get through `tokens` at a throughput (10e9 at 100K/s: 27.8 h)."""
     if tokens_per_second <= 0:
@@ -110,8 +105,7 @@ def as_schema(cfg: ExperimentSchema | Mapping[str, Any]) -> ExperimentSchema:
 def saved_activation_bytes(
     cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None, checkpointing: bool | None = None
 ) -> dict[str, float]:
-    """Bytes autograd saves for the backward during one training forward of a micro batch, by part
-    (long: one formula, tensor by tensor, best read in one piece).
+    """Bytes autograd saves for the backward during one training forward of a micro batch, by part.
 
     Counted tensor by tensor for transformers' Llama as the trainer runs it (calibrated against
     runner.training.memprobe, the saved-tensor probe: exact on CPU in fp32 and bf16 autocast, with
@@ -137,25 +131,11 @@ def saved_activation_bytes(
     counts = params_of_config(cfg)
     s = train.seq_len
     b = micro_batch if micro_batch is not None else train.micro_batch_sequences
-    h, f, heads = model.hidden_size, model.intermediate_size, model.n_heads
-    kv = model.n_kv_heads * (h // heads)
+    h, heads = model.hidden_size, model.n_heads
     vocab = counts.embedding // h
     autocast = hw.precision == "bf16" and hw.accelerator != "cpu"
     c = 2 if autocast else 4
-    liger = model.kernels == "liger"
-    norm = 4 * h + 4 + (0 if liger else 4 * h)
-    if model.attn_implementation == "eager":
-        scores = (4 + (c if autocast else 0)) * heads * s
-        attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * h + scores + c * h
-    else:
-        attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * kv + 4 * heads + c * h
-    mlp = norm + (2 if autocast else 1) * c * h + (3 if liger else 4) * c * f
-    if model.moe is not None:  # OLMoE: q/k norms' inputs; router input and fp32 logits/probabilities; per
-        # routed copy its gathered input, gate, silu(gate), up, product and weighted output (estimated)
-        k, f_e, n_experts = model.moe.experts_per_token, model.moe.expert_intermediate_size, model.moe.n_experts
-        attention += c * h + c * kv
-        mlp = norm + c * h + 2 * n_experts * 4 + k * (2 * c * h + 4 * c * f_e)
-    layer = attention + mlp
+    norm, layer = _decoder_layer_saved_bytes(model, s, c, autocast)
     plain = model.cross_entropy == "plain"
     head_per_token = norm + (c * h + 4 * vocab + 9 if plain else 4 * h)
     head_fixed = 0 if plain else 4 * vocab * h
@@ -171,6 +151,26 @@ def saved_activation_bytes(
         "recompute_layer": float(layer * tokens + rope if checkpointing else 0),
         "total": float(layers + head_per_token * tokens + head_fixed + 8 * tokens + (0 if checkpointing else rope)),
     }
+
+
+def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[int, int]:
+    """(one RMSNorm's, one decoder layer's) saved bytes per token, by saved_activation_bytes' formula."""
+    h, f, heads = model.hidden_size, model.intermediate_size, model.n_heads
+    kv = model.n_kv_heads * (h // heads)
+    liger = model.kernels == "liger"
+    norm = 4 * h + 4 + (0 if liger else 4 * h)
+    if model.attn_implementation == "eager":
+        scores = (4 + (c if autocast else 0)) * heads * s
+        attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * h + scores + c * h
+    else:
+        attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * kv + 4 * heads + c * h
+    mlp = norm + (2 if autocast else 1) * c * h + (3 if liger else 4) * c * f
+    if model.moe is not None:  # OLMoE: q/k norms' inputs; router input and fp32 logits/probabilities; per
+        # routed copy its gathered input, gate, silu(gate), up, product and weighted output (estimated)
+        k, f_e, n_experts = model.moe.experts_per_token, model.moe.expert_intermediate_size, model.moe.n_experts
+        attention += c * h + c * kv
+        mlp = norm + c * h + 2 * n_experts * 4 + k * (2 * c * h + 4 * c * f_e)
+    return norm, attention + mlp
 
 
 def head_transient_bytes(cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None) -> float:

@@ -10,7 +10,7 @@ recomputed) and from them MFU, goodput MFU, HFU and cost; the CSV copies against
 tables; a run folder's raw files and final checkpoint against its report; then, through
 runner.reports.audit_tracked, the run's MLflow run (params, tags, every logged metric, the evidence
 logged at the end) and, when asked, the validation loss recomputed from the final checkpoint
-(runner.reports.audit_eval). A check that cannot run is UNVERIFIED (runner.reports.checks), never
+(runner.reports.audit_eval). A check that cannot run is UNVERIFIED (runner.reports.audit_result), never
 a pass.
 Never: edits a report or a run, trains, or raises for a discrepancy (discrepancies are results;
 only unusable input raises RunnerError).
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,8 @@ import pandas as pd
 from safetensors.numpy import load_file
 
 from runner import progress
-from runner.config.load import Experiment, experiment_from_dict
+from runner.config.load import experiment_from_dict
 from runner.config.rules import devices
-from runner.config.schema import ExperimentSchema
 from runner.data.manifest import MIN_VALIDATION_SAMPLES, manifest_sha256, num_samples
 from runner.data.sampler import MixtureSampler
 from runner.errors import RunnerError
@@ -41,7 +39,8 @@ from runner.planning.hardware import PEAKS, canonical_device, theoretical_peak_f
 from runner.reports import audit_tracked, downstream_audit, targets
 from runner.reports import evidence as ev
 from runner.reports import tables as rpt
-from runner.reports.checks import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
+from runner.reports.audit_input import AuditInput, Replay
+from runner.reports.audit_result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
 from runner.reports.expert_audit import check_expert_load, checkpoint_load_problems
 from runner.runs import device_seconds, devices_held, is_reportable_run, read_manifest_copies
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
@@ -51,37 +50,6 @@ __all__ = ["FAIL", "INFO", "PASS", "UNVERIFIED", "AuditInput", "AuditResult", "C
 REL_TOL = 1e-6
 CSV_REL_TOL = 1e-9  # a CSV float is the parquet value written as text: only parse noise is tolerated
 HISTOGRAM_CAP = 255  # the ledger's per-sample counters saturate here
-
-
-@dataclass
-class AuditInput:
-    """What an audit reads: the report tables and the inputs needed to recount them."""
-
-    source: str
-    tables: dict[str, pd.DataFrame]
-    cfg: dict  # experiment.yaml as read (plain data, for the report builder's helpers)
-    run: dict  # run.json ({} when the report has none)
-    manifests: dict[str, dict]
-    exp: Experiment  # the Experiment experiment.yaml resolves to (typed config, recomputed fingerprint)
-    rebuilt: dict[str, pd.DataFrame] | None = None  # tables rebuilt from a run folder's raw files
-    report_dir: Path | None = None  # the report folder the tables were read from (holds the CSV copies)
-    run_dir: Path | None = None  # the run folder, when the audit can see it (checkpoints, fingerprint.txt)
-    cfg_file: Path | None = None  # the experiment.yaml the tables go with
-    rebuild_error: str = ""  # why the run folder next to the report could not be rebuilt
-
-    @property
-    def config(self) -> ExperimentSchema:
-        return self.exp.config
-
-    @property
-    def has_run_json(self) -> bool:
-        return bool(self.run)
-
-    def steps(self) -> int:
-        """Committed steps: run.json's record when there is one, else the summary's own claim."""
-        if self.run.get("committed_steps") is not None:
-            return int(self.run["committed_steps"])
-        return int(self.tables["run_summary"].iloc[0]["steps"])
 
 
 def load_input(target: str | Path) -> AuditInput:
@@ -157,22 +125,6 @@ def _from_report_dir(path: Path) -> AuditInput:
 
 
 # ---- replay -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Replay:
-    """Recount of the committed steps from the sampler alone."""
-
-    domains: list[str]
-    exposure_samples: dict[str, int]
-    seen: dict[str, np.ndarray]  # times each sample was drawn
-    mixture_violations: list[str]  # invariant 5 at every step
-    # committed step -> {domain: (samples drawn, distinct samples drawn)} at the steps asked for
-    snapshots: dict[int, dict[str, tuple[int, int]]]
-
-    def histogram(self, d: str) -> dict[int, int]:
-        values, counts = np.unique(self.seen[d], return_counts=True)
-        return {int(v): int(c) for v, c in zip(values, counts)}
 
 
 def replay(

@@ -23,7 +23,7 @@ from runner.config.load import experiment_from_dict, find_project_root
 from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.reports import evidence as ev
-from runner.reports.checks import AuditResult
+from runner.reports.audit_result import AuditResult
 from runner.training.checkpoint import Checkpoint, dirname, verify
 from runner.training.evaluate import evaluate
 from runner.training.loop import load_data
@@ -31,7 +31,7 @@ from runner.training.model import build_model
 from runner.training.schedule import make_optimizer
 
 if TYPE_CHECKING:
-    from runner.reports.audit import AuditInput
+    from runner.reports.audit_input import AuditInput
 
 NAME = "validation loss recomputed from the final checkpoint"
 # fp32 on CPU repeats the trainer's kernels up to summation order; a bf16 run (autocast on its GPU)

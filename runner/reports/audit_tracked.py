@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 from runner.config.fingerprint import canonical_meaning
 from runner.fsio import read_json
 from runner.reports import evidence as ev
-from runner.reports.checks import AuditResult
+from runner.reports.audit_result import AuditResult
 from runner.reports.tables import CONVENTION_KEYS
 from runner.training.tracking import missing_store, sqlite_path
 from schemas.report_tables import SCHEMA_VERSION
 
 if TYPE_CHECKING:
-    from runner.reports.audit import AuditInput, Replay
+    from runner.reports.audit_input import AuditInput, Replay
 
 RUN = "MLflow run reachable"
 PARAMS = "MLflow params = experiment.yaml"

@@ -23,6 +23,7 @@ from typing import Any
 import pandas as pd
 
 from runner.config.fingerprint import canonical_meaning
+from runner.config.load import repo_root
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml, replace_folder, staging_folder
 from runner.reports import tables as rpt
@@ -31,7 +32,6 @@ from runner.reports.audit import audit
 from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
 from runner.runs import is_reportable_run
-from runner.training.tracking import repo_root
 from schemas.report_tables import SCHEMA_VERSION, validate_tables
 
 ACCOUNTING = ("processed_tokens", "exposure_tokens", "useful_tokens", "unique_tokens", "lost_tokens")

@@ -25,11 +25,10 @@ from runner.reports import tables as rpt
 from schemas.report_tables import SCHEMA_VERSION
 
 if TYPE_CHECKING:
-    from runner.reports.audit import AuditInput
+    from runner.reports.audit_input import AuditInput
 
 FORMAT = "runner-evidence/1"
 EVIDENCE_FILE = "evidence.json"
-TAG_PREFIX = "evidence."
 
 
 def table_text(name: str, df: pd.DataFrame) -> str:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from runner import progress
 from runner.fsio import read_jsonl, repair_jsonl_tail
-from runner.reports import targets
+from runner.training import targets
 
 #: a mixture-of-experts step's figures (runner.training.experts.RouterProbe.commit); absent for dense models
 MOE_METRICS = (
@@ -238,7 +238,7 @@ class TrainingProgress(Callback):
 
 
 class TargetsCallback(Callback):
-    """Quality targets in MLflow (`target.<name>.*` metrics and tags, runner.reports.targets): logged
+    """Quality targets in MLflow (`target.<name>.*` metrics and tags, runner.training.targets): logged
     at the evaluation that first meets a target, and every target's outcome at the end of an attempt.
     Judged on the lineage's evaluations: those before the resumed step, then this attempt's."""
 

@@ -37,7 +37,7 @@ from runner.planning.plan import choose_micro_batch
 from runner.runs import RunFolder, write_ledger_json
 from runner.training import evaluate
 from runner.training import experts as experts_mod
-from runner.training.backends import (
+from runner.training.accelerator import (
     SHARD_RUNNER_CPU,
     StepClock,
     apply_runtime_settings,

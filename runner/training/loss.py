@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CROSS_ENTROPY = ("plain", "chunked", "liger")
 #: tokens per chunk of the chunked loss: at 1p3b's vocab (50,304) a chunk's fp32 logits are 206 MB,
 #: against 3.3 GB for a micro batch of 8 x 2048 in one piece
 CHUNK_TOKENS = 1024

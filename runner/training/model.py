@@ -23,7 +23,7 @@ from runner.config.rules import model_vocab_size
 from runner.config.schema import ExperimentSchema
 from runner.errors import RunnerError
 from runner.training import loss as losses
-from runner.training.backends import check_attention_backend
+from runner.training.accelerator import check_attention_backend
 from runner.training.experts import autocast_experts
 
 # transformers' own RoPE: Liger replaces this module-level function, so the model built last in a

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from runner.data.tokenizer import load_tokenizer
-from runner.training.backends import attention_context
+from runner.training.accelerator import attention_context
 from runner.training.callbacks import Callback
 from runner.training.evaluate import _eager
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from runner.config.load import repo_root
 from runner.errors import RunnerError
 from runner.fsio import atomic_write, read_jsonl
 
@@ -48,15 +49,6 @@ CLOSE_WAIT_SECONDS = 2 * HTTP_TIMEOUT_SECONDS  # the most `close` waits for a re
 START_WAIT_SECONDS = HTTP_TIMEOUT_SECONDS
 _BATCH = 100  # MLflow's per-request limit for params and tags
 _METRICS_PER_REQUEST = 1000  # MLflow's per-request limit for metrics
-
-
-def repo_root(start: Path | None = None) -> Path:
-    """The enclosing git checkout of `start` (default cwd), else `start` itself."""
-    start = Path(start or Path.cwd()).resolve()
-    for p in (start, *start.parents):
-        if (p / ".git").exists():
-            return p
-    return start
 
 
 def default_tracking_uri() -> str:

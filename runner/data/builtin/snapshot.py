@@ -24,11 +24,9 @@ from pydoc_data.topics import topics
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from runner.data.builtin.build import ASSETS
 from runner.data.tokenizer import train_tokenizer, write_trained
 
-ASSETS = (
-    Path(__file__).resolve().parents[2] / "builtin" / "assets"
-)  # runner/builtin/assets: package data, a path recipes pin
 CODE_TARGET_BYTES = 1_500_000
 CODE_MAX_FILE_BYTES = 60_000  # many mid-sized modules rather than a few giants
 SKIPPED_DIRS = {

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from runner.data.builtin.build import ASSETS, VALIDATION_FRACTION
 from runner.data.prepare import is_validation
-from runner.training.downstream.tasks import Document, Request
+from runner.training.downstream.documents import Document, Request
 
 CONTEXT_CHARS = 240  #: a context is this many characters, cut back to a whitespace
 CONTINUATION_CHARS = 80  #: a continuation likewise, and starts at that whitespace (a leading " ")

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from runner.data.tokenizer import eos_id_of
 from runner.errors import RunnerError
-from runner.training.downstream.tasks import Task
+from runner.training.downstream.documents import Task
 
 
 def bos_id_of(tokenizer: Tokenizer) -> int | None:

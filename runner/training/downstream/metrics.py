@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from runner.config.schema import DOWNSTREAM_ACCURACIES
-from runner.training.downstream.tasks import Task
+from runner.training.downstream.documents import Task
 
 
 def _choice_chars(continuation: str) -> int:

@@ -26,10 +26,11 @@ from runner.config.schema import DownstreamTask
 from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
 from runner.fsio import canonical_json
+from runner.training.downstream.documents import Task
 from runner.training.downstream.encode import Encoded, Encoder
 from runner.training.downstream.metrics import aggregate, aggregate_metrics, random_baseline, task_metrics
 from runner.training.downstream.score import loglikelihoods
-from runner.training.downstream.tasks import Task, load_task
+from runner.training.downstream.tasks import load_task
 
 #: the task `runner eval --tasks builtin` scores when the recipe names none
 BUILTIN = DownstreamTask(format="builtin", metrics=["acc", "acc_norm", "centered_acc", "bpb"])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,47 +20,10 @@ import numpy as np
 from runner.config.schema import DownstreamTask
 from runner.errors import RunnerError
 from runner.fsio import sha256_file
+from runner.training.downstream.documents import Document, Request, Task
 
 #: OLMES's `metric_kwargs.uncond_docid_offset` when a config does not state it
 UNCOND_DOCID_OFFSET = 1_000_000
-
-
-@dataclass(frozen=True)
-class Request:
-    context: str
-    continuation: str
-
-
-@dataclass(frozen=True)
-class Document:
-    doc_id: int
-    gold: int
-    requests: tuple[Request, ...]  #: one per choice, in choice order
-
-    @property
-    def choices(self) -> int:
-        return len(self.requests)
-
-
-@dataclass(frozen=True)
-class Task:
-    name: str
-    format: str
-    sha256: str  #: the task file's (builtin: of the texts it was made from)
-    config_sha256: str | None
-    documents: tuple[Document, ...]  #: the subset, in id order
-    total_documents: int  #: before the subset
-    limit: int | None
-    seed: int
-    metrics: tuple[str, ...]
-    random_baseline: float | None
-    delimiter: str
-    source: str  #: the file it was read from (for messages)
-
-    @property
-    def requests(self) -> list[tuple[int, int, Request]]:
-        """(document position, choice, request) of every request, in order."""
-        return [(i, j, r) for i, d in enumerate(self.documents) for j, r in enumerate(d.requests)]
 
 
 def _pinned(root: Path, rel: str, sha256: str, key: str) -> Path:

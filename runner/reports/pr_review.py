@@ -20,12 +20,13 @@ from pathlib import Path
 import yaml
 
 from runner.config.fingerprint import canonical_meaning, diff_keys
-from runner.config.load import Experiment, load_experiment, load_recipe_file
+from runner.config.load import Experiment
 from runner.config.schema import KINDS
 from runner.data.manifest import check_experiment_data, said_once
 from runner.errors import Problems, RunnerError
 from runner.fsio import load_yaml_text
 from runner.planning.plan import build_plan
+from runner.planning.resources import load_experiment, load_recipe_file
 
 TRACKED = ("recipes", "experiments")
 

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from runner.config.load import find_project_root, load_experiment, parse_ref
+from runner.config.rules import ResourceRules
 from runner.config.schema import KINDS
 from runner.config.yamltext import set_value
 from runner.data.fetch import experiment_assets, fetched_files
@@ -173,10 +174,11 @@ def _bump_versions(texts: dict[Path, str], originals: dict[Path, str], root: Pat
             queue.append(exp_path)
 
 
-def pin_experiment(path: str | Path, *, write: bool = True) -> PinResult:
-    """Pin what this machine holds for the experiment; `write=False` only computes the diff."""
+def pin_experiment(path: str | Path, *, write: bool = True, resources: ResourceRules | None = None) -> PinResult:
+    """Pin what this machine holds for the experiment; `write=False` only computes the diff. `resources`:
+    the rules that need FLOPs or the peak table, checked on load with the rest (the CLI hands them in)."""
     path = Path(path)
-    exp = load_experiment(path, check_files=False)  # a changed tokenizer is what pin is for
+    exp = load_experiment(path, check_files=False, resources=resources)  # a changed tokenizer is what pin is for
     root = find_project_root(path.parent)
     pins, notes = compute_pins(exp)
     chain = _chain(path.resolve(), root)  # resolved: the same file is one key of `texts`
