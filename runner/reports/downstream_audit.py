@@ -16,6 +16,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+import pandas as pd
+
 from runner.fsio import read_json, read_jsonl
 from runner.reports.downstream_table import downstream_table
 
@@ -115,25 +117,53 @@ def check_run(run_dir: str | Path) -> list[str]:
 
 
 NAME = "downstream figures recomputed from per-request log-likelihoods"
+TABLE = "downstream table equals the recomputed figures"
+_KEY = ["source", "step", "task", "metric", "documents", "convention"]
 
 
-def audit_checks(run_dir: Path | None) -> list[tuple[str, list[str], str]]:
-    """(check name, problems, ok detail) for runner.reports.audit; none for a folder without
-    downstream figures (a report folder, or a run that scored no task)."""
+def table_differences(table: pd.DataFrame, recorded: pd.DataFrame) -> list[str]:
+    """Where the downstream table the audit reads (a report's) differs from the one the run folder's
+    records give (those check_run recomputes): a row more, fewer, or a value or baseline off."""
+    if len(table) != len(recorded):
+        return [f"the table has {len(table)} figures, the run folder's records {len(recorded)}"]
+    a = table.sort_values(_KEY, kind="stable").reset_index(drop=True)
+    b = recorded.sort_values(_KEY, kind="stable").reset_index(drop=True)
+    problems = []
+    for i in range(len(a)):
+        x, y = a.iloc[i], b.iloc[i]
+        where = f"{x['source']} step {int(x['step'])} {x['task']}.{x['metric']}"
+        if any(x[k] != y[k] for k in _KEY):
+            problems.append(f"{where}: no such figure in the run folder's records")
+            continue
+        for col in ("value", "random_baseline", "exposure_tokens"):
+            if not math.isclose(float(x[col]), float(y[col]), rel_tol=REL_TOL, abs_tol=1e-12):
+                problems.append(f"{where}: {col} {float(x[col])!r} in the table, {float(y[col])!r} recomputed")
+    return problems
+
+
+def audit_checks(run_dir: Path | None, table: pd.DataFrame | None = None) -> list[tuple[str, list[str] | None, str]]:
+    """(check name, problems, ok detail) for runner.reports.audit: the run folder's figures against
+    their request files, and `table` (the report's downstream table) against those figures. None
+    for a run that scored no task; without the run folder a report's table cannot be recomputed
+    (check name, None, why)."""
+    has_table = table is not None and not table.empty
     if run_dir is None:
-        return []
+        return [(NAME, None, "the per-request files are in the run folder, not the report")] if has_table else []
     run_dir = Path(run_dir)
     if not (run_dir / "metrics/downstream.jsonl").exists() and not list(
         (run_dir / "downstream").glob("eval-step-*.json")
     ):
-        return []
+        return [(TABLE, [f"{len(table)} figures, the run folder records none"], "")] if has_table else []
     try:
-        table = downstream_table(run_dir)
+        recorded = downstream_table(run_dir)
     except Exception as err:  # pandera's SchemaError(s), a malformed row (RunnerError)
         return [("downstream table schema", [str(err).splitlines()[0]], "")]
     problems = check_run(run_dir)
-    scorings = table.groupby(["source", "step"]).ngroups
-    return [
-        ("downstream table schema", [], f"{len(table)} figures"),
-        (NAME, problems, f"{len(table)} figures of {scorings} scorings agree with their request files"),
+    scorings = recorded.groupby(["source", "step"]).ngroups
+    out = [
+        ("downstream table schema", [], f"{len(recorded)} figures"),
+        (NAME, problems, f"{len(recorded)} figures of {scorings} scorings agree with their request files"),
     ]
+    if table is not None:
+        out.append((TABLE, table_differences(table, recorded), f"{len(table)} figures"))
+    return out
