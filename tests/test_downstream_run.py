@@ -319,7 +319,11 @@ def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_reque
     assert (report / "downstream.png").stat().st_size > 0  # two loop scorings: a curve
 
     checks = {c.name: c for c in audit(run, check_mlflow=False).checks}
-    for name in ("schema: downstream", "downstream table equals the recomputed figures", "report matches the run folder"):
+    for name in (
+        "schema: downstream",
+        "downstream table equals the recomputed figures",
+        "report matches the run folder",
+    ):
         assert checks[name].status == "PASS", checks[name]
     # a forged table value (parquet and csv alike) fails against the figures the requests give
     forged = table.copy()
@@ -328,7 +332,9 @@ def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_reque
     forged.to_csv(report / "downstream.csv", index=False)
     result = audit(run, check_mlflow=False)
     failed = {c.name: c.detail for c in result.checks if c.status == "FAIL"}
-    assert "loop step 4 arc_easy.acc: value 1.0 in the table" in failed["downstream table equals the recomputed figures"]
+    assert (
+        "loop step 4 arc_easy.acc: value 1.0 in the table" in failed["downstream table equals the recomputed figures"]
+    )
     assert result.verdict == "FAIL"
     # a report without the table reads as older only where nothing says it had one: this run has tasks
     (report / "downstream.parquet").unlink()

@@ -27,8 +27,8 @@ from runner.errors import MixtureInfeasible, RunnerError
 from runner.fsio import read_json, read_jsonl
 from runner.planning import hardware
 from runner.planning.assumptions import AssumedMfu, assumed_mfu, carried_mfu
-from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.downstream_cost import format_lines as format_downstream_lines
+from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.scaling import Point, forecast_target
 from runner.runs import load_saved_experiment
 

@@ -27,8 +27,8 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
-from runner.reports.compare_downstream import side_by_side
 from runner.reports.audit import audit
+from runner.reports.compare_downstream import side_by_side
 from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
 from runner.runs import is_reportable_run

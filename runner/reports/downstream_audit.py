@@ -146,21 +146,21 @@ def audit_checks(run_dir: Path | None, table: pd.DataFrame | None = None) -> lis
     their request files, and `table` (the report's downstream table) against those figures. None
     for a run that scored no task; without the run folder a report's table cannot be recomputed
     (check name, None, why)."""
-    has_table = table is not None and not table.empty
+    figures = 0 if table is None else len(table)
     if run_dir is None:
-        return [(NAME, None, "the per-request files are in the run folder, not the report")] if has_table else []
+        return [(NAME, None, "the per-request files are in the run folder, not the report")] if figures else []
     run_dir = Path(run_dir)
     if not (run_dir / "metrics/downstream.jsonl").exists() and not list(
         (run_dir / "downstream").glob("eval-step-*.json")
     ):
-        return [(TABLE, [f"{len(table)} figures, the run folder records none"], "")] if has_table else []
+        return [(TABLE, [f"{figures} figures, the run folder records none"], "")] if figures else []
     try:
         recorded = downstream_table(run_dir)
     except Exception as err:  # pandera's SchemaError(s), a malformed row (RunnerError)
         return [("downstream table schema", [str(err).splitlines()[0]], "")]
     problems = check_run(run_dir)
     scorings = recorded.groupby(["source", "step"]).ngroups
-    out = [
+    out: list[tuple[str, list[str] | None, str]] = [
         ("downstream table schema", [], f"{len(recorded)} figures"),
         (NAME, problems, f"{len(recorded)} figures of {scorings} scorings agree with their request files"),
     ]

@@ -49,7 +49,12 @@ def task_positions(exp: Experiment) -> dict[str, dict[str, Any]]:
                 for r in requests
             )
             basis = f"estimated: UTF-8 bytes / {bytes_per_token:g} bytes per token (tokenizer file not at hand)"
-        out[name] = {"requests": len(requests), "documents": len(task.documents), "positions": positions, "basis": basis}
+        out[name] = {
+            "requests": len(requests),
+            "documents": len(task.documents),
+            "positions": positions,
+            "basis": basis,
+        }
     return out
 
 
