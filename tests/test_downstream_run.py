@@ -363,3 +363,30 @@ def test_a_report_written_before_the_downstream_table_reads_it_as_empty(tmp_path
     (report / "evidence.json").write_text(json.dumps(evidence))
     assert predated_tables(report) == ()
     assert "downstream.parquet" in missing_report_files(report, ["code", "legal", "prose"])
+
+
+@pytest.mark.slow
+def test_recompute_eval_rescores_the_loop_requests_from_the_checkpoints(scored_run, tmp_path):
+    import shutil
+
+    from runner.reports.audit import audit
+    from runner.reports.audit_downstream_eval import NAME
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run)
+    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
+    assert check.status == "PASS" and check.detail.startswith("steps 2, 4 within 1e-4 + 1e-6 |ll|"), check
+    # one request's recorded log-likelihood moved by 1e-3: the rescoring names it
+    path = run / "downstream/requests-loop-step-0000004.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    rows[5]["ll"] -= 1e-3
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
+    want = f"step 4: {rows[5]['task']} document {rows[5]['doc_id']} choice {rows[5]['choice']}: recorded ll"
+    assert check.status == "FAIL" and want in check.detail
+    shutil.rmtree(run / "checkpoints/step-0000002")  # a pruned checkpoint is named, not failed
+    shutil.rmtree(run / "checkpoints/step-0000004")
+    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
+    assert check.status == "UNVERIFIED" and "no checkpoint that verifies at a scored step (2, 4)" in check.detail

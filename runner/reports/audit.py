@@ -780,6 +780,9 @@ def audit_input(
         from runner.reports.audit_eval import check_recomputed_eval  # noqa: PLC0415  (imports torch)
 
         check_recomputed_eval(res, inp, checkpoint=checkpoint, progress=progress)
+        from runner.reports.audit_downstream_eval import check_recomputed_downstream  # noqa: PLC0415  (torch)
+
+        check_recomputed_downstream(res, inp, progress=progress)
     return res
 
 
