@@ -576,6 +576,8 @@ def _check_rebuilt(res: AuditResult, inp: AuditInput) -> None:
     for name in SCHEMAS:
         a = inp.tables[name].reset_index(drop=True)
         b = rpt._typed(name, inp.rebuilt[name]).reset_index(drop=True)
+        if name == "downstream":  # runner eval scorings made after the report are not in it yet
+            b = downstream_audit.as_reported(a, b)
         try:
             pd.testing.assert_frame_equal(a, b, check_dtype=False, check_exact=False, rtol=1e-9)
         except AssertionError as err:

@@ -121,23 +121,53 @@ TABLE = "downstream table equals the recomputed figures"
 _KEY = ["source", "step", "task", "metric", "documents", "convention"]
 
 
+def _numbered(df: pd.DataFrame) -> pd.DataFrame:
+    """The frame with `occurrence`, the occurrence of its key (two `runner eval` scorings of one step alike)."""
+    df = df.reset_index(drop=True)
+    return df.assign(occurrence=df.groupby(_KEY, sort=False).cumcount())
+
+
+def _matched(table: pd.DataFrame, recorded: pd.DataFrame) -> pd.DataFrame:
+    return _numbered(table).merge(_numbered(recorded), on=[*_KEY, "occurrence"], how="outer", indicator="merged")
+
+
+def later_scorings(table: pd.DataFrame, recorded: pd.DataFrame) -> pd.DataFrame:
+    """The run folder's `runner eval` figures the table lacks: scored after the report was written."""
+    m = _matched(table, recorded)
+    return m[(m["merged"] == "right_only") & (m["source"] == "runner eval")]
+
+
+def as_reported(table: pd.DataFrame, recorded: pd.DataFrame) -> pd.DataFrame:
+    """`recorded` without the `runner eval` figures scored after the report (later_scorings)."""
+    later = later_scorings(table, recorded)
+    if later.empty:
+        return recorded
+    r = _numbered(recorded)
+    drop = (
+        r.merge(later[[*_KEY, "occurrence"]], on=[*_KEY, "occurrence"], how="left", indicator="merged")["merged"]
+        == "both"
+    )
+    return recorded.reset_index(drop=True)[~drop.to_numpy()].reset_index(drop=True)
+
+
 def table_differences(table: pd.DataFrame, recorded: pd.DataFrame) -> list[str]:
     """Where the downstream table the audit reads (a report's) differs from the one the run folder's
-    records give (those check_run recomputes): a row more, fewer, or a value or baseline off."""
-    if len(table) != len(recorded):
-        return [f"the table has {len(table)} figures, the run folder's records {len(recorded)}"]
-    a = table.sort_values(_KEY, kind="stable").reset_index(drop=True)
-    b = recorded.sort_values(_KEY, kind="stable").reset_index(drop=True)
+    records give (those check_run recomputes): a figure the records lack, a loop figure the table
+    lacks, a value, baseline or exposure off. `runner eval` figures scored after the report are
+    not in it and are no difference (later_scorings)."""
     problems = []
-    for i in range(len(a)):
-        x, y = a.iloc[i], b.iloc[i]
-        where = f"{x['source']} step {int(x['step'])} {x['task']}.{x['metric']}"
-        if any(x[k] != y[k] for k in _KEY):
+    for r in _matched(table, recorded).itertuples(index=False):
+        where = f"{r.source} step {int(r.step)} {r.task}.{r.metric}"
+        if r.merged == "left_only":
             problems.append(f"{where}: no such figure in the run folder's records")
-            continue
-        for col in ("value", "random_baseline", "exposure_tokens"):
-            if not math.isclose(float(x[col]), float(y[col]), rel_tol=REL_TOL, abs_tol=1e-12):
-                problems.append(f"{where}: {col} {float(x[col])!r} in the table, {float(y[col])!r} recomputed")
+        elif r.merged == "right_only":
+            if r.source == "loop":
+                problems.append(f"{where}: recorded by the loop, not in the table")
+        else:
+            for col in ("value", "random_baseline", "exposure_tokens"):
+                x, y = float(getattr(r, f"{col}_x")), float(getattr(r, f"{col}_y"))
+                if not math.isclose(x, y, rel_tol=REL_TOL, abs_tol=1e-12):
+                    problems.append(f"{where}: {col} {x!r} in the table, {y!r} recomputed")
     return problems
 
 
@@ -165,5 +195,7 @@ def audit_checks(run_dir: Path | None, table: pd.DataFrame | None = None) -> lis
         (NAME, problems, f"{len(recorded)} figures of {scorings} scorings agree with their request files"),
     ]
     if table is not None:
-        out.append((TABLE, table_differences(table, recorded), f"{len(table)} figures"))
+        later = len(later_scorings(table, recorded))
+        note = f"; {later} runner eval figures scored after the report (rebuild it: runner report RUN)" if later else ""
+        out.append((TABLE, table_differences(table, recorded), f"{len(table)} figures{note}"))
     return out
