@@ -115,3 +115,24 @@ def test_runs_without_downstream_figures_compare_as_before(tmp_path, cli):
     assert json.loads(out.out)["downstream"][0]["x"] is None  # the published run scored no task
     code, out = cli("compare", PUBLISHED, PUBLISHED, "--labels", "x,y", "--json")
     assert code == 0 and "downstream" not in json.loads(out.out)
+
+
+def test_aggregates_over_differently_pinned_tasks_are_refused(tmp_path, cli):
+    a = _report(tmp_path, "a", {150: 0.30})
+    b = _report(tmp_path, "b", {150: 0.35}, task_sha256="c" * 64)
+    for folder, value in ((a, 0.1), (b, 0.2)):
+        df = pd.read_parquet(folder / "downstream.parquet")
+        agg = df.iloc[[0]].assign(
+            task="aggregate",
+            metric="mean_centered",
+            value=value,
+            random_baseline=0.0,
+            convention=json.dumps({"rule": "mean_centered", "tasks": {"builtin": "acc"}}, sort_keys=True),
+        )
+        part = _typed("downstream", pd.concat([agg, df]))
+        part.to_parquet(folder / "downstream.parquet", index=False)
+        part.to_csv(folder / "downstream.csv", index=False)
+    code, out = cli("compare", a, b, "--labels", "base,other")
+    assert code == 2
+    # the aggregate's own record is the same in both runs; the tasks it averages are pinned differently
+    assert "downstream aggregate.mean_centered: convention key `task_records` differs" in out.err

@@ -23,7 +23,21 @@ def latest_figures(table: pd.DataFrame | None) -> pd.DataFrame:
     source = "loop" if (table["source"] == "loop").any() else "runner eval"
     rows = table[table["source"] == source]
     rows = rows[rows["step"] == rows["step"].max()]
-    return rows.drop_duplicates(["task", "metric"], keep="last").reset_index(drop=True)
+    rows = rows.drop_duplicates(["task", "metric"], keep="last").reset_index(drop=True)
+    return rows.assign(convention=[_with_parts(r, rows) for r in rows.itertuples(index=False)])
+
+
+def _with_parts(row, rows: pd.DataFrame) -> str:
+    """An aggregate's record with the records of the figures it averages (`task_records`): two
+    aggregates over differently pinned tasks are not the same number."""
+    if row.task != "aggregate":
+        return str(row.convention)
+    record = json.loads(str(row.convention))
+    parts = {}
+    for task, metric in (record.get("tasks") or {}).items():
+        hit = rows[(rows["task"] == task) & (rows["metric"] == metric)]
+        parts[task] = json.loads(str(hit["convention"].iloc[0])) if len(hit) else None
+    return json.dumps({**record, "task_records": parts}, sort_keys=True)
 
 
 def _differing_key(a: str, b: str) -> str:

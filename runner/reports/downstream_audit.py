@@ -189,7 +189,7 @@ def audit_checks(run_dir: Path | None, table: pd.DataFrame | None = None) -> lis
     except Exception as err:  # pandera's SchemaError(s), a malformed row (RunnerError)
         return [("downstream table schema", [str(err).splitlines()[0]], "")]
     problems = check_run(run_dir)
-    scorings = recorded.groupby(["source", "step"]).ngroups
+    scorings = recorded.groupby(["source", "step", "t_eval_seconds"]).ngroups
     out: list[tuple[str, list[str] | None, str]] = [
         ("downstream table schema", [], f"{len(recorded)} figures"),
         (NAME, problems, f"{len(recorded)} figures of {scorings} scorings agree with their request files"),

@@ -83,7 +83,7 @@ def markdown(tables: dict[str, pd.DataFrame], md_table: Callable[[pd.DataFrame],
     lines = [
         "## Downstream tasks",
         "",
-        f"{len(table)} figures from {table.groupby(['source', 'step']).ngroups} scorings in the `downstream` table; "
+        f"{len(table)} figures from {table.groupby(['source', 'step', 't_eval_seconds']).ngroups} scorings in the `downstream` table; "
         "those of each source's latest step (n: documents scored):",
         "",
         md_table(shown[cols]),
