@@ -669,8 +669,8 @@ def downstream_convention_names_its_metric(df):
     return df.apply(names, axis=1).astype(bool)
 
 
-#: Not yet one of SCHEMAS (a report's tables): runner.reports.downstream_table builds and validates it
-#: from a run folder; published reports predate it.
+#: One of SCHEMAS since after runner-report/3 reports were published: a report whose evidence.json lists
+#: no downstream table was written before it existed and reads it as empty (runner.reports.tables.LATER_TABLES).
 DOWNSTREAM = pa.DataFrameSchema(
     name="downstream",
     description="Downstream multiple-choice figures per task and metric at each scoring (SPEC 'Downstream evaluation').",
@@ -720,6 +720,7 @@ SCHEMAS: dict[str, pa.DataFrameSchema] = {
     "expert_load": EXPERT_LOAD,
     "expert_balance": EXPERT_BALANCE,
     "router": ROUTER,
+    "downstream": DOWNSTREAM,
 }
 
 

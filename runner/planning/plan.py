@@ -27,6 +27,7 @@ from runner.errors import MixtureInfeasible, RunnerError
 from runner.fsio import read_json, read_jsonl
 from runner.planning import assumptions, hardware
 from runner.planning.assumptions import AssumedMfu, assumed_mfu, carried_mfu
+from runner.planning.downstream_cost import format_lines as format_downstream_lines
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.scaling import Point, forecast_target
 from runner.runs import load_saved_experiment
@@ -781,6 +782,8 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     _format_time(plan, out)
     _format_memory_and_storage(plan, out)
     _format_mixture(plan["mixture"], out)
+    if "downstream" in plan:
+        out += format_downstream_lines(plan["downstream"], plan.get("downstream_not_planned"))
     if "forecast" in plan:
         out += format_forecast(plan["forecast"], plan.get("fit_file", "the fit"))
     out += [f"warning: {w}" for w in plan["warnings"]]

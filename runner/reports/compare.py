@@ -29,6 +29,7 @@ from runner.fsio import read_json, read_yaml, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
 from runner.reports.audit import audit
+from runner.reports.compare_downstream import side_by_side
 from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
 from runner.runs import is_reportable_run
@@ -438,6 +439,9 @@ def compare(sources: list[Source]) -> Comparison:
         "accounting": accounting(sources),
         "speed": speed_df,
     }
+    downstream = side_by_side(comp.labels, [s.tables.get("downstream") for s in sources])
+    if len(downstream):  # refused above when the runs' convention records differ
+        comp.frames["downstream"] = downstream
     return comp
 
 
@@ -591,6 +595,7 @@ def render_markdown(comp: Comparison, plots: list[str] | None = None) -> str:
         "`mean` is weighted by each domain's validation tokens.",
         "",
         *_incomparable_markdown(comp),
+        *_downstream_markdown(comp),
         "## Token accounting",
         "",
         *_md(f["accounting"]),
@@ -625,6 +630,20 @@ def render_markdown(comp: Comparison, plots: list[str] | None = None) -> str:
     for p in plots or []:
         lines += [f"![{Path(p).stem}]({p})", ""]
     return "\n".join(lines)
+
+
+def _downstream_markdown(comp: Comparison) -> list[str]:
+    if "downstream" not in comp.frames:
+        return []
+    return [
+        "## Downstream tasks",
+        "",
+        *_md(comp.frames["downstream"]),
+        "",
+        "Each run's latest scoring (the loop's, else `runner eval`'s); every figure shown here was recorded under",
+        "the same convention record as the other runs' (SPEC 'Downstream evaluation').",
+        "",
+    ]
 
 
 def write_plots(comp: Comparison, out: Path) -> list[Path]:
@@ -718,7 +737,7 @@ def write_comparison_folder(sources: list[Source], out: Path) -> tuple[Compariso
 
 
 _WRITTEN = {"comparison.md", "comparison.json", *PLOTS} | {
-    f"{name}.csv" for name in ("runs", "config_differences", "targets", "quality", "accounting", "speed")
+    f"{name}.csv" for name in ("runs", "config_differences", "targets", "quality", "accounting", "speed", "downstream")
 }
 
 

@@ -16,6 +16,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+import pandas as pd
+
 from runner.fsio import read_json, read_jsonl
 from runner.reports.downstream_table import downstream_table
 
@@ -115,25 +117,85 @@ def check_run(run_dir: str | Path) -> list[str]:
 
 
 NAME = "downstream figures recomputed from per-request log-likelihoods"
+TABLE = "downstream table equals the recomputed figures"
+_KEY = ["source", "step", "task", "metric", "documents", "convention"]
 
 
-def audit_checks(run_dir: Path | None) -> list[tuple[str, list[str], str]]:
-    """(check name, problems, ok detail) for runner.reports.audit; none for a folder without
-    downstream figures (a report folder, or a run that scored no task)."""
+def _numbered(df: pd.DataFrame) -> pd.DataFrame:
+    """The frame with `occurrence`, the occurrence of its key (two `runner eval` scorings of one step alike)."""
+    df = df.reset_index(drop=True)
+    return df.assign(occurrence=df.groupby(_KEY, sort=False).cumcount())
+
+
+def _matched(table: pd.DataFrame, recorded: pd.DataFrame) -> pd.DataFrame:
+    return _numbered(table).merge(_numbered(recorded), on=[*_KEY, "occurrence"], how="outer", indicator="merged")
+
+
+def later_scorings(table: pd.DataFrame, recorded: pd.DataFrame) -> pd.DataFrame:
+    """The run folder's `runner eval` figures the table lacks: scored after the report was written."""
+    m = _matched(table, recorded)
+    return m[(m["merged"] == "right_only") & (m["source"] == "runner eval")]
+
+
+def as_reported(table: pd.DataFrame, recorded: pd.DataFrame) -> pd.DataFrame:
+    """`recorded` without the `runner eval` figures scored after the report (later_scorings)."""
+    later = later_scorings(table, recorded)
+    if later.empty:
+        return recorded
+    r = _numbered(recorded)
+    drop = (
+        r.merge(later[[*_KEY, "occurrence"]], on=[*_KEY, "occurrence"], how="left", indicator="merged")["merged"]
+        == "both"
+    )
+    return recorded.reset_index(drop=True)[~drop.to_numpy()].reset_index(drop=True)
+
+
+def table_differences(table: pd.DataFrame, recorded: pd.DataFrame) -> list[str]:
+    """Where the downstream table the audit reads (a report's) differs from the one the run folder's
+    records give (those check_run recomputes): a figure the records lack, a loop figure the table
+    lacks, a value, baseline or exposure off. `runner eval` figures scored after the report are
+    not in it and are no difference (later_scorings)."""
+    problems = []
+    for r in _matched(table, recorded).itertuples(index=False):
+        where = f"{r.source} step {int(r.step)} {r.task}.{r.metric}"
+        if r.merged == "left_only":
+            problems.append(f"{where}: no such figure in the run folder's records")
+        elif r.merged == "right_only":
+            if r.source == "loop":
+                problems.append(f"{where}: recorded by the loop, not in the table")
+        else:
+            for col in ("value", "random_baseline", "exposure_tokens"):
+                x, y = float(getattr(r, f"{col}_x")), float(getattr(r, f"{col}_y"))
+                if not math.isclose(x, y, rel_tol=REL_TOL, abs_tol=1e-12):
+                    problems.append(f"{where}: {col} {x!r} in the table, {y!r} recomputed")
+    return problems
+
+
+def audit_checks(run_dir: Path | None, table: pd.DataFrame | None = None) -> list[tuple[str, list[str] | None, str]]:
+    """(check name, problems, ok detail) for runner.reports.audit: the run folder's figures against
+    their request files, and `table` (the report's downstream table) against those figures. None
+    for a run that scored no task; without the run folder a report's table cannot be recomputed
+    (check name, None, why)."""
+    figures = 0 if table is None else len(table)
     if run_dir is None:
-        return []
+        return [(NAME, None, "the per-request files are in the run folder, not the report")] if figures else []
     run_dir = Path(run_dir)
     if not (run_dir / "metrics/downstream.jsonl").exists() and not list(
         (run_dir / "downstream").glob("eval-step-*.json")
     ):
-        return []
+        return [(TABLE, [f"{figures} figures, the run folder records none"], "")] if figures else []
     try:
-        table = downstream_table(run_dir)
+        recorded = downstream_table(run_dir)
     except Exception as err:  # pandera's SchemaError(s), a malformed row (RunnerError)
         return [("downstream table schema", [str(err).splitlines()[0]], "")]
     problems = check_run(run_dir)
-    scorings = table.groupby(["source", "step"]).ngroups
-    return [
-        ("downstream table schema", [], f"{len(table)} figures"),
-        (NAME, problems, f"{len(table)} figures of {scorings} scorings agree with their request files"),
+    scorings = recorded.groupby(["source", "step", "t_eval_seconds"]).ngroups
+    out: list[tuple[str, list[str] | None, str]] = [
+        ("downstream table schema", [], f"{len(recorded)} figures"),
+        (NAME, problems, f"{len(recorded)} figures of {scorings} scorings agree with their request files"),
     ]
+    if table is not None:
+        later = len(later_scorings(table, recorded))
+        note = f"; {later} runner eval figures scored after the report (rebuild it: runner report RUN)" if later else ""
+        out.append((TABLE, table_differences(table, recorded), f"{len(table)} figures{note}"))
+    return out

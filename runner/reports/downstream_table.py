@@ -38,5 +38,6 @@ def downstream_table(run_dir: str | Path) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=list(COLUMNS))
     df = df.astype({"step": "int64", "exposure_tokens": "int64", "documents": "int64"})
     df = df.astype({"value": "float64", "random_baseline": "float64", "t_eval_seconds": "float64"})
+    df = df.astype(dict.fromkeys(("source", "task", "metric", "convention"), str))  # typed when empty too
     df = df.sort_values(["source", "step", "task", "metric"], kind="stable").reset_index(drop=True)
     return DOWNSTREAM.validate(df)

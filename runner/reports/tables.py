@@ -23,10 +23,11 @@ import pandas as pd
 from runner.config.schema import ExperimentSchema, HubFiles
 from runner.data.manifest import num_samples, small_validation_warning
 from runner.errors import RunnerError
-from runner.fsio import read_json, read_jsonl, replace_folder, staging_folder
+from runner.fsio import read_json, read_jsonl, read_yaml, replace_folder, staging_folder
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
 from runner.planning.hardware import cost_per_billion_useful_tokens, mfu
-from runner.reports import expert_tables, targets
+from runner.reports import downstream_report, expert_tables, targets
+from runner.reports.downstream_table import downstream_table
 from runner.runs import (
     conventions_of,
     device_seconds,
@@ -40,6 +41,11 @@ from runner.training.tracking import default_tracking_uri
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 
 TABLES = tuple(SCHEMAS)
+#: Tables added to runner-report/3 after reports were published under it. A report without the table's
+#: files whose experiment.yaml declares no eval.tasks and whose evidence.json (if any) lists no such table
+#: was written before it existed: it reads the table as empty. (Dropping the table from a newer report
+#: means editing evidence.json too, which the MLflow copy of the evidence exposes.)
+LATER_TABLES = ("downstream",)
 REPORT_DIR = "report"
 PLOTS = ("loss_by_domain.png", "mixture.png", "repetition.png", "throughput.png")
 MLFLOW_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -102,6 +108,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
             cfg.hardware.price_per_device_hour_usd,
         ),
         **expert_tables.build(run_dir, cfg, accounting, train_rows),
+        "downstream": downstream_table(run_dir),
     }
 
 
@@ -227,13 +234,40 @@ def _typed(name: str, df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def predated_tables(report_dir: str | Path) -> tuple[str, ...]:
+    """The LATER_TABLES a report folder was written before (see LATER_TABLES)."""
+    report_dir = Path(report_dir)
+    absent = tuple(n for n in LATER_TABLES if not (report_dir / f"{n}.parquet").exists())
+    if not absent:
+        return ()
+    try:
+        cfg = read_yaml(report_dir / "experiment.yaml")
+        evidence = read_json(report_dir / "evidence.json") if (report_dir / "evidence.json").is_file() else {}
+    except RunnerError:  # the audit names what is wrong with either file
+        return ()
+    if not isinstance(cfg, dict) or not isinstance(evidence, dict) or (cfg.get("eval") or {}).get("tasks"):
+        return ()
+    listed = evidence.get("tables") or {}
+    return tuple(n for n in absent if n not in listed)
+
+
+def empty_table(name: str) -> pd.DataFrame:
+    """A table of no rows, typed as its schema says."""
+    return _typed(name, pd.DataFrame(columns=list(SCHEMAS[name].columns)))
+
+
 def read_tables(report_dir: str | Path) -> dict[str, pd.DataFrame]:
     """Read a report folder's tables back from parquet. A report written under an older schema may
-    lack tables added since: what it has is returned, and the audit says which version to rebuild."""
+    lack tables added since: what it has is returned, and the audit says which version to rebuild.
+    A table the report predates (predated_tables) reads as empty."""
     report_dir = Path(report_dir)
     tables, missing = {}, []
+    predated = predated_tables(report_dir)
     for name in TABLES:
         path = report_dir / f"{name}.parquet"
+        if name in predated:
+            tables[name] = empty_table(name)
+            continue
         if not path.exists():
             missing.append(path)
             continue
@@ -328,6 +362,7 @@ def render_markdown(
     and cost, the experts of a mixture of experts, and how every figure is defined."""
     lines = _md_trained_and_data(tables, cfg, manifests)
     lines += _md_validation(tables, cfg)
+    lines += downstream_report.markdown(tables, _md_table)
     lines += _md_speed(tables, cfg, run)
     lines += _md_definitions(tables["run_summary"].iloc[0])
     return "\n".join(lines)
@@ -525,7 +560,7 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     paths.append(out / "throughput.png")
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
-    return paths + expert_tables.write_heatmap(tables, out)
+    return paths + expert_tables.write_heatmap(tables, out) + downstream_report.write_plot(tables, out)
 
 
 def write_report(run_dir: str | Path, seal: Callable[[Path], None] | None = None) -> Path:
@@ -634,8 +669,12 @@ REPORT_FILES = (
 def missing_report_files(report_dir: Path, domains: list[str]) -> list[str]:
     """The files of a complete report (REPORT_FILES, manifests/<d>.json, the expert heat map of a
     mixture of experts) that `report_dir` lacks: a report cut short by a killed writer, or edited."""
-    wanted = [*REPORT_FILES, *(f"manifests/{d}.json" for d in domains)]
+    predated = {f"{name}.{ext}" for name in predated_tables(report_dir) for ext in ("parquet", "csv")}
+    wanted = [f for f in REPORT_FILES if f not in predated] + [f"manifests/{d}.json" for d in domains]
     load = report_dir / "expert_load.parquet"
     if load.exists() and len(pd.read_parquet(load, columns=["layer"])):
         wanted.append(expert_tables.HEATMAP)
+    scores = report_dir / "downstream.parquet"
+    if scores.exists() and not downstream_report.plotted(pd.read_parquet(scores)).empty:
+        wanted.append(downstream_report.PLOT)
     return [name for name in wanted if not (report_dir / name).is_file()]
