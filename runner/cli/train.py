@@ -1,6 +1,6 @@
 """CLI for training: `runner launch`, `runner smoke`, `runner sync`.
 
-Owns: choosing the run folder (its records are runner.runs'), the accelerate set-up, the MLflow
+Owns: choosing the run folder (its records are runner.training.runfolder's), the accelerate set-up, the MLflow
 run's start/finish, the terminal summary, and the smoke test's kill-and-resume comparison. The loop
 is runner.training.loop's; never trains or counts tokens here. Verbs import what they call when
 they run (runner.cli's rule: `runner --help` stays fast).
@@ -26,7 +26,7 @@ from runner.fsio import read_json, read_jsonl
 if TYPE_CHECKING:
     from runner.config.load import Experiment
     from runner.config.schema import ExperimentSchema
-    from runner.runs import RunFolder
+    from runner.training.runfolder import RunFolder
     from runner.training.tracking import Tracker
 
 
@@ -107,7 +107,7 @@ def make_accelerator(cfg: ExperimentSchema):
 def _resolve(args) -> tuple[Experiment, Path | None, bool]:
     """(experiment, run folder or None for a new default one, whether the folder holds a run)."""
     from runner.config.load import load_experiment
-    from runner.runs import check_same_experiment, checked_experiment_of_run, is_run_dir
+    from runner.training.runfolder import check_same_experiment, checked_experiment_of_run, is_run_dir
 
     target = Path(args.target)
     if target.is_dir():
@@ -154,7 +154,7 @@ def _check_recorded_store(run_dir: Path) -> None:
 
 
 def _make_tracker(run_dir: Path, main: bool) -> Tracker:
-    from runner.runs import RunFolder
+    from runner.training.runfolder import RunFolder
 
     return _tracker_of(RunFolder(run_dir, writer=main), None, enabled=main, report=lambda m: print(m, file=sys.stderr))
 
@@ -222,11 +222,11 @@ def check_world(cfg: ExperimentSchema, world: int) -> str | None:
 
 @contextlib.contextmanager
 def _owning(run_dir: Path, acc, command: str = "runner launch"):
-    """Rank 0 holds the run folder's lock (runner.runs.RunLock) for the whole launch; every rank
+    """Rank 0 holds the run folder's lock (runner.training.runlock.RunLock) for the whole launch; every rank
     learns whether it got it, so a refused launch stops everywhere before anything is written."""
     from accelerate.utils import broadcast_object_list
 
-    from runner.runs import RunLock
+    from runner.training.runlock import RunLock
 
     lock = None
     refused: list[tuple[str, str | None] | None] = [None]
@@ -256,7 +256,7 @@ def _check_same_folder(run_dir: Path, held: dict | None) -> None:
     another checkpoint or write beside the run; all ranks refuse with the same line, before training."""
     import torch.distributed as dist
 
-    from runner.runs import lock_records
+    from runner.training.runlock import lock_records
 
     mine: list = [held]
     dist.broadcast_object_list(mine, src=0)
@@ -281,8 +281,8 @@ def _launch(args, held: contextlib.ExitStack) -> int:
 
     from runner.config.load import to_yaml
     from runner.config.rules import global_batch_tokens
-    from runner.runs import RunFolder, check_mixture_feasible, create_run_folder, extend_run, is_run_dir
     from runner.training.loop import Options, train
+    from runner.training.runfolder import RunFolder, check_mixture_feasible, create_run_folder, extend_run, is_run_dir
     from runner.training.tracking import flatten
 
     exp, run_dir, existing = _resolve(args)
@@ -384,7 +384,7 @@ def _launch(args, held: contextlib.ExitStack) -> int:
 
 def _print_summary(run_dir: Path) -> None:
     """What a user wants on the terminal after a run: the counters, losses, speed and where things are."""
-    from runner.runs import RunFolder
+    from runner.training.runfolder import RunFolder
 
     info = RunFolder(run_dir).read()
     ledger_path = run_dir / "ledger.json"
@@ -454,7 +454,8 @@ def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
 
 
 def cmd_sync(args) -> int:
-    from runner.runs import RunFolder, RunLock, is_run_dir
+    from runner.training.runfolder import RunFolder, is_run_dir
+    from runner.training.runlock import RunLock
 
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
@@ -498,10 +499,11 @@ def cmd_smoke(args) -> int:
     a CPU and within a stated tolerance on a GPU (runner.training.resume_identity)
     (long: a scripted scenario whose steps read as a sequence)."""
     from runner.config.load import experiment_from_dict, load_experiment
-    from runner.planning.plan import build_plan, read_calibration
-    from runner.runs import create_run_folder
+    from runner.planning.plan import build_plan
+    from runner.reports.planning_inputs import read_calibration
     from runner.training.checkpoint import dirname
     from runner.training.resume_identity import compare_weights
+    from runner.training.runfolder import create_run_folder
 
     full = load_experiment(args.experiment)
     cfg = full.config

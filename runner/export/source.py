@@ -21,9 +21,9 @@ from transformers import LlamaForCausalLM, OlmoeForCausalLM, PretrainedConfig
 from runner.config.load import Experiment, experiment_from_dict, find_project_root
 from runner.errors import RunnerError
 from runner.fsio import read_json
-from runner.runs import is_run_dir
 from runner.training.checkpoint import Checkpoint, dirname, verify
 from runner.training.model import build_model, llama_config, olmoe_config
+from runner.training.runfolder import is_run_dir
 
 #: attention backends a CPU runs; a GPU-only one (flash attention) is replaced by sdpa for the
 #: reference model: the same function of the weights, computed by another kernel.

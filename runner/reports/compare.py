@@ -30,7 +30,7 @@ from runner.reports import targets as tg
 from runner.reports.audit import audit
 from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
-from runner.runs import is_reportable_run
+from runner.training.runfolder import is_reportable_run
 from runner.training.tracking import repo_root
 from schemas.report_tables import SCHEMA_VERSION, validate_tables
 

@@ -23,12 +23,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from runner.config.load import load_saved_experiment
 from runner.errors import RunnerError
 from runner.fsio import atomic_write, read_json, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports.audit import AuditResult, audit
 from runner.reports.evidence import write_report_with_evidence
-from runner.runs import experiment_of_run, holder_text, is_reportable_run, load_saved_experiment, lock_holder
+from runner.training.runfolder import experiment_of_run, is_reportable_run
+from runner.training.runlock import holder_text, lock_holder
 from runner.training.tracking import repo_root
 
 MAX_FILE_BYTES = 2 * 1024 * 1024

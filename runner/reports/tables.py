@@ -1,7 +1,7 @@
 """Build a run's report: tables (schemas/report_tables.py), report.md, plots, and the inputs an audit needs.
 
 Owns: turning a run folder (run.json, experiment.yaml, ledger.json, metrics/*.jsonl, manifests/),
-read through runner.runs, into the report tables, and writing run_dir/report/ (parquet + csv
+read through runner.training.record, into the report tables, and writing run_dir/report/ (parquet + csv
 tables, report.md, PNG plots, copies of experiment.yaml, run.json and the manifests so the report
 folder alone can be audited); reading a report folder back; fetching a run folder from an MLflow
 run id.
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from runner.config.load import load_saved_experiment
 from runner.config.schema import ExperimentSchema, HubFiles
 from runner.data.manifest import num_samples, small_validation_warning
 from runner.errors import RunnerError
@@ -27,15 +28,8 @@ from runner.fsio import read_json, read_jsonl, replace_folder, staging_folder
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
 from runner.planning.hardware import cost_per_billion_useful_tokens, mfu
 from runner.reports import expert_tables, targets
-from runner.runs import (
-    conventions_of,
-    device_seconds,
-    devices_held,
-    is_reportable_run,
-    load_saved_experiment,
-    read_manifest_copies,
-    run_times,
-)
+from runner.training.record import conventions_of, device_seconds, devices_held, read_manifest_copies, run_times
+from runner.training.runfolder import is_reportable_run
 from runner.training.tracking import default_tracking_uri
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 

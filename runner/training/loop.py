@@ -34,7 +34,6 @@ from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.planning import hardware
 from runner.planning.flops import convention_for, flops_per_token, hfu_convention, hfu_flops_per_token
 from runner.planning.plan import choose_micro_batch
-from runner.runs import RunFolder, write_ledger_json
 from runner.training import evaluate
 from runner.training import experts as experts_mod
 from runner.training.backends import (
@@ -56,6 +55,7 @@ from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
+from runner.training.runfolder import RunFolder, write_ledger_json
 from runner.training.samples import samples_callback
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback

@@ -1,0 +1,100 @@
+"""Reading back what a run recorded: the devices it held, its MFU convention and its times
+(runner.reports.tables, runner.reports.audit and the model card read a run through these), and
+the manifest copies of a run or a report. Never writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.config.rules import devices
+from runner.config.schema import ExperimentSchema
+from runner.errors import RunnerError
+from runner.fsio import read_json
+from runner.planning.flops import Convention
+
+# ---- reading what a run recorded ----------------------------------------------------------------
+
+
+def read_manifest_copies(folder: Path, domains: list[str]) -> dict[str, dict]:
+    """The manifest JSON of each domain from `folder/<domain>.json` (a run's or a report's copies;
+    shards not needed)."""
+    out = {}
+    for d in domains:
+        out[d] = read_json(folder / f"{d}.json")
+        if not isinstance(out[d], dict) or "pool_tokens" not in out[d]:
+            raise RunnerError("pool_tokens: missing", file=str(folder / f"{d}.json"))
+    return out
+
+
+def devices_held(run: dict, cfg: ExperimentSchema) -> int:
+    """Devices the run held: run.json `devices` (the trainer's world size), else
+    conventions.devices_counted, else the hardware recipe (runs recorded before either existed).
+
+    The recipe is only a last resort because a launcher (torchrun --nproc-per-node) can start more
+    processes than the recipe names, and MFU and cost are over what was held.
+    """
+    if run.get("devices") is not None:
+        return int(run["devices"])
+    recorded = (run.get("conventions") or {}).get("devices_counted")
+    if recorded is not None:
+        return int(recorded)
+    return devices(cfg)
+
+
+def conventions_of(run: dict, cfg: ExperimentSchema) -> dict:
+    """The MFU convention record: run.json's `conventions`, peak fields defaulting to the hardware
+    recipe and devices_counted to the devices held."""
+    recorded = dict(run.get("conventions") or {})
+    conv = Convention.from_dict(recorded).to_dict()
+    hw = cfg.hardware
+    conv["peak_tflops"] = recorded.get("peak_tflops", hw.peak_tflops)
+    conv["peak_dtype"] = recorded.get("peak_dtype", hw.peak_dtype)
+    conv["peak_source"] = recorded.get("peak_source", hw.peak_source)
+    conv["devices_counted"] = int(recorded.get("devices_counted", devices_held(run, cfg)))
+    conv["time_basis"] = recorded.get("time_basis", "step")
+    if conv["time_basis"] == "step":  # runs before issue 28 read step time when the host had queued it
+        conv["step_clock"] = recorded.get("step_clock", "host")
+    if conv["peak_tflops"] is None:
+        raise RunnerError(
+            "no peak_tflops recorded in run.json conventions or hardware recipe", key="conventions.peak_tflops"
+        )
+    return conv
+
+
+def device_seconds(
+    run: dict, cfg: ExperimentSchema, wall_seconds: float, step_seconds_total: float
+) -> tuple[float, float]:
+    """(device_wall_seconds, device_step_seconds): time x devices held, summed over attempts.
+
+    run.json's figures when recorded (the trainer sums each attempt with its own world size),
+    else the seconds x the devices held (runs recorded before; one world size throughout)."""
+    held = devices_held(run, cfg)
+    wall = run.get("device_wall_seconds")
+    step = run.get("device_step_seconds_total")
+    return (
+        float(wall) if wall is not None else wall_seconds * held,
+        float(step) if step is not None else step_seconds_total * held,
+    )
+
+
+def run_times(run: dict, train_rows: list[dict]) -> tuple[float, float]:
+    """(wall_seconds, step_seconds_total): run.json's totals when recorded, else from train.jsonl.
+
+    A train.jsonl row's step_seconds is taken to stand for each step since the previous row
+    (log_interval_steps > 1 logs one row per interval).
+    """
+    wall = run.get("wall_seconds")
+    step_total = run.get("step_seconds_total")
+    if train_rows and (wall is None or step_total is None):
+        rows = sorted(train_rows, key=lambda r: r["step"])
+        prev, summed = 0, 0.0
+        for r in rows:
+            span = max(int(r["step"]) - prev, 1)
+            summed += float(r["step_seconds"]) * span
+            prev = int(r["step"])
+        wall = wall if wall is not None else max(float(r["wall_seconds"]) for r in rows)
+        step_total = step_total if step_total is not None else summed
+    if wall is None or step_total is None:
+        raise RunnerError("no wall_seconds/step_seconds_total and no metrics/train.jsonl rows", file="run.json")
+    return float(wall), float(step_total)
