@@ -10,7 +10,6 @@ Never decides what data a step sees (the sampler does) and never writes outside 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
@@ -18,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,7 +37,6 @@ from runner.training import evaluate
 from runner.training import experts as experts_mod
 from runner.training.backends import (
     SHARD_RUNNER_CPU,
-    StepClock,
     apply_runtime_settings,
     attention_context,
     ddp_compile_settings,
@@ -51,6 +49,7 @@ from runner.training.backends import (
 )
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
 from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
+from runner.training.clock import RunClock
 from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
@@ -149,13 +148,6 @@ class _Run:
     sharding: str  # backends.SHARD_*: who shards the model, if anyone
     info: dict = field(default_factory=dict)  # run.json as this attempt found it
     start_step: int = 0
-    attempt: int = 1
-    prior_wall_seconds: float = 0.0  # earlier attempts, crashed ones included
-    prior_device_wall_seconds: float = 0.0  # the same, each attempt's wall x the devices it held
-    step_seconds_total: float = 0.0  # all attempts: committed steps and the work lost after them
-    device_step_seconds_total: float = 0.0  # the same, each step's time x the devices that ran it
-    step_t0: float = 0.0  # when the current step started
-    t_attempt: float = 0.0  # perf_counter at this attempt's first step
     last_saved: int = 0
     last_eval: int = 0
     flops_per_token: float = 0.0
@@ -163,7 +155,6 @@ class _Run:
     peak: hardware.Peak | None = None  # set by _conventions, before the first step
     tracker: Tracker | None = None
     callbacks: list[Callback] = field(default_factory=list)
-    journal_file: TextIO | None = None
 
     @property
     def peak_tflops(self) -> float:
@@ -175,7 +166,7 @@ class _Run:
     batches: Prefetcher | None = None  # of _HostBatch, one per step of this attempt
     system: SystemMetricsCallback | None = None  # when system metrics are on
     experts: experts_mod.RouterProbe | None = None  # of a mixture-of-experts model, else None
-    clock: StepClock = field(default_factory=lambda: StepClock(torch.device("cpu")))  # _setup: the run's device
+    clock: RunClock = field(default_factory=lambda: RunClock(1))  # _setup: the run's world and device clock
     downstream: Any = None  # the downstream tasks, prepared at their first scoring (runner.training.downstream)
 
     @property
@@ -213,33 +204,6 @@ class _Run:
         return segment_schedule_steps(
             self.info.get("segments", []), step, self.global_batch * self.seq_len, self.schedule_steps
         )
-
-    def wall_seconds(self) -> float:
-        return self.prior_wall_seconds + time.perf_counter() - self.t_attempt
-
-    def journal_time(self) -> tuple[float, float]:
-        """Journal how long this attempt has run (no work) and return (wall, device wall) as of that
-        line: what an evaluation is stamped with, so a later resume, which counts an attempt's wall
-        from its journal, never starts below a figure the attempt already reported."""
-        held = math.ceil((time.perf_counter() - self.t_attempt) * 1000) / 1000
-        if self.journal_file is not None:
-            line = {
-                "attempt": self.attempt,
-                "world": self.world,
-                "processed": {},
-                "wall_seconds": held,
-                # unrounded: a resume takes the largest total it finds, and must find the checkpoint's
-                "step_seconds_total": self.step_seconds_total,
-                "device_step_seconds_total": self.device_step_seconds_total,
-            }
-            self.journal_file.write(json.dumps(line) + "\n")
-            self.journal_file.flush()
-        return self.prior_wall_seconds + held, self.prior_device_wall_seconds + held * self.world
-
-    def device_wall_seconds(self) -> float:
-        """Device-seconds held so far: the goodput MFU and cost denominator. A run resumed with another
-        world size counts each attempt with its own device count."""
-        return self.prior_device_wall_seconds + (time.perf_counter() - self.t_attempt) * self.world
 
 
 @dataclass
@@ -404,7 +368,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         resolved_config=exp.to_container(),
         sharding=sharding,
         experts=probe,
-        clock=step_clock(acc.device),
+        clock=RunClock(world, step_clock(acc.device)),
     )
 
 
@@ -441,12 +405,7 @@ def _resume(run: _Run) -> None:
             run.experts.load_state_dict(ledger_state, str(ckpt.path))
         set_rng_state(ckpt.state["rng"])
         run.start_step = ckpt.step
-        run.step_seconds_total = float(ckpt.state.get("step_seconds_total", 0.0))
-        run.device_step_seconds_total = float(
-            ckpt.state.get(
-                "device_step_seconds_total", run.step_seconds_total * int(ckpt.state.get("world_size", run.world))
-            )
-        )
+        run.clock.load_state_dict(ckpt.state)
         run.say(f"resuming from {ckpt.path.name} (step {run.start_step})")
     acc.wait_for_everyone()
     if run.main:
@@ -454,34 +413,7 @@ def _resume(run: _Run) -> None:
         run.folder.repair_journal()
     acc.wait_for_everyone()
     # processed survives SIGKILL through the journal: work after the checkpoint was spent, then lost.
-    journal = run.folder.journal_entries()
-    run.attempt = 1 + max((int(e.get("attempt", 0)) for e in journal), default=0)
-    spent = {d: 0 for d in data.domains}
-    for e in journal:
-        for d, n in e.get("processed", {}).items():
-            spent[d] = spent.get(d, 0) + int(n)
-    _catch_up_processed(ledger, spent)
-    by_attempt: dict[int, tuple[float, int]] = {}
-    for e in journal:  # wall time of earlier attempts, crashed ones included (SPEC: wall basis)
-        a, world = int(e.get("attempt", 0)), int(e.get("world", run.world))  # journals before "world": this one's
-        by_attempt[a] = (max(by_attempt.get(a, (0.0, world))[0], float(e.get("wall_seconds", 0.0))), world)
-    run.prior_wall_seconds = sum(wall for wall, _ in by_attempt.values())
-    run.prior_device_wall_seconds = sum(wall * world for wall, world in by_attempt.values())
-    # Step time of work lost after the checkpoint was spent too: MFU divides processed tokens (lost
-    # ones included) by it, so it continues from the last micro batch the journal saw.
-    run.step_seconds_total = max([run.step_seconds_total] + [float(e.get("step_seconds_total", 0.0)) for e in journal])
-    run.device_step_seconds_total = max(
-        [run.device_step_seconds_total]
-        + [
-            float(
-                e.get(
-                    "device_step_seconds_total",
-                    float(e.get("step_seconds_total", 0.0)) * int(e.get("world", run.world)),
-                )
-            )
-            for e in journal
-        ]
-    )
+    _catch_up_processed(ledger, run.clock.replay(run.folder.journal_entries(), data.domains))
     run.runtime.update(ddp_compile_settings(run.model, run.cfg.model.compile))
     run.model = maybe_compile(run.model, run.cfg)
 
@@ -500,7 +432,7 @@ def _conventions(run: _Run, tracker) -> None:
     run.system = _system_metrics(run, tracker)
     busy_source = run.system.monitor.busy_source if run.system is not None else "not measured (interval 0)"
     conventions = {
-        **hardware.convention_record(convention, run.peak, run.world, "step", run.clock.basis),
+        **hardware.convention_record(convention, run.peak, run.world, "step", run.clock.step_clock.basis),
         **execution_record(run.runtime, busy_source),
     }
     hfu_fields: dict[str, Any] = {}
@@ -509,7 +441,7 @@ def _conventions(run: _Run, tracker) -> None:
         hfu_fields = {
             "hfu_flops_per_token": run.hfu_flops_per_token,
             "conventions_hfu": hardware.convention_record(
-                hfu_convention(convention), run.peak, run.world, "step", run.clock.basis
+                hfu_convention(convention), run.peak, run.world, "step", run.clock.step_clock.basis
             ),
         }
     if run.main:
@@ -521,7 +453,7 @@ def _conventions(run: _Run, tracker) -> None:
             world_size=run.world,
             devices=int(run.world),
             nodes=node_count(run.world),  # this attempt's nodes (torchrun's agents)
-            attempts=run.attempt,
+            attempts=run.clock.attempt,
             flops_per_token=run.flops_per_token,
             conventions_goodput=hardware.convention_record(convention, run.peak, run.world, "wall"),
             **hfu_fields,
@@ -542,7 +474,7 @@ def _conventions(run: _Run, tracker) -> None:
         tracker.log_tags(
             {
                 **{f"mfu.{k}": v for k, v in conventions.items()},
-                "attempts": run.attempt,
+                "attempts": run.clock.attempt,
                 **{f"hfu.{k}": v for k, v in hfu_fields.get("conventions_hfu", {}).items()},
             }
         )
@@ -600,24 +532,7 @@ def _train_step(run: _Run, step: int) -> _Step:
             acc.backward(objective)
         loss_sum += summed.detach().double()
         run.ledger.record_processed(processed[m])
-        if run.journal_file is not None:
-            in_step = run.clock.now() - run.step_t0
-            run.journal_file.write(
-                json.dumps(
-                    {
-                        "attempt": run.attempt,
-                        "world": run.world,
-                        "step": step,
-                        "micro": m,
-                        "processed": processed[m],
-                        "wall_seconds": round(time.perf_counter() - run.t_attempt, 3),
-                        "step_seconds_total": round(run.step_seconds_total + in_step, 3),
-                        "device_step_seconds_total": round(run.device_step_seconds_total + in_step * run.world, 3),
-                    }
-                )
-                + "\n"
-            )
-            run.journal_file.flush()
+        run.clock.journal_micro(step, m, processed[m])
         if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
     loss = float(_all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
@@ -634,7 +549,7 @@ def _train_step(run: _Run, step: int) -> _Step:
 
 
 def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, counters: dict) -> dict:
-    wall_seconds = run.wall_seconds()
+    wall_seconds = run.clock.wall_seconds()
     tokens = run.global_batch * run.seq_len
     fpt, peak_tflops = run.flops_per_token, run.peak_tflops
     return {
@@ -651,7 +566,7 @@ def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, co
         "tokens_per_second": tokens / step_seconds,
         "tokens_per_second_useful": s.useful_tokens / step_seconds,
         "mfu": hardware.mfu(fpt, tokens, step_seconds, peak_tflops, run.world),
-        "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], run.device_wall_seconds(), peak_tflops, 1),
+        "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], run.clock.device_wall_seconds(), peak_tflops, 1),
         "exposure_tokens": int(counters["total"]["exposure"]),
         **(
             {"hfu": hardware.mfu(run.hfu_flops_per_token, tokens, step_seconds, peak_tflops, run.world)}
@@ -671,7 +586,7 @@ def _checkpoint_state(run: _Run, step: int) -> dict:
         "fingerprint": run.exp.fingerprint,
         "config": run.resolved_config,
         "segment": len(run.info.get("segments", [])) - 1,
-        "attempt": run.attempt,
+        "attempt": run.clock.attempt,
         "scheduler": {
             "schedule": cfg.optim.schedule,
             "schedule_steps": run.schedule_steps,
@@ -680,9 +595,7 @@ def _checkpoint_state(run: _Run, step: int) -> dict:
             "next_lr": lr_at(step, cfg.optim, segment_steps, run.warmup_steps),
         },
         "mlflow_run_id": tracker.run_id if tracker is not None else None,
-        "step_seconds_total": run.step_seconds_total,
-        "device_step_seconds_total": run.device_step_seconds_total,
-        "world_size": run.world,
+        **run.clock.state_dict(),
     }
 
 
@@ -731,10 +644,7 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
             run.experts.load.write_json(run.folder.path, step)
         run.folder.update(
             committed_steps=step,
-            step_seconds_total=run.step_seconds_total,
-            device_step_seconds_total=run.device_step_seconds_total,
-            wall_seconds=run.wall_seconds(),
-            device_wall_seconds=run.device_wall_seconds(),
+            **run.clock.totals(),
             checkpoints=_checkpoint_times(run, step, time.perf_counter() - t_checkpoint),
         )
     run.acc.wait_for_everyone()
@@ -745,7 +655,7 @@ def _checkpoint_times(run: _Run, step: int, seconds: float) -> list[dict]:
     """run.json `checkpoints`: every checkpoint any attempt wrote, with its t_checkpoint (gather and
     write, while training waited: the wall-clock formula's t_checkpoint is their sum)."""
     earlier = list(run.folder.read().get("checkpoints") or [])
-    return earlier + [{"step": step, "attempt": run.attempt, "t_checkpoint": round(seconds, 6)}]
+    return earlier + [{"step": step, "attempt": run.clock.attempt, "t_checkpoint": round(seconds, 6)}]
 
 
 def _evaluate(run: _Run, step: int) -> None:
@@ -755,7 +665,7 @@ def _evaluate(run: _Run, step: int) -> None:
             run.raw_model, run.data, run.acc, run.cfg.eval.micro_batch_sequences, step, int(total["exposure"])
         )
     # Where the run stood when this evaluation ended: time-to-target is recounted from these (SPEC).
-    wall, device_wall = run.journal_time()
+    wall, device_wall = run.clock.journal_time()
     stamp = {"useful_tokens": int(total["useful"]), "wall_seconds": wall, "device_wall_seconds": device_wall}
     rows = [{**r, **stamp} for r in rows]
     for cb in run.callbacks:
@@ -788,8 +698,7 @@ def _attempt(run: _Run, tracker) -> int:
         tracker.flush(timeout=START_WAIT_SECONDS)
     flag = _StopFlag()
     old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
-    run.journal_file = open(run.folder.journal_path(), "a") if run.main else None
-    run.t_attempt = time.perf_counter()
+    run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None)
     eval_every = run.cfg.eval.interval_steps
     run.last_saved = run.last_eval = run.start_step
     if opts.max_steps is not None:
@@ -805,7 +714,7 @@ def _attempt(run: _Run, tracker) -> int:
     try:
         run.model.train()
         for step in range(run.start_step, run.end_step):
-            t0 = run.step_t0 = run.clock.now()
+            run.clock.begin_step()
             s = _train_step(run, step)
             if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
                 run.optimizer.zero_grad(set_to_none=True)
@@ -821,9 +730,7 @@ def _attempt(run: _Run, tracker) -> int:
             run.ledger.commit(s.global_pairs, s.useful)
             step_experts = run.experts.commit(acc) if run.experts is not None else {}
             committed = step + 1
-            step_seconds = run.clock.seconds_since(t0)  # the device's clock: the optimizer's kernels done
-            run.step_seconds_total += step_seconds
-            run.device_step_seconds_total += step_seconds * run.world
+            step_seconds = run.clock.end_step()  # the device's clock: the optimizer's kernels done
             # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
             broken = run.ledger.check_invariants(run.global_batch, run.seq_len, committed, ratios, caps)
             if broken:
@@ -870,9 +777,7 @@ def _attempt(run: _Run, tracker) -> int:
         run.batches.close()
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
-        run.journal_time()  # the attempt's whole wall, for the next resume (a kill loses only the tail)
-        if run.journal_file is not None:
-            run.journal_file.close()
+        run.clock.end_attempt()  # the attempt's whole wall, for the next resume (a kill loses only the tail)
     _finish(run, exit_code)
     return exit_code
 
@@ -883,7 +788,8 @@ def _finish(run: _Run, exit_code: int) -> None:
     if exit_code == EXIT_NONFINITE:
         committed = _rollback_to_last_checkpoint(run)
     counters = run.ledger.counters()
-    wall_seconds, device_wall_seconds = run.wall_seconds(), run.device_wall_seconds()
+    clock = run.clock
+    wall_seconds, device_wall_seconds = clock.wall_seconds(), clock.device_wall_seconds()
     useful_total = int(counters["total"]["useful"])
     finished = exit_code == EXIT_OK and run.last_saved == run.natural_end
     status = {EXIT_NONFINITE: "failed", EXIT_PREEMPTED: "preempted"}.get(
@@ -892,25 +798,25 @@ def _finish(run: _Run, exit_code: int) -> None:
     summary = {
         "committed_steps": committed,
         "wall_seconds": wall_seconds,
-        "step_seconds_total": run.step_seconds_total,
+        "step_seconds_total": clock.step_seconds_total,
         "device_wall_seconds": device_wall_seconds,
-        "device_step_seconds_total": run.device_step_seconds_total,
+        "device_step_seconds_total": clock.device_step_seconds_total,
         "exposure_tokens": int(counters["total"]["exposure"]),
         "useful_tokens": useful_total,
         "processed_tokens": int(counters["total"]["processed"]),
         "lost_tokens": int(counters["total"]["lost"]),
     }
     fpt, peak_tflops = run.flops_per_token, run.peak_tflops
-    if useful_total and run.step_seconds_total:
+    if useful_total and clock.step_seconds_total:
         # Device-seconds (time x devices held, summed over attempts): a run resumed on another world
         # size is measured against what each attempt held. Same as seconds x devices otherwise.
         summary["mfu"] = hardware.mfu(
-            fpt, counters["total"]["processed"], run.device_step_seconds_total, peak_tflops, 1
+            fpt, counters["total"]["processed"], clock.device_step_seconds_total, peak_tflops, 1
         )
         summary["goodput_mfu"] = hardware.mfu(fpt, useful_total, device_wall_seconds, peak_tflops, 1)
         if run.hfu_flops_per_token:
             summary["hfu"] = hardware.mfu(
-                run.hfu_flops_per_token, counters["total"]["processed"], run.device_step_seconds_total, peak_tflops, 1
+                run.hfu_flops_per_token, counters["total"]["processed"], clock.device_step_seconds_total, peak_tflops, 1
             )
         summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
             1, run.cfg.hardware.price_per_device_hour_usd, device_wall_seconds, useful_total

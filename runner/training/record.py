@@ -12,6 +12,7 @@ from runner.config.schema import ExperimentSchema
 from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.planning.flops import Convention
+from runner.training.clock import device_seconds_or, recorded_times
 
 # ---- reading what a run recorded ----------------------------------------------------------------
 
@@ -70,31 +71,14 @@ def device_seconds(
     run.json's figures when recorded (the trainer sums each attempt with its own world size),
     else the seconds x the devices held (runs recorded before; one world size throughout)."""
     held = devices_held(run, cfg)
-    wall = run.get("device_wall_seconds")
-    step = run.get("device_step_seconds_total")
     return (
-        float(wall) if wall is not None else wall_seconds * held,
-        float(step) if step is not None else step_seconds_total * held,
+        device_seconds_or(run.get("device_wall_seconds"), wall_seconds, held),
+        device_seconds_or(run.get("device_step_seconds_total"), step_seconds_total, held),
     )
 
 
 def run_times(run: dict, train_rows: list[dict]) -> tuple[float, float]:
-    """(wall_seconds, step_seconds_total): run.json's totals when recorded, else from train.jsonl.
-
-    A train.jsonl row's step_seconds is taken to stand for each step since the previous row
-    (log_interval_steps > 1 logs one row per interval).
-    """
-    wall = run.get("wall_seconds")
-    step_total = run.get("step_seconds_total")
-    if train_rows and (wall is None or step_total is None):
-        rows = sorted(train_rows, key=lambda r: r["step"])
-        prev, summed = 0, 0.0
-        for r in rows:
-            span = max(int(r["step"]) - prev, 1)
-            summed += float(r["step_seconds"]) * span
-            prev = int(r["step"])
-        wall = wall if wall is not None else max(float(r["wall_seconds"]) for r in rows)
-        step_total = step_total if step_total is not None else summed
-    if wall is None or step_total is None:
-        raise RunnerError("no wall_seconds/step_seconds_total and no metrics/train.jsonl rows", file="run.json")
-    return float(wall), float(step_total)
+    """(wall_seconds, step_seconds_total): run.json's totals when recorded, else from train.jsonl
+    (runner.training.clock.recorded_times)."""
+    times = recorded_times(run, 1, train_rows)
+    return times.wall_seconds, times.step_seconds_total
