@@ -33,8 +33,8 @@ from runner.reports import tables as rpt
 from runner.reports.audit import audit
 from runner.reports.audit_eval import _LocalAccelerator
 from runner.reports.evidence import final_validation
+from runner.training.batches import load_data
 from runner.training.evaluate import evaluate
-from runner.training.loop import load_data
 from runner.training.record import conventions_of
 
 ACCOUNTING = "accounting.json"

@@ -26,7 +26,7 @@ from runner.data.manifest import num_samples, small_validation_warning
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, replace_folder, staging_folder
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
-from runner.planning.hardware import cost_per_billion_useful_tokens, mfu
+from runner.planning.hardware import run_efficiency
 from runner.reports import expert_tables, targets
 from runner.training.record import conventions_of, device_seconds, devices_held, read_manifest_copies, run_times
 from runner.training.runfolder import is_reportable_run
@@ -160,6 +160,7 @@ def _summary(
         k: int(accounting[f"{k}_tokens"].sum()) for k in ("pool", "processed", "exposure", "useful", "unique", "lost")
     }
     peak_tflops, price, useful = float(conv["peak_tflops"]), hw.price_per_device_hour_usd, totals["useful"]
+    eff = run_efficiency(fpt, hfu_fpt, totals["processed"], useful, device_step, device_wall, peak_tflops, price)
     row = {
         "schema_version": SCHEMA_VERSION,
         "experiment": str(run.get("experiment", cfg.name)),
@@ -177,10 +178,10 @@ def _summary(
         "device_step_seconds": device_step,
         "params": int(params_of_config(cfg).get(convention.params_counted)),
         "flops_per_token": float(fpt),
-        "mfu": mfu(fpt, totals["processed"], device_step, peak_tflops, 1),
-        "goodput_mfu": mfu(fpt, useful, device_wall, peak_tflops, 1),
+        "mfu": eff.mfu,
+        "goodput_mfu": eff.goodput_mfu,
         "hfu_flops_per_token": hfu_fpt,
-        "hfu": mfu(hfu_fpt, totals["processed"], device_step, peak_tflops, 1),
+        "hfu": eff.hfu,
         "flops_formula": convention.flops_formula,
         "params_counted": convention.params_counted,
         "attention_causal_half": bool(convention.attention_causal_half),
@@ -193,9 +194,7 @@ def _summary(
         "device_name": hw.device_name,
         "devices": devices_held(run, cfg),
         "price_per_device_hour": price,
-        "cost_per_billion_useful_tokens": cost_per_billion_useful_tokens(1, price, device_wall, useful)
-        if useful
-        else 0.0,
+        "cost_per_billion_useful_tokens": eff.cost_per_billion_useful_tokens or 0.0,
     }
     return pd.DataFrame([row])
 

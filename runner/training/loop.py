@@ -25,10 +25,6 @@ import torch.nn.functional as F
 
 from runner.config.load import Experiment
 from runner.config.rules import grad_accum, max_duration_tokens, total_steps
-from runner.data.integrity import ShardVerifier
-from runner.data.manifest import Pool, load_experiment_manifests, num_samples
-from runner.data.sampler import BatchReader, MixtureSampler
-from runner.data.tokenizer import load_tokenizer, token_byte_lengths
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.planning import hardware
 from runner.planning.flops import convention_for, flops_per_token, hfu_convention, hfu_flops_per_token
@@ -47,9 +43,11 @@ from runner.training.backends import (
     sharding_mode,
     step_clock,
 )
+from runner.training.batches import Data, load_data, read_step
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
 from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
 from runner.training.clock import RunClock
+from runner.training.collectives import all_gather_ints, all_reduce, check_same_checkpoint, fsdp2_no_sync, scalar
 from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
@@ -62,49 +60,6 @@ from runner.training.tracking import START_WAIT_SECONDS, Tracker
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-# ---- data ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Data:
-    domains: list[str]
-    samples: dict[str, int]
-    sampler: MixtureSampler
-    reader: BatchReader
-    val_reader: BatchReader | None
-    val_samples: dict[str, int]
-    byte_lengths: np.ndarray
-    verifier: ShardVerifier | None = None  # hashing the shards in the background, or None
-
-
-def load_data(exp: Experiment, seq_len: int, verify: bool = False) -> Data:
-    cfg = exp.config
-    manifests, _ = load_experiment_manifests(exp)
-    pools = {d: Pool(m, "train") for d, m in manifests.items()}
-    val_pools = {d: Pool(m, "validation") for d, m in manifests.items() if m.validation_shards}
-    samples = {d: num_samples(p.tokens, seq_len) for d, p in pools.items()}
-    ratios = {d: v.target_ratio for d, v in cfg.mixture.domains.items()}
-    sampler = MixtureSampler(samples, ratios, cfg.seed, cfg.train.global_batch_sequences)
-    val_samples = {d: min(cfg.eval.samples_per_domain, num_samples(p.tokens, seq_len)) for d, p in val_pools.items()}
-    tok = load_tokenizer(exp.resolve_path(cfg.tokenizer.path), cfg.tokenizer.sha256)
-    return Data(
-        domains=list(sampler.domains),
-        samples=samples,
-        sampler=sampler,
-        reader=BatchReader(pools, seq_len),
-        val_reader=BatchReader(val_pools, seq_len) if val_pools else None,
-        val_samples={d: n for d, n in val_samples.items() if n > 0},
-        byte_lengths=np.asarray(token_byte_lengths(tok), dtype=np.int64),
-        verifier=ShardVerifier(manifests.values()).start() if verify else None,
-    )
-
-
-def domain_positions(pairs, domains: list[str], seq_len: int) -> dict[str, int]:
-    """Input positions per domain of (domain_id, sample) pairs: a list, or an array [..., 2]."""
-    counts = np.bincount(np.asarray(pairs, dtype=np.int64).reshape(-1, 2)[:, 0], minlength=len(domains))
-    return {d: int(counts[i]) * seq_len for i, d in enumerate(domains)}
-
 
 # ---- the run ------------------------------------------------------------------------------------
 
@@ -163,7 +118,7 @@ class _Run:
             raise RuntimeError("the peak is read before _conventions resolved it")
         return self.peak.peak_tflops
 
-    batches: Prefetcher | None = None  # of _HostBatch, one per step of this attempt
+    batches: Prefetcher | None = None  # of HostBatch, one per step of this attempt
     system: SystemMetricsCallback | None = None  # when system metrics are on
     experts: experts_mod.RouterProbe | None = None  # of a mixture-of-experts model, else None
     clock: RunClock = field(default_factory=lambda: RunClock(1))  # _setup: the run's world and device clock
@@ -193,7 +148,7 @@ class _Run:
         """Hold gradient reduction during the micro steps before the last (DDP or FSDP2)."""
         if self.sharding != SHARD_RUNNER_CPU:
             return self.acc.no_sync(self.model)
-        return _fsdp2_no_sync(self.raw_model)
+        return fsdp2_no_sync(self.raw_model)
 
     @property
     def pin(self) -> bool:
@@ -216,82 +171,12 @@ class _Step:
     useful_tokens: float
 
 
-@dataclass
-class _HostBatch:
-    """The host's part of a step, all computed before the step (in the prefetch thread)."""
-
-    global_pairs: np.ndarray  # the whole global batch [B, 2]
-    tensors: tuple  # this rank's input_ids, labels, loss_mask [accum * micro, L] (pinned on a GPU run)
-    useful: torch.Tensor  # float64 [domains]: this rank's useful targets per domain
-    processed: list  # per micro step: input positions per domain, all ranks
-    domain_ids: np.ndarray  # int64 [accum * micro]: the domain of each of this rank's sequences
-
-
-def _read_step(run: _Run, step: int) -> _HostBatch:
-    """The global batch of `step`, drawn as the sampler's rank_slice cuts it: contiguous
-    [rank][micro step][sequence] blocks. This rank reads its block; processed counts every rank's."""
-    data = run.data
-    global_pairs = np.stack(data.sampler.step_arrays(step), axis=1)
-    grid = global_pairs.reshape(run.world, run.accum, run.micro, 2)
-    batch = data.reader.read(grid[run.rank])
-    tensors = tuple(torch.as_tensor(a) for a in (batch.input_ids, batch.labels, batch.loss_mask))
-    if run.pin:
-        # Page-locked memory makes the copy to the device asynchronous: it overlaps the step's start.
-        tensors = tuple(t.pin_memory() for t in tensors)
-    useful = torch.zeros(len(data.domains), dtype=torch.float64)
-    useful.index_add_(0, torch.as_tensor(batch.domain_ids), tensors[2].sum(1).double())
-    processed = [domain_positions(grid[:, m], data.domains, run.seq_len) for m in range(run.accum)]
-    return _HostBatch(global_pairs, tensors, useful, processed, np.asarray(batch.domain_ids, dtype=np.int64))
-
-
 class _StopFlag:
     def __init__(self):
         self.signum = None
 
     def __call__(self, signum, frame):
         self.signum = signum
-
-
-@contextlib.contextmanager
-def _fsdp2_no_sync(module):
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
-
-
-def _scalar(t) -> float:
-    """A 0-d tensor as float; a DTensor (a norm over sharded gradients) is reduced first."""
-    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
-
-
-def _all_gather_ints(acc, value: int) -> list[int]:
-    """`value` of every rank, in rank order (a list of one without a process group)."""
-    if acc.num_processes == 1:
-        return [int(value)]
-    mine = torch.tensor([int(value)], dtype=torch.int64, device=acc.device)
-    every = [torch.zeros_like(mine) for _ in range(acc.num_processes)]
-    torch.distributed.all_gather(every, mine)
-    return [int(t.item()) for t in every]
-
-
-def check_same_checkpoint(steps_by_rank: list[int], run_dir: Path) -> None:
-    """Every rank must resume from the same checkpoint: a node that sees another run folder (not on
-    shared storage, or a stale copy) would train from another step, desynchronise and hang."""
-    if len(set(steps_by_rank)) <= 1:
-        return
-    seen = ", ".join(f"rank {r}: {'none' if s < 0 else f'step {s}'}" for r, s in enumerate(steps_by_rank))
-    raise RunnerError(
-        f"ranks see different newest checkpoints ({seen}); the run folder must be on storage every node shares",
-        file=str(run_dir),
-    )
-
-
-def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
-    if acc.num_processes > 1:
-        torch.distributed.all_reduce(t)
-    return t
 
 
 def _device_memory_bytes(acc) -> int | None:
@@ -379,7 +264,7 @@ def _resume(run: _Run) -> None:
     run.info = run.folder.read()
     fingerprints = {s["fingerprint"] for s in run.info.get("segments", [])} | {run.exp.fingerprint}
     ckpt = run.checkpointer.latest_valid(report=run.say)
-    check_same_checkpoint(_all_gather_ints(acc, ckpt.step if ckpt is not None else -1), run.folder.path)
+    check_same_checkpoint(all_gather_ints(acc, ckpt.step if ckpt is not None else -1), run.folder.path)
     if run.sharding == SHARD_RUNNER_CPU:
         run.optimizer = acc.prepare(run.optimizer)  # preparing the model would wrap it in DDP too
     else:
@@ -504,7 +389,7 @@ def _train_step(run: _Run, step: int) -> _Step:
     host = run.batches.get(step)
     x, y, mask = (t.to(acc.device, non_blocking=run.pin) for t in host.tensors)
     # Useful targets per domain of the whole global batch: the loss divisor and the ledger's useful.
-    useful = _all_reduce(acc, host.useful.to(acc.device)).cpu() if run.world > 1 else host.useful
+    useful = all_reduce(acc, host.useful.to(acc.device)).cpu() if run.world > 1 else host.useful
     n_useful = float(useful.sum())
     lr = lr_at(step, run.cfg.optim, run.schedule_steps_at(step), run.warmup_steps)
     for group in run.optimizer.param_groups:
@@ -535,9 +420,9 @@ def _train_step(run: _Run, step: int) -> _Step:
         run.clock.journal_micro(step, m, processed[m])
         if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
-    loss = float(_all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
+    loss = float(all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
     clip = run.cfg.optim.grad_clip
-    grad_norm = _scalar(acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
+    grad_norm = scalar(acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
     return _Step(
         loss=loss,
         grad_norm=grad_norm,
@@ -623,7 +508,7 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
     # No checkpoint rests on a shard that differs from its pin: every rank waits for its node's hashing.
     # Except a preemption's: its grace period may be shorter than the hashing, and losing the work is
     # worse; the resumed launch verifies again (unfinished shards are not cached) before its next one.
-    failed = _all_reduce(run.acc, torch.tensor([_data_failed(run, wait=wait_for_data)], device=run.acc.device))
+    failed = all_reduce(run.acc, torch.tensor([_data_failed(run, wait=wait_for_data)], device=run.acc.device))
     if failed.item() > 0:
         _raise_data_failure(run)
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
@@ -704,7 +589,10 @@ def _attempt(run: _Run, tracker) -> int:
     if opts.max_steps is not None:
         run.end_step = min(run.end_step, run.start_step + int(opts.max_steps))
     run.batches = Prefetcher(
-        lambda step: _read_step(run, step), run.start_step, run.end_step, run.cfg.train.prefetch_batches
+        lambda step: read_step(run.data, step, run.world, run.accum, run.micro, run.rank, run.pin),
+        run.start_step,
+        run.end_step,
+        run.cfg.train.prefetch_batches,
     )
 
     mix = run.cfg.mixture.domains
@@ -755,7 +643,7 @@ def _attempt(run: _Run, tracker) -> int:
                 ],
                 device=acc.device,
             )
-            due = _all_reduce(acc, due)
+            due = all_reduce(acc, due)
             if due[2] > 0:
                 _raise_data_failure(run)
             if due[1] > 0:
@@ -808,19 +696,16 @@ def _finish(run: _Run, exit_code: int) -> None:
     }
     fpt, peak_tflops = run.flops_per_token, run.peak_tflops
     if useful_total and clock.step_seconds_total:
-        # Device-seconds (time x devices held, summed over attempts): a run resumed on another world
-        # size is measured against what each attempt held. Same as seconds x devices otherwise.
-        summary["mfu"] = hardware.mfu(
-            fpt, counters["total"]["processed"], clock.device_step_seconds_total, peak_tflops, 1
-        )
-        summary["goodput_mfu"] = hardware.mfu(fpt, useful_total, device_wall_seconds, peak_tflops, 1)
-        if run.hfu_flops_per_token:
-            summary["hfu"] = hardware.mfu(
-                run.hfu_flops_per_token, counters["total"]["processed"], clock.device_step_seconds_total, peak_tflops, 1
-            )
-        summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
-            1, run.cfg.hardware.price_per_device_hour_usd, device_wall_seconds, useful_total
-        )
+        summary |= hardware.run_efficiency(
+            fpt,
+            run.hfu_flops_per_token or None,
+            counters["total"]["processed"],
+            useful_total,
+            clock.device_step_seconds_total,
+            device_wall_seconds,
+            peak_tflops,
+            run.cfg.hardware.price_per_device_hour_usd,
+        ).to_dict()
     system = None
     if run.system is not None:
         system = close_and_summarize(run.system, run.acc.wait_for_everyone, run.main)
