@@ -45,14 +45,15 @@ from runner.training.backends import (
 )
 from runner.training.batches import Data, load_data, read_step
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
-from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
+from runner.training.checkpoint import Checkpointer, gather_full_state, set_rng_state
 from runner.training.clock import RunClock
 from runner.training.collectives import all_gather_ints, all_reduce, check_same_checkpoint, fsdp2_no_sync, scalar
 from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
-from runner.training.runfolder import RunFolder, write_ledger_json
+from runner.training.records import Gathered, RunRecord, default_records
+from runner.training.runfolder import RunFolder
 from runner.training.samples import samples_callback
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
@@ -71,6 +72,7 @@ class Options:
     nonfinite_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None  # tests: poison a loss
     peak_measure_seconds: float = 1.0
     callbacks: list[Callback] = field(default_factory=list)
+    records: list[RunRecord] = field(default_factory=default_records)  # the run folder's records (rank 0 writes)
     kill_at_step: int | None = None  # fault injection: SIGKILL itself mid-step (smoke, tests)
     verify_shards: bool = True  # hash every shard against its manifest before the first checkpoint (bench: off)
 
@@ -172,8 +174,11 @@ class _Step:
 
 
 class _StopFlag:
+    """Catches SIGTERM/SIGINT for the loop to stop at the next step boundary (and the handlers it replaced)."""
+
     def __init__(self):
         self.signum = None
+        self.old_handlers: dict = {}
 
     def __call__(self, signum, frame):
         self.signum = signum
@@ -186,9 +191,29 @@ def _device_memory_bytes(acc) -> int | None:
     return int(torch.cuda.get_device_properties(acc.device).total_memory)
 
 
+def _runtime(cfg, acc, micro: int, accum: int) -> tuple[dict, int, int]:
+    """The runtime record (kernels, sharding, micro batch and its policy) with the micro batch and the
+    accumulation steps it settles on (policy auto: the largest micro batch the device's memory fits)."""
+    world = acc.num_processes
+    runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
+    runtime["sharding"] = sharding_mode(cfg.hardware, acc)
+    runtime.update(fsdp_record(acc))
+    if cfg.train.micro_batch_policy == "auto":
+        micro, why = choose_micro_batch(cfg, world, _device_memory_bytes(acc))
+        accum = cfg.train.global_batch_sequences // (micro * world)
+        runtime["micro_batch_note"] = why
+    runtime.update(
+        micro_batch_sequences=micro,
+        micro_batch_policy=cfg.train.micro_batch_policy,
+        accumulation_steps=accum,
+        prefetch_batches=cfg.train.prefetch_batches,
+    )
+    return runtime, micro, accum
+
+
 def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
-    """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume (long:
-    each object is built once, in the order the next one needs: model before sharding before optimizer)."""
+    """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume; each
+    object is built once, in the order the next one needs: model before sharding before optimizer."""
     cfg, world = exp.config, acc.num_processes
     B, L, micro = cfg.train.global_batch_sequences, cfg.train.seq_len, cfg.train.micro_batch_sequences
     accum = grad_accum(cfg, world)  # a guard for callers that skip launch's check
@@ -198,19 +223,8 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     if cfg.train.hard_stop_tokens is not None:
         end_step = min(end_step, cfg.train.hard_stop_tokens // (B * L))
 
-    runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
-    sharding = runtime["sharding"] = sharding_mode(cfg.hardware, acc)
-    runtime.update(fsdp_record(acc))
-    if cfg.train.micro_batch_policy == "auto":
-        micro, why = choose_micro_batch(cfg, world, _device_memory_bytes(acc))
-        accum = B // (micro * world)
-        runtime["micro_batch_note"] = why
-    runtime.update(
-        micro_batch_sequences=micro,
-        micro_batch_policy=cfg.train.micro_batch_policy,
-        accumulation_steps=accum,
-        prefetch_batches=cfg.train.prefetch_batches,
-    )
+    runtime, micro, accum = _runtime(cfg, acc, micro, accum)
+    sharding = runtime["sharding"]
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -222,12 +236,8 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = make_optimizer(model, cfg, fused=bool(runtime.get("adamw_fused")))
     ledger = TokenLedger(data.samples, L)
-    checkpointer = Checkpointer(
-        run_dir,
-        cfg.train.checkpoint.interval_steps,
-        cfg.train.checkpoint.interval_minutes,
-        cfg.train.checkpoint.keep_last,
-        report=opts.report if acc.is_main_process else None,
+    checkpointer = Checkpointer.for_run(
+        run_dir, cfg.train.checkpoint, report=opts.report if acc.is_main_process else None
     )
     return _Run(
         exp=exp,
@@ -344,18 +354,8 @@ def _conventions(run: _Run, tracker) -> None:
             **hfu_fields,
         )
     run.tracker = tracker
-    run.callbacks = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
-    if run.main:  # end_step is the hard stop here (--max-steps applies later): the ETA names it
-        hard_stop = run.end_step if run.end_step < run.natural_end else None
-        run.callbacks.append(TrainingProgress(run.start_step, run.natural_end, hard_stop))
-    if run.system is not None:
-        run.callbacks.append(run.system)
-    sampler = samples_callback(run.exp, run.raw_model, run.acc, run.runtime, run.folder.path, tracker)
-    if sampler is not None:  # export.samples: every rank generates at each evaluation, rank 0 logs
-        run.callbacks.append(sampler)
+    run.callbacks = _callbacks(run, tracker)
     if tracker is not None:
-        run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
-        run.callbacks.append(TargetsCallback(tracker, run.cfg, run.folder.path, run.start_step, run.main))
         tracker.log_tags(
             {
                 **{f"mfu.{k}": v for k, v in conventions.items()},
@@ -363,6 +363,24 @@ def _conventions(run: _Run, tracker) -> None:
                 **{f"hfu.{k}": v for k, v in hfu_fields.get("conventions_hfu", {}).items()},
             }
         )
+
+
+def _callbacks(run: _Run, tracker: Tracker | None) -> list[Callback]:
+    """The callbacks of this attempt, in the order they see each step: metrics files, the caller's,
+    progress, system metrics, samples, MLflow and the quality targets."""
+    callbacks: list[Callback] = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
+    if run.main:  # end_step is the hard stop here (--max-steps applies later): the ETA names it
+        hard_stop = run.end_step if run.end_step < run.natural_end else None
+        callbacks.append(TrainingProgress(run.start_step, run.natural_end, hard_stop))
+    if run.system is not None:
+        callbacks.append(run.system)
+    sampler = samples_callback(run.exp, run.raw_model, run.acc, run.runtime, run.folder.path, tracker)
+    if sampler is not None:  # export.samples: every rank generates at each evaluation, rank 0 logs
+        callbacks.append(sampler)
+    if tracker is not None:
+        callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
+        callbacks.append(TargetsCallback(tracker, run.cfg, run.folder.path, run.start_step, run.main))
+    return callbacks
 
 
 def _system_metrics(run: _Run, tracker: Tracker | None) -> SystemMetricsCallback | None:
@@ -461,29 +479,6 @@ def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, co
     }
 
 
-def _checkpoint_state(run: _Run, step: int) -> dict:
-    cfg, tracker = run.cfg, run.tracker
-    segment_steps = run.schedule_steps_at(step)
-    # The resolved config rides along (as in OLMo-core) so an edited experiment.yaml can be diffed.
-    return {
-        "sampler_step": step,
-        "rng": rng_state(),
-        "fingerprint": run.exp.fingerprint,
-        "config": run.resolved_config,
-        "segment": len(run.info.get("segments", [])) - 1,
-        "attempt": run.clock.attempt,
-        "scheduler": {
-            "schedule": cfg.optim.schedule,
-            "schedule_steps": run.schedule_steps,
-            "warmup_steps": run.warmup_steps,
-            "segment_schedule_steps": segment_steps,
-            "next_lr": lr_at(step, cfg.optim, segment_steps, run.warmup_steps),
-        },
-        "mlflow_run_id": tracker.run_id if tracker is not None else None,
-        **run.clock.state_dict(),
-    }
-
-
 def _data_failed(run: _Run, wait: bool) -> float:
     """1.0 when this rank's shard verification found a mismatch (wait: once every shard is hashed)."""
     verifier = run.data.verifier
@@ -512,38 +507,20 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
     if failed.item() > 0:
         _raise_data_failure(run)
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
-    t_checkpoint = time.perf_counter()
+    started = time.perf_counter()
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
-        ledger_state = run.ledger.state_dict() | (run.experts.state_dict() if run.experts is not None else {})
-        run.checkpointer.save(
-            step,
-            model_state,
-            optimizer_state,
-            ledger_state,
-            _checkpoint_state(run, step),
-            tied=tied_parameters(run.raw_model),
-        )
-        write_ledger_json(run.folder.path, run.ledger)
-        if run.experts is not None:
-            run.experts.load.write_json(run.folder.path, step)
-        run.folder.update(
-            committed_steps=step,
-            **run.clock.totals(),
-            checkpoints=_checkpoint_times(run, step, time.perf_counter() - t_checkpoint),
-        )
+        saved = Gathered(step, model_state, optimizer_state, started)
+        for record in run.opts.records:  # checkpoint files, ledger.json, run.json (runner.training.records)
+            record.at_checkpoint(run, saved)
     run.acc.wait_for_everyone()
     run.last_saved = step
 
 
-def _checkpoint_times(run: _Run, step: int, seconds: float) -> list[dict]:
-    """run.json `checkpoints`: every checkpoint any attempt wrote, with its t_checkpoint (gather and
-    write, while training waited: the wall-clock formula's t_checkpoint is their sum)."""
-    earlier = list(run.folder.read().get("checkpoints") or [])
-    return earlier + [{"step": step, "attempt": run.clock.attempt, "t_checkpoint": round(seconds, 6)}]
-
-
 def _evaluate(run: _Run, step: int) -> None:
+    """Per-domain validation loss at `step` (none without validation shards), stamped and handed on."""
+    if run.data.val_reader is None:
+        return
     total = run.ledger.counters()["total"]
     with attention_context(run.runtime):
         rows = evaluate.evaluate(
@@ -573,31 +550,10 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
 
 
 def _attempt(run: _Run, tracker) -> int:
-    """One attempt's loop, from the resumed step to the end (or a stop). Long because commit, evaluate,
-    checkpoint and stop decisions are made in one place, in the order the ledger requires."""
-    acc, opts = run.acc, run.opts
+    """One attempt's loop, from the resumed step to the end (or a stop): train a step, commit it,
+    evaluate, then the checkpoint and stop decisions, in the order the ledger requires."""
     _conventions(run, tracker)
-    if tracker is not None:
-        # MLflow's start-up (import, a new store's tables, the run) before the first step, not
-        # during the first steps: on the delivery thread it holds the GIL for seconds.
-        tracker.flush(timeout=START_WAIT_SECONDS)
-    flag = _StopFlag()
-    old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
-    run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None)
-    eval_every = run.cfg.eval.interval_steps
-    run.last_saved = run.last_eval = run.start_step
-    if opts.max_steps is not None:
-        run.end_step = min(run.end_step, run.start_step + int(opts.max_steps))
-    run.batches = Prefetcher(
-        lambda step: read_step(run.data, step, run.world, run.accum, run.micro, run.rank, run.pin),
-        run.start_step,
-        run.end_step,
-        run.cfg.train.prefetch_batches,
-    )
-
-    mix = run.cfg.mixture.domains
-    ratios = {d: mix[d].target_ratio for d in run.data.domains}
-    caps = {d: mix[d].max_repetition_ratio for d in run.data.domains}
+    flag = _start_attempt(run, tracker)
     exit_code = EXIT_OK
     try:
         run.model.train()
@@ -605,69 +561,115 @@ def _attempt(run: _Run, tracker) -> int:
             run.clock.begin_step()
             s = _train_step(run, step)
             if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
-                run.optimizer.zero_grad(set_to_none=True)
-                candidates = run.checkpointer.candidates()
-                run.say(
-                    f"non-finite loss at step {step + 1} (loss={s.loss}, grad_norm={s.grad_norm}); stopped, "
-                    f"step not committed; last good checkpoint: {candidates[0].name if candidates else 'none'}"
-                )
+                _stop_nonfinite(run, step, s)
                 exit_code = EXIT_NONFINITE
                 break
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            run.ledger.commit(s.global_pairs, s.useful)
-            step_experts = run.experts.commit(acc) if run.experts is not None else {}
-            committed = step + 1
-            step_seconds = run.clock.end_step()  # the device's clock: the optimizer's kernels done
-            # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
-            broken = run.ledger.check_invariants(run.global_batch, run.seq_len, committed, ratios, caps)
-            if broken:
-                raise RuntimeError(f"token accounting broke at step {committed}: " + "; ".join(broken))
-            counters = run.ledger.counters()
-            if run.experts is not None:  # SPEC: per layer and domain, routed = exposure x k
-                broken = run.experts.load.broken_invariant({d: counters[d]["exposure"] for d in run.data.domains})
-                if broken:
-                    raise RuntimeError(f"expert load broke at step {committed}: " + "; ".join(broken[:4]))
-            record = _metrics_record(run, committed, s, step_seconds, counters) | step_experts
-            for cb in run.callbacks:
-                cb.on_step(record, counters, run.ledger.realized_ratios())
-            if eval_every and committed % eval_every == 0 and run.data.val_reader is not None:
+            committed = _commit(run, step, s)
+            if run.cfg.eval.interval_steps and committed % run.cfg.eval.interval_steps == 0:
                 _evaluate(run, committed)
             downstream.at_step(run, committed)  # at eval.downstream_interval_steps and the segment's last step
-            # Minutes-based intervals differ per rank's clock: rank 0 decides for all.
-            due = torch.tensor(
-                [
-                    float(run.checkpointer.due(committed)) if run.main else 0.0,
-                    float(flag.signum is not None),
-                    _data_failed(run, wait=False),
-                ],
-                device=acc.device,
-            )
-            due = all_reduce(acc, due)
-            if due[2] > 0:
-                _raise_data_failure(run)
-            if due[1] > 0:
-                _save(run, committed, wait_for_data=False)
-                run.say(
-                    f"stopped by signal at step {committed}; checkpoint saved, resume with "
-                    f"`runner launch {run.folder.path}`"
-                )
+            if _checkpoint_or_stop(run, committed, flag) == EXIT_PREEMPTED:
                 exit_code = EXIT_PREEMPTED
                 break
-            if due[0] > 0 and committed < run.end_step:
-                _save(run, committed)
         else:
-            if run.data.val_reader is not None and run.last_eval != run.end_step:
+            if run.last_eval != run.end_step:
                 _evaluate(run, run.end_step)
             if run.last_saved != run.end_step:
                 _save(run, run.end_step)
     finally:
-        run.batches.close()
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
-        run.clock.end_attempt()  # the attempt's whole wall, for the next resume (a kill loses only the tail)
+        _end_attempt(run, flag)
     _finish(run, exit_code)
     return exit_code
+
+
+def _start_attempt(run: _Run, tracker) -> _StopFlag:
+    """MLflow started, the stop signals caught, the journal opened and the batches prefetched."""
+    if tracker is not None:
+        # MLflow's start-up (import, a new store's tables, the run) before the first step, not
+        # during the first steps: on the delivery thread it holds the GIL for seconds.
+        tracker.flush(timeout=START_WAIT_SECONDS)
+    flag = _StopFlag()
+    flag.old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
+    run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None)
+    run.last_saved = run.last_eval = run.start_step
+    if run.opts.max_steps is not None:
+        run.end_step = min(run.end_step, run.start_step + int(run.opts.max_steps))
+    run.batches = Prefetcher(
+        lambda step: read_step(run.data, step, run.world, run.accum, run.micro, run.rank, run.pin),
+        run.start_step,
+        run.end_step,
+        run.cfg.train.prefetch_batches,
+    )
+    return flag
+
+
+def _end_attempt(run: _Run, flag: _StopFlag) -> None:
+    assert run.batches is not None
+    run.batches.close()
+    for sig, handler in flag.old_handlers.items():
+        signal.signal(sig, handler)
+    run.clock.end_attempt()  # the attempt's whole wall, for the next resume (a kill loses only the tail)
+
+
+def _stop_nonfinite(run: _Run, step: int, s: _Step) -> None:
+    run.optimizer.zero_grad(set_to_none=True)
+    candidates = run.checkpointer.candidates()
+    run.say(
+        f"non-finite loss at step {step + 1} (loss={s.loss}, grad_norm={s.grad_norm}); stopped, "
+        f"step not committed; last good checkpoint: {candidates[0].name if candidates else 'none'}"
+    )
+
+
+def _commit(run: _Run, step: int, s: _Step) -> int:
+    """The optimizer step and the ledger's commit, the invariants checked, the step record handed to
+    the callbacks. Returns the committed step count."""
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.ledger.commit(s.global_pairs, s.useful)
+    step_experts = run.experts.commit(run.acc) if run.experts is not None else {}
+    committed = step + 1
+    step_seconds = run.clock.end_step()  # the device's clock: the optimizer's kernels done
+    # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
+    mix = run.cfg.mixture.domains
+    ratios = {d: mix[d].target_ratio for d in run.data.domains}
+    caps = {d: mix[d].max_repetition_ratio for d in run.data.domains}
+    broken = run.ledger.check_invariants(run.global_batch, run.seq_len, committed, ratios, caps)
+    if broken:
+        raise RuntimeError(f"token accounting broke at step {committed}: " + "; ".join(broken))
+    counters = run.ledger.counters()
+    if run.experts is not None:  # SPEC: per layer and domain, routed = exposure x k
+        broken = run.experts.load.broken_invariant({d: counters[d]["exposure"] for d in run.data.domains})
+        if broken:
+            raise RuntimeError(f"expert load broke at step {committed}: " + "; ".join(broken[:4]))
+    record = _metrics_record(run, committed, s, step_seconds, counters) | step_experts
+    for cb in run.callbacks:
+        cb.on_step(record, counters, run.ledger.realized_ratios())
+    return committed
+
+
+def _checkpoint_or_stop(run: _Run, committed: int, flag: _StopFlag) -> int:
+    """Save when the checkpointer's interval is due, stop (saving) on a signal, fail on a shard that
+    differs from its pin. Minutes-based intervals differ per rank's clock: rank 0 decides for all."""
+    due = torch.tensor(
+        [
+            float(run.checkpointer.due(committed)) if run.main else 0.0,
+            float(flag.signum is not None),
+            _data_failed(run, wait=False),
+        ],
+        device=run.acc.device,
+    )
+    due = all_reduce(run.acc, due)
+    if due[2] > 0:
+        _raise_data_failure(run)
+    if due[1] > 0:
+        _save(run, committed, wait_for_data=False)
+        run.say(
+            f"stopped by signal at step {committed}; checkpoint saved, resume with `runner launch {run.folder.path}`"
+        )
+        return EXIT_PREEMPTED
+    if due[0] > 0 and committed < run.end_step:
+        _save(run, committed)
+    return EXIT_OK
 
 
 def _finish(run: _Run, exit_code: int) -> None:
@@ -712,10 +714,8 @@ def _finish(run: _Run, exit_code: int) -> None:
     if system is not None and system["device_busy"] is not None:
         summary["device_busy"] = system["device_busy"]
     if run.main:
-        write_ledger_json(run.folder.path, run.ledger)
-        if run.experts is not None:
-            run.experts.load.write_json(run.folder.path, committed)
-        run.folder.update(status=status, **summary, **({"system": system} if system is not None else {}))
+        for record in run.opts.records:  # ledger.json, run.json (runner.training.records)
+            record.at_end(run, committed, status, summary, system)
     ratios = run.ledger.realized_ratios()
     for cb in run.callbacks:
         cb.on_end(summary, counters, ratios)

@@ -180,7 +180,7 @@ def checked_experiment_of_run(run_dir: Path) -> Experiment:
     recorded = segments[-1].get("fingerprint") if segments else info.get("fingerprint")
     if not recorded or recorded == exp.fingerprint:
         return exp
-    ckpt = Checkpointer(run_dir, 0, 0, 1).latest_valid(report=lambda m: None)
+    ckpt = Checkpointer.reader(run_dir).latest_valid(report=lambda m: None)
     saved = ckpt.state.get("config") if ckpt is not None else None
     if saved is not None:
         keys = diff_keys(canonical_meaning(saved), canonical_meaning(exp.config))
