@@ -30,6 +30,7 @@ from runner.planning.hardware import run_efficiency
 from runner.reports import expert_tables, targets
 from runner.training.record import conventions_of, device_seconds, devices_held, read_manifest_copies, run_times
 from runner.training.runfolder import is_reportable_run
+from runner.training.runjson import as_record
 from runner.training.tracking import default_tracking_uri
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 
@@ -149,7 +150,8 @@ def _summary(
     run_dir: Path, run: dict, cfg: ExperimentSchema, accounting: pd.DataFrame, train_rows: list[dict]
 ) -> pd.DataFrame:
     """The one-row run summary: totals, times, FLOPs, MFU and cost with their convention."""
-    conv = conventions_of(run, cfg)
+    rec = as_record(run)
+    conv = conventions_of(rec, cfg)
     convention = Convention.from_dict(conv)
     hw, seq_len = cfg.hardware, cfg.train.seq_len
     wall_seconds, step_seconds_total = run_times(run, train_rows)
@@ -163,12 +165,12 @@ def _summary(
     eff = run_efficiency(fpt, hfu_fpt, totals["processed"], useful, device_step, device_wall, peak_tflops, price)
     row = {
         "schema_version": SCHEMA_VERSION,
-        "experiment": str(run.get("experiment", cfg.name)),
+        "experiment": str(rec.experiment if rec.experiment is not None else cfg.name),
         "version": str(cfg.version),
-        "fingerprint": str(run.get("fingerprint")),
-        "run_id": str(run.get("run_id", run_dir.name)),
-        "status": str(run.get("status", "finished")),
-        "steps": int(run.get("committed_steps", 0)),
+        "fingerprint": str(rec.fingerprint),
+        "run_id": str(rec.run_id if rec.run_id is not None else run_dir.name),
+        "status": str(rec.status if rec.status is not None else "finished"),
+        "steps": int(rec.committed_steps),
         "seq_len": seq_len,
         "global_batch_sequences": cfg.train.global_batch_sequences,
         **{f"{k}_tokens": v for k, v in totals.items()},

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol, TextIO
 
 from runner.errors import RunnerError
+from runner.training.runjson import RunJson, as_record
 
 
 class DeviceClock(Protocol):
@@ -215,22 +216,23 @@ class RecordedTimes:
     device_step_seconds: float
 
 
-def recorded_times(run: Mapping, held: int, train_rows: list[dict]) -> RecordedTimes:
+def recorded_times(run: RunJson | dict, held: int, train_rows: list[dict]) -> RecordedTimes:
     """The times a run recorded: run.json's totals when present; else the step and wall time from
     metrics/train.jsonl (a row's step_seconds stands for each step since the previous row:
     log_interval_steps > 1 logs one row per interval) and device-seconds as time x `held`."""
-    wall, step_total = _seconds(run, train_rows)
+    rec = as_record(run)
+    wall, step_total = _seconds(rec, train_rows)
     return RecordedTimes(
         wall,
         step_total,
-        device_seconds_or(run.get("device_wall_seconds"), wall, held),
-        device_seconds_or(run.get("device_step_seconds_total"), step_total, held),
+        device_seconds_or(rec.device_wall_seconds, wall, held),
+        device_seconds_or(rec.device_step_seconds_total, step_total, held),
     )
 
 
-def _seconds(run: Mapping, train_rows: list[dict]) -> tuple[float, float]:
-    wall = run.get("wall_seconds")
-    step_total = run.get("step_seconds_total")
+def _seconds(run: RunJson, train_rows: list[dict]) -> tuple[float, float]:
+    wall: float | None = run.wall_seconds
+    step_total: float | None = run.step_seconds_total
     if train_rows and (wall is None or step_total is None):
         rows = sorted(train_rows, key=lambda r: r["step"])
         prev, summed = 0, 0.0

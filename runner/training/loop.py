@@ -54,6 +54,7 @@ from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
 from runner.training.records import Gathered, RunRecord, default_records
 from runner.training.runfolder import RunFolder
+from runner.training.runjson import RunJson
 from runner.training.samples import samples_callback
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
@@ -103,7 +104,7 @@ class _Run:
     checkpointer: Checkpointer
     resolved_config: dict
     sharding: str  # backends.SHARD_*: who shards the model, if anyone
-    info: dict = field(default_factory=dict)  # run.json as this attempt found it
+    info: RunJson = field(default_factory=RunJson)  # run.json as this attempt found it
     start_step: int = 0
     last_saved: int = 0
     last_eval: int = 0
@@ -158,9 +159,7 @@ class _Run:
         return bool(self.runtime.get("pin_memory")) and self.acc.device.type == "cuda"
 
     def schedule_steps_at(self, step: int) -> int:
-        return segment_schedule_steps(
-            self.info.get("segments", []), step, self.global_batch * self.seq_len, self.schedule_steps
-        )
+        return segment_schedule_steps(self.info.segments, step, self.global_batch * self.seq_len, self.schedule_steps)
 
 
 @dataclass
@@ -271,8 +270,8 @@ def _resume(run: _Run) -> None:
     """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work (long:
     the checks that a checkpoint belongs to this run come before any state is loaded, in one place)."""
     acc, ledger, data = run.acc, run.ledger, run.data
-    run.info = run.folder.read()
-    fingerprints = {s["fingerprint"] for s in run.info.get("segments", [])} | {run.exp.fingerprint}
+    run.info = run.folder.record()
+    fingerprints = {s["fingerprint"] for s in run.info.segments} | {run.exp.fingerprint}
     ckpt = run.checkpointer.latest_valid(report=run.say)
     check_same_checkpoint(all_gather_ints(acc, ckpt.step if ckpt is not None else -1), run.folder.path)
     if run.sharding == SHARD_RUNNER_CPU:
@@ -318,7 +317,7 @@ def _conventions(run: _Run, tracker) -> None:
     # MFU: recomputation never counted (SPEC); a mixture of experts counts active parameters.
     convention = replace(convention_for(run.cfg), recompute_counted=False)
     run.flops_per_token = flops_per_token(run.cfg, convention)
-    recorded = run.info.get("conventions") or {}
+    recorded = run.info.conventions or {}
     if str(recorded.get("peak_source", "")).startswith(("measured", "theoretical")):
         # A run keeps the CPU peak it found first: its MFU denominators never change across resumes.
         run.peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"], "cpu")

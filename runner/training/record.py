@@ -13,6 +13,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.planning.flops import Convention
 from runner.training.clock import device_seconds_or, recorded_times
+from runner.training.runjson import RunJson, as_record
 
 # ---- reading what a run recorded ----------------------------------------------------------------
 
@@ -28,25 +29,27 @@ def read_manifest_copies(folder: Path, domains: list[str]) -> dict[str, dict]:
     return out
 
 
-def devices_held(run: dict, cfg: ExperimentSchema) -> int:
+def devices_held(run: RunJson | dict, cfg: ExperimentSchema) -> int:
     """Devices the run held: run.json `devices` (the trainer's world size), else
     conventions.devices_counted, else the hardware recipe (runs recorded before either existed).
 
     The recipe is only a last resort because a launcher (torchrun --nproc-per-node) can start more
     processes than the recipe names, and MFU and cost are over what was held.
     """
-    if run.get("devices") is not None:
-        return int(run["devices"])
-    recorded = (run.get("conventions") or {}).get("devices_counted")
+    rec = as_record(run)
+    if rec.devices is not None:
+        return int(rec.devices)
+    recorded = (rec.conventions or {}).get("devices_counted")
     if recorded is not None:
         return int(recorded)
     return devices(cfg)
 
 
-def conventions_of(run: dict, cfg: ExperimentSchema) -> dict:
+def conventions_of(run: RunJson | dict, cfg: ExperimentSchema) -> dict:
     """The MFU convention record: run.json's `conventions`, peak fields defaulting to the hardware
     recipe and devices_counted to the devices held."""
-    recorded = dict(run.get("conventions") or {})
+    run = as_record(run)
+    recorded = dict(run.conventions or {})
     conv = Convention.from_dict(recorded).to_dict()
     hw = cfg.hardware
     conv["peak_tflops"] = recorded.get("peak_tflops", hw.peak_tflops)
@@ -64,20 +67,21 @@ def conventions_of(run: dict, cfg: ExperimentSchema) -> dict:
 
 
 def device_seconds(
-    run: dict, cfg: ExperimentSchema, wall_seconds: float, step_seconds_total: float
+    run: RunJson | dict, cfg: ExperimentSchema, wall_seconds: float, step_seconds_total: float
 ) -> tuple[float, float]:
     """(device_wall_seconds, device_step_seconds): time x devices held, summed over attempts.
 
     run.json's figures when recorded (the trainer sums each attempt with its own world size),
     else the seconds x the devices held (runs recorded before; one world size throughout)."""
-    held = devices_held(run, cfg)
+    rec = as_record(run)
+    held = devices_held(rec, cfg)
     return (
-        device_seconds_or(run.get("device_wall_seconds"), wall_seconds, held),
-        device_seconds_or(run.get("device_step_seconds_total"), step_seconds_total, held),
+        device_seconds_or(rec.device_wall_seconds, wall_seconds, held),
+        device_seconds_or(rec.device_step_seconds_total, step_seconds_total, held),
     )
 
 
-def run_times(run: dict, train_rows: list[dict]) -> tuple[float, float]:
+def run_times(run: RunJson | dict, train_rows: list[dict]) -> tuple[float, float]:
     """(wall_seconds, step_seconds_total): run.json's totals when recorded, else from train.jsonl
     (runner.training.clock.recorded_times)."""
     times = recorded_times(run, 1, train_rows)

@@ -65,7 +65,7 @@ def checkpoint_state(run: Any, step: int) -> dict:
         "rng": rng_state(),
         "fingerprint": run.exp.fingerprint,
         "config": run.resolved_config,
-        "segment": len(run.info.get("segments", [])) - 1,
+        "segment": len(run.info.segments) - 1,
         "attempt": run.clock.attempt,
         "scheduler": {
             "schedule": cfg.optim.schedule,
@@ -101,7 +101,7 @@ class RunJson(RunRecord):
     def at_checkpoint(self, run: Any, saved: Gathered) -> None:
         # t_checkpoint: gather and write, while training waited (the wall-clock formula sums them)
         seconds = time.perf_counter() - saved.started
-        earlier = list(run.folder.read().get("checkpoints") or [])
+        earlier = run.folder.record().checkpoints
         entry = {"step": saved.step, "attempt": run.clock.attempt, "t_checkpoint": round(seconds, 6)}
         run.folder.update(committed_steps=saved.step, **run.clock.totals(), checkpoints=earlier + [entry])
 

@@ -25,6 +25,7 @@ from runner.data.manifest import load_experiment_manifests, plan_experiment_mixt
 from runner.errors import Problems, RunnerError
 from runner.fsio import atomic_write_json, read_json, read_jsonl, repair_jsonl_tail
 from runner.training.ledger import TokenLedger
+from runner.training.runjson import RunJson, check_fields
 
 
 def _now() -> str:
@@ -65,7 +66,13 @@ class RunFolder:
     def read(self) -> dict:
         return read_json(self.run_json)
 
+    def record(self) -> RunJson:
+        """run.json, typed (runner.training.runjson: older formats' defaults filled in)."""
+        return RunJson.from_dict(self.read(), file=str(self.run_json))
+
     def update(self, **fields) -> dict:
+        """The one writer of run.json: `fields` (each one RunJson names) merged into what it holds."""
+        check_fields(fields, str(self.run_json))
         with _RUN_JSON_LOCK:
             info = self.read()
             info.update(fields)
@@ -156,8 +163,8 @@ def is_reportable_run(path: Path) -> bool:
 
 def experiment_of_run(run_dir: Path) -> Experiment:
     """The resolved experiment a run folder trains (its own copy, not the file in experiments/)."""
-    info = read_json(run_dir / "run.json")
-    root = Path(info.get("project_root") or find_project_root(Path.cwd()))
+    info = RunFolder(run_dir).record()
+    root = Path(info.project_root or find_project_root(Path.cwd()))
     exp = load_saved_experiment(run_dir / "experiment.yaml", project_root=root)
     # Operational keys of a run's copy may be edited between attempts; quality targets are checked again.
     problems = Problems()
@@ -175,9 +182,7 @@ def checked_experiment_of_run(run_dir: Path) -> Experiment:
     from runner.training.checkpoint import Checkpointer  # noqa: PLC0415  (torch: off the report's and audit's path)
 
     exp = experiment_of_run(run_dir)
-    info = read_json(run_dir / "run.json")
-    segments = info.get("segments") or []
-    recorded = segments[-1].get("fingerprint") if segments else info.get("fingerprint")
+    recorded = RunFolder(run_dir).record().current_fingerprint()
     if not recorded or recorded == exp.fingerprint:
         return exp
     ckpt = Checkpointer.reader(run_dir).latest_valid(report=lambda m: None)
@@ -243,12 +248,13 @@ def create_run_folder(exp: Experiment, run_dir: Path, run_id: str) -> None:
 def extend_run(run_dir: Path, tokens: int, write: bool) -> Experiment:
     """A finished run's experiment with exposure and max_duration raised to `tokens` (a new segment)."""
     exp = checked_experiment_of_run(run_dir)
-    info = read_json(run_dir / "run.json")
+    folder = RunFolder(run_dir)
+    info = folder.record()
     cfg = exp.config
     step_tokens = global_batch_tokens(cfg)
-    if info.get("status") != "finished":
+    if info.status != "finished":
         raise RunnerError(
-            f"run status is {info.get('status')!r}; only a finished run is extended (resume it first)",
+            f"run status is {info.status!r}; only a finished run is extended (resume it first)",
             file=str(run_dir / "run.json"),
             key="status",
         )
@@ -266,8 +272,6 @@ def extend_run(run_dir: Path, tokens: int, write: bool) -> Experiment:
     if write:
         (run_dir / "experiment.yaml").write_text(to_yaml(new.config))
         (run_dir / "fingerprint.txt").write_text(new.fingerprint + "\n")
-        segments = info.get("segments", [])
-        segments.append(_segment(len(segments), int(info.get("committed_steps", 0)), new))
-        info.update(segments=segments, fingerprint=new.fingerprint, status="running")
-        atomic_write_json(run_dir / "run.json", info)
+        segments = info.segments + [_segment(len(info.segments), int(info.committed_steps), new)]
+        folder.update(segments=segments, fingerprint=new.fingerprint, status="running")
     return new
