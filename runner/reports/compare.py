@@ -31,6 +31,7 @@ from runner.reports.audit import audit
 from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
 from runner.training.runfolder import is_reportable_run
+from runner.training.runjson import as_record
 from runner.training.tracking import repo_root
 from schemas.report_tables import SCHEMA_VERSION, validate_tables
 
@@ -693,7 +694,7 @@ def collect_reports(sources: list[Source], dest: Path) -> None:
         shutil.copytree(folder, copy)
         if (copy / "run.json").exists():  # published: no machine paths, as `runner publish` writes it
             info = read_json(copy / "run.json")
-            root = Path(info.get("project_root") or repo_root(folder))
+            root = Path(as_record(info).project_root or repo_root(folder))
             (copy / "run.json").write_text(json.dumps(portable(info, root), indent=1))
         s.folder, s.tables = copy, rpt.read_tables(copy)
 
