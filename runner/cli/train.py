@@ -130,7 +130,7 @@ def _tracker_of(folder: RunFolder, tracking_uri: str | None, **kwargs) -> Tracke
     absolute; a SQLite store that run.json says holds the run but is gone is refused, not recreated."""
     from runner.training.tracking import Tracker, check_run_store
 
-    saved = folder.read().get("mlflow") or {}
+    saved = folder.record().mlflow
     tracker = Tracker(
         folder.path,
         tracking_uri=tracking_uri or saved.get("tracking_uri"),
@@ -146,9 +146,10 @@ def _tracker_of(folder: RunFolder, tracking_uri: str | None, **kwargs) -> Tracke
 
 
 def _check_recorded_store(run_dir: Path) -> None:
+    from runner.training.runfolder import RunFolder
     from runner.training.tracking import absolute_uri, check_run_store
 
-    saved = read_json(run_dir / "run.json").get("mlflow") or {}
+    saved = RunFolder(run_dir).record().mlflow
     if saved.get("tracking_uri"):
         check_run_store(absolute_uri(saved["tracking_uri"]), saved.get("run_id"), run_dir / "run.json")
 
@@ -196,12 +197,14 @@ def _is_rank0() -> bool:
 
 def _finished_line(run_dir: Path) -> str | None:
     """The no-op line for a finished run relaunched without --extend-to, else None."""
-    info = read_json(run_dir / "run.json")
-    if info.get("status") != "finished":
+    from runner.training.runfolder import RunFolder
+
+    info = RunFolder(run_dir).record()
+    if info.status != "finished":
         return None
     return (
-        f"run {run_dir}: already finished at step {int(info.get('committed_steps', 0))} "
-        f"(exposure {int(info.get('exposure_tokens', 0)):,} tokens); extend it with --extend-to TOKENS"
+        f"run {run_dir}: already finished at step {int(info.committed_steps)} "
+        f"(exposure {int(info.exposure_tokens or 0):,} tokens); extend it with --extend-to TOKENS"
     )
 
 
@@ -386,7 +389,7 @@ def _print_summary(run_dir: Path) -> None:
     """What a user wants on the terminal after a run: the counters, losses, speed and where things are."""
     from runner.training.runfolder import RunFolder
 
-    info = RunFolder(run_dir).read()
+    info = RunFolder(run_dir).record()
     ledger_path = run_dir / "ledger.json"
     if ledger_path.exists():
         total = read_json(ledger_path)["counters"]["total"]
@@ -399,14 +402,14 @@ def _print_summary(run_dir: Path) -> None:
             "  validation loss nats / bpb: "
             + "  ".join(f"{d} {r['loss_nats']:.3f} / {r['bpb']:.3f}" for d, r in sorted(last.items()))
         )
-    conv = info.get("conventions") or {}
-    if info.get("mfu") is not None:
-        hfu = f"HFU {info['hfu']:.1%} (recomputed forward counted); " if info.get("hfu") is not None else ""
+    conv = info.conventions or {}
+    if info.mfu is not None:
+        hfu = f"HFU {info.hfu:.1%} (recomputed forward counted); " if info.hfu is not None else ""
         print(
-            f"  MFU {info['mfu']:.1%} ({conv.get('flops_formula')}, params {conv.get('params_counted')}, "
+            f"  MFU {info.mfu:.1%} ({conv.get('flops_formula')}, params {conv.get('params_counted')}, "
             f"{conv.get('time_basis')} time, peak {conv.get('peak_tflops'):.4g} TFLOP/s {conv.get('peak_dtype')}: "
-            f"{conv.get('peak_source')}); goodput MFU {info.get('goodput_mfu', 0):.1%}; {hfu}"
-            f"${info.get('cost_per_billion_useful_tokens', 0):,.2f} per billion useful tokens"
+            f"{conv.get('peak_source')}); goodput MFU {info.goodput_mfu or 0:.1%}; {hfu}"
+            f"${info.cost_per_billion_useful_tokens or 0:,.2f} per billion useful tokens"
         )
     if (run_dir / "report" / "targets.parquet").exists():
         from runner.reports.targets import summary_lines
@@ -415,7 +418,7 @@ def _print_summary(run_dir: Path) -> None:
             print(f"  target {line}")
     if (run_dir / "report" / "report.md").exists():
         print(f"  report: {run_dir / 'report' / 'report.md'}  (check it: runner audit {run_dir})")
-    ml = info.get("mlflow") or {}
+    ml = info.mlflow
     if ml.get("run_id"):
         print(
             f"  mlflow: run {ml['run_id']} in {ml.get('tracking_uri')}  (browse: mlflow ui --backend-store-uri {ml.get('tracking_uri')})"
