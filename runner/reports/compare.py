@@ -365,7 +365,7 @@ def comparability(sources: list[Source]) -> tuple[dict[tuple[str, str], str], st
 
 def machine_of(s: Source) -> str:
     """Where a run's seconds were measured: its device, the devices held and the hosts (run.json)."""
-    hosts = sorted({str(k).rsplit("#", 1)[0] for k in ((s.run.get("system") or {}).get("nodes") or {})})
+    hosts = sorted({str(k).rsplit("#", 1)[0] for k in ((as_record(s.run).system or {}).get("nodes") or {})})
     where = f" on {', '.join(hosts)}" if hosts else " (hosts not recorded)"
     return f"{s.summary['device_name']} x {int(s.summary['devices'])}{where}"
 

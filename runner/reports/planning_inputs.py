@@ -25,6 +25,7 @@ from runner.planning import hardware
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.plan import Calibration, architecture, as_schema
 from runner.planning.scaling import Point
+from runner.training.runjson import RunJson
 
 
 # ---------------------------------------------------------------- pilot points
@@ -212,11 +213,11 @@ def read_calibration(
     elif not same:
         note = "calibration run differs in model/hardware/seq_len: its MFU is carried over, not its tokens/s"
     mfu_value = None
-    run_info = read_json(run_dir / "run.json") if (run_dir / "run.json").exists() else {}
-    conventions = run_info.get("conventions") or {}
+    run_info = RunJson.from_dict(read_json(run_dir / "run.json") if (run_dir / "run.json").exists() else {})
+    conventions = run_info.conventions or {}
     # The devices that ran the measured steps (rows record them; a launcher may differ from the recipe).
     held = [int(r["devices"]) for r in steady if r.get("devices")]
-    n_devices = int(statistics.median_low(held)) if held else int(run_info.get("devices") or devices(run_cfg))
+    n_devices = int(statistics.median_low(held)) if held else int(run_info.devices or devices(run_cfg))
     try:
         peak = float(conventions.get("peak_tflops") or hardware.resolve_peak(run_cfg.hardware).peak_tflops)
         mfu_value = hardware.mfu(flops_per_token(run_cfg, convention), tps, 1.0, peak, n_devices)

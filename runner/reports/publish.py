@@ -273,9 +273,9 @@ def publish_card(run_dir: Path, card_dir: Path, reports_dir: str | Path = "repor
     why = card_problem(run_dir, card_dir)
     if why:
         raise RunnerError(why, file=str(card_dir))
-    run = read_json(Path(run_dir) / "run.json")
+    run = RunFolder(run_dir).record()
     name = load_saved_experiment(Path(run_dir) / "experiment.yaml").config.name
-    dest = Path(reports_dir) / "models" / f"{name}-{run.get('run_id')}"
+    dest = Path(reports_dir) / "models" / f"{name}-{run.run_id}"
     staged = staging_folder(dest)
     for f in CARD_FILES:
         shutil.copy2(Path(card_dir) / f, staged / f)

@@ -93,7 +93,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
         "targets": targets.targets_table(
             targets.declared_targets(targets.typed_config(cfg, run_dir / "experiment.yaml")),
             validation,
-            int(run.get("committed_steps", 0)),
+            int(as_record(run).committed_steps),
             cfg.hardware.price_per_device_hour_usd,
         ),
         **expert_tables.build(run_dir, cfg, accounting, train_rows),
