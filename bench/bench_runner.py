@@ -95,7 +95,7 @@ def runner_cpu_seconds_per_step(short_exp: Path, long_exp: Path, tmp: Path, extr
 def bare_tokens_per_second(exp, steps: int, cpu: bool = False) -> tuple[float, float]:
     """The same model, optimizer, batches and loss with nothing else: no ledger, journal or tracking.
     Tokens per wall second (span, median step: `rates`), or with `cpu` per CPU second of this process."""
-    from runner.training.loop import load_data
+    from runner.training.batches import load_data
     from runner.training.model import build_model
     from runner.training.schedule import make_optimizer
 
@@ -124,8 +124,8 @@ def bare_tokens_per_second(exp, steps: int, cpu: bool = False) -> tuple[float, f
 
 def bookkeeping_seconds(exp, tmp: Path, steps: int) -> dict[str, float]:
     """Per-step seconds of what the runner adds, each timed alone at this experiment's batch."""
+    from runner.training.batches import domain_positions, load_data
     from runner.training.ledger import TokenLedger
-    from runner.training.loop import domain_positions, load_data
     from runner.training.tracking import Tracker
 
     cfg = exp.config
@@ -224,7 +224,7 @@ def overlap_run(tmp: Path, prefetch: int, steps: int, micro_seconds: float) -> d
     model_module.build_model = lambda cfg: device
     try:
         run_dir = root / "runs" / "r"
-        from runner.runs import create_run_folder
+        from runner.training.runfolder import create_run_folder
 
         create_run_folder(exp, run_dir, "r")
         tracker = Tracker(run_dir, tracking_uri=f"sqlite:///{tmp / 'overlap-mlflow.db'}")

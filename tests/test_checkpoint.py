@@ -221,7 +221,7 @@ def test_step_time_of_lost_work_is_counted_so_mfu_is_not_overstated(tmp_path):
 
 def test_ranks_that_see_different_checkpoints_are_refused_naming_them(tmp_path):
     from runner.errors import RunnerError
-    from runner.training.loop import check_same_checkpoint
+    from runner.training.collectives import check_same_checkpoint
 
     check_same_checkpoint([40, 40, 40, 40], tmp_path)
     check_same_checkpoint([-1], tmp_path)

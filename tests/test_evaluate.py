@@ -12,7 +12,7 @@ from trainfixtures import make_project
 
 from runner.config.load import load_experiment
 from runner.training import evaluate
-from runner.training.loop import load_data
+from runner.training.batches import load_data
 from runner.training.model import build_model, maybe_compile
 
 

@@ -10,7 +10,7 @@ The layer order (bottom first) is `LAYERS` below; docs/DESIGN.md ("Map") says th
   given points). It sits below training because the trainer computes its MFU and its plan with the very
   functions the planner uses, and the planner never reads a run folder: what reads run folders (a pilot
   run's points, a run's measured throughput) lives in training/ or reports/ and hands numbers down.
-- training: the loop and its components, and the run folder it writes (`runner.runs`, for now).
+- training: the loop and its components, and the run folder it writes (runfolder, runjson, record, runlock).
 - reports: tables, audit, claims, publish, compare; they read run folders and MLflow.
 - export: reads audited reports. cli (and `python -m runner`): argument parsing on top, imported by nothing.
 
@@ -37,20 +37,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("runner.config",)),
     ("data", ("runner.data",)),
     ("planning", ("runner.planning",)),
-    ("training", ("runner.training", "runner.runs")),
+    ("training", ("runner.training",)),
     ("reports", ("runner.reports",)),
     ("export", ("runner.export",)),
     ("cli", ("runner.cli", "runner.__main__")),
-)
-
-#: Upward arrows that involve runner/runs.py, runner/training/loop.py or runner/training/downstream/posthoc.py:
-#: they are being removed on the house-core branch at the same time (issue 25). The coordinator empties this
-#: set after merging; an entry that no longer occurs fails the test, so the set cannot rot.
-PENDING_HOUSE_CORE: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("runner.planning.plan", "runner.runs"),
-        ("runner.planning.scaling", "runner.runs"),
-    }
 )
 
 
@@ -158,32 +148,22 @@ def circles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
 
 def graph_problems(
     graph: Mapping[str, Iterable[str]],
-    pending: frozenset[tuple[str, str]] = frozenset(),
     layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS,
 ) -> list[str]:
-    """One line per upward arrow (not pending), per circle, and per pending arrow that no longer occurs."""
+    """One line per upward arrow and per circle."""
     names = [name for name, _ in layers]
     up = upward_arrows(graph, layers)
     lines = [
         f"upward arrow {a} -> {b} ({names[layer_of(a, layers)]} imports {names[layer_of(b, layers)]})"
-        for a, b in sorted(up - pending)
+        for a, b in sorted(up)
     ]
     lines += ["import circle: " + " <-> ".join(c) for c in circles(graph)]
-    lines += [
-        f"PENDING_HOUSE_CORE holds {a} -> {b}, which no longer points up: remove it from the set"
-        for a, b in sorted(pending - up)
-    ]
     return lines
 
 
 def test_every_import_points_down_and_no_circles():
-    problems = graph_problems(import_graph(REPO / "runner"), PENDING_HOUSE_CORE)
+    problems = graph_problems(import_graph(REPO / "runner"))
     assert not problems, "\n".join(problems)
-
-
-def test_pending_arrows_are_house_core_ones():
-    owned = ("runner.runs", "runner.training.loop", "runner.training.downstream.posthoc")
-    assert all(a in owned or b in owned for a, b in PENDING_HOUSE_CORE)
 
 
 def _write(root: Path, files: Mapping[str, str]) -> Path:
@@ -194,7 +174,7 @@ def _write(root: Path, files: Mapping[str, str]) -> Path:
     return root / "runner"
 
 
-def test_the_check_finds_an_upward_arrow_a_circle_and_a_stale_pending_entry(tmp_path):
+def test_the_check_finds_an_upward_arrow_and_a_type_only_circle(tmp_path):
     runner = _write(
         tmp_path,
         {
@@ -216,16 +196,10 @@ def test_the_check_finds_an_upward_arrow_a_circle_and_a_stale_pending_entry(tmp_
     graph = import_graph(runner)
     assert graph["runner.config.pin"] == {"runner.data.fetch"}
     assert graph["runner.reports.evidence"] == {"runner.reports.audit"}
-    stale = frozenset({("runner.training.loop", "runner.reports.audit")})
-    problems = graph_problems(graph, stale)
-    assert problems == [
+    assert graph_problems(graph) == [
         "upward arrow runner.config.pin -> runner.data.fetch (config imports data)",
         "import circle: runner.reports.audit <-> runner.reports.evidence",
-        "PENDING_HOUSE_CORE holds runner.training.loop -> runner.reports.audit, which no longer points up: "
-        "remove it from the set",
     ]
-    # a pending arrow that still occurs is allowed, and only that one
-    assert graph_problems(graph, frozenset({("runner.config.pin", "runner.data.fetch")}))[0].startswith("import circle")
 
 
 def test_a_module_outside_every_layer_is_named():

@@ -16,7 +16,8 @@ from runner.config.schema import ExperimentSchema, ModelRecipe, from_plain
 from runner.errors import RunnerError
 from runner.planning.flops import MOE_CONVENTION, convention_for, count_params, flops_per_token, params_of_config
 from runner.planning.hardware import mfu
-from runner.planning.plan import build_plan, format_plan, read_calibration
+from runner.planning.plan import build_plan, format_plan
+from runner.reports.planning_inputs import read_calibration
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,10 +23,10 @@ from runner.planning.plan import (
     format_plan,
     memory_per_device,
     pure_training_seconds,
-    read_calibration,
     training_flops,
     wall_clock_seconds,
 )
+from runner.reports.planning_inputs import read_calibration
 
 H200 = 989.4
 

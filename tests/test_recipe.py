@@ -425,7 +425,7 @@ def test_the_config_is_typed_frozen_and_saves_as_before():
 
 
 def test_published_reports_read_back_through_the_schema_to_their_recorded_fingerprint():
-    from runner.runs import load_saved_experiment
+    from runner.config.load import load_saved_experiment
 
     saved = sorted(REPO.glob("reports/*/*/experiment.yaml"))
     assert saved

@@ -19,8 +19,8 @@ from runner.planning.scaling import (
     holdout_errors,
     inference_optimal,
     plot_fit,
-    read_point,
 )
+from runner.reports.planning_inputs import read_point
 
 TRUE = Fit(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28, objective=0.0, points=0)  # Chinchilla
 

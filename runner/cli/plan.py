@@ -17,8 +17,9 @@ def _float(text: str, flag: str) -> float:
 
 
 def cmd_plan(args) -> int:
-    from runner.planning.plan import build_plan, format_plan, read_calibration
+    from runner.planning.plan import build_plan, format_plan
     from runner.planning.resources import load_experiment
+    from runner.reports.planning_inputs import read_calibration
 
     exp = load_experiment(args.experiment, check_files=False)
     cfg = exp.config
@@ -70,7 +71,8 @@ def _plan_downstream(plan: dict, exp) -> None:
 
 
 def cmd_fit(args) -> int:
-    from runner.planning.scaling import Fit, expand_run_dirs, fit_report, plot_fit, read_point
+    from runner.planning.scaling import Fit, fit_report, plot_fit
+    from runner.reports.planning_inputs import expand_run_dirs, read_point
 
     points = [read_point(r) for r in expand_run_dirs(args.runs)]
     holdout = [read_point(r) for r in expand_run_dirs(args.holdout)]

@@ -33,7 +33,8 @@ def _report(args) -> int:
         print(f"report written to {rpt.report_from_fetched(fetched)}")
         return EXIT_OK
     from runner.reports.evidence import write_report_with_evidence
-    from runner.runs import RunLock, is_run_dir
+    from runner.training.runfolder import is_run_dir
+    from runner.training.runlock import RunLock
 
     # Never rewrite report/ under a launch that writes it too.
     with RunLock(target, "runner report") if is_run_dir(target) else contextlib.nullcontext():
@@ -46,7 +47,8 @@ def _report(args) -> int:
 def _writer_of(target: str) -> tuple[Path, dict] | None:
     """(run folder, lock record) when `target` is a run folder, or its report/, that a process holds now."""
     from runner.reports.tables import REPORT_DIR
-    from runner.runs import is_run_dir, lock_holder
+    from runner.training.runfolder import is_run_dir
+    from runner.training.runlock import lock_holder
 
     path = Path(target)
     for folder in (path, path.parent) if path.name == REPORT_DIR else (path,):
@@ -58,7 +60,7 @@ def _writer_of(target: str) -> tuple[Path, dict] | None:
 
 def _audit(args) -> int:
     from runner.reports.audit import audit
-    from runner.runs import holder_text
+    from runner.training.runlock import holder_text
 
     writer = _writer_of(args.run)
     if writer is not None:  # its report/ and raw files change under the audit: any verdict would be noise

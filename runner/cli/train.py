@@ -1,6 +1,6 @@
 """CLI for training: `runner launch`, `runner smoke`, `runner sync`.
 
-Owns: choosing the run folder (its records are runner.runs'), the accelerate set-up, the MLflow
+Owns: choosing the run folder (its records are runner.training.runfolder's), the accelerate set-up, the MLflow
 run's start/finish, the terminal summary, and the smoke test's kill-and-resume comparison. The loop
 is runner.training.loop's; never trains or counts tokens here. Verbs import what they call when
 they run (runner.cli's rule: `runner --help` stays fast).
@@ -26,7 +26,7 @@ from runner.fsio import read_json, read_jsonl
 if TYPE_CHECKING:
     from runner.config.load import Experiment
     from runner.config.schema import ExperimentSchema
-    from runner.runs import RunFolder
+    from runner.training.runfolder import RunFolder
     from runner.training.tracking import Tracker
 
 
@@ -107,7 +107,7 @@ def make_accelerator(cfg: ExperimentSchema):
 def _resolve(args) -> tuple[Experiment, Path | None, bool]:
     """(experiment, run folder or None for a new default one, whether the folder holds a run)."""
     from runner.planning.resources import load_experiment
-    from runner.runs import check_same_experiment, checked_experiment_of_run, is_run_dir
+    from runner.training.runfolder import check_same_experiment, checked_experiment_of_run, is_run_dir
 
     target = Path(args.target)
     if target.is_dir():
@@ -130,7 +130,7 @@ def _tracker_of(folder: RunFolder, tracking_uri: str | None, **kwargs) -> Tracke
     absolute; a SQLite store that run.json says holds the run but is gone is refused, not recreated."""
     from runner.training.tracking import Tracker, check_run_store
 
-    saved = folder.read().get("mlflow") or {}
+    saved = folder.record().mlflow
     tracker = Tracker(
         folder.path,
         tracking_uri=tracking_uri or saved.get("tracking_uri"),
@@ -146,15 +146,16 @@ def _tracker_of(folder: RunFolder, tracking_uri: str | None, **kwargs) -> Tracke
 
 
 def _check_recorded_store(run_dir: Path) -> None:
+    from runner.training.runfolder import RunFolder
     from runner.training.tracking import absolute_uri, check_run_store
 
-    saved = read_json(run_dir / "run.json").get("mlflow") or {}
+    saved = RunFolder(run_dir).record().mlflow
     if saved.get("tracking_uri"):
         check_run_store(absolute_uri(saved["tracking_uri"]), saved.get("run_id"), run_dir / "run.json")
 
 
 def _make_tracker(run_dir: Path, main: bool) -> Tracker:
-    from runner.runs import RunFolder
+    from runner.training.runfolder import RunFolder
 
     return _tracker_of(RunFolder(run_dir, writer=main), None, enabled=main, report=lambda m: print(m, file=sys.stderr))
 
@@ -196,12 +197,14 @@ def _is_rank0() -> bool:
 
 def _finished_line(run_dir: Path) -> str | None:
     """The no-op line for a finished run relaunched without --extend-to, else None."""
-    info = read_json(run_dir / "run.json")
-    if info.get("status") != "finished":
+    from runner.training.runfolder import RunFolder
+
+    info = RunFolder(run_dir).record()
+    if info.status != "finished":
         return None
     return (
-        f"run {run_dir}: already finished at step {int(info.get('committed_steps', 0))} "
-        f"(exposure {int(info.get('exposure_tokens', 0)):,} tokens); extend it with --extend-to TOKENS"
+        f"run {run_dir}: already finished at step {int(info.committed_steps)} "
+        f"(exposure {int(info.exposure_tokens or 0):,} tokens); extend it with --extend-to TOKENS"
     )
 
 
@@ -222,11 +225,11 @@ def check_world(cfg: ExperimentSchema, world: int) -> str | None:
 
 @contextlib.contextmanager
 def _owning(run_dir: Path, acc, command: str = "runner launch"):
-    """Rank 0 holds the run folder's lock (runner.runs.RunLock) for the whole launch; every rank
+    """Rank 0 holds the run folder's lock (runner.training.runlock.RunLock) for the whole launch; every rank
     learns whether it got it, so a refused launch stops everywhere before anything is written."""
     from accelerate.utils import broadcast_object_list
 
-    from runner.runs import RunLock
+    from runner.training.runlock import RunLock
 
     lock = None
     refused: list[tuple[str, str | None] | None] = [None]
@@ -256,7 +259,7 @@ def _check_same_folder(run_dir: Path, held: dict | None) -> None:
     another checkpoint or write beside the run; all ranks refuse with the same line, before training."""
     import torch.distributed as dist
 
-    from runner.runs import lock_records
+    from runner.training.runlock import lock_records
 
     mine: list = [held]
     dist.broadcast_object_list(mine, src=0)
@@ -276,8 +279,8 @@ def _launch(args, held: contextlib.ExitStack) -> int:
     """`runner launch` on every rank, in the order its refusals must come: the target and world
     checked, the folder chosen and locked, records written, MLflow started, the loop run, the report
     and summary written. Each step may refuse before the next writes anything."""
-    from runner.runs import extend_run
     from runner.training.loop import Options, train
+    from runner.training.runfolder import extend_run
 
     exp, run_dir, existing = _resolve(args)
     if existing and args.extend_to is None:
@@ -327,7 +330,7 @@ def _claim_folder(args, exp: Experiment, run_dir: Path | None, existing: bool, a
 
     from runner.config.load import to_yaml
     from runner.data.manifest import launch_warnings
-    from runner.runs import check_mixture_feasible, create_run_folder, extend_run, is_run_dir
+    from runner.training.runfolder import check_mixture_feasible, create_run_folder, extend_run, is_run_dir
 
     main = acc.is_main_process
     if run_dir is None:
@@ -361,7 +364,7 @@ def _claim_folder(args, exp: Experiment, run_dir: Path | None, existing: bool, a
 def _start_tracking(args, exp: Experiment, run_dir: Path, existing: bool, main: bool) -> Tracker:
     """The MLflow run started or resumed: params and the experiment.yaml artifact on the first start only,
     the new segment's tags after an --extend-to."""
-    from runner.runs import RunFolder
+    from runner.training.runfolder import RunFolder
     from runner.training.tracking import flatten
 
     tracker = _make_tracker(run_dir, main)
@@ -374,8 +377,7 @@ def _start_tracking(args, exp: Experiment, run_dir: Path, existing: bool, main: 
         artifacts=[run_dir / "experiment.yaml"] if first_start else [],
     )
     if args.extend_to is not None:
-        info = RunFolder(run_dir).read()
-        seg = info["segments"][-1]
+        seg = RunFolder(run_dir).record().segments[-1]
         tracker.log_tags({f"segment.{seg['index']}.{k}": v for k, v in seg.items() if k != "index"})
     return tracker
 
@@ -384,14 +386,12 @@ def _close_run(exp: Experiment, run_dir: Path, tracker: Tracker | None) -> None:
     """Rank 0 after the loop: the report when the run ended as the user chose (finished, or at its hard
     stop), the MLflow run's end, the summary, and the export the experiment asks for at its end."""
     from runner.config.rules import global_batch_tokens
-    from runner.runs import RunFolder
+    from runner.training.runfolder import RunFolder
 
-    info = RunFolder(run_dir).read()
-    status = info.get("status")
+    info = RunFolder(run_dir).record()
+    status = info.status
     hard_stop = exp.config.train.hard_stop_tokens
-    at_hard_stop = (
-        hard_stop is not None and int(info.get("committed_steps", 0)) * global_batch_tokens(exp.config) == hard_stop
-    )
+    at_hard_stop = hard_stop is not None and info.committed_steps * global_batch_tokens(exp.config) == hard_stop
     if status == "finished" or at_hard_stop:  # the run's end as the user chose it: report it
         if tracker is not None:  # the MLflow run id reaches run.json (delivery is asynchronous) before the copy
             tracker.flush()
@@ -408,9 +408,9 @@ def _close_run(exp: Experiment, run_dir: Path, tracker: Tracker | None) -> None:
 
 def _print_summary(run_dir: Path) -> None:
     """What a user wants on the terminal after a run: the counters, losses, speed and where things are."""
-    from runner.runs import RunFolder
+    from runner.training.runfolder import RunFolder
 
-    info = RunFolder(run_dir).read()
+    info = RunFolder(run_dir).record()
     ledger_path = run_dir / "ledger.json"
     if ledger_path.exists():
         total = read_json(ledger_path)["counters"]["total"]
@@ -423,14 +423,14 @@ def _print_summary(run_dir: Path) -> None:
             "  validation loss nats / bpb: "
             + "  ".join(f"{d} {r['loss_nats']:.3f} / {r['bpb']:.3f}" for d, r in sorted(last.items()))
         )
-    conv = info.get("conventions") or {}
-    if info.get("mfu") is not None:
-        hfu = f"HFU {info['hfu']:.1%} (recomputed forward counted); " if info.get("hfu") is not None else ""
+    conv = info.conventions or {}
+    if info.mfu is not None:
+        hfu = f"HFU {info.hfu:.1%} (recomputed forward counted); " if info.hfu is not None else ""
         print(
-            f"  MFU {info['mfu']:.1%} ({conv.get('flops_formula')}, params {conv.get('params_counted')}, "
+            f"  MFU {info.mfu:.1%} ({conv.get('flops_formula')}, params {conv.get('params_counted')}, "
             f"{conv.get('time_basis')} time, peak {conv.get('peak_tflops'):.4g} TFLOP/s {conv.get('peak_dtype')}: "
-            f"{conv.get('peak_source')}); goodput MFU {info.get('goodput_mfu', 0):.1%}; {hfu}"
-            f"${info.get('cost_per_billion_useful_tokens', 0):,.2f} per billion useful tokens"
+            f"{conv.get('peak_source')}); goodput MFU {info.goodput_mfu or 0:.1%}; {hfu}"
+            f"${info.cost_per_billion_useful_tokens or 0:,.2f} per billion useful tokens"
         )
     if (run_dir / "report" / "targets.parquet").exists():
         from runner.reports.targets import summary_lines
@@ -439,7 +439,7 @@ def _print_summary(run_dir: Path) -> None:
             print(f"  target {line}")
     if (run_dir / "report" / "report.md").exists():
         print(f"  report: {run_dir / 'report' / 'report.md'}  (check it: runner audit {run_dir})")
-    ml = info.get("mlflow") or {}
+    ml = info.mlflow
     if ml.get("run_id"):
         print(
             f"  mlflow: run {ml['run_id']} in {ml.get('tracking_uri')}  (browse: mlflow ui --backend-store-uri {ml.get('tracking_uri')})"
@@ -478,7 +478,8 @@ def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
 
 
 def cmd_sync(args) -> int:
-    from runner.runs import RunFolder, RunLock, is_run_dir
+    from runner.training.runfolder import RunFolder, is_run_dir
+    from runner.training.runlock import RunLock
 
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
@@ -560,7 +561,7 @@ def _smoke_folders(full: Experiment, steps: int, out: Path) -> tuple[Path, Path]
     """The reference and resumed run folders (emptied first) of `steps` steps of `full`, checkpointed at
     steps // 2 and at the end, evaluated once."""
     from runner.config.load import experiment_from_dict
-    from runner.runs import create_run_folder
+    from runner.training.runfolder import create_run_folder
 
     B, L = full.config.train.global_batch_sequences, full.config.train.seq_len
     small = full.to_container()
@@ -601,7 +602,8 @@ def _smoke_differences(ref: Path, res: Path, steps: int, accelerator: str):
 
 def _print_smoke_plan(full: Experiment, ref: Path) -> None:
     """The full run's time and cost at the smoke's measured MFU, then at the recipe's assumed one."""
-    from runner.planning.plan import build_plan, read_calibration
+    from runner.planning.plan import build_plan
+    from runner.reports.planning_inputs import read_calibration
 
     cfg = full.config
     try:

@@ -35,7 +35,7 @@ from runner.config.schema import (
     literal_choices,
 )
 from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
-from runner.fsio import load_yaml_text
+from runner.fsio import load_yaml_text, read_yaml
 
 _RESOLVER_CALL = re.compile(r"\$\{[^}]*:")  # ${name:...} runs code; ${a.b} is plain data
 
@@ -540,3 +540,11 @@ def to_yaml(cfg: ExperimentSchema | dict) -> str:
     """The resolved config as YAML in schema order (a run folder's experiment.yaml)."""
     data = dataclasses.asdict(cfg) if isinstance(cfg, ExperimentSchema) else cfg
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def load_saved_experiment(path: Path, project_root: Path | None = None) -> Experiment:
+    """A saved resolved experiment.yaml (a run's or a report's copy), typed by the schema."""
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise RunnerError("expected a mapping (the resolved experiment config)", file=str(path))
+    return experiment_from_dict(data, project_root=project_root, path=Path(path))

@@ -33,9 +33,10 @@ from runner.reports import tables as rpt
 from runner.reports.audit import audit
 from runner.reports.audit_eval import _LocalAccelerator
 from runner.reports.evidence import final_validation
-from runner.runs import conventions_of
+from runner.training.batches import load_data
 from runner.training.evaluate import evaluate
-from runner.training.loop import load_data
+from runner.training.record import conventions_of
+from runner.training.runjson import as_record
 
 ACCOUNTING = "accounting.json"
 EXPERIMENT = "experiment.yaml"
@@ -164,7 +165,7 @@ def figures(src: Source) -> dict:
     return {
         "format": "runner-export-accounting/1",
         "experiment": {"name": cfg.name, "version": cfg.version, "fingerprint": src.exp.fingerprint},
-        "run_id": src.run.get("run_id"),
+        "run_id": as_record(src.run).run_id,
         "checkpoint": {
             "step": src.step,
             "final": src.final,
@@ -295,8 +296,9 @@ def card_text(src: Source, f: dict, dtype: str, verification: dict) -> str:
 def reproduce_lines(src: Source) -> list[str]:
     """The launches that retrain this run: the pinned experiment, then one `--extend-to` per later
     segment (an extension changes the schedule's length, so it is part of what was trained)."""
-    cfg, run_id = src.exp.config, src.run.get("run_id") or src.run_dir.name
-    segments = src.run.get("segments") or []
+    rec = as_record(src.run)
+    cfg, run_id = src.exp.config, rec.run_id or src.run_dir.name
+    segments = rec.segments
     first = segments[0].get("fingerprint", "")[:12] if segments else src.exp.fingerprint[:12]
     lines = [f"runner launch experiments/{cfg.name}.yaml --run-name {run_id}   # fingerprint {first}"]
     for seg in segments[1:]:

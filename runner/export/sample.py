@@ -18,7 +18,7 @@ from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
 from runner.export.export import quiet_transformers
 from runner.export.source import export_model, open_source
-from runner.runs import is_run_dir
+from runner.training.runfolder import is_run_dir
 
 
 @dataclass

@@ -21,9 +21,10 @@ from transformers import LlamaForCausalLM, OlmoeForCausalLM, PretrainedConfig
 from runner.config.load import Experiment, experiment_from_dict, find_project_root
 from runner.errors import RunnerError
 from runner.fsio import read_json
-from runner.runs import is_run_dir
 from runner.training.checkpoint import Checkpoint, dirname, verify
 from runner.training.model import build_model, llama_config, olmoe_config
+from runner.training.runfolder import is_run_dir
+from runner.training.runjson import as_record
 
 #: attention backends a CPU runs; a GPU-only one (flash attention) is replaced by sdpa for the
 #: reference model: the same function of the weights, computed by another kernel.
@@ -52,7 +53,8 @@ def open_source(run_dir: str | Path, step: int | None = None) -> Source:
     if not is_run_dir(run_dir):
         raise RunnerError("not a run folder (no run.json and experiment.yaml)", file=str(run_dir))
     run = read_json(run_dir / "run.json")
-    committed = int(run.get("committed_steps") or 0)
+    rec = as_record(run)
+    committed = int(rec.committed_steps)
     chosen = committed if step is None else int(step)
     path = run_dir / "checkpoints" / dirname(chosen)
     if not path.is_dir():
@@ -62,7 +64,7 @@ def open_source(run_dir: str | Path, step: int | None = None) -> Source:
             else []
         )
         hint = f"; checkpoints here: {', '.join(have)} (give --step N)" if have else "; the run has no checkpoint"
-        what = f"step {chosen}" + ("" if step is not None else f", the run's last committed step ({run.get('status')})")
+        what = f"step {chosen}" + ("" if step is not None else f", the run's last committed step ({rec.status})")
         raise RunnerError(f"no checkpoint of {what}{hint}", file=str(path))
     problem = verify(path)
     if problem is not None:
@@ -73,7 +75,7 @@ def open_source(run_dir: str | Path, step: int | None = None) -> Source:
             f"a format-{state.get('format', 1)} checkpoint: export reads format 3 (resume the run once to rewrite it)",
             file=str(path),
         )
-    root = Path(run.get("project_root") or find_project_root(Path.cwd()))
+    root = Path(rec.project_root or find_project_root(Path.cwd()))
     if not root.is_dir():
         root = find_project_root(Path.cwd())
     exp = experiment_from_dict(state["config"], project_root=root, path=path / "state.json")

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
 from runner.export.source import Source, reference_model
-from runner.training.loop import load_data
+from runner.training.batches import load_data
 
 VERIFY_POSITIONS = 64
 PROMPT_TOKENS = 8

@@ -308,6 +308,56 @@ def cost_per_billion_useful_tokens(
     return devices * price_per_device_hour * (wall_seconds / 3600) / (useful_tokens / 1e9)
 
 
+@dataclass(frozen=True)
+class RunEfficiency:
+    """A run's MFU (processed tokens over device step time), goodput MFU (useful tokens over device
+    wall time), HFU (recomputation counted; None without activation checkpointing) and cost per
+    billion useful tokens (None without useful tokens): the loop's summary and the report's table."""
+
+    mfu: float
+    goodput_mfu: float
+    hfu: float | None
+    cost_per_billion_useful_tokens: float | None
+
+    def to_dict(self) -> dict[str, float]:
+        """The figures run.json records (in this order; HFU only where there is one)."""
+        out = {"mfu": self.mfu, "goodput_mfu": self.goodput_mfu}
+        if self.hfu is not None:
+            out["hfu"] = self.hfu
+        if self.cost_per_billion_useful_tokens is not None:
+            out["cost_per_billion_useful_tokens"] = self.cost_per_billion_useful_tokens
+        return out
+
+
+def run_efficiency(
+    flops_per_token: float,
+    hfu_flops_per_token: float | None,
+    processed_tokens: float,
+    useful_tokens: float,
+    device_step_seconds: float,
+    device_wall_seconds: float,
+    peak_tflops: float,
+    price_per_device_hour: float,
+) -> RunEfficiency:
+    """The one computation of a run's MFU, goodput MFU, HFU and cost, over device-seconds (time x
+    devices held, summed over attempts: a run resumed on another world size is measured against what
+    each attempt held; the same as seconds x devices otherwise)."""
+    return RunEfficiency(
+        mfu=mfu(flops_per_token, processed_tokens, device_step_seconds, peak_tflops, 1),
+        goodput_mfu=mfu(flops_per_token, useful_tokens, device_wall_seconds, peak_tflops, 1),
+        hfu=(
+            mfu(hfu_flops_per_token, processed_tokens, device_step_seconds, peak_tflops, 1)
+            if hfu_flops_per_token is not None
+            else None
+        ),
+        cost_per_billion_useful_tokens=(
+            cost_per_billion_useful_tokens(1, price_per_device_hour, device_wall_seconds, useful_tokens)
+            if useful_tokens > 0
+            else None
+        ),
+    )
+
+
 def convention_record(
     convention: Convention, peak: Peak, devices_counted: int, time_basis: str, step_clock: str | None = None
 ) -> dict:

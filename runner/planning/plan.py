@@ -13,7 +13,6 @@ Time is `T / q` (tokens over tokens per second) times `1 + overhead fractions` (
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,13 +23,11 @@ from runner.config.schema import ExperimentSchema, from_plain
 from runner.data.manifest import load_manifest, num_samples
 from runner.data.mixture import plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError
-from runner.fsio import read_json, read_jsonl
 from runner.planning import assumptions, hardware
 from runner.planning.assumptions import AssumedMfu, assumed_mfu, carried_mfu
 from runner.planning.downstream_cost import format_lines as format_downstream_lines
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.scaling import Point, forecast_target
-from runner.runs import load_saved_experiment
 
 SECONDS_PER_HOUR = 3600.0
 SECONDS_PER_DAY = 86400.0
@@ -356,59 +353,6 @@ class Calibration:
     same_experiment: bool
     note: str
     architecture: str = "dense"  #: the calibration run's ("moe" or "dense"), for carrying its MFU over
-
-
-def read_calibration(
-    run_dir: str | Path, cfg: ExperimentSchema | Mapping[str, Any], convention: Convention | None = None
-) -> Calibration:
-    """Measured throughput (median tokens_per_second after the first step), overheads
-    (wall / sum of step time - 1) and useful fraction of a run folder. The MFU is under
-    `convention`, by default the one a run of `cfg` records (flops.convention_for)."""
-    run_dir = Path(run_dir)
-    cfg = as_schema(cfg)
-    convention = convention or convention_for(cfg)
-    metrics = run_dir / "metrics" / "train.jsonl"
-    if not metrics.exists():
-        raise RunnerError("no metrics/train.jsonl: not a run folder, or it has not logged a step", file=str(run_dir))
-    rows = [r for r in read_jsonl(metrics) if r.get("tokens_per_second")]
-    if not rows:
-        raise RunnerError("no step with tokens_per_second", file=str(metrics))
-    # The first step pays for compilation and warm-up; it counts as overhead, not throughput.
-    steady = rows[1:] or rows
-    tps = statistics.median(float(r["tokens_per_second"]) for r in steady)
-    step_total = sum(float(r.get("step_seconds") or 0) for r in rows)
-    walls = [float(r["wall_seconds"]) for r in rows if r.get("wall_seconds") is not None]
-    # wall_seconds is elapsed since the run started (non-decreasing); per-step values are summed.
-    wall = (walls[-1] if all(b >= a for a, b in zip(walls, walls[1:])) else sum(walls)) if walls else step_total
-    overhead = max(0.0, wall / step_total - 1.0) if step_total > 0 else 0.0
-    last = rows[-1]
-    useful_fraction = 1.0
-    if last.get("tokens_useful") and last.get("tokens_processed"):
-        useful_fraction = float(last["tokens_useful"]) / float(last["tokens_processed"])
-
-    exp_file = run_dir / "experiment.yaml"
-    run_cfg = load_saved_experiment(exp_file).config if exp_file.exists() else cfg
-    same = run_cfg is cfg or (
-        run_cfg.model == cfg.model and run_cfg.hardware == cfg.hardware and run_cfg.train.seq_len == cfg.train.seq_len
-    )
-    note = ""
-    if run_cfg is cfg:
-        note = "run folder has no experiment.yaml: assumed to be this experiment"
-    elif not same:
-        note = "calibration run differs in model/hardware/seq_len: its MFU is carried over, not its tokens/s"
-    mfu_value = None
-    run_info = read_json(run_dir / "run.json") if (run_dir / "run.json").exists() else {}
-    conventions = run_info.get("conventions") or {}
-    # The devices that ran the measured steps (rows record them; a launcher may differ from the recipe).
-    held = [int(r["devices"]) for r in steady if r.get("devices")]
-    n_devices = int(statistics.median_low(held)) if held else int(run_info.get("devices") or devices(run_cfg))
-    try:
-        peak = float(conventions.get("peak_tflops") or hardware.resolve_peak(run_cfg.hardware).peak_tflops)
-        mfu_value = hardware.mfu(flops_per_token(run_cfg, convention), tps, 1.0, peak, n_devices)
-    except RunnerError as e:
-        note = (note + "; " if note else "") + f"MFU not derivable: {e}"
-    arch = architecture(run_cfg)
-    return Calibration(str(run_dir), len(rows), tps, useful_fraction, overhead, mfu_value, same, note, arch)
 
 
 # ---------------------------------------------------------------- the plan

@@ -1,6 +1,6 @@
 """Scaling-law fits from finished pilot runs, and what they predict.
 
-Owns: reading (N, D, loss) points from run folders, fitting L(N, D) = E + A/N^alpha + B/D^beta as
+Owns: fitting (the points are read from run folders by runner.reports.planning_inputs) L(N, D) = E + A/N^alpha + B/D^beta as
 Hoffmann et al. 2022 (Huber loss, delta 1e-3, on log residuals, log-sum-exp parametrization,
 L-BFGS-B from a grid of starts), held-out error, the compute-optimal N, D for C = 6ND (closed
 form), the inference-aware optimum (Sardana et al. 2023), extrapolation warnings, the plot, and the
@@ -19,14 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 from scipy.optimize import minimize, minimize_scalar
 
-from runner.config.schema import MEAN_DOMAIN, ExperimentSchema
+from runner.config.schema import MEAN_DOMAIN
 from runner.errors import RunnerError
-from runner.fsio import read_json, read_jsonl
-from runner.planning.flops import params_of_config
-from runner.runs import load_saved_experiment
 
 HUBER_DELTA = 1e-3
 MIN_POINTS = 5  # five free parameters
@@ -87,151 +83,6 @@ class Fit:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-# ---------------------------------------------------------------- reading points
-def read_report_point(report_dir: Path) -> Point:
-    """A point from a report folder: run_summary.parquet (N, D) and validation.parquet (final loss)."""
-    table = _report_table(report_dir / "run_summary.parquet", ("params_counted", "params", "exposure_tokens"))
-    if table.empty:
-        raise RunnerError("no row", file=str(report_dir / "run_summary.parquet"))
-    summary = table.iloc[0]
-    if summary.get("params_counted") not in ("non_embedding", "active"):
-        raise RunnerError(
-            f"run_summary counts {summary.get('params_counted')!r} params; the fit needs "
-            "non-embedding N: pass the run folder instead",
-            file=str(report_dir),
-        )
-    validation = _report_table(report_dir / "validation.parquet", ("step", "domain", "loss_nats", "bpb"))
-    if validation.empty:
-        raise RunnerError("no evaluation recorded", file=str(report_dir / "validation.parquet"))
-    final = validation[validation["step"] == validation["step"].max()]
-    losses = {str(d): float(v) for d, v in zip(final["domain"], final["loss_nats"])}
-    name = str(summary.get("run_id") or report_dir.name)
-    return Point(
-        name,
-        float(summary["params"]),
-        float(summary["exposure_tokens"]),
-        float(np.mean(list(losses.values()))),
-        losses,
-        str(summary.get("experiment") or ""),
-        {str(d): float(v) for d, v in zip(final["domain"], final["bpb"])},
-        {str(d): int(v) for d, v in zip(final["domain"], final["tokens"])} if "tokens" in final else {},
-    )
-
-
-_NUMERIC = ("params", "exposure_tokens", "step", "loss_nats", "bpb", "tokens")
-
-
-def _report_table(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
-    """A report table the fit reads, with the columns it needs (numbers where numbers are meant), or
-    one line naming the file and the column."""
-    try:
-        df = pd.read_parquet(path)
-    except FileNotFoundError:
-        raise RunnerError("missing table", file=str(path)) from None
-    except Exception as err:  # pyarrow raises several types for a corrupt file
-        raise RunnerError(
-            f"unreadable parquet: {str(err).splitlines()[0][:160] if str(err) else err!r}", file=str(path)
-        ) from None
-    for col in columns:
-        if col not in df.columns:
-            raise RunnerError("column missing (rebuild the report: `runner report RUN`)", file=str(path), key=col)
-    for col in (c for c in _NUMERIC if c in df.columns):
-        if not pd.api.types.is_numeric_dtype(df[col]):
-            raise RunnerError(f"must hold numbers, holds {df[col].dtype}", file=str(path), key=col)
-    return df
-
-
-def _eval_rows(path: Path) -> list[dict]:
-    """metrics/eval.jsonl's rows, each with the keys the fit reads (one line naming the row and key otherwise)."""
-    rows = read_jsonl(path)
-    for n, r in enumerate(rows, 1):
-        if not isinstance(r, dict):
-            raise RunnerError(f"line {n}: not a JSON object", file=str(path))
-        for key in ("step", "domain", "loss_nats"):
-            if key not in r:
-                raise RunnerError(f"line {n}: missing", file=str(path), key=key)
-        for key in ("step", "loss_nats", "bpb", "tokens"):
-            if key in r and (isinstance(r[key], bool) or not isinstance(r[key], (int, float))):
-                raise RunnerError(f"line {n}: must be a number, got {str(r[key])[:40]!r}", file=str(path), key=key)
-    return rows
-
-
-def read_point(run_dir: str | Path) -> Point:
-    """A point from a run folder: experiment.yaml (N), ledger.json / run.json (D), metrics/eval.jsonl
-    (loss); or from a report folder (run_summary.parquet), or a run folder holding only report/."""
-    run_dir = Path(run_dir)
-    if (run_dir / "run_summary.parquet").exists():
-        return read_report_point(run_dir)
-    if not (run_dir / "experiment.yaml").exists() and (run_dir / "report" / "run_summary.parquet").exists():
-        return read_report_point(run_dir / "report")
-    exp = run_dir / "experiment.yaml"
-    evals = run_dir / "metrics" / "eval.jsonl"
-    for needed in (exp, evals):
-        if not needed.exists():
-            raise RunnerError(f"missing {needed.relative_to(run_dir)}: not a finished run folder", file=str(run_dir))
-    cfg = load_saved_experiment(exp).config
-    params = params_of_config(cfg).non_embedding
-    tokens = _exposure_tokens(run_dir, cfg)
-    rows = _eval_rows(evals)
-    if not rows:
-        raise RunnerError("no evaluation recorded", file=str(evals))
-    last_step = max(int(r["step"]) for r in rows)
-    last = {r["domain"]: r for r in rows if int(r["step"]) == last_step}
-    final = {d: float(r["loss_nats"]) for d, r in last.items()}
-    if not final:
-        raise RunnerError("no per-domain loss at the final evaluation", file=str(evals))
-    loss = float(np.mean(list(final.values())))
-    if not math.isfinite(loss):
-        raise RunnerError(f"final validation loss is {loss}", file=str(evals))
-    bpb = {d: float(r["bpb"]) for d, r in last.items() if "bpb" in r}
-    weights = {d: int(r["tokens"]) for d, r in last.items() if "tokens" in r}
-    return Point(run_dir.name, float(params), float(tokens), loss, final, cfg.name, bpb, weights)
-
-
-def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
-    """Run folders from what a user types: a run folder as is, and `runs/EXPERIMENT` (the folder
-    `runner launch` puts an experiment's runs in) as every finished run inside it."""
-    out: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if not path.is_dir():
-            raise RunnerError("no such run folder", file=str(path))
-        if (
-            (path / "experiment.yaml").exists()
-            or (path / "run_summary.parquet").exists()
-            or (path / "report" / "run_summary.parquet").exists()
-        ):
-            out.append(path)
-            continue
-        inner = sorted(p for p in path.iterdir() if p.is_dir() and (p / "metrics" / "eval.jsonl").exists())
-        if not inner:
-            raise RunnerError(
-                "neither a finished run folder (experiment.yaml, metrics/eval.jsonl) nor a folder "
-                "of runs (runs/EXPERIMENT)",
-                file=str(path),
-            )
-        out.extend(inner)
-    return out
-
-
-def _exposure_tokens(run_dir: Path, cfg: ExperimentSchema) -> float:
-    ledger = run_dir / "ledger.json"
-    if ledger.exists():
-        data = read_json(ledger)
-        total = (data.get("counters") or {}).get("total") or {}
-        if total.get("exposure"):
-            return float(total["exposure"])
-    run_json = run_dir / "run.json"
-    if run_json.exists():
-        steps = read_json(run_json).get("committed_steps")
-        if steps:
-            return float(steps * cfg.train.global_batch_sequences * cfg.train.seq_len)
-    raise RunnerError(
-        "no exposure tokens: neither ledger.json counters.total.exposure nor run.json committed_steps",
-        file=str(run_dir),
-    )
 
 
 # ---------------------------------------------------------------- fitting

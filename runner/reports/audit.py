@@ -42,7 +42,8 @@ from runner.reports import tables as rpt
 from runner.reports.audit_input import AuditInput, Replay
 from runner.reports.audit_result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
 from runner.reports.expert_audit import check_expert_load, checkpoint_load_problems
-from runner.runs import device_seconds, devices_held, is_reportable_run, read_manifest_copies
+from runner.training.record import device_seconds, devices_held, read_manifest_copies
+from runner.training.runfolder import is_reportable_run
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
 
 __all__ = ["FAIL", "INFO", "PASS", "UNVERIFIED", "AuditInput", "AuditResult", "Check", "audit", "load_input", "replay"]

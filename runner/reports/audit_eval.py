@@ -24,9 +24,9 @@ from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.reports import evidence as ev
 from runner.reports.audit_result import AuditResult
+from runner.training.batches import load_data
 from runner.training.checkpoint import Checkpoint, dirname, verify
 from runner.training.evaluate import evaluate
-from runner.training.loop import load_data
 from runner.training.model import build_model
 from runner.training.schedule import make_optimizer
 

@@ -32,7 +32,8 @@ from runner.reports.audit import audit
 from runner.reports.compare_downstream import side_by_side
 from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
-from runner.runs import is_reportable_run
+from runner.training.runfolder import is_reportable_run
+from runner.training.runjson import as_record
 from schemas.report_tables import SCHEMA_VERSION, validate_tables
 
 ACCOUNTING = ("processed_tokens", "exposure_tokens", "useful_tokens", "unique_tokens", "lost_tokens")
@@ -365,7 +366,7 @@ def comparability(sources: list[Source]) -> tuple[dict[tuple[str, str], str], st
 
 def machine_of(s: Source) -> str:
     """Where a run's seconds were measured: its device, the devices held and the hosts (run.json)."""
-    hosts = sorted({str(k).rsplit("#", 1)[0] for k in ((s.run.get("system") or {}).get("nodes") or {})})
+    hosts = sorted({str(k).rsplit("#", 1)[0] for k in ((as_record(s.run).system or {}).get("nodes") or {})})
     where = f" on {', '.join(hosts)}" if hosts else " (hosts not recorded)"
     return f"{s.summary['device_name']} x {int(s.summary['devices'])}{where}"
 
@@ -712,7 +713,7 @@ def collect_reports(sources: list[Source], dest: Path) -> None:
         shutil.copytree(folder, copy)
         if (copy / "run.json").exists():  # published: no machine paths, as `runner publish` writes it
             info = read_json(copy / "run.json")
-            root = Path(info.get("project_root") or repo_root(folder))
+            root = Path(as_record(info).project_root or repo_root(folder))
             (copy / "run.json").write_text(json.dumps(portable(info, root), indent=1))
         s.folder, s.tables = copy, rpt.read_tables(copy)
 

@@ -23,13 +23,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from runner.config.load import repo_root
+from runner.config.load import load_saved_experiment, repo_root
 from runner.errors import RunnerError
 from runner.fsio import atomic_write, read_json, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports.audit import AuditResult, audit
 from runner.reports.evidence import write_report_with_evidence
-from runner.runs import experiment_of_run, holder_text, is_reportable_run, load_saved_experiment, lock_holder
+from runner.training.runfolder import RunFolder, experiment_of_run, is_reportable_run
+from runner.training.runjson import as_record
+from runner.training.runlock import holder_text, lock_holder
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
 INDEX = "README.md"
@@ -82,7 +84,7 @@ def publish(
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.relative_to(staged) == Path("run.json"):
             info = read_json(f)
-            root = Path(info.get("project_root") or repo_root(run_dir))
+            root = Path(as_record(info).project_root or repo_root(run_dir))
             target.write_text(json.dumps(portable(info, root), indent=1))
         else:
             shutil.copy2(f, target)
@@ -239,14 +241,16 @@ def card_problem(run_dir: Path, card_dir: Path) -> str | None:
     lacks = [f for f in CARD_FILES if not (card_dir / f).is_file()]
     if lacks:
         return f"no model card ({', '.join(lacks)} missing)"
-    record, run = read_json(card_dir / EXPORT_RECORD), read_json(Path(run_dir) / "run.json")
-    if record.get("fingerprint") != run.get("fingerprint"):
-        return f"exported from fingerprint {str(record.get('fingerprint'))[:12]}, the run is {str(run.get('fingerprint'))[:12]}"
-    if int(record.get("step", -1)) != int(run.get("committed_steps", 0)):
-        return f"exported at step {record.get('step')}, not the run's final step {run.get('committed_steps')}"
+    record, run = read_json(card_dir / EXPORT_RECORD), RunFolder(run_dir).record()
+    if record.get("fingerprint") != run.fingerprint:
+        return (
+            f"exported from fingerprint {str(record.get('fingerprint'))[:12]}, the run is {str(run.fingerprint)[:12]}"
+        )
+    if int(record.get("step", -1)) != int(run.committed_steps):
+        return f"exported at step {record.get('step')}, not the run's final step {run.committed_steps}"
     ran = read_json(card_dir / "accounting.json").get("run_id")
-    if ran != run.get("run_id"):
-        return f"the card is of run {ran}, not {run.get('run_id')}"
+    if ran != run.run_id:
+        return f"the card is of run {ran}, not {run.run_id}"
     return None
 
 
@@ -268,9 +272,9 @@ def publish_card(run_dir: Path, card_dir: Path, reports_dir: str | Path = "repor
     why = card_problem(run_dir, card_dir)
     if why:
         raise RunnerError(why, file=str(card_dir))
-    run = read_json(Path(run_dir) / "run.json")
+    run = RunFolder(run_dir).record()
     name = load_saved_experiment(Path(run_dir) / "experiment.yaml").config.name
-    dest = Path(reports_dir) / "models" / f"{name}-{run.get('run_id')}"
+    dest = Path(reports_dir) / "models" / f"{name}-{run.run_id}"
     staged = staging_folder(dest)
     for f in CARD_FILES:
         shutil.copy2(Path(card_dir) / f, staged / f)

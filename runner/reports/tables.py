@@ -1,7 +1,7 @@
 """Build a run's report: tables (schemas/report_tables.py), report.md, plots, and the inputs an audit needs.
 
 Owns: turning a run folder (run.json, experiment.yaml, ledger.json, metrics/*.jsonl, manifests/),
-read through runner.runs, into the report tables, and writing run_dir/report/ (parquet + csv
+read through runner.training.record, into the report tables, and writing run_dir/report/ (parquet + csv
 tables, report.md, PNG plots, copies of experiment.yaml, run.json and the manifests so the report
 folder alone can be audited); reading a report folder back; fetching a run folder from an MLflow
 run id.
@@ -20,23 +20,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from runner.config.load import load_saved_experiment
 from runner.config.schema import ExperimentSchema, HubFiles
 from runner.data.manifest import num_samples, small_validation_warning
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml, replace_folder, staging_folder
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
-from runner.planning.hardware import cost_per_billion_useful_tokens, mfu
+from runner.planning.hardware import run_efficiency
 from runner.reports import downstream_report, expert_tables, targets
 from runner.reports.downstream_table import downstream_table
-from runner.runs import (
-    conventions_of,
-    device_seconds,
-    devices_held,
-    is_reportable_run,
-    load_saved_experiment,
-    read_manifest_copies,
-    run_times,
-)
+from runner.training.record import conventions_of, device_seconds, devices_held, read_manifest_copies, run_times
+from runner.training.runfolder import is_reportable_run
+from runner.training.runjson import as_record
 from runner.training.tracking import default_tracking_uri
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 
@@ -104,7 +99,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
         "targets": targets.targets_table(
             targets.declared_targets(targets.typed_config(cfg, run_dir / "experiment.yaml")),
             validation,
-            int(run.get("committed_steps", 0)),
+            int(as_record(run).committed_steps),
             cfg.hardware.price_per_device_hour_usd,
         ),
         **expert_tables.build(run_dir, cfg, accounting, train_rows),
@@ -162,7 +157,8 @@ def _summary(
     run_dir: Path, run: dict, cfg: ExperimentSchema, accounting: pd.DataFrame, train_rows: list[dict]
 ) -> pd.DataFrame:
     """The one-row run summary: totals, times, FLOPs, MFU and cost with their convention."""
-    conv = conventions_of(run, cfg)
+    rec = as_record(run)
+    conv = conventions_of(rec, cfg)
     convention = Convention.from_dict(conv)
     hw, seq_len = cfg.hardware, cfg.train.seq_len
     wall_seconds, step_seconds_total = run_times(run, train_rows)
@@ -173,14 +169,15 @@ def _summary(
         k: int(accounting[f"{k}_tokens"].sum()) for k in ("pool", "processed", "exposure", "useful", "unique", "lost")
     }
     peak_tflops, price, useful = float(conv["peak_tflops"]), hw.price_per_device_hour_usd, totals["useful"]
+    eff = run_efficiency(fpt, hfu_fpt, totals["processed"], useful, device_step, device_wall, peak_tflops, price)
     row = {
         "schema_version": SCHEMA_VERSION,
-        "experiment": str(run.get("experiment", cfg.name)),
+        "experiment": str(rec.experiment if rec.experiment is not None else cfg.name),
         "version": str(cfg.version),
-        "fingerprint": str(run.get("fingerprint")),
-        "run_id": str(run.get("run_id", run_dir.name)),
-        "status": str(run.get("status", "finished")),
-        "steps": int(run.get("committed_steps", 0)),
+        "fingerprint": str(rec.fingerprint),
+        "run_id": str(rec.run_id if rec.run_id is not None else run_dir.name),
+        "status": str(rec.status if rec.status is not None else "finished"),
+        "steps": int(rec.committed_steps),
         "seq_len": seq_len,
         "global_batch_sequences": cfg.train.global_batch_sequences,
         **{f"{k}_tokens": v for k, v in totals.items()},
@@ -190,10 +187,10 @@ def _summary(
         "device_step_seconds": device_step,
         "params": int(params_of_config(cfg).get(convention.params_counted)),
         "flops_per_token": float(fpt),
-        "mfu": mfu(fpt, totals["processed"], device_step, peak_tflops, 1),
-        "goodput_mfu": mfu(fpt, useful, device_wall, peak_tflops, 1),
+        "mfu": eff.mfu,
+        "goodput_mfu": eff.goodput_mfu,
         "hfu_flops_per_token": hfu_fpt,
-        "hfu": mfu(hfu_fpt, totals["processed"], device_step, peak_tflops, 1),
+        "hfu": eff.hfu,
         "flops_formula": convention.flops_formula,
         "params_counted": convention.params_counted,
         "attention_causal_half": bool(convention.attention_causal_half),
@@ -206,9 +203,7 @@ def _summary(
         "device_name": hw.device_name,
         "devices": devices_held(run, cfg),
         "price_per_device_hour": price,
-        "cost_per_billion_useful_tokens": cost_per_billion_useful_tokens(1, price, device_wall, useful)
-        if useful
-        else 0.0,
+        "cost_per_billion_useful_tokens": eff.cost_per_billion_useful_tokens or 0.0,
     }
     return pd.DataFrame([row])
 

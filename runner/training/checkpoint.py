@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from runner.config.schema import CheckpointSection
 from runner.errors import RunnerError
 from runner.fsio import fsync_dir, fsync_file, sha256_file
 
@@ -244,6 +245,18 @@ class Checkpointer:
         self.report = report or (lambda message: None)
         self.last_save_time = time.monotonic()
         self._checked: dict[str, tuple[tuple, str | None]] = {}  # folder name -> (file signature, problem)
+
+    @classmethod
+    def for_run(
+        cls, run_dir: Path, section: CheckpointSection, report: Callable[[str], None] | None = None
+    ) -> Checkpointer:
+        """The checkpointer of a run, its interval policy and retention from `train.checkpoint`."""
+        return cls(run_dir, section.interval_steps, section.interval_minutes, section.keep_last, report=report)
+
+    @classmethod
+    def reader(cls, run_dir: Path) -> Checkpointer:
+        """A checkpointer that only finds and verifies a run's checkpoints (it never saves)."""
+        return cls(run_dir, 0, 0, 1)
 
     def due(self, step: int) -> bool:
         """Whether `step` committed steps call for a checkpoint by steps or by minutes."""

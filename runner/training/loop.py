@@ -10,7 +10,6 @@ Never decides what data a step sees (the sampler does) and never writes outside 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
@@ -18,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,20 +25,14 @@ import torch.nn.functional as F
 
 from runner.config.load import Experiment
 from runner.config.rules import grad_accum, max_duration_tokens, total_steps
-from runner.data.integrity import ShardVerifier
-from runner.data.manifest import Pool, load_experiment_manifests, num_samples
-from runner.data.sampler import BatchReader, MixtureSampler
-from runner.data.tokenizer import load_tokenizer, token_byte_lengths
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.planning import hardware
 from runner.planning.flops import convention_for, flops_per_token, hfu_convention, hfu_flops_per_token
 from runner.planning.plan import choose_micro_batch
-from runner.runs import RunFolder, write_ledger_json
 from runner.training import evaluate
 from runner.training import experts as experts_mod
 from runner.training.accelerator import (
     SHARD_RUNNER_CPU,
-    StepClock,
     apply_runtime_settings,
     attention_context,
     ddp_compile_settings,
@@ -50,12 +43,18 @@ from runner.training.accelerator import (
     sharding_mode,
     step_clock,
 )
+from runner.training.batches import Data, load_data, read_step
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
-from runner.training.checkpoint import Checkpointer, gather_full_state, rng_state, set_rng_state, tied_parameters
+from runner.training.checkpoint import Checkpointer, gather_full_state, set_rng_state
+from runner.training.clock import RunClock
+from runner.training.collectives import all_gather_ints, all_reduce, check_same_checkpoint, fsdp2_no_sync, scalar
 from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
+from runner.training.records import Gathered, RunRecord, default_records
+from runner.training.runfolder import RunFolder
+from runner.training.runjson import RunJson
 from runner.training.samples import samples_callback
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
@@ -63,49 +62,6 @@ from runner.training.tracking import START_WAIT_SECONDS, Tracker
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-# ---- data ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Data:
-    domains: list[str]
-    samples: dict[str, int]
-    sampler: MixtureSampler
-    reader: BatchReader
-    val_reader: BatchReader | None
-    val_samples: dict[str, int]
-    byte_lengths: np.ndarray
-    verifier: ShardVerifier | None = None  # hashing the shards in the background, or None
-
-
-def load_data(exp: Experiment, seq_len: int, verify: bool = False) -> Data:
-    cfg = exp.config
-    manifests, _ = load_experiment_manifests(exp)
-    pools = {d: Pool(m, "train") for d, m in manifests.items()}
-    val_pools = {d: Pool(m, "validation") for d, m in manifests.items() if m.validation_shards}
-    samples = {d: num_samples(p.tokens, seq_len) for d, p in pools.items()}
-    ratios = {d: v.target_ratio for d, v in cfg.mixture.domains.items()}
-    sampler = MixtureSampler(samples, ratios, cfg.seed, cfg.train.global_batch_sequences)
-    val_samples = {d: min(cfg.eval.samples_per_domain, num_samples(p.tokens, seq_len)) for d, p in val_pools.items()}
-    tok = load_tokenizer(exp.resolve_path(cfg.tokenizer.path), cfg.tokenizer.sha256)
-    return Data(
-        domains=list(sampler.domains),
-        samples=samples,
-        sampler=sampler,
-        reader=BatchReader(pools, seq_len),
-        val_reader=BatchReader(val_pools, seq_len) if val_pools else None,
-        val_samples={d: n for d, n in val_samples.items() if n > 0},
-        byte_lengths=np.asarray(token_byte_lengths(tok), dtype=np.int64),
-        verifier=ShardVerifier(manifests.values()).start() if verify else None,
-    )
-
-
-def domain_positions(pairs, domains: list[str], seq_len: int) -> dict[str, int]:
-    """Input positions per domain of (domain_id, sample) pairs: a list, or an array [..., 2]."""
-    counts = np.bincount(np.asarray(pairs, dtype=np.int64).reshape(-1, 2)[:, 0], minlength=len(domains))
-    return {d: int(counts[i]) * seq_len for i, d in enumerate(domains)}
-
 
 # ---- the run ------------------------------------------------------------------------------------
 
@@ -117,6 +73,7 @@ class Options:
     nonfinite_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None  # tests: poison a loss
     peak_measure_seconds: float = 1.0
     callbacks: list[Callback] = field(default_factory=list)
+    records: list[RunRecord] = field(default_factory=default_records)  # the run folder's records (rank 0 writes)
     kill_at_step: int | None = None  # fault injection: SIGKILL itself mid-step (smoke, tests)
     verify_shards: bool = True  # hash every shard against its manifest before the first checkpoint (bench: off)
 
@@ -147,15 +104,8 @@ class _Run:
     checkpointer: Checkpointer
     resolved_config: dict
     sharding: str  # backends.SHARD_*: who shards the model, if anyone
-    info: dict = field(default_factory=dict)  # run.json as this attempt found it
+    info: RunJson = field(default_factory=RunJson)  # run.json as this attempt found it
     start_step: int = 0
-    attempt: int = 1
-    prior_wall_seconds: float = 0.0  # earlier attempts, crashed ones included
-    prior_device_wall_seconds: float = 0.0  # the same, each attempt's wall x the devices it held
-    step_seconds_total: float = 0.0  # all attempts: committed steps and the work lost after them
-    device_step_seconds_total: float = 0.0  # the same, each step's time x the devices that ran it
-    step_t0: float = 0.0  # when the current step started
-    t_attempt: float = 0.0  # perf_counter at this attempt's first step
     last_saved: int = 0
     last_eval: int = 0
     flops_per_token: float = 0.0
@@ -163,7 +113,6 @@ class _Run:
     peak: hardware.Peak | None = None  # set by _conventions, before the first step
     tracker: Tracker | None = None
     callbacks: list[Callback] = field(default_factory=list)
-    journal_file: TextIO | None = None
 
     @property
     def peak_tflops(self) -> float:
@@ -172,10 +121,10 @@ class _Run:
             raise RuntimeError("the peak is read before _conventions resolved it")
         return self.peak.peak_tflops
 
-    batches: Prefetcher | None = None  # of _HostBatch, one per step of this attempt
+    batches: Prefetcher | None = None  # of HostBatch, one per step of this attempt
     system: SystemMetricsCallback | None = None  # when system metrics are on
     experts: experts_mod.RouterProbe | None = None  # of a mixture-of-experts model, else None
-    clock: StepClock = field(default_factory=lambda: StepClock(torch.device("cpu")))  # _setup: the run's device
+    clock: RunClock = field(default_factory=lambda: RunClock(1))  # _setup: the run's world and device clock
     downstream: Any = None  # the downstream tasks, prepared at their first scoring (runner.training.downstream)
 
     @property
@@ -202,7 +151,7 @@ class _Run:
         """Hold gradient reduction during the micro steps before the last (DDP or FSDP2)."""
         if self.sharding != SHARD_RUNNER_CPU:
             return self.acc.no_sync(self.model)
-        return _fsdp2_no_sync(self.raw_model)
+        return fsdp2_no_sync(self.raw_model)
 
     @property
     def pin(self) -> bool:
@@ -210,36 +159,7 @@ class _Run:
         return bool(self.runtime.get("pin_memory")) and self.acc.device.type == "cuda"
 
     def schedule_steps_at(self, step: int) -> int:
-        return segment_schedule_steps(
-            self.info.get("segments", []), step, self.global_batch * self.seq_len, self.schedule_steps
-        )
-
-    def wall_seconds(self) -> float:
-        return self.prior_wall_seconds + time.perf_counter() - self.t_attempt
-
-    def journal_time(self) -> tuple[float, float]:
-        """Journal how long this attempt has run (no work) and return (wall, device wall) as of that
-        line: what an evaluation is stamped with, so a later resume, which counts an attempt's wall
-        from its journal, never starts below a figure the attempt already reported."""
-        held = math.ceil((time.perf_counter() - self.t_attempt) * 1000) / 1000
-        if self.journal_file is not None:
-            line = {
-                "attempt": self.attempt,
-                "world": self.world,
-                "processed": {},
-                "wall_seconds": held,
-                # unrounded: a resume takes the largest total it finds, and must find the checkpoint's
-                "step_seconds_total": self.step_seconds_total,
-                "device_step_seconds_total": self.device_step_seconds_total,
-            }
-            self.journal_file.write(json.dumps(line) + "\n")
-            self.journal_file.flush()
-        return self.prior_wall_seconds + held, self.prior_device_wall_seconds + held * self.world
-
-    def device_wall_seconds(self) -> float:
-        """Device-seconds held so far: the goodput MFU and cost denominator. A run resumed with another
-        world size counts each attempt with its own device count."""
-        return self.prior_device_wall_seconds + (time.perf_counter() - self.t_attempt) * self.world
+        return segment_schedule_steps(self.info.segments, step, self.global_batch * self.seq_len, self.schedule_steps)
 
 
 @dataclass
@@ -252,82 +172,15 @@ class _Step:
     useful_tokens: float
 
 
-@dataclass
-class _HostBatch:
-    """The host's part of a step, all computed before the step (in the prefetch thread)."""
-
-    global_pairs: np.ndarray  # the whole global batch [B, 2]
-    tensors: tuple  # this rank's input_ids, labels, loss_mask [accum * micro, L] (pinned on a GPU run)
-    useful: torch.Tensor  # float64 [domains]: this rank's useful targets per domain
-    processed: list  # per micro step: input positions per domain, all ranks
-    domain_ids: np.ndarray  # int64 [accum * micro]: the domain of each of this rank's sequences
-
-
-def _read_step(run: _Run, step: int) -> _HostBatch:
-    """The global batch of `step`, drawn as the sampler's rank_slice cuts it: contiguous
-    [rank][micro step][sequence] blocks. This rank reads its block; processed counts every rank's."""
-    data = run.data
-    global_pairs = np.stack(data.sampler.step_arrays(step), axis=1)
-    grid = global_pairs.reshape(run.world, run.accum, run.micro, 2)
-    batch = data.reader.read(grid[run.rank])
-    tensors = tuple(torch.as_tensor(a) for a in (batch.input_ids, batch.labels, batch.loss_mask))
-    if run.pin:
-        # Page-locked memory makes the copy to the device asynchronous: it overlaps the step's start.
-        tensors = tuple(t.pin_memory() for t in tensors)
-    useful = torch.zeros(len(data.domains), dtype=torch.float64)
-    useful.index_add_(0, torch.as_tensor(batch.domain_ids), tensors[2].sum(1).double())
-    processed = [domain_positions(grid[:, m], data.domains, run.seq_len) for m in range(run.accum)]
-    return _HostBatch(global_pairs, tensors, useful, processed, np.asarray(batch.domain_ids, dtype=np.int64))
-
-
 class _StopFlag:
+    """Catches SIGTERM/SIGINT for the loop to stop at the next step boundary (and the handlers it replaced)."""
+
     def __init__(self):
         self.signum = None
+        self.old_handlers: dict = {}
 
     def __call__(self, signum, frame):
         self.signum = signum
-
-
-@contextlib.contextmanager
-def _fsdp2_no_sync(module):
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
-
-
-def _scalar(t) -> float:
-    """A 0-d tensor as float; a DTensor (a norm over sharded gradients) is reduced first."""
-    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
-
-
-def _all_gather_ints(acc, value: int) -> list[int]:
-    """`value` of every rank, in rank order (a list of one without a process group)."""
-    if acc.num_processes == 1:
-        return [int(value)]
-    mine = torch.tensor([int(value)], dtype=torch.int64, device=acc.device)
-    every = [torch.zeros_like(mine) for _ in range(acc.num_processes)]
-    torch.distributed.all_gather(every, mine)
-    return [int(t.item()) for t in every]
-
-
-def check_same_checkpoint(steps_by_rank: list[int], run_dir: Path) -> None:
-    """Every rank must resume from the same checkpoint: a node that sees another run folder (not on
-    shared storage, or a stale copy) would train from another step, desynchronise and hang."""
-    if len(set(steps_by_rank)) <= 1:
-        return
-    seen = ", ".join(f"rank {r}: {'none' if s < 0 else f'step {s}'}" for r, s in enumerate(steps_by_rank))
-    raise RunnerError(
-        f"ranks see different newest checkpoints ({seen}); the run folder must be on storage every node shares",
-        file=str(run_dir),
-    )
-
-
-def _all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
-    if acc.num_processes > 1:
-        torch.distributed.all_reduce(t)
-    return t
 
 
 def _device_memory_bytes(acc) -> int | None:
@@ -337,9 +190,29 @@ def _device_memory_bytes(acc) -> int | None:
     return int(torch.cuda.get_device_properties(acc.device).total_memory)
 
 
+def _runtime(cfg, acc, micro: int, accum: int) -> tuple[dict, int, int]:
+    """The runtime record (kernels, sharding, micro batch and its policy) with the micro batch and the
+    accumulation steps it settles on (policy auto: the largest micro batch the device's memory fits)."""
+    world = acc.num_processes
+    runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
+    runtime["sharding"] = sharding_mode(cfg.hardware, acc)
+    runtime.update(fsdp_record(acc))
+    if cfg.train.micro_batch_policy == "auto":
+        micro, why = choose_micro_batch(cfg, world, _device_memory_bytes(acc))
+        accum = cfg.train.global_batch_sequences // (micro * world)
+        runtime["micro_batch_note"] = why
+    runtime.update(
+        micro_batch_sequences=micro,
+        micro_batch_policy=cfg.train.micro_batch_policy,
+        accumulation_steps=accum,
+        prefetch_batches=cfg.train.prefetch_batches,
+    )
+    return runtime, micro, accum
+
+
 def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
-    """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume (long:
-    each object is built once, in the order the next one needs: model before sharding before optimizer)."""
+    """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume; each
+    object is built once, in the order the next one needs: model before sharding before optimizer."""
     cfg, world = exp.config, acc.num_processes
     B, L, micro = cfg.train.global_batch_sequences, cfg.train.seq_len, cfg.train.micro_batch_sequences
     accum = grad_accum(cfg, world)  # a guard for callers that skip launch's check
@@ -349,19 +222,8 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     if cfg.train.hard_stop_tokens is not None:
         end_step = min(end_step, cfg.train.hard_stop_tokens // (B * L))
 
-    runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
-    sharding = runtime["sharding"] = sharding_mode(cfg.hardware, acc)
-    runtime.update(fsdp_record(acc))
-    if cfg.train.micro_batch_policy == "auto":
-        micro, why = choose_micro_batch(cfg, world, _device_memory_bytes(acc))
-        accum = B // (micro * world)
-        runtime["micro_batch_note"] = why
-    runtime.update(
-        micro_batch_sequences=micro,
-        micro_batch_policy=cfg.train.micro_batch_policy,
-        accumulation_steps=accum,
-        prefetch_batches=cfg.train.prefetch_batches,
-    )
+    runtime, micro, accum = _runtime(cfg, acc, micro, accum)
+    sharding = runtime["sharding"]
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -373,12 +235,8 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = make_optimizer(model, cfg, fused=bool(runtime.get("adamw_fused")))
     ledger = TokenLedger(data.samples, L)
-    checkpointer = Checkpointer(
-        run_dir,
-        cfg.train.checkpoint.interval_steps,
-        cfg.train.checkpoint.interval_minutes,
-        cfg.train.checkpoint.keep_last,
-        report=opts.report if acc.is_main_process else None,
+    checkpointer = Checkpointer.for_run(
+        run_dir, cfg.train.checkpoint, report=opts.report if acc.is_main_process else None
     )
     return _Run(
         exp=exp,
@@ -404,7 +262,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         resolved_config=exp.to_container(),
         sharding=sharding,
         experts=probe,
-        clock=step_clock(acc.device),
+        clock=RunClock(world, step_clock(acc.device)),
     )
 
 
@@ -412,10 +270,10 @@ def _resume(run: _Run) -> None:
     """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work (long:
     the checks that a checkpoint belongs to this run come before any state is loaded, in one place)."""
     acc, ledger, data = run.acc, run.ledger, run.data
-    run.info = run.folder.read()
-    fingerprints = {s["fingerprint"] for s in run.info.get("segments", [])} | {run.exp.fingerprint}
+    run.info = run.folder.record()
+    fingerprints = {s["fingerprint"] for s in run.info.segments} | {run.exp.fingerprint}
     ckpt = run.checkpointer.latest_valid(report=run.say)
-    check_same_checkpoint(_all_gather_ints(acc, ckpt.step if ckpt is not None else -1), run.folder.path)
+    check_same_checkpoint(all_gather_ints(acc, ckpt.step if ckpt is not None else -1), run.folder.path)
     if run.sharding == SHARD_RUNNER_CPU:
         run.optimizer = acc.prepare(run.optimizer)  # preparing the model would wrap it in DDP too
     else:
@@ -441,12 +299,7 @@ def _resume(run: _Run) -> None:
             run.experts.load_state_dict(ledger_state, str(ckpt.path))
         set_rng_state(ckpt.state["rng"])
         run.start_step = ckpt.step
-        run.step_seconds_total = float(ckpt.state.get("step_seconds_total", 0.0))
-        run.device_step_seconds_total = float(
-            ckpt.state.get(
-                "device_step_seconds_total", run.step_seconds_total * int(ckpt.state.get("world_size", run.world))
-            )
-        )
+        run.clock.load_state_dict(ckpt.state)
         run.say(f"resuming from {ckpt.path.name} (step {run.start_step})")
     acc.wait_for_everyone()
     if run.main:
@@ -454,34 +307,7 @@ def _resume(run: _Run) -> None:
         run.folder.repair_journal()
     acc.wait_for_everyone()
     # processed survives SIGKILL through the journal: work after the checkpoint was spent, then lost.
-    journal = run.folder.journal_entries()
-    run.attempt = 1 + max((int(e.get("attempt", 0)) for e in journal), default=0)
-    spent = {d: 0 for d in data.domains}
-    for e in journal:
-        for d, n in e.get("processed", {}).items():
-            spent[d] = spent.get(d, 0) + int(n)
-    _catch_up_processed(ledger, spent)
-    by_attempt: dict[int, tuple[float, int]] = {}
-    for e in journal:  # wall time of earlier attempts, crashed ones included (SPEC: wall basis)
-        a, world = int(e.get("attempt", 0)), int(e.get("world", run.world))  # journals before "world": this one's
-        by_attempt[a] = (max(by_attempt.get(a, (0.0, world))[0], float(e.get("wall_seconds", 0.0))), world)
-    run.prior_wall_seconds = sum(wall for wall, _ in by_attempt.values())
-    run.prior_device_wall_seconds = sum(wall * world for wall, world in by_attempt.values())
-    # Step time of work lost after the checkpoint was spent too: MFU divides processed tokens (lost
-    # ones included) by it, so it continues from the last micro batch the journal saw.
-    run.step_seconds_total = max([run.step_seconds_total] + [float(e.get("step_seconds_total", 0.0)) for e in journal])
-    run.device_step_seconds_total = max(
-        [run.device_step_seconds_total]
-        + [
-            float(
-                e.get(
-                    "device_step_seconds_total",
-                    float(e.get("step_seconds_total", 0.0)) * int(e.get("world", run.world)),
-                )
-            )
-            for e in journal
-        ]
-    )
+    _catch_up_processed(ledger, run.clock.replay(run.folder.journal_entries(), data.domains))
     run.runtime.update(ddp_compile_settings(run.model, run.cfg.model.compile))
     run.model = maybe_compile(run.model, run.cfg)
 
@@ -491,7 +317,7 @@ def _conventions(run: _Run, tracker) -> None:
     # MFU: recomputation never counted (SPEC); a mixture of experts counts active parameters.
     convention = replace(convention_for(run.cfg), recompute_counted=False)
     run.flops_per_token = flops_per_token(run.cfg, convention)
-    recorded = run.info.get("conventions") or {}
+    recorded = run.info.conventions or {}
     if str(recorded.get("peak_source", "")).startswith(("measured", "theoretical")):
         # A run keeps the CPU peak it found first: its MFU denominators never change across resumes.
         run.peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"], "cpu")
@@ -500,7 +326,7 @@ def _conventions(run: _Run, tracker) -> None:
     run.system = _system_metrics(run, tracker)
     busy_source = run.system.monitor.busy_source if run.system is not None else "not measured (interval 0)"
     conventions = {
-        **hardware.convention_record(convention, run.peak, run.world, "step", run.clock.basis),
+        **hardware.convention_record(convention, run.peak, run.world, "step", run.clock.step_clock.basis),
         **execution_record(run.runtime, busy_source),
     }
     hfu_fields: dict[str, Any] = {}
@@ -509,7 +335,7 @@ def _conventions(run: _Run, tracker) -> None:
         hfu_fields = {
             "hfu_flops_per_token": run.hfu_flops_per_token,
             "conventions_hfu": hardware.convention_record(
-                hfu_convention(convention), run.peak, run.world, "step", run.clock.basis
+                hfu_convention(convention), run.peak, run.world, "step", run.clock.step_clock.basis
             ),
         }
     if run.main:
@@ -521,31 +347,39 @@ def _conventions(run: _Run, tracker) -> None:
             world_size=run.world,
             devices=int(run.world),
             nodes=node_count(run.world),  # this attempt's nodes (torchrun's agents)
-            attempts=run.attempt,
+            attempts=run.clock.attempt,
             flops_per_token=run.flops_per_token,
             conventions_goodput=hardware.convention_record(convention, run.peak, run.world, "wall"),
             **hfu_fields,
         )
     run.tracker = tracker
-    run.callbacks = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
-    if run.main:  # end_step is the hard stop here (--max-steps applies later): the ETA names it
-        hard_stop = run.end_step if run.end_step < run.natural_end else None
-        run.callbacks.append(TrainingProgress(run.start_step, run.natural_end, hard_stop))
-    if run.system is not None:
-        run.callbacks.append(run.system)
-    sampler = samples_callback(run.exp, run.raw_model, run.acc, run.runtime, run.folder.path, tracker)
-    if sampler is not None:  # export.samples: every rank generates at each evaluation, rank 0 logs
-        run.callbacks.append(sampler)
+    run.callbacks = _callbacks(run, tracker)
     if tracker is not None:
-        run.callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
-        run.callbacks.append(TargetsCallback(tracker, run.cfg, run.folder.path, run.start_step, run.main))
         tracker.log_tags(
             {
                 **{f"mfu.{k}": v for k, v in conventions.items()},
-                "attempts": run.attempt,
+                "attempts": run.clock.attempt,
                 **{f"hfu.{k}": v for k, v in hfu_fields.get("conventions_hfu", {}).items()},
             }
         )
+
+
+def _callbacks(run: _Run, tracker: Tracker | None) -> list[Callback]:
+    """The callbacks of this attempt, in the order they see each step: metrics files, the caller's,
+    progress, system metrics, samples, MLflow and the quality targets."""
+    callbacks: list[Callback] = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
+    if run.main:  # end_step is the hard stop here (--max-steps applies later): the ETA names it
+        hard_stop = run.end_step if run.end_step < run.natural_end else None
+        callbacks.append(TrainingProgress(run.start_step, run.natural_end, hard_stop))
+    if run.system is not None:
+        callbacks.append(run.system)
+    sampler = samples_callback(run.exp, run.raw_model, run.acc, run.runtime, run.folder.path, tracker)
+    if sampler is not None:  # export.samples: every rank generates at each evaluation, rank 0 logs
+        callbacks.append(sampler)
+    if tracker is not None:
+        callbacks.append(TrackingCallback(tracker, run.cfg.train.log_interval_steps))
+        callbacks.append(TargetsCallback(tracker, run.cfg, run.folder.path, run.start_step, run.main))
+    return callbacks
 
 
 def _system_metrics(run: _Run, tracker: Tracker | None) -> SystemMetricsCallback | None:
@@ -572,7 +406,7 @@ def _train_step(run: _Run, step: int) -> _Step:
     host = run.batches.get(step)
     x, y, mask = (t.to(acc.device, non_blocking=run.pin) for t in host.tensors)
     # Useful targets per domain of the whole global batch: the loss divisor and the ledger's useful.
-    useful = _all_reduce(acc, host.useful.to(acc.device)).cpu() if run.world > 1 else host.useful
+    useful = all_reduce(acc, host.useful.to(acc.device)).cpu() if run.world > 1 else host.useful
     n_useful = float(useful.sum())
     lr = lr_at(step, run.cfg.optim, run.schedule_steps_at(step), run.warmup_steps)
     for group in run.optimizer.param_groups:
@@ -600,29 +434,12 @@ def _train_step(run: _Run, step: int) -> _Step:
             acc.backward(objective)
         loss_sum += summed.detach().double()
         run.ledger.record_processed(processed[m])
-        if run.journal_file is not None:
-            in_step = run.clock.now() - run.step_t0
-            run.journal_file.write(
-                json.dumps(
-                    {
-                        "attempt": run.attempt,
-                        "world": run.world,
-                        "step": step,
-                        "micro": m,
-                        "processed": processed[m],
-                        "wall_seconds": round(time.perf_counter() - run.t_attempt, 3),
-                        "step_seconds_total": round(run.step_seconds_total + in_step, 3),
-                        "device_step_seconds_total": round(run.device_step_seconds_total + in_step * run.world, 3),
-                    }
-                )
-                + "\n"
-            )
-            run.journal_file.flush()
+        run.clock.journal_micro(step, m, processed[m])
         if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
-    loss = float(_all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
+    loss = float(all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
     clip = run.cfg.optim.grad_clip
-    grad_norm = _scalar(acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
+    grad_norm = scalar(acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
     return _Step(
         loss=loss,
         grad_norm=grad_norm,
@@ -634,7 +451,7 @@ def _train_step(run: _Run, step: int) -> _Step:
 
 
 def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, counters: dict) -> dict:
-    wall_seconds = run.wall_seconds()
+    wall_seconds = run.clock.wall_seconds()
     tokens = run.global_batch * run.seq_len
     fpt, peak_tflops = run.flops_per_token, run.peak_tflops
     return {
@@ -651,38 +468,13 @@ def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, co
         "tokens_per_second": tokens / step_seconds,
         "tokens_per_second_useful": s.useful_tokens / step_seconds,
         "mfu": hardware.mfu(fpt, tokens, step_seconds, peak_tflops, run.world),
-        "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], run.device_wall_seconds(), peak_tflops, 1),
+        "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], run.clock.device_wall_seconds(), peak_tflops, 1),
         "exposure_tokens": int(counters["total"]["exposure"]),
         **(
             {"hfu": hardware.mfu(run.hfu_flops_per_token, tokens, step_seconds, peak_tflops, run.world)}
             if run.hfu_flops_per_token
             else {}
         ),
-    }
-
-
-def _checkpoint_state(run: _Run, step: int) -> dict:
-    cfg, tracker = run.cfg, run.tracker
-    segment_steps = run.schedule_steps_at(step)
-    # The resolved config rides along (as in OLMo-core) so an edited experiment.yaml can be diffed.
-    return {
-        "sampler_step": step,
-        "rng": rng_state(),
-        "fingerprint": run.exp.fingerprint,
-        "config": run.resolved_config,
-        "segment": len(run.info.get("segments", [])) - 1,
-        "attempt": run.attempt,
-        "scheduler": {
-            "schedule": cfg.optim.schedule,
-            "schedule_steps": run.schedule_steps,
-            "warmup_steps": run.warmup_steps,
-            "segment_schedule_steps": segment_steps,
-            "next_lr": lr_at(step, cfg.optim, segment_steps, run.warmup_steps),
-        },
-        "mlflow_run_id": tracker.run_id if tracker is not None else None,
-        "step_seconds_total": run.step_seconds_total,
-        "device_step_seconds_total": run.device_step_seconds_total,
-        "world_size": run.world,
     }
 
 
@@ -710,52 +502,31 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
     # No checkpoint rests on a shard that differs from its pin: every rank waits for its node's hashing.
     # Except a preemption's: its grace period may be shorter than the hashing, and losing the work is
     # worse; the resumed launch verifies again (unfinished shards are not cached) before its next one.
-    failed = _all_reduce(run.acc, torch.tensor([_data_failed(run, wait=wait_for_data)], device=run.acc.device))
+    failed = all_reduce(run.acc, torch.tensor([_data_failed(run, wait=wait_for_data)], device=run.acc.device))
     if failed.item() > 0:
         _raise_data_failure(run)
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
-    t_checkpoint = time.perf_counter()
+    started = time.perf_counter()
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
-        ledger_state = run.ledger.state_dict() | (run.experts.state_dict() if run.experts is not None else {})
-        run.checkpointer.save(
-            step,
-            model_state,
-            optimizer_state,
-            ledger_state,
-            _checkpoint_state(run, step),
-            tied=tied_parameters(run.raw_model),
-        )
-        write_ledger_json(run.folder.path, run.ledger)
-        if run.experts is not None:
-            run.experts.load.write_json(run.folder.path, step)
-        run.folder.update(
-            committed_steps=step,
-            step_seconds_total=run.step_seconds_total,
-            device_step_seconds_total=run.device_step_seconds_total,
-            wall_seconds=run.wall_seconds(),
-            device_wall_seconds=run.device_wall_seconds(),
-            checkpoints=_checkpoint_times(run, step, time.perf_counter() - t_checkpoint),
-        )
+        saved = Gathered(step, model_state, optimizer_state, started)
+        for record in run.opts.records:  # checkpoint files, ledger.json, run.json (runner.training.records)
+            record.at_checkpoint(run, saved)
     run.acc.wait_for_everyone()
     run.last_saved = step
 
 
-def _checkpoint_times(run: _Run, step: int, seconds: float) -> list[dict]:
-    """run.json `checkpoints`: every checkpoint any attempt wrote, with its t_checkpoint (gather and
-    write, while training waited: the wall-clock formula's t_checkpoint is their sum)."""
-    earlier = list(run.folder.read().get("checkpoints") or [])
-    return earlier + [{"step": step, "attempt": run.attempt, "t_checkpoint": round(seconds, 6)}]
-
-
 def _evaluate(run: _Run, step: int) -> None:
+    """Per-domain validation loss at `step` (none without validation shards), stamped and handed on."""
+    if run.data.val_reader is None:
+        return
     total = run.ledger.counters()["total"]
     with attention_context(run.runtime):
         rows = evaluate.evaluate(
             run.raw_model, run.data, run.acc, run.cfg.eval.micro_batch_sequences, step, int(total["exposure"])
         )
     # Where the run stood when this evaluation ended: time-to-target is recounted from these (SPEC).
-    wall, device_wall = run.journal_time()
+    wall, device_wall = run.clock.journal_time()
     stamp = {"useful_tokens": int(total["useful"]), "wall_seconds": wall, "device_wall_seconds": device_wall}
     rows = [{**r, **stamp} for r in rows]
     for cb in run.callbacks:
@@ -778,103 +549,126 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
 
 
 def _attempt(run: _Run, tracker) -> int:
-    """One attempt's loop, from the resumed step to the end (or a stop). Long because commit, evaluate,
-    checkpoint and stop decisions are made in one place, in the order the ledger requires."""
-    acc, opts = run.acc, run.opts
+    """One attempt's loop, from the resumed step to the end (or a stop): train a step, commit it,
+    evaluate, then the checkpoint and stop decisions, in the order the ledger requires."""
     _conventions(run, tracker)
+    flag = _start_attempt(run, tracker)
+    exit_code = EXIT_OK
+    try:
+        run.model.train()
+        for step in range(run.start_step, run.end_step):
+            run.clock.begin_step()
+            s = _train_step(run, step)
+            if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
+                _stop_nonfinite(run, step, s)
+                exit_code = EXIT_NONFINITE
+                break
+            committed = _commit(run, step, s)
+            if run.cfg.eval.interval_steps and committed % run.cfg.eval.interval_steps == 0:
+                _evaluate(run, committed)
+            downstream.at_step(run, committed)  # at eval.downstream_interval_steps and the segment's last step
+            if _checkpoint_or_stop(run, committed, flag) == EXIT_PREEMPTED:
+                exit_code = EXIT_PREEMPTED
+                break
+        else:
+            if run.last_eval != run.end_step:
+                _evaluate(run, run.end_step)
+            if run.last_saved != run.end_step:
+                _save(run, run.end_step)
+    finally:
+        _end_attempt(run, flag)
+    _finish(run, exit_code)
+    return exit_code
+
+
+def _start_attempt(run: _Run, tracker) -> _StopFlag:
+    """MLflow started, the stop signals caught, the journal opened and the batches prefetched."""
     if tracker is not None:
         # MLflow's start-up (import, a new store's tables, the run) before the first step, not
         # during the first steps: on the delivery thread it holds the GIL for seconds.
         tracker.flush(timeout=START_WAIT_SECONDS)
     flag = _StopFlag()
-    old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
-    run.journal_file = open(run.folder.journal_path(), "a") if run.main else None
-    run.t_attempt = time.perf_counter()
-    eval_every = run.cfg.eval.interval_steps
+    flag.old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
+    run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None)
     run.last_saved = run.last_eval = run.start_step
-    if opts.max_steps is not None:
-        run.end_step = min(run.end_step, run.start_step + int(opts.max_steps))
+    if run.opts.max_steps is not None:
+        run.end_step = min(run.end_step, run.start_step + int(run.opts.max_steps))
     run.batches = Prefetcher(
-        lambda step: _read_step(run, step), run.start_step, run.end_step, run.cfg.train.prefetch_batches
+        lambda step: read_step(run.data, step, run.world, run.accum, run.micro, run.rank, run.pin),
+        run.start_step,
+        run.end_step,
+        run.cfg.train.prefetch_batches,
+    )
+    return flag
+
+
+def _end_attempt(run: _Run, flag: _StopFlag) -> None:
+    assert run.batches is not None
+    run.batches.close()
+    for sig, handler in flag.old_handlers.items():
+        signal.signal(sig, handler)
+    run.clock.end_attempt()  # the attempt's whole wall, for the next resume (a kill loses only the tail)
+
+
+def _stop_nonfinite(run: _Run, step: int, s: _Step) -> None:
+    run.optimizer.zero_grad(set_to_none=True)
+    candidates = run.checkpointer.candidates()
+    run.say(
+        f"non-finite loss at step {step + 1} (loss={s.loss}, grad_norm={s.grad_norm}); stopped, "
+        f"step not committed; last good checkpoint: {candidates[0].name if candidates else 'none'}"
     )
 
+
+def _commit(run: _Run, step: int, s: _Step) -> int:
+    """The optimizer step and the ledger's commit, the invariants checked, the step record handed to
+    the callbacks. Returns the committed step count."""
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.ledger.commit(s.global_pairs, s.useful)
+    step_experts = run.experts.commit(run.acc) if run.experts is not None else {}
+    committed = step + 1
+    step_seconds = run.clock.end_step()  # the device's clock: the optimizer's kernels done
+    # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
     mix = run.cfg.mixture.domains
     ratios = {d: mix[d].target_ratio for d in run.data.domains}
     caps = {d: mix[d].max_repetition_ratio for d in run.data.domains}
-    exit_code = EXIT_OK
-    try:
-        run.model.train()
-        for step in range(run.start_step, run.end_step):
-            t0 = run.step_t0 = run.clock.now()
-            s = _train_step(run, step)
-            if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
-                run.optimizer.zero_grad(set_to_none=True)
-                candidates = run.checkpointer.candidates()
-                run.say(
-                    f"non-finite loss at step {step + 1} (loss={s.loss}, grad_norm={s.grad_norm}); stopped, "
-                    f"step not committed; last good checkpoint: {candidates[0].name if candidates else 'none'}"
-                )
-                exit_code = EXIT_NONFINITE
-                break
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            run.ledger.commit(s.global_pairs, s.useful)
-            step_experts = run.experts.commit(acc) if run.experts is not None else {}
-            committed = step + 1
-            step_seconds = run.clock.seconds_since(t0)  # the device's clock: the optimizer's kernels done
-            run.step_seconds_total += step_seconds
-            run.device_step_seconds_total += step_seconds * run.world
-            # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
-            broken = run.ledger.check_invariants(run.global_batch, run.seq_len, committed, ratios, caps)
-            if broken:
-                raise RuntimeError(f"token accounting broke at step {committed}: " + "; ".join(broken))
-            counters = run.ledger.counters()
-            if run.experts is not None:  # SPEC: per layer and domain, routed = exposure x k
-                broken = run.experts.load.broken_invariant({d: counters[d]["exposure"] for d in run.data.domains})
-                if broken:
-                    raise RuntimeError(f"expert load broke at step {committed}: " + "; ".join(broken[:4]))
-            record = _metrics_record(run, committed, s, step_seconds, counters) | step_experts
-            for cb in run.callbacks:
-                cb.on_step(record, counters, run.ledger.realized_ratios())
-            if eval_every and committed % eval_every == 0 and run.data.val_reader is not None:
-                _evaluate(run, committed)
-            downstream.at_step(run, committed)  # at eval.downstream_interval_steps and the segment's last step
-            # Minutes-based intervals differ per rank's clock: rank 0 decides for all.
-            due = torch.tensor(
-                [
-                    float(run.checkpointer.due(committed)) if run.main else 0.0,
-                    float(flag.signum is not None),
-                    _data_failed(run, wait=False),
-                ],
-                device=acc.device,
-            )
-            due = _all_reduce(acc, due)
-            if due[2] > 0:
-                _raise_data_failure(run)
-            if due[1] > 0:
-                _save(run, committed, wait_for_data=False)
-                run.say(
-                    f"stopped by signal at step {committed}; checkpoint saved, resume with "
-                    f"`runner launch {run.folder.path}`"
-                )
-                exit_code = EXIT_PREEMPTED
-                break
-            if due[0] > 0 and committed < run.end_step:
-                _save(run, committed)
-        else:
-            if run.data.val_reader is not None and run.last_eval != run.end_step:
-                _evaluate(run, run.end_step)
-            if run.last_saved != run.end_step:
-                _save(run, run.end_step)
-    finally:
-        run.batches.close()
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
-        run.journal_time()  # the attempt's whole wall, for the next resume (a kill loses only the tail)
-        if run.journal_file is not None:
-            run.journal_file.close()
-    _finish(run, exit_code)
-    return exit_code
+    broken = run.ledger.check_invariants(run.global_batch, run.seq_len, committed, ratios, caps)
+    if broken:
+        raise RuntimeError(f"token accounting broke at step {committed}: " + "; ".join(broken))
+    counters = run.ledger.counters()
+    if run.experts is not None:  # SPEC: per layer and domain, routed = exposure x k
+        broken = run.experts.load.broken_invariant({d: counters[d]["exposure"] for d in run.data.domains})
+        if broken:
+            raise RuntimeError(f"expert load broke at step {committed}: " + "; ".join(broken[:4]))
+    record = _metrics_record(run, committed, s, step_seconds, counters) | step_experts
+    for cb in run.callbacks:
+        cb.on_step(record, counters, run.ledger.realized_ratios())
+    return committed
+
+
+def _checkpoint_or_stop(run: _Run, committed: int, flag: _StopFlag) -> int:
+    """Save when the checkpointer's interval is due, stop (saving) on a signal, fail on a shard that
+    differs from its pin. Minutes-based intervals differ per rank's clock: rank 0 decides for all."""
+    due = torch.tensor(
+        [
+            float(run.checkpointer.due(committed)) if run.main else 0.0,
+            float(flag.signum is not None),
+            _data_failed(run, wait=False),
+        ],
+        device=run.acc.device,
+    )
+    due = all_reduce(run.acc, due)
+    if due[2] > 0:
+        _raise_data_failure(run)
+    if due[1] > 0:
+        _save(run, committed, wait_for_data=False)
+        run.say(
+            f"stopped by signal at step {committed}; checkpoint saved, resume with `runner launch {run.folder.path}`"
+        )
+        return EXIT_PREEMPTED
+    if due[0] > 0 and committed < run.end_step:
+        _save(run, committed)
+    return EXIT_OK
 
 
 def _finish(run: _Run, exit_code: int) -> None:
@@ -883,7 +677,8 @@ def _finish(run: _Run, exit_code: int) -> None:
     if exit_code == EXIT_NONFINITE:
         committed = _rollback_to_last_checkpoint(run)
     counters = run.ledger.counters()
-    wall_seconds, device_wall_seconds = run.wall_seconds(), run.device_wall_seconds()
+    clock = run.clock
+    wall_seconds, device_wall_seconds = clock.wall_seconds(), clock.device_wall_seconds()
     useful_total = int(counters["total"]["useful"])
     finished = exit_code == EXIT_OK and run.last_saved == run.natural_end
     status = {EXIT_NONFINITE: "failed", EXIT_PREEMPTED: "preempted"}.get(
@@ -892,39 +687,34 @@ def _finish(run: _Run, exit_code: int) -> None:
     summary = {
         "committed_steps": committed,
         "wall_seconds": wall_seconds,
-        "step_seconds_total": run.step_seconds_total,
+        "step_seconds_total": clock.step_seconds_total,
         "device_wall_seconds": device_wall_seconds,
-        "device_step_seconds_total": run.device_step_seconds_total,
+        "device_step_seconds_total": clock.device_step_seconds_total,
         "exposure_tokens": int(counters["total"]["exposure"]),
         "useful_tokens": useful_total,
         "processed_tokens": int(counters["total"]["processed"]),
         "lost_tokens": int(counters["total"]["lost"]),
     }
     fpt, peak_tflops = run.flops_per_token, run.peak_tflops
-    if useful_total and run.step_seconds_total:
-        # Device-seconds (time x devices held, summed over attempts): a run resumed on another world
-        # size is measured against what each attempt held. Same as seconds x devices otherwise.
-        summary["mfu"] = hardware.mfu(
-            fpt, counters["total"]["processed"], run.device_step_seconds_total, peak_tflops, 1
-        )
-        summary["goodput_mfu"] = hardware.mfu(fpt, useful_total, device_wall_seconds, peak_tflops, 1)
-        if run.hfu_flops_per_token:
-            summary["hfu"] = hardware.mfu(
-                run.hfu_flops_per_token, counters["total"]["processed"], run.device_step_seconds_total, peak_tflops, 1
-            )
-        summary["cost_per_billion_useful_tokens"] = hardware.cost_per_billion_useful_tokens(
-            1, run.cfg.hardware.price_per_device_hour_usd, device_wall_seconds, useful_total
-        )
+    if useful_total and clock.step_seconds_total:
+        summary |= hardware.run_efficiency(
+            fpt,
+            run.hfu_flops_per_token or None,
+            counters["total"]["processed"],
+            useful_total,
+            clock.device_step_seconds_total,
+            device_wall_seconds,
+            peak_tflops,
+            run.cfg.hardware.price_per_device_hour_usd,
+        ).to_dict()
     system = None
     if run.system is not None:
         system = close_and_summarize(run.system, run.acc.wait_for_everyone, run.main)
     if system is not None and system["device_busy"] is not None:
         summary["device_busy"] = system["device_busy"]
     if run.main:
-        write_ledger_json(run.folder.path, run.ledger)
-        if run.experts is not None:
-            run.experts.load.write_json(run.folder.path, committed)
-        run.folder.update(status=status, **summary, **({"system": system} if system is not None else {}))
+        for record in run.opts.records:  # ledger.json, run.json (runner.training.records)
+            record.at_end(run, committed, status, summary, system)
     ratios = run.ledger.realized_ratios()
     for cb in run.callbacks:
         cb.on_end(summary, counters, ratios)

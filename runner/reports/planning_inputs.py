@@ -1,0 +1,227 @@
+"""What planning reads from runs and reports: a pilot run's scaling-law point (N, D, final loss)
+and a calibration run's measured throughput. Planning itself is arithmetic over the numbers these
+hand it (runner.planning.scaling fits Points, runner.planning.plan uses a Calibration); it never
+reads a run folder.
+Never: fits, plans, trains or edits a run folder.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from runner.config.load import load_saved_experiment
+from runner.config.rules import devices
+from runner.config.schema import ExperimentSchema
+from runner.errors import RunnerError
+from runner.fsio import read_json, read_jsonl
+from runner.planning import hardware
+from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
+from runner.planning.plan import Calibration, architecture, as_schema
+from runner.planning.scaling import Point
+from runner.training.runjson import RunJson
+
+
+# ---------------------------------------------------------------- pilot points
+def read_report_point(report_dir: Path) -> Point:
+    """A point from a report folder: run_summary.parquet (N, D) and validation.parquet (final loss)."""
+    table = _report_table(report_dir / "run_summary.parquet", ("params_counted", "params", "exposure_tokens"))
+    if table.empty:
+        raise RunnerError("no row", file=str(report_dir / "run_summary.parquet"))
+    summary = table.iloc[0]
+    if summary.get("params_counted") not in ("non_embedding", "active"):
+        raise RunnerError(
+            f"run_summary counts {summary.get('params_counted')!r} params; the fit needs "
+            "non-embedding N: pass the run folder instead",
+            file=str(report_dir),
+        )
+    validation = _report_table(report_dir / "validation.parquet", ("step", "domain", "loss_nats", "bpb"))
+    if validation.empty:
+        raise RunnerError("no evaluation recorded", file=str(report_dir / "validation.parquet"))
+    final = validation[validation["step"] == validation["step"].max()]
+    losses = {str(d): float(v) for d, v in zip(final["domain"], final["loss_nats"])}
+    name = str(summary.get("run_id") or report_dir.name)
+    return Point(
+        name,
+        float(summary["params"]),
+        float(summary["exposure_tokens"]),
+        float(np.mean(list(losses.values()))),
+        losses,
+        str(summary.get("experiment") or ""),
+        {str(d): float(v) for d, v in zip(final["domain"], final["bpb"])},
+        {str(d): int(v) for d, v in zip(final["domain"], final["tokens"])} if "tokens" in final else {},
+    )
+
+
+_NUMERIC = ("params", "exposure_tokens", "step", "loss_nats", "bpb", "tokens")
+
+
+def _report_table(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
+    """A report table the fit reads, with the columns it needs (numbers where numbers are meant), or
+    one line naming the file and the column."""
+    try:
+        df = pd.read_parquet(path)
+    except FileNotFoundError:
+        raise RunnerError("missing table", file=str(path)) from None
+    except Exception as err:  # pyarrow raises several types for a corrupt file
+        raise RunnerError(
+            f"unreadable parquet: {str(err).splitlines()[0][:160] if str(err) else err!r}", file=str(path)
+        ) from None
+    for col in columns:
+        if col not in df.columns:
+            raise RunnerError("column missing (rebuild the report: `runner report RUN`)", file=str(path), key=col)
+    for col in (c for c in _NUMERIC if c in df.columns):
+        if not pd.api.types.is_numeric_dtype(df[col]):
+            raise RunnerError(f"must hold numbers, holds {df[col].dtype}", file=str(path), key=col)
+    return df
+
+
+def _eval_rows(path: Path) -> list[dict]:
+    """metrics/eval.jsonl's rows, each with the keys the fit reads (one line naming the row and key otherwise)."""
+    rows = read_jsonl(path)
+    for n, r in enumerate(rows, 1):
+        if not isinstance(r, dict):
+            raise RunnerError(f"line {n}: not a JSON object", file=str(path))
+        for key in ("step", "domain", "loss_nats"):
+            if key not in r:
+                raise RunnerError(f"line {n}: missing", file=str(path), key=key)
+        for key in ("step", "loss_nats", "bpb", "tokens"):
+            if key in r and (isinstance(r[key], bool) or not isinstance(r[key], (int, float))):
+                raise RunnerError(f"line {n}: must be a number, got {str(r[key])[:40]!r}", file=str(path), key=key)
+    return rows
+
+
+def read_point(run_dir: str | Path) -> Point:
+    """A point from a run folder: experiment.yaml (N), ledger.json / run.json (D), metrics/eval.jsonl
+    (loss); or from a report folder (run_summary.parquet), or a run folder holding only report/."""
+    run_dir = Path(run_dir)
+    if (run_dir / "run_summary.parquet").exists():
+        return read_report_point(run_dir)
+    if not (run_dir / "experiment.yaml").exists() and (run_dir / "report" / "run_summary.parquet").exists():
+        return read_report_point(run_dir / "report")
+    exp = run_dir / "experiment.yaml"
+    evals = run_dir / "metrics" / "eval.jsonl"
+    for needed in (exp, evals):
+        if not needed.exists():
+            raise RunnerError(f"missing {needed.relative_to(run_dir)}: not a finished run folder", file=str(run_dir))
+    cfg = load_saved_experiment(exp).config
+    params = params_of_config(cfg).non_embedding
+    tokens = _exposure_tokens(run_dir, cfg)
+    rows = _eval_rows(evals)
+    if not rows:
+        raise RunnerError("no evaluation recorded", file=str(evals))
+    last_step = max(int(r["step"]) for r in rows)
+    last = {r["domain"]: r for r in rows if int(r["step"]) == last_step}
+    final = {d: float(r["loss_nats"]) for d, r in last.items()}
+    if not final:
+        raise RunnerError("no per-domain loss at the final evaluation", file=str(evals))
+    loss = float(np.mean(list(final.values())))
+    if not math.isfinite(loss):
+        raise RunnerError(f"final validation loss is {loss}", file=str(evals))
+    bpb = {d: float(r["bpb"]) for d, r in last.items() if "bpb" in r}
+    weights = {d: int(r["tokens"]) for d, r in last.items() if "tokens" in r}
+    return Point(run_dir.name, float(params), float(tokens), loss, final, cfg.name, bpb, weights)
+
+
+def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
+    """Run folders from what a user types: a run folder as is, and `runs/EXPERIMENT` (the folder
+    `runner launch` puts an experiment's runs in) as every finished run inside it."""
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise RunnerError("no such run folder", file=str(path))
+        if (
+            (path / "experiment.yaml").exists()
+            or (path / "run_summary.parquet").exists()
+            or (path / "report" / "run_summary.parquet").exists()
+        ):
+            out.append(path)
+            continue
+        inner = sorted(p for p in path.iterdir() if p.is_dir() and (p / "metrics" / "eval.jsonl").exists())
+        if not inner:
+            raise RunnerError(
+                "neither a finished run folder (experiment.yaml, metrics/eval.jsonl) nor a folder "
+                "of runs (runs/EXPERIMENT)",
+                file=str(path),
+            )
+        out.extend(inner)
+    return out
+
+
+def _exposure_tokens(run_dir: Path, cfg: ExperimentSchema) -> float:
+    ledger = run_dir / "ledger.json"
+    if ledger.exists():
+        data = read_json(ledger)
+        total = (data.get("counters") or {}).get("total") or {}
+        if total.get("exposure"):
+            return float(total["exposure"])
+    run_json = run_dir / "run.json"
+    if run_json.exists():
+        steps = read_json(run_json).get("committed_steps")
+        if steps:
+            return float(steps * cfg.train.global_batch_sequences * cfg.train.seq_len)
+    raise RunnerError(
+        "no exposure tokens: neither ledger.json counters.total.exposure nor run.json committed_steps",
+        file=str(run_dir),
+    )
+
+
+# ---------------------------------------------------------------- calibration
+def read_calibration(
+    run_dir: str | Path, cfg: ExperimentSchema | Mapping[str, Any], convention: Convention | None = None
+) -> Calibration:
+    """Measured throughput (median tokens_per_second after the first step), overheads
+    (wall / sum of step time - 1) and useful fraction of a run folder. The MFU is under
+    `convention`, by default the one a run of `cfg` records (flops.convention_for)."""
+    run_dir = Path(run_dir)
+    cfg = as_schema(cfg)
+    convention = convention or convention_for(cfg)
+    metrics = run_dir / "metrics" / "train.jsonl"
+    if not metrics.exists():
+        raise RunnerError("no metrics/train.jsonl: not a run folder, or it has not logged a step", file=str(run_dir))
+    rows = [r for r in read_jsonl(metrics) if r.get("tokens_per_second")]
+    if not rows:
+        raise RunnerError("no step with tokens_per_second", file=str(metrics))
+    # The first step pays for compilation and warm-up; it counts as overhead, not throughput.
+    steady = rows[1:] or rows
+    tps = statistics.median(float(r["tokens_per_second"]) for r in steady)
+    step_total = sum(float(r.get("step_seconds") or 0) for r in rows)
+    walls = [float(r["wall_seconds"]) for r in rows if r.get("wall_seconds") is not None]
+    # wall_seconds is elapsed since the run started (non-decreasing); per-step values are summed.
+    wall = (walls[-1] if all(b >= a for a, b in zip(walls, walls[1:])) else sum(walls)) if walls else step_total
+    overhead = max(0.0, wall / step_total - 1.0) if step_total > 0 else 0.0
+    last = rows[-1]
+    useful_fraction = 1.0
+    if last.get("tokens_useful") and last.get("tokens_processed"):
+        useful_fraction = float(last["tokens_useful"]) / float(last["tokens_processed"])
+
+    exp_file = run_dir / "experiment.yaml"
+    run_cfg = load_saved_experiment(exp_file).config if exp_file.exists() else cfg
+    same = run_cfg is cfg or (
+        run_cfg.model == cfg.model and run_cfg.hardware == cfg.hardware and run_cfg.train.seq_len == cfg.train.seq_len
+    )
+    note = ""
+    if run_cfg is cfg:
+        note = "run folder has no experiment.yaml: assumed to be this experiment"
+    elif not same:
+        note = "calibration run differs in model/hardware/seq_len: its MFU is carried over, not its tokens/s"
+    mfu_value = None
+    run_info = RunJson.from_dict(read_json(run_dir / "run.json") if (run_dir / "run.json").exists() else {})
+    conventions = run_info.conventions or {}
+    # The devices that ran the measured steps (rows record them; a launcher may differ from the recipe).
+    held = [int(r["devices"]) for r in steady if r.get("devices")]
+    n_devices = int(statistics.median_low(held)) if held else int(run_info.devices or devices(run_cfg))
+    try:
+        peak = float(conventions.get("peak_tflops") or hardware.resolve_peak(run_cfg.hardware).peak_tflops)
+        mfu_value = hardware.mfu(flops_per_token(run_cfg, convention), tps, 1.0, peak, n_devices)
+    except RunnerError as e:
+        note = (note + "; " if note else "") + f"MFU not derivable: {e}"
+    arch = architecture(run_cfg)
+    return Calibration(str(run_dir), len(rows), tps, useful_fraction, overhead, mfu_value, same, note, arch)

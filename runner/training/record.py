@@ -1,0 +1,88 @@
+"""Reading back what a run recorded: the devices it held, its MFU convention and its times
+(runner.reports.tables, runner.reports.audit and the model card read a run through these), and
+the manifest copies of a run or a report. Never writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.config.rules import devices
+from runner.config.schema import ExperimentSchema
+from runner.errors import RunnerError
+from runner.fsio import read_json
+from runner.planning.flops import Convention
+from runner.training.clock import device_seconds_or, recorded_times
+from runner.training.runjson import RunJson, as_record
+
+# ---- reading what a run recorded ----------------------------------------------------------------
+
+
+def read_manifest_copies(folder: Path, domains: list[str]) -> dict[str, dict]:
+    """The manifest JSON of each domain from `folder/<domain>.json` (a run's or a report's copies;
+    shards not needed)."""
+    out = {}
+    for d in domains:
+        out[d] = read_json(folder / f"{d}.json")
+        if not isinstance(out[d], dict) or "pool_tokens" not in out[d]:
+            raise RunnerError("pool_tokens: missing", file=str(folder / f"{d}.json"))
+    return out
+
+
+def devices_held(run: RunJson | dict, cfg: ExperimentSchema) -> int:
+    """Devices the run held: run.json `devices` (the trainer's world size), else
+    conventions.devices_counted, else the hardware recipe (runs recorded before either existed).
+
+    The recipe is only a last resort because a launcher (torchrun --nproc-per-node) can start more
+    processes than the recipe names, and MFU and cost are over what was held.
+    """
+    rec = as_record(run)
+    if rec.devices is not None:
+        return int(rec.devices)
+    recorded = (rec.conventions or {}).get("devices_counted")
+    if recorded is not None:
+        return int(recorded)
+    return devices(cfg)
+
+
+def conventions_of(run: RunJson | dict, cfg: ExperimentSchema) -> dict:
+    """The MFU convention record: run.json's `conventions`, peak fields defaulting to the hardware
+    recipe and devices_counted to the devices held."""
+    run = as_record(run)
+    recorded = dict(run.conventions or {})
+    conv = Convention.from_dict(recorded).to_dict()
+    hw = cfg.hardware
+    conv["peak_tflops"] = recorded.get("peak_tflops", hw.peak_tflops)
+    conv["peak_dtype"] = recorded.get("peak_dtype", hw.peak_dtype)
+    conv["peak_source"] = recorded.get("peak_source", hw.peak_source)
+    conv["devices_counted"] = int(recorded.get("devices_counted", devices_held(run, cfg)))
+    conv["time_basis"] = recorded.get("time_basis", "step")
+    if conv["time_basis"] == "step":  # runs before issue 28 read step time when the host had queued it
+        conv["step_clock"] = recorded.get("step_clock", "host")
+    if conv["peak_tflops"] is None:
+        raise RunnerError(
+            "no peak_tflops recorded in run.json conventions or hardware recipe", key="conventions.peak_tflops"
+        )
+    return conv
+
+
+def device_seconds(
+    run: RunJson | dict, cfg: ExperimentSchema, wall_seconds: float, step_seconds_total: float
+) -> tuple[float, float]:
+    """(device_wall_seconds, device_step_seconds): time x devices held, summed over attempts.
+
+    run.json's figures when recorded (the trainer sums each attempt with its own world size),
+    else the seconds x the devices held (runs recorded before; one world size throughout)."""
+    rec = as_record(run)
+    held = devices_held(rec, cfg)
+    return (
+        device_seconds_or(rec.device_wall_seconds, wall_seconds, held),
+        device_seconds_or(rec.device_step_seconds_total, step_seconds_total, held),
+    )
+
+
+def run_times(run: RunJson | dict, train_rows: list[dict]) -> tuple[float, float]:
+    """(wall_seconds, step_seconds_total): run.json's totals when recorded, else from train.jsonl
+    (runner.training.clock.recorded_times)."""
+    times = recorded_times(run, 1, train_rows)
+    return times.wall_seconds, times.step_seconds_total

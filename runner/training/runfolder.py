@@ -1,0 +1,277 @@
+"""Run folders: creating one, its run.json and journal, refusing a different experiment, and
+extending a finished run as a new segment.
+
+Owns the lifecycle records of a run folder (experiment.yaml, fingerprint.txt, run.json segments,
+manifest copies, ledger.json) and the one way to write them. Reading back what a run recorded
+(devices held, MFU convention, times) is runner.training.record; the lock is runner.training.runlock.
+Never trains, tracks or builds a report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from runner.config.fingerprint import canonical_meaning, diff_keys
+from runner.config.load import Experiment, experiment_from_dict, find_project_root, load_saved_experiment, to_yaml
+from runner.config.rules import check_targets, global_batch_tokens, max_duration_tokens
+from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
+from runner.errors import Problems, RunnerError
+from runner.fsio import atomic_write_json, read_json, read_jsonl, repair_jsonl_tail
+from runner.training.ledger import TokenLedger
+from runner.training.runjson import RunJson, check_fields
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _segment(index: int, start_step: int, exp: Experiment) -> dict:
+    """run.json's record of one segment: the budget and fingerprint the run trains under from `start_step`."""
+    return {
+        "index": index,
+        "start_step": start_step,
+        "max_duration_tokens": max_duration_tokens(exp.config),
+        "exposure_tokens": exp.config.train.exposure_tokens,
+        "fingerprint": exp.fingerprint,
+        "started_at": _now(),
+    }
+
+
+# ---- run folders --------------------------------------------------------------------------------
+
+
+# run.json is updated read-modify-write by the training thread and by MLflow's delivery thread
+# (which records the MLflow run id when it creates the run): one update at a time per process.
+_RUN_JSON_LOCK = threading.Lock()
+
+
+class RunFolder:
+    """run.json and the journal of one run folder (DESIGN.md layout). Only rank 0 writes."""
+
+    def __init__(self, path: Path, writer: bool = True):
+        self.path = Path(path)
+        self.writer = writer
+
+    @property
+    def run_json(self) -> Path:
+        return self.path / "run.json"
+
+    def read(self) -> dict:
+        return read_json(self.run_json)
+
+    def record(self) -> RunJson:
+        """run.json, typed (runner.training.runjson: older formats' defaults filled in)."""
+        return RunJson.from_dict(self.read(), file=str(self.run_json))
+
+    def update(self, **fields) -> dict:
+        """The one writer of run.json: `fields` (each one RunJson names) merged into what it holds."""
+        check_fields(fields, str(self.run_json))
+        with _RUN_JSON_LOCK:
+            info = self.read()
+            info.update(fields)
+            if self.writer:
+                atomic_write_json(self.run_json, info)
+        return info
+
+    @contextlib.contextmanager
+    def failed_on_error(self):
+        """Around one attempt: any exception out of it leaves run.json `status: failed` with the
+        error's first line (an interrupt: `preempted`), never `running`; a full disk becomes one
+        RunnerError line, since what was written before it (checkpoints, journal) stays usable."""
+        if self.writer and self.run_json.exists() and "error" in (info := self.read()):
+            info.pop("error")  # an earlier attempt's: this one starts clean
+            atomic_write_json(self.run_json, info)
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                self._mark("failed", e)
+                raise
+            err = RunnerError(
+                f"{e.strerror}; the checkpoints written before it are intact: free some space and resume "
+                f"with `runner launch {self.path}`",
+                file=e.filename or str(self.path),
+            )
+            self._mark("failed", err)
+            raise err from None
+        except KeyboardInterrupt as e:
+            self._mark("preempted", e)
+            raise
+        except Exception as e:
+            self._mark("failed", e)
+            raise
+
+    def _mark(self, status: str, error: BaseException) -> None:
+        if not self.writer or not self.run_json.exists():
+            return
+        line = (str(error).splitlines() or [""])[0]
+        try:
+            self.update(status=status, error=f"{type(error).__name__}: {line}" if line else type(error).__name__)
+        except (OSError, RunnerError):
+            return  # the disk that failed the run may refuse this too; the error itself still surfaces
+
+    def journal_path(self) -> Path:
+        return self.path / "journal" / "processed.jsonl"
+
+    def journal_entries(self) -> list[dict]:
+        # A line torn by a kill mid-write is skipped; repair_journal drops it before appending.
+        return read_jsonl(self.journal_path(), skip_torn=True)
+
+    def repair_journal(self) -> None:
+        if self.writer:
+            repair_jsonl_tail(self.journal_path())
+
+
+def write_ledger_json(run_dir: Path, ledger: TokenLedger) -> None:
+    """ledger.json: counters, repetition histogram and realized ratios (plain JSON for report/audit)."""
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {str(k): plain(v) for k, v in x.items()}
+        if isinstance(x, (np.integer,)):
+            return int(x)
+        if isinstance(x, (np.floating,)):
+            return float(x)
+        return x
+
+    atomic_write_json(
+        Path(run_dir) / "ledger.json",
+        {
+            "counters": plain(ledger.counters()),
+            "histogram": plain(ledger.histogram()),
+            "realized_ratios": plain(ledger.realized_ratios()),
+        },
+    )
+
+
+def is_run_dir(path: Path) -> bool:
+    """A run folder `runner launch` can resume: run.json and the experiment it trains."""
+    return (Path(path) / "run.json").exists() and (Path(path) / "experiment.yaml").exists()
+
+
+def is_reportable_run(path: Path) -> bool:
+    """A run folder a report can be built from: run.json and the ledger.json of its counters."""
+    return (Path(path) / "run.json").exists() and (Path(path) / "ledger.json").exists()
+
+
+def experiment_of_run(run_dir: Path) -> Experiment:
+    """The resolved experiment a run folder trains (its own copy, not the file in experiments/)."""
+    info = RunFolder(run_dir).record()
+    root = Path(info.project_root or find_project_root(Path.cwd()))
+    exp = load_saved_experiment(run_dir / "experiment.yaml", project_root=root)
+    # Operational keys of a run's copy may be edited between attempts; quality targets are checked again.
+    problems = Problems()
+    check_targets(exp.config, run_dir / "experiment.yaml", problems)
+    problems.raise_if_any()
+    return exp
+
+
+def checked_experiment_of_run(run_dir: Path) -> Experiment:
+    """The run folder's experiment, refused when its experiment.yaml was edited into another run.
+
+    The file must resolve to the fingerprint of the run's current segment; operational keys
+    (hard stop, checkpoint cadence, log interval) may change. The differing keys are found against
+    the resolved config saved in the newest valid checkpoint."""
+    from runner.training.checkpoint import Checkpointer  # noqa: PLC0415  (torch: off the report's and audit's path)
+
+    exp = experiment_of_run(run_dir)
+    recorded = RunFolder(run_dir).record().current_fingerprint()
+    if not recorded or recorded == exp.fingerprint:
+        return exp
+    ckpt = Checkpointer.reader(run_dir).latest_valid(report=lambda m: None)
+    saved = ckpt.state.get("config") if ckpt is not None else None
+    if saved is not None:
+        keys = diff_keys(canonical_meaning(saved), canonical_meaning(exp.config))
+        what = f"differing keys: {', '.join(keys) or '(none)'}"
+    else:
+        what = "no checkpoint holds the resolved config to name the differing keys"
+    raise RunnerError(
+        f"edited: resolves to fingerprint {exp.fingerprint[:12]}, the run's current segment has "
+        f"{recorded[:12]}; {what}; refusing to resume (restore the file, or start a new run)",
+        file=str(run_dir / "experiment.yaml"),
+    )
+
+
+def check_same_experiment(exp: Experiment, run_dir: Path) -> None:
+    """Refuse to resume a run folder with a different experiment, naming the differing keys."""
+    saved = experiment_of_run(run_dir)
+    if saved.fingerprint == exp.fingerprint:
+        return
+    keys = diff_keys(canonical_meaning(saved.config), canonical_meaning(exp.config))
+    raise RunnerError(
+        f"{exp.path} resolves to fingerprint {exp.fingerprint[:12]}, the run has "
+        f"{saved.fingerprint[:12]}; differing keys: {', '.join(keys) or '(none)'}; refusing to resume",
+        file=str(run_dir),
+    )
+
+
+def check_mixture_feasible(exp: Experiment) -> None:
+    """Before a folder is written: every pin present and matching, each pool made with the pinned
+    tokenizer, and a mixture the budget and repetition caps allow."""
+    manifests, _ = load_experiment_manifests(exp)
+    plan_experiment_mixture(exp, manifests)
+
+
+def create_run_folder(exp: Experiment, run_dir: Path, run_id: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for sub in ("checkpoints", "journal", "metrics", "manifests"):
+        (run_dir / sub).mkdir(exist_ok=True)
+    (run_dir / "experiment.yaml").write_text(to_yaml(exp.config))
+    (run_dir / "fingerprint.txt").write_text(exp.fingerprint + "\n")
+    for d, pin in exp.config.data.manifests.items():
+        shutil.copy2(exp.resolve_path(pin.path), run_dir / "manifests" / f"{d}.json")
+    atomic_write_json(
+        run_dir / "run.json",
+        {
+            "run_id": run_id,
+            "experiment": exp.config.name,
+            "fingerprint": exp.fingerprint,
+            "experiment_file": str(exp.path) if exp.path else None,
+            "project_root": str(exp.project_root),
+            "mlflow": {"tracking_uri": None, "experiment_id": None, "run_id": None},
+            "segments": [_segment(0, 0, exp)],
+            "status": "created",
+            "committed_steps": 0,
+            "conventions": None,
+            "created_at": _now(),
+        },
+    )
+
+
+def extend_run(run_dir: Path, tokens: int, write: bool) -> Experiment:
+    """A finished run's experiment with exposure and max_duration raised to `tokens` (a new segment)."""
+    exp = checked_experiment_of_run(run_dir)
+    folder = RunFolder(run_dir)
+    info = folder.record()
+    cfg = exp.config
+    step_tokens = global_batch_tokens(cfg)
+    if info.status != "finished":
+        raise RunnerError(
+            f"run status is {info.status!r}; only a finished run is extended (resume it first)",
+            file=str(run_dir / "run.json"),
+            key="status",
+        )
+    if tokens <= cfg.train.exposure_tokens or tokens % step_tokens:
+        raise RunnerError(
+            f"--extend-to {tokens} must exceed the current budget {cfg.train.exposure_tokens} "
+            f"and be a whole number of global batches ({step_tokens} tokens)",
+            key="train.exposure_tokens",
+        )
+    resolved = exp.to_container()
+    resolved["train"]["exposure_tokens"] = tokens
+    resolved["train"]["max_duration_tokens"] = tokens
+    new = experiment_from_dict(resolved, project_root=exp.project_root, path=exp.path)
+    check_mixture_feasible(new)
+    if write:
+        (run_dir / "experiment.yaml").write_text(to_yaml(new.config))
+        (run_dir / "fingerprint.txt").write_text(new.fingerprint + "\n")
+        segments = info.segments + [_segment(len(info.segments), int(info.committed_steps), new)]
+        folder.update(segments=segments, fingerprint=new.fingerprint, status="running")
+    return new

@@ -1,0 +1,94 @@
+"""run.json as a typed record: its fields, what each means, and the defaults of older formats.
+
+`RunJson.from_dict` is the one reader (a run folder's run.json, a published report's copy, an old
+run folder's: every key a format lacked gets its default here, never at the call site);
+`RunFolder.update` (runner.training.runfolder) is the one writer, and refuses a key this record
+does not name. Keys a newer runner wrote that this one does not know are kept (`extra`), so a
+read-modify-write never drops them. Never reads or writes a file itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from runner.errors import RunnerError
+
+
+@dataclass
+class RunJson:
+    """One run folder's run.json (DESIGN.md: run folder). None: not recorded (yet, or by this format)."""
+
+    # written when the folder is created (runner.training.runfolder.create_run_folder)
+    run_id: str | None = None
+    experiment: str | None = None
+    fingerprint: str | None = None  #: the current segment's
+    experiment_file: str | None = None
+    project_root: str | None = None
+    mlflow: dict = field(default_factory=dict)  #: tracking_uri, experiment_id, run_id
+    segments: list[dict] = field(default_factory=list)  #: index, start_step, budgets, fingerprint, started_at
+    status: str | None = None  #: created | running | finished | preempted | failed
+    committed_steps: int = 0
+    conventions: dict | None = None  #: the MFU convention record (step basis)
+    created_at: str | None = None
+    # written at each attempt's start (runner.training.loop._conventions)
+    runtime: dict = field(default_factory=dict)
+    world_size: int | None = None
+    devices: int | None = None  #: devices the run held (the trainer's world size)
+    nodes: int | None = None
+    attempts: int | None = None
+    flops_per_token: float | None = None
+    conventions_goodput: dict | None = None
+    hfu_flops_per_token: float | None = None
+    conventions_hfu: dict | None = None
+    # the run clock's totals, at each checkpoint and the attempt's end (runner.training.records)
+    step_seconds_total: float | None = None
+    device_step_seconds_total: float | None = None
+    wall_seconds: float | None = None
+    device_wall_seconds: float | None = None
+    checkpoints: list[dict] = field(default_factory=list)  #: step, attempt, t_checkpoint
+    # the attempt's summary
+    exposure_tokens: int | None = None
+    useful_tokens: int | None = None
+    processed_tokens: int | None = None
+    lost_tokens: int | None = None
+    mfu: float | None = None
+    goodput_mfu: float | None = None
+    hfu: float | None = None
+    cost_per_billion_useful_tokens: float | None = None
+    device_busy: float | None = None
+    system: dict | None = None
+    error: str | None = None  #: the first line of what failed the last attempt
+    extra: dict = field(default_factory=dict)  #: keys this runner does not know, kept as read
+
+    @classmethod
+    def from_dict(cls, data: Any, file: str = "run.json") -> RunJson:
+        """The typed record of a run.json's contents; a missing key gets its default (older formats),
+        a null where the format allows none (segments, mlflow, runtime, checkpoints) too."""
+        if not isinstance(data, dict):
+            raise RunnerError("expected a JSON object (a run's record)", file=file)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        values = {k: v for k, v in data.items() if k in known and v is not None}
+        return cls(**values, extra={k: v for k, v in data.items() if k not in known})
+
+    def current_fingerprint(self) -> str | None:
+        """The fingerprint the run trains under now: its last segment's (runs before segments: the top one)."""
+        return self.segments[-1].get("fingerprint") if self.segments else self.fingerprint
+
+
+def as_record(run: RunJson | dict) -> RunJson:
+    """A run's record, typed: a RunJson as is, a run.json's dict read through `RunJson.from_dict`."""
+    return run if isinstance(run, RunJson) else RunJson.from_dict(run)
+
+
+FIELDS = frozenset(f.name for f in dataclasses.fields(RunJson)) - {"extra"}
+
+
+def check_fields(fields: dict, file: str) -> None:
+    """The writer's check: every key written is one the record names (a typo never reaches a run.json)."""
+    unknown = sorted(set(fields) - FIELDS)
+    if unknown:
+        raise RunnerError(
+            f"not a run.json field: {', '.join(unknown)} (add it to runner.training.runjson.RunJson)", file=file
+        )

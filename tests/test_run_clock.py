@@ -1,0 +1,125 @@
+"""The run clock (runner.training.clock) without torch: step and wall time across attempts of
+different world sizes, the journal's replay after a kill, checkpoint state and run.json read back."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from runner.errors import RunnerError
+from runner.training.clock import RunClock, device_seconds_or, recorded_times
+
+
+class FakeTime:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeDevice:
+    """A device clock whose queued work takes `lag` seconds to finish at each synchronize."""
+
+    basis = "device"
+
+    def __init__(self, host: FakeTime, lag: float):
+        self.host, self.lag = host, lag
+
+    def now(self) -> float:
+        return self.host.t
+
+    def seconds_since(self, t0: float) -> float:
+        self.host.t += self.lag
+        return self.host.t - t0
+
+
+def _attempt(world: int, journal: list[dict], steps: int, step_seconds: float, state: dict | None = None):
+    """One attempt of `steps` steps of 2 micro batches each; returns its clock and journal lines."""
+    host = FakeTime()
+    clock = RunClock(world, FakeDevice(host, step_seconds / 2), host_now=host)
+    if state is not None:
+        clock.load_state_dict(state)
+    spent = clock.replay(journal, ["a", "b"])
+    out = io.StringIO()
+    out.close = lambda: None  # read after end_attempt
+    clock.start_attempt(out)
+    for step in range(steps):
+        clock.begin_step()
+        for m in range(2):
+            host.t += step_seconds / 4
+            clock.journal_micro(step, m, {"a": 8, "b": 8})
+        clock.end_step()
+    host.t += 1.0  # after the last step: evaluation, checkpoint
+    clock.end_attempt()
+    return clock, spent, [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_step_and_wall_time_count_each_attempt_with_its_own_world_size():
+    first, spent, lines = _attempt(world=2, journal=[], steps=3, step_seconds=1.0)
+    assert spent == {"a": 0, "b": 0} and first.attempt == 1
+    assert first.step_seconds_total == pytest.approx(3.0)
+    assert first.device_step_seconds_total == pytest.approx(6.0)
+    assert first.wall_seconds() == pytest.approx(4.0) and first.device_wall_seconds() == pytest.approx(8.0)
+    assert [(e["step"], e["micro"]) for e in lines if "step" in e] == [(s, m) for s in range(3) for m in range(2)]
+    assert lines[-1]["processed"] == {} and lines[-1]["wall_seconds"] == pytest.approx(4.0)
+
+    # killed before a checkpoint: the next attempt, on 4 devices, continues from the journal alone
+    second, spent, _ = _attempt(world=4, journal=lines, steps=1, step_seconds=0.5, state=None)
+    assert spent == {"a": 48, "b": 48}  # 3 steps x 2 micro batches x 8 positions, lost work included
+    assert second.attempt == 2
+    assert second.prior_wall_seconds == pytest.approx(4.0) and second.prior_device_wall_seconds == pytest.approx(8.0)
+    assert second.step_seconds_total == pytest.approx(3.5)
+    assert second.device_step_seconds_total == pytest.approx(6.0 + 0.5 * 4)
+    assert second.wall_seconds() == pytest.approx(4.0 + 1.5)
+    assert second.device_wall_seconds() == pytest.approx(8.0 + 1.5 * 4)
+
+
+def test_a_kill_mid_step_loses_no_wall_time_and_keeps_the_larger_step_total():
+    _, _, lines = _attempt(world=1, journal=[], steps=2, step_seconds=1.0)
+    torn = [e for e in lines if "step" in e and (e["step"], e["micro"]) != (1, 1)]  # killed in step 1: no end line
+    clock = RunClock(1, host_now=FakeTime())
+    clock.load_state_dict({"step_seconds_total": 1.0, "device_step_seconds_total": 1.0, "world_size": 1})
+    clock.replay(torn, ["a", "b"])
+    assert clock.step_seconds_total == pytest.approx(1.25)  # the journal saw half of step 1 spent
+    assert clock.prior_wall_seconds == pytest.approx(1.25)
+
+
+def test_checkpoint_state_round_trips_and_old_states_read_as_seconds_times_world():
+    clock = RunClock(3, host_now=FakeTime())
+    clock.step_seconds_total, clock.device_step_seconds_total = 2.0, 5.5
+    again = RunClock(3, host_now=FakeTime())
+    again.load_state_dict(clock.state_dict())
+    assert again.state_dict() == {"step_seconds_total": 2.0, "device_step_seconds_total": 5.5, "world_size": 3}
+    old = RunClock(8, host_now=FakeTime())
+    old.load_state_dict({"step_seconds_total": 2.0, "world_size": 2})  # before device-seconds were recorded
+    assert old.device_step_seconds_total == 4.0
+    old.replay([{"attempt": 1, "processed": {}, "wall_seconds": 3.0, "step_seconds_total": 2.5}], ["a"])
+    assert old.device_step_seconds_total == 2.5 * 8  # a journal before "world": this attempt's world
+    assert old.prior_device_wall_seconds == 3.0 * 8
+
+
+def test_recorded_times_prefer_run_json_and_fall_back_to_the_train_rows():
+    rows = [
+        {"step": 2, "step_seconds": 0.5, "wall_seconds": 1.5},
+        {"step": 4, "step_seconds": 0.25, "wall_seconds": 2.5},
+    ]  # log_interval_steps 2: each row stands for two steps
+    times = recorded_times({}, 2, rows)
+    assert (times.wall_seconds, times.step_seconds_total) == (2.5, 1.5)
+    assert (times.device_wall_seconds, times.device_step_seconds) == (5.0, 3.0)
+    run = {"wall_seconds": 9.0, "step_seconds_total": 7.0, "device_wall_seconds": 30.0}
+    times = recorded_times(run, 4, rows)
+    assert (times.wall_seconds, times.step_seconds_total, times.device_wall_seconds) == (9.0, 7.0, 30.0)
+    assert times.device_step_seconds == 28.0
+    assert device_seconds_or(0.0, 5.0, 2) == 0.0  # a recorded zero is a figure, not a missing one
+    with pytest.raises(RunnerError, match="no wall_seconds"):
+        recorded_times({}, 1, [])
+
+
+def test_the_clock_imports_without_torch():
+    code = "import sys, runner.training.clock; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
