@@ -254,17 +254,26 @@ class MixtureSampler:
         domain_ids, sample_idx = self.step_arrays(step)
         return list(zip(domain_ids.tolist(), sample_idx.tolist()))
 
-    def rank_slice(self, step: int, rank: int, world: int) -> list[tuple[int, int]]:
-        """Contiguous slice of the global batch for `rank` of `world`; slices are disjoint."""
-        if world < 1 or not 0 <= rank < world:
-            raise ValueError(f"rank {rank} outside world of {world}")
-        if self.global_batch_sequences % world:
+    def step_grid(self, step: int, world: int, accum: int = 1) -> np.ndarray:
+        """The global batch of `step` as int64 [world, accum, micro, 2] (domain_id, sample_idx): rank r's
+        contiguous slice is `[r]`, cut into its `accum` micro batches in order. The trainer reads this."""
+        if world < 1:
+            raise ValueError(f"a world of {world} ranks")
+        if self.global_batch_sequences % (world * accum):
             raise RunnerError(
-                f"global batch of {self.global_batch_sequences} sequences does not divide over {world} ranks",
+                f"global batch of {self.global_batch_sequences} sequences does not divide over {world} ranks"
+                + (f" x {accum} micro batches" if accum > 1 else ""),
                 key="train.global_batch_sequences",
             )
-        per_rank = self.global_batch_sequences // world
-        return self.global_batch(step)[rank * per_rank : (rank + 1) * per_rank]
+        pairs = np.stack(self.step_arrays(step), axis=1)
+        return pairs.reshape(world, accum, self.global_batch_sequences // (world * accum), 2)
+
+    def rank_slice(self, step: int, rank: int, world: int) -> list[tuple[int, int]]:
+        """Contiguous slice of the global batch for `rank` of `world` (the trainer's `step_grid(...)[rank]`);
+        slices are disjoint."""
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside world of {world}")
+        return [(int(d), int(i)) for d, i in self.step_grid(step, world)[rank].reshape(-1, 2)]
 
 
 # --- reading windows -----------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """What a step reads: the run's data (pools, sampler, readers, byte lengths) and each step's batch,
-cut from the sampler's global batch as its rank_slice does.
+cut from the sampler's global batch by its step_grid (what rank_slice returns).
 
 Owns loading the data a run trains and evaluates on, and the host's part of a step (this rank's
 tensors, its useful targets per domain, every rank's processed positions), computed before the
@@ -72,10 +72,11 @@ class HostBatch:
 
 
 def read_step(data: Data, step: int, world: int, accum: int, micro: int, rank: int, pin: bool) -> HostBatch:
-    """The global batch of `step`, drawn as the sampler's rank_slice cuts it: contiguous
+    """The global batch of `step` as the sampler's step_grid cuts it (its rank_slice): contiguous
     [rank][micro step][sequence] blocks. This rank reads its block; processed counts every rank's."""
-    global_pairs = np.stack(data.sampler.step_arrays(step), axis=1)
-    grid = global_pairs.reshape(world, accum, micro, 2)
+    grid = data.sampler.step_grid(step, world, accum)
+    assert grid.shape[2] == micro, "the recipe's checks make world x accum x micro the global batch"
+    global_pairs = grid.reshape(-1, 2)
     batch = data.reader.read(grid[rank])
     tensors = tuple(torch.as_tensor(a) for a in (batch.input_ids, batch.labels, batch.loss_mask))
     if pin:
