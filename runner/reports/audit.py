@@ -279,8 +279,8 @@ def _check_fingerprint(res: AuditResult, inp: AuditInput) -> None:
     fp = inp.exp.fingerprint
     found = {"run_summary": str(inp.tables["run_summary"].iloc[0]["fingerprint"])}
     if inp.has_run_json:
-        found["run.json"] = str(inp.run.get("fingerprint"))
-        segments = inp.run.get("segments") or []
+        found["run.json"] = str(inp.record.fingerprint)
+        segments = inp.record.segments
         if segments:
             found["run.json current segment"] = str(segments[-1].get("fingerprint"))
     if inp.run_dir is not None and (inp.run_dir / "fingerprint.txt").exists():
@@ -333,8 +333,8 @@ def _check_config_agreement(res: AuditResult, inp: AuditInput) -> None:
         expect.update(
             {
                 "steps": inp.steps(),
-                "status": str(inp.run.get("status", "finished")),
-                "run_id": str(inp.run.get("run_id", s["run_id"])),
+                "status": str(inp.record.status or "finished"),  # runs before run.json kept a status
+                "run_id": str(inp.record.run_id or s["run_id"]),
             }
         )
     problems = [
@@ -390,7 +390,7 @@ def _peak_records_agree(inp: AuditInput, s: pd.Series) -> list[str]:
     """The peak the summary divides by is the one run.json recorded for every convention."""
     problems = []
     for record in ("conventions", "conventions_goodput", "conventions_hfu"):
-        conv = inp.run.get(record) or {}
+        conv = getattr(inp.record, record) or {}
         for key in ("peak_tflops", "peak_dtype", "peak_source"):
             if key not in conv:
                 continue
@@ -462,7 +462,7 @@ def _check_flops(res: AuditResult, inp: AuditInput, s: pd.Series) -> tuple[Conve
         problems.append(
             f"flops_per_token = {s['flops_per_token']:.6g}, model config gives {fpt:.6g} ({conv.flops_formula})"
         )
-    recorded_conv = inp.run.get("conventions") or {}
+    recorded_conv = inp.record.conventions or {}
     for key in ("flops_formula", "params_counted", "attention_causal_half", "recompute_counted"):
         if key in recorded_conv and str(recorded_conv[key]) != str(s[key]):
             problems.append(f"{key} = {s[key]!r}, run.json conventions say {recorded_conv[key]!r}")
@@ -505,8 +505,8 @@ def _check_compute(res: AuditResult, inp: AuditInput) -> None:
     }
     if inp.has_run_json:
         for key in ("wall_seconds", "step_seconds_total"):
-            if inp.run.get(key) is not None:
-                want[key] = float(inp.run[key])
+            if getattr(inp.record, key) is not None:
+                want[key] = float(getattr(inp.record, key))
     for key, value in want.items():
         if key == "hfu" and math.isnan(float(s[key])) and math.isnan(value):
             res.info("hfu", "none: the run recomputes no activations (HFU = MFU)")

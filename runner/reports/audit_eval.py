@@ -55,7 +55,7 @@ class _LocalAccelerator:
 def _project_root(inp: AuditInput) -> Path:
     """Where the experiment's relative data and tokenizer paths start: run.json's project root when it
     is on this machine, else the checkout around the current folder."""
-    recorded = inp.run.get("project_root")
+    recorded = inp.record.project_root
     if recorded and Path(recorded).is_dir():
         return Path(recorded)
     return find_project_root(Path.cwd())

@@ -16,6 +16,7 @@ import pandas as pd
 
 from runner.config.load import Experiment
 from runner.config.schema import ExperimentSchema
+from runner.training.runjson import RunJson, as_record
 
 
 @dataclass
@@ -25,7 +26,7 @@ class AuditInput:
     source: str
     tables: dict[str, pd.DataFrame]
     cfg: dict  # experiment.yaml as read (plain data, for the report builder's helpers)
-    run: dict  # run.json ({} when the report has none)
+    run: dict  # run.json as read ({} when the report has none); `record` is it typed
     manifests: dict[str, dict]
     exp: Experiment  # the Experiment experiment.yaml resolves to (typed config, recomputed fingerprint)
     rebuilt: dict[str, pd.DataFrame] | None = None  # tables rebuilt from a run folder's raw files
@@ -42,9 +43,14 @@ class AuditInput:
     def has_run_json(self) -> bool:
         return bool(self.run)
 
+    @property
+    def record(self) -> RunJson:
+        """run.json typed (runner.training.runjson: the older formats' defaults); empty when there is none."""
+        return as_record(self.run) if self.run else RunJson()
+
     def steps(self) -> int:
         """Committed steps: run.json's record when there is one, else the summary's own claim."""
-        if self.run.get("committed_steps") is not None:
+        if self.run.get("committed_steps") is not None:  # a presence test: the record's default is 0
             return int(self.run["committed_steps"])
         return int(self.tables["run_summary"].iloc[0]["steps"])
 

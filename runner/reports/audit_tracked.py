@@ -131,7 +131,7 @@ def _in_project(uri: str, report_dir: Path | None) -> str:
 
 def _named_run(inp: AuditInput) -> tuple[str | None, list[str]]:
     """(the MLflow run id run.json names, the store URIs it records), the run folder's run.json included."""
-    records = [inp.run.get("mlflow") or {}]
+    records = [inp.record.mlflow]
     if inp.run_dir is not None and (inp.run_dir / "run.json").exists():
         live = read_json(inp.run_dir / "run.json")
         records.append((live.get("mlflow") or {}) if isinstance(live, dict) else {})
@@ -217,7 +217,7 @@ def _check_params(res: AuditResult, inp: AuditInput, tracked: Tracked) -> None:
         res.could_not(PARAMS, f"MLflow run {tracked.run_id} holds no params (its first start never reached the server)")
         return
     want = flatten(canonical_meaning(inp.config))
-    extended = len(inp.run.get("segments") or []) > 1
+    extended = len(inp.record.segments) > 1
     problems = [
         f"{key}: MLflow {tracked.params.get(key)!r}, experiment.yaml {value!r}"
         for key, value in sorted(want.items())
@@ -238,7 +238,7 @@ def _check_tags(res: AuditResult, inp: AuditInput, tracked: Tracked, later: str)
     want.update({f"recipe.{kind}": ref for kind, ref in cfg.recipes.items()})
     want.update({f"manifest.{d}.sha256": pin.sha256 for d, pin in cfg.data.manifests.items()})
     want.update({f"mfu.{k}": s[k] for k in CONVENTION_KEYS})
-    want.update({f"hfu.{k}": v for k, v in (inp.run.get("conventions_hfu") or {}).items()})
+    want.update({f"hfu.{k}": v for k, v in (inp.record.conventions_hfu or {}).items()})
     problems: list[str] = []
     superseded: list[str] = []
     for key, value in want.items():
@@ -521,7 +521,7 @@ def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked, later: 
     compared = "tables, experiment.yaml, validation losses" + (
         ", final checkpoint" if inp.run_dir is not None and logged.get("checkpoint") else ""
     )
-    segments = inp.run.get("segments") or []
+    segments = inp.record.segments
     if len(segments) > 1:
         # Logged at the last segment's end over the tables as they were then: it never vouches for
         # figures of an earlier segment (those are compared with MLflow's history, METRICS).
