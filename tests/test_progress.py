@@ -6,6 +6,7 @@ import io
 import json
 
 from datafixtures import documents, make_tokenizer, write_jsonl
+from trainfixtures import step_record
 
 from runner import progress
 from runner.training.callbacks import TrainingProgress
@@ -44,15 +45,10 @@ def test_durations_read_in_a_fitting_unit():
     ]
 
 
-def _record(step: int) -> dict:
-    return {
-        "step": step,
-        "loss": 5.0 - step / 100,
-        "tokens_per_second": 1234.5,
-        "mfu": 0.0412,
-        "exposure_tokens": step * 2048,
-        "step_seconds": 0.1,
-    }
+def _record(step: int):
+    return step_record(
+        step, loss=5.0 - step / 100, tokens_per_second=1234.5, mfu=0.0412, exposure_tokens=step * 2048, step_seconds=0.1
+    )
 
 
 def test_training_progress_in_a_log_file_names_step_tokens_speed_mfu_and_both_etas():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
-from trainfixtures import env, make_project
+from trainfixtures import env, make_project, step_record
 
 from runner.fsio import read_jsonl
 from runner.training.tracking import Tracker, flatten
@@ -500,7 +500,7 @@ def test_the_attempts_last_committed_step_is_always_logged(steps, committed, log
     sink = _Sink()
     cb = TrackingCallback(sink, log_interval_steps=4)
     for step in range(1, steps + 1):
-        cb.on_step({"step": step, "loss": 1.0 / step, "lr": 0.1}, _counters(step * 128), {"a": 1.0})
+        cb.on_step(step_record(step, loss=1.0 / step, lr=0.1), _counters(step * 128), {"a": 1.0})
     summary = {"committed_steps": committed, "exposure_tokens": committed * 128, "mfu": 0.25}
     cb.on_end(summary, _counters(committed * 128), {"a": 1})
     accounting = [(s, m["tokens.total.exposure"]) for s, m in sink.logged if "tokens.total.exposure" in m]

@@ -260,3 +260,15 @@ def run_in_process(cwd: Path, argv: list[str], environ: dict) -> subprocess.Comp
 def check_pr(cwd: Path) -> subprocess.CompletedProcess:
     """`runner check-pr --base main` in `cwd` (a git repository with a `main` branch), in this process."""
     return run_in_process(cwd, ["check-pr", "--base", "main"], dict(os.environ))
+
+
+def step_record(step: int, **fields):
+    """A committed step's record as the loop hands it to callbacks: `fields` given, every other figure 0."""
+    from runner.training.steprecord import StepRecord  # noqa: PLC0415 (only the callback tests need it)
+
+    zeros = dict.fromkeys(
+        ("loss", "lr", "grad_norm", "step_seconds", "data_wait_seconds", "wall_seconds", "tokens_per_second"), 0.0
+    )
+    zeros.update(dict.fromkeys(("tokens_per_second_useful", "mfu", "goodput_mfu"), 0.0))
+    zeros.update(dict.fromkeys(("devices", "tokens_processed", "tokens_useful", "exposure_tokens"), 0))
+    return StepRecord(step=step, **(zeros | fields))

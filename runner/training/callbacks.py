@@ -19,6 +19,7 @@ from tqdm import tqdm
 from runner import progress
 from runner.fsio import read_jsonl, repair_jsonl_tail
 from runner.training import targets
+from runner.training.steprecord import StepRecord
 
 #: a mixture-of-experts step's figures (runner.training.experts.RouterProbe.commit); absent for dense models
 MOE_METRICS = (
@@ -36,7 +37,7 @@ class Callback:
     `on_end` gets the attempt's summary and the accounting of its last committed step (after a
     non-finite stop: of the checkpoint the run was rolled back to)."""
 
-    def on_step(self, record: dict, counters: dict, ratios: dict) -> None: ...
+    def on_step(self, record: StepRecord, counters: dict, ratios: dict) -> None: ...
 
     def on_eval(self, step: int, exposure_tokens: int, rows: list[dict]) -> None: ...
 
@@ -62,7 +63,7 @@ class MetricsFiles(Callback):
                 f.write(json.dumps(r) + "\n")
 
     def on_step(self, record, counters, ratios):
-        self._append("train.jsonl", [record])
+        self._append("train.jsonl", [record.as_row()])
 
     def on_eval(self, step, exposure_tokens, rows):
         self._append("eval.jsonl", rows)
@@ -110,7 +111,7 @@ class TrackingCallback(Callback):
     def __init__(self, tracker, log_interval_steps: int):
         self.tracker = tracker
         self.every = max(1, log_interval_steps)
-        self.newest: tuple[dict, dict, dict] | None = None  # the attempt's newest step
+        self.newest: tuple[StepRecord, dict, dict] | None = None  # the attempt's newest step
         self.newest_logged = False
 
     @staticmethod
@@ -122,14 +123,15 @@ class TrackingCallback(Callback):
         m.update({f"realized_ratio.{d}": r for d, r in ratios.items()})
         return m
 
-    def _log_step(self, record, counters, ratios) -> None:
-        m = {self.STEP_NAMES.get(k, k): record[k] for k in self.STEP_KEYS if record.get(k) is not None}
+    def _log_step(self, record: StepRecord, counters, ratios) -> None:
+        row = record.as_row()
+        m = {self.STEP_NAMES.get(k, k): row[k] for k in self.STEP_KEYS if row.get(k) is not None}
         m.update(self.accounting(counters, ratios))
-        self.tracker.log_metrics(m, step=record["step"])
+        self.tracker.log_metrics(m, step=record.step)
 
     def on_step(self, record, counters, ratios):
         self.newest = (record, counters, ratios)
-        self.newest_logged = record["step"] % self.every == 0
+        self.newest_logged = record.step % self.every == 0
         if self.newest_logged:
             self._log_step(record, counters, ratios)
 
@@ -146,7 +148,7 @@ class TrackingCallback(Callback):
 
     def on_end(self, summary, counters, ratios):
         committed = summary["committed_steps"]
-        newest = self.newest[0]["step"] if self.newest is not None else None
+        newest = self.newest[0].step if self.newest is not None else None
         if newest == committed:
             if not self.newest_logged and self.newest is not None:
                 self._log_step(*self.newest)
@@ -184,22 +186,22 @@ class TrainingProgress(Callback):
         self.last_line: str | None = None
         self.last_printed = True
 
-    def _seconds_per_step(self, record: dict) -> float:
+    def _seconds_per_step(self, record: StepRecord) -> float:
         now = time.monotonic()
         if self.first is None:
-            self.first = (record["step"], now - record["step_seconds"])
-        steps = record["step"] - self.first[0] + 1
+            self.first = (record.step, now - record.step_seconds)
+        steps = record.step - self.first[0] + 1
         return (now - self.first[1]) / steps
 
-    def fields(self, record: dict) -> list[str]:
+    def fields(self, record: StepRecord) -> list[str]:
         """The parts of a progress line after the step count (shared by the bar and the log line)."""
         per_step = self._seconds_per_step(record)
-        step = record["step"]
+        step = record.step
         parts = [
-            f"exposure {record['exposure_tokens']:,} tokens",
-            f"loss {record['loss']:.4f}",
-            f"{record['tokens_per_second']:,.0f} tokens/s",
-            f"MFU {record['mfu']:.1%}",
+            f"exposure {record.exposure_tokens:,} tokens",
+            f"loss {record.loss:.4f}",
+            f"{record.tokens_per_second:,.0f} tokens/s",
+            f"MFU {record.mfu:.1%}",
             f"ETA segment end {progress.format_seconds(max(self.segment_end_step - step, 0) * per_step)}",
         ]
         if self.hard_stop_step is not None:
@@ -220,12 +222,10 @@ class TrainingProgress(Callback):
                     bar_format="{desc} {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| {postfix}",
                 )
             self.bar.set_postfix_str(" | ".join(parts), refresh=False)
-            self.bar.update(record["step"] - self.bar.n)
+            self.bar.update(record.step - self.bar.n)
             return
         total = self.segment_end_step
-        self.last_line = f"train: step {record['step']:,}/{total:,} ({record['step'] / total:.1%}) | " + " | ".join(
-            parts
-        )
+        self.last_line = f"train: step {record.step:,}/{total:,} ({record.step / total:.1%}) | " + " | ".join(parts)
         self.last_printed = self.cadence.due()
         if self.last_printed:
             print(self.last_line, file=self.stream, flush=True)

@@ -57,6 +57,7 @@ from runner.training.runfolder import RunFolder
 from runner.training.runjson import RunJson
 from runner.training.samples import samples_callback
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
+from runner.training.steprecord import StepRecord
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
 from runner.training.tracking import START_WAIT_SECONDS, Tracker
 
@@ -450,32 +451,32 @@ def _train_step(run: _Run, step: int) -> _Step:
     )
 
 
-def _metrics_record(run: _Run, committed: int, s: _Step, step_seconds: float, counters: dict) -> dict:
-    wall_seconds = run.clock.wall_seconds()
+def _metrics_record(
+    run: _Run, committed: int, s: _Step, step_seconds: float, counters: dict, experts: dict
+) -> StepRecord:
     tokens = run.global_batch * run.seq_len
     fpt, peak_tflops = run.flops_per_token, run.peak_tflops
-    return {
-        "step": committed,
-        "loss": s.loss,
-        "lr": s.lr,
-        "grad_norm": s.grad_norm,
-        "step_seconds": step_seconds,
-        "data_wait_seconds": run.batches.wait_seconds if run.batches is not None else 0.0,
-        "wall_seconds": wall_seconds,
-        "devices": run.world,
-        "tokens_processed": tokens,
-        "tokens_useful": int(s.useful_tokens),
-        "tokens_per_second": tokens / step_seconds,
-        "tokens_per_second_useful": s.useful_tokens / step_seconds,
-        "mfu": hardware.mfu(fpt, tokens, step_seconds, peak_tflops, run.world),
-        "goodput_mfu": hardware.mfu(fpt, counters["total"]["useful"], run.clock.device_wall_seconds(), peak_tflops, 1),
-        "exposure_tokens": int(counters["total"]["exposure"]),
-        **(
-            {"hfu": hardware.mfu(run.hfu_flops_per_token, tokens, step_seconds, peak_tflops, run.world)}
-            if run.hfu_flops_per_token
-            else {}
-        ),
-    }
+    return StepRecord(
+        step=committed,
+        loss=s.loss,
+        lr=s.lr,
+        grad_norm=s.grad_norm,
+        step_seconds=step_seconds,
+        data_wait_seconds=run.batches.wait_seconds if run.batches is not None else 0.0,
+        wall_seconds=run.clock.wall_seconds(),
+        devices=run.world,
+        tokens_processed=tokens,
+        tokens_useful=int(s.useful_tokens),
+        tokens_per_second=tokens / step_seconds,
+        tokens_per_second_useful=s.useful_tokens / step_seconds,
+        mfu=hardware.mfu(fpt, tokens, step_seconds, peak_tflops, run.world),
+        goodput_mfu=hardware.mfu(fpt, counters["total"]["useful"], run.clock.device_wall_seconds(), peak_tflops, 1),
+        exposure_tokens=int(counters["total"]["exposure"]),
+        hfu=hardware.mfu(run.hfu_flops_per_token, tokens, step_seconds, peak_tflops, run.world)
+        if run.hfu_flops_per_token
+        else None,
+        experts=experts,
+    )
 
 
 def _data_failed(run: _Run, wait: bool) -> float:
@@ -640,7 +641,7 @@ def _commit(run: _Run, step: int, s: _Step) -> int:
         broken = run.experts.load.broken_invariant({d: counters[d]["exposure"] for d in run.data.domains})
         if broken:
             raise RuntimeError(f"expert load broke at step {committed}: " + "; ".join(broken[:4]))
-    record = _metrics_record(run, committed, s, step_seconds, counters) | step_experts
+    record = _metrics_record(run, committed, s, step_seconds, counters, step_experts)
     for cb in run.callbacks:
         cb.on_step(record, counters, run.ledger.realized_ratios())
     return committed

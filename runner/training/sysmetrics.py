@@ -325,8 +325,8 @@ class SystemMetricsCallback(Callback):
 
     def on_step(self, record, counters, ratios):
         self._write(self.monitor.drain())
-        if record["step"] % self.every == 0:
-            self._log(record["step"])
+        if record.step % self.every == 0:
+            self._log(record.step)
 
     def close(self) -> None:
         self._write(self.monitor.stop())
