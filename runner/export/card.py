@@ -194,7 +194,7 @@ def export_record(src: Source, dtype: str, verification: dict) -> dict:
         "step": src.step,
         "fingerprint": src.exp.fingerprint,
         "dtype": dtype,
-        "checkpoint_files": src.checkpoint.state.get("files"),
+        "checkpoint_files": src.checkpoint.record.files,
         "verification": verification,
         "software": {
             "python": platform.python_version(),

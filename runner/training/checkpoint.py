@@ -22,6 +22,7 @@ parameter index) are still read for runs begun before.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import errno
 import json
 import os
@@ -30,7 +31,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -177,20 +178,53 @@ def set_rng_state(state: dict) -> None:
 # ---- save -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class CheckpointState:
+    """A checkpoint's state.json, typed: the one reader, holding the older formats' defaults (format 1
+    had no `format`, `tied` or fingerprint). What the loop stores (runner.training.records
+    .checkpoint_state) and the run clock's totals (RunClock.state_dict) stay flat in the file."""
+
+    step: int
+    format: int = 1
+    files: dict = field(default_factory=dict)  #: file name -> sha256
+    tied: dict = field(default_factory=dict)  #: alias -> the parameter stored once (format >= 2)
+    fingerprint: str | None = None
+    config: dict | None = None  #: the resolved experiment that wrote it
+    rng: dict | None = None
+    sampler_step: int | None = None
+    segment: int | None = None
+    attempt: int | None = None
+    scheduler: dict | None = None
+    mlflow_run_id: str | None = None
+    clock: dict = field(default_factory=dict)  #: step_seconds_total, device_step_seconds_total, world_size
+
+    CLOCK_KEYS = ("step_seconds_total", "device_step_seconds_total", "world_size")
+
+    @classmethod
+    def from_dict(cls, state: dict) -> CheckpointState:
+        names = {f.name for f in dataclasses.fields(cls)} - {"clock"}
+        values = {k: v for k, v in state.items() if k in names and v is not None}
+        return cls(**values, clock={k: state[k] for k in cls.CLOCK_KEYS if k in state})
+
+
 @dataclass
 class Checkpoint:
     path: Path
     step: int
-    state: dict
+    state: dict  #: state.json as read; `record` is it typed
+
+    @property
+    def record(self) -> CheckpointState:
+        return CheckpointState.from_dict(self.state)
 
     @property
     def format(self) -> int:
-        return int(self.state.get("format", 1))
+        return int(self.record.format)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's full state dict keyed by parameter name, tied aliases restored (format >= 2)."""
         tensors = load_file(str(self.path / "model.safetensors"))
-        for alias, name in (self.state.get("tied") or {}).items():
+        for alias, name in self.record.tied.items():
             if alias not in tensors and name in tensors:
                 tensors[alias] = tensors[name]
         return tensors

@@ -268,8 +268,8 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
 
 
 def _resume(run: _Run) -> None:
-    """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work (long:
-    the checks that a checkpoint belongs to this run come before any state is loaded, in one place)."""
+    """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work. The checks
+    that a checkpoint belongs to this run come before any state is loaded, in one place."""
     acc, ledger, data = run.acc, run.ledger, run.data
     run.info = run.folder.record()
     fingerprints = {s["fingerprint"] for s in run.info.segments} | {run.exp.fingerprint}
@@ -281,10 +281,11 @@ def _resume(run: _Run) -> None:
         run.model, run.optimizer = acc.prepare(run.model, run.optimizer)
     run.raw_model = acc.unwrap_model(run.model)
     if ckpt is not None:
-        if ckpt.state.get("fingerprint") not in fingerprints:
+        state = ckpt.record
+        if state.fingerprint not in fingerprints:
             raise RunnerError(
                 f"checkpoint {ckpt.path.name} was written by fingerprint "
-                f"{str(ckpt.state.get('fingerprint'))[:12]}, not by this run's",
+                f"{str(state.fingerprint)[:12]}, not by this run's",
                 file=str(run.folder.path),
             )
         try:
@@ -298,9 +299,11 @@ def _resume(run: _Run) -> None:
         ledger.load_state_dict(ledger_state)
         if run.experts is not None:
             run.experts.load_state_dict(ledger_state, str(ckpt.path))
-        set_rng_state(ckpt.state["rng"])
+        if state.rng is None:
+            raise RunnerError(f"checkpoint {ckpt.path.name} holds no RNG state", file=str(ckpt.path / "state.json"))
+        set_rng_state(state.rng)
         run.start_step = ckpt.step
-        run.clock.load_state_dict(ckpt.state)
+        run.clock.load_state_dict(state.clock)
         run.say(f"resuming from {ckpt.path.name} (step {run.start_step})")
     acc.wait_for_everyone()
     if run.main:

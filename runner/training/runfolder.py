@@ -186,7 +186,7 @@ def checked_experiment_of_run(run_dir: Path) -> Experiment:
     if not recorded or recorded == exp.fingerprint:
         return exp
     ckpt = Checkpointer.reader(run_dir).latest_valid(report=lambda m: None)
-    saved = ckpt.state.get("config") if ckpt is not None else None
+    saved = ckpt.record.config if ckpt is not None else None
     if saved is not None:
         keys = diff_keys(canonical_meaning(saved), canonical_meaning(exp.config))
         what = f"differing keys: {', '.join(keys) or '(none)'}"
