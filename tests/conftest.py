@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from suitetimes import SuiteTimes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,6 +35,13 @@ def project_with_data(project: Path) -> Path:
 
     build_builtin(project / "data/builtin")
     return project
+
+
+def pytest_configure(config) -> None:
+    """The suite's wall time, its slowest files and CI's time budget (tests/suitetimes.py), in the
+    process that reports (not in pytest -n's workers)."""
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(SuiteTimes(), "suitetimes")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -6,31 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from timeouts import SUBPROCESS_TIMEOUT_S
+from trainfixtures import run_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-# The console script, as a user types it (`python -m runner` would import the project copy's
-# runner/ folder, which holds only the tokenizer, from the current directory).
-RUNNER = shutil.which("runner", path=str(Path(sys.executable).parent)) or shutil.which("runner") or "runner"
-
-
-def runner(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [RUNNER, *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
+def runner(cwd: Path, *args: str, env: dict | None = None):
+    """`runner ARGS` in `cwd`, in this process as a subprocess would run it (tests/trainfixtures.py
+    run_in_process): the console script itself, in a fresh copy, is what tests/test_readme.py runs."""
+    return run_in_process(cwd, list(args), {**os.environ, **(env or {})})
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from trainfixtures import env, launch, make_project
+from trainfixtures import env, launch, make_project, run_in_process
 
 from runner.config.load import load_experiment
 from runner.errors import RunnerError
@@ -158,13 +158,7 @@ def test_launch_records_expert_load_to_mlflow_and_report_and_the_audit_catches_o
     assert (report / "expert_load_heatmap.png").stat().st_size > 0 and "## Experts" in (
         report / "report.md"
     ).read_text()
-    audited = subprocess.run(
-        [sys.executable, "-m", "runner", "audit", str(run)],
-        cwd=tmp_path,
-        env=env(tmp_path),
-        capture_output=True,
-        text=True,
-    )
+    audited = run_in_process(tmp_path, ["audit", str(run)], env(tmp_path))
     # UNVERIFIED (exit 5), not PASS: the test hardware recipe states its peak, not a datasheet figure
     assert audited.returncode == 5 and "0 failed" in audited.stdout, audited.stdout
     assert "expert load: loads sum to exposure x k per layer and domain  PASS" in audited.stdout
@@ -175,13 +169,7 @@ def test_launch_records_expert_load_to_mlflow_and_report_and_the_audit_catches_o
         table = pd.read_parquet(path) if name.endswith("parquet") else pd.read_csv(path)
         table.loc[5, "routed_tokens"] += 1
         table.to_parquet(path, index=False) if name.endswith("parquet") else table.to_csv(path, index=False)
-    nudged = subprocess.run(
-        [sys.executable, "-m", "runner", "audit", str(report)],
-        cwd=tmp_path,
-        env=env(tmp_path),
-        capture_output=True,
-        text=True,
-    )
+    nudged = run_in_process(tmp_path, ["audit", str(report)], env(tmp_path))
     assert nudged.returncode == 1, nudged.stdout
     layer, domain = int(load.loc[5, "layer"]), load.loc[5, "domain"]
     want = exposure[domain] * K

@@ -326,22 +326,14 @@ def test_cli_plan_json_on_a_project_experiment(capsys):
 
 @pytest.mark.slow
 def test_plan_of_an_infeasible_mixture_prints_the_plan_and_exits_2(project_with_data):
-    import subprocess
-    import sys
-
     import yaml
+    from trainfixtures import run_in_process
 
     path = project_with_data / "recipes/mixture/builtin-3dom.yaml"
     data = yaml.safe_load(path.read_text())
     data["domains"]["legal"]["max_repetition_ratio"] = 1.0
     path.write_text(yaml.safe_dump(data))
-    out = subprocess.run(
-        [sys.executable, "-m", "runner", "plan", "experiments/cpu-tiny.yaml"],
-        cwd=project_with_data,
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
-    )
+    out = run_in_process(project_with_data, ["plan", "experiments/cpu-tiny.yaml"], dict(__import__("os").environ))
     assert out.returncode == 2
     assert "pool tokens of the manifests" in out.stdout
     assert "mixture: INFEASIBLE" in out.stderr and "largest feasible budget" in out.stderr

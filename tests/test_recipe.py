@@ -156,12 +156,7 @@ def test_a_model_whose_training_state_cannot_fit_is_refused_by_the_planning_rule
 
 def test_cli_refuses_with_one_line_per_problem_and_exit_2(project: Path):
     edit(project / "experiments/cpu-tiny.yaml", _set("train", "exposure_tokens", 307_201))
-    out = subprocess.run(
-        [sys.executable, "-m", "runner", "validate", "experiments/cpu-tiny.yaml"],
-        cwd=project,
-        capture_output=True,
-        text=True,
-    )
+    out = run_in_process(project, ["validate", "experiments/cpu-tiny.yaml"], dict(os.environ))
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert out.stderr.strip() == (

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import yaml
 from runfixtures import make_run
-from trainfixtures import launch, make_project
+from trainfixtures import launch, make_project, run_in_process
 
 from runner.config.load import load_experiment
 from runner.data.manifest import write_manifest
@@ -39,12 +39,8 @@ def _eval_recipe(project: Path, targets: dict) -> None:
 
 
 def _validate(project: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "runner", "validate", "experiments/cpu-tiny.yaml"],
-        cwd=project,
-        capture_output=True,
-        text=True,
-    )
+    """`runner validate experiments/cpu-tiny.yaml` in `project`, in this process as a subprocess runs it."""
+    return run_in_process(project, ["validate", "experiments/cpu-tiny.yaml"], dict(os.environ))
 
 
 def test_bad_targets_are_refused_one_line_each(project):

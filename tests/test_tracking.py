@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import sqlite3
@@ -289,6 +290,9 @@ def _server(tmp: Path, port: int) -> subprocess.Popen:
             "1",
         ],
         cwd=tmp,
+        # the tracking server alone: MLflow 3's job runner (a process and seven huey consumers, each
+        # importing mlflow: tens of CPU seconds per start) serves nothing a run sends
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -307,7 +311,6 @@ def _server(tmp: Path, port: int) -> subprocess.Popen:
 
 
 def _stop(p: subprocess.Popen) -> None:
-    import os
     import signal
 
     os.killpg(p.pid, signal.SIGKILL)  # the server's own process group (gunicorn/uvicorn workers)
