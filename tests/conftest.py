@@ -37,6 +37,28 @@ def project_with_data(project: Path) -> Path:
     return project
 
 
+@pytest.fixture(scope="module")
+def template_store(tmp_path_factory) -> Path:
+    """An empty MLflow SQLite store, made once: creating one (its schema migrations) takes seconds."""
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path_factory.mktemp("store") / "template.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture()
+def store(template_store):
+    """`store(path)`: an empty MLflow store at `path` (a copy of the template); returns its URI."""
+
+    def make(path: Path) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(template_store, path)
+        return f"sqlite:///{path}"
+
+    return make
+
+
 def pytest_configure(config) -> None:
     """The suite's wall time, its slowest files and CI's time budget (tests/suitetimes.py), in the
     process that reports (not in pytest -n's workers)."""
