@@ -53,7 +53,7 @@ def main() -> None:
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).eval()
-    arc = REPO / "tests/data/downstream/olmes/arc_easy_rc_5shot"
+    arc = REPO / "tests/assets/downstream/olmes/arc_easy_rc_5shot"
     specs = {
         "builtin": DownstreamTask(format="builtin"),
         "arc_easy": DownstreamTask(

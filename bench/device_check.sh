@@ -5,7 +5,7 @@
 #        [--only PHASE,PHASE] [--cap PHASE=SECONDS ...] [--bench-args "..."]
 #   (--cpu-tiny: phase caps x3 and a 1200 s budget by default, for shared CI CPUs; --only runs those
 #   phases alone, --cap sets one phase's cap (not scaled), --bench-args adds gpu_bench.py flags:
-#   what tests/test_device_check.py uses to prove the caps cheaply)
+#   what tests/e2e/test_device_check.py uses to prove the caps cheaply)
 #
 # Writes to --out (default $OUT, else bench/results/device-check-<time>), at most 8 files, none deeper:
 #   env.json    torch, CUDA/ROCm, device, driver, which kernels and packages import
@@ -27,7 +27,7 @@
 # mlflow does not travel (its wheels and dependencies are over the carry limit): the runner runs with
 # --no-tracking here, and system metrics go to the run folder and run.json as always.
 # --cpu-tiny runs the same phases on a CPU with gpu-smoke's stand-in (experiments/gpu-smoke-cpu.yaml);
-# CI runs it (tests/test_device_check.py).
+# CI runs it (tests/e2e/test_device_check.py).
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -89,7 +89,7 @@ declare -A CAP=([wheels]=30 [env]=20 [bench-decisive]=150 [corpus]=15 [pytest-gp
 declare -A WHAT=([wheels]="omegaconf, pandera, liger-kernel from bench/wheels (only when missing)"
   [env]="torch, CUDA/ROCm, device, driver, kernels that import"
   [bench-decisive]="matmul ceiling; 1p3b recipe (whole-model compile, plain loss, bf16) with and without Liger"
-  [corpus]="runner data builtin" [pytest-gpu]="pytest -m gpu tests/test_gpu.py, 2 workers (1 without pytest-xdist)"
+  [corpus]="runner data builtin" [pytest-gpu]="pytest -m gpu tests/training/test_gpu.py, 2 workers (1 without pytest-xdist)"
   [memory-probe]="memory plan vs saved-tensor probe at gpu-smoke's shape"
   [launch-killed]="runner launch gpu-smoke, SIGKILLed in step $KILL_AT (checkpoint at 6)"
   [resume]="resume to step 16, one evaluation at the end" [audit]="runner audit of that run"
@@ -171,7 +171,7 @@ phase corpus 0 "$PY" -m runner data builtin
 # -n 2: pyproject's `-n auto` would start a worker (and a CUDA context) per core of the device
 # (without pytest-xdist on the device, its addopts would not parse: one process, addopts cleared)
 if "$PY" -c "import xdist" >/dev/null 2>&1; then WORKERS="-n 2"; else WORKERS="-o addopts="; fi
-phase pytest-gpu 0,5 bash -c "set -o pipefail; '$PY' -m pytest $WORKERS -m gpu tests/test_gpu.py -p no:cacheprovider -rfEs 2>&1 | tee '$WORK/pytest.txt'"
+phase pytest-gpu 0,5 bash -c "set -o pipefail; '$PY' -m pytest $WORKERS -m gpu tests/training/test_gpu.py -p no:cacheprovider -rfEs 2>&1 | tee '$WORK/pytest.txt'"
 phase memory-probe 0 "$PY" bench/memory_probe.py --experiment "$SMOKE" --micro-batches "$PROBE_MICRO" \
   --out "$OUT_DIR/probe.json"
 rm -rf "$RUN_DIR"

@@ -16,7 +16,7 @@ from pathlib import Path
 from runner.errors import EXIT_OK, RunnerError
 
 #: The environment `accelerate launch` derives from recipes/hardware/accelerate/fsdp2-Nx8.yaml
-#: (docs/MULTI_NODE.md, tested in tests/test_backends.py): under torchrun `Accelerator()` reads it.
+#: (docs/MULTI_NODE.md, tested in tests/training/test_accelerator.py): under torchrun `Accelerator()` reads it.
 FSDP2_ENV = {
     "ACCELERATE_USE_FSDP": "true",
     "FSDP_VERSION": "2",
@@ -60,7 +60,7 @@ def launch_env(cfg) -> dict[str, str]:
         "ACCELERATE_MIXED_PRECISION": accelerate_mixed_precision(cfg.hardware),
         # torchrun's restart (--max-restarts) re-forms the group only with a process-group store of
         # its own per round: the store shared with the rendezvous keeps the dead round's addresses
-        # (pytorch/pytorch#135712; seen with gloo on torch 2.13, tests/test_multinode.py).
+        # (pytorch/pytorch#135712; seen with gloo on torch 2.13, tests/e2e/test_multinode.py).
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
     if cfg.hardware.distributed == "fsdp":

@@ -1,0 +1,475 @@
+"""Recipes: every shipped file validates; each rule refuses a broken file naming its key."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from trainfixtures import check_pr, run_in_process
+
+from runner.cli import default_targets, validate_one
+from runner.config import load as config_load
+from runner.config.rules import global_batch_tokens, grad_accum, model_vocab_size, total_steps
+from runner.errors import RunnerError
+from runner.planning.resources import load_experiment  # with the rules that need FLOPs and peaks, as the CLI
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_shipped_recipe_and_experiment_validates():
+    targets = default_targets(REPO)
+    assert len(targets) >= 15
+    for path in targets:
+        validate_one(path)  # raises on any problem
+
+
+def edit(path: Path, fn) -> None:
+    data = yaml.safe_load(path.read_text())
+    fn(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _set(*keys_value):
+    *keys, value = keys_value
+
+    def fn(d):
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+
+    return fn
+
+
+def _del(*keys):
+    def fn(d):
+        for k in keys[:-1]:
+            d = d[k]
+        del d[keys[-1]]
+
+    return fn
+
+
+BROKEN = [
+    # (file to edit, edit, key expected in the message, words expected)
+    ("recipes/model/llama-tiny.yaml", _set("hiden_size", 64), "hiden_size", "did you mean 'hidden_size'"),
+    ("recipes/model/llama-tiny.yaml", _set("n_layers", "two"), "n_layers", "must be an integer"),
+    (
+        "recipes/model/llama-tiny.yaml",
+        _del("hidden_size"),
+        "recipes/model/llama-tiny.yaml: hidden_size",
+        "missing value",
+    ),
+    ("recipes/model/llama-tiny.yaml", _set("version", 2), "recipes.model", "names llama-tiny@1 but"),
+    (
+        "recipes/mixture/builtin-3dom.yaml",
+        _set("domains", "legal", "target_ratio", 0.2),
+        "recipes/mixture/builtin-3dom.yaml: domains",
+        "sum to 1.1",
+    ),
+    ("recipes/tokenizer/builtin-bpe-4k.yaml", _set("sha256", "ab" * 32), "tokenizer.sha256", "the recipe pins"),
+    (
+        "recipes/tokenizer/builtin-bpe-4k.yaml",
+        _set("vocab_size", 70_000),
+        "builtin-bpe-4k.yaml: token_dtype",
+        "use uint32",
+    ),
+    (
+        "experiments/cpu-tiny.yaml",
+        _set("train", "micro_batch_sequences", 5),
+        "train.micro_batch_sequences",
+        "does not divide",
+    ),
+    (
+        "experiments/cpu-tiny.yaml",
+        _set("train", "exposure_tokens", 307_201),
+        "train.exposure_tokens",
+        "not a whole number of global batches",
+    ),
+    ("experiments/cpu-tiny.yaml", _set("sed", 1), "sed", "did you mean 'seed'"),
+    (
+        "experiments/cpu-tiny.yaml",
+        _set("recipes", "model", "llama-tiyn@1"),
+        "recipes.model",
+        "did you mean 'llama-tiny'",
+    ),
+    ("experiments/cpu-tiny.yaml", _set("recipes", "model", "llama-tiny"), "recipes.model", "NAME@VERSION"),
+    (
+        "experiments/cpu-tiny.yaml",
+        _set("overrides", {"optim": {"lr": "${oc.env:LR}"}}),
+        "overrides.optim.lr",
+        "resolver",
+    ),
+    ("experiments/cpu-tiny.yaml", _set("overrides", {"model": {"_target_": "x.Y"}}), "_target_", "object paths"),
+    ("experiments/cpu-tiny.yaml", _set("overrides", {"model": {"n_heads": 3}}), "model.n_heads", "not divisible"),
+    (
+        "experiments/cpu-tiny.yaml",
+        _set("data", "manifests", "leagl", {"path": "x", "sha256": "0" * 64}),
+        "data.manifests.leagl",
+        "did you mean 'legal'",
+    ),
+    (
+        "recipes/mixture/builtin-3dom.yaml",
+        _set("domains", "legal", "max_repetition_ratio", 0.5),
+        "recipes/mixture/builtin-3dom.yaml: domains.legal.max_repetition_ratio",
+        ">= 1.0",
+    ),
+    ("recipes/hardware/cpu.yaml", _set("accelerator", "tpu"), "recipes/hardware/cpu.yaml: accelerator", "not one of"),
+    ("recipes/optim/adamw-tiny.yaml", _set("betas", [0.9]), "recipes/optim/adamw-tiny.yaml: betas", "two numbers"),
+]
+
+
+@pytest.mark.parametrize("rel, change, key, words", BROKEN, ids=[f"{b[2]}-{i}" for i, b in enumerate(BROKEN)])
+def test_broken_recipe_is_refused_naming_the_key(project: Path, rel, change, key, words):
+    edit(project / rel, change)
+    with pytest.raises(RunnerError) as err:
+        load_experiment(project / "experiments/cpu-tiny.yaml")
+    msg = str(err.value)
+    assert key in msg and words in msg, msg
+    first = next(l for l in msg.splitlines() if key in l)
+    assert first.split(": ")[0].endswith(".yaml"), first  # file first, then key
+
+
+def test_unknown_device_without_peak_is_refused(project: Path):
+    edit(project / "recipes/hardware/h200.yaml", _set("device_name", "Z9000"))
+    with pytest.raises(RunnerError, match="recipes/hardware/h200.yaml: device_name.*Z9000.*never another device"):
+        load_experiment(project / "experiments/1p3b.yaml")
+
+
+def test_a_model_whose_training_state_cannot_fit_is_refused_by_the_planning_rules(project: Path):
+    edit(project / "recipes/hardware/h200.yaml", _set("memory_gib", 8))
+    with pytest.raises(RunnerError, match=r"1p3b.yaml: model: 1,[0-9,]+ parameters need [0-9.,]+ GiB per device.*is 8"):
+        load_experiment(project / "experiments/1p3b.yaml")
+    # config's own loader judges what config alone can: FLOPs and peaks are planning's (config imports below it)
+    assert config_load.load_experiment(project / "experiments/1p3b.yaml").config.hardware.memory_gib == 8
+    # `runner pin` hands pin the same rules: it refuses before computing any pin
+    from runner.data.pin import pin_experiment
+    from runner.planning.resources import RULES
+
+    with pytest.raises(RunnerError, match="parameters need"):
+        pin_experiment(project / "experiments/1p3b.yaml", write=False, resources=RULES)
+
+
+def test_cli_refuses_with_one_line_per_problem_and_exit_2(project: Path):
+    edit(project / "experiments/cpu-tiny.yaml", _set("train", "exposure_tokens", 307_201))
+    out = run_in_process(project, ["validate", "experiments/cpu-tiny.yaml"], dict(os.environ))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip() == (
+        "error: experiments/cpu-tiny.yaml: train.exposure_tokens: 307,201 is not a whole "
+        "number of global batches of 2,048 tokens (16 x 128): use 307,200 or 309,248"
+    )
+
+
+def test_fingerprint_ignores_key_order_and_labels_but_not_values(project: Path):
+    base = load_experiment(project / "experiments/cpu-tiny.yaml").fingerprint
+    path = project / "recipes/model/llama-tiny.yaml"
+    data = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump(dict(reversed(list(data.items()))), sort_keys=False))
+    assert load_experiment(project / "experiments/cpu-tiny.yaml").fingerprint == base
+    edit(project / "experiments/cpu-tiny.yaml", _set("description", "reworded"))
+    assert load_experiment(project / "experiments/cpu-tiny.yaml").fingerprint == base
+    edit(project / "experiments/cpu-tiny.yaml", _set("overrides", {"optim": {"lr": 0.001}}))
+    assert load_experiment(project / "experiments/cpu-tiny.yaml").fingerprint != base
+
+
+def test_two_files_resolving_to_the_same_config_share_the_fingerprint(project: Path):
+    a = load_experiment(project / "experiments/cpu-tiny.yaml")
+    data = yaml.safe_load((project / "experiments/cpu-tiny.yaml").read_text())
+    data["name"] = "cpu-tiny-copy"
+    data["overrides"] = {
+        "model": {"n_layers": a.config.model.n_layers},
+        "eval": {"micro_batch_sequences": "${train.global_batch_sequences}"},
+    }
+    assert a.config.eval.micro_batch_sequences == a.config.train.global_batch_sequences
+    (project / "experiments/cpu-tiny-copy.yaml").write_text(yaml.safe_dump(data))
+    assert load_experiment(project / "experiments/cpu-tiny-copy.yaml").fingerprint == a.fingerprint
+
+
+def test_base_experiment_composes(project: Path):
+    exp = load_experiment(project / "experiments/1p3b-mi300x.yaml")
+    base = load_experiment(project / "experiments/1p3b.yaml")
+    assert exp.config.hardware.device_name == "MI300X"
+    assert exp.config.train.micro_batch_sequences == 16
+    assert exp.config.model == base.config.model
+    assert exp.fingerprint != base.fingerprint
+    assert grad_accum(exp.config) == 32
+
+
+#: Fingerprints of the shipped experiments. A code change (schema defaults, loading, canonical form)
+#: that moves one silently changes what every saved run of that experiment means; recipe edits are
+#: check-pr's to catch, code edits this test's. (1p3b@2 names its Hub tokenizer and FineWeb-Edu source: what a run
+#: reads is part of what it trains, so those five moved with that recipe change, not with code.)
+SHIPPED_FINGERPRINTS = {
+    "1p3b-1x8-ddp.yaml": "6db63a33a92b4436a72173dac935dead26a577ea59c6cdf7555277277eb7011f",
+    "1p3b-1x8-fsdp.yaml": "a786c0f645e6d1adbcc95b029d13e025cb737a88aa87f63e5a8f124512f101fe",
+    "1p3b-4x8-fsdp.yaml": "a9cddd971d065508584133b0ef2f3d6e40ea76dbae0a56f4bcfa75edbbfc613b",
+    "1p3b-mi300x.yaml": "723e98c76a26ca595e5154f0cc85fab808443fe32d1ce53c10d61c2ad108051b",
+    "1p3b.yaml": "d451b5bdd485a300fcc755b92193856231bba2a8e018c550a17aa886ce423ba4",
+    "cpu-tiny-fsdp.yaml": "44dd4132a8054a99c8062b5cfc8e99da0992ca39819da950d5e2ae7c9ed7e355",
+    "cpu-tiny.yaml": "4f70b16fe06fec74b7cd229c09683bf5eb96022517ab5cca3a4d29ac512799b4",
+    "cpu-tiny-lr.yaml": "f2c4f6a7e9c445a4def58032699e185cef5cbd7e5f71cb57d8d09a174fc665f0",
+    "cpu-tiny-moe.yaml": "9aa0f50c2f9affa70f230d470d754ec44c0cf4f6fd625268f5ff974b0a099125",
+    "olmoe-1b-7b.yaml": "f278785c132e8cee8dacc5c9dac1dd0cab982769476f6b9d8f6a20db2264be5d",
+    "gpu-smoke.yaml": "833fef114ea040d464aaf51bd36545cdc0c618c68e5d79c5f3df992c66aaf999",  # v2: 16 steps (issue 21)
+    "gpu-smoke-cpu.yaml": "156e579cd9b8a3d9520ceccba9e92e402c9e1a875e4fe793454b7aa455fde944",  # v2: 16 steps
+    "gpu-smoke-liger.yaml": "4fc59a335ee13b9ba91520b21abc253309b17ba11fed7f6a3a922d101ce315d4",  # gpu-smoke@2
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_FINGERPRINTS))
+def test_shipped_experiment_fingerprints_are_unchanged(name):
+    assert load_experiment(REPO / "experiments" / name).fingerprint == SHIPPED_FINGERPRINTS[name]
+
+
+def test_shipped_1p3b_is_the_seed_run():
+    exp = load_experiment(REPO / "experiments/1p3b.yaml")
+    c = exp.config
+    assert (c.model.hidden_size, c.model.n_layers, c.train.seq_len) == (2048, 24, 2048)
+    assert abs(c.train.exposure_tokens - 26e9) < 1e-3 * 26e9
+    assert total_steps(c) * global_batch_tokens(c) == c.train.exposure_tokens
+    assert model_vocab_size(c) == 50304
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _version(path: Path) -> int:
+    return yaml.safe_load(path.read_text())["version"]
+
+
+@pytest.mark.slow
+def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(project: Path):
+    _git(project, "init", "-q", "-b", "main")
+    _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")
+    assert check_pr(project).returncode == 0
+
+    edit(project / "recipes/optim/adamw-tiny.yaml", _set("lr", 0.002))  # changed, not bumped
+    out = check_pr(project)
+    assert out.returncode == 2
+    assert "recipes/optim/adamw-tiny.yaml: version: changed since main but its version was not bumped" in out.stderr
+
+    edit(project / "recipes/optim/adamw-tiny.yaml", _set("version", 2))  # bumped: the experiment must follow
+    out = check_pr(project)
+    assert out.returncode == 2 and "experiments/cpu-tiny.yaml: recipes.optim: names adamw-tiny@1" in out.stderr
+
+    edit(project / "experiments/cpu-tiny.yaml", _set("recipes", "optim", "adamw-tiny@2"))
+    smoke = project / "experiments/gpu-smoke-cpu.yaml"  # the other experiment that names adamw-tiny
+    edit(smoke, _set("recipes", "optim", "adamw-tiny@2"))
+    edit(smoke, _set("version", _version(smoke) + 1))
+    out = check_pr(project)
+    assert out.returncode == 2 and "experiments/cpu-tiny.yaml: version: changed" in out.stderr
+
+    v = _version(project / "experiments/cpu-tiny.yaml")
+    edit(project / "experiments/cpu-tiny.yaml", _set("version", v + 1))  # its dependants must follow in turn
+    out = check_pr(project)
+    assert out.returncode == 2
+    assert (
+        f"experiments/cpu-tiny-fsdp.yaml: base: names cpu-tiny@{v} but experiments/cpu-tiny.yaml is version {v + 1}"
+        in out.stderr
+    )
+
+    for dependant in ("cpu-tiny-fsdp", "cpu-tiny-lr", "cpu-tiny-moe"):
+        path = project / f"experiments/{dependant}.yaml"
+        edit(path, _set("base", f"cpu-tiny@{v + 1}"))
+        edit(path, _set("version", _version(path) + 1))
+    out = check_pr(project)
+    assert out.returncode == 0, out.stderr
+    assert "meaning changed: experiments/cpu-tiny.yaml" in out.stdout
+    assert "meaning changed: experiments/cpu-tiny-fsdp.yaml" in out.stdout
+
+
+@pytest.mark.slow
+def test_check_pr_catches_meaning_change_through_a_base_experiment(project: Path):
+    _git(project, "init", "-q", "-b", "main")
+    _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")
+    edit(
+        project / "experiments/1p3b.yaml",
+        lambda d: (d.update(version=3), d["train"].update(log_interval_steps=5), d.update(seed=7)),
+    )
+    edit(project / "experiments/1p3b-mi300x.yaml", _set("base", "1p3b@3"))
+    out = check_pr(project)
+    assert "experiments/1p3b-mi300x.yaml: version: changed" in out.stderr
+
+
+@pytest.mark.slow
+def test_check_pr_and_validate_cover_pilot_experiments_in_subfolders(project: Path):
+    pilots = project / "experiments/pilots"
+    pilots.mkdir()
+    v = _version(project / "experiments/cpu-tiny.yaml")
+    (pilots / "cpu-tiny-pilot-a.yaml").write_text(
+        f"name: cpu-tiny-pilot-a\nversion: 1\ndescription: a pilot\nbase: cpu-tiny@{v}\n"
+        "train: {exposure_tokens: 40960, max_duration_tokens: 40960}\n"
+    )
+    assert pilots / "cpu-tiny-pilot-a.yaml" in default_targets(project)
+    _git(project, "init", "-q", "-b", "main")
+    _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(project, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")
+    edit(pilots / "cpu-tiny-pilot-a.yaml", _set("train", "exposure_tokens", 81920))  # changed, not bumped
+    out = check_pr(project)
+    assert out.returncode == 2
+    assert (
+        "experiments/pilots/cpu-tiny-pilot-a.yaml: version: changed since main but its version was not bumped"
+        in out.stderr
+    )
+    edit(pilots / "cpu-tiny-pilot-a.yaml", _set("version", 2))
+    edit(project / "experiments/cpu-tiny.yaml", _set("version", v + 1))  # the pilot's base moves on under it
+    out = check_pr(project)
+    assert out.returncode == 2
+    assert f"experiments/pilots/cpu-tiny-pilot-a.yaml: base: names cpu-tiny@{v} but" in out.stderr
+
+
+def test_every_problem_in_a_file_is_listed_at_once(project: Path):
+    edit(
+        project / "experiments/cpu-tiny.yaml",
+        lambda d: d["train"].update(seq_len="abc", global_batch_sequences=16.5, exposur_tokens=1),
+    )
+    with pytest.raises(RunnerError) as err:
+        load_experiment(project / "experiments/cpu-tiny.yaml")
+    lines = str(err.value).splitlines()
+    assert any("train.seq_len: must be an integer, got 'abc'" in l for l in lines)
+    assert any("train.global_batch_sequences: must be an integer, got 16.5" in l for l in lines)
+    assert any("train.exposur_tokens: unknown key (did you mean 'exposure_tokens'?)" in l for l in lines)
+
+
+def test_a_hash_yaml_reads_as_a_number_is_told_to_be_quoted(project: Path):
+    path = project / "experiments/cpu-tiny.yaml"
+    text = path.read_text()
+    pinned = yaml.safe_load(text)["data"]["manifests"]["code"]["sha256"]
+    path.write_text(text.replace(pinned, "1" * 64))
+    with pytest.raises(RunnerError, match=r"data.manifests.code.sha256: must be a string, got 1+ \(quote it"):
+        load_experiment(path)
+
+
+def test_experiment_name_must_match_its_file(project: Path):
+    edit(project / "experiments/cpu-tiny.yaml", _set("name", "cpu-small"))
+    with pytest.raises(RunnerError, match="experiments/cpu-tiny.yaml: name: 'cpu-small' differs from the file name"):
+        load_experiment(project / "experiments/cpu-tiny.yaml")
+
+
+def _validate(project: Path, *paths: str) -> subprocess.CompletedProcess:
+    return run_in_process(project, ["validate", *paths], dict(os.environ))
+
+
+@pytest.mark.slow
+def test_validate_checks_data_pins_present_on_this_machine(project_with_data: Path):
+    assert _validate(project_with_data, "experiments/cpu-tiny.yaml").returncode == 0
+    edit(project_with_data / "experiments/cpu-tiny.yaml", _set("data", "manifests", "prose", "sha256", "ab" * 32))
+    out = _validate(project_with_data, "experiments/cpu-tiny.yaml")
+    assert out.returncode == 2
+    assert "data/builtin/prose/manifest.json: data.manifests.prose.sha256: manifest sha256 is" in out.stderr
+
+
+def test_validate_refuses_a_manifest_made_with_another_tokenizer(project_with_data: Path):
+    from runner.data.manifest import write_manifest
+
+    mpath = project_with_data / "data/builtin/legal/manifest.json"
+    fields = json.loads(mpath.read_text())
+    fields["tokenizer_sha256"] = "cd" * 32
+    sha = write_manifest(mpath, fields)
+    edit(project_with_data / "experiments/cpu-tiny.yaml", _set("data", "manifests", "legal", "sha256", sha))
+    out = _validate(project_with_data, "experiments/cpu-tiny.yaml")
+    assert (
+        out.returncode == 2
+        and "experiments/cpu-tiny.yaml: data.manifests.legal: data/builtin/legal/manifest.json was tokenized with tokenizer cdcdcdcdcdcd"
+        in out.stderr
+    )
+
+
+@pytest.mark.slow
+def test_validate_refuses_an_infeasible_mixture(project_with_data: Path):
+    edit(project_with_data / "recipes/mixture/builtin-3dom.yaml", _set("domains", "legal", "max_repetition_ratio", 1.0))
+    out = _validate(project_with_data, "experiments/cpu-tiny.yaml")
+    assert out.returncode == 2
+    assert "experiments/cpu-tiny.yaml: mixture.domains.legal.max_repetition_ratio: mixture infeasible" in out.stderr
+
+
+def test_the_config_is_typed_frozen_and_saves_as_before():
+    from dataclasses import FrozenInstanceError
+
+    from runner.config.load import experiment_from_dict, to_yaml
+    from runner.config.schema import DomainRecipe, ExperimentSchema, ModelRecipe
+
+    exp = load_experiment(REPO / "experiments/cpu-tiny.yaml")
+    cfg = exp.config
+    assert isinstance(cfg, ExperimentSchema) and isinstance(cfg.model, ModelRecipe)
+    assert isinstance(cfg.mixture.domains["code"], DomainRecipe)
+    assert isinstance(cfg.model.rope_theta, float) and isinstance(cfg.train.seq_len, int)
+    with pytest.raises(FrozenInstanceError):
+        cfg.train.seq_len = 64  # type: ignore[misc]
+    # What a run folder saves (experiment.yaml) reads back to the same config and fingerprint.
+    saved = exp.to_container()
+    assert list(saved) == ["name", "version", "description", "seed", "recipes", "tokenizer", "mixture", "model"] + [
+        "optim",
+        "hardware",
+        "eval",
+        "train",
+        "data",
+        "plan",
+        "export",  # operational (issue 23): saved with the run, never in the fingerprint
+    ]
+    again = experiment_from_dict(yaml.safe_load(to_yaml(cfg)))
+    assert again.config == cfg and again.fingerprint == exp.fingerprint == SHIPPED_FINGERPRINTS["cpu-tiny.yaml"]
+
+
+def test_published_reports_read_back_through_the_schema_to_their_recorded_fingerprint():
+    from runner.config.load import load_saved_experiment
+
+    saved = sorted(REPO.glob("reports/*/*/experiment.yaml"))
+    assert saved
+    for path in saved:
+        recorded = json.loads((path.parent / "run.json").read_text())["fingerprint"]
+        assert load_saved_experiment(path).fingerprint == recorded, path
+
+
+def test_a_choice_is_refused_where_recipe_and_overrides_meet(project: Path):
+    edit(project / "experiments/cpu-tiny.yaml", _set("overrides", {"optim": {"schedule": "cosin"}}))
+    with pytest.raises(RunnerError) as err:
+        load_experiment(project / "experiments/cpu-tiny.yaml")
+    assert str(err.value).endswith(
+        "experiments/cpu-tiny.yaml: optim.schedule: 'cosin' is not one of cosine, wsd, constant (did you mean 'cosine'?)"
+    )
+    assert "\n" not in str(err.value)
+
+
+def test_each_section_validates_its_own_values_naming_the_key():
+    from runner.config.schema import HardwareRecipe, ModelRecipe, TrainSection
+    from runner.errors import Problems
+
+    problems = Problems()
+    ModelRecipe(version=1, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=3, intermediate_size=128).validate(
+        problems, "m.yaml", "model"
+    )
+    HardwareRecipe(version=1, accelerator="cpu", precision="bf16", peak_tflops=None).validate(
+        problems, "m.yaml", "hardware"
+    )
+    TrainSection(
+        seq_len=16, global_batch_sequences=4, micro_batch_sequences=2, exposure_tokens=640, hard_stop_tokens=1024
+    ).validate(problems, "m.yaml", "train")
+    assert problems.lines == [
+        "m.yaml: model.n_kv_heads: n_heads 4 is not divisible by n_kv_heads 3",
+        "m.yaml: hardware.cpu_peak: a CPU has no datasheet peak: state peak_tflops, or set cpu_peak: theoretical | measured",
+        "m.yaml: hardware.precision: CPU training runs in fp32",
+        "m.yaml: train.hard_stop_tokens: must be in (0, exposure_tokens], got 1,024",
+    ]
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    # `runner show experiments/x.yaml | head -1`: the pipe closes before runner has written.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "show", "experiments/1p3b.yaml"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 0 and err == "", err

@@ -1,0 +1,68 @@
+"""Built-in data: offline, fast, byte-identical on every run and machine, every reader exercised."""
+
+from __future__ import annotations
+
+import gzip
+import time
+from pathlib import Path
+
+import yaml
+from datafixtures import run_cli
+
+from runner.data.builtin.build import ASSETS, TOKENIZER_PATH, build_builtin
+from runner.data.manifest import load_manifest
+from runner.data.pool import Pool
+from runner.data.tokenizer import tokenizer_info
+from runner.fsio import sha256_file
+
+# The values the shipped recipes pin: a build that no longer reproduces them breaks the CPU experiment.
+_REPO = Path(__file__).resolve().parents[2]
+TOKENIZER_RECIPE = yaml.safe_load((_REPO / "recipes/tokenizer/builtin-bpe-4k.yaml").read_text())
+TOKENIZER_SHA256 = TOKENIZER_RECIPE["sha256"]
+MANIFEST_SHA256 = {
+    d: pin["sha256"]
+    for d, pin in yaml.safe_load((_REPO / "experiments/cpu-tiny.yaml").read_text())["data"]["manifests"].items()
+}
+
+
+def test_shipped_tokenizer_matches_its_recipe():
+    recipe = TOKENIZER_RECIPE
+    assert sha256_file(TOKENIZER_PATH) == recipe["sha256"] == TOKENIZER_SHA256
+    assert tokenizer_info(TOKENIZER_PATH) == {k: recipe[k] for k in ("sha256", "vocab_size", "eos_id", "token_dtype")}
+    assert recipe["vocab_size"] == 4096 and recipe["path"] == "runner/builtin/assets/tokenizer.json"
+
+
+def test_snapshot_is_small_and_has_no_gzip_timestamp():
+    assert sum(p.stat().st_size for p in ASSETS.iterdir() if p.name != "tokenizer.json") < 1_500_000
+    for name in ("prose.jsonl.gz", "legal.jsonl.gz"):
+        header = (ASSETS / name).read_bytes()[:10]
+        assert header[4:8] == b"\0\0\0\0"  # MTIME field
+        assert gzip.decompress((ASSETS / name).read_bytes())
+
+
+def test_two_builds_are_identical_fast_and_pinned(tmp_path):
+    start = time.monotonic()
+    first = build_builtin(tmp_path / "a")
+    second = build_builtin(tmp_path / "b")
+    assert time.monotonic() - start < 60  # two builds; one is < 30 s
+    assert {d: sha for d, (_, sha) in first.items()} == {d: sha for d, (_, sha) in second.items()}
+    assert {d: sha for d, (_, sha) in first.items()} == MANIFEST_SHA256
+    for domain, (path, _sha) in first.items():
+        assert path == tmp_path / "a" / domain / "manifest.json"
+        assert path.read_bytes() == (tmp_path / "b" / domain / "manifest.json").read_bytes()
+
+
+def test_builtin_domains_use_every_reader_and_legal_is_small(tmp_path, capsys):
+    assert run_cli("data", "builtin", "--out", str(tmp_path)) == 0
+    printed = capsys.readouterr().out
+    manifests = {
+        d: load_manifest(tmp_path / d / "manifest.json", MANIFEST_SHA256[d], verify="full") for d in MANIFEST_SHA256
+    }
+    assert all(MANIFEST_SHA256[d] in printed for d in manifests)
+    kinds = {d: {s["kind"] for s in m.data["sources"]} for d, m in manifests.items()}
+    assert kinds == {"code": {"parquet"}, "prose": {"jsonl"}, "legal": {"text"}}
+    assert all(m.data["validation"]["fraction"] == 0.05 and m.validation_tokens > 0 for m in manifests.values())
+    assert manifests["legal"].pool_tokens * 5 < manifests["prose"].pool_tokens < manifests["code"].pool_tokens
+    assert len(manifests["code"].shards) > 1
+    code = Pool(manifests["code"])
+    assert code.read(0, code.tokens)[-1] == manifests["code"].eos_id

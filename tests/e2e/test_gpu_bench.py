@@ -1,0 +1,233 @@
+"""bench/gpu_bench.py at its --cpu-tiny size: the JSON it writes, rows for failures, the budget."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from timeouts import SUBPROCESS_TIMEOUT_S
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_bench"] = module  # dataclasses resolve annotations through sys.modules
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("gpu_bench", None)
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    """One standalone run, as a user would start it (a subprocess, not an import)."""
+    out = tmp_path_factory.mktemp("bench") / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-tiny", "--out", str(out), "--budget-s", "90", "--matmul-s", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.slow
+def test_json_records_when_where_and_how(tiny_result):
+    result, stdout = tiny_result
+    assert result["mode"] == "cpu-tiny" and result["date"]
+    for key in ("device_name", "torch_version", "driver", "transformers_version"):
+        assert key in result["device"]
+    assert result["device"]["torch_version"] == str(torch.__version__)
+    assert result["matmul"]["best_tflops"] > 0 and result["matmul"]["best_tflops"] >= result["matmul"]["median_tflops"]
+    assert result["flops_formula"].startswith("6N+attn") and result["convention"]["params_counted"] == "non_embedding"
+    assert result["elapsed_seconds"] <= result["budget_seconds"]
+    assert "variant" in stdout and "wrote" in stdout  # the table was printed
+
+
+@pytest.mark.slow
+def test_measured_rows_are_consistent(tiny_result):
+    result, _ = tiny_result
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    assert {r["variant"].split()[0] for r in ok} >= {"plain", "chunked-ce"}  # the first rungs always run
+    for r in ok:
+        shape = result["smoke_shape"] if r["shape"] == "smoke" else result["model_shape"]
+        fpt = result["smoke_flops_per_token"] if r["shape"] == "smoke" else result["flops_per_token"]
+        assert r["steps_timed"] >= 1 and r["tokens_per_second"] > 0
+        tokens_per_step = r["micro_batch"] * shape["seq_len"]
+        assert r["tokens_per_second"] == pytest.approx(tokens_per_step / r["step_seconds"])
+        assert r["model_tflops"] == pytest.approx(fpt * r["tokens_per_second"] / 1e12)
+        assert r["mfu"] is None  # a CPU has no datasheet peak: never borrow a GPU's
+        assert r["planned_memory_gib"] > 0  # the memory plan's figure beside the measurement
+
+
+@pytest.mark.slow
+def test_the_ladder_and_the_smoke_row(tiny_result):
+    result, _ = tiny_result
+    names = [r["variant"] for r in result["rows"]]
+    # what decides first (1p3b's own settings, with and without Liger), then the ladder
+    assert names[:5] == ["1p3b recipe mb2", "1p3b recipe liger mb2", "plain mb2", "liger mb2", "chunked-ce mb2"]
+    assert result["complete"] is True and result["part"] == "all"
+    smoke = next(r for r in result["rows"] if r["shape"] == "smoke")
+    # the CPU stand-in's own settings, as runner launch runs them: chunked loss, fp32, auto micro batch
+    assert smoke["variant"].startswith("gpu-smoke-cpu settings") and smoke["cross_entropy"] == "chunked"
+    assert smoke["autocast_bf16"] is False and smoke["micro_batch"] == result["smoke_micro_batch"]
+    assert result["smoke_shape"]["vocab_size"] == 4096 and result["smoke_shape"]["seq_len"] == 64
+
+
+@pytest.mark.slow
+def test_unavailable_backends_and_skipped_compile_are_rows(tiny_result):
+    result, _ = tiny_result
+    by_name = {r["variant"].split()[0]: r for r in result["rows"]}
+    assert by_name["liger"]["status"] == "unavailable" and "CUDA or ROCm" in by_name["liger"]["detail"]
+    assert {r["status"] for r in result["rows"] if r["compile"] != "none"} == {"skipped"}
+    for name, why in (("sdpa-efficient", "efficient"), ("fa3", "flash_attention_3")):
+        assert by_name[name]["status"] in ("unavailable", "skipped")  # skipped when the budget ran out first
+        assert by_name[name]["status"] == "skipped" or why in by_name[name]["detail"]
+
+
+def test_oom_becomes_a_row_not_a_crash(bench, monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+
+    monkeypatch.setattr(bench, "build_model", lambda shape, v, device: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(bench, "train_step", oom)
+    row = bench.run_variant(
+        bench.Variant("sdpa-flash mb1", 1),
+        bench.TINY_SHAPE,
+        torch.device("cpu"),
+        deadline=float("inf"),
+        warmup_steps=1,
+        timed_steps=1,
+        fpt=1.0,
+        peak_tflops=None,
+        ceiling_tflops=None,
+    )
+    assert row.status == "oom" and "out of memory" in row.detail and row.tokens_per_second is None
+
+
+def test_spent_budget_skips_variants(bench, tmp_path):
+    result = bench.run(bench.parse_args(["--cpu-tiny", "--budget-s", "0.2", "--out", str(tmp_path / "r.json")]))
+    statuses = {r["status"] for r in result["rows"]}
+    assert statuses == {"skipped"} and any("budget" in r["detail"] for r in result["rows"])
+
+
+@pytest.mark.parametrize(
+    "name,arch,peak",
+    [
+        ("NVIDIA H200", "sm_90", 989.4),
+        ("AMD Instinct MI300X", "gfx942", 1307.4),
+        ("", "gfx942", 1307.4),
+        ("NVIDIA H100 PCIe", "sm_90", None),
+        ("NVIDIA RTX 4090", "sm_89", None),
+    ],
+)
+def test_peak_is_the_datasheet_figure_or_none(bench, name, arch, peak):
+    assert bench.datasheet_peak(name, arch)[0] == peak
+
+
+def test_1p3b_flops_formula(bench):
+    fpt, n, formula = bench.flops_per_token(bench.DEFAULT_SHAPE)
+    # 24 x (4 x 2048^2 + 3 x 2048 x 5504 + 2 x 2048) + 2048 + 50,304 x 2048 (head; embedding excluded)
+    assert n == 24 * (4 * 2048**2 + 3 * 2048 * 5504 + 2 * 2048) + 2048 + 50304 * 2048
+    assert fpt == 6 * n + 12 * 24 * 2048 * 2048
+    assert f"{n:,}" in formula
+
+
+def test_shape_comes_from_the_experiment_when_readable(bench, tmp_path):
+    shape, source = bench.load_shape(ROOT / "experiments" / "1p3b.yaml")
+    assert (shape["hidden_size"], shape["n_layers"], shape["seq_len"]) == (2048, 24, 2048)
+    assert shape["vocab_size"] % 64 == 0
+    _, fallback = bench.load_shape(tmp_path / "missing.yaml")
+    assert fallback.startswith("built-in 1p3b defaults")
+
+
+@pytest.mark.slow  # 4-6 s: out of the fast subset (under 2 minutes)
+def test_a_hung_warm_up_is_cut_at_the_variant_time_box(bench, monkeypatch):
+    """A compile that never ends (here: a step that never returns) becomes a `timeout` row at the box."""
+    import time
+
+    def hang(*args, **kwargs):
+        while True:  # Python between kernels, as compile runs: where the alarm's exception lands
+            time.sleep(0.01)
+
+    monkeypatch.setattr(bench, "build_model", lambda shape, v, device: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(bench, "train_step", hang)
+    torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), fused=True)  # its first use imports for seconds
+    t0 = time.perf_counter()
+    row = bench.run_variant(
+        bench.Variant("compile-regional mb1", 1),
+        bench.TINY_SHAPE,
+        torch.device("cpu"),
+        deadline=time.perf_counter() + 2,
+        warmup_steps=1,
+        timed_steps=1,
+        fpt=1.0,
+        peak_tflops=None,
+        ceiling_tflops=None,
+    )
+    assert row.status == "timeout" and row.detail.startswith("warm-up (compile) passed the variant's time box")
+    assert time.perf_counter() - t0 < 60  # the box (2 s + 1 s grace), not the hang
+
+
+@pytest.mark.slow
+def test_a_bench_killed_at_its_cap_leaves_its_rows_and_the_table_reads_them(tmp_path):
+    """SIGKILL (what `timeout` sends at a phase's cap) after the first measured row: bench.json holds
+    every row so far, valid JSON marked incomplete, and device_table builds the table from it."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    bench_json = out / "bench.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--cpu-tiny", "--out", str(bench_json), "--budget-s", "600"]
+        + ["--matmul-s", "0.2", "--variant-s", "600"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    rows: list = []
+    t0 = time.monotonic()
+    while (
+        not any(r["status"] == "ok" for r in rows)
+        and proc.poll() is None
+        and time.monotonic() - t0 < SUBPROCESS_TIMEOUT_S
+    ):
+        with contextlib.suppress(FileNotFoundError):  # replaced atomically: each read is one whole document
+            rows = json.loads(bench_json.read_text())["rows"]
+        time.sleep(0.05)
+    still_running = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert still_running, proc.stderr.read()[-2000:]  # killed mid-ladder, not after it ended
+    result = json.loads(bench_json.read_text())
+    assert result["complete"] is False and len(result["rows"]) >= 3
+    assert [r["variant"] for r in result["rows"][:3]] == ["1p3b recipe mb2", "1p3b recipe liger mb2", "plain mb2"]
+    assert result["matmul"]["best_tflops"] > 0
+    work = tmp_path / "work"
+    work.mkdir()
+    table = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "device_table.py"), "table", "--out", str(out), "--work", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        cwd=ROOT,
+    )
+    assert table.returncode == 0, table.stderr[-2000:]
+    text = (out / "table.md").read_text()
+    assert f"partial: the bench stopped after {len(result['rows'])} rows" in text
+    assert all(f"| {r['variant']} |" in text for r in result["rows"])

@@ -1,0 +1,56 @@
+"""`.ci/run`: the device-version subset it names is real (each file exists and holds fast tests, so
+its pytest never collects nothing: exit 5), and the pins are the GPU image's set (issue 21)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = (ROOT / ".ci" / "run").read_text()
+
+
+def _array(name: str) -> list[str]:
+    body = re.search(rf"^{name}=\((.*?)\)$", SCRIPT, re.S | re.M)
+    assert body, f".ci/run defines no {name}=(...)"
+    return shlex.split(body.group(1))
+
+
+def _is_slow(node: ast.AST) -> bool:
+    return any("slow" in ast.unparse(d) for d in getattr(node, "decorator_list", []))
+
+
+def test_the_device_subset_names_files_with_fast_tests():
+    files = _array("DEVICE_TESTS")
+    assert len(files) >= 8
+    for name in files:
+        tree = ast.parse((ROOT / name).read_text())
+        assert not any("pytestmark" in ast.unparse(n) and "slow" in ast.unparse(n) for n in tree.body), name
+        fast = [
+            n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_") and not _is_slow(n)
+        ]
+        assert fast, f"{name} has no test outside -m slow: the device-version run would skip it"
+    # model, training, checkpoint, fetch and Hub code: the files the issue names are all in
+    for must in (
+        "training/test_model.py",
+        "training/test_train.py",
+        "training/test_checkpoint.py",
+        "data/test_fetch.py",
+    ):
+        assert f"tests/{must}" in files
+    assert "tests/training/test_loss.py" in files
+
+
+def test_the_pins_are_the_gpu_images_versions():
+    pins = dict(p.split("==") for p in _array("DEVICE_PINS"))
+    assert pins["transformers"] == "5.17.0" and pins["huggingface_hub"] == "1.33.*"
+    assert (pins["accelerate"], pins["tokenizers"], pins["safetensors"]) == ("1.15.0", "0.23.2", "0.8.0")
+    assert "httpx" in pins  # what huggingface_hub 1.x speaks (2.x: httpx2, in the environment already)
+
+
+def test_ci_runs_the_readme_command_in_a_fresh_environment_and_fails_on_either_run():
+    assert 'rm -rf "$VENV"' in SCRIPT and '"$PY" -m venv "$VENV"' in SCRIPT
+    assert "./install.sh && python -m pytest\n  main_rc=$?" in SCRIPT
+    assert SCRIPT.rstrip().endswith('[ "$main_rc" -ne 0 ] && exit "$main_rc"\nexit "$device_rc"')
