@@ -299,9 +299,7 @@ def _resume(run: _Run) -> None:
         ledger.load_state_dict(ledger_state)
         if run.experts is not None:
             run.experts.load_state_dict(ledger_state, str(ckpt.path))
-        if state.rng is None:
-            raise RunnerError(f"checkpoint {ckpt.path.name} holds no RNG state", file=str(ckpt.path / "state.json"))
-        set_rng_state(state.rng)
+        set_rng_state(ckpt.state["rng"])  # every format has it: its absence is a bug, and fails the attempt
         run.start_step = ckpt.step
         run.clock.load_state_dict(state.clock)
         run.say(f"resuming from {ckpt.path.name} (step {run.start_step})")
