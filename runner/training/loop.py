@@ -402,7 +402,7 @@ def _system_metrics(run: _Run, tracker: Tracker | None) -> SystemMetricsCallback
 
 def _train_step(run: _Run, step: int) -> _Step:
     """Forward/backward of one global batch; each micro step's processed work is journaled as it is
-    spent (long: the micro-step loop is the hot path, kept in one frame)."""
+    spent. The micro-step loop is the hot path: it stays in one frame."""
     acc, data, model, opts = run.acc, run.data, run.model, run.opts
     assert run.batches is not None  # made before the first step
     host = run.batches.get(step)
