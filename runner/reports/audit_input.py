@@ -8,6 +8,7 @@ runner.reports.audit's `load_input` and `replay_input`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ class AuditInput:
     def has_run_json(self) -> bool:
         return bool(self.run)
 
-    @property
+    @functools.cached_property
     def record(self) -> RunJson:
         """run.json typed (runner.training.runjson: the older formats' defaults); empty when there is none."""
         return as_record(self.run) if self.run else RunJson()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import errno
+import functools
 import json
 import os
 import random
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from runner.config.schema import CheckpointSection
 from runner.errors import RunnerError
 from runner.fsio import fsync_dir, fsync_file, sha256_file
+from runner.training.clock import RunClock
 
 MARKER = "COMPLETE"
 FORMAT = 3
@@ -198,13 +200,11 @@ class CheckpointState:
     mlflow_run_id: str | None = None
     clock: dict = field(default_factory=dict)  #: step_seconds_total, device_step_seconds_total, world_size
 
-    CLOCK_KEYS = ("step_seconds_total", "device_step_seconds_total", "world_size")
-
     @classmethod
     def from_dict(cls, state: dict) -> CheckpointState:
         names = {f.name for f in dataclasses.fields(cls)} - {"clock"}
         values = {k: v for k, v in state.items() if k in names and v is not None}
-        return cls(**values, clock={k: state[k] for k in cls.CLOCK_KEYS if k in state})
+        return cls(**values, clock={k: state[k] for k in RunClock.STATE_KEYS if k in state})
 
 
 @dataclass
@@ -213,7 +213,7 @@ class Checkpoint:
     step: int
     state: dict  #: state.json as read; `record` is it typed
 
-    @property
+    @functools.cached_property
     def record(self) -> CheckpointState:
         return CheckpointState.from_dict(self.state)
 

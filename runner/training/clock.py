@@ -75,13 +75,12 @@ class RunClock:
 
     # ---- checkpoints and resume ------------------------------------------------------------------
 
+    #: the keys of state_dict(), flat in a checkpoint's state.json (runner.training.checkpoint.CheckpointState)
+    STATE_KEYS = ("step_seconds_total", "device_step_seconds_total", "world_size")
+
     def state_dict(self) -> dict:
         """The clock's part of a checkpoint's state (unrounded: a resume takes the largest total)."""
-        return {
-            "step_seconds_total": self.step_seconds_total,
-            "device_step_seconds_total": self.device_step_seconds_total,
-            "world_size": self.world,
-        }
+        return dict(zip(self.STATE_KEYS, (self.step_seconds_total, self.device_step_seconds_total, self.world)))
 
     def load_state_dict(self, state: Mapping) -> None:
         """The step totals as of a checkpoint (states before device-seconds: step time x its world)."""
