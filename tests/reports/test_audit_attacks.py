@@ -54,7 +54,7 @@ def real_run(tmp_path_factory) -> Path:
         recipe.pop(key)
     hw.write_text(yaml.safe_dump({**recipe, "cpu_peak": "theoretical"}))
     run = root / "runs" / "real"
-    launch(root, exp, "--run-dir", run, timeout=900)
+    launch(root, exp, "--run-dir", run)
     return run
 
 
@@ -510,7 +510,7 @@ def test_a_report_the_run_went_on_from_is_unverified_not_failed(real_run, tmp_pa
     info["mlflow"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
     (run / "run.json").write_text(json.dumps(info, indent=1))
     published = _copy(run, tmp_path)
-    launch(root, run, "--extend-to", (STEPS + 2) * B * L, timeout=900)
+    launch(root, run, "--extend-to", (STEPS + 2) * B * L)
     result = audit(published, tracking_uri=info["mlflow"]["tracking_uri"])  # the copy's store
     assert result.verdict == UNVERIFIED and result.failed() == [], result.render()
     assert {TAGS, METRICS, EVIDENCE} <= set(result.unverified())

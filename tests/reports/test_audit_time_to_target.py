@@ -31,7 +31,7 @@ def targeted_run(tmp_path_factory) -> Path:
         (),
     )
     run = root / "runs" / "t"
-    launch(root, exp, "--run-dir", run, timeout=900)
+    launch(root, exp, "--run-dir", run)
     return run
 
 
@@ -59,7 +59,7 @@ def test_a_forged_time_to_target_fails_even_after_an_honest_extension(targeted_r
     write_evidence(run)
     forged = read_tables(run / "report")["targets"].set_index(["target", "point"]).loc[("loose", "met")]
     assert forged["wall_seconds"] == pytest.approx(true_met["wall_seconds"] / 2)
-    launch(run.parents[2], run, "--extend-to", 7 * STEP_TOKENS, timeout=900)  # one honest step
+    launch(run.parents[2], run, "--extend-to", 7 * STEP_TOKENS)  # one honest step
 
     result = audit(run)
     assert result.verdict == FAIL, result.render()

@@ -215,7 +215,7 @@ def test_resume_across_a_target_counts_the_lost_work_and_restart(tmp_path):
     # redoes the evaluation at step 9 where the target is met: time-to-target is the redone one.
     exp = learnable_project(tmp_path, steps=12, eval_every=3, checkpoint_every=6, lr=1e-2)
     run = tmp_path / "runs" / "r"
-    killed = launch(tmp_path, exp, "--run-dir", run, "--kill-at-step", 11, check=False, timeout=900)
+    killed = launch(tmp_path, exp, "--run-dir", run, "--kill-at-step", 11, check=False)
     assert killed.returncode != 0
     first = {r["step"]: r for r in read_jsonl(run / "metrics" / "eval.jsonl") if r["domain"] == "a"}
     assert sorted(first) == [3, 6, 9] and first[9]["loss_nats"] < first[6]["loss_nats"] < first[3]["loss_nats"]
@@ -225,7 +225,7 @@ def test_resume_across_a_target_counts_the_lost_work_and_restart(tmp_path):
         {"a-at-9": {"domain": "a", "loss_nats": first[9]["loss_nats"]}, "never": {"domain": "b", "loss_nats": 0.01}},
         ("eval",),
     )
-    launch(tmp_path, run, timeout=900)
+    launch(tmp_path, run)
 
     rows = read_jsonl(run / "metrics" / "eval.jsonl")
     redone = [r for r in rows if r["step"] == 9 and r["domain"] == "a"]
@@ -262,7 +262,7 @@ def test_targets_declared_at_launch_reach_mlflow_report_and_terminal(tmp_path):
         (),
     )
     run = tmp_path / "runs" / "t"
-    out = launch(tmp_path, exp, "--run-dir", run, timeout=900)
+    out = launch(tmp_path, exp, "--run-dir", run)
     assert "target `loose` (mean loss_nats <= 50): met at the first evaluation, step 2" in out.stdout
     assert "target `tight` (a bpb <= 0.001): NOT met; best" in out.stdout
     table = read_tables(run / "report")["targets"]

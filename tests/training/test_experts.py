@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from timeouts import SUBPROCESS_TIMEOUT_S
 from trainfixtures import env, launch, make_project, run_in_process
 
 from runner.config.load import load_experiment
@@ -307,7 +308,7 @@ def test_two_sharded_processes_count_both_ranks_routing(tmp_path):
         env=env(tmp_path),
         capture_output=True,
         text=True,
-        timeout=3600,  # generous: only a hang should reach it on a loaded machine
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "two"
