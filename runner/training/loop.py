@@ -58,6 +58,7 @@ from runner.training.runjson import RunJson
 from runner.training.samples import samples_callback
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
 from runner.training.steprecord import StepRecord
+from runner.training.steps import FlopsBasis, StepPlan
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
 from runner.training.tracking import START_WAIT_SECONDS, Tracker
 
@@ -88,14 +89,7 @@ class _Run:
     opts: Options
     folder: RunFolder
     say: Callable[[str], None]
-    global_batch: int  # sequences per optimizer step, all ranks
-    seq_len: int
-    micro: int  # sequences per forward/backward on one rank
-    accum: int  # micro steps per optimizer step on one rank
-    schedule_steps: int
-    warmup_steps: int
-    natural_end: int  # the run's last step; end_step may stop short (--max-steps)
-    end_step: int
+    steps: StepPlan  # the step geometry and the attempt's last step
     runtime: dict
     data: Data
     model: torch.nn.Module
@@ -109,18 +103,15 @@ class _Run:
     start_step: int = 0
     last_saved: int = 0
     last_eval: int = 0
-    flops_per_token: float = 0.0
-    hfu_flops_per_token: float | None = None  # with activation checkpointing: recomputation counted
-    peak: hardware.Peak | None = None  # set by _conventions, before the first step
+    basis: FlopsBasis | None = None  # MFU's FLOPs per token and peak: set by _conventions, before the first step
     tracker: Tracker | None = None
     callbacks: list[Callback] = field(default_factory=list)
 
     @property
-    def peak_tflops(self) -> float:
-        """The MFU denominator of one device."""
-        if self.peak is None:
-            raise RuntimeError("the peak is read before _conventions resolved it")
-        return self.peak.peak_tflops
+    def flops(self) -> FlopsBasis:
+        if self.basis is None:
+            raise RuntimeError("the FLOPs basis is read before _conventions resolved it")
+        return self.basis
 
     batches: Prefetcher | None = None  # of HostBatch, one per step of this attempt
     system: SystemMetricsCallback | None = None  # when system metrics are on
@@ -160,7 +151,7 @@ class _Run:
         return bool(self.runtime.get("pin_memory")) and self.acc.device.type == "cuda"
 
     def schedule_steps_at(self, step: int) -> int:
-        return segment_schedule_steps(self.info.segments, step, self.global_batch * self.seq_len, self.schedule_steps)
+        return segment_schedule_steps(self.info.segments, step, self.steps.tokens, self.steps.schedule_steps)
 
 
 @dataclass
@@ -245,14 +236,16 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         opts=opts,
         folder=RunFolder(run_dir, writer=acc.is_main_process),
         say=opts.report if acc.is_main_process else (lambda msg: None),
-        global_batch=B,
-        seq_len=L,
-        micro=micro,
-        accum=accum,  # e.g. 16 seq / (8 micro * 1 proc) = 2 micro steps
-        schedule_steps=max_duration_tokens(cfg) // (B * L),
-        warmup_steps=cfg.optim.warmup_tokens // (B * L),
-        natural_end=natural_end,
-        end_step=end_step,
+        steps=StepPlan(
+            global_batch=B,
+            seq_len=L,
+            micro=micro,
+            accum=accum,  # e.g. 16 seq / (8 micro * 1 proc) = 2 micro steps
+            schedule_steps=max_duration_tokens(cfg) // (B * L),
+            warmup_steps=cfg.optim.warmup_tokens // (B * L),
+            natural_end=natural_end,
+            end_step=end_step,
+        ),
         runtime=runtime,
         data=data,
         model=model,
@@ -318,26 +311,26 @@ def _conventions(run: _Run, tracker) -> None:
     """FLOPs per token and the peak behind every MFU figure; recorded in run.json and as MLflow tags."""
     # MFU: recomputation never counted (SPEC); a mixture of experts counts active parameters.
     convention = replace(convention_for(run.cfg), recompute_counted=False)
-    run.flops_per_token = flops_per_token(run.cfg, convention)
     recorded = run.info.conventions or {}
     if str(recorded.get("peak_source", "")).startswith(("measured", "theoretical")):
         # A run keeps the CPU peak it found first: its MFU denominators never change across resumes.
-        run.peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"], "cpu")
+        peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"], "cpu")
     else:
-        run.peak = hardware.resolve_peak(run.cfg.hardware, measure_seconds=run.opts.peak_measure_seconds)
+        peak = hardware.resolve_peak(run.cfg.hardware, measure_seconds=run.opts.peak_measure_seconds)
+    # HFU's FLOPs: None without activation checkpointing
+    run.basis = FlopsBasis(flops_per_token(run.cfg, convention), hfu_flops_per_token(run.cfg, convention), peak)
     run.system = _system_metrics(run, tracker)
     busy_source = run.system.monitor.busy_source if run.system is not None else "not measured (interval 0)"
     conventions = {
-        **hardware.convention_record(convention, run.peak, run.world, "step", run.clock.step_clock.basis),
+        **hardware.convention_record(convention, peak, run.world, "step", run.clock.step_clock.basis),
         **execution_record(run.runtime, busy_source),
     }
     hfu_fields: dict[str, Any] = {}
-    run.hfu_flops_per_token = hfu_flops_per_token(run.cfg, convention)  # None without activation checkpointing
-    if run.hfu_flops_per_token is not None:
+    if run.basis.hfu_flops_per_token is not None:
         hfu_fields = {
-            "hfu_flops_per_token": run.hfu_flops_per_token,
+            "hfu_flops_per_token": run.basis.hfu_flops_per_token,
             "conventions_hfu": hardware.convention_record(
-                hfu_convention(convention), run.peak, run.world, "step", run.clock.step_clock.basis
+                hfu_convention(convention), peak, run.world, "step", run.clock.step_clock.basis
             ),
         }
     if run.main:
@@ -350,8 +343,8 @@ def _conventions(run: _Run, tracker) -> None:
             devices=int(run.world),
             nodes=node_count(run.world),  # this attempt's nodes (torchrun's agents)
             attempts=run.clock.attempt,
-            flops_per_token=run.flops_per_token,
-            conventions_goodput=hardware.convention_record(convention, run.peak, run.world, "wall"),
+            flops_per_token=run.basis.flops_per_token,
+            conventions_goodput=hardware.convention_record(convention, peak, run.world, "wall"),
             **hfu_fields,
         )
     run.tracker = tracker
@@ -371,8 +364,8 @@ def _callbacks(run: _Run, tracker: Tracker | None) -> list[Callback]:
     progress, system metrics, samples, MLflow and the quality targets."""
     callbacks: list[Callback] = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
     if run.main:  # end_step is the hard stop here (--max-steps applies later): the ETA names it
-        hard_stop = run.end_step if run.end_step < run.natural_end else None
-        callbacks.append(TrainingProgress(run.start_step, run.natural_end, hard_stop))
+        hard_stop = run.steps.end_step if run.steps.end_step < run.steps.natural_end else None
+        callbacks.append(TrainingProgress(run.start_step, run.steps.natural_end, hard_stop))
     if run.system is not None:
         callbacks.append(run.system)
     sampler = samples_callback(run.exp, run.raw_model, run.acc, run.runtime, run.folder.path, tracker)
@@ -410,14 +403,14 @@ def _train_step(run: _Run, step: int) -> _Step:
     # Useful targets per domain of the whole global batch: the loss divisor and the ledger's useful.
     useful = all_reduce(acc, host.useful.to(acc.device)).cpu() if run.world > 1 else host.useful
     n_useful = float(useful.sum())
-    lr = lr_at(step, run.cfg.optim, run.schedule_steps_at(step), run.warmup_steps)
+    lr = lr_at(step, run.cfg.optim, run.schedule_steps_at(step), run.steps.warmup_steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     processed = host.processed
     loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
-    for m in range(run.accum):
-        sl = slice(m * run.micro, (m + 1) * run.micro)
-        sync = contextlib.nullcontext() if m == run.accum - 1 else run.no_sync()
+    for m in range(run.steps.accum):
+        sl = slice(m * run.steps.micro, (m + 1) * run.steps.micro)
+        sync = contextlib.nullcontext() if m == run.steps.accum - 1 else run.no_sync()
         with sync, attention_context(run.runtime):  # model.sdpa_kernel, forward and backward
             if run.experts is None:
                 # The head and the loss run inside the model's forward (model.cross_entropy picks how).
@@ -432,7 +425,7 @@ def _train_step(run: _Run, step: int) -> _Step:
             # x world: DDP averages gradients over ranks; we want sum / global useful.
             objective = summed * (run.world / max(n_useful, 1.0))
             if run.experts is not None:  # router losses: a mean per micro batch, so / accum (DDP averages ranks)
-                objective = objective + run.experts.disarm() / run.accum
+                objective = objective + run.experts.disarm() / run.steps.accum
             acc.backward(objective)
         loss_sum += summed.detach().double()
         run.ledger.record_processed(processed[m])
@@ -455,8 +448,8 @@ def _train_step(run: _Run, step: int) -> _Step:
 def _metrics_record(
     run: _Run, committed: int, s: _Step, step_seconds: float, counters: dict, experts: dict
 ) -> StepRecord:
-    tokens = run.global_batch * run.seq_len
-    fpt, peak_tflops = run.flops_per_token, run.peak_tflops
+    tokens = run.steps.tokens
+    fpt, hfu_fpt, peak_tflops = run.flops.flops_per_token, run.flops.hfu_flops_per_token, run.flops.peak_tflops
     return StepRecord(
         step=committed,
         loss=s.loss,
@@ -473,9 +466,7 @@ def _metrics_record(
         mfu=hardware.mfu(fpt, tokens, step_seconds, peak_tflops, run.world),
         goodput_mfu=hardware.mfu(fpt, counters["total"]["useful"], run.clock.device_wall_seconds(), peak_tflops, 1),
         exposure_tokens=int(counters["total"]["exposure"]),
-        hfu=hardware.mfu(run.hfu_flops_per_token, tokens, step_seconds, peak_tflops, run.world)
-        if run.hfu_flops_per_token
-        else None,
+        hfu=hardware.mfu(hfu_fpt, tokens, step_seconds, peak_tflops, run.world) if hfu_fpt else None,
         experts=experts,
     )
 
@@ -558,7 +549,7 @@ def _attempt(run: _Run, tracker) -> int:
     exit_code = EXIT_OK
     try:
         run.model.train()
-        for step in range(run.start_step, run.end_step):
+        for step in range(run.start_step, run.steps.end_step):
             run.clock.begin_step()
             s = _train_step(run, step)
             if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
@@ -573,10 +564,10 @@ def _attempt(run: _Run, tracker) -> int:
                 exit_code = EXIT_PREEMPTED
                 break
         else:
-            if run.last_eval != run.end_step:
-                _evaluate(run, run.end_step)
-            if run.last_saved != run.end_step:
-                _save(run, run.end_step)
+            if run.last_eval != run.steps.end_step:
+                _evaluate(run, run.steps.end_step)
+            if run.last_saved != run.steps.end_step:
+                _save(run, run.steps.end_step)
     finally:
         _end_attempt(run, flag)
     _finish(run, exit_code)
@@ -594,11 +585,11 @@ def _start_attempt(run: _Run, tracker) -> _StopFlag:
     run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None)
     run.last_saved = run.last_eval = run.start_step
     if run.opts.max_steps is not None:
-        run.end_step = min(run.end_step, run.start_step + int(run.opts.max_steps))
+        run.steps.end_step = min(run.steps.end_step, run.start_step + int(run.opts.max_steps))
     run.batches = Prefetcher(
-        lambda step: read_step(run.data, step, run.world, run.accum, run.micro, run.rank, run.pin),
+        lambda step: read_step(run.data, step, run.world, run.steps.accum, run.steps.micro, run.rank, run.pin),
         run.start_step,
-        run.end_step,
+        run.steps.end_step,
         run.cfg.train.prefetch_batches,
     )
     return flag
@@ -634,7 +625,7 @@ def _commit(run: _Run, step: int, s: _Step) -> int:
     mix = run.cfg.mixture.domains
     ratios = {d: mix[d].target_ratio for d in run.data.domains}
     caps = {d: mix[d].max_repetition_ratio for d in run.data.domains}
-    broken = run.ledger.check_invariants(run.global_batch, run.seq_len, committed, ratios, caps)
+    broken = run.ledger.check_invariants(run.steps.global_batch, run.steps.seq_len, committed, ratios, caps)
     if broken:
         raise RuntimeError(f"token accounting broke at step {committed}: " + "; ".join(broken))
     counters = run.ledger.counters()
@@ -668,7 +659,7 @@ def _checkpoint_or_stop(run: _Run, committed: int, flag: _StopFlag) -> int:
             f"stopped by signal at step {committed}; checkpoint saved, resume with `runner launch {run.folder.path}`"
         )
         return EXIT_PREEMPTED
-    if due[0] > 0 and committed < run.end_step:
+    if due[0] > 0 and committed < run.steps.end_step:
         _save(run, committed)
     return EXIT_OK
 
@@ -682,7 +673,7 @@ def _finish(run: _Run, exit_code: int) -> None:
     clock = run.clock
     wall_seconds, device_wall_seconds = clock.wall_seconds(), clock.device_wall_seconds()
     useful_total = int(counters["total"]["useful"])
-    finished = exit_code == EXIT_OK and run.last_saved == run.natural_end
+    finished = exit_code == EXIT_OK and run.last_saved == run.steps.natural_end
     status = {EXIT_NONFINITE: "failed", EXIT_PREEMPTED: "preempted"}.get(
         exit_code, "finished" if finished else "preempted"
     )
@@ -697,16 +688,15 @@ def _finish(run: _Run, exit_code: int) -> None:
         "processed_tokens": int(counters["total"]["processed"]),
         "lost_tokens": int(counters["total"]["lost"]),
     }
-    fpt, peak_tflops = run.flops_per_token, run.peak_tflops
     if useful_total and clock.step_seconds_total:
         summary |= hardware.run_efficiency(
-            fpt,
-            run.hfu_flops_per_token or None,
+            run.flops.flops_per_token,
+            run.flops.hfu_flops_per_token or None,
             counters["total"]["processed"],
             useful_total,
             clock.device_step_seconds_total,
             device_wall_seconds,
-            peak_tflops,
+            run.flops.peak_tflops,
             run.cfg.hardware.price_per_device_hour_usd,
         ).to_dict()
     system = None
@@ -728,7 +718,7 @@ def _rollback_to_last_checkpoint(run: _Run) -> int:
     The ledger is reset to that checkpoint's, keeping every processed token. Returns its step."""
 
     spent = {d: int(c["processed"]) for d, c in run.ledger.counters().items() if d != "total"}
-    ledger = TokenLedger(run.data.samples, run.seq_len)
+    ledger = TokenLedger(run.data.samples, run.steps.seq_len)
     ckpt = run.checkpointer.latest_valid(report=run.say)
     state = ckpt.ledger_state() if ckpt is not None else None
     if state is not None:

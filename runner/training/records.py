@@ -69,10 +69,10 @@ def checkpoint_state(run: Any, step: int) -> dict:
         "attempt": run.clock.attempt,
         "scheduler": {
             "schedule": cfg.optim.schedule,
-            "schedule_steps": run.schedule_steps,
-            "warmup_steps": run.warmup_steps,
+            "schedule_steps": run.steps.schedule_steps,
+            "warmup_steps": run.steps.warmup_steps,
             "segment_schedule_steps": segment_steps,
-            "next_lr": lr_at(step, cfg.optim, segment_steps, run.warmup_steps),
+            "next_lr": lr_at(step, cfg.optim, segment_steps, run.steps.warmup_steps),
         },
         "mlflow_run_id": tracker.run_id if tracker is not None else None,
         **run.clock.state_dict(),

@@ -41,7 +41,7 @@ def at_step(run: Any, committed: int) -> None:
         return
     if run.downstream is None:  # at the attempt's first step, due or not: a refused task stops it there
         run.downstream = prepare(run.exp, dict(spec.tasks))
-    if not due(spec.downstream_interval_steps, committed, run.end_step):
+    if not due(spec.downstream_interval_steps, committed, run.steps.end_step):
         return
     prepared: Prepared = run.downstream
     acc = run.acc
