@@ -16,6 +16,7 @@ as a GPU's synchronisation does, but kernel launches hold it: the device check
 
     python bench/bench_runner.py [--steps 40] [--hidden 128]
     python bench/bench_runner.py --overlap [--overlap-steps 10] [--micro-ms 20]
+    OMP_NUM_THREADS=1 python bench/bench_runner.py --ablate --steps 60 --repeats 7   # each part off in turn
     OMP_NUM_THREADS=1 python bench/bench_runner.py [--steps 40] [--hidden 128] [--repeats 3]
 """
 
@@ -38,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 
-def project(tmp: Path, steps: int, hidden: int, log_every: int = 1) -> Path:
+def project(tmp: Path, steps: int, hidden: int, log_every: int = 1, train_extra: dict | None = None) -> Path:
     from trainfixtures import make_project
 
     exp = make_project(
@@ -48,7 +49,7 @@ def project(tmp: Path, steps: int, hidden: int, log_every: int = 1) -> Path:
         global_batch=16,
         micro=8,
         checkpoint_every=10**6,
-        train_extra={"log_interval_steps": log_every},
+        train_extra={"log_interval_steps": log_every, **(train_extra or {})},
         eval_every=10**6,
         pools={"a": (0.5, 400_000, 2_000), "b": (0.5, 300_000, 2_000)},
     )
@@ -69,10 +70,10 @@ def rates(ends: list[float], tokens_per_step: int) -> tuple[float, float]:
     return tokens_per_step * len(gaps) / (ends[-1] - ends[1]), tokens_per_step / statistics.median(gaps)
 
 
-def runner_tokens_per_second(exp_path: Path, run_dir: Path) -> tuple[tuple[float, float], list[dict]]:
+def runner_tokens_per_second(exp_path: Path, run_dir: Path, *extra: str) -> tuple[tuple[float, float], list[dict]]:
     from runner.cli import main
 
-    assert main(["launch", str(exp_path), "--run-dir", str(run_dir)]) == 0
+    assert main(["launch", str(exp_path), "--run-dir", str(run_dir), *extra]) == 0
     rows = [json.loads(x) for x in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
     return rates([r["wall_seconds"] for r in rows], rows[0]["tokens_processed"]), rows
 
@@ -92,9 +93,11 @@ def runner_cpu_seconds_per_step(short_exp: Path, long_exp: Path, tmp: Path, extr
     return (spent[2] - spent[1]) / extra_steps
 
 
-def bare_tokens_per_second(exp, steps: int, cpu: bool = False) -> tuple[float, float]:
+def bare_tokens_per_second(exp, steps: int, cpu: bool = False, runner_loss: bool = False) -> tuple[float, float]:
     """The same model, optimizer, batches and loss with nothing else: no ledger, journal or tracking.
-    Tokens per wall second (span, median step: `rates`), or with `cpu` per CPU second of this process."""
+    Tokens per wall second (span, median step: `rates`), or with `cpu` per CPU second of this process.
+    `runner_loss`: the loss as the runner computes it (inside the model's forward, masked, per token),
+    instead of one cross_entropy over the logits."""
     from runner.training.batches import load_data
     from runner.training.model import build_model
     from runner.training.schedule import make_optimizer
@@ -112,8 +115,14 @@ def bare_tokens_per_second(exp, steps: int, cpu: bool = False) -> tuple[float, f
     for batch in batches:
         for m in range(B // micro):
             sl = slice(m * micro, (m + 1) * micro)
-            logits = model(input_ids=batch.input_ids[sl]).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels[sl].flatten(), reduction="sum") / (B * L)
+            if runner_loss:
+                mask = torch.ones_like(batch.labels[sl], dtype=torch.bool)
+                summed = model(input_ids=batch.input_ids[sl], loss_targets=batch.labels[sl], loss_mask=mask)
+                loss = summed / (B * L)
+            else:
+                logits = model(input_ids=batch.input_ids[sl]).logits
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels[sl].flatten(), reduction="sum")
+                loss = loss / (B * L)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -286,6 +295,49 @@ def overlap_main(steps: int, micro_ms: float) -> int:
     return 0
 
 
+#: the runner with one of its background or per-step parts off: (train section overrides, launch flags)
+ABLATIONS = {
+    "runner as shipped (MLflow every 10)": ({}, ()),
+    "  read-ahead off (prefetch 0)": ({"prefetch_batches": 0}, ()),
+    "  system metrics off": ({"system_metrics_interval_seconds": 0}, ()),
+    "  MLflow off (--no-tracking)": ({}, ("--no-tracking",)),
+    "  all three off": ({"prefetch_batches": 0, "system_metrics_interval_seconds": 0}, ("--no-tracking",)),
+}
+
+
+def ablation_main(steps: int, hidden: int, repeats: int) -> int:
+    """Where the runner's time goes: each part switched off in turn, and the bare loop with the
+    runner's loss path, every one against the bare loops of its own repeat (median step ratios)."""
+    from runner.config.load import load_experiment
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
+        exps = {
+            name: project(tmp / f"v{i}", steps, hidden, 10, extra)
+            for i, (name, (extra, _)) in enumerate(ABLATIONS.items())
+        }
+        exp = load_experiment(exps[next(iter(ABLATIONS))])
+        runner_tokens_per_second(exps[next(iter(ABLATIONS))], tmp / "warm")  # imports, plots: not counted
+        ratios: dict[str, list[float]] = {"bare, the runner's loss path": []} | {name: [] for name in ABLATIONS}
+        for r in range(repeats):
+            before = bare_tokens_per_second(exp, steps)[1]
+            got = {"bare, the runner's loss path": bare_tokens_per_second(exp, steps, runner_loss=True)[1]}
+            for i, (name, (_, flags)) in enumerate(ABLATIONS.items()):
+                got[name] = runner_tokens_per_second(exps[name], tmp / f"run{i}-{r}", *flags)[0][1]
+            after = bare_tokens_per_second(exp, steps)[1]
+            for name, tps in got.items():
+                ratios[name].append(tps / statistics.mean([before, after]))
+    print(
+        f"model: 2 layers, hidden {hidden}; 16 x 128 tokens per step; {steps} steps; {repeats} repeats; "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(f"{'loop':<40}{'median step / bare':>20}   runs")
+    for name, rs in ratios.items():
+        print(f"{name:<40}{statistics.median(rs):>20.3f}   {', '.join(f'{x:.3f}' for x in rs)}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -301,12 +353,15 @@ def main() -> int:
         default=1,
         help="alternate bare and runner loops this many times; ratios are medians (a noisy machine)",
     )
+    ap.add_argument("--ablate", action="store_true", help="only the runner with each of its parts off, vs bare")
     ap.add_argument("--overlap", action="store_true", help="only the read-ahead measurement at 1p3b's step geometry")
     ap.add_argument("--overlap-steps", type=int, default=10)
     ap.add_argument("--micro-ms", type=float, default=20.0, help="the sleeping device's time per micro batch")
     args = ap.parse_args()
     if args.overlap:
         return overlap_main(args.overlap_steps, args.micro_ms)
+    if args.ablate:
+        return ablation_main(args.steps, args.hidden, args.repeats)
     intervals = [int(x) for x in args.log_every.split(",")]
     from runner.config.load import load_experiment
 
