@@ -51,8 +51,8 @@ class AuditInput:
 
     def steps(self) -> int:
         """Committed steps: run.json's record when there is one, else the summary's own claim."""
-        if self.run.get("committed_steps") is not None:  # a presence test: the record's default is 0
-            return int(self.run["committed_steps"])
+        if self.record.has("committed_steps"):
+            return int(self.record.committed_steps)
         return int(self.tables["run_summary"].iloc[0]["steps"])
 
 

@@ -22,6 +22,7 @@ import pandas as pd
 from runner.errors import RunnerError
 from runner.fsio import atomic_write_json, read_json, sha256_file
 from runner.reports import tables as rpt
+from runner.training.runjson import RunJson
 from schemas.report_tables import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -76,7 +77,8 @@ def build_evidence(run_dir: str | Path, report: Path | None = None) -> dict[str,
     report = run_dir / rpt.REPORT_DIR if report is None else Path(report)
     tables = rpt.read_tables(report)
     summary = tables["run_summary"].iloc[0]
-    committed = int(read_json(run_dir / "run.json").get("committed_steps", summary["steps"]))
+    run = RunJson.from_dict(read_json(run_dir / "run.json"), file=str(run_dir / "run.json"))
+    committed = int(run.committed_steps if run.has("committed_steps") else summary["steps"])
     return {
         "format": FORMAT,
         "schema_version": str(summary["schema_version"]),

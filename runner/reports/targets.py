@@ -23,6 +23,7 @@ from runner.config.rules import check_targets
 from runner.config.schema import MEAN_DOMAIN, ExperimentSchema
 from runner.errors import Problems
 from runner.fsio import read_yaml
+from runner.training.runjson import as_record
 from runner.training.targets import (
     POINTS,
     PROGRESS_FIELDS,
@@ -216,7 +217,7 @@ def _timeline_problems(validation: pd.DataFrame, run: dict, global_batch_tokens:
             problems.append(
                 f"{col} falls from {values[i]:.6g} at step {timed.index[i]} to {values[i + 1]:.6g} at step {timed.index[i + 1]}"
             )
-        total = run.get(total_key)
+        total = getattr(as_record(run), total_key)  # None: not recorded
         if total is not None and len(values) and values.max() > float(total) * (1 + 1e-6) + 1e-6:
             problems.append(
                 f"an evaluation ends at {col} {values.max():.6g}, after the run's {float(total):.6g} (run.json)"

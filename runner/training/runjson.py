@@ -15,6 +15,8 @@ from typing import Any
 
 from runner.errors import RunnerError
 
+_NOT_KEYS = frozenset({"extra", "recorded_keys"})  # the record's own bookkeeping, never run.json keys
+
 
 @dataclass
 class RunJson:
@@ -61,6 +63,8 @@ class RunJson:
     system: dict | None = None
     error: str | None = None  #: the first line of what failed the last attempt
     extra: dict = field(default_factory=dict)  #: keys this runner does not know, kept as read
+    #: the known keys the source held (not null): `has` tells a recorded 0 from a format without the key
+    recorded_keys: frozenset[str] = field(default_factory=frozenset, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, data: Any, file: str = "run.json") -> RunJson:
@@ -68,9 +72,14 @@ class RunJson:
         a null where the format allows none (segments, mlflow, runtime, checkpoints) too."""
         if not isinstance(data, dict):
             raise RunnerError("expected a JSON object (a run's record)", file=file)
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {f.name for f in dataclasses.fields(cls)} - _NOT_KEYS
         values = {k: v for k, v in data.items() if k in known and v is not None}
-        return cls(**values, extra={k: v for k, v in data.items() if k not in known})
+        return cls(**values, extra={k: v for k, v in data.items() if k not in known}, recorded_keys=frozenset(values))
+
+    def has(self, key: str) -> bool:
+        """Whether the record read held `key` (a field whose default is a value, like committed_steps' 0,
+        cannot say so itself)."""
+        return key in self.recorded_keys
 
     def current_fingerprint(self) -> str | None:
         """The fingerprint the run trains under now: its last segment's (runs before segments: the top one)."""
@@ -82,7 +91,7 @@ def as_record(run: RunJson | dict) -> RunJson:
     return run if isinstance(run, RunJson) else RunJson.from_dict(run)
 
 
-FIELDS = frozenset(f.name for f in dataclasses.fields(RunJson)) - {"extra"}
+FIELDS = frozenset(f.name for f in dataclasses.fields(RunJson)) - _NOT_KEYS
 
 
 def check_fields(fields: dict, file: str) -> None:

@@ -33,6 +33,10 @@ def test_an_old_run_json_gets_the_old_formats_defaults():
     assert rec.segments == [] and rec.checkpoints == [] and rec.mlflow == {} and rec.runtime == {}
     assert rec.current_fingerprint() == "abc"  # before segments: the top-level fingerprint
     assert rec.devices is None and rec.device_wall_seconds is None and rec.conventions is None
+    # a recorded 0 and a format without the key read alike as committed_steps; `has` tells them apart
+    assert rec.has("committed_steps") and not rec.has("devices") and not rec.has("segments")
+    assert not RunJson.from_dict({"run_id": "r"}).has("committed_steps")
+    assert RunJson.from_dict({"committed_steps": 0}).has("committed_steps")
     with pytest.raises(RunnerError, match="expected a JSON object"):
         RunJson.from_dict([1, 2])
 
