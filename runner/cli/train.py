@@ -279,17 +279,17 @@ def _launch(args, held: contextlib.ExitStack) -> int:
     """`runner launch` on every rank, in the order its refusals must come: the target and world
     checked, the folder chosen and locked, records written, MLflow started, the loop run, the report
     and summary written. Each step may refuse before the next writes anything."""
-    from runner.training.loop import Options, train
-    from runner.training.runfolder import extend_run
-
     exp, run_dir, existing = _resolve(args)
     if existing and args.extend_to is None:
         assert run_dir is not None  # a run folder found is a folder named
         line = _finished_line(run_dir)
-        if line is not None:  # nothing to do: touch nothing (no peak re-measure, report, MLflow)
+        if line is not None:  # nothing to do: touch nothing (no peak re-measure, report, MLflow, torch import)
             if _is_rank0():
                 print(line)
             return EXIT_OK
+    from runner.training.loop import Options, train
+    from runner.training.runfolder import extend_run
+
     if existing and run_dir is not None and not args.no_tracking:  # before anything is written: a lost store is refused
         _check_recorded_store(run_dir)
     if args.extend_to is not None:

@@ -179,12 +179,13 @@ def checked_experiment_of_run(run_dir: Path) -> Experiment:
     The file must resolve to the fingerprint of the run's current segment; operational keys
     (hard stop, checkpoint cadence, log interval) may change. The differing keys are found against
     the resolved config saved in the newest valid checkpoint."""
-    from runner.training.checkpoint import Checkpointer  # noqa: PLC0415  (torch: off the report's and audit's path)
-
     exp = experiment_of_run(run_dir)
     recorded = RunFolder(run_dir).record().current_fingerprint()
     if not recorded or recorded == exp.fingerprint:
         return exp
+    # torch, only to name the keys of a refusal: off the path of every launch, report and audit
+    from runner.training.checkpoint import Checkpointer  # noqa: PLC0415
+
     ckpt = Checkpointer.reader(run_dir).latest_valid(report=lambda m: None)
     saved = ckpt.record.config if ckpt is not None else None
     if saved is not None:

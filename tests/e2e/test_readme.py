@@ -15,13 +15,20 @@ The convention, for whoever adds a command to README.md:
 - `<run_id>` in `runs/<experiment>/<run_id>` is the first run folder a README command created under
   `runs/<experiment>/`. Any other `<placeholder>` in an unmarked command is an error.
 
-How they run: in order, each in its own `bash` from the root of ONE fresh copy of the project (its
-tracked and untracked-but-not-ignored files; a git repository of one commit that is also
-`origin/main`, so `check-pr --base origin/main` has a base), with `runner`, `python` and `torchrun`
-being this interpreter (shims first on PATH), MLflow's default store (no MLFLOW_TRACKING_URI), one
+How they run: in order, from the root of ONE fresh copy of the project (its tracked and
+untracked-but-not-ignored files; a git repository of one commit that is also `origin/main`, so
+`check-pr --base origin/main` has a base), with MLflow's default store (no MLFLOW_TRACKING_URI), one
 thread per process, and `./install.sh` replaced by `true`: the tree under test is installed already,
 and installing the copy would repoint this environment at it. Nothing else is prepared: the built-in
 corpus is built once, by the README's own `runner data builtin` in its first command.
+
+A command that is `runner` and plain words (no shell syntax: no pipe, redirection, `&&`, variable,
+glob or leading assignment) runs in this process, as `runner.cli.main(words)` with the same folder,
+environment, captured output and exit status (trainfixtures.run_in_process): the seconds a process
+spends importing torch, transformers and MLflow, paid ~40 times, are most of this test's time.
+Every other command runs in its own `bash`, with `runner`, `python` and `torchrun` being this
+interpreter (shims first on PATH). The first command (install, corpus, the main job) is always a
+process, as a new user runs it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -39,6 +47,7 @@ from pathlib import Path
 
 import pytest
 from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
+from trainfixtures import run_in_process
 
 REPO = Path(__file__).resolve().parents[2]
 MARKERS = ("GPU", "cluster", "needs internet", "long")
@@ -161,6 +170,47 @@ def _shims(folder: Path) -> Path:
     return folder
 
 
+_SHELL_WORD = re.compile(r"[$*?\[\]~`|&;<>(){}]")
+
+
+def runner_words(command: str) -> list[str] | None:
+    """The arguments of a command that is `runner` and plain words, else None (it needs a shell)."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split, lexer.commenters = True, "#"
+    try:
+        words = list(lexer)
+    except ValueError:  # an unclosed quote: bash says what is wrong with it
+        return None
+    if len(words) < 2 or words[0] != "runner":
+        return None
+    quoted = set(re.findall(r'"([^"]*)"', command.split(" # ", 1)[0]))  # a quoted word is plain as it is
+    if any(_SHELL_WORD.search(w) and w not in quoted for w in words):
+        return None
+    return words[1:]
+
+
+def test_plain_runner_commands_run_in_process_and_shell_syntax_in_bash():
+    assert runner_words("runner validate # every recipe") == ["validate"]
+    assert runner_words('runner sample e --prompt "def main(" --max-new-tokens 24 # greedy') == [
+        "sample",
+        "e",
+        "--prompt",
+        "def main(",
+        "--max-new-tokens",
+        "24",
+    ]
+    for shell in (
+        "runner audit-claims reports/claims/*.yaml # globbed",
+        "runner audit-reports --tracking-uri sqlite:///$PWD/mlflow.db",
+        "RUNNER_LOCK=file runner launch runs/x",
+        "runner job e.yaml --slurm > job.sbatch",
+        "runner data builtin && runner launch e.yaml",
+        "python -m runner plan e.yaml",
+        "runner validate | head",
+    ):
+        assert runner_words(shell) is None, shell
+
+
 def _resolve(text: str, root: Path, first_runs: dict[str, str]) -> str:
     def run_id(match: re.Match) -> str:
         experiment = match.group(1)
@@ -203,10 +253,14 @@ def test_every_readme_command_runs_as_written(tmp_path):
             continue
         command = re.sub(r"(^|&&\s*)\./install\.sh(?=\s|$)", r"\1true", _resolve(c.text, root, first_runs))
         t0 = time.monotonic()
-        proc = subprocess.run(
-            ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
-        )
-        ran.append(f"{time.monotonic() - t0:6.1f} s  {command}")
+        words = runner_words(command) if c.line != commands[0].line else None
+        if words is not None:
+            proc = run_in_process(root, words, env)
+        else:
+            proc = subprocess.run(
+                ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
+            )
+        ran.append(f"{time.monotonic() - t0:6.1f} s  {'in process' if words is not None else 'bash      '}  {command}")
         if not main_job_checked and c.line == commands[0].line and proc.returncode == 0:
             _check_main_job(root, proc, env, tmp_path / "elsewhere")
             main_job_checked = True
@@ -261,14 +315,7 @@ def _check_main_job(root: Path, launch: subprocess.CompletedProcess, env: dict, 
     run_id = info["mlflow"]["run_id"]
     for cwd, status in ((root, 0), (elsewhere, 2)):
         cwd.mkdir(exist_ok=True)
-        out = subprocess.run(
-            ["bash", "-c", f"runner audit {run_id}"],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=SUBPROCESS_TIMEOUT_S,
-        )
+        out = run_in_process(cwd, ["audit", run_id], env)
         assert out.returncode == status, out.stdout + out.stderr
     assert out.stderr.startswith("error: no MLflow store at ") and "Traceback" not in out.stderr
     assert not (elsewhere / "mlflow.db").exists()

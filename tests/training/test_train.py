@@ -192,6 +192,22 @@ def test_relaunching_a_finished_run_is_a_no_op(tmp_path):
     )
     assert _snapshot(run) == before
     assert sqlite3.connect(db).execute("select count(*) from metrics").fetchone()[0] == count
+    # ... and says so before importing what training needs (a relaunch loop, a requeued job, the README)
+    probe = "import sys; from runner.cli import main; main(['launch', 'runs/x/done']); print(sorted({'torch', 'accelerate', 'transformers', 'mlflow'} & set(sys.modules)))"
+    out = (
+        subprocess.run(
+            [sys.executable, "-c", probe],
+            cwd=tmp_path,
+            env=env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=SUBPROCESS_TIMEOUT_S,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
+    assert out == [proc.stdout.strip(), "[]"]
     # A bad --extend-to names the run's experiment file and the key it is about.
     bad = launch(tmp_path, "runs/x/done", "--extend-to", 100, "--no-tracking", check=False)
     assert bad.returncode == 2
