@@ -214,6 +214,7 @@ SHIPPED_FINGERPRINTS = {
     "cpu-tiny.yaml": "4f70b16fe06fec74b7cd229c09683bf5eb96022517ab5cca3a4d29ac512799b4",
     "cpu-tiny-lr.yaml": "f2c4f6a7e9c445a4def58032699e185cef5cbd7e5f71cb57d8d09a174fc665f0",
     "cpu-tiny-moe.yaml": "9aa0f50c2f9affa70f230d470d754ec44c0cf4f6fd625268f5ff974b0a099125",
+    "cpu-tiny-tasks.yaml": "4f70b16fe06fec74b7cd229c09683bf5eb96022517ab5cca3a4d29ac512799b4",  # cpu-tiny@2's: eval is operational
     "olmoe-1b-7b.yaml": "f278785c132e8cee8dacc5c9dac1dd0cab982769476f6b9d8f6a20db2264be5d",
     "gpu-smoke.yaml": "833fef114ea040d464aaf51bd36545cdc0c618c68e5d79c5f3df992c66aaf999",  # v2: 16 steps (issue 21)
     "gpu-smoke-cpu.yaml": "156e579cd9b8a3d9520ceccba9e92e402c9e1a875e4fe793454b7aa455fde944",  # v2: 16 steps
@@ -241,6 +242,10 @@ def _git(cwd, *args):
 
 def _version(path: Path) -> int:
     return yaml.safe_load(path.read_text())["version"]
+
+
+def _base(path: Path) -> str | None:
+    return yaml.safe_load(path.read_text()).get("base")
 
 
 @pytest.mark.slow
@@ -275,8 +280,9 @@ def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(proj
         in out.stderr
     )
 
-    for dependant in ("cpu-tiny-fsdp", "cpu-tiny-lr", "cpu-tiny-moe"):
-        path = project / f"experiments/{dependant}.yaml"
+    dependants = [p for p in sorted((project / "experiments").glob("*.yaml")) if _base(p) == f"cpu-tiny@{v}"]
+    assert {p.stem for p in dependants} >= {"cpu-tiny-fsdp", "cpu-tiny-lr", "cpu-tiny-moe"}
+    for path in dependants:
         edit(path, _set("base", f"cpu-tiny@{v + 1}"))
         edit(path, _set("version", _version(path) + 1))
     out = check_pr(project)

