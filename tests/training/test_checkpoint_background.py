@@ -151,7 +151,9 @@ def test_sigkill_mid_background_write_leaves_the_previous_checkpoint_and_resumes
     weights = ("model.safetensors", "optimizer.safetensors")
     assert [_files(run, STEPS)[f] for f in weights] == [_files(reference, STEPS)[f] for f in weights]
     ours, ref = (json.loads((r / "ledger.json").read_text())["counters"]["total"] for r in (run, reference))
-    assert {k: ours[k] for k in ("exposure", "useful", "unique")} == {k: ref[k] for k in ("exposure", "useful", "unique")}
+    assert {k: ours[k] for k in ("exposure", "useful", "unique")} == {
+        k: ref[k] for k in ("exposure", "useful", "unique")
+    }
     assert ours["lost"] > 0  # steps 3-5 trained twice: the killed attempt's work after step 2 is counted as lost
 
 
