@@ -69,11 +69,11 @@ class CheckpointFiles(RunRecord):
     def at_checkpoint(self, run: Any, saved: Gathered) -> Write:
         ledger_state = run.ledger.state_dict() | (run.experts.state_dict() if run.experts is not None else {})
         state, tied = checkpoint_state(run, saved.step), tied_parameters(run.raw_model)
-        checkpointer = run.checkpointer
+        checkpointer, loop_thread = run.checkpointer, threading.current_thread()
 
         def write() -> None:
             t0 = time.perf_counter()
-            saved.written = "foreground" if threading.current_thread() is threading.main_thread() else "background"
+            saved.written = "foreground" if threading.current_thread() is loop_thread else "background"
             checkpointer.save(saved.step, saved.model_state, saved.optimizer_state, ledger_state, state, tied=tied)
             saved.write_seconds = time.perf_counter() - t0
             saved.model_state, saved.optimizer_state = {}, {}  # the host copy goes once it is on disk
