@@ -21,8 +21,15 @@ import pandas as pd
 import pandera.pandas as pa
 from pandera.extensions import register_check_method
 
-SCHEMA_VERSION = "runner-report/3"  # 2: device-seconds columns; MFU and cost over them. 3: validation samples, tokens and progress columns; targets table; expert tables
+SCHEMA_VERSION = "runner-report/4"  # 2: device-seconds columns; MFU and cost over them. 3: validation samples, tokens and progress columns; targets table; expert tables. 4: run_summary step_clock
 """Bumped whenever a column is added, removed, renamed or changes meaning."""
+#: columns added since an older version this runner still reads and audits, with the value a report
+#: written under it stands for: such a report is checked against its own version's tables
+#: (schemas_for), never rewritten, and readers take the default (with_added_columns)
+ADDED_SINCE: dict[str, dict[str, dict[str, object]]] = {
+    "runner-report/3": {"run_summary": {"step_clock": "host"}},  # runs before issue 28 timed steps on the host
+}
+READABLE_VERSIONS = (*ADDED_SINCE, SCHEMA_VERSION)
 
 # Float equalities in derived columns (ratios, epochs, MFU) are recomputed from exact integers,
 # so only floating-point noise is tolerated, not a rounding a human could notice.
@@ -369,6 +376,12 @@ RUN_SUMMARY = pa.DataFrameSchema(
         ),
         "time_basis": pa.Column(
             str, pa.Check.eq("step"), description="Time basis of `mfu` (goodput_mfu is always wall)."
+        ),
+        "step_clock": pa.Column(
+            str,
+            pa.Check.isin(["device", "host"]),
+            description="What timed a step: device (ended when the device finished it, optimizer included; one "
+            "synchronize per optimizer step) or host (when the host had queued it: runs before issue 28).",
         ),
         "device_name": pa.Column(str, description="Accelerator model the peak belongs to."),
         "devices": pa.Column(
@@ -741,10 +754,32 @@ class TableFailure:
         return f"{self.table}: {self.check}: {where} = {self.failure_case!r}"
 
 
-def _schema_failures(name: str, df: pd.DataFrame) -> list[TableFailure]:
+def schemas_for(version: str) -> dict[str, pa.DataFrameSchema]:
+    """The tables as `version` (one of READABLE_VERSIONS) wrote them: the columns added since left out."""
+    added = ADDED_SINCE.get(version, {}) if version != SCHEMA_VERSION else {}
+    out = dict(SCHEMAS)
+    for name, columns in added.items():
+        schema = SCHEMAS[name].remove_columns(list(columns))
+        if "schema_version" in schema.columns:
+            schema = schema.update_column("schema_version", checks=[pa.Check.eq(version)])
+        out[name] = schema
+    return out
+
+
+def with_added_columns(tables: dict[str, pd.DataFrame], version: str) -> dict[str, pd.DataFrame]:
+    """The tables of a report written under `version` with each column added since at the value it
+    stands for (ADDED_SINCE), for readers of the current columns; the tables themselves stay as written."""
+    out = dict(tables)
+    for name, columns in (ADDED_SINCE.get(version, {}) if version != SCHEMA_VERSION else {}).items():
+        if name in out:
+            out[name] = out[name].assign(**{c: v for c, v in columns.items() if c not in out[name]})
+    return out
+
+
+def _schema_failures(name: str, df: pd.DataFrame, schemas: dict[str, pa.DataFrameSchema]) -> list[TableFailure]:
     try:
         # Row labels carry no meaning in a report table; a duplicated label only confuses pandera.
-        SCHEMAS[name].validate(df.reset_index(drop=True), lazy=True)
+        schemas[name].validate(df.reset_index(drop=True), lazy=True)
     except pa.errors.SchemaErrors as err:
         out = []
         for row in err.failure_cases.itertuples(index=False):
@@ -806,14 +841,16 @@ def cross_table_failures(tables: dict[str, pd.DataFrame]) -> list[TableFailure]:
     return out
 
 
-def validate_tables(tables: dict[str, pd.DataFrame]) -> list[TableFailure]:
-    """Validate every table lazily and the cross-table invariants; return every failure found."""
+def validate_tables(tables: dict[str, pd.DataFrame], version: str = SCHEMA_VERSION) -> list[TableFailure]:
+    """Validate every table lazily (as `version` wrote them) and the cross-table invariants; return
+    every failure found."""
     failures: list[TableFailure] = []
+    schemas = schemas_for(version)
     for name in SCHEMAS:
         if name not in tables:
             failures.append(TableFailure(name, "table present", None, None, "missing"))
             continue
-        failures.extend(_schema_failures(name, tables[name]))
+        failures.extend(_schema_failures(name, tables[name], schemas))
     if all(n in tables for n in ("run_summary", "accounting", "repetition")):
         try:
             failures.extend(cross_table_failures(tables))

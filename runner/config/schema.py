@@ -72,6 +72,7 @@ ExportDtype = Literal["bf16", "fp32"]
 CompileScope = Literal["model", "regional"]
 Kernels = Literal["none", "liger"]
 CrossEntropy = Literal["plain", "chunked", "liger"]
+CheckpointWrite = Literal["background", "foreground"]
 MicroBatchPolicy = Literal["fixed", "auto"]
 RepoType = Literal["model", "dataset"]
 
@@ -567,6 +568,8 @@ class CheckpointSection(Section):
     interval_steps: int = 1000  #: checkpoint every this many committed steps (0 = by the clock only)
     interval_minutes: float = 60.0  #: or when this long has passed since the last save (rank 0's clock; 0 = off)
     keep_last: int = 3  #: complete checkpoints kept (older ones deleted)
+    #: background (the loop copies the state to host memory and goes on while a thread writes and hashes it; the next checkpoint waits for it) | foreground (the loop waits for the write)
+    write: CheckpointWrite = "background"
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         if self.keep_last < 1:

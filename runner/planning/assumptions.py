@@ -108,3 +108,29 @@ EXPORT_SOURCE = (
     "measured with /usr/bin/time -v runner export on a 2-core CI-class host at 0.3M and 124M parameters "
     "(runner.planning.assumptions); a larger host is faster, the memory holds"
 )
+
+
+# ---------------------------------------------------------------- writing a checkpoint
+#: What a checkpoint costs (runner plan's t_checkpoint; the loop records the real figures per checkpoint
+#: in run.json `checkpoints`). A checkpoint is the full fp32 state (12 B/param) on rank 0:
+#:   the copy to host memory, the one part the loop waits for under train.checkpoint.write: background:
+#:     from a GPU over its host link, NVIDIA H200/H100 SXM: PCIe Gen5 x16, 128 GB/s both ways (the
+#:     H200 datasheet), so 64 GB/s device to host. The gather copies into pageable memory, which
+#:     reaches less than the link: the loop's stop is a lower bound. On a CPU the copy is a host
+#:     memcpy: torch.clone of a 256 MiB fp32 tensor on this project's 2-core CI-class host, three
+#:     times under load 3: 2.2, 1.4, 1.35 GB/s (1.4 taken).
+#:   the write (serialize + fsync) at one data-center NVMe SSD's sequential write: Samsung PM9A3 U.2
+#:     (PCIe 4.0), up to 3.5 GB/s (Samsung's datasheet as heise online reported it, heise.de/-4720224);
+#:     a node's share of a shared filesystem may be less.
+#:   the read-back sha256 of every file (state.json lists them): runner.fsio.sha256_file of a 256 MiB
+#:     file in page cache on the same host (SHA extensions), three times: 1.32, 1.53, 1.58 GB/s (1.5
+#:     taken); a GPU node's core is about as fast.
+HOST_LINK_BYTES_PER_S = 64e9
+HOST_MEMCPY_BYTES_PER_S = 1.4e9
+DISK_WRITE_BYTES_PER_S = 3.5e9
+SHA256_BYTES_PER_S = 1.5e9
+CHECKPOINT_SOURCE = (
+    "copy to host: PCIe Gen5 x16 device to host, 64 GB/s (NVIDIA H200 datasheet; a CPU run: memcpy measured "
+    "on a 2-core host, 1.4 GB/s); write: 3.5 GB/s, one data-center NVMe SSD (Samsung PM9A3 U.2 datasheet, "
+    "heise.de/-4720224); sha256 read-back 1.5 GB/s measured on a 2-core host (runner.planning.assumptions)"
+)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.config.rules import devices
+from runner.config.rules import devices, total_steps
 from runner.config.schema import ExperimentSchema, from_plain
 from runner.data.manifest import load_manifest, num_samples
 from runner.data.mixture import plan_mixture
@@ -27,6 +27,7 @@ from runner.planning import assumptions, hardware
 from runner.planning.assumptions import AssumedMfu, assumed_mfu, carried_mfu
 from runner.planning.downstream_cost import format_lines as format_downstream_lines
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
+from runner.planning.resources import CHECKPOINT_BYTES_PER_PARAM
 from runner.planning.scaling import Point, forecast_target
 
 SECONDS_PER_HOUR = 3600.0
@@ -421,7 +422,7 @@ def _storage(cfg: ExperimentSchema, tokens: float, all_params: int, pool_tokens:
     # Without manifests the unique tokens needed are at most the budget (no repetition).
     data_tokens = pool_tokens if pool_tokens is not None else tokens
     keep_last = cfg.train.checkpoint.keep_last
-    checkpoint_bytes = 12.0 * all_params  # fp32 weights + two fp32 AdamW moments
+    checkpoint_bytes = float(CHECKPOINT_BYTES_PER_PARAM * all_params)  # fp32 weights + two fp32 AdamW moments
     return {
         "data_tokens": data_tokens,
         "data_tokens_basis": "pool tokens of the manifests"
@@ -439,6 +440,40 @@ def _storage(cfg: ExperimentSchema, tokens: float, all_params: int, pool_tokens:
         "host_gather_fits": None
         if cfg.hardware.host_memory_gib is None
         else checkpoint_bytes <= cfg.hardware.host_memory_gib * 2**30,
+    }
+
+
+def checkpoint_time(cfg: ExperimentSchema, checkpoint_bytes: float, pure_seconds: float) -> dict[str, Any]:
+    """What the experiment's checkpoints cost (SPEC's t_checkpoint: the time the loop stands still for
+    them), from their bytes and runner.planning.assumptions' copy, disk and hashing rates. Under
+    `train.checkpoint.write: background` the loop waits for the copy to host memory only, and for the
+    previous write when checkpoints come faster than one is written; under `foreground` for the write too."""
+    ck = cfg.train.checkpoint
+    steps = total_steps(cfg)
+    by_steps = steps // ck.interval_steps if ck.interval_steps else 0
+    by_clock = int(pure_seconds // (ck.interval_minutes * 60)) if ck.interval_minutes else 0
+    count = max(by_steps, by_clock, 1)  # a run always ends on a checkpoint
+    link = (
+        assumptions.HOST_MEMCPY_BYTES_PER_S if cfg.hardware.accelerator == "cpu" else assumptions.HOST_LINK_BYTES_PER_S
+    )
+    copy = checkpoint_bytes / link
+    write = checkpoint_bytes / assumptions.DISK_WRITE_BYTES_PER_S + checkpoint_bytes / assumptions.SHA256_BYTES_PER_S
+    between = pure_seconds / count
+    if ck.write == "background":
+        stop = copy + max(write - between, 0.0)
+    else:
+        stop = copy + write
+    return {
+        "write": ck.write,
+        "count": count,
+        "seconds_between": between,
+        "copy_seconds": copy,
+        "write_seconds": write,
+        "stop_seconds": stop,
+        "t_checkpoint_hours": count * stop / SECONDS_PER_HOUR,
+        "fraction_of_pure": count * stop / pure_seconds if pure_seconds else 0.0,
+        "assumed_fraction": cfg.plan.checkpoint_overhead_fraction,
+        "source": assumptions.CHECKPOINT_SOURCE,
     }
 
 
@@ -518,6 +553,9 @@ def build_plan(
         "calibration": asdict(calibration) if calibration else None,
         "memory": memory_per_device(cfg),
         "storage": _storage(cfg, tokens, counts.all, mix.get("pool_tokens")),
+        "checkpoint_time": checkpoint_time(
+            cfg, CHECKPOINT_BYTES_PER_PARAM * counts.all, assumed["pure_hours"] * SECONDS_PER_HOUR
+        ),
         "export": export_estimate(cfg, counts.all),
         "mixture": mix,
         "warnings": list(mix.get("warnings", [])),
@@ -689,8 +727,31 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
     else:
         gather = f"does NOT fit in {_gib(host)} of host memory: nodes with more (no sharded checkpoint format yet)"
     _row(out, "rank 0 gathers a checkpoint", _gib(st["checkpoint_bytes"]), note=gather)
+    if "checkpoint_time" in plan:
+        _format_checkpoint_time(plan["checkpoint_time"], out)
     if "export" in plan:
         _format_export(plan["export"], out)
+
+
+def _format_checkpoint_time(ck: Mapping[str, Any], out: list[str]) -> None:
+    behind = "behind the loop" if ck["write"] == "background" else "in the loop (train.checkpoint.write: foreground)"
+    _row(out, "checkpoint write + sha256", f"{ck['write_seconds']:,.3g} s", note=f"each, {behind}")
+    waits = "the copy to host memory" + (
+        ", and the previous write (checkpoints come faster than one is written)"
+        if ck["write"] == "background" and ck["write_seconds"] > ck["seconds_between"]
+        else ""
+        if ck["write"] == "background"
+        else " and the write"
+    )
+    _row(out, "the loop stops per checkpoint", f"{ck['stop_seconds']:,.3g} s", note=f"for {waits}")
+    _row(
+        out,
+        f"t_checkpoint (about {ck['count']:,} checkpoints)",
+        _duration(ck["t_checkpoint_hours"]),
+        note=f"{ck['fraction_of_pure']:.2%} of pure training; the overheads assume "
+        f"{ck['assumed_fraction']:.1%} (plan.checkpoint_overhead_fraction)",
+    )
+    out.append(f"  checkpoint rates: {ck['source']}")
 
 
 def _format_export(ex: Mapping[str, Any], out: list[str]) -> None:

@@ -22,7 +22,9 @@ from runner.planning.hardware import canonical_device
 #: bytes per parameter that training certainly holds: fp32 weights, fp32 grads, AdamW's two fp32 moments.
 STATE_BYTES_PER_PARAM = 16
 #: bytes per parameter a checkpoint holds, gathered whole in rank 0's host memory to be written:
-#: fp32 weights and AdamW's two fp32 moments (gradients are not saved).
+#: fp32 weights and AdamW's two fp32 moments (gradients are not saved). The copy is held while the write
+#: runs behind the loop; the next checkpoint waits for it, so one copy at a time
+#: (runner.training.checkpoint.host_copy; its test measures the copy against this figure).
 CHECKPOINT_BYTES_PER_PARAM = 12
 
 
@@ -60,7 +62,8 @@ def check_model_fits(cfg, path: Path, problems: Problems) -> None:
 
 
 def host_gather_bytes(cfg: ExperimentSchema) -> int:
-    """Bytes rank 0 holds in host memory while it writes a checkpoint: the full state, gathered."""
+    """Bytes rank 0 holds in host memory while it writes a checkpoint: the full state, gathered and
+    copied to host memory of its own (one checkpoint at a time)."""
     return params_of_config(cfg).all * CHECKPOINT_BYTES_PER_PARAM
 
 
@@ -74,7 +77,8 @@ def check_host_gather(cfg: ExperimentSchema, path: Path, problems: Problems) -> 
     if host is None:
         return [
             f"{display_path(path)}: hardware.host_memory_gib: unknown; rank 0 gathers {need / 2**30:,.4g} GiB "
-            "(fp32 weights + AdamW moments) in host memory to write each checkpoint: state the node's host memory"
+            "(fp32 weights + AdamW moments) in host memory and holds it while each checkpoint is written: "
+            "state the node's host memory"
         ]
     if need > host * 2**30:
         problems.add(

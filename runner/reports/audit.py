@@ -42,9 +42,9 @@ from runner.reports import tables as rpt
 from runner.reports.audit_input import AuditInput, Replay
 from runner.reports.audit_result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
 from runner.reports.expert_audit import check_expert_load, checkpoint_load_problems
-from runner.training.record import device_seconds, devices_held, read_manifest_copies
+from runner.training.record import conventions_of, device_seconds, devices_held, read_manifest_copies
 from runner.training.runfolder import is_reportable_run
-from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, validate_tables
+from schemas.report_tables import ADDED_SINCE, READABLE_VERSIONS, SCHEMA_VERSION, SCHEMAS, validate_tables
 
 __all__ = ["FAIL", "INFO", "PASS", "UNVERIFIED", "AuditInput", "AuditResult", "Check", "audit", "load_input", "replay"]
 
@@ -188,16 +188,21 @@ def _check_schemas(res: AuditResult, tables: dict[str, pd.DataFrame]) -> bool:
         if summary is not None and "schema_version" in summary
         else ["none"]
     )
-    if written != [SCHEMA_VERSION]:  # an older runner's report: recounting its columns would be guesswork
+    if len(written) != 1 or written[0] not in READABLE_VERSIONS:  # recounting its columns would be guesswork
         res.add(
             "schema version",
             [
-                f"report written under {', '.join(written)}, this runner audits {SCHEMA_VERSION}; "
+                f"report written under {', '.join(written)}, this runner audits {', '.join(READABLE_VERSIONS)}; "
                 "rebuild it with `runner report RUN_DIR` (the run folder holds every input)"
             ],
         )
         return False
-    failures = validate_tables(tables)
+    if written[0] != SCHEMA_VERSION:  # checked as written; what it predates reads as its default
+        added = "; ".join(
+            f"{t}.{c} reads as {v!r}" for t, cols in ADDED_SINCE[written[0]].items() for c, v in cols.items()
+        )
+        res.info("schema version", f"written under {written[0]} (this runner writes {SCHEMA_VERSION}): {added}")
+    failures = validate_tables(tables, written[0])
     for name in SCHEMAS:
         res.add(
             f"schema: {name}",
@@ -337,6 +342,8 @@ def _check_config_agreement(res: AuditResult, inp: AuditInput) -> None:
                 "run_id": str(inp.record.run_id or s["run_id"]),
             }
         )
+        if "step_clock" in s:  # what timed the steps is what the run recorded (host before issue 28)
+            expect["step_clock"] = conventions_of(inp.record, cfg).get("step_clock", "host")
     problems = [
         f"{k} = {s[k]!r}, run/config say {v!r}"
         for k, v in expect.items()
@@ -526,9 +533,14 @@ def _check_rebuilt(res: AuditResult, inp: AuditInput) -> None:
     if inp.rebuilt is None:
         return
     problems = []
+    version = rpt.written_version(inp.tables)
     for name in SCHEMAS:
         a = inp.tables[name].reset_index(drop=True)
         b = rpt._typed(name, inp.rebuilt[name]).reset_index(drop=True)
+        if version != SCHEMA_VERSION and version in ADDED_SINCE:  # rebuilt as the older version wrote it
+            b = b.drop(columns=[c for c in ADDED_SINCE[version].get(name, {}) if c in b])
+            if "schema_version" in b:
+                b["schema_version"] = version
         if name == "downstream":  # runner eval scorings made after the report are not in it yet
             b = downstream_audit.as_reported(a, b)
         try:
@@ -629,8 +641,10 @@ def _check_evidence_file(res: AuditResult, inp: AuditInput) -> None:
         res.could_not(name, "no evidence.json next to the tables: rebuild the report (`runner report RUN_DIR`)")
         return
     problems = ev.evidence_differences(found, inp, checkpoint=True)
-    if found.get("schema_version") != SCHEMA_VERSION:
-        problems.append(f"evidence is for schema {found.get('schema_version')}, the tables are {SCHEMA_VERSION}")
+    if found.get("schema_version") != rpt.written_version(inp.tables):
+        problems.append(
+            f"evidence is for schema {found.get('schema_version')}, the tables are {rpt.written_version(inp.tables)}"
+        )
     # Only a sloppy forgery fails here: the same hand can rewrite evidence.json. MLflow's copy is the proof.
     res.add(name, problems, ok_detail="tables, experiment.yaml and validation (the MLflow copy is the one that proves)")
 

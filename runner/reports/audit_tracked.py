@@ -24,9 +24,9 @@ from runner.config.fingerprint import canonical_meaning
 from runner.fsio import read_json
 from runner.reports import evidence as ev
 from runner.reports.audit_result import AuditResult
-from runner.reports.tables import CONVENTION_KEYS
+from runner.reports.tables import CONVENTION_KEYS, written_version
 from runner.training.tracking import missing_store, sqlite_path
-from schemas.report_tables import SCHEMA_VERSION
+from schemas.report_tables import with_added_columns
 
 if TYPE_CHECKING:
     from runner.reports.audit_input import AuditInput, Replay
@@ -237,12 +237,17 @@ def _check_tags(res: AuditResult, inp: AuditInput, tracked: Tracked, later: str)
     want: dict[str, Any] = {"fingerprint": inp.exp.fingerprint, "tokenizer.sha256": cfg.tokenizer.sha256}
     want.update({f"recipe.{kind}": ref for kind, ref in cfg.recipes.items()})
     want.update({f"manifest.{d}.sha256": pin.sha256 for d, pin in cfg.data.manifests.items()})
+    # A report written before a convention key was a column reads it at its default (step_clock: host)
+    version = written_version(inp.tables)
+    s = with_added_columns({"run_summary": inp.tables["run_summary"]}, version)["run_summary"].iloc[0]
     want.update({f"mfu.{k}": s[k] for k in CONVENTION_KEYS})
     want.update({f"hfu.{k}": v for k, v in (inp.record.conventions_hfu or {}).items()})
     problems: list[str] = []
     superseded: list[str] = []
     for key, value in want.items():
         got = tracked.tags.get(key)
+        if got is None and key == "mfu.step_clock" and value == "host":
+            continue  # runs before issue 28 logged no step clock: they timed steps on the host
         if got is None:
             problems.append(f"{key}: not logged")
         elif not _same(got, value):
@@ -508,13 +513,14 @@ def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked, later: 
     if later and problems:
         res.could_not(EVIDENCE, f"{later}: the evidence logged is the later end's ({'; '.join(problems[:3])})")
         return
-    if logged.get("schema_version") != SCHEMA_VERSION:
+    if logged.get("schema_version") != written_version(inp.tables):
         if problems:
             res.add(EVIDENCE, problems)
         else:
             res.could_not(
                 EVIDENCE,
-                f"tables logged under schema {logged.get('schema_version')}, rebuilt under {SCHEMA_VERSION}: their "
+                f"tables logged under schema {logged.get('schema_version')}, rebuilt under "
+                f"{written_version(inp.tables)}: their "
                 "hashes cannot be compared (experiment.yaml and validation losses agree)",
             )
         return

@@ -34,7 +34,7 @@ from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
 from runner.training.runfolder import is_reportable_run
 from runner.training.runjson import as_record
-from schemas.report_tables import SCHEMA_VERSION, validate_tables
+from schemas.report_tables import READABLE_VERSIONS, validate_tables, with_added_columns
 
 ACCOUNTING = ("processed_tokens", "exposure_tokens", "useful_tokens", "unique_tokens", "lost_tokens")
 ACCOUNTING_RATIOS = ("target_ratio", "realized_ratio", "epochs")
@@ -109,8 +109,8 @@ def load_source(target: str) -> Source:
         cfg = read_yaml(path / "experiment.yaml")
         if not isinstance(cfg, dict):
             raise RunnerError("expected a mapping (the resolved experiment config)", file=str(path / "experiment.yaml"))
-        source = Source(target, path, tables, cfg, run)
-        failures = validate_tables(tables)
+        failures = validate_tables(tables, rpt.written_version(tables))  # as written; then the current columns
+        source = Source(target, path, with_added_columns(tables, rpt.written_version(tables)), cfg, run)
         if failures:
             raise RunnerError(
                 f"its tables fail their schemas ({failures[0]}); see `runner audit {target}`", file=target
@@ -129,9 +129,9 @@ def _check_version(summary_file: Path) -> None:
         written = str(pd.read_parquet(summary_file, columns=["schema_version"]).iloc[0, 0])
     except Exception as err:  # pyarrow raises several types for a corrupt or foreign file
         raise RunnerError(f"unreadable run summary: {type(err).__name__}", file=str(summary_file)) from None
-    if written != SCHEMA_VERSION:
+    if written not in READABLE_VERSIONS:
         raise RunnerError(
-            f"report written under {written}, this runner compares {SCHEMA_VERSION}: rebuild it with "
+            f"report written under {written}, this runner compares {', '.join(READABLE_VERSIONS)}: rebuild it with "
             "`runner report RUN_DIR` (or compare the run folder)",
             file=str(summary_file.parent),
         )

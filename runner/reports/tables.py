@@ -118,6 +118,7 @@ CONVENTION_KEYS = (
     "peak_source",
     "devices_counted",
     "time_basis",
+    "step_clock",  # runner-report/4; a report written before reads it as host (schemas.report_tables.ADDED_SINCE)
 )
 THROUGHPUT_COLUMNS = ("step", "tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
 
@@ -200,6 +201,7 @@ def _summary(
         "peak_source": str(conv["peak_source"]),
         "devices_counted": int(conv["devices_counted"]),
         "time_basis": str(conv["time_basis"]),
+        "step_clock": str(conv.get("step_clock", "host")),
         "device_name": hw.device_name,
         "devices": devices_held(run, cfg),
         "price_per_device_hour": price,
@@ -244,6 +246,14 @@ def predated_tables(report_dir: str | Path) -> tuple[str, ...]:
         return ()
     listed = evidence.get("tables") or {}
     return tuple(n for n in absent if n not in listed)
+
+
+def written_version(tables: dict[str, pd.DataFrame]) -> str:
+    """The schema version the report's run summary was written under ('none' without one)."""
+    summary = tables.get("run_summary")
+    if summary is None or "schema_version" not in summary or not len(summary):
+        return "none"
+    return str(summary["schema_version"].iloc[0])
 
 
 def empty_table(name: str) -> pd.DataFrame:

@@ -624,14 +624,17 @@ def fsdp_plugin(hardware_cfg: HardwareRecipe, environ: typing.Mapping[str, str] 
         return None  # FSDP1 is refused by sharding_mode, with its way out
     # accelerate and FSDP2 only on this path: a DDP or single-process run never imports them here.
     from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: PLC0415
-    from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415
 
-    policy = None
-    if accelerate_mixed_precision(hardware_cfg) == "bf16":
-        policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
-        )
+    policy = bf16_fsdp_policy() if accelerate_mixed_precision(hardware_cfg) == "bf16" else None
     return FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+
+
+def bf16_fsdp_policy(reduce_dtype: torch.dtype = torch.float32) -> Any:
+    """FSDP2's mixed precision for a bf16 recipe: bf16 parameters for compute, gradients reduced (and,
+    under no_sync, accumulated) in `reduce_dtype`: fp32, what DDP sums (bf16 only to show the difference)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415  (FSDP2: torch >= 2.6)
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, output_dtype=torch.bfloat16)
 
 
 def fsdp_record(acc: Any) -> dict[str, Any]:
@@ -673,14 +676,16 @@ def ddp_compile_settings(model: torch.nn.Module, compile_on: bool) -> dict[str, 
     }
 
 
-def shard_fsdp2_cpu(model: torch.nn.Module, world: int) -> torch.nn.Module:
-    """FSDP2 full shard over `world` CPU (gloo) processes: each decoder layer is one unit, then the root."""
+def shard_fsdp2_cpu(model: torch.nn.Module, world: int, mp_policy: Any = None) -> torch.nn.Module:
+    """FSDP2 full shard over `world` CPU (gloo) processes: each decoder layer is one unit, then the root.
+    `mp_policy` (bf16_fsdp_policy): a mixed-precision policy; None, the runner's CPU runs, is fp32."""
     # FSDP2's public API exists from torch 2.6 (the dependency allows 2.4): only CPU sharding needs it.
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
     mesh = init_device_mesh("cpu", (world,))
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for layer in cast(torch.nn.ModuleList, model.get_submodule("model.layers")):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
     return model

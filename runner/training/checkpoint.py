@@ -14,6 +14,12 @@ other file, and `COMPLETE`, written last, holds the sha256 of `state.json`: an e
 state.json included, fails verification. A matrix shared by several names (tied embeddings) is
 stored once, under its first name; `state.json` `tied` maps the others to it and loading restores
 the tie.
+The loop hands a checkpoint off at a step boundary and goes on: `host_copy` makes the gathered state
+host memory of its own, and `BackgroundWriter` writes and hashes it in a thread while training
+continues (`train.checkpoint.write: background`; `foreground` writes in the loop). One write is in
+flight at a time: the next checkpoint, the attempt's end and a stop wait for it. A write killed
+midway leaves a `.tmp-*` folder or a folder without `COMPLETE`: neither verifies, so a resume takes
+the newest checkpoint that does.
 Format 2 (same files; COMPLETE held the model's sha256, state.json was not sealed, tied matrices
 stored under each name) and format 1 (model via safetensors' save_model, optimizer keyed by
 parameter index) are still read for runs begun before.
@@ -30,8 +36,9 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -56,6 +63,8 @@ from runner.fsio import fsync_dir, fsync_file, sha256_file
 from runner.training.clock import RunClock
 
 MARKER = "COMPLETE"
+#: train.checkpoint.write: where a checkpoint's files are written (the schema's Literal lists the same)
+WRITE_MODES = ("background", "foreground")
 FORMAT = 3
 FILES = ("model.safetensors", "optimizer.safetensors", "ledger.safetensors", "optimizer.json")
 
@@ -146,6 +155,113 @@ def _store_once(tensors: dict[str, torch.Tensor], tied: dict[str, str]) -> dict[
         out[name] = t.clone() if key in seen else t
         seen.add(key)
     return out
+
+
+def training_tensors(model, optimizer) -> list[torch.Tensor]:
+    """The tensors training goes on changing: parameters, buffers and the optimizer's state."""
+    state = [v for entry in optimizer.state.values() for v in entry.values() if torch.is_tensor(v)]
+    return [*model.parameters(), *model.buffers(), *state]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", t)  # a DTensor's shard: its own memory
+    return local.untyped_storage().data_ptr()
+
+
+def host_copy(model_state: dict, optimizer_state: dict, live: Iterable[torch.Tensor]) -> tuple[dict, dict]:
+    """The gathered state as host memory of its own, so training may go on while it is written.
+
+    A tensor on a device is copied to the host; one on the host that is still training's own memory
+    (`live`: one process on a CPU gets the parameters and AdamW's moments themselves from the gather)
+    is cloned; one the gather already copied (cpu_offload) is kept as it is. A matrix under several
+    names (tied embeddings) is copied once. The structure around the tensors (param groups, scalars)
+    is copied too: the loop sets the learning rate every step. Rank 0 thus holds one checkpoint in
+    host memory (runner.planning.resources.host_gather_bytes counts it)."""
+    own = {_storage_key(t) for t in live if t.device.type == "cpu"}
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def copy(x):
+        if torch.is_tensor(x):
+            key = (str(x.device), _storage_key(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+            if key not in copies:
+                t = x.detach()
+                if t.device.type != "cpu":
+                    copies[key] = t.to("cpu")
+                elif key[1] in own:
+                    copies[key] = t.clone()
+                else:
+                    copies[key] = t
+            return copies[key]
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(copy(v) for v in x)
+        return x  # numbers, strings, None: immutable
+
+    return copy(model_state), copy(optimizer_state)
+
+
+def state_bytes(*states) -> int:
+    """Bytes of the tensors in (nested) state dicts, each storage once."""
+    seen: dict[tuple, int] = {}
+
+    def walk(x):
+        if torch.is_tensor(x):
+            seen[(_storage_key(x), x.storage_offset())] = x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    for s in states:
+        walk(s)
+    return sum(seen.values())
+
+
+class BackgroundWriter:
+    """At most one checkpoint write in flight. `submit` first waits for the previous write (raising its
+    error in the caller), then runs the new one in a thread of its own (`background`: the caller goes
+    on training) or in the caller (`foreground`). `wait` is what the next checkpoint, the attempt's end
+    and a stop call: the write done, its error raised where the loop fails the run with it."""
+
+    def __init__(self, mode: str = "background"):
+        if mode not in WRITE_MODES:
+            raise RunnerError(f"must be one of {', '.join(WRITE_MODES)}, got {mode!r}", key="train.checkpoint.write")
+        self.mode = mode
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, write: Callable[[], None]) -> None:
+        self.wait()
+        if self.mode == "foreground":
+            write()
+            return
+        self._thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-write")
+        self._thread.start()
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as e:  # handed to the loop's thread by wait()
+            self._error = e
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> float:
+        """Seconds spent waiting for the write in flight (0 when none); its error, raised here."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return 0.0
+        t0 = time.perf_counter()
+        thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return time.perf_counter() - t0
 
 
 # ---- RNG state as JSON ------------------------------------------------------------------------
@@ -269,6 +385,7 @@ class Checkpointer:
         interval_minutes: float | None,
         keep_last: int,
         report: Callable[[str], None] | None = None,
+        write: str = "background",
     ):
         if keep_last < 1:
             raise RunnerError(f"must be >= 1, got {keep_last}", key="train.checkpoint.keep_last")
@@ -279,13 +396,15 @@ class Checkpointer:
         self.report = report or (lambda message: None)
         self.last_save_time = time.monotonic()
         self._checked: dict[str, tuple[tuple, str | None]] = {}  # folder name -> (file signature, problem)
+        self._checked_lock = threading.Lock()  # the writer's pruning and the loop's fallbacks both verify
+        self.writes = BackgroundWriter(write)  #: the loop's hand-off of each checkpoint (train.checkpoint.write)
 
     @classmethod
     def for_run(
         cls, run_dir: Path, section: CheckpointSection, report: Callable[[str], None] | None = None
     ) -> Checkpointer:
         """The checkpointer of a run, its interval policy and retention from `train.checkpoint`."""
-        return cls(run_dir, section.interval_steps, section.interval_minutes, section.keep_last, report=report)
+        return cls(run_dir, section.interval_steps, section.interval_minutes, section.keep_last, report, section.write)
 
     @classmethod
     def reader(cls, run_dir: Path) -> Checkpointer:
@@ -333,7 +452,8 @@ class Checkpointer:
                 + "; the previous checkpoints are untouched and the run resumes from the newest of them",
                 file=str(self.root),
             ) from None
-        self._checked[final.name] = (_signature(final), None)  # its hashes were just read back from disk
+        with self._checked_lock:
+            self._checked[final.name] = (_signature(final), None)  # its hashes were just read back from disk
         self.last_save_time = time.monotonic()
         self._prune(keep=final)
         return final
@@ -360,11 +480,13 @@ class Checkpointer:
     def check(self, path: Path) -> str | None:
         """verify(path), remembered while the folder's files keep their sizes and mtimes."""
         signature = _signature(path)
-        known = self._checked.get(path.name)
+        with self._checked_lock:
+            known = self._checked.get(path.name)
         if known is not None and known[0] == signature:
             return known[1]
         problem = verify(path)
-        self._checked[path.name] = (signature, problem)
+        with self._checked_lock:
+            self._checked[path.name] = (signature, problem)
         return problem
 
     def _prune(self, keep: Path) -> None:

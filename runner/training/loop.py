@@ -45,14 +45,14 @@ from runner.training.accelerator import (
 )
 from runner.training.batches import Data, load_data, read_step
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
-from runner.training.checkpoint import Checkpointer, gather_full_state, set_rng_state
+from runner.training.checkpoint import Checkpointer, gather_full_state, host_copy, set_rng_state, training_tensors
 from runner.training.clock import RunClock
 from runner.training.collectives import all_gather_ints, all_reduce, check_same_checkpoint, fsdp2_no_sync, scalar
 from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
-from runner.training.records import Gathered, RunRecord, default_records
+from runner.training.records import Gathered, RunRecord, default_records, take_records
 from runner.training.runfolder import RunFolder
 from runner.training.runjson import RunJson
 from runner.training.samples import samples_callback
@@ -198,6 +198,7 @@ def _runtime(cfg, acc, micro: int, accum: int) -> tuple[dict, int, int]:
         micro_batch_policy=cfg.train.micro_batch_policy,
         accumulation_steps=accum,
         prefetch_batches=cfg.train.prefetch_batches,
+        checkpoint_write=cfg.train.checkpoint.write,  # the setting; each checkpoint records the thread that wrote it
     )
     return runtime, micro, accum
 
@@ -431,6 +432,7 @@ def _train_step(run: _Run, step: int) -> _Step:
         run.ledger.record_processed(processed[m])
         run.clock.journal_micro(step, m, processed[m])
         if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
+            run.checkpointer.writes.wait()  # the checkpoints before this step on disk: what a test finds is fixed
             os.kill(os.getpid(), signal.SIGKILL)
     loss = float(all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
     clip = run.cfg.optim.grad_clip
@@ -498,13 +500,19 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
     failed = all_reduce(run.acc, torch.tensor([_data_failed(run, wait=wait_for_data)], device=run.acc.device))
     if failed.item() > 0:
         _raise_data_failure(run)
-    # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
+    # The previous write done first: rank 0 holds one checkpoint in host memory at a time.
     started = time.perf_counter()
+    run.checkpointer.writes.wait()
+    # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
     model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
     if run.main:
-        saved = Gathered(step, model_state, optimizer_state, started)
-        for record in run.opts.records:  # checkpoint files, ledger.json, run.json (runner.training.records)
-            record.at_checkpoint(run, saved)
+        live = training_tensors(run.raw_model, run.inner_optimizer)
+        saved = Gathered(step, *host_copy(model_state, optimizer_state, live), started)
+        # checkpoint files, ledger.json, run.json (runner.training.records): taken now, written behind the loop
+        write = take_records(run.opts.records, run, saved)
+        if run.checkpointer.writes.mode == "background":
+            saved.resumed = time.perf_counter()
+        run.checkpointer.writes.submit(write)
     run.acc.wait_for_everyone()
     run.last_saved = step
 
@@ -598,9 +606,12 @@ def _start_attempt(run: _Run, tracker) -> _StopFlag:
 def _end_attempt(run: _Run, flag: _StopFlag) -> None:
     assert run.batches is not None
     run.batches.close()
-    for sig, handler in flag.old_handlers.items():
-        signal.signal(sig, handler)
-    run.clock.end_attempt()  # the attempt's whole wall, for the next resume (a kill loses only the tail)
+    try:
+        run.checkpointer.writes.wait()  # the last checkpoint sealed (its error raised), in the attempt's wall
+    finally:
+        for sig, handler in flag.old_handlers.items():
+            signal.signal(sig, handler)
+        run.clock.end_attempt()  # the attempt's whole wall, for the next resume (a kill loses only the tail)
 
 
 def _stop_nonfinite(run: _Run, step: int, s: _Step) -> None:

@@ -1,41 +1,64 @@
 """The records a run folder keeps, each written by its own component at the loop's named points.
 
 The loop calls every record of `default_records()` (rank 0 only), in order, at two points:
-`at_checkpoint` (a checkpoint's full state gathered: the checkpoint files, ledger.json, run.json's
-totals and its `checkpoints` list) and `at_end` (the attempt's summary: ledger.json and run.json's
-status and totals). A new record is a new component added here, not an edit of the loop. The
-processed-work journal is the run clock's (runner.training.clock); metrics files and MLflow are
-callbacks (runner.training.callbacks). Never decides when a checkpoint is due (the Checkpointer's
-interval policy does) or what a step trains on.
+`at_checkpoint` (a checkpoint's full state gathered and copied to host memory: the checkpoint files,
+ledger.json, run.json's totals and its `checkpoints` list) and `at_end` (the attempt's summary:
+ledger.json and run.json's status and totals). At a checkpoint each record takes, on the loop's
+thread, what it will write (the step's ledger, RNG and clock) and returns the write; the writes run
+in order behind the loop (the Checkpointer's BackgroundWriter: a thread, or the loop itself under
+`train.checkpoint.write: foreground`), so run.json names a checkpoint only once its files are
+sealed. A new record is a new component added here, not an edit of the loop. The processed-work
+journal is the run clock's (runner.training.clock); metrics files and MLflow are callbacks
+(runner.training.callbacks). Never decides when a checkpoint is due (the Checkpointer's interval
+policy does) or what a step trains on.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from runner.fsio import atomic_write_json
 from runner.training.checkpoint import rng_state, tied_parameters
-from runner.training.runfolder import write_ledger_json
+from runner.training.expert_load import FILE as EXPERT_LOAD_FILE
+from runner.training.runfolder import ledger_document, write_ledger_json
 from runner.training.schedule import lr_at
 
 
 @dataclass
 class Gathered:
-    """A checkpoint's full state on rank 0 (see checkpoint.gather_full_state), and when it started."""
+    """A checkpoint's full state on rank 0, host memory of its own (checkpoint.gather_full_state, then
+    checkpoint.host_copy), and its times."""
 
     step: int
     model_state: dict[str, torch.Tensor]
     optimizer_state: dict
-    started: float  # perf_counter before the gather: run.json's t_checkpoint counts from it
+    started: float  #: perf_counter when the loop stopped for it (before waiting for the previous write)
+    resumed: float | None = None  #: perf_counter when the loop went on, the write handed off (background)
+    write_seconds: float | None = None  #: the files' own write: serialize, fsync, hash, rename, seal, prune
+    written: str | None = None  #: "background" or "foreground": the thread that wrote the files, as seen there
+
+    def stopped_seconds(self) -> float:
+        """How long the loop stood still for this checkpoint (SPEC's t_checkpoint): until it went on,
+        or, written in the loop, until now."""
+        return (self.resumed if self.resumed is not None else time.perf_counter()) - self.started
+
+
+Write = Callable[[], None]
 
 
 class RunRecord:
-    """One record of the run folder. `run` is the loop's state of the attempt (runner.training.loop._Run)."""
+    """One record of the run folder. `run` is the loop's state of the attempt (runner.training.loop._Run).
 
-    def at_checkpoint(self, run: Any, saved: Gathered) -> None: ...
+    `at_checkpoint` runs on the loop's thread at the step boundary: it takes from `run` what it will
+    write and returns the write (None: nothing to write), which may run after training went on."""
+
+    def at_checkpoint(self, run: Any, saved: Gathered) -> Write | None: ...
 
     def at_end(self, run: Any, committed: int, status: str, summary: dict, system: dict | None) -> None: ...
 
@@ -43,16 +66,19 @@ class RunRecord:
 class CheckpointFiles(RunRecord):
     """checkpoints/step_N: model, optimizer, ledger (+ expert load) and the loop's state, atomically."""
 
-    def at_checkpoint(self, run: Any, saved: Gathered) -> None:
+    def at_checkpoint(self, run: Any, saved: Gathered) -> Write:
         ledger_state = run.ledger.state_dict() | (run.experts.state_dict() if run.experts is not None else {})
-        run.checkpointer.save(
-            saved.step,
-            saved.model_state,
-            saved.optimizer_state,
-            ledger_state,
-            checkpoint_state(run, saved.step),
-            tied=tied_parameters(run.raw_model),
-        )
+        state, tied = checkpoint_state(run, saved.step), tied_parameters(run.raw_model)
+        checkpointer, loop_thread = run.checkpointer, threading.current_thread()
+
+        def write() -> None:
+            t0 = time.perf_counter()
+            saved.written = "foreground" if threading.current_thread() is loop_thread else "background"
+            checkpointer.save(saved.step, saved.model_state, saved.optimizer_state, ledger_state, state, tied=tied)
+            saved.write_seconds = time.perf_counter() - t0
+            saved.model_state, saved.optimizer_state = {}, {}  # the host copy goes once it is on disk
+
+        return write
 
 
 def checkpoint_state(run: Any, step: int) -> dict:
@@ -82,31 +108,60 @@ def checkpoint_state(run: Any, step: int) -> dict:
 class LedgerJson(RunRecord):
     """ledger.json (counters, repetition, realized ratios) and, of a mixture of experts, its expert load."""
 
-    def _write(self, run: Any, step: int) -> None:
-        write_ledger_json(run.folder.path, run.ledger)
-        if run.experts is not None:
-            run.experts.load.write_json(run.folder.path, step)
+    def at_checkpoint(self, run: Any, saved: Gathered) -> Write:
+        ledger = ledger_document(run.ledger)
+        load = run.experts.load.to_json(saved.step) if run.experts is not None else None
+        folder = run.folder.path
 
-    def at_checkpoint(self, run: Any, saved: Gathered) -> None:
-        self._write(run, saved.step)
+        def write() -> None:
+            write_ledger_json(folder, ledger)
+            if load is not None:
+                atomic_write_json(folder / EXPERT_LOAD_FILE, load)
+
+        return write
 
     def at_end(self, run: Any, committed: int, status: str, summary: dict, system: dict | None) -> None:
-        self._write(run, committed)
+        write_ledger_json(run.folder.path, ledger_document(run.ledger))
+        if run.experts is not None:
+            run.experts.load.write_json(run.folder.path, committed)
 
 
 class RunJson(RunRecord):
     """run.json: the committed step and the clock's totals at each checkpoint, with what the checkpoint
     cost; the status and the summary at the attempt's end."""
 
-    def at_checkpoint(self, run: Any, saved: Gathered) -> None:
-        # t_checkpoint: gather and write, while training waited (the wall-clock formula sums them)
-        seconds = time.perf_counter() - saved.started
-        earlier = run.folder.record().checkpoints
-        entry = {"step": saved.step, "attempt": run.clock.attempt, "t_checkpoint": round(seconds, 6)}
-        run.folder.update(committed_steps=saved.step, **run.clock.totals(), checkpoints=earlier + [entry])
+    def at_checkpoint(self, run: Any, saved: Gathered) -> Write:
+        totals, attempt, folder = run.clock.totals(), run.clock.attempt, run.folder
+
+        def write() -> None:
+            # SPEC: t_checkpoint is what the loop stood still for (the wall-clock formula sums them);
+            # t_checkpoint_write the files' own write, behind the loop when checkpoint_write is background.
+            entry = {
+                "step": saved.step,
+                "attempt": attempt,
+                "t_checkpoint": round(saved.stopped_seconds(), 6),
+                "t_checkpoint_write": round(saved.write_seconds or 0.0, 6),
+                "checkpoint_write": saved.written,
+            }
+            earlier = folder.record().checkpoints
+            folder.update(committed_steps=saved.step, **totals, checkpoints=earlier + [entry])
+
+        return write
 
     def at_end(self, run: Any, committed: int, status: str, summary: dict, system: dict | None) -> None:
         run.folder.update(status=status, **summary, **({"system": system} if system is not None else {}))
+
+
+def take_records(records: list[RunRecord], run: Any, saved: Gathered) -> Write:
+    """Every record's take of the checkpoint, in order, on the loop's thread; the write returned runs
+    theirs in the same order (a failed one stops the rest: run.json never names unsealed files)."""
+    writes = [w for w in (record.at_checkpoint(run, saved) for record in records) if w is not None]
+
+    def write() -> None:
+        for w in writes:
+            w()
+
+    return write
 
 
 def default_records() -> list[RunRecord]:

@@ -129,8 +129,8 @@ class RunFolder:
             repair_jsonl_tail(self.journal_path())
 
 
-def write_ledger_json(run_dir: Path, ledger: TokenLedger) -> None:
-    """ledger.json: counters, repetition histogram and realized ratios (plain JSON for report/audit)."""
+def ledger_document(ledger: TokenLedger) -> dict:
+    """ledger.json's content as of now: counters, repetition histogram and realized ratios (plain JSON)."""
 
     def plain(x):
         if isinstance(x, dict):
@@ -141,14 +141,16 @@ def write_ledger_json(run_dir: Path, ledger: TokenLedger) -> None:
             return float(x)
         return x
 
-    atomic_write_json(
-        Path(run_dir) / "ledger.json",
-        {
-            "counters": plain(ledger.counters()),
-            "histogram": plain(ledger.histogram()),
-            "realized_ratios": plain(ledger.realized_ratios()),
-        },
-    )
+    return {
+        "counters": plain(ledger.counters()),
+        "histogram": plain(ledger.histogram()),
+        "realized_ratios": plain(ledger.realized_ratios()),
+    }
+
+
+def write_ledger_json(run_dir: Path, document: dict) -> None:
+    """ledger.json (for report/audit) from a ledger_document, taken when the figures were current."""
+    atomic_write_json(Path(run_dir) / "ledger.json", document)
 
 
 def is_run_dir(path: Path) -> bool:

@@ -49,7 +49,8 @@ class RunJson:
     device_step_seconds_total: float | None = None
     wall_seconds: float | None = None
     device_wall_seconds: float | None = None
-    checkpoints: list[dict] = field(default_factory=list)  #: step, attempt, t_checkpoint
+    #: step, attempt, t_checkpoint (the loop's stop), t_checkpoint_write, checkpoint_write (background/foreground)
+    checkpoints: list[dict] = field(default_factory=list)
     # the attempt's summary
     exposure_tokens: int | None = None
     useful_tokens: int | None = None

@@ -203,7 +203,9 @@ def test_unusable_input_is_one_line_and_exit_2(tmp_path, cli):
     summary = pd.read_parquet(report / "run_summary.parquet")
     summary["schema_version"] = "runner-report/2"
     summary.to_parquet(report / "run_summary.parquet", index=False)
-    assert "report written under runner-report/2, this runner compares runner-report/3" in refused(a, report)
+    assert "report written under runner-report/2, this runner compares runner-report/3, runner-report/4" in refused(
+        a, report
+    )
     cfg = yaml.safe_load((b / "experiment.yaml").read_text())
     cfg["eval"]["targets"]["code-5"]["loss_nats"] = 4.0
     (b / "experiment.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

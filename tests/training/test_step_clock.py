@@ -31,7 +31,7 @@ def test_step_time_is_read_on_the_device_clock_once_per_optimizer_step(tmp_path,
     assert info["step_seconds_total"] == 0.75
     assert info["conventions"]["step_clock"] == "device" and info["conventions"]["time_basis"] == "step"
     assert "step_clock" not in info["conventions_goodput"]  # wall time has no step clock
-    # what each checkpoint cost (host clock: gather + write while training waited)
+    # what each checkpoint cost the loop (host clock: the copy to host memory; the write runs behind it)
     assert [(c["step"], c["attempt"]) for c in info["checkpoints"]] == [(3, 1)] and info["checkpoints"][0][
         "t_checkpoint"
     ] > 0

@@ -1,0 +1,56 @@
+"""`runner plan`'s t_checkpoint: the checkpoint's bytes over the sourced copy, disk and hashing rates; under
+background writes the loop stops for the copy (and for the previous write when checkpoints come faster
+than one is written), under foreground writes for the write too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import REPO
+
+from runner.config.load import load_experiment
+from runner.planning import assumptions
+from runner.planning.flops import params_of_config
+from runner.planning.plan import SECONDS_PER_HOUR, build_plan, format_plan
+
+
+def _with_checkpoint(cfg, **changes):
+    ck = dataclasses.replace(cfg.train.checkpoint, **changes)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, checkpoint=ck))
+
+
+def test_t_checkpoint_of_1p3b_by_hand_in_both_write_modes(tmp_path):
+    cfg = load_experiment(REPO / "experiments" / "1p3b.yaml", check_files=False).config
+    size = 12 * params_of_config(cfg).all  # fp32 weights + AdamW's two moments: 15.6 GB
+    copy = size / assumptions.HOST_LINK_BYTES_PER_S
+    write = size / assumptions.DISK_WRITE_BYTES_PER_S + size / assumptions.SHA256_BYTES_PER_S
+    plan = build_plan(cfg, root=tmp_path)
+    ck = plan["checkpoint_time"]
+    pure = plan["time"]["assumed"]["pure_hours"] * SECONDS_PER_HOUR
+    assert ck["write"] == "background" and ck["seconds_between"] > write  # hourly checkpoints: no wait
+    assert ck["copy_seconds"] == pytest.approx(copy) and ck["write_seconds"] == pytest.approx(write)
+    assert ck["stop_seconds"] == pytest.approx(copy)
+    assert ck["t_checkpoint_hours"] == pytest.approx(ck["count"] * copy / SECONDS_PER_HOUR)
+    assert ck["fraction_of_pure"] == pytest.approx(ck["count"] * copy / pure)
+    text = format_plan(plan)
+    assert "t_checkpoint (about" in text and "for the copy to host memory" in text
+    assert "heise.de/-4720224" in text and "H200 datasheet" in text  # the rates' sources
+    # written in the loop, each checkpoint stops it for the write as well
+    fg = build_plan(_with_checkpoint(cfg, write="foreground"), root=tmp_path)["checkpoint_time"]
+    assert fg["stop_seconds"] == pytest.approx(copy + write) and fg["count"] == ck["count"]
+    # behind the loop but every step of 32 devices: each checkpoint waits for the rest of the previous write
+    nodes = load_experiment(REPO / "experiments" / "1p3b-4x8-fsdp.yaml", check_files=False).config
+    every = build_plan(_with_checkpoint(nodes, interval_steps=1, interval_minutes=0), root=tmp_path)
+    tight = every["checkpoint_time"]
+    assert tight["seconds_between"] < write
+    assert tight["stop_seconds"] == pytest.approx(copy + write - tight["seconds_between"])
+    assert "and the previous write" in format_plan(every)
+
+
+def test_a_cpu_run_copies_at_memcpy_speed():
+    cfg = load_experiment(REPO / "experiments" / "cpu-tiny.yaml", check_files=False).config
+    ck = build_plan(cfg)["checkpoint_time"]
+    size = 12 * params_of_config(cfg).all
+    assert ck["copy_seconds"] == pytest.approx(size / assumptions.HOST_MEMCPY_BYTES_PER_S)
+    assert ck["count"] == 3  # 150 steps, one every 50
