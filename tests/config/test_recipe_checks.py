@@ -138,11 +138,12 @@ def test_pinned_pool_sizes_check_feasibility_without_the_data(project_with_data:
         "cpu-tiny-fsdp.yaml",
         "cpu-tiny-lr.yaml",
         "cpu-tiny-moe.yaml",
+        "cpu-tiny-tasks.yaml",
         "cpu-tiny.yaml",
     ]
     pinned = yaml.safe_load((root / "experiments/cpu-tiny.yaml").read_text())
     assert pinned["version"] == 3 and pinned["data"]["manifests"]["legal"]["pool_tokens"] == 12744
-    for derived in ("cpu-tiny-fsdp", "cpu-tiny-lr", "cpu-tiny-moe"):
+    for derived in ("cpu-tiny-fsdp", "cpu-tiny-lr", "cpu-tiny-moe", "cpu-tiny-tasks"):
         assert yaml.safe_load((root / f"experiments/{derived}.yaml").read_text())["base"] == "cpu-tiny@3"
     assert "# built by `runner data builtin`" in (root / "experiments/cpu-tiny.yaml").read_text()
     for e, fp in fingerprints.items():
