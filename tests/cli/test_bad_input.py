@@ -501,8 +501,8 @@ def _record_edit_strategy(good: dict):
 
 @pytest.mark.slow
 def test_fuzzed_fetch_records_exit_0_or_2_without_traceback(project, tmp_path, capsys, monkeypatch):
+    from hubfixtures import _exp, serving_hub, use_hub
     from hypothesis import HealthCheck, given, settings
-    from test_fetch import _exp, serving_hub, use_hub
 
     from runner.data.fetch import fetch_experiment
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from fakehub import FakeHub
-from test_fetch import DATA_REPO, SHARDS, _downloads, _exp, serving_hub, use_hub
+from hubfixtures import DATA_REPO, SHARDS, _downloads, _exp, serving_hub, use_hub
 
 from runner.cli import main
 from runner.config.schema import repo_id_problem
