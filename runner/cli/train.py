@@ -309,8 +309,7 @@ def _launch(args, held: contextlib.ExitStack) -> int:
     run_dir = _claim_folder(args, exp, run_dir, existing, acc, held)
     tracker = None if args.no_tracking else _start_tracking(args, exp, run_dir, existing, main)
     kill, fault = _fault(args.fault, acc.process_index) if args.fault else (args.kill_at_step, None)
-    report = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    opts = Options(max_steps=args.max_steps, report=report, kill_at_step=kill, fault=fault)
+    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=kill, fault=fault)
     try:
         code = train(exp, run_dir, acc, tracker, opts)
     except BaseException:

@@ -82,11 +82,11 @@ def two_nodes(
     root: Path, *launch_args, node1_cwd: Path, restarts: int = 0, nnodes: str = "2"
 ) -> list[subprocess.CompletedProcess]:
     """`runner launch ARGS --no-tracking` under two torchrun agents (node 0 from `root`, node 1 from
-    `node1_cwd`), torchrun restarting the group up to `restarts` times. Node 1 starts first (it waits
-    for node 0's store), so under `--nnodes 1:2` the first round has both."""
+    `node1_cwd`), torchrun restarting the group up to `restarts` times (under `--nnodes 1:2` the first
+    round has both: started together, the second joins well within LAST_CALL_S of the first)."""
     port = _free_port()
     procs = []
-    for (addr, is_host), cwd in reversed(list(zip(NODES, (root, node1_cwd)))):
+    for (addr, is_host), cwd in zip(NODES, (root, node1_cwd)):
         conf = _rdzv_conf(is_host) + (f",last_call_timeout={LAST_CALL_S}" if ":" in nnodes else "")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "multinode-test",
@@ -94,7 +94,7 @@ def two_nodes(
                "-m", "runner", "launch", *map(str, launch_args), "--no-tracking"]  # fmt: skip
         # What runner job's files export: a restarted round needs its own process-group store (pytorch#135712).
         procs.append(_start(cmd, cwd, env(cwd, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")))
-    return _wait(procs[::-1])
+    return _wait(procs)
 
 
 def slurm_nodes(root: Path, script: str, node1: Path) -> list[subprocess.CompletedProcess]:
@@ -255,7 +255,7 @@ def test_two_nodes_fsdp2_elastic_restarts_world_change_and_a_job_that_ends(refer
     said = [x for x in node0.splitlines() if x.startswith(bound)]
     resumes = f"the newest checkpoint, step-0000003, is what `runner launch {run}` resumes"
     assert said == [f"{bound} (a rank is gone or hung): exiting; {resumes}"], node0[-4000:]
-    assert "forcefully exiting via Signals.SIGKILL" not in node0
+    assert "forcefully exiting" not in node0  # torchrun had no SIGKILL to send
     # Rounds 1 and 2 resumed from step 3; then the restarts were spent: torchrun's line, the checkpoint intact.
     assert node0.count("resuming from step-0000003 (step 3)") == 2, node0[-4000:]
     assert procs[0].returncode == 1 and "ChildFailedError" in node0, node0[-3000:]
@@ -324,6 +324,7 @@ def test_two_nodes_ddp_from_the_slurm_script_with_mlflow_equal_one_process(refer
     procs = slurm_nodes(tmp_path, slurm_script(tmp_path, exp, "runs/two"), node1)
     info = _check_two_nodes(reference[0], run, node1, procs, tracked=True)
     assert info["runtime"]["sharding"] == "none" and info["attempts"] == 1
+    assert info["runtime"]["stop_timeout_seconds"] == 25.0  # the stop's bound (the default) is recorded
     one = reference[0]
     assert json.loads((run / "ledger.json").read_text()) == json.loads((one / "ledger.json").read_text())
     for name, key in (("train.jsonl", "loss"), ("eval.jsonl", "loss_nats")):

@@ -63,5 +63,5 @@ def test_ci_loads_the_skypilot_task_with_the_extras_skypilot():
     pin = re.search(r'^skypilot = \["(skypilot==[^"]+)"\]$', (ROOT / "pyproject.toml").read_text(), re.M)
     assert pin and f"SKY_PIN={pin.group(1)}\n" in SCRIPT
     named = SCRIPT.index("export RUNNER_SKYPILOT_PYTHON=$SKY/bin/python\n")
-    assert named < SCRIPT.index("./install.sh && python -m pytest")
+    assert named < SCRIPT.index("./install.sh && python -m pytest\n  main_rc=$?")
     assert '"$PY" -m venv "$SKY.partial"' in SCRIPT  # its own venv: not the environment the suite tests
