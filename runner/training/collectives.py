@@ -67,7 +67,8 @@ STOP_TIMEOUT_KEY = "train.checkpoint.stop_timeout_seconds"
 
 class StopDeadline:
     """The bound on a stop: after SIGTERM or SIGINT this process has `seconds` to save its stop
-    checkpoint and exit; past it, it says `line()` and exits (EXIT_PREEMPTED) without a new checkpoint.
+    checkpoint and record the attempt's end; past it, it says `line()` and exits (EXIT_PREEMPTED)
+    wherever it was, a new checkpoint unsealed or unstarted.
 
     A stop checkpoint is collectives (the stop decision, the data check, the gather, the barrier after
     rank 0's write): a rank that is gone with its connections open (its node lost) or hung blocks them
