@@ -11,8 +11,9 @@ and `127.0.0.2`; with c10d torchrun orders the agents itself, by address, and th
 folder (a run folder of its own, an MLflow store) would show there. Every run is compared with ONE
 one-process reference run of the same experiment (a session-wide fixture): weights within 1e-4 (as
 tests/e2e/test_distributed.py allows for reduction order), audit consistent; the DDP run's ledger is
-equal exactly; the FSDP2 run loses node 1's worker mid-run and comes back through torchrun's restart
-(--max-restarts 1), its ledger equal but for the lost work, counted once. Three torchrun runs in all.
+equal exactly; the FSDP2 run, elastic (--nnodes 1:2), meets a hung rank (the survivor's stop ends at
+its bound), a node gone for good (world 1 after) and spent restarts (the job ends; the next launch
+resumes), its ledger equal but for the lost work, counted once. Three torchrun runs in all.
 """
 
 from __future__ import annotations
