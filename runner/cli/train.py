@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import os
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,8 +51,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="stop after N steps in this attempt (tests)")
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (smoke, bench)")
     p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
-    # fault injection under torchrun: only this global rank, in the agents' first attempt (not after a restart)
-    p.add_argument("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)
+    # fault injection under torchrun, RESTART:RANK:STEP:MODE (repeatable): where the agent's restart count
+    # (TORCHELASTIC_RESTART_COUNT: failures, not rejoins) is RESTART, global rank RANK, mid-step STEP, MODE kill
+    # (SIGKILL itself) | hang (gone with its connections open, as a lost node's: a child holds them until the
+    # agent exits) | gone (its agent killed too)
+    p.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_launch)
 
     s = subparsers.add_parser(
@@ -303,12 +308,8 @@ def _launch(args, held: contextlib.ExitStack) -> int:
         print(warning, file=sys.stderr)
     run_dir = _claim_folder(args, exp, run_dir, existing, acc, held)
     tracker = None if args.no_tracking else _start_tracking(args, exp, run_dir, existing, main)
-    kill = args.kill_at_step
-    if args.kill_rank is not None and (
-        args.kill_rank != acc.process_index or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    ):
-        kill = None
-    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=kill)
+    kill, fault = _fault(args.fault, acc.process_index) if args.fault else (args.kill_at_step, None)
+    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=kill, fault=fault)
     try:
         code = train(exp, run_dir, acc, tracker, opts)
     except BaseException:
@@ -321,6 +322,39 @@ def _launch(args, held: contextlib.ExitStack) -> int:
     acc.wait_for_everyone()
     acc.end_training()
     return code
+
+
+def _fault(faults: list[str], rank: int):
+    """--fault's step and action for this rank at its agent's restart count (None, None: none)."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for spec in faults:
+        at_restart, at_rank, step, mode = spec.split(":")
+        if (int(at_restart), int(at_rank)) == (restarts, rank):
+            return int(step), functools.partial(_inject, mode)
+    return None, None
+
+
+def _inject(mode: str) -> None:
+    agent = os.getppid()
+    if mode == "gone":
+        os.kill(agent, signal.SIGKILL)
+    elif mode == "hang" and os.fork() == 0:  # the child holds this process's sockets, silent, until the agent exits
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # not the agent's output pipes: whoever reads them sees the end when the agent ends
+            os.dup2(devnull, fd)
+        while _running(agent):
+            time.sleep(0.2)
+        os._exit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (not gone, not a zombie its parent has yet to reap: Linux's /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _claim_folder(args, exp: Experiment, run_dir: Path | None, existing: bool, acc, held: contextlib.ExitStack) -> Path:

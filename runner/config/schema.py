@@ -570,6 +570,10 @@ class CheckpointSection(Section):
     keep_last: int = 3  #: complete checkpoints kept (older ones deleted)
     #: background (the loop copies the state to host memory and goes on while a thread writes and hashes it; the next checkpoint waits for it) | foreground (the loop waits for the write)
     write: CheckpointWrite = "background"
+    #: with more than one rank: after a stop signal, the most seconds a process takes to save the stop
+    #: checkpoint and exit; past it (a rank gone or hung) it exits without one and the previous stands.
+    #: Below torchrun's 30 s from SIGTERM to SIGKILL; a scheduler's grace period can allow more
+    stop_timeout_seconds: float = 25.0
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         if self.keep_last < 1:
@@ -580,6 +584,12 @@ class CheckpointSection(Section):
             )
         if self.interval_steps < 0 or self.interval_minutes < 0:
             problems.add(file, prefix, "interval_steps and interval_minutes must be >= 0 (0 = off)")
+        if not self.stop_timeout_seconds > 0:
+            problems.add(
+                file,
+                join_key(prefix, "stop_timeout_seconds"),
+                f"must be > 0, got {self.stop_timeout_seconds}: the seconds a stopping rank waits for the others",
+            )
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -45,9 +46,24 @@ from runner.training.accelerator import (
 )
 from runner.training.batches import Data, load_data, read_step
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
-from runner.training.checkpoint import Checkpointer, gather_full_state, host_copy, set_rng_state, training_tensors
+from runner.training.checkpoint import (
+    MARKER,
+    Checkpointer,
+    gather_full_state,
+    host_copy,
+    set_rng_state,
+    training_tensors,
+)
 from runner.training.clock import RunClock
-from runner.training.collectives import all_gather_ints, all_reduce, check_same_checkpoint, fsdp2_no_sync, scalar
+from runner.training.collectives import (
+    STOP_TIMEOUT_KEY,
+    StopDeadline,
+    all_gather_ints,
+    all_reduce,
+    check_same_checkpoint,
+    fsdp2_no_sync,
+    scalar,
+)
 from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
@@ -77,6 +93,7 @@ class Options:
     callbacks: list[Callback] = field(default_factory=list)
     records: list[RunRecord] = field(default_factory=default_records)  # the run folder's records (rank 0 writes)
     kill_at_step: int | None = None  # fault injection: SIGKILL itself mid-step (smoke, tests)
+    fault: Callable[[], None] | None = None  # what kill_at_step does instead of a SIGKILL (tests: runner.cli.train)
     verify_shards: bool = True  # hash every shard against its manifest before the first checkpoint (bench: off)
 
 
@@ -170,6 +187,7 @@ class _StopFlag:
     def __init__(self):
         self.signum = None
         self.old_handlers: dict = {}
+        self.deadline: StopDeadline | None = None  # with other ranks: the stop's bound
 
     def __call__(self, signum, frame):
         self.signum = signum
@@ -200,6 +218,8 @@ def _runtime(cfg, acc, micro: int, accum: int) -> tuple[dict, int, int]:
         prefetch_batches=cfg.train.prefetch_batches,
         checkpoint_write=cfg.train.checkpoint.write,  # the setting; each checkpoint records the thread that wrote it
     )
+    if world > 1:  # what bounded this attempt's stop (StopDeadline)
+        runtime["stop_timeout_seconds"] = cfg.train.checkpoint.stop_timeout_seconds
     return runtime, micro, accum
 
 
@@ -433,7 +453,7 @@ def _train_step(run: _Run, step: int) -> _Step:
         run.clock.journal_micro(step, m, processed[m])
         if opts.kill_at_step is not None and step + 1 == opts.kill_at_step:
             run.checkpointer.writes.wait()  # the checkpoints before this step on disk: what a test finds is fixed
-            os.kill(os.getpid(), signal.SIGKILL)
+            (opts.fault or (lambda: os.kill(os.getpid(), signal.SIGKILL)))()
     loss = float(all_reduce(acc, loss_sum).item()) / max(n_useful, 1.0)
     clip = run.cfg.optim.grad_clip
     grad_norm = scalar(acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
@@ -579,6 +599,8 @@ def _attempt(run: _Run, tracker) -> int:
     finally:
         _end_attempt(run, flag)
     _finish(run, exit_code)
+    if flag.deadline is not None:  # the attempt's end is recorded: the launch's last barrier waits as any other
+        flag.deadline.cancel()
     return exit_code
 
 
@@ -590,6 +612,7 @@ def _start_attempt(run: _Run, tracker) -> _StopFlag:
         tracker.flush(timeout=START_WAIT_SECONDS)
     flag = _StopFlag()
     flag.old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
+    flag.deadline = _stop_deadline(run)
     run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None)
     run.last_saved = run.last_eval = run.start_step
     if run.opts.max_steps is not None:
@@ -603,12 +626,30 @@ def _start_attempt(run: _Run, tracker) -> _StopFlag:
     return flag
 
 
+def _stop_deadline(run: _Run) -> StopDeadline | None:
+    """With other ranks a stop is bounded (StopDeadline); its line names the checkpoint that stands."""
+    if run.world == 1 or threading.current_thread() is not threading.main_thread():
+        return None
+
+    def line(seconds: float) -> str:
+        sealed = [p.name for p in run.checkpointer.candidates() if (p / MARKER).exists()]
+        return (
+            f"stopped by signal, but the stop did not finish within {STOP_TIMEOUT_KEY} = {seconds:g} s (a rank "
+            f"is gone or hung): exiting; the newest checkpoint, {sealed[0] if sealed else 'none'}, is what "
+            f"`runner launch {run.folder.path}` resumes"
+        )
+
+    return StopDeadline(run.cfg.train.checkpoint.stop_timeout_seconds, line)
+
+
 def _end_attempt(run: _Run, flag: _StopFlag) -> None:
     assert run.batches is not None
     run.batches.close()
     try:
         run.checkpointer.writes.wait()  # the last checkpoint sealed (its error raised), in the attempt's wall
     finally:
+        if flag.deadline is not None:  # the stop's bound holds until the last write is sealed
+            flag.deadline.close()
         for sig, handler in flag.old_handlers.items():
             signal.signal(sig, handler)
         run.clock.end_attempt()  # the attempt's whole wall, for the next resume (a kill loses only the tail)

@@ -102,6 +102,10 @@ def test_a_budget_of_10_to_the_18_tokens_is_refused_without_replaying_it(project
         ("seed: 4294967296", "seed: must be in [0, 2**32 - 1]"),
         ("train: {checkpoint: {keep_last: 0}}", "train.checkpoint.keep_last: must be >= 1, got 0"),
         (
+            "train: {checkpoint: {stop_timeout_seconds: 0}}",
+            "train.checkpoint.stop_timeout_seconds: must be > 0, got 0.0: the seconds a stopping rank waits",
+        ),
+        (
             "overrides: {model: {hidden_size: 1000000000, n_heads: 8, n_kv_heads: 8}}",
             "model: 8,000,005,157,000,000,000 parameters need",
         ),
@@ -326,6 +330,7 @@ KEYS = {
     "train.checkpoint.keep_last": int,
     "train.checkpoint.interval_steps": int,
     "train.checkpoint.interval_minutes": float,
+    "train.checkpoint.stop_timeout_seconds": float,
     "overrides.optim.lr": float,
     "overrides.optim.eps": float,
     "overrides.optim.min_lr_ratio": float,

@@ -54,3 +54,14 @@ def test_ci_runs_the_readme_command_in_a_fresh_environment_and_fails_on_either_r
     assert 'rm -rf "$VENV"' in SCRIPT and '"$PY" -m venv "$VENV"' in SCRIPT
     assert "./install.sh && python -m pytest\n  main_rc=$?" in SCRIPT
     assert SCRIPT.rstrip().endswith('[ "$main_rc" -ne 0 ] && exit "$main_rc"\nexit "$device_rc"')
+
+
+def test_ci_loads_the_skypilot_task_with_the_extras_skypilot():
+    """tests/cli/test_job.py's SkyPilot loader runs in a venv `.ci/run` makes with pyproject's `skypilot`
+    extra's pin, named in RUNNER_SKYPILOT_PYTHON before the README's command (named, the test fails
+    rather than skips where it cannot import sky)."""
+    pin = re.search(r'^skypilot = \["(skypilot==[^"]+)"\]$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert pin and f"SKY_PIN={pin.group(1)}\n" in SCRIPT
+    named = SCRIPT.index("export RUNNER_SKYPILOT_PYTHON=$SKY/bin/python\n")
+    assert named < SCRIPT.index("./install.sh && python -m pytest\n  main_rc=$?")
+    assert '"$PY" -m venv "$SKY.partial"' in SCRIPT  # its own venv: not the environment the suite tests
