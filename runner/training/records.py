@@ -109,6 +109,37 @@ class RunJson(RunRecord):
         run.folder.update(status=status, **summary, **({"system": system} if system is not None else {}))
 
 
+#: what run.json's `t_eval` sums, per attempt and over the run (SPEC "Downstream evaluation")
+EVAL_TIME_KEYS = ("validation_seconds", "downstream_seconds", "downstream_prepare_seconds")
+
+
+def zero_eval_seconds() -> dict[str, float]:
+    """An attempt's evaluation clock (the loop's `_Run.eval_seconds`), every kind at zero."""
+    return dict.fromkeys(EVAL_TIME_KEYS, 0.0)
+
+
+class EvalTimes(RunRecord):
+    """run.json's `t_eval`: wall seconds this attempt spent on validation (the loop's evaluate) and on
+    downstream scoring (the scorings' t_eval_seconds, and preparing the tasks), next to the earlier
+    attempts' and summed over all of them. Written at every checkpoint and at the attempt's end, so
+    an attempt killed in between keeps what it had at its last checkpoint."""
+
+    def _write(self, run: Any) -> None:
+        record = run.folder.record().t_eval or {}
+        attempt = int(run.clock.attempt)
+        earlier = [a for a in record.get("attempts", []) if int(a.get("attempt", -1)) != attempt]
+        mine = {"attempt": attempt, **{k: round(float(run.eval_seconds[k]), 6) for k in EVAL_TIME_KEYS}}
+        attempts = sorted(earlier + [mine], key=lambda a: int(a["attempt"]))
+        totals = {k: round(sum(float(a.get(k, 0.0)) for a in attempts), 6) for k in EVAL_TIME_KEYS}
+        run.folder.update(t_eval={**totals, "attempts": attempts})
+
+    def at_checkpoint(self, run: Any, saved: Gathered) -> None:
+        self._write(run)
+
+    def at_end(self, run: Any, committed: int, status: str, summary: dict, system: dict | None) -> None:
+        self._write(run)
+
+
 def default_records() -> list[RunRecord]:
     """The records every run keeps, in the order they are written (run.json last: it points at the rest)."""
-    return [CheckpointFiles(), LedgerJson(), RunJson()]
+    return [CheckpointFiles(), LedgerJson(), EvalTimes(), RunJson()]

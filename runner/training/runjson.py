@@ -48,6 +48,9 @@ class RunJson:
     wall_seconds: float | None = None
     device_wall_seconds: float | None = None
     checkpoints: list[dict] = field(default_factory=list)  #: step, attempt, t_checkpoint
+    #: evaluation wall seconds (runner.training.records.EvalTimes): validation_seconds, downstream_seconds,
+    #: downstream_prepare_seconds over the run, and `attempts`: the same per attempt
+    t_eval: dict | None = None
     # the attempt's summary
     exposure_tokens: int | None = None
     useful_tokens: int | None = None
