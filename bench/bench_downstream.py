@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tasks", default="builtin,arc_easy", help="of builtin, arc_easy (comma-separated)")
+    ap.add_argument("--tasks", default="builtin,arc_easy", help="of builtin, arc_easy, piqa (comma-separated)")
     ap.add_argument("--no-share", action="store_true", help="one row per request (no context shared by its choices)")
     args = ap.parse_args()
 
@@ -55,17 +55,19 @@ def main() -> None:
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).eval()
-    arc = REPO / "tests/assets/downstream/olmes/arc_easy_rc_5shot"
-    specs = {
-        "builtin": DownstreamTask(format="builtin"),
-        "arc_easy": DownstreamTask(
+    olmes = REPO / "tests/assets/downstream/olmes"
+    specs = {"builtin": DownstreamTask(format="builtin")}
+    for name, folder in (("arc_easy", olmes / "arc_easy_rc_5shot"), ("piqa", olmes / "piqa_rc_0shot")):
+        specs[name] = DownstreamTask(
             format="olmes",
-            path=str(arc / "requests.jsonl.gz"),
-            sha256=sha256_file(arc / "requests.jsonl.gz"),
-            config_path=str(arc / "config.json"),
-            config_sha256=sha256_file(arc / "config.json"),
-        ),
-    }
+            path=str(folder / "requests.jsonl.gz"),
+            sha256=sha256_file(folder / "requests.jsonl.gz"),
+            config_path=str(folder / "config.json"),
+            config_sha256=sha256_file(folder / "config.json"),
+        )
+    unknown = set(args.tasks.split(",")) - set(specs)
+    if unknown:
+        raise SystemExit(f"--tasks: no task {', '.join(sorted(unknown))} (known: {', '.join(specs)})")
     encoder = Encoder(tok, args.seq_len)
     specs = {name: specs[name] for name in args.tasks.split(",")}
     encoded = [e for name, spec in specs.items() for e in encoder.encode_task(load_task(name, spec, REPO))]
