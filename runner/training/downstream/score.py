@@ -23,49 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from runner.training.downstream.encode import Encoded
+from runner.training.downstream.rows import SHARING_ATTENTION, Row, batches, rows
 
-#: attention implementations that take a custom 4D mask with explicit positions (transformers'
-#: create_causal_mask returns a 4D mask as is): a context shared by several choices is packed once
-SHARING_ATTENTION = {"sdpa": "bool", "eager": "additive"}
-
-
-@dataclass(frozen=True)
-class Row:
-    """Requests whose inputs begin with the same context tokens (their first `prefix` inputs): one
-    row holds that context once, then each request's remaining inputs (SPEC "Window": a request
-    attends only to its own tokens, so each suffix sees the context and itself, at the positions it
-    would have alone)."""
-
-    members: tuple[int, ...]
-    prefix: int
-
-    def width(self, encoded: Sequence[Encoded]) -> int:
-        return self.prefix + sum(len(encoded[i].inputs) - self.prefix for i in self.members)
-
-
-def rows(encoded: Sequence[Encoded], share: bool) -> list[Row]:
-    """Each request's row: with `share`, requests of one context (the inputs before their first
-    target position, and that position: `len(inputs) - len(targets) + 1` tokens) share a row."""
-    groups: dict[tuple, list[int]] = {}
-    for i, e in enumerate(encoded):
-        context = e.inputs[: len(e.inputs) - len(e.targets) + 1]
-        groups.setdefault(context if share else (i,), []).append(i)
-    return [Row(tuple(m), len(encoded[m[0]].inputs) - len(encoded[m[0]].targets) + 1) for m in groups.values()]
-
-
-def batches(encoded: Sequence[Encoded], micro_batch: int, share: bool = True) -> list[list[Row]]:
-    """Rows per forward: widest first (so padding stays small), at most `micro_batch` requests each
-    (a row of more choices than that is a forward of its own)."""
-    order = sorted(rows(encoded, share), key=lambda r: (-r.width(encoded), r.members[0]))
-    plan: list[list[Row]] = []
-    count = 0
-    for row in order:
-        if not plan or count + len(row.members) > micro_batch:
-            plan.append([])
-            count = 0
-        plan[-1].append(row)
-        count += len(row.members)
-    return plan
+__all__ = ["SHARING_ATTENTION", "Packed", "Row", "batches", "loglikelihoods", "mask_kind_of", "pack", "rows"]
 
 
 @dataclass
