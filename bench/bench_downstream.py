@@ -93,7 +93,7 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     print(
-        f"{len(encoded)} requests ({', '.join(specs)}), {len(plan)} forwards of <= {args.micro_batch} requests, "
+        f"{len(encoded)} requests ({', '.join(specs)}), {len(plan)} forwards of <= {args.micro_batch} rows, "
         f"{'choices of one context in one row' if share else 'one row per request'}, "
         f"{positions:,} input positions (padding included); hidden {args.hidden}, {args.layers} layers, "
         f"seq_len {args.seq_len}, {torch.get_num_threads()} threads"

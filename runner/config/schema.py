@@ -577,7 +577,7 @@ class EvalRecipe(Recipe):
     tasks: dict[str, DownstreamTask] = field(default_factory=dict)
     #: score the tasks every this many committed steps (and at the end of every segment); 0 = only at the end; operational
     downstream_interval_steps: int = 0
-    downstream_micro_batch: int = 16  #: requests per scoring forward; operational
+    downstream_micro_batch: int = 16  #: rows per scoring forward (a request, or one context and its choices)
     aggregate: DownstreamAggregate = (
         "mean_centered"  #: the figure over tasks: mean of each task's first centered metric
     )

@@ -47,15 +47,14 @@ def rows(encoded: Sequence[Encoded], share: bool) -> list[Row]:
 
 
 def batches(encoded: Sequence[Encoded], micro_batch: int, share: bool = True) -> list[list[Row]]:
-    """Rows per forward: widest first (so padding stays small), at most `micro_batch` requests each
-    (a row of more choices than that is a forward of its own)."""
+    """Rows per forward: widest first (so padding stays small), at most `micro_batch` rows and at
+    most `micro_batch` x the longest request's inputs in padded positions (what `micro_batch`
+    requests alone would take: a row wider than any request holds several, so fewer fit)."""
     order = sorted(rows(encoded, share), key=lambda r: (-r.width(encoded), r.members[0]))
+    budget = micro_batch * max((len(e.inputs) for e in encoded), default=1)
     plan: list[list[Row]] = []
-    count = 0
     for row in order:
-        if not plan or count + len(row.members) > micro_batch:
+        if not plan or len(plan[-1]) == micro_batch or (len(plan[-1]) + 1) * plan[-1][0].width(encoded) > budget:
             plan.append([])
-            count = 0
         plan[-1].append(row)
-        count += len(row.members)
     return plan

@@ -1,16 +1,15 @@
 """Batched log-likelihoods of encoded requests: many requests per forward, never one example per
-forward (SPEC "Downstream evaluation": Window).
+forward (SPEC "Downstream evaluation": Window, Shared context).
 
-Owns: batching (requests sorted by length, longest first, `micro_batch` per forward, padded on
-the right: under a causal mask a request's positions see only its own tokens, and positions
-start at 0 for every row, so each row equals that request alone), sharing a context's forward
-across its choices (the requests of one context packed in one row: the context once, then each
-choice's tokens, with a 4D mask by which each choice sees the context and itself, at the
-positions it has alone: the context is computed once), the fp32 log-softmax and sum
-over the continuation's positions, and the split across ranks (every rank runs the same number
-of forwards; a rank short of work runs its first batch again and discards it; each request is
-scored by exactly one rank, the others add an exact 0.0). Never changes the model's weights or
-any RNG state.
+Owns: running the forwards of the rows runner.training.downstream.rows lays out (widest first,
+`micro_batch` rows per forward, padded on the right), sharing a context's forward across its
+choices (the requests of one context in one row: the context once, then each choice's tokens,
+with a 4D mask by which each choice sees the context and itself, at the positions it has alone;
+a row of one request is a plain causal row, positions from 0, equal to that request alone), the
+fp32 log-softmax and sum over the continuation's positions, and the split across ranks (every rank
+runs the same number of forwards; a rank short of work runs its first batch again and discards
+it; each request is scored by exactly one rank, the others add an exact 0.0). Never changes the
+model's weights or any RNG state.
 """
 
 from __future__ import annotations
@@ -57,32 +56,32 @@ def pack(
     """The batch's rows padded on the right to `shape` (rows, width), else to its own; with a mask
     where a row holds several requests, or always with `masked` (one graph for a compiled model)."""
     height, width = shape or (len(batch), max(r.width(encoded) for r in batch))
-    ids = torch.zeros(height, width, dtype=torch.long)  # rows past the batch (a fixed shape's padding) are never read
-    shared = masked or any(len(r.members) > 1 for r in batch)
-    positions = torch.zeros(height, width, dtype=torch.long) if shared else None
-    allowed = torch.eye(width, dtype=torch.bool).repeat(height, 1, 1) if shared else None  # padding sees itself
+    ids = [[0] * width for _ in range(height)]  # rows past the batch (a fixed shape's padding) are never read
+    positions = [[0] * width for _ in range(height)]
+    segments = [[-1] * width for _ in range(height)]  # 0: the row's context, j: its j-th request, -1: padding
     picks, members = [], []
     for b, row in enumerate(batch):
         p = row.prefix
-        ids[b, :p] = torch.as_tensor(encoded[row.members[0]].inputs[:p])
-        if positions is not None and allowed is not None:
-            positions[b, :p] = torch.arange(p)
-            allowed[b, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+        ids[b][:p], positions[b][:p], segments[b][:p] = encoded[row.members[0]].inputs[:p], range(p), [0] * p
         at = p
-        for i in row.members:
+        for j, i in enumerate(row.members, start=1):
             suffix = encoded[i].inputs[p:]
             n = len(suffix)
-            ids[b, at : at + n] = torch.as_tensor(suffix, dtype=torch.long)
-            if positions is not None and allowed is not None:
-                positions[b, at : at + n] = torch.arange(p, p + n)
-                allowed[b, at : at + n, :p] = True
-                allowed[b, at : at + n, at : at + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            ids[b][at : at + n], positions[b][at : at + n], segments[b][at : at + n] = suffix, range(p, p + n), [j] * n
             # the targets sit at the request's own inputs len(inputs) - len(targets) .. len(inputs) - 1:
             # the context's last position, then the suffix's
             picks.append((b, [p - 1, *range(at, at + n)]))
             members.append(i)
             at += n
-    return Packed(ids, positions, allowed, picks, members)
+    if not (masked or any(len(r.members) > 1 for r in batch)):
+        return Packed(torch.tensor(ids), None, None, picks, members)  # one request per row: causal alone
+    seg = torch.tensor(segments)
+    q, k = seg[:, :, None], seg[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    # a request's tokens see the context and their own earlier tokens; padding sees only itself
+    allowed = causal & (((k == 0) & (q >= 0)) | ((k == q) & (q > 0)))
+    allowed |= torch.eye(width, dtype=torch.bool) & (q == -1)
+    return Packed(torch.tensor(ids), torch.tensor(positions), allowed, picks, members)
 
 
 def _forward(model, encoded: Sequence[Encoded], batch: list[Row], device, autocast, shape, mask_kind) -> tuple:
@@ -91,16 +90,15 @@ def _forward(model, encoded: Sequence[Encoded], batch: list[Row], device, autoca
     packed = pack(encoded, batch, shape, masked=shape is not None and mask_kind is not None)
     with autocast():
         logits = model(**packed.model_kwargs(device, mask_kind)).logits
-    picked, targets, owner = [], [], []
-    for m, (i, (row, at)) in enumerate(zip(packed.members, packed.picks)):
-        picked.append(logits[row, torch.as_tensor(at, device=logits.device)])
-        targets.append(torch.as_tensor(encoded[i].targets))
-        owner.append(torch.full((len(at),), m))
-    scores = torch.cat(picked).float().log_softmax(-1)
-    target = torch.cat(targets).to(scores.device)
+    # every request's target positions in one index: (row, position), its target token, its request
+    rows_at = torch.tensor([row for row, at in packed.picks for _ in at], device=logits.device)
+    cols_at = torch.tensor([x for _, at in packed.picks for x in at], device=logits.device)
+    target = torch.tensor([t for i in packed.members for t in encoded[i].targets], device=logits.device)
+    owner = torch.tensor([m for m, (_, at) in enumerate(packed.picks) for _ in at])
+    scores = logits[rows_at, cols_at].float().log_softmax(-1)
     token_ll = scores.gather(1, target[:, None])[:, 0].cpu()
     # fp32 sums per request, as HFLM adds its fp32 log-probs
-    sums = torch.zeros(len(packed.members), dtype=torch.float32).index_add_(0, torch.cat(owner), token_ll)
+    sums = torch.zeros(len(packed.members), dtype=torch.float32).index_add_(0, owner, token_ll)
     return packed.members, sums.double()
 
 
