@@ -57,7 +57,7 @@ def audit_checks(
     tables: dict[str, pd.DataFrame], cfg: ExperimentSchema | dict, run: dict
 ) -> list[tuple[str, list[str], str]]:
     """(check name, problems, detail when it passes): the loop scorings' progress against run.json
-    and the `downstream_targets` table recounted from the `downstream` table. None for a run that
+    and the `downstream_targets` table recounted from the `downstream` table; [] for a run that
     declares no downstream target and scored nothing in the loop."""
     config = targets.typed_config(cfg)
     declared = declared_task_targets(config)
