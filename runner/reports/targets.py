@@ -140,7 +140,7 @@ def summary_lines(report_dir) -> list[str]:
     if declared:
         table = pd.read_parquet(report_dir / "targets.parquet")
         lines += [summary_line(t, outcome(table, t.name)) for t in declared]
-    if on_tasks:
+    if on_tasks and (report_dir / "downstream_targets.parquet").exists():  # a report written before it has none
         table = pd.read_parquet(report_dir / "downstream_targets.parquet")
         lines += [summary_line(t, outcome(table, t.name)) for t in on_tasks]
     return lines

@@ -458,6 +458,9 @@ def test_downstream_targets_are_reported_recounted_and_a_forged_crossing_fails(s
     md = (report / "report.md").read_text()
     section = md[md.index("## Downstream targets") :]
     assert "`any` (aggregate mean_centered >= -1): met at the first evaluation, step 2" in section
+    from runner.reports.targets import summary_lines  # what `runner launch` prints after a run
+
+    assert [line.split(" (")[0] for line in summary_lines(report)] == ["`any`", "`sure`"]
 
     checks = {c.name: c for c in audit(run, check_mlflow=False).checks}
     for name in (
