@@ -29,7 +29,7 @@ def main() -> None:
     from runner.data.tokenizer import load_tokenizer, vocab_size_of
     from runner.fsio import sha256_file
     from runner.training.downstream.encode import Encoder
-    from runner.training.downstream.score import batches, loglikelihoods
+    from runner.training.downstream.score import batches, loglikelihoods, mask_kind_of, pack
     from runner.training.downstream.tasks import load_task
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tasks", default="builtin,arc_easy", help="of builtin, arc_easy, piqa (comma-separated)")
+    ap.add_argument("--no-share", action="store_true", help="one row per request (no context shared by its choices)")
     args = ap.parse_args()
 
     tok = load_tokenizer(TOKENIZER_PATH)
@@ -53,36 +55,35 @@ def main() -> None:
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).eval()
-    arc = REPO / "tests/assets/downstream/olmes/arc_easy_rc_5shot"
-    specs = {
-        "builtin": DownstreamTask(format="builtin"),
-        "arc_easy": DownstreamTask(
+    olmes = REPO / "tests/assets/downstream/olmes"
+    specs = {"builtin": DownstreamTask(format="builtin")}
+    for name, folder in (("arc_easy", olmes / "arc_easy_rc_5shot"), ("piqa", olmes / "piqa_rc_0shot")):
+        specs[name] = DownstreamTask(
             format="olmes",
-            path=str(arc / "requests.jsonl.gz"),
-            sha256=sha256_file(arc / "requests.jsonl.gz"),
-            config_path=str(arc / "config.json"),
-            config_sha256=sha256_file(arc / "config.json"),
-        ),
-    }
+            path=str(folder / "requests.jsonl.gz"),
+            sha256=sha256_file(folder / "requests.jsonl.gz"),
+            config_path=str(folder / "config.json"),
+            config_sha256=sha256_file(folder / "config.json"),
+        )
+    unknown = set(args.tasks.split(",")) - set(specs)
+    if unknown:
+        raise SystemExit(f"--tasks: no task {', '.join(sorted(unknown))} (known: {', '.join(specs)})")
     encoder = Encoder(tok, args.seq_len)
+    specs = {name: specs[name] for name in args.tasks.split(",")}
     encoded = [e for name, spec in specs.items() for e in encoder.encode_task(load_task(name, spec, REPO))]
-    plan = batches(encoded, args.micro_batch)
-    shapes = [(len(b), max(len(encoded[i].inputs) for i in b)) for b in plan]
-    inputs = []
-    for b, (rows, width) in zip(plan, shapes):
-        x = torch.zeros(rows, width, dtype=torch.long)
-        for r, i in enumerate(b):
-            x[r, : len(encoded[i].inputs)] = torch.as_tensor(encoded[i].inputs)
-        inputs.append(x)
-    positions = sum(r * w for r, w in shapes)
+    share = not args.no_share
+    plan = batches(encoded, args.micro_batch, share)
+    packed = [pack(encoded, b) for b in plan]
+    positions = sum(p.ids.numel() for p in packed)
+    kind = mask_kind_of(model) if share else None
 
     @torch.no_grad()
     def forward_only() -> None:
-        for x in inputs:
-            model(input_ids=x).logits  # noqa: B018 (the forward is the work measured)
+        for p in packed:
+            model(**p.model_kwargs("cpu", kind)).logits  # noqa: B018 (the forward is the work measured)
 
     def scoring() -> None:
-        loglikelihoods(model, encoded, args.micro_batch)
+        loglikelihoods(model, encoded, args.micro_batch, share=share)
 
     times: dict[str, list[float]] = {"scoring": [], "forward only": []}
     forward_only()  # warm-up: allocator, kernels' first calls
@@ -92,7 +93,8 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     print(
-        f"{len(encoded)} requests ({len(specs)} tasks), {len(plan)} forwards of <= {args.micro_batch}, "
+        f"{len(encoded)} requests ({', '.join(specs)}), {len(plan)} forwards of <= {args.micro_batch} rows, "
+        f"{'choices of one context in one row' if share else 'one row per request'}, "
         f"{positions:,} input positions (padding included); hidden {args.hidden}, {args.layers} layers, "
         f"seq_len {args.seq_len}, {torch.get_num_threads()} threads"
     )

@@ -716,10 +716,92 @@ DOWNSTREAM = pa.DataFrameSchema(
         "t_eval_seconds": pa.Column(
             "float64", pa.Check.ge(0.0), description="Wall seconds of the scoring (t_eval; never step time)."
         ),
+        "useful_tokens": _tokens("Useful tokens of the scored weights (their lineage's ledger)"),
+        "wall_seconds": pa.Column(
+            "float64",
+            pa.Check.ge(0.0),
+            nullable=True,
+            description="Loop: wall seconds from the first launch to the end of the scoring, all attempts (a downstream target's time_to_target); empty for runner eval and rows recorded before it.",
+        ),
+        "device_wall_seconds": pa.Column(
+            "float64",
+            pa.Check.ge(0.0),
+            nullable=True,
+            description="Loop: device-seconds held over the same span (device_hours_to_target x 3600); empty where wall_seconds is.",
+        ),
     },
     checks=[
         pa.Check.downstream_metric_in_range(error="accuracies in [0, 1], centered <= 1, bpb > 0"),
         pa.Check.downstream_convention_names_its_metric(error="the convention record names the metric"),
+    ],
+)
+
+
+@register_check_method(supported_types=pd.DataFrame)
+def at_or_above_on_the_right_side(df):
+    """A downstream target's `met` rows are at or above `at_least`; `before` and `best` rows below it."""
+    met = df["point"] == "met"
+    return (met & (df["value"] >= df["at_least"])) | (~met & (df["value"] < df["at_least"]))
+
+
+#: One of SCHEMAS since after runner-report/3 reports were published (runner.reports.tables.LATER_TABLES).
+DOWNSTREAM_TARGETS = pa.DataFrameSchema(
+    name="downstream_targets",
+    description="Downstream quality targets (SPEC 'Downstream evaluation'): for each, the in-loop scoring where its figure first reached at_least and the one before it, or the best one if never met.",
+    strict=True,
+    columns={
+        "target": pa.Column(str, pa.Check.str_matches(r"^[A-Za-z0-9_-]+$"), description="Target name (eval recipe)."),
+        "task": pa.Column(str, description="Task whose figure is judged (eval.tasks), or `aggregate`."),
+        "metric": pa.Column(
+            str, description="The task's recorded metric (acc, acc_norm, centered_acc, ...; the aggregate's rule)."
+        ),
+        "at_least": pa.Column(
+            "float64",
+            [pa.Check.le(1.0), pa.Check(np.isfinite, element_wise=False, name="finite")],
+            description="Met when the value is >= this.",
+        ),
+        "met": pa.Column(bool, description="Whether any loop scoring of the run's lineage met the target."),
+        "point": pa.Column(
+            str,
+            pa.Check.isin(["before", "met", "best"]),
+            description="met: first loop scoring at or above at_least; before: the scoring before it; best: the highest value of a target never met.",
+        ),
+        "step": pa.Column("int64", pa.Check.gt(0), description="Committed steps at the scoring."),
+        "exposure_tokens": _tokens("Total exposure at the scoring"),
+        "useful_tokens": _tokens("Total useful tokens at the scoring"),
+        "value": pa.Column(
+            "float64",
+            [pa.Check.le(1.0), pa.Check(np.isfinite, element_wise=False, name="finite")],
+            description="The judged figure at the scoring (the downstream table's).",
+        ),
+        "wall_seconds": pa.Column(
+            "float64",
+            pa.Check.ge(0.0),
+            nullable=True,
+            description="time_to_target on the met row: wall seconds from the first launch to the end of the scoring, all attempts.",
+        ),
+        "device_hours": pa.Column(
+            "float64",
+            pa.Check.ge(0.0),
+            nullable=True,
+            description="device_hours_to_target on the met row: device-seconds over the same span / 3600.",
+        ),
+        "cost_usd": pa.Column(
+            "float64",
+            pa.Check.ge(0.0),
+            nullable=True,
+            description="cost_to_target on the met row: device_hours x price per device-hour.",
+        ),
+    },
+    checks=[
+        pa.Check.one_row_per_target_point(error="one row per (target, point)"),
+        pa.Check.at_or_above_on_the_right_side(error="met rows >= at_least, before/best rows below it"),
+        pa.Check.bracket_is_whole(error="met target: [before,] met at a later step; never met: one best row"),
+        pa.Check(
+            lambda df: df["wall_seconds"].isna() | (df["device_hours"] * 3600.0 >= df["wall_seconds"] * (1 - 1e-9)),
+            name="device_hours_cover_wall",
+            error="device_hours x 3600 >= wall_seconds",
+        ),
     ],
 )
 
@@ -734,6 +816,7 @@ SCHEMAS: dict[str, pa.DataFrameSchema] = {
     "expert_balance": EXPERT_BALANCE,
     "router": ROUTER,
     "downstream": DOWNSTREAM,
+    "downstream_targets": DOWNSTREAM_TARGETS,
 }
 
 

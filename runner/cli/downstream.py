@@ -38,7 +38,7 @@ def register(subparsers) -> None:
         help="only these of the recipe's tasks (default all); `builtin` is always available",
     )
     p.add_argument(
-        "--micro-batch", type=int, default=None, help="requests per forward (default eval.downstream_micro_batch)"
+        "--micro-batch", type=int, default=None, help="rows per forward (default eval.downstream_micro_batch)"
     )
     p.add_argument(
         "--limit", type=int, default=None, help="documents per task instead of each task's own limit (recorded)"

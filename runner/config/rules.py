@@ -234,6 +234,11 @@ def check_targets(cfg: ExperimentSchema, path: Path, problems: Problems) -> None
     domain has that name (each target's own threshold is the schema's to check)."""
     domains = list(cfg.mixture.domains)
     for name, target in cfg.eval.targets.items():
+        if target.task is not None:
+            _check_task_target(cfg, f"eval.targets.{name}", target, path, problems)
+            continue
+        if target.domain is None:
+            continue  # the schema names what is missing
         key = f"eval.targets.{name}.domain"
         if target.domain == MEAN_DOMAIN and MEAN_DOMAIN in domains:
             problems.add(path, key, f"'{MEAN_DOMAIN}' is ambiguous: the mixture has a domain of that name; rename it")
@@ -244,3 +249,38 @@ def check_targets(cfg: ExperimentSchema, path: Path, problems: Problems) -> None
                 f"'{target.domain}' is not a domain of the mixture ({', '.join(domains)}) nor '{MEAN_DOMAIN}'"
                 + did_you_mean(target.domain, domains + [MEAN_DOMAIN]),
             )
+
+
+AGGREGATE_TASK = "aggregate"  #: a downstream target's `task` for the figure over tasks (eval.aggregate)
+
+
+def _check_task_target(cfg: ExperimentSchema, prefix: str, target, path: Path, problems: Problems) -> None:
+    """A downstream target names a task of eval.tasks (or `aggregate`) and a metric that task records."""
+    tasks = cfg.eval.tasks
+    if target.task == AGGREGATE_TASK:
+        if cfg.eval.aggregate == "none" or not tasks:
+            problems.add(path, f"{prefix}.task", "'aggregate' needs eval.tasks and an eval.aggregate other than none")
+        elif target.metric is not None and target.metric != cfg.eval.aggregate:
+            problems.add(
+                path,
+                f"{prefix}.metric",
+                f"the aggregate's metric is eval.aggregate ('{cfg.eval.aggregate}'), not '{target.metric}'",
+            )
+        return
+    if target.task not in tasks:
+        known = sorted(tasks) + ([AGGREGATE_TASK] if tasks and cfg.eval.aggregate != "none" else [])
+        problems.add(
+            path,
+            f"{prefix}.task",
+            f"'{target.task}' is not a task of eval.tasks ({', '.join(known) or 'none declared'})"
+            + did_you_mean(str(target.task), known),
+        )
+        return
+    recorded = list(tasks[target.task].metrics)
+    if target.metric is not None and target.metric not in recorded:
+        problems.add(
+            path,
+            f"{prefix}.metric",
+            f"'{target.metric}' is not a metric task '{target.task}' records ({', '.join(recorded)})"
+            + did_you_mean(str(target.metric), recorded),
+        )

@@ -431,12 +431,30 @@ _TARGET_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # names MLflow metrics (target.<
 
 @dataclass(frozen=True)
 class QualityTarget(Section):
-    domain: str = MISSING  #: a domain of the mixture, or `mean` (weighted by each domain's validation tokens)
+    """A validation target (`domain` and one of `loss_nats`, `bpb`: met at or below) or a downstream
+    target (`task`, `metric`, `at_least`: met at or above; SPEC "Downstream evaluation")."""
+
+    domain: str | None = None  #: a domain of the mixture, or `mean` (weighted by each domain's validation tokens)
     loss_nats: float | None = None  #: met at the first evaluation whose validation loss (nats) is <= this
     bpb: float | None = None  #: met at the first evaluation whose bits per byte is <= this (one of the two)
+    task: str | None = None  #: a downstream task of eval.tasks, or `aggregate` (the figure over tasks)
+    metric: str | None = None  #: downstream: one of the task's `metrics` (the aggregate: eval.aggregate)
+    at_least: float | None = None  #: downstream: met at the first scoring whose figure is >= this
+
+    @property
+    def downstream(self) -> bool:
+        return self.task is not None
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        """One positive, finite threshold (the domain is checked against the mixture by the rules)."""
+        """A downstream target gives task, metric and at_least only; a validation target a domain and
+        one positive, finite threshold (domain, task and metric are checked against the recipe by the rules)."""
+        if self.downstream:
+            self._validate_downstream(problems, file, prefix)
+            return
+        if self.domain is None:
+            problems.add(
+                file, join_key(prefix, "domain"), "give a domain (validation target) or a task (downstream target)"
+            )
         given = [m for m in TARGET_METRICS if getattr(self, m) is not None]
         if len(given) != 1:
             problems.add(
@@ -449,6 +467,29 @@ class QualityTarget(Section):
             value = getattr(self, metric)
             if not (math.isfinite(value) and value > 0):
                 problems.add(file, join_key(prefix, metric), f"must be a positive, finite number, got {value}")
+        for key in ("metric", "at_least"):
+            if getattr(self, key) is not None:
+                problems.add(file, join_key(prefix, key), "a downstream target's key: give task too")
+
+    def _validate_downstream(self, problems: Problems, file: File, prefix: str) -> None:
+        for key in ("domain", *TARGET_METRICS):
+            if getattr(self, key) is not None:
+                problems.add(
+                    file, join_key(prefix, key), "a downstream target (task) gives task, metric and at_least only"
+                )
+        if self.metric is None:
+            problems.add(file, join_key(prefix, "metric"), "a downstream target names its metric (e.g. acc)")
+        elif self.metric == "bpb":
+            problems.add(
+                file, join_key(prefix, "metric"), "bpb is lower-is-better; a downstream target is an accuracy at_least"
+            )
+        value = self.at_least
+        if value is None:
+            problems.add(file, join_key(prefix, "at_least"), "a downstream target is met at or above at_least: give it")
+        elif not (math.isfinite(value) and value <= 1):
+            problems.add(file, join_key(prefix, "at_least"), f"must be a finite number <= 1 (an accuracy), got {value}")
+        elif not str(self.metric).startswith(("centered_", "mean_")) and value < 0:
+            problems.add(file, join_key(prefix, "at_least"), f"an accuracy is >= 0, got {value}")
 
 
 #: downstream metrics (SPEC "Downstream evaluation"): the accuracies, bits per byte of the gold choice, and
@@ -537,7 +578,7 @@ class EvalRecipe(Recipe):
     tasks: dict[str, DownstreamTask] = field(default_factory=dict)
     #: score the tasks every this many committed steps (and at the end of every segment); 0 = only at the end; operational
     downstream_interval_steps: int = 0
-    downstream_micro_batch: int = 16  #: requests per scoring forward; operational
+    downstream_micro_batch: int = 16  #: rows per scoring forward (a request, or one context and its choices)
     aggregate: DownstreamAggregate = (
         "mean_centered"  #: the figure over tasks: mean of each task's first centered metric
     )

@@ -36,7 +36,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml
 from runner.planning.flops import Convention, flops_per_token, params_of_config
 from runner.planning.hardware import PEAKS, canonical_device, theoretical_peak_from_source
-from runner.reports import audit_tracked, downstream_audit, targets
+from runner.reports import audit_tracked, downstream_audit, downstream_targets, targets
 from runner.reports import evidence as ev
 from runner.reports import tables as rpt
 from runner.reports.audit_input import AuditInput, Replay
@@ -696,8 +696,11 @@ def _check_checkpoint(res: AuditResult, inp: AuditInput) -> None:
 
 
 def _check_targets(res: AuditResult, inp: AuditInput) -> None:
-    """Time- and cost-to-target recounted from the evaluations and run.json (runner.reports.targets)."""
+    """Time- and cost-to-target recounted from the evaluations and run.json (runner.reports.targets), and
+    of downstream targets from the loop's scorings (runner.reports.downstream_targets)."""
     for name, problems, ok_detail in targets.audit_checks(inp.tables, inp.config, inp.run):
+        res.add(name, problems, ok_detail=ok_detail)
+    for name, problems, ok_detail in downstream_targets.audit_checks(inp.tables, inp.config, inp.run):
         res.add(name, problems, ok_detail=ok_detail)
 
 

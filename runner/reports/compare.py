@@ -29,7 +29,7 @@ from runner.fsio import read_json, read_yaml, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
 from runner.reports.audit import audit
-from runner.reports.compare_downstream import side_by_side
+from runner.reports.compare_downstream import mark_firsts, side_by_side, task_target_results, union_task_targets
 from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
 from runner.training.runfolder import is_reportable_run
@@ -269,16 +269,7 @@ def target_results(sources: list[Source], targets: list[tg.Target]) -> pd.DataFr
             )
     columns = ["target", "definition", "run", "met", "step", "value", "before_step", "exposure_tokens"]
     columns += ["useful_tokens", "wall_seconds", "device_hours", "cost_usd"]
-    df = pd.DataFrame(rows, columns=columns)
-    for measure in ("exposure_tokens", "wall_seconds", "cost_usd"):
-        first = pd.Series(False, index=df.index)
-        for _, g in df.groupby("target"):
-            met = g[g["met"] & g[measure].notna()]
-            if len(met):
-                values = met[measure].astype(float)
-                first[met.index[values <= values.min() * (1 + 1e-12)]] = True
-        df[f"first_in_{measure}"] = first
-    return df
+    return mark_firsts(pd.DataFrame(rows, columns=columns))
 
 
 # ---- what can be compared ------------------------------------------------------------------------
@@ -443,6 +434,11 @@ def compare(sources: list[Source]) -> Comparison:
     downstream = side_by_side(comp.labels, [s.tables.get("downstream") for s in sources])
     if len(downstream):  # refused above when the runs' convention records differ
         comp.frames["downstream"] = downstream
+    configs = [tg.typed_config(s.cfg, str(s.folder / "experiment.yaml")) for s in sources]
+    on_tasks = union_task_targets(comp.labels, configs)
+    if on_tasks:
+        runs = [(s.label, s.tables.get("downstream"), int(s.summary["steps"]), s.price) for s in sources]
+        comp.frames["downstream_targets"] = task_target_results(runs, on_tasks)
     return comp
 
 
@@ -635,7 +631,7 @@ def render_markdown(comp: Comparison, plots: list[str] | None = None) -> str:
 
 def _downstream_markdown(comp: Comparison) -> list[str]:
     if "downstream" not in comp.frames:
-        return []
+        return _downstream_targets_markdown(comp)
     return [
         "## Downstream tasks",
         "",
@@ -644,7 +640,29 @@ def _downstream_markdown(comp: Comparison) -> list[str]:
         "Each run's latest scoring (the loop's, else `runner eval`'s); every figure shown here was recorded under",
         "the same convention record as the other runs' (SPEC 'Downstream evaluation').",
         "",
+        *_downstream_targets_markdown(comp),
     ]
+
+
+def _downstream_targets_markdown(comp: Comparison) -> list[str]:
+    df = comp.frames.get("downstream_targets")
+    if df is None:
+        return []
+    header = ["target", *comp.labels, "first in tokens", "first in seconds", "first in dollars"]
+    lines = ["### Downstream targets: who gets there first", "", "| " + " | ".join(header) + " |"]
+    lines.append("|" + "---|" * len(header))
+    for name, g in df.groupby("target", sort=True):
+        g = g.set_index("run")
+        firsts = [
+            ", ".join(g.index[g[f"first_in_{m}"]]) or "none" for m in ("exposure_tokens", "wall_seconds", "cost_usd")
+        ]
+        if comp.tokens_not_comparable:
+            firsts[0] = "not comparable (tokenizers differ)"
+        if comp.machines:
+            firsts[1:] = [f"{x} (different machines)" for x in firsts[1:]]
+        cells = [_target_cell(g.loc[label]) for label in comp.labels]
+        lines.append("| " + " | ".join([f"`{name}` ({g['definition'].iloc[0]})", *cells, *firsts]) + " |")
+    return lines + ["", "Met at the first in-loop scoring at or above `at_least` (SPEC 'Downstream evaluation').", ""]
 
 
 def write_plots(comp: Comparison, out: Path) -> list[Path]:
@@ -738,7 +756,17 @@ def write_comparison_folder(sources: list[Source], out: Path) -> tuple[Compariso
 
 
 _WRITTEN = {"comparison.md", "comparison.json", *PLOTS} | {
-    f"{name}.csv" for name in ("runs", "config_differences", "targets", "quality", "accounting", "speed", "downstream")
+    f"{name}.csv"
+    for name in (
+        "runs",
+        "config_differences",
+        "targets",
+        "quality",
+        "accounting",
+        "speed",
+        "downstream",
+        "downstream_targets",
+    )
 }
 
 

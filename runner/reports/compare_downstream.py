@@ -3,7 +3,8 @@ refused when two runs recorded the same task and metric under differing conventi
 
 Owns: which of a run's downstream figures a comparison shows (those of its latest loop scoring, or
 of its latest `runner eval` scoring when the loop scored none) and the refusal (SPEC "Downstream
-evaluation": two figures compare only when their records are equal). Never recomputes a figure.
+evaluation": two figures compare only when their records are equal), and every downstream target
+judged on every run (runner.training.task_targets) with who got there first. Never recomputes a figure.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import pandas as pd
 
 from runner.errors import RunnerError
+from runner.training.targets import outcome
+from runner.training.task_targets import TaskTarget, declared_task_targets, task_targets_table
 
 
 def latest_figures(table: pd.DataFrame | None) -> pd.DataFrame:
@@ -83,3 +86,71 @@ def side_by_side(labels: list[str], tables: list[pd.DataFrame | None]) -> pd.Dat
         rows.append(row)
     cols = ["task", "metric", *[f"{x}{s}" for x in labels for s in ("", " step", " documents")]]
     return pd.DataFrame(rows, columns=cols)
+
+
+# ---- downstream targets: who gets there first --------------------------------------------------------
+
+
+def union_task_targets(labels: list[str], configs: list) -> list[TaskTarget]:
+    """Every downstream target any run declares; one name must mean one target in every run (a
+    validation target of another run under the same name is refused too)."""
+    found: dict[str, tuple[TaskTarget, str]] = {}
+    for label, config in zip(labels, configs):
+        for t in declared_task_targets(config):
+            if t.name in found and found[t.name][0] != t:
+                other, where = found[t.name]
+                raise RunnerError(
+                    f"target '{t.name}' is {other.describe()} in {where} but {t.describe()} in {label}: "
+                    "rename one so a comparison judges every run by the same target"
+                )
+            found.setdefault(t.name, (t, label))
+    for label, config in zip(labels, configs):
+        for name, spec in config.eval.targets.items():
+            if spec.task is None and name in found:
+                raise RunnerError(
+                    f"target '{name}' is a validation target in {label} but {found[name][0].describe()} in "
+                    f"{found[name][1]}: rename one so a comparison judges every run by the same target"
+                )
+    return [found[name][0] for name in sorted(found)]
+
+
+def task_target_results(runs: list[tuple[str, pd.DataFrame | None, int, float]], declared: list[TaskTarget]):
+    """Every downstream target judged on every run's loop scorings ((label, downstream table,
+    committed steps, price) per run): where it was met (or the best figure), at what tokens, seconds
+    and dollars, and the run(s) first by each measure."""
+    rows = []
+    for t in declared:
+        for label, table, committed, price in runs:
+            empty = table is None or table.empty
+            out = {} if empty else outcome(task_targets_table([t], table, committed, price), t.name)
+            r = out.get("met") or out.get("best") or {}
+            rows.append(
+                {
+                    "target": t.name,
+                    "definition": t.describe(),
+                    "run": label,
+                    "met": "met" in out,
+                    "step": r.get("step"),
+                    "value": r.get("value"),
+                    "before_step": out.get("before", {}).get("step"),
+                    **{k: r.get(k) for k in ("exposure_tokens", "useful_tokens", "wall_seconds", "device_hours")},
+                    "cost_usd": r.get("cost_usd"),
+                }
+            )
+    columns = ["target", "definition", "run", "met", "step", "value", "before_step", "exposure_tokens"]
+    df = pd.DataFrame(rows, columns=[*columns, "useful_tokens", "wall_seconds", "device_hours", "cost_usd"])
+    return mark_firsts(df)
+
+
+def mark_firsts(df: pd.DataFrame) -> pd.DataFrame:
+    """`first_in_<measure>`: the run(s) of each target that met it with the least exposure tokens,
+    wall seconds and dollars (one row per target and run)."""
+    for measure in ("exposure_tokens", "wall_seconds", "cost_usd"):
+        first = pd.Series(False, index=df.index)
+        for _, g in df.groupby("target"):
+            met = g[g["met"] & g[measure].notna()]
+            if len(met):
+                values = met[measure].astype(float)
+                first[met.index[values <= values.min() * (1 + 1e-12)]] = True
+        df[f"first_in_{measure}"] = first
+    return df

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from runner.fsio import read_json, read_jsonl
-from runner.reports.downstream_table import downstream_table
+from runner.reports.downstream_table import PROGRESS, downstream_table
 
 REL_TOL = 1e-9
 _NORMS = {"acc": None, "acc_norm": "choice_chars", "acc_per_char": "chars", "acc_per_token": "tokens"}
@@ -153,7 +153,8 @@ def as_reported(table: pd.DataFrame, recorded: pd.DataFrame) -> pd.DataFrame:
 def table_differences(table: pd.DataFrame, recorded: pd.DataFrame) -> list[str]:
     """Where the downstream table the audit reads (a report's) differs from the one the run folder's
     records give (those check_run recomputes): a figure the records lack, a loop figure the table
-    lacks, a value, baseline or exposure off. `runner eval` figures scored after the report are
+    lacks, a value, baseline, exposure or the scoring's progress (useful tokens, wall and device-wall
+    seconds: what downstream targets are counted from) off. `runner eval` figures scored after the report are
     not in it and are no difference (later_scorings)."""
     problems = []
     for r in _matched(table, recorded).itertuples(index=False):
@@ -164,8 +165,10 @@ def table_differences(table: pd.DataFrame, recorded: pd.DataFrame) -> list[str]:
             if r.source == "loop":
                 problems.append(f"{where}: recorded by the loop, not in the table")
         else:
-            for col in ("value", "random_baseline", "exposure_tokens"):
+            for col in ("value", "random_baseline", "exposure_tokens", *PROGRESS):
                 x, y = float(getattr(r, f"{col}_x")), float(getattr(r, f"{col}_y"))
+                if math.isnan(x) and math.isnan(y):
+                    continue  # a time not recorded (runner eval, a row older than the stamps)
                 if not math.isclose(x, y, rel_tol=REL_TOL, abs_tol=1e-12):
                     problems.append(f"{where}: {col} {x!r} in the table, {y!r} recomputed")
     return problems

@@ -27,8 +27,9 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml, replace_folder, staging_folder
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
 from runner.planning.hardware import run_efficiency
-from runner.reports import downstream_report, expert_tables, targets
+from runner.reports import downstream_report, downstream_targets, expert_tables, targets
 from runner.reports.downstream_table import downstream_table
+from runner.training import task_targets
 from runner.training.record import conventions_of, device_seconds, devices_held, read_manifest_copies, run_times
 from runner.training.runfolder import is_reportable_run
 from runner.training.runjson import as_record
@@ -40,7 +41,7 @@ TABLES = tuple(SCHEMAS)
 #: files whose experiment.yaml declares no eval.tasks and whose evidence.json (if any) lists no such table
 #: was written before it existed: it reads the table as empty. (Dropping the table from a newer report
 #: means editing evidence.json too, which the MLflow copy of the evidence exposes.)
-LATER_TABLES = ("downstream",)
+LATER_TABLES = ("downstream", "downstream_targets")
 REPORT_DIR = "report"
 PLOTS = ("loss_by_domain.png", "mixture.png", "repetition.png", "throughput.png")
 MLFLOW_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -77,6 +78,8 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     eval_file = run_dir / "metrics" / "eval.jsonl"
     eval_rows = list({(int(r["step"]), str(r["domain"])): r for r in read_jsonl(eval_file)}.values())
     validation = targets.validation_frame(targets.complete_eval_rows(eval_rows, train_rows, str(eval_file)))
+    typed = targets.typed_config(cfg, run_dir / "experiment.yaml")
+    scores = downstream_table(run_dir)
     return {
         "run_summary": _summary(run_dir, run, cfg, accounting, train_rows),
         "accounting": accounting,
@@ -97,13 +100,19 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
             columns=list(THROUGHPUT_COLUMNS),
         ),
         "targets": targets.targets_table(
-            targets.declared_targets(targets.typed_config(cfg, run_dir / "experiment.yaml")),
+            targets.declared_targets(typed),
             validation,
             int(as_record(run).committed_steps),
             cfg.hardware.price_per_device_hour_usd,
         ),
         **expert_tables.build(run_dir, cfg, accounting, train_rows),
-        "downstream": downstream_table(run_dir),
+        "downstream": scores,
+        "downstream_targets": task_targets.task_targets_table(
+            task_targets.declared_task_targets(typed),
+            scores,
+            int(as_record(run).committed_steps),
+            cfg.hardware.price_per_device_hour_usd,
+        ),
     }
 
 
@@ -442,6 +451,8 @@ def _md_validation(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema) -> li
     else:
         lines += ["No evaluation was recorded.", ""]
     lines += targets.render_markdown(targets.declared_targets(targets.typed_config(cfg)), tables["targets"])
+    on_tasks = task_targets.declared_task_targets(targets.typed_config(cfg))
+    lines += downstream_targets.render_markdown(on_tasks, tables["downstream_targets"])
     return lines
 
 
@@ -459,6 +470,7 @@ def _md_speed(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, run: dict 
             else "."
         ),
         device_busy_line(run, float(s.mfu)),
+        *eval_time_lines(run),
         f"- FLOPs per token {s.flops_per_token:.4g} ({s.flops_formula}, params {s.params_counted}).",
         f"- {s.devices} x {s.device_name} at ${s.price_per_device_hour:.2f}/device-hour: "
         f"${s.cost_per_billion_useful_tokens:.4g} per billion useful tokens.",
@@ -466,6 +478,19 @@ def _md_speed(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, run: dict 
         "![throughput](throughput.png)",
         "",
         *expert_tables.markdown(tables, cfg, params_of_config(cfg).to_dict(), _md_table),
+    ]
+
+
+def eval_time_lines(run: dict | None) -> list[str]:
+    """The t_eval line of "How fast" (run.json's `t_eval`; none for runs recorded before it)."""
+    t = (run or {}).get("t_eval")
+    if not isinstance(t, dict):
+        return []
+    attempts = len(t.get("attempts") or [])
+    return [
+        f"- Evaluation (t_eval, never step time; run.json `t_eval`): validation {t.get('validation_seconds', 0.0):.1f} s, "
+        f"downstream scoring {t.get('downstream_seconds', 0.0):.1f} s (+ {t.get('downstream_prepare_seconds', 0.0):.1f} s "
+        f"preparing the tasks) over {attempts} attempt{'s' if attempts != 1 else ''}."
     ]
 
 

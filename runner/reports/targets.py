@@ -42,6 +42,7 @@ from runner.training.targets import (
     targets_table,
     validation_frame,
 )
+from runner.training.task_targets import TaskTarget, declared_task_targets
 
 REL_TOL = 1e-9
 
@@ -57,6 +58,7 @@ __all__ = [
     "audit_checks",
     "bracket",
     "complete_eval_rows",
+    "differences",
     "declared_targets",
     "lineage",
     "metric_by_step",
@@ -67,6 +69,7 @@ __all__ = [
     "summary_line",
     "summary_lines",
     "targets_table",
+    "timeline_problems",
     "typed_config",
     "validation_frame",
 ]
@@ -108,7 +111,7 @@ def _secs(x: float) -> str:
     return "not recorded" if not np.isfinite(x) else f"{x:,.1f} s"
 
 
-def summary_line(target: Target, rows: dict[str, dict]) -> str:
+def summary_line(target: Target | TaskTarget, rows: dict[str, dict]) -> str:
     """One line: where a target was met (or the best value), for report.md and the terminal."""
     if not rows:
         return f"`{target.name}` ({target.describe()}): no evaluation recorded"
@@ -132,11 +135,16 @@ def summary_line(target: Target, rows: dict[str, dict]) -> str:
 def summary_lines(report_dir) -> list[str]:
     """One line per declared target of a written report folder (the terminal summary after a run)."""
     report_dir = Path(report_dir)
-    declared = declared_targets(typed_config(read_yaml(report_dir / "experiment.yaml")))
-    if not declared:
-        return []
-    table = pd.read_parquet(report_dir / "targets.parquet")
-    return [summary_line(t, outcome(table, t.name)) for t in declared]
+    config = typed_config(read_yaml(report_dir / "experiment.yaml"))
+    declared, on_tasks = declared_targets(config), declared_task_targets(config)
+    lines = []
+    if declared:
+        table = pd.read_parquet(report_dir / "targets.parquet")
+        lines += [summary_line(t, outcome(table, t.name)) for t in declared]
+    if on_tasks and (report_dir / "downstream_targets.parquet").exists():  # a report written before it has none
+        table = pd.read_parquet(report_dir / "downstream_targets.parquet")
+        lines += [summary_line(t, outcome(table, t.name)) for t in on_tasks]
+    return lines
 
 
 def render_markdown(targets: list[Target], table: pd.DataFrame) -> list[str]:
@@ -170,7 +178,8 @@ def render_markdown(targets: list[Target], table: pd.DataFrame) -> list[str]:
 # ---- the audit's recount ------------------------------------------------------------------------
 
 
-def _differences(report: pd.DataFrame, recount: pd.DataFrame) -> list[str]:
+def differences(report: pd.DataFrame, recount: pd.DataFrame, columns: list[str] = TARGET_COLUMNS) -> list[str]:
+    """Where a targets table differs from its recount, row by (target, point), column by column."""
     problems = []
     key = ["target", "point"]
     a = report.set_index(key).sort_index()
@@ -178,7 +187,7 @@ def _differences(report: pd.DataFrame, recount: pd.DataFrame) -> list[str]:
     for k in sorted(set(a.index) ^ set(b.index)):
         problems.append(f"{k[0]} {k[1]}: {'only in the report' if k in a.index else 'missing from the report'}")
     for k in sorted(set(a.index) & set(b.index)):
-        for col in (c for c in TARGET_COLUMNS if c not in key):
+        for col in (c for c in columns if c not in key):
             x, y = a.loc[k, col], b.loc[k, col]
             if not _same(x, y):
                 problems.append(f"{k[0]} {k[1]}.{col}: report {_plain(x)!r}, recount {_plain(y)!r}")
@@ -198,7 +207,7 @@ def _same(x: Any, y: Any) -> bool:
     return bool(x == y) if not isinstance(x, (bool, np.bool_)) else bool(x) == bool(y)
 
 
-def _timeline_problems(validation: pd.DataFrame, run: dict, global_batch_tokens: int) -> list[str]:
+def timeline_problems(validation: pd.DataFrame, run: dict, global_batch_tokens: int) -> list[str]:
     """The evaluations' progress against the run's own totals: exposure is whole steps, useful never
     exceeds it, time only grows with the step, and no evaluation ended after the run did."""
     problems = []
@@ -244,12 +253,12 @@ def audit_checks(
     return [
         (
             "evaluation times and tokens within the run's",
-            _timeline_problems(seen, run, batch_tokens),
+            timeline_problems(seen, run, batch_tokens),
             f"{seen['step'].nunique()} evaluations",
         ),
         (
             "quality targets recounted from the evaluations",
-            _differences(tables["targets"], recount),
+            differences(tables["targets"], recount),
             f"{len(declared)} targets, {int(recount['met'].groupby(recount['target']).first().sum()) if len(recount) else 0} met",
         ),
     ]

@@ -68,7 +68,7 @@ from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
-from runner.training.records import Gathered, RunRecord, default_records, take_records
+from runner.training.records import Gathered, RunRecord, default_records, take_records, zero_eval_seconds
 from runner.training.runfolder import RunFolder
 from runner.training.runjson import RunJson
 from runner.training.samples import samples_callback
@@ -135,6 +135,7 @@ class _Run:
     experts: experts_mod.RouterProbe | None = None  # of a mixture-of-experts model, else None
     clock: RunClock = field(default_factory=lambda: RunClock(1))  # _setup: the run's world and device clock
     downstream: Any = None  # the downstream tasks, prepared at their first scoring (runner.training.downstream)
+    eval_seconds: dict = field(default_factory=zero_eval_seconds)  # this attempt's t_eval (records.EvalTimes)
 
     @property
     def cfg(self):
@@ -542,10 +543,12 @@ def _evaluate(run: _Run, step: int) -> None:
     if run.data.val_reader is None:
         return
     total = run.ledger.counters()["total"]
+    started = time.perf_counter()
     with attention_context(run.runtime):
         rows = evaluate.evaluate(
             run.raw_model, run.data, run.acc, run.cfg.eval.micro_batch_sequences, step, int(total["exposure"])
         )
+    run.eval_seconds["validation_seconds"] += time.perf_counter() - started
     # Where the run stood when this evaluation ended: time-to-target is recounted from these (SPEC).
     wall, device_wall = run.clock.journal_time()
     stamp = {"useful_tokens": int(total["useful"]), "wall_seconds": wall, "device_wall_seconds": device_wall}

@@ -164,6 +164,44 @@ def take_records(records: list[RunRecord], run: Any, saved: Gathered) -> Write:
     return write
 
 
+#: what run.json's `t_eval` sums, per attempt and over the run (SPEC "Downstream evaluation")
+EVAL_TIME_KEYS = ("validation_seconds", "downstream_seconds", "downstream_prepare_seconds")
+
+
+def zero_eval_seconds() -> dict[str, float]:
+    """An attempt's evaluation clock (the loop's `_Run.eval_seconds`), every kind at zero."""
+    return dict.fromkeys(EVAL_TIME_KEYS, 0.0)
+
+
+class EvalTimes(RunRecord):
+    """run.json's `t_eval`: wall seconds this attempt spent on validation (the loop's evaluate) and on
+    downstream scoring (the scorings' t_eval_seconds, and preparing the tasks), next to the earlier
+    attempts' and summed over all of them. Written at every checkpoint and at the attempt's end, so
+    an attempt killed in between keeps what it had at its last checkpoint."""
+
+    @staticmethod
+    def _take(run: Any) -> Write:
+        """The attempt's seconds now, on the loop's thread; the write (run.json's read-modify-write) runs
+        where the checkpoint's other records run theirs, in order, so no two writers race."""
+        folder, attempt = run.folder, int(run.clock.attempt)
+        mine = {"attempt": attempt, **{k: round(float(run.eval_seconds[k]), 6) for k in EVAL_TIME_KEYS}}
+
+        def write() -> None:
+            record = folder.record().t_eval or {}
+            earlier = [a for a in record.get("attempts", []) if int(a.get("attempt", -1)) != attempt]
+            attempts = sorted(earlier + [mine], key=lambda a: int(a["attempt"]))
+            totals = {k: round(sum(float(a.get(k, 0.0)) for a in attempts), 6) for k in EVAL_TIME_KEYS}
+            folder.update(t_eval={**totals, "attempts": attempts})
+
+        return write
+
+    def at_checkpoint(self, run: Any, saved: Gathered) -> Write:
+        return self._take(run)
+
+    def at_end(self, run: Any, committed: int, status: str, summary: dict, system: dict | None) -> None:
+        self._take(run)()
+
+
 def default_records() -> list[RunRecord]:
     """The records every run keeps, in the order they are written (run.json last: it points at the rest)."""
-    return [CheckpointFiles(), LedgerJson(), RunJson()]
+    return [CheckpointFiles(), LedgerJson(), EvalTimes(), RunJson()]

@@ -51,6 +51,9 @@ class RunJson:
     device_wall_seconds: float | None = None
     #: step, attempt, t_checkpoint (the loop's stop), t_checkpoint_write, checkpoint_write (background/foreground)
     checkpoints: list[dict] = field(default_factory=list)
+    #: evaluation wall seconds (runner.training.records.EvalTimes): validation_seconds, downstream_seconds,
+    #: downstream_prepare_seconds over the run, and `attempts`: the same per attempt
+    t_eval: dict | None = None
     # the attempt's summary
     exposure_tokens: int | None = None
     useful_tokens: int | None = None

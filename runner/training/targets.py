@@ -55,9 +55,12 @@ class Target:
 
 
 def declared_targets(config) -> list[Target]:
-    """The targets of a resolved config (typed or DictConfig: attribute access), sorted by name."""
+    """The validation targets of a resolved config (typed or DictConfig: attribute access), sorted by
+    name; downstream targets (`task`) are runner.training.task_targets'."""
     out = []
     for name, spec in config.eval.targets.items():
+        if getattr(spec, "task", None) is not None:
+            continue  # a downstream target (runner.training.task_targets)
         metric = next(m for m in TARGET_METRICS if getattr(spec, m) is not None)
         out.append(Target(str(name), str(spec.domain), metric, float(getattr(spec, metric))))
     return sorted(out, key=lambda t: t.name)
@@ -84,7 +87,7 @@ def complete_eval_rows(eval_rows: list[dict], train_rows: list[dict], file: str 
             out.append(r)
             continue
         if useful_by_step is None:
-            useful_by_step = _cumulative_useful(train_rows, file)
+            useful_by_step = cumulative_useful(train_rows)
         step = int(r["step"])
         if step not in useful_by_step:
             raise RunnerError(
@@ -96,7 +99,7 @@ def complete_eval_rows(eval_rows: list[dict], train_rows: list[dict], file: str 
     return out
 
 
-def _cumulative_useful(train_rows: list[dict], file: str) -> dict[int, int]:
+def cumulative_useful(train_rows: list[dict]) -> dict[int, int]:
     """Useful tokens after each step, where train.jsonl holds every step from 1 up to it."""
     out, total = {}, 0
     for expected, r in enumerate(sorted(train_rows, key=lambda r: int(r["step"])), start=1):
@@ -154,24 +157,31 @@ def bracket(target: Target, validation: pd.DataFrame, price_per_device_hour: flo
     values = metric_by_step(validation, target.domain, target.metric)
     if values.empty:
         return []
-    progress = progress_by_step(validation)
     met_steps = values.index[values.to_numpy() <= target.threshold]
+    fields = {"target": target.name, "domain": target.domain, "metric": target.metric, "threshold": target.threshold}
+    best = int(values.idxmin())  # idxmin: the earliest of equal values
+    return bracket_rows(fields, values, met_steps, best, progress_by_step(validation), price_per_device_hour)
+
+
+def bracket_rows(
+    fields: dict, values: pd.Series, met_steps: pd.Index, best: int, progress: pd.DataFrame, price: float
+) -> list[dict]:
+    """A target's rows from the value judged at each evaluation (indexed by step) and the steps that
+    meet it: `before` (the evaluation before the first met one, if any) and `met`, or `best` (the
+    step `best`) when none does; each with the evaluation's progress and its device-hours and cost."""
     if len(met_steps):
         at = int(met_steps[0])
         earlier = values.index[values.index < at]
         points = ([("before", int(earlier[-1]))] if len(earlier) else []) + [("met", at)]
     else:
-        points = [("best", int(values.idxmin()))]  # idxmin: the earliest of equal values
+        points = [("best", best)]
     rows = []
     for point, step in points:
         p = progress.loc[step]
         device_hours = float(p["device_wall_seconds"]) / SECONDS_PER_HOUR
         rows.append(
             {
-                "target": target.name,
-                "domain": target.domain,
-                "metric": target.metric,
-                "threshold": target.threshold,
+                **fields,
                 "met": bool(len(met_steps)),
                 "point": point,
                 "step": step,
@@ -180,7 +190,7 @@ def bracket(target: Target, validation: pd.DataFrame, price_per_device_hour: flo
                 "value": float(values.loc[step]),
                 "wall_seconds": float(p["wall_seconds"]),
                 "device_hours": device_hours,
-                "cost_usd": device_hours * float(price_per_device_hour),
+                "cost_usd": device_hours * float(price),
             }
         )
     return rows

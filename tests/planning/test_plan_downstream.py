@@ -56,8 +56,19 @@ def test_positions_are_the_tokenized_windows(tmp_path, monkeypatch):
     tok = Tokenizer.from_file(str(REPO / "runner/builtin/assets/tokenizer.json"))
     seq_len = exp.config.train.seq_len
     docs = subset(builtin_documents()[0], 20, 0)
-    want = sum(min(len(tok.encode(r.context + r.continuation).ids), seq_len + 1) - 1 for d in docs for r in d.requests)
-    assert got == {"requests": 80, "documents": 20, "positions": want, "basis": "tokenized (the run's tokenizer)"}
+    windows = [
+        (tok.encode(r.context).ids, tok.encode(r.context + r.continuation).ids) for d in docs for r in d.requests
+    ]
+    assert all(len(whole) <= seq_len + 1 for _, whole in windows)  # no window cut: each input is whole[:-1]
+    alone = sum(len(whole) - 1 for _, whole in windows)
+    # sdpa: the requests of one context share a row, the context once, then each continuation's inputs
+    widths: dict[tuple, int] = {}
+    for c, whole in windows:
+        widths[tuple(c)] = widths.get(tuple(c), len(c)) + len(whole) - 1 - len(c)
+    want = sum(widths.values())
+    assert want < alone  # builtin's contexts recur as other documents' choices
+    basis = "tokenized (the run's tokenizer); a context once for its choices"
+    assert got == {"requests": 80, "documents": 20, "positions": want, "basis": basis}
 
 
 def test_plan_prints_the_cost_and_estimates_tokens_without_the_tokenizer(tmp_path, monkeypatch, capsys):

@@ -51,6 +51,9 @@ def _report(tmp: Path, name: str, acc: dict[int, float], **changed) -> Path:
             "random_baseline": 0.25,
             "convention": _record("acc", **changed),
             "t_eval_seconds": 1.5,
+            "useful_tokens": step * 1000,
+            "wall_seconds": step * 2.0,
+            "device_wall_seconds": step * 2.0,
         }
         for step, value in acc.items()
     ]
@@ -136,3 +139,38 @@ def test_aggregates_over_differently_pinned_tasks_are_refused(tmp_path, cli):
     assert code == 2
     # the aggregate's own record is the same in both runs; the tasks it averages are pinned differently
     assert "downstream aggregate.mean_centered: convention key `task_records` differs" in out.err
+
+
+def test_downstream_targets_show_who_gets_there_first(tmp_path, cli):
+    """A downstream target judged on each run's loop scorings: met at the first at or above, first in
+    tokens, seconds and dollars; a name meaning two targets is refused."""
+    import yaml
+
+    def with_target(folder: Path, target: dict) -> Path:
+        cfg = yaml.safe_load((folder / "experiment.yaml").read_text())
+        cfg["eval"]["tasks"] = {"builtin": {"format": "builtin", "metrics": ["acc"]}}
+        cfg["eval"]["targets"] = {"third": target}
+        (folder / "experiment.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        from runner.training.task_targets import TaskTarget, task_targets_table
+
+        # the report's own table, as `runner report` writes it (a report with tasks has one)
+        scores = pd.read_parquet(folder / "downstream.parquet")
+        table = task_targets_table([TaskTarget("third", **target)], scores, 150, 1.0)
+        table.to_parquet(folder / "downstream_targets.parquet", index=False)
+        return folder
+
+    spec = {"task": "builtin", "metric": "acc", "at_least": 0.3}
+    a = with_target(_report(tmp_path, "a", {100: 0.20, 150: 0.30}), spec)
+    b = with_target(_report(tmp_path, "b", {100: 0.32, 150: 0.35}), spec)
+    code, out = cli("compare", a, b, "--labels", "base,other", "--json")
+    assert code == 0, out.err
+    rows = {r["run"]: r for r in json.loads(out.out)["downstream_targets"]}
+    assert (rows["base"]["met"], rows["base"]["step"], rows["base"]["before_step"]) == (True, 150, 100)
+    assert (rows["other"]["step"], rows["other"]["before_step"], rows["other"]["wall_seconds"]) == (100, None, 200.0)
+    assert rows["other"]["first_in_exposure_tokens"] and not rows["base"]["first_in_exposure_tokens"]
+    code, out = cli("compare", a, b, "--labels", "base,other")
+    assert code == 0 and "### Downstream targets: who gets there first" in out.out
+    assert "| `third` (builtin acc >= 0.3) | step 150: 153,600 tokens, 300.0 s," in out.out
+    with_target(b, {**spec, "at_least": 0.5})
+    code, out = cli("compare", a, b, "--labels", "base,other")
+    assert code == 2 and out.err.strip().endswith("rename one so a comparison judges every run by the same target")

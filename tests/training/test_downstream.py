@@ -261,14 +261,62 @@ def test_batched_scoring_equals_one_request_per_forward(tokenizer, tiny_model):
     encoded = Encoder(tokenizer, SEQ_LEN).encode_task(task)
     alone = _one_at_a_time(tiny_model, encoded)
     for micro in (1, 4, 64):
-        lls, forwards = loglikelihoods(tiny_model, encoded, micro)
+        lls, forwards = loglikelihoods(tiny_model, encoded, micro, share=False)
         assert forwards == math.ceil(len(encoded) / micro)
         assert np.allclose(lls, alone, rtol=1e-6, atol=1e-4)
-    fixed, _ = loglikelihoods(tiny_model, encoded, 4, fixed_shape=True)
+    fixed, _ = loglikelihoods(tiny_model, encoded, 4, fixed_shape=True, share=False)
     assert np.allclose(fixed, alone, rtol=1e-6, atol=1e-4)
-    assert [len(b) for b in batches(encoded, 4)] == [4, 2]
-    widths = [len(encoded[i].inputs) for b in batches(encoded, 4) for i in b]
+    plan = batches(encoded, 4, share=False)
+    assert [sum(len(r.members) for r in b) for b in plan] == [4, 2]
+    widths = [len(encoded[i].inputs) for b in plan for r in b for i in r.members]
     assert widths == sorted(widths, reverse=True)  # longest first: little padding
+
+
+def test_a_context_is_computed_once_for_its_choices(tokenizer, tiny_model):
+    """The choices of one context share a row (the context once, each choice after it under a mask
+    by which it sees the context and itself): the same ll as one request per forward, fewer
+    positions computed, and a row of more choices than micro_batch is a forward of its own."""
+    # 512: the 5-shot context (~340 tokens) whole, so the four choices of a document share it (at 64
+    # only choices whose continuations have one length share their truncated window: the reference test)
+    encoded = Encoder(tokenizer, 512).encode_task(olmes_task("arc_easy_rc_5shot", limit=4))
+    alone = _one_at_a_time(tiny_model, encoded)
+    for micro in (1, 4, 7, 64):
+        lls, forwards = loglikelihoods(tiny_model, encoded, micro, share=True)
+        assert np.allclose(lls, alone, rtol=1e-6, atol=1e-4), micro
+    plan = batches(encoded, 4, share=True)
+    assert all(len(r.members) == 4 for b in plan for r in b)  # four choices of one context per row
+    assert sum(r.width(encoded) for b in plan for r in b) < sum(len(e.inputs) for e in encoded) * 0.5
+    assert loglikelihoods(tiny_model, encoded, 1, share=True)[1] == 4  # one row per forward, not one choice
+    fixed, _ = loglikelihoods(tiny_model, encoded, 8, fixed_shape=True, share=True)
+    assert np.allclose(fixed, alone, rtol=1e-6, atol=1e-4)
+    # PIQA: two choices per context; the builtin task's choices are contexts (nothing shared)
+    piqa = Encoder(tokenizer, 512).encode_task(olmes_task("piqa_rc_0shot", limit=3))
+    assert [len(r.members) for b in batches(piqa, 64) for r in b] == [2, 2, 2]
+    builtin = Encoder(tokenizer, SEQ_LEN).encode_task(builtin_task(limit=3))
+    assert {len(r.members) for b in batches(builtin, 64) for r in b} == {1}
+
+
+def test_sharing_follows_the_attention_implementation(tokenizer, tiny_model):
+    """eager takes an additive mask, sdpa a boolean one; another implementation shares nothing."""
+    from runner.training.downstream.score import mask_kind_of
+
+    encoded = Encoder(tokenizer, SEQ_LEN).encode_task(olmes_task("arc_easy_rc_5shot", limit=2))
+    alone = _one_at_a_time(tiny_model, encoded)
+    assert mask_kind_of(tiny_model) == "bool"
+    previous = tiny_model.config._attn_implementation
+    try:
+        tiny_model.set_attn_implementation("eager")
+        assert mask_kind_of(tiny_model) == "additive"
+        lls, _ = loglikelihoods(tiny_model, encoded, 8)
+        assert np.allclose(lls, alone, rtol=1e-6, atol=1e-4)
+    finally:
+        tiny_model.set_attn_implementation(previous)
+    from types import SimpleNamespace
+
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"), training=False)
+    assert mask_kind_of(flash) is None
+    with pytest.raises(ValueError, match="needs an attention implementation"):
+        loglikelihoods(flash, encoded, 8, share=True)
 
 
 def test_ranks_run_the_same_forwards_and_every_request_is_scored_once(tokenizer, tiny_model):
@@ -345,12 +393,14 @@ def test_loglikelihoods_and_answers_match_lm_eval_hflm(tmp_path, tokenizer, tiny
     tasks = [builtin_task(limit=8), olmes_task("arc_easy_rc_5shot", limit=8), olmes_task("piqa_rc_0shot", limit=8)]
     for task in tasks:
         encoded = encoder.encode_task(task)
-        ours, _ = loglikelihoods(tiny_model, encoded, 7)
+        ours, _ = loglikelihoods(tiny_model, encoded, 7)  # sdpa: a context's choices share its row
+        plain, _ = loglikelihoods(tiny_model, encoded, 7, share=False)
         instances = [
             Instance("loglikelihood", {}, (r.context, r.continuation), n) for n, (_, _, r) in enumerate(task.requests)
         ]
         ref = np.array([ll for ll, _ in lm.loglikelihood(instances, disable_tqdm=True)])
         assert np.all(np.abs(np.array(ours) - ref) <= 1e-4 + 1e-6 * np.abs(ref)), task.name
+        assert np.all(np.abs(np.array(plain) - ref) <= 1e-4 + 1e-6 * np.abs(ref)), task.name
         lengths = [len(e.targets) for e in encoded]
         mine, theirs = task_metrics(task, ours, lengths), task_metrics(task, list(ref), lengths)
         assert mine["bpb"] == pytest.approx(theirs["bpb"], rel=1e-6)

@@ -41,10 +41,18 @@ def _with_tasks(root: Path, micro: int = 4, **eval_extra) -> Path:
     return exp
 
 
+#: downstream quality targets (operational): met at the first scoring, and one judged by hand below
+TASK_TARGETS = {
+    "any": {"task": "aggregate", "metric": "mean_centered", "at_least": -1.0},
+    "sure": {"task": "builtin", "metric": "acc", "at_least": 1.0},
+}
+
+
 @pytest.fixture(scope="module")
 def scored_run(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("downstream")
-    launch(tmp, _with_tasks(tmp, downstream_interval_steps=2, downstream_micro_batch=5), "--run-dir", tmp / "run")
+    exp = _with_tasks(tmp, downstream_interval_steps=2, downstream_micro_batch=5, targets=TASK_TARGETS)
+    launch(tmp, exp, "--run-dir", tmp / "run")
     return tmp
 
 
@@ -157,6 +165,8 @@ def test_audit_recomputes_every_figure_and_fails_a_forgery(scored_run, tmp_path)
         "downstream table schema": "PASS",
         "downstream figures recomputed from per-request log-likelihoods": "PASS",
         "downstream table equals the recomputed figures": "PASS",
+        "downstream scoring times and tokens within the run's": "PASS",
+        "downstream targets recounted from the loop's scorings": "PASS",
     }
     rows = read_jsonl(run / "metrics/downstream.jsonl")
     forged = [
@@ -279,14 +289,20 @@ def test_downstream_table_schema_refuses_impossible_figures():
         "random_baseline": 0.25,
         "convention": json.dumps({"metric": "acc", "task_sha256": "0" * 64}),
         "t_eval_seconds": 0.1,
+        "useful_tokens": 600,
+        "wall_seconds": 12.5,
+        "device_wall_seconds": 12.5,
     }
     DOWNSTREAM.validate(pd.DataFrame([good]))
+    DOWNSTREAM.validate(pd.DataFrame([{**good, "wall_seconds": float("nan"), "device_wall_seconds": float("nan")}]))
     for bad in (
         {"value": 1.5},
         {"metric": "bpb", "value": -1.0},
         {"metric": "acc_norm"},
         {"documents": 0},
         {"source": "hand"},
+        {"useful_tokens": -1},
+        {"wall_seconds": -1.0},
     ):
         with pytest.raises(pandera.errors.SchemaError):
             DOWNSTREAM.validate(pd.DataFrame([{**good, **bad}]))
@@ -361,14 +377,14 @@ def test_a_report_written_before_the_downstream_table_reads_it_as_empty(tmp_path
     assert not (published / "downstream.parquet").exists()
     report = tmp_path / "report"
     shutil.copytree(published, report)
-    assert predated_tables(report) == ("downstream",)
+    assert predated_tables(report) == ("downstream", "downstream_targets")
     tables = read_tables(report)
     assert tables["downstream"].empty and list(tables["downstream"].columns)[0] == "source"
     assert "downstream.parquet" not in missing_report_files(report, ["code", "legal", "prose"])
     evidence = json.loads((report / "evidence.json").read_text())
     evidence["tables"]["downstream"] = "0" * 64  # its evidence says it had one: the table is missing
     (report / "evidence.json").write_text(json.dumps(evidence))
-    assert predated_tables(report) == ()
+    assert predated_tables(report) == ("downstream_targets",)
     assert "downstream.parquet" in missing_report_files(report, ["code", "legal", "prose"])
 
 
@@ -397,3 +413,126 @@ def test_recompute_eval_rescores_the_loop_requests_from_the_checkpoints(scored_r
     shutil.rmtree(run / "checkpoints/step-0000004")
     check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
     assert check.status == "UNVERIFIED" and "no checkpoint that verifies at a scored step (2, 4)" in check.detail
+
+
+def _bracket_by_hand(rows: list[dict], task: str, metric: str, at_least: float) -> dict[str, int]:
+    """point -> step: the first loop scoring at or above at_least and the one before, else the best."""
+    values = {r["step"]: r["value"] for r in rows if (r["task"], r["metric"]) == (task, metric)}
+    steps = sorted(values)
+    met = [s for s in steps if values[s] >= at_least]
+    if not met:
+        return {"best": max(steps, key=lambda s: (values[s], -s))}
+    before = [s for s in steps if s < met[0]]
+    return {"met": met[0], **({"before": before[-1]} if before else {})}
+
+
+@pytest.mark.slow
+def test_downstream_targets_are_reported_recounted_and_a_forged_crossing_fails(scored_run, tmp_path):
+    import shutil
+
+    import pandas as pd
+
+    from runner.reports.audit import audit
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run)
+    proc = run_in_process(scored_run, ["report", str(run)], env(scored_run))
+    assert proc.returncode == 0, proc.stderr
+    report = run / "report"
+    table = pd.read_parquet(report / "downstream_targets.parquet")
+    price = float(pd.read_parquet(report / "run_summary.parquet")["price_per_device_hour"].iloc[0])
+    rows = read_jsonl(run / "metrics/downstream.jsonl")
+    stamps = {r["step"]: r for r in rows}  # every row of a scoring carries the same stamp
+    run_json = json.loads((run / "run.json").read_text())
+    for name, spec in TASK_TARGETS.items():
+        got = table[table["target"] == name].set_index("point")
+        want = _bracket_by_hand(rows, spec["task"], spec["metric"], spec["at_least"])
+        assert {p: int(got.loc[p, "step"]) for p in got.index} == want, name
+        for point, step in want.items():
+            stamp = stamps[step]
+            assert got.loc[point, "wall_seconds"] == stamp["wall_seconds"] <= run_json["wall_seconds"]
+            assert got.loc[point, "useful_tokens"] == stamp["useful_tokens"] <= stamp["exposure_tokens"]
+            assert got.loc[point, "device_hours"] == pytest.approx(stamp["device_wall_seconds"] / 3600)
+            assert got.loc[point, "cost_usd"] == pytest.approx(stamp["device_wall_seconds"] / 3600 * price)
+    assert _bracket_by_hand(rows, "aggregate", "mean_centered", -1.0) == {"met": 2}
+    md = (report / "report.md").read_text()
+    section = md[md.index("## Downstream targets") :]
+    assert "`any` (aggregate mean_centered >= -1): met at the first evaluation, step 2" in section
+    from runner.reports.targets import summary_lines  # what `runner launch` prints after a run
+
+    assert [line.split(" (")[0] for line in summary_lines(report)] == ["`any`", "`sure`"]
+
+    checks = {c.name: c for c in audit(run, check_mlflow=False).checks}
+    for name in (
+        "downstream targets recounted from the loop's scorings",
+        "downstream scoring times and tokens within the run's",
+    ):
+        assert checks[name].status == "PASS", checks[name]
+
+    def write(name: str, df: pd.DataFrame) -> None:
+        df.to_parquet(report / f"{name}.parquet", index=False)
+        df.to_csv(report / f"{name}.csv", index=False)
+
+    # an edited figure: time-to-target halved
+    edited = table.copy()
+    edited.loc[edited["target"] == "any", "wall_seconds"] /= 2
+    write("downstream_targets", edited)
+    failed = {c.name: c.detail for c in audit(run, check_mlflow=False).checks if c.status == "FAIL"}
+    assert "any met.wall_seconds: report" in failed["downstream targets recounted from the loop's scorings"]
+    # a forged crossing, consistent across both tables: `sure` met at step 2 (builtin acc 1.0 there)
+    scores = pd.read_parquet(report / "downstream.parquet")
+    at = (
+        (scores["source"] == "loop")
+        & (scores["step"] == 2)
+        & (scores["task"] == "builtin")
+        & (scores["metric"] == "acc")
+    )
+    scores.loc[at, "value"] = 1.0
+    write("downstream", scores)
+    from runner.training.task_targets import TaskTarget, task_targets_table
+
+    declared = [TaskTarget(n, s["task"], s["metric"], s["at_least"]) for n, s in sorted(TASK_TARGETS.items())]
+    forged = task_targets_table(declared, scores, STEPS, price)
+    assert forged[forged["target"] == "sure"]["point"].tolist() == ["met"]
+    write("downstream_targets", forged)
+    result = audit(run, check_mlflow=False)
+    checks = {c.name: c for c in result.checks}
+    assert checks["downstream targets recounted from the loop's scorings"].status == "PASS"  # consistent...
+    assert (
+        "loop step 2 builtin.acc: value 1.0 in the table"
+        in checks["downstream table equals the recomputed figures"].detail
+    )
+    assert checks["report matches the run folder"].status == "FAIL" and result.verdict == "FAIL"
+
+
+@pytest.mark.slow
+def test_run_json_sums_evaluation_time_per_attempt_and_the_report_shows_it(tmp_path):
+    """run.json's `t_eval` (records.EvalTimes): each attempt's validation and downstream seconds, and
+    their sums over the run; the downstream seconds are the attempt's scorings' t_eval_seconds."""
+    exp = _with_tasks(tmp_path, downstream_interval_steps=2)
+    launch(tmp_path, exp, "--run-dir", tmp_path / "run", "--no-tracking", "--max-steps", "2")
+    first = json.loads((tmp_path / "run/run.json").read_text())["t_eval"]
+    assert [a["attempt"] for a in first["attempts"]] == [1]
+    launch(tmp_path, tmp_path / "run", "--no-tracking")  # resumed at step 2: attempt 2 scores step 4
+    info = json.loads((tmp_path / "run/run.json").read_text())
+    t = info["t_eval"]
+    assert [a["attempt"] for a in t["attempts"]] == [1, 2] and t["attempts"][0] == first["attempts"][0]
+    rows = read_jsonl(tmp_path / "run/metrics/downstream.jsonl")
+    scorings = {r["step"]: r["t_eval_seconds"] for r in rows}  # one t_eval per scoring, on each of its rows
+    assert sorted(scorings) == [2, 4]
+    assert t["attempts"][0]["downstream_seconds"] == pytest.approx(scorings[2], abs=2e-6)
+    assert t["attempts"][1]["downstream_seconds"] == pytest.approx(scorings[4], abs=2e-6)
+    for key in ("validation_seconds", "downstream_seconds", "downstream_prepare_seconds"):
+        assert t[key] == pytest.approx(sum(a[key] for a in t["attempts"]), abs=2e-6)
+    # each attempt evaluated validation at its last step (2, then 4)
+    assert sorted({r["step"] for r in read_jsonl(tmp_path / "run/metrics/eval.jsonl")}) == [2, 4]
+    assert all(a["validation_seconds"] > 0 for a in t["attempts"])
+    assert all(a["downstream_prepare_seconds"] > 0 for a in t["attempts"])  # tasks prepared once per attempt
+    assert t["validation_seconds"] + t["downstream_seconds"] < info["wall_seconds"]
+    proc = run_in_process(tmp_path, ["report", str(tmp_path / "run")], env(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "run/report/report.md").read_text()
+    assert (
+        f"- Evaluation (t_eval, never step time; run.json `t_eval`): validation {t['validation_seconds']:.1f} s, "
+        f"downstream scoring {t['downstream_seconds']:.1f} s" in md
+    )

@@ -1,7 +1,9 @@
 """Request counts and input positions of an eval recipe's downstream tasks, for `runner plan`.
 
 Owns: reading the tasks (pinned files, their subsets) and counting what a scoring feeds the model:
-one window per request, min(len(context + continuation tokens), seq_len + 1) - 1 input positions.
+one window per request, min(len(context + continuation tokens), seq_len + 1) - 1 input positions,
+a context shared by several requests counted once where the model's attention shares it
+(runner.training.downstream.rows).
 Tokens are the run's tokenizer's where its file is at hand (exact), else estimated from UTF-8 bytes
 at the plan's `raw_bytes_per_token` (the basis says which). The arithmetic is
 runner.planning.downstream_cost's.
@@ -14,6 +16,7 @@ from typing import Any
 
 from runner.config.load import Experiment
 from runner.errors import RunnerError
+from runner.training.downstream.rows import SHARING_ATTENTION, rows
 from runner.training.downstream.tasks import load_task
 
 
@@ -41,8 +44,10 @@ def task_positions(exp: Experiment) -> dict[str, dict[str, Any]]:
         task = load_task(name, spec, exp.project_root)
         requests = [r for d in task.documents for r in d.requests]
         if encoder is not None:
-            positions = sum(len(encoder.window(r.context, r.continuation).inputs) for r in requests)
-            basis = "tokenized (the run's tokenizer)"
+            encoded = [encoder.window(r.context, r.continuation) for r in requests]
+            share = str(cfg.model.attn_implementation) in SHARING_ATTENTION
+            positions = sum(row.width(encoded) for row in rows(encoded, share))
+            basis = "tokenized (the run's tokenizer)" + ("; a context once for its choices" if share else "")
         else:
             positions = sum(
                 min(math.ceil(len((r.context + r.continuation).encode("utf-8")) / bytes_per_token), seq_len)

@@ -4,7 +4,8 @@ Owns: when (every `eval.downstream_interval_steps` committed steps, and at the e
 segment: the attempt's last step), preparing the tasks once per attempt (after its first step,
 so a refused task stops the run there, not at its first scoring), the
 scoring on every rank (the same forwards on each; results summed exactly), and where the figures
-go: metrics/downstream.jsonl (one row per task and metric, with `t_eval_seconds`), the per-request
+go: metrics/downstream.jsonl (one row per task and metric, with `t_eval_seconds` and where the run
+stood when the scoring ended: useful tokens, wall and device-wall seconds), the per-request
 log-likelihoods downstream/requests-loop-step-NNNNNNN.jsonl.gz, MLflow metrics
 `downstream/<task>/<metric>` (and `downstream/t_eval_seconds`, `downstream/exposure_tokens`) at
 the step, the convention records as tags, the request files as artifacts. Its time is measured
@@ -14,6 +15,7 @@ after the step's own time is taken, so it is never step time, and none of its to
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import torch
@@ -40,7 +42,9 @@ def at_step(run: Any, committed: int) -> None:
     if not spec.tasks:
         return
     if run.downstream is None:  # at the attempt's first step, due or not: a refused task stops it there
+        started = time.perf_counter()
         run.downstream = prepare(run.exp, dict(spec.tasks))
+        run.eval_seconds["downstream_prepare_seconds"] += time.perf_counter() - started
     if not due(spec.downstream_interval_steps, committed, run.steps.end_step):
         return
     prepared: Prepared = run.downstream
@@ -60,14 +64,19 @@ def at_step(run: Any, committed: int) -> None:
         all_reduce=_summed(acc.device) if acc.num_processes > 1 else None,
         fixed_shape=bool(run.cfg.model.compile),  # one shape: a compiled model is not recompiled per batch
     )
+    run.eval_seconds["downstream_seconds"] += scored.t_eval_seconds  # run.json's t_eval (records.EvalTimes)
     if not run.main:
         return
+    # Where the run stood when this scoring ended: a downstream target's time-to-target (SPEC).
+    wall, device_wall = run.clock.journal_time()
+    useful = int(run.ledger.counters()["total"]["useful"])
+    stamp = {"useful_tokens": useful, "wall_seconds": wall, "device_wall_seconds": device_wall}
     folder = run.folder.path
     requests = write_requests(folder / "downstream" / requests_name(committed, "loop"), scored, committed)
     (folder / "metrics").mkdir(parents=True, exist_ok=True)
     with open(folder / "metrics" / "downstream.jsonl", "a") as f:
         for r in scored.rows:
-            f.write(json.dumps({**r, "forwards": scored.forwards}) + "\n")
+            f.write(json.dumps({**r, **stamp, "forwards": scored.forwards}) + "\n")
     run.say(
         "downstream at step "
         + f"{committed}: "

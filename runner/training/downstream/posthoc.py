@@ -77,6 +77,7 @@ def run_eval(
     model.load_state_dict(ckpt.model_state(), strict=True)
     ledger = ckpt.ledger_state()
     exposure = int(np.asarray(ledger["exposure.total"])[0]) if "exposure.total" in ledger else 0
+    useful = int(np.asarray(ledger["useful.total"])[0]) if "useful.total" in ledger else None
     n = sum(len(e) for e in prepared.encoded)
     say(f"eval: {len(prepared.tasks)} task(s), {n} requests, checkpoint {path.name}")
     scored = score(
@@ -98,7 +99,8 @@ def run_eval(
         "t_eval_seconds": scored.t_eval_seconds,
         "forwards": scored.forwards,
         "requests_file": requests.name,
-        "rows": scored.rows,
+        # the checkpoint's useful tokens; no wall time: scored after the fact, never part of the run's
+        "rows": [{**r, "useful_tokens": useful} for r in scored.rows] if useful is not None else scored.rows,
     }
     atomic_write_json(out / f"eval-{stem}.json", record)
     for r in scored.rows:

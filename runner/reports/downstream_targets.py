@@ -1,0 +1,88 @@
+"""Downstream quality targets in reports: the report.md section and the audit's recount of the
+`downstream_targets` table from the `downstream` table and run.json.
+
+The judging (declared targets, the brackets, the table) is runner.training.task_targets'; the rows
+and their checks are shaped as the validation targets' (runner.reports.targets), whose summary line,
+table comparison and timeline checks are used here. Never scores, reads MLflow or writes files
+(SPEC "Downstream evaluation").
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from runner.config.schema import ExperimentSchema
+from runner.reports import targets
+from runner.training.task_targets import (
+    TASK_TARGET_COLUMNS,
+    TaskTarget,
+    declared_task_targets,
+    loop_scorings,
+    task_targets_table,
+)
+
+NAME = "downstream targets recounted from the loop's scorings"
+TIMELINE = "downstream scoring times and tokens within the run's"
+
+
+def render_markdown(declared: list[TaskTarget], table: pd.DataFrame) -> list[str]:
+    """The report.md section: one line per downstream target, then the bracket rows (nothing when
+    the recipe declares none)."""
+    if not declared:
+        return []
+    lines = ["## Downstream targets", ""]
+    lines += [f"- {targets.summary_line(t, targets.outcome(table, t.name))}" for t in declared]
+    lines += [
+        "",
+        "| target | point | step | exposure tokens | useful tokens | value | wall s | device-hours | cost USD |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table.itertuples(index=False):
+        lines.append(
+            f"| {r.target} | {r.point} | {r.step:,} | {r.exposure_tokens:,} | {r.useful_tokens:,} | {r.value:.4g} "
+            f"| {r.wall_seconds:.1f} | {r.device_hours:.4g} | {r.cost_usd:.4g} |"
+        )
+    lines += [
+        "",
+        "A downstream target is met at the first in-loop scoring whose figure is >= `at_least`; `before` is the",
+        "scoring before it, `best` the highest figure of a target never met. Seconds, device-hours and cost run",
+        "from the first launch to the end of that scoring, as for validation targets; `runner eval` scorings",
+        "are not judged (scored after the fact, outside the run's clock).",
+        "",
+    ]
+    return lines
+
+
+def audit_checks(
+    tables: dict[str, pd.DataFrame], cfg: ExperimentSchema | dict, run: dict
+) -> list[tuple[str, list[str], str]]:
+    """(check name, problems, detail when it passes): the loop scorings' progress against run.json
+    and the `downstream_targets` table recounted from the `downstream` table; [] for a run that
+    declares no downstream target and scored nothing in the loop."""
+    config = targets.typed_config(cfg)
+    declared = declared_task_targets(config)
+    summary = tables["run_summary"].iloc[0]
+    committed = int(summary["steps"])
+    scorings = loop_scorings(tables["downstream"], committed)
+    out = []
+    if len(scorings):
+        batch_tokens = int(summary["global_batch_sequences"]) * int(summary["seq_len"])
+        out.append(
+            (
+                TIMELINE,
+                targets.timeline_problems(scorings, run, batch_tokens),
+                f"{scorings['step'].nunique()} loop scorings",
+            )
+        )
+    if declared or len(tables["downstream_targets"]):
+        price = float(config.hardware.price_per_device_hour_usd)
+        recount = task_targets_table(declared, tables["downstream"], committed, price)
+        met = int(recount["met"].groupby(recount["target"]).first().sum()) if len(recount) else 0
+        out.append(
+            (
+                NAME,
+                targets.differences(tables["downstream_targets"], recount, TASK_TARGET_COLUMNS),
+                f"{len(declared)} targets, {met} met",
+            )
+        )
+    return out
