@@ -1,8 +1,9 @@
 """Downstream scoring speed: runner.training.downstream's batched scoring vs a forward-only loop.
 
 Both run over the same padded batches (the same token count and batch shape, in the same order):
-the scoring adds the fp32 log-softmax over the continuation positions, the gather and the sums;
-the forward-only loop runs `model(input_ids=x).logits` and nothing else. Prints tokens/s (input
+the scoring runs the runner's model (RunnerLlama: the lm_head on the continuation positions only)
+and adds the fp32 log-softmax over them, the gather and the sums; the forward-only loop runs
+`model(input_ids=x).logits` (the head on every position) and nothing else. Prints tokens/s (input
 positions fed, padding included) side by side and their ratio (the issue's goal: >= 0.8 on CPU),
 the median of `--repeats` runs each, alternated so that a loaded machine slows both alike.
 
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     from runner.config.schema import DownstreamTask
     from runner.data.builtin.build import TOKENIZER_PATH
@@ -31,6 +32,7 @@ def main() -> None:
     from runner.training.downstream.encode import Encoder
     from runner.training.downstream.score import batches, loglikelihoods, mask_kind_of, pack
     from runner.training.downstream.tasks import load_task
+    from runner.training.model import RunnerLlama
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=64)
@@ -54,7 +56,7 @@ def main() -> None:
         max_position_embeddings=args.seq_len,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(config).eval()
+    model = RunnerLlama(config).eval()  # the runner's model: its head scores only the target positions
     olmes = REPO / "tests/assets/downstream/olmes"
     specs = {"builtin": DownstreamTask(format="builtin")}
     for name, folder in (("arc_easy", olmes / "arc_easy_rc_5shot"), ("piqa", olmes / "piqa_rc_0shot")):

@@ -74,14 +74,20 @@ modeling_olmoe.create_causal_mask = _causal_mask
 class RunnerLlama(LlamaForCausalLM):
     """transformers' Llama, whose forward also returns the runner's summed training loss.
 
-    `model(input_ids=x)` is transformers' forward (logits; evaluation uses it).
+    `model(input_ids=x)` is transformers' forward (logits; evaluation uses it);
+    `model(input_ids=x, score_at=(rows, cols))` the logits [len(rows), vocab] of those positions alone.
     `model(input_ids=x, loss_targets=y, loss_mask=m)` returns sum over m of -log p(y) in fp32,
     computed by `cross_entropy` (runner.training.loss). Same parameters and names as
     LlamaForCausalLM, so checkpoints are interchangeable."""
 
     cross_entropy = "plain"
+    #: `model(..., score_at=(rows, cols))` gives the logits of those positions only (downstream scoring)
+    scores_positions = True
 
-    def forward(self, input_ids=None, loss_targets=None, loss_mask=None, **kwargs):
+    def forward(self, input_ids=None, loss_targets=None, loss_mask=None, score_at=None, **kwargs):
+        if score_at is not None:  # the head on the positions scored, not on every context position
+            rows, cols = score_at
+            return self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state[rows, cols])
         if loss_targets is None:
             return super().forward(input_ids=input_ids, **kwargs)
         if self.cross_entropy == "plain":

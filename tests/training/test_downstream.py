@@ -296,6 +296,33 @@ def test_a_context_is_computed_once_for_its_choices(tokenizer, tiny_model):
     assert {len(r.members) for b in batches(builtin, 64) for r in b} == {1}
 
 
+def test_the_runners_model_computes_the_head_on_the_scored_positions_only(tokenizer, tiny_model):
+    """RunnerLlama takes `score_at`: the lm_head sees one row per target position (never a context's
+    positions), and every ll equals transformers' own model with the same weights."""
+    from runner.training.model import RunnerLlama
+
+    runner_model = RunnerLlama(tiny_model.config).eval()
+    runner_model.load_state_dict(tiny_model.state_dict())
+    encoded = Encoder(tokenizer, 512).encode_task(olmes_task("arc_easy_rc_5shot", limit=4))
+    rows_seen: list[int] = []
+    hook = runner_model.lm_head.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[0]))
+    try:
+        lls, forwards = loglikelihoods(runner_model, encoded, 4, share=True)
+    finally:
+        hook.remove()
+    reference, _ = loglikelihoods(tiny_model, encoded, 4, share=True)
+    assert np.allclose(lls, reference, rtol=1e-6, atol=1e-5)
+    assert len(rows_seen) == forwards and sum(rows_seen) == sum(len(e.targets) for e in encoded)
+    # a fixed shape (a compiled model) keeps the whole head: the scored positions vary per batch
+    rows_seen.clear()
+    hook = runner_model.lm_head.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[:-1]))
+    try:
+        fixed, _ = loglikelihoods(runner_model, encoded, 4, share=True, fixed_shape=True)
+    finally:
+        hook.remove()
+    assert np.allclose(fixed, reference, rtol=1e-6, atol=1e-5) and all(len(shape) == 2 for shape in rows_seen)
+
+
 def test_sharing_follows_the_attention_implementation(tokenizer, tiny_model):
     """eager takes an additive mask, sdpa a boolean one; another implementation shares nothing."""
     from runner.training.downstream.score import mask_kind_of

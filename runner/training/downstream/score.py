@@ -88,18 +88,34 @@ def _forward(model, encoded: Sequence[Encoded], batch: list[Row], device, autoca
     """(request indices, the fp64 copy of each one's fp32 log-likelihood sum in nats). `shape`
     (rows, width) pads every forward to one shape (a compiled model then compiles once)."""
     packed = pack(encoded, batch, shape, masked=shape is not None and mask_kind is not None)
-    with autocast():
-        logits = model(**packed.model_kwargs(device, mask_kind)).logits
     # every request's target positions in one index: (row, position), its target token, its request
-    rows_at = torch.tensor([row for row, at in packed.picks for _ in at], device=logits.device)
-    cols_at = torch.tensor([x for _, at in packed.picks for x in at], device=logits.device)
-    target = torch.tensor([t for i in packed.members for t in encoded[i].targets], device=logits.device)
+    rows_at = torch.tensor([row for row, at in packed.picks for _ in at], device=device)
+    cols_at = torch.tensor([x for _, at in packed.picks for x in at], device=device)
+    target = torch.tensor([t for i in packed.members for t in encoded[i].targets], device=device)
     owner = torch.tensor([m for m, (_, at) in enumerate(packed.picks) for _ in at])
-    scores = logits[rows_at, cols_at].float().log_softmax(-1)
+    with autocast():
+        # the head on the scored positions only (a context's logits are never read); a fixed shape
+        # (a compiled model) keeps the full head: the positions' count changes with every batch
+        if shape is None and _scores_positions(model):
+            picked = model(**packed.model_kwargs(device, mask_kind), score_at=(rows_at, cols_at))
+        else:
+            picked = model(**packed.model_kwargs(device, mask_kind)).logits[rows_at, cols_at]
+    scores = picked.float().log_softmax(-1)
     token_ll = scores.gather(1, target[:, None])[:, 0].cpu()
     # fp32 sums per request, as HFLM adds its fp32 log-probs
     sums = torch.zeros(len(packed.members), dtype=torch.float32).index_add_(0, owner, token_ll)
     return packed.members, sums.double()
+
+
+def _scores_positions(model) -> bool:
+    """Whether the model (under DDP's `module` or torch.compile's `_orig_mod`) takes `score_at`."""
+    for _ in range(4):
+        if getattr(type(model), "scores_positions", False):
+            return True
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if model is None:
+            return False
+    return False
 
 
 def mask_kind_of(model) -> str | None:
