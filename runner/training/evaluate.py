@@ -4,7 +4,7 @@ Owns which validation samples are scored (the first `samples_per_domain` windows
 domain's validation pool, clipped to what exists: the same ones at every evaluation) and the
 bits-per-byte arithmetic (summed loss / ln 2 / UTF-8 bytes of the target tokens). Work is split
 across ranks and summed; every rank runs the same number of forwards. Runs eager even when the
-model is compiled (see `_eager`). Never changes the model's weights or any RNG state.
+model is compiled (see `eager_forwards`). Never changes the model's weights or any RNG state.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 
 
-def _eager() -> contextlib.AbstractContextManager:
-    """Compiled code runs as its eager Python: evaluation under torch.compile would trace an eval graph
-    (model.eval() fails the training graphs' guards) and recompile for every new validation batch size
-    (a domain's last, short micro batch; a dynamic-shape graph after the second size), seconds to
-    minutes each on a GPU, for forwards that are a small share of a run. torch < 2.6 has no stance."""
+def eager_forwards() -> contextlib.AbstractContextManager:
+    """Compiled code runs as its eager Python (validation, downstream scoring, samples): evaluation
+    under torch.compile would trace an eval graph (model.eval() fails the training graphs' guards)
+    and recompile for every new batch size or signature (a domain's last, short micro batch; a
+    packed row's 4D mask; the head on scored positions), seconds to minutes each on a GPU, for
+    forwards that are a small share of a run. torch < 2.6 has no stance."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
@@ -28,7 +29,7 @@ def _eager() -> contextlib.AbstractContextManager:
 @torch.no_grad()
 def evaluate(model, data, acc, micro_batch: int, step: int, exposure_tokens: int) -> list[dict]:
     """One row per domain: {step, exposure_tokens, domain, loss_nats, bpb, samples, tokens}."""
-    with _eager():
+    with eager_forwards():
         return _evaluate(model, data, acc, micro_batch, step, exposure_tokens)
 
 

@@ -17,7 +17,7 @@ import torch
 from runner.data.tokenizer import load_tokenizer
 from runner.training.accelerator import attention_context
 from runner.training.callbacks import Callback
-from runner.training.evaluate import _eager
+from runner.training.evaluate import eager_forwards
 
 
 @torch.no_grad()
@@ -27,7 +27,7 @@ def greedy(model, acc, prompt_ids: list[int], max_new_tokens: int, eos_id: int |
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=acc.device)
     was_training = model.training
     model.eval()
-    with _eager():
+    with eager_forwards():
         for _ in range(max_new_tokens):
             with acc.autocast():
                 logits = model(input_ids=ids).logits[:, -1]

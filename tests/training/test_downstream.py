@@ -264,8 +264,6 @@ def test_batched_scoring_equals_one_request_per_forward(tokenizer, tiny_model):
         lls, forwards = loglikelihoods(tiny_model, encoded, micro, share=False)
         assert forwards == math.ceil(len(encoded) / micro)
         assert np.allclose(lls, alone, rtol=1e-6, atol=1e-4)
-    fixed, _ = loglikelihoods(tiny_model, encoded, 4, fixed_shape=True, share=False)
-    assert np.allclose(fixed, alone, rtol=1e-6, atol=1e-4)
     plan = batches(encoded, 4, share=False)
     assert [sum(len(r.members) for r in b) for b in plan] == [4, 2]
     widths = [len(encoded[i].inputs) for b in plan for r in b for i in r.members]
@@ -287,8 +285,6 @@ def test_a_context_is_computed_once_for_its_choices(tokenizer, tiny_model):
     assert all(len(r.members) == 4 for b in plan for r in b)  # four choices of one context per row
     assert sum(r.width(encoded) for b in plan for r in b) < sum(len(e.inputs) for e in encoded) * 0.5
     assert loglikelihoods(tiny_model, encoded, 1, share=True)[1] == 4  # one row per forward, not one choice
-    fixed, _ = loglikelihoods(tiny_model, encoded, 8, fixed_shape=True, share=True)
-    assert np.allclose(fixed, alone, rtol=1e-6, atol=1e-4)
     # PIQA: two choices per context; the builtin task's choices are contexts (nothing shared)
     piqa = Encoder(tokenizer, 512).encode_task(olmes_task("piqa_rc_0shot", limit=3))
     assert [len(r.members) for b in batches(piqa, 64) for r in b] == [2, 2, 2]
@@ -313,14 +309,6 @@ def test_the_runners_model_computes_the_head_on_the_scored_positions_only(tokeni
     reference, _ = loglikelihoods(tiny_model, encoded, 4, share=True)
     assert np.allclose(lls, reference, rtol=1e-6, atol=1e-5)
     assert len(rows_seen) == forwards and sum(rows_seen) == sum(len(e.targets) for e in encoded)
-    # a fixed shape (a compiled model) keeps the whole head: the scored positions vary per batch
-    rows_seen.clear()
-    hook = runner_model.lm_head.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[:-1]))
-    try:
-        fixed, _ = loglikelihoods(runner_model, encoded, 4, share=True, fixed_shape=True)
-    finally:
-        hook.remove()
-    assert np.allclose(fixed, reference, rtol=1e-6, atol=1e-5) and all(len(shape) == 2 for shape in rows_seen)
 
 
 def test_sharing_follows_the_attention_implementation(tokenizer, tiny_model):

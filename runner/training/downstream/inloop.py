@@ -62,7 +62,6 @@ def at_step(run: Any, committed: int) -> None:
         world=acc.num_processes,
         autocast=acc.autocast,
         all_reduce=_summed(acc.device) if acc.num_processes > 1 else None,
-        fixed_shape=bool(run.cfg.model.compile),  # one shape: a compiled model is not recompiled per batch
     )
     run.eval_seconds["downstream_seconds"] += scored.t_eval_seconds  # run.json's t_eval (records.EvalTimes)
     if not run.main:

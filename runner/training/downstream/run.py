@@ -112,7 +112,6 @@ def score(
     world: int = 1,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    fixed_shape: bool = False,
 ) -> Scored:
     """Every task's requests in one batched pass; the rows and the per-request log-likelihoods."""
     t0 = time.perf_counter()
@@ -126,7 +125,6 @@ def score(
         world=world,
         autocast=autocast,
         all_reduce=all_reduce,
-        fixed_shape=fixed_shape,
     )
     t_eval = time.perf_counter() - t0
     rows, requests, per_task, pos = [], [], {}, 0

@@ -23,6 +23,7 @@ import torch
 
 from runner.training.downstream.encode import Encoded
 from runner.training.downstream.rows import SHARING_ATTENTION, Row, batches, rows
+from runner.training.evaluate import eager_forwards
 
 __all__ = ["SHARING_ATTENTION", "Packed", "Row", "batches", "loglikelihoods", "mask_kind_of", "pack", "rows"]
 
@@ -50,13 +51,11 @@ class Packed:
         return kwargs
 
 
-def pack(
-    encoded: Sequence[Encoded], batch: list[Row], shape: tuple[int, int] | None = None, masked: bool = False
-) -> Packed:
-    """The batch's rows padded on the right to `shape` (rows, width), else to its own; with a mask
-    where a row holds several requests, or always with `masked` (one graph for a compiled model)."""
-    height, width = shape or (len(batch), max(r.width(encoded) for r in batch))
-    ids = [[0] * width for _ in range(height)]  # rows past the batch (a fixed shape's padding) are never read
+def pack(encoded: Sequence[Encoded], batch: list[Row]) -> Packed:
+    """The batch's rows padded on the right to its widest; with a mask where a row holds several
+    requests."""
+    height, width = len(batch), max(r.width(encoded) for r in batch)
+    ids = [[0] * width for _ in range(height)]
     positions = [[0] * width for _ in range(height)]
     segments = [[-1] * width for _ in range(height)]  # 0: the row's context, j: its j-th request, -1: padding
     picks, members = [], []
@@ -73,7 +72,7 @@ def pack(
             picks.append((b, [p - 1, *range(at, at + n)]))
             members.append(i)
             at += n
-    if not (masked or any(len(r.members) > 1 for r in batch)):
+    if not any(len(r.members) > 1 for r in batch):
         return Packed(torch.tensor(ids), None, None, picks, members)  # one request per row: causal alone
     seg = torch.tensor(segments)
     q, k = seg[:, :, None], seg[:, None, :]
@@ -84,19 +83,17 @@ def pack(
     return Packed(torch.tensor(ids), torch.tensor(positions), allowed, picks, members)
 
 
-def _forward(model, encoded: Sequence[Encoded], batch: list[Row], device, autocast, shape, mask_kind) -> tuple:
-    """(request indices, the fp64 copy of each one's fp32 log-likelihood sum in nats). `shape`
-    (rows, width) pads every forward to one shape (a compiled model then compiles once)."""
-    packed = pack(encoded, batch, shape, masked=shape is not None and mask_kind is not None)
+def _forward(model, encoded: Sequence[Encoded], batch: list[Row], device, autocast, mask_kind) -> tuple:
+    """(request indices, the fp64 copy of each one's fp32 log-likelihood sum in nats)."""
+    packed = pack(encoded, batch)
     # every request's target positions in one index: (row, position), its target token, its request
     rows_at = torch.tensor([row for row, at in packed.picks for _ in at], device=device)
     cols_at = torch.tensor([x for _, at in packed.picks for x in at], device=device)
     target = torch.tensor([t for i in packed.members for t in encoded[i].targets], device=device)
     owner = torch.tensor([m for m, (_, at) in enumerate(packed.picks) for _ in at])
     with autocast():
-        # the head on the scored positions only (a context's logits are never read); a fixed shape
-        # (a compiled model) keeps the full head: the positions' count changes with every batch
-        if shape is None and _scores_positions(model):
+        # the head on the scored positions only (a context's logits are never read)
+        if _scores_positions(model):
             picked = model(**packed.model_kwargs(device, mask_kind), score_at=(rows_at, cols_at))
         else:
             picked = model(**packed.model_kwargs(device, mask_kind)).logits[rows_at, cols_at]
@@ -136,12 +133,11 @@ def loglikelihoods(
     world: int = 1,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    fixed_shape: bool = False,
     share: bool | None = None,
 ) -> tuple[list[float], int]:
     """Each request's `ll` (nats) and the number of forwards this rank ran. Under several ranks
-    `all_reduce` sums a float64 tensor over them (required when world > 1). `fixed_shape` pads
-    every forward to (micro_batch, widest row), for a compiled model: no recompilation per shape.
+    `all_reduce` sums a float64 tensor over them (required when world > 1). A compiled model's
+    forwards run eager (evaluate.eager_forwards): nothing is traced, whatever the batch's shape.
     `share` packs the choices of one context in one row (None: where the model's attention takes a
     custom mask, mask_kind_of)."""
     mask_kind = mask_kind_of(model)
@@ -149,19 +145,18 @@ def loglikelihoods(
     if share and mask_kind is None:
         raise ValueError("sharing a context needs an attention implementation that takes a 4D mask (sdpa, eager)")
     plan = batches(encoded, micro_batch, share)
-    widest = max((r.width(encoded) for b in plan for r in b), default=1)
-    shape = (micro_batch, widest) if fixed_shape else None
     mine = plan[rank::world]
     forwards = math.ceil(len(plan) / world)
     out = torch.zeros(len(encoded), dtype=torch.float64)
     was_training = model.training
     model.eval()
     try:
-        for n in range(forwards):
-            batch = mine[n] if n < len(mine) else plan[0]
-            idx, sums = _forward(model, encoded, batch, device, autocast, shape, mask_kind if share else None)
-            if n < len(mine):
-                out[torch.as_tensor(idx)] = sums
+        with eager_forwards():
+            for n in range(forwards):
+                batch = mine[n] if n < len(mine) else plan[0]
+                idx, sums = _forward(model, encoded, batch, device, autocast, mask_kind if share else None)
+                if n < len(mine):
+                    out[torch.as_tensor(idx)] = sums
     finally:
         if was_training:
             model.train()
