@@ -65,19 +65,26 @@ def _record_without_metric(convention: str) -> str:
     return json.dumps(record, sort_keys=True)
 
 
+def numbered_records(conventions) -> tuple[list[int], list[str]]:
+    """Each figure's record number (from 1) and the distinct records, each without its metric (the
+    figure's row names it): report.md's and the model card's list under their tables."""
+    records: list[str] = []
+    numbers = []
+    for convention in conventions:
+        record = _record_without_metric(convention)
+        if record not in records:
+            records.append(record)
+        numbers.append(records.index(record) + 1)
+    return numbers, records
+
+
 def markdown(tables: dict[str, pd.DataFrame], md_table: Callable[[pd.DataFrame], str]) -> list[str]:
     """report.md's "Downstream tasks" section; [] when the run scored no task."""
     table = tables.get("downstream")
     if table is None or table.empty:
         return []
     shown = latest(table)
-    records: list[str] = []
-    numbers = []
-    for convention in shown["convention"]:
-        record = _record_without_metric(convention)
-        if record not in records:
-            records.append(record)
-        numbers.append(records.index(record) + 1)
+    numbers, records = numbered_records(shown["convention"])
     shown = shown.assign(n=shown["documents"], record=numbers)
     cols = ["source", "step", "exposure_tokens", "task", "metric", "value", "n", "random_baseline", "record"]
     lines = [

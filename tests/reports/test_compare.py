@@ -93,6 +93,11 @@ def test_mfu_under_different_conventions_is_shown_but_marked_not_comparable(tmp_
         "fixture/a": "6N+attn",
         "fixture/b": "6N",
     }
+    # the step's clock is part of the convention too (a report written under runner-report/3 reads host)
+    _edit_run(b, conventions={"flops_formula": "6N+attn", "step_clock": "device"})
+    clocks = _json(cli, a, b)
+    assert clocks["mfu_comparable"] is False
+    assert clocks["mfu_convention_differences"] == ["step_clock: host (fixture/a) vs device (fixture/b)"]
 
 
 def read_tables_of(run: Path) -> dict:
