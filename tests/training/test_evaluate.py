@@ -27,13 +27,7 @@ def test_evaluation_after_compiled_training_compiles_nothing(tmp_path):
     torch.manual_seed(0)
     model = build_model(cfg)
     eager_rows = evaluate.evaluate(model, data, _CPU, 3, 0, 0)
-    counter = CompileCounter()  # a torch.compile backend that counts the graphs dynamo hands it
-    maybe_compile(model, cfg, backend=counter)
-    model.train()
-    x = torch.randint(1, 4096, (cfg.train.micro_batch_sequences, cfg.train.seq_len))
-    model(input_ids=x, loss_targets=x, loss_mask=torch.ones_like(x, dtype=torch.bool)).backward()
-    compiled = counter.frame_count
-    assert compiled >= 1
+    counter, compiled = _compiled_and_trained(model, cfg)
     # 8 validation samples per domain in micro batches of 3: sizes 3, 3, 2 (new shapes), in eval mode
     rows = evaluate.evaluate(model, data, _CPU, 3, 1, 0)
     assert counter.frame_count == compiled
@@ -52,17 +46,23 @@ def test_downstream_scoring_after_compiled_training_compiles_nothing(tmp_path, s
     torch.manual_seed(0)
     model = build_model(cfg)
     eager = score(model, prepared, step=0, exposure_tokens=0, micro_batch=4, dtype="float32")
+    counter, compiled = _compiled_and_trained(model, cfg)
+    scored = score(model, prepared, step=1, exposure_tokens=0, micro_batch=4, dtype="float32")
+    assert counter.frame_count == compiled
+    assert model.training
+    assert [r["ll"] for r in scored.requests] == [r["ll"] for r in eager.requests]
+
+
+def _compiled_and_trained(model, cfg):
+    """The model compiled in place as the recipe says and one training step run: the graph counter
+    (a torch.compile backend that counts the graphs dynamo hands it) and the graphs it holds."""
     counter = CompileCounter()
     maybe_compile(model, cfg, backend=counter)
     model.train()
     x = torch.randint(1, 4096, (cfg.train.micro_batch_sequences, cfg.train.seq_len))
     model(input_ids=x, loss_targets=x, loss_mask=torch.ones_like(x, dtype=torch.bool)).backward()
-    compiled = counter.frame_count
-    assert compiled >= 1
-    scored = score(model, prepared, step=1, exposure_tokens=0, micro_batch=4, dtype="float32")
-    assert counter.frame_count == compiled
-    assert model.training
-    assert [r["ll"] for r in scored.requests] == [r["ll"] for r in eager.requests]
+    assert counter.frame_count >= 1
+    return counter, counter.frame_count
 
 
 _CPU = SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cpu"), autocast=contextlib.nullcontext)
