@@ -222,12 +222,17 @@ def _runner_lines(figures: dict, bench: dict | None, failures: list[str], check:
         if smoke and smoke.get("tokens_per_second"):
             # same model, settings, FLOPs per token and peak: the MFU ratio is the tokens/s ratio
             ratio = figures["tokens_per_second"] / smoke["tokens_per_second"]
-            verdict = "within" if abs(ratio - 1) <= RUNNER_WITHIN else "NOT within"
             line += (
                 f"; bench `{smoke['variant']}` {smoke['tokens_per_second']:,.0f} tok/s, MFU {_pct(smoke['mfu'])}: "
-                f"runner / bench {ratio:.3f}, {verdict} 3%"
+                f"runner / bench {ratio:.3f}"
             )
-            if verdict != "within":
+            if check.get("cpu_tiny") in (1, True, "1"):
+                # --cpu-tiny: a shared CPU and a bench of a few timed steps; the 3% check is a device's
+                line += " (a CPU stand-in: not checked against the 3% bound)"
+            elif abs(ratio - 1) <= RUNNER_WITHIN:
+                line += ", within 3%"
+            else:
+                line += ", NOT within 3%"
                 failures.append(f"runner {figures['tokens_per_second']:,.0f} tok/s vs bench (ratio {ratio:.3f})")
         lines.append(line + ".")
     if run.get("mfu") is not None:

@@ -231,3 +231,21 @@ def test_a_bench_killed_at_its_cap_leaves_its_rows_and_the_table_reads_them(tmp_
     text = (out / "table.md").read_text()
     assert f"partial: the bench stopped after {len(result['rows'])} rows" in text
     assert all(f"| {r['variant']} |" in text for r in result["rows"])
+
+
+@pytest.mark.parametrize("cpu_tiny", [0, 1])
+def test_the_runner_against_bench_bound_is_a_device_check_not_a_cpu_one(cpu_tiny):
+    """Off by 20%: a failure on a device; on the --cpu-tiny stand-in (a few timed steps on a shared
+    CPU) the ratio is shown and said to be unchecked, never listed under "What failed"."""
+    spec = importlib.util.spec_from_file_location("device_table", ROOT / "bench" / "device_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    figures = {"mfu": 0.4, "steady_steps": 5, "tokens_per_second": 800.0, "step_seconds": 1.0, "data_wait_seconds": 0}
+    bench = {"rows": [{"shape": "smoke", "status": "ok", "variant": "smoke", "tokens_per_second": 1000.0, "mfu": 0.5}]}
+    failures: list[str] = []
+    text = "\n".join(table._runner_lines(figures, bench, failures, {"cpu_tiny": cpu_tiny}))
+    assert "runner / bench 0.800" in text
+    if cpu_tiny:
+        assert failures == [] and "not checked against the 3% bound" in text
+    else:
+        assert failures == ["runner 800 tok/s vs bench (ratio 0.800)"] and "NOT within 3%" in text
