@@ -691,6 +691,12 @@ def _format_time(plan: Mapping[str, Any], out: list[str]) -> None:
     costs = (f"{b['cost_usd']:,.0f}" if b["cost_usd"] >= 100 else f"{b['cost_usd']:.2f}" for _, b in cols)
     _row(out, "cost (USD)", *costs)
     out.append(f"  assumed MFU: {t['assumed']['mfu_rule']} ({t['assumed']['mfu_source']})")
+    if t["measured"] and plan.get("calibration"):
+        cal = plan["calibration"]
+        out.append(
+            f"  measured MFU: the median step's tokens/s of {cal['run_dir']} ({cal['steps']} steps, the first left out "
+            "as warm-up); its overheads: the run's wall clock over its summed step time"
+        )
     if plan.get("calibration") and plan["calibration"].get("note"):
         out.append(f"  calibration: {plan['calibration']['note']}")
     if t["measured"] and t["measured"].get("mfu_carried_note"):

@@ -234,7 +234,10 @@ def test_calibration_replaces_assumptions(tmp_path):
     m = plan["time"]["measured"]
     assert m["pure_hours"] == pytest.approx(16 * 128 * 100 / 1000 / 3600)
     assert m["wall_hours"] == pytest.approx(m["pure_hours"] * 1.25, rel=1e-4)
-    assert "measured" in format_plan(plan)
+    text = format_plan(plan)
+    assert "measured" in text
+    # what "measured MFU" is: the median step (not the whole run's wall clock, which is the overheads)
+    assert f"measured MFU: the median step's tokens/s of {tmp_path / 'run'} (4 steps, the first left out" in text
 
 
 def test_calibration_from_another_model_carries_its_mfu(tmp_path):
