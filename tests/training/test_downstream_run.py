@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -413,6 +414,92 @@ def test_recompute_eval_rescores_the_loop_requests_from_the_checkpoints(scored_r
     shutil.rmtree(run / "checkpoints/step-0000004")
     check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
     assert check.status == "UNVERIFIED" and "no checkpoint that verifies at a scored step (2, 4)" in check.detail
+
+
+#: damaged per-request files (loop step 4's): the audit's line for each
+DAMAGED = {
+    "cut": (lambda b: b[:-20], "not a whole gzip jsonl file (EOFError"),
+    "not gzip": (lambda b: gzip.decompress(b), "not a whole gzip jsonl file (BadGzipFile"),
+    "not json": (lambda b: gzip.compress(b"{not json\n"), "line 1 is not JSON"),
+    "no ll": (
+        lambda b: gzip.compress(
+            "".join(
+                json.dumps({k: v for k, v in r.items() if k != "ll"}) + "\n"
+                for r in map(json.loads, gzip.decompress(b).splitlines())
+            ).encode()
+        ),
+        "line 1 lacks ll",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", sorted(DAMAGED))
+def test_a_damaged_request_file_is_a_failed_check_naming_it(scored_run, tmp_path, damage):
+    import shutil
+
+    from runner.reports.downstream_audit import NAME, audit_checks, check_run
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))
+    path = run / "downstream/requests-loop-step-0000004.jsonl.gz"
+    change, message = DAMAGED[damage]
+    path.write_bytes(change(path.read_bytes()))
+    want = f"loop step 4: {path}: {message}"
+    assert any(want in p for p in check_run(run)), check_run(run)
+    checks = {name: problems for name, problems, _ in audit_checks(run)}
+    assert any(want in p for p in checks[NAME]), checks[NAME]
+
+
+@pytest.mark.slow
+def test_a_malformed_downstream_row_or_record_is_one_line_naming_the_file_and_column(scored_run, tmp_path):
+    import shutil
+
+    from runner.errors import RunnerError
+    from runner.reports.audit import audit
+    from runner.reports.downstream_table import downstream_table
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))
+    loop_file = run / "metrics/downstream.jsonl"
+    honest = loop_file.read_text()
+    rows = [json.loads(line) for line in honest.splitlines()]
+    acc = next(i for i, r in enumerate(rows) if r["metric"] == "acc")
+    for edit, message in (
+        ({"value": "high"}, "value: not float64"),
+        ({"value": 1.5}, "value: fails accuracies in [0, 1], centered <= 1, bpb > 0 (the row of step 2, task"),
+        ({"documents": 0}, "documents: 0 fails greater_than_or_equal_to(1)"),
+        ({"convention": "{"}, "convention: fails the convention record names the metric"),
+        ({"useful_tokens": "many"}, "useful_tokens must be an integer, got 'many'"),
+        ({"step": "two"}, "step must be an integer and task, metric strings, got 'two'"),
+    ):
+        edited = [dict(r, **edit) if i == acc else r for i, r in enumerate(rows)]
+        loop_file.write_text("".join(json.dumps(r) + "\n" for r in edited))
+        with pytest.raises(RunnerError) as e:
+            downstream_table(run)
+        assert str(e.value).startswith(f"{loop_file}: ") and message in str(e.value), str(e.value)
+        assert len(str(e.value).splitlines()) == 1
+    # runner report: exit 2, one line; the audit: a failed check naming the file and column, no traceback
+    proc = run_in_process(scored_run, ["report", str(run)], env(scored_run))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "step must be an integer" in proc.stderr
+    result = audit(run, check_mlflow=False)
+    schema = next(c for c in result.checks if c.name == "downstream table schema")
+    assert schema.status == "FAIL" and "metrics/downstream.jsonl: row " in schema.detail, schema
+    assert result.verdict == "FAIL"
+    loop_file.write_text(honest)
+    # a runner eval record whose rows are not figures, or whose request file is elsewhere
+    record = run / "downstream/eval-step-0000004.json"
+    for body, message in (
+        ({"rows": [1], "requests_file": "requests-eval-step-0000004.jsonl.gz"}, "rows: must be a list of JSON objects"),
+        ({"rows": [], "requests_file": "../../run.json"}, "requests_file: must name the per-request file beside it"),
+        ([1, 2], "a runner eval record must be a JSON object"),
+    ):
+        record.write_text(
+            json.dumps(body if isinstance(body, list) else {"step": 4, "checkpoint": "step-0000004", **body})
+        )
+        with pytest.raises(RunnerError, match=rf"eval-step-0000004.json: {re.escape(message)}"):
+            downstream_table(run)
 
 
 def _bracket_by_hand(rows: list[dict], task: str, metric: str, at_least: float) -> dict[str, int]:
