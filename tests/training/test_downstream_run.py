@@ -389,27 +389,104 @@ def test_a_report_written_before_the_downstream_table_reads_it_as_empty(tmp_path
     assert "downstream.parquet" in missing_report_files(report, ["code", "legal", "prose"])
 
 
-@pytest.mark.slow
-def test_recompute_eval_rescores_the_loop_requests_from_the_checkpoints(scored_run, tmp_path):
-    import shutil
-
-    from runner.reports.audit import audit
-    from runner.reports.audit_downstream_eval import NAME
-
-    run = tmp_path / "run"
-    shutil.copytree(scored_run / "run", run)
-    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
-    assert check.status == "PASS" and check.detail.startswith("steps 2, 4 within 1e-4 + 1e-6 |ll|"), check
-    # one request's recorded log-likelihood moved by 1e-3: the rescoring names it
-    path = run / "downstream/requests-loop-step-0000004.jsonl.gz"
+def _read_gz(path: Path) -> list[dict]:
     with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    rows[5]["ll"] -= 1e-3
+        return [json.loads(line) for line in f]
+
+
+def _write_gz(path: Path, rows: list[dict]) -> None:
     with gzip.open(path, "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _forge_eval_scoring(record_path: Path, edit) -> list[dict]:
+    """What a careful forger does to a `runner eval` scoring: its request file edited (`edit(rows)`),
+    then every figure of its record (centered forms and the aggregate too) recomputed from it with
+    the audit's own arithmetic, so that the two files agree. Returns the edited request rows."""
+    from runner.reports.downstream_audit import _centered, recompute
+
+    record = json.loads(record_path.read_text())
+    path = record_path.parent / record["requests_file"]
+    requests = _read_gz(path)
+    edit(requests)
+    _write_gz(path, requests)
+    got = recompute(requests)
+    baselines = {r["task"]: r["random_baseline"] for r in record["rows"] if r["random_baseline"] is not None}
+    for r in record["rows"]:
+        if r["task"] == "aggregate":
+            parts = json.loads(r["convention"])["tasks"].items()
+            r["value"] = sum(_centered(got[t][m.removeprefix("centered_")], baselines[t]) for t, m in parts) / len(
+                parts
+            )
+        elif r["metric"].startswith("centered_"):
+            r["value"] = _centered(got[r["task"]][r["metric"].removeprefix("centered_")], r["random_baseline"])
+        else:
+            r["value"] = got[r["task"]][r["metric"]]
+    record_path.write_text(json.dumps(record))
+    return requests
+
+
+@pytest.mark.slow
+def test_recompute_eval_rescores_the_loop_and_runner_eval_requests_from_the_checkpoints(scored_run, tmp_path):
+    import shutil
+
+    from runner.reports.audit import audit, load_input
+    from runner.reports.audit_downstream_eval import NAME, check_recomputed_downstream
+    from runner.reports.audit_result import AuditResult
+    from runner.reports.downstream_audit import check_run
+    from runner.training.downstream.posthoc import run_eval
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))  # whatever ran before
+    record = run_eval(run, ["builtin"], limit=2, say=lambda *a: None)  # a runner eval scoring at step 4
+    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
+    assert check.status == "PASS", check
+    assert check.detail.startswith(
+        "loop steps 2, 4; runner eval eval-step-0000004.json: every request record equal (gold, choices, tokens, "
+        "characters), ll within 1e-4 + 1e-6 |ll|"
+    ), check
+    # one request's recorded log-likelihood moved by 1e-3: the rescoring names it
+    path = run / "downstream/requests-loop-step-0000004.jsonl.gz"
+    honest = path.read_bytes()
+    rows = _read_gz(path)
+    rows[5]["ll"] -= 1e-3
+    _write_gz(path, rows)
     check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
     want = f"step 4: {rows[5]['task']} document {rows[5]['doc_id']} choice {rows[5]['choice']}: recorded ll"
     assert check.status == "FAIL" and want in check.detail
+    path.write_bytes(honest)
+
+    # A runner eval scoring forged consistently: one document's wrong choice made the likeliest (its ll
+    # above the gold's), another request's token count changed; the record's figures recomputed from
+    # the edited requests. Its arithmetic holds; its rescoring names both requests and the step.
+    edited: dict[str, dict] = {}
+
+    def edit(requests: list[dict]) -> None:
+        wrong = edited["ll"] = next(r for r in requests if r["choice"] != r["gold"])
+        gold = next(r for r in requests if r["doc_id"] == wrong["doc_id"] and r["choice"] == r["gold"])
+        wrong["ll"] = gold["ll"] + 5.0
+        requests[-1]["tokens"] += 1
+
+    forged = _forge_eval_scoring(record, edit)
+    assert check_run(run) == []
+    result = audit(run, check_mlflow=False, recompute_eval=True)
+    check = next(c for c in result.checks if c.name == NAME)
+    wrong = edited["ll"]
+    where = "runner eval step 4 (eval-step-0000004.json): builtin document"
+    assert check.status == "FAIL" and result.verdict == "FAIL", check
+    assert f"{where} {wrong['doc_id']} choice {wrong['choice']}: recorded ll " in check.detail, check.detail
+    last = forged[-1]
+    assert (
+        f"{where} {last['doc_id']} choice {last['choice']}: recorded tokens {last['tokens']}, rescored " in check.detail
+    )
+    # its request file cut short: a failed check naming the file, not a crash
+    requests = run / "downstream/requests-eval-step-0000004.jsonl.gz"
+    requests.write_bytes(requests.read_bytes()[:-20])
+    res = AuditResult("x")
+    check_recomputed_downstream(res, load_input(run))
+    assert res.checks[0].status == "FAIL", res.checks
+    assert "requests-eval-step-0000004.jsonl.gz: not a whole gzip jsonl file (EOFError" in res.checks[0].detail
+
     shutil.rmtree(run / "checkpoints/step-0000002")  # a pruned checkpoint is named, not failed
     shutil.rmtree(run / "checkpoints/step-0000004")
     check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
@@ -438,6 +515,9 @@ DAMAGED = {
 def test_a_damaged_request_file_is_a_failed_check_naming_it(scored_run, tmp_path, damage):
     import shutil
 
+    from runner.reports.audit import load_input
+    from runner.reports.audit_downstream_eval import check_recomputed_downstream
+    from runner.reports.audit_result import AuditResult
     from runner.reports.downstream_audit import NAME, audit_checks, check_run
 
     run = tmp_path / "run"
@@ -449,6 +529,9 @@ def test_a_damaged_request_file_is_a_failed_check_naming_it(scored_run, tmp_path
     assert any(want in p for p in check_run(run)), check_run(run)
     checks = {name: problems for name, problems, _ in audit_checks(run)}
     assert any(want in p for p in checks[NAME]), checks[NAME]
+    res = AuditResult("x")
+    check_recomputed_downstream(res, load_input(run))  # the rescoring reads it too
+    assert res.checks[0].status == "FAIL" and f"step 4: {path}: {message}" in res.checks[0].detail, res.checks
 
 
 @pytest.mark.slow
