@@ -1,6 +1,7 @@
 """CLI for downstream tasks: `runner eval RUN_OR_CHECKPOINT [--tasks ...]`.
 
-Owns the verb's arguments only; scoring and what it writes are runner.training.downstream.posthoc's.
+Owns the verb's arguments only; scoring and what it writes are runner.training.downstream.posthoc's,
+the MLflow evidence vouching for the scoring runner.reports.evidence's.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from runner.errors import EXIT_OK
 
 
 def _eval(args) -> int:
+    from runner.reports.evidence import vouch_for_runner_eval
     from runner.training.downstream.posthoc import run_eval
 
     names = [n for part in args.tasks for n in part.split(",") if n] if args.tasks else None
-    run_eval(Path(args.target), names, args.micro_batch, args.limit)
+    record = run_eval(Path(args.target), names, args.micro_batch, args.limit)
+    print(vouch_for_runner_eval(record.parents[1], record))
     return EXIT_OK
 
 

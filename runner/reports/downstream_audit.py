@@ -270,13 +270,53 @@ def audit_checks(run_dir: Path | None, table: pd.DataFrame | None = None) -> lis
     except RunnerError as err:  # a malformed row or record, named with its file and column
         return [("downstream table schema", [str(err).splitlines()[0]], "")]
     problems = check_run(run_dir)
-    scorings = recorded.groupby(["source", "step", "t_eval_seconds"]).ngroups
+    counts = recorded.groupby("source")[["step", "t_eval_seconds"]].apply(lambda g: len(g.drop_duplicates()))
+    said = ", ".join(f"{source}: {n}" for source, n in counts.items())
+    checked = (
+        f"{len(recorded)} figures of {int(counts.sum())} scorings ({said}) are the arithmetic of their request "
+        "files' log-likelihoods (the log-likelihoods themselves are rescored by --recompute-eval)"
+    )
     out: list[tuple[str, list[str] | None, str]] = [
         ("downstream table schema", [], f"{len(recorded)} figures"),
-        (NAME, problems, f"{len(recorded)} figures of {scorings} scorings agree with their request files"),
+        (NAME, problems, checked),
     ]
     if table is not None:
         later = len(later_scorings(table, recorded))
         note = f"; {later} runner eval figures scored after the report (rebuild it: runner report RUN)" if later else ""
         out.append((TABLE, table_differences(table, recorded), f"{len(table)} figures{note}"))
     return out
+
+
+EVAL_FIGURES = "runner eval figures vouched for"
+
+
+def runner_eval_check(table: pd.DataFrame | None, evidence_passed: bool) -> tuple[str, bool, str] | None:
+    """(EVAL_FIGURES, vouched, detail) for the `runner eval` figures of `table` (the report's) when
+    they were not rescored; None when it holds none. A runner eval scoring is recorded nowhere but
+    its own two files, which an edit rewrites together (check_run only finds them consistent): its
+    figures are vouched for where MLflow's evidence holds the table's hash with them (runner eval
+    logs it: runner.reports.evidence.vouch_for_runner_eval), else only by rescoring."""
+    if table is None or table.empty:
+        return None
+    mine = table[table["source"] == "runner eval"]
+    if mine.empty:
+        return None
+    n, steps = len(mine[["step", "t_eval_seconds"]].drop_duplicates()), sorted(set(mine["step"]))
+    said = (
+        f"{len(mine)} figures of {n} runner eval scoring{'s' if n > 1 else ''} "
+        f"(step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))})"
+    )
+    if evidence_passed:
+        return (
+            EVAL_FIGURES,
+            True,
+            f"{said}: the table with them is the one runner eval logged to MLflow's evidence; their "
+            "log-likelihoods were not rescored (`runner audit --recompute-eval` rescores them)",
+        )
+    return (
+        EVAL_FIGURES,
+        False,
+        f"{said}: only their arithmetic was checked, against request files an edit rewrites with them, and "
+        "MLflow's evidence does not vouch for them here: run `runner audit --recompute-eval` on the run folder "
+        "to rescore them from their checkpoints",
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -154,9 +155,11 @@ def _frame(rows: list[dict], file: Path | None) -> pd.DataFrame:
         raise RunnerError(_schema_problem(err, df), file=str(file) if file else None) from None
 
 
-def downstream_table(run_dir: str | Path) -> pd.DataFrame:
-    """Every downstream figure of the run, validated (RunnerError naming the file and column of a bad one)."""
+def downstream_table(run_dir: str | Path, exclude: Collection[Path] = ()) -> pd.DataFrame:
+    """Every downstream figure of the run, validated (RunnerError naming the file and column of a bad
+    one); without the `runner eval` records in `exclude` (the table as it stood before them)."""
     run_dir = Path(run_dir)
+    skipped = {Path(p).name for p in exclude}
     loop_file = run_dir / "metrics" / "downstream.jsonl"
     loop = loop_rows(loop_file) if loop_file.exists() else []
     latest = {(r["step"], r["task"], r["metric"]): r for r in loop}
@@ -169,6 +172,8 @@ def downstream_table(run_dir: str | Path) -> pd.DataFrame:
 
     frames = [_frame([_row(r, "loop", loop_file, useful_by_step) for r in latest.values()], loop_file)]
     for path in sorted((run_dir / "downstream").glob("eval-step-*.json")):
+        if path.name in skipped:
+            continue
         rows = read_eval_record(path)["rows"]
         frames.append(_frame([_row(r, "runner eval", path, useful_by_step) for r in rows], path))
     frames = [f for f in frames if len(f)] or frames[:1]  # each typed and validated, the empty one too

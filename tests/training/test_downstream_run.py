@@ -106,6 +106,9 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
     train_rows = (run / "metrics/downstream.jsonl").read_text()
     proc = run_in_process(scored_run, ["eval", str(run)], env(scored_run))
     assert proc.returncode == 0, proc.stderr
+    assert (
+        "evidence: MLflow run " in proc.stdout and "evidence.runner_eval.step-0000004.downstream.sha256" in proc.stdout
+    )
     assert {p: sha256_file(p) for p in lineage} == before
     assert (run / "metrics/downstream.jsonl").read_text() == train_rows
     record = json.loads((run / "downstream/eval-step-0000004.json").read_text())
@@ -309,6 +312,19 @@ def test_downstream_table_schema_refuses_impossible_figures():
             DOWNSTREAM.validate(pd.DataFrame([{**good, **bad}]))
 
 
+def _own_store(scored_run: Path, run: Path, tmp_path: Path) -> str:
+    """A copy of the fixture's MLflow store for a copy of its run (run.json pointed at it): what a test
+    logs (runner eval's evidence) stays in it. Returns its URI."""
+    import shutil
+
+    shutil.copy(scored_run / "mlflow.db", tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    info = json.loads((run / "run.json").read_text())
+    info["mlflow"]["tracking_uri"] = uri
+    (run / "run.json").write_text(json.dumps(info, indent=1))
+    return uri
+
+
 @pytest.mark.slow
 def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_requests(scored_run, tmp_path):
     import shutil
@@ -316,11 +332,15 @@ def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_reque
     import pandas as pd
 
     from runner.reports.audit import audit
+    from runner.reports.audit_tracked import EVIDENCE
+    from runner.reports.downstream_audit import EVAL_FIGURES
     from runner.reports.downstream_table import downstream_table
 
     run = tmp_path / "run"
-    shutil.copytree(scored_run / "run", run)
-    proc = run_in_process(scored_run, ["report", str(run)], env(scored_run))
+    shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))  # whatever ran before
+    uri = _own_store(scored_run, run, tmp_path)
+    environ = env(scored_run, MLFLOW_TRACKING_URI=uri)
+    proc = run_in_process(scored_run, ["report", str(run)], environ)
     assert proc.returncode == 0, proc.stderr
     report = run / "report"
     table = pd.read_parquet(report / "downstream.parquet")
@@ -335,30 +355,47 @@ def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_reque
     assert json.loads(arc.convention)["task_sha256"] in section and "![downstream](downstream.png)" in section
     assert (report / "downstream.png").stat().st_size > 0  # two loop scorings: a curve
 
-    checks = {c.name: c for c in audit(run, check_mlflow=False).checks}
+    checks = {c.name: c for c in audit(run, tracking_uri=uri).checks}
     for name in (
         "schema: downstream",
         "downstream table equals the recomputed figures",
         "report matches the run folder",
+        EVIDENCE,
     ):
         assert checks[name].status == "PASS", checks[name]
     # a later `runner eval` is not yet in the report: noted, not failed (the report is rebuilt to show it)
-    proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "builtin", "--limit", "2"], env(scored_run))
+    proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "builtin", "--limit", "2"], environ)
     assert proc.returncode == 0, proc.stderr
-    checks = {c.name: c for c in audit(run, check_mlflow=False).checks}
+    assert "vouches for the downstream table with this scoring" in proc.stdout, proc.stdout
+    checks = {c.name: c for c in audit(run, tracking_uri=uri).checks}
     later = checks["downstream table equals the recomputed figures"]
     assert later.status == "PASS" and "runner eval figures scored after the report" in later.detail, later
-    assert checks["report matches the run folder"].status == "PASS"
-    # a forged table value (parquet and csv alike) fails against the figures the requests give
-    forged = table.copy()
+    assert checks["report matches the run folder"].status == "PASS" and checks[EVIDENCE].status == "PASS"
+    assert EVAL_FIGURES not in checks  # none in the report
+    # runner eval, then runner report: MLflow's evidence vouches for the table with the scoring (runner
+    # eval logged its hash), as for the loop's figures; without MLflow only a rescoring would
+    proc = run_in_process(scored_run, ["report", str(run)], environ)
+    assert proc.returncode == 0, proc.stderr
+    result = audit(run, tracking_uri=uri)
+    checks = {c.name: c for c in result.checks}
+    assert result.failed() == [] and checks[EVIDENCE].status == "PASS", result.render()
+    assert checks[EVAL_FIGURES].status == "INFO" and "logged to MLflow's evidence" in checks[EVAL_FIGURES].detail
+    unvouched = next(c for c in audit(run, check_mlflow=False).checks if c.name == EVAL_FIGURES)
+    assert unvouched.status == "UNVERIFIED" and "run `runner audit --recompute-eval`" in unvouched.detail
+    assert unvouched.detail.startswith("4 figures of 1 runner eval scoring (step 4): only their arithmetic")
+    # a forged table value (parquet and csv alike) fails against the figures the requests give, and
+    # against MLflow's evidence
+    forged = pd.read_parquet(report / "downstream.parquet")
     forged.loc[(forged["task"] == "arc_easy") & (forged["metric"] == "acc"), "value"] = 1.0
     forged.to_parquet(report / "downstream.parquet", index=False)
     forged.to_csv(report / "downstream.csv", index=False)
-    result = audit(run, check_mlflow=False)
+    result = audit(run, tracking_uri=uri)
     failed = {c.name: c.detail for c in result.checks if c.status == "FAIL"}
     assert (
         "loop step 4 arc_easy.acc: value 1.0 in the table" in failed["downstream table equals the recomputed figures"]
     )
+    assert failed[EVIDENCE].startswith("table downstream: sha256 "), failed[EVIDENCE]
+    assert re.search(r"\(nor any of the \d+ runner eval scorings' since\)$", failed[EVIDENCE]), failed[EVIDENCE]
     assert result.verdict == "FAIL"
     # a report without the table reads as older only where nothing says it had one: this run has tasks
     (report / "downstream.parquet").unlink()
