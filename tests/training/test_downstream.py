@@ -225,6 +225,10 @@ def test_task_section_validation():
     problems = Problems()
     DownstreamTask(format="builtin").validate(problems, "eval.yaml", "tasks.b")
     assert problems.lines == []
+    DownstreamTask(format="builtin", metrics=["acc", "bpb", "acc"]).validate(problems, "eval.yaml", "tasks.b")
+    assert problems.lines == [
+        "eval.yaml: tasks.b.metrics[2]: 'acc' is listed twice (metrics[0]): a figure is recorded once"
+    ]
 
 
 def test_subset_is_the_first_limit_of_the_seeded_permutation_in_id_order():

@@ -274,6 +274,9 @@ def test_downstream_keys_are_operational_and_checked(tmp_path):
     with pytest.raises(RunnerError, match=r"recipes/eval/e.yaml: tasks.x.path: a mc task pins its file") as e:
         load_experiment(exp)
     assert "e.yaml: tasks.x.limit: must be >= 1" in str(e.value)
+    recipe.write_text(yaml.safe_dump({**body, "tasks": {"aggregate": {"format": "builtin"}}}))
+    with pytest.raises(RunnerError, match=r"t.yaml: eval.tasks.aggregate: 'aggregate' names the figure over the tasks"):
+        load_experiment(exp)
 
 
 def test_downstream_table_schema_refuses_impossible_figures():
