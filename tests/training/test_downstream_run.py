@@ -150,8 +150,13 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
     assert check_run(run) == []
 
     proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "hellaswag"], env(scored_run))
-    assert proc.returncode == 2 and "no task hellaswag in the eval recipe" in proc.stderr
+    assert proc.returncode == 2 and "no task hellaswag in the eval recipe (known: arc_easy, builtin)" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = run_in_process(scored_run, ["eval", str(run), "--tasks", ""], env(scored_run))
+    assert (
+        proc.returncode == 2
+        and proc.stderr == "error: --tasks: names no task (''): give task names of the eval recipe, or builtin\n"
+    )
 
 
 @pytest.mark.slow

@@ -58,7 +58,7 @@ def task_specs(exp: Experiment, names: list[str] | None = None, limit: int | Non
     builtin = BUILTIN if limit is None else dataclasses.replace(BUILTIN, limit=limit)
     unknown = [n for n in names if n not in declared and n != "builtin"]
     if unknown:
-        known = ", ".join(sorted(declared) + ["builtin"])
+        known = ", ".join(sorted({*declared, "builtin"}))
         raise RunnerError(f"no task {', '.join(unknown)} in the eval recipe (known: {known})", key="--tasks")
     return {n: declared.get(n, builtin) for n in names}
 

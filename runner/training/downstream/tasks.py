@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from runner.config.schema import DownstreamTask
-from runner.errors import RunnerError
+from runner.errors import RunnerError, display_path
 from runner.fsio import sha256_file
 from runner.training.downstream.documents import Document, Request, Task
 
@@ -58,6 +58,28 @@ def _loads(text: str, where: str, path: Path) -> Any:
             f"{where} holds a lone surrogate ({e.object[e.start : e.end]!r}), not text", file=str(path)
         ) from None
     return value
+
+
+def check_task_pins(exp: Any) -> list[str]:
+    """What `runner validate` checks of the eval recipe's task files without reading them as tasks:
+    each one on this machine hashes to its pin (a RunnerError naming the file and
+    `eval.tasks.<name>.sha256` or `.config_sha256`, as at launch); notes for those that are not."""
+    notes = []
+    for name, spec in sorted(exp.config.eval.tasks.items()):
+        pins = [] if spec.format == "builtin" else [(spec.path, spec.sha256, "sha256")]
+        if spec.format == "olmes":
+            pins.append((spec.config_path, spec.config_sha256, "config_sha256"))
+        for rel, sha256, pin in pins:
+            key = f"eval.tasks.{name}.{pin}"
+            if rel is None or sha256 is None:
+                continue  # the schema names what is missing
+            path = Path(rel) if Path(rel).is_absolute() else exp.project_root / rel
+            if not path.is_file():
+                fetch = " (`runner fetch` writes it)" if spec.package is not None else ""
+                notes.append(f"{display_path(exp.path)}: {key}: {rel} is not on this machine: checked at launch{fetch}")
+                continue
+            _pinned(exp.project_root, rel, sha256, key, spec.package)
+    return notes
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
