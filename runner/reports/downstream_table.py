@@ -37,6 +37,7 @@ _DTYPES = {c: str(spec.dtype) for c, spec in DOWNSTREAM.columns.items()}
 _CHECKED = {
     "downstream_metric_in_range": "value",
     "downstream_convention_names_its_metric": "convention",
+    "downstream_baseline_unless_bpb": "random_baseline",
 }
 #: a `runner eval` record's per-request file: a name beside it, never a path elsewhere
 _REQUESTS_NAME = re.compile(r"^requests-eval-step-\d{7}(-\d+)?\.jsonl\.gz$")

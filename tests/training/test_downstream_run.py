@@ -81,6 +81,10 @@ def test_loop_scores_at_the_interval_and_the_end_and_tracks_it(scored_run):
         record["task_sha256"] == sha256_file(ARC / "requests.jsonl.gz") and record["limit"] == 3 and record["seed"] == 1
     )
     assert arc["random_baseline"] == pytest.approx(0.25)
+    assert {r["random_baseline"] for r in rows if r["metric"] == "bpb"} == {None}  # an accuracy's; bpb has none
+    agg = json.loads(next(r for r in rows if r["task"] == "aggregate")["convention"])
+    assert agg["tasks"] == {"builtin": "centered_acc", "arc_easy": "centered_acc"}
+    assert {t: r["limit"] for t, r in agg["task_records"].items()} == {"builtin": 4, "arc_easy": 3}
     lls = _lls(run / "downstream/requests-loop-step-0000004.jsonl.gz")
     assert len(lls) == 4 * 4 + 3 * 4 and all(v < 0 for v in lls.values())
     # training steps' own time excludes the scoring: train.jsonl is unchanged in shape
@@ -360,6 +364,8 @@ def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_reque
     final = table[(table["source"] == "loop") & (table["step"] == 4)]
     arc = final[(final["task"] == "arc_easy") & (final["metric"] == "acc")].iloc[0]
     assert f"| loop | 4 | {arc.exposure_tokens:,} | arc_easy | acc | {arc.value:.6g} | 3 | 0.25 |" in section
+    bpb = final[final["metric"] == "bpb"].iloc[0]
+    assert f"| builtin | bpb | {bpb.value:.6g} | 4 | none |" in section  # bpb has no random baseline
     assert json.loads(arc.convention)["task_sha256"] in section and "![downstream](downstream.png)" in section
     assert (report / "downstream.png").stat().st_size > 0  # two loop scorings: a curve
 
@@ -597,6 +603,7 @@ def test_a_malformed_downstream_row_or_record_is_one_line_naming_the_file_and_co
         ({"value": "high"}, "value: not float64"),
         ({"value": 1.5}, "value: fails accuracies in [0, 1], centered <= 1, bpb > 0 (the row of step 2, task"),
         ({"documents": 0}, "documents: 0 fails greater_than_or_equal_to(1)"),
+        ({"random_baseline": None}, "random_baseline: fails a random baseline on every figure but bpb"),
         ({"convention": "{"}, "convention: fails the convention record names the metric"),
         ({"useful_tokens": "many"}, "useful_tokens must be an integer, got 'many'"),
         ({"step": "two"}, "step must be an integer and task, metric strings, got 'two'"),
