@@ -682,6 +682,12 @@ def downstream_convention_names_its_metric(df):
     return df.apply(names, axis=1).astype(bool)
 
 
+@register_check_method(supported_types=pd.DataFrame)
+def downstream_baseline_unless_bpb(df):
+    """Only bpb, which is no accuracy, may lack a random baseline."""
+    return (df["metric"].astype(str) == "bpb") | df["random_baseline"].notna()
+
+
 #: One of SCHEMAS since after runner-report/3 reports were published: a report whose evidence.json lists
 #: no downstream table was written before it existed and reads it as empty (runner.reports.tables.LATER_TABLES).
 DOWNSTREAM = pa.DataFrameSchema(
@@ -707,7 +713,8 @@ DOWNSTREAM = pa.DataFrameSchema(
         "random_baseline": pa.Column(
             "float64",
             [pa.Check.ge(0.0), pa.Check.lt(1.0)],
-            description="Mean over documents of 1 / choices, or the task's stated baseline.",
+            nullable=True,
+            description="An accuracy's: mean over documents of 1 / choices, or the task's stated baseline; empty for bpb (none; rows written before carry the accuracies').",
         ),
         "convention": pa.Column(
             str,
@@ -733,6 +740,7 @@ DOWNSTREAM = pa.DataFrameSchema(
     checks=[
         pa.Check.downstream_metric_in_range(error="accuracies in [0, 1], centered <= 1, bpb > 0"),
         pa.Check.downstream_convention_names_its_metric(error="the convention record names the metric"),
+        pa.Check.downstream_baseline_unless_bpb(error="a random baseline on every figure but bpb"),
     ],
 )
 

@@ -73,9 +73,11 @@ def validate_one(path: Path) -> tuple[str, list[str], list[str]]:
         problems.raise_if_any()
         return f"ok  {display_path(path)}", [], []
     from runner.data.manifest import check_experiment_data
+    from runner.training.downstream.tasks import check_task_pins
 
     exp = load_experiment(path)
     notes, warnings = check_experiment_data(exp)
+    notes += check_task_pins(exp)  # the eval recipe's task files, as the manifests: their pins where present
     return f"ok  {display_path(path)}  fingerprint {exp.fingerprint}", exp.notes + notes, warnings
 
 

@@ -1,20 +1,28 @@
 """CLI for downstream tasks: `runner eval RUN_OR_CHECKPOINT [--tasks ...]`.
 
-Owns the verb's arguments only; scoring and what it writes are runner.training.downstream.posthoc's.
+Owns the verb's arguments only; scoring and what it writes are runner.training.downstream.posthoc's,
+the MLflow evidence vouching for the scoring runner.reports.evidence's.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from runner.errors import EXIT_OK
+from runner.errors import EXIT_OK, RunnerError
 
 
 def _eval(args) -> int:
+    from runner.reports.evidence import vouch_for_runner_eval
     from runner.training.downstream.posthoc import run_eval
 
-    names = [n for part in args.tasks for n in part.split(",") if n] if args.tasks else None
-    run_eval(Path(args.target), names, args.micro_batch, args.limit)
+    names = [n.strip() for part in args.tasks for n in part.split(",") if n.strip()] if args.tasks else None
+    if args.tasks is not None and not names:
+        raise RunnerError(
+            f"names no task ({' '.join(map(repr, args.tasks))}): give task names of the eval recipe, or builtin",
+            key="--tasks",
+        )
+    record = run_eval(Path(args.target), names, args.micro_batch, args.limit)
+    print(vouch_for_runner_eval(record.parents[1], record))
     return EXIT_OK
 
 

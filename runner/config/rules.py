@@ -106,6 +106,7 @@ def validate_experiment(
         resources.check_hardware(cfg.hardware, path, problems, "hardware")
     check_speed_options(cfg, path, problems)
     check_manifests_match_mixture(cfg, path, problems)
+    check_task_names(cfg, path, problems)
     check_targets(cfg, path, problems)
     notes = check_tokenizer_pin(cfg.tokenizer, path, root, problems, check_files=check_files)
     notes += [
@@ -252,6 +253,17 @@ def check_targets(cfg: ExperimentSchema, path: Path, problems: Problems) -> None
 
 
 AGGREGATE_TASK = "aggregate"  #: a downstream target's `task` for the figure over tasks (eval.aggregate)
+
+
+def check_task_names(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:
+    """No task of eval.tasks is named `aggregate`: that is the name of the figure over the tasks (its
+    rows, MLflow metrics and downstream targets would be the task's too)."""
+    if AGGREGATE_TASK in cfg.eval.tasks:
+        problems.add(
+            path,
+            f"eval.tasks.{AGGREGATE_TASK}",
+            f"'{AGGREGATE_TASK}' names the figure over the tasks (eval.aggregate): give the task another name",
+        )
 
 
 def _check_task_target(cfg: ExperimentSchema, prefix: str, target, path: Path, problems: Problems) -> None:

@@ -562,6 +562,12 @@ class DownstreamTask(Section):
                 problems.add(
                     file, f"{join_key(prefix, 'metrics')}[{i}]", f"'{m}' is not one of {', '.join(DOWNSTREAM_METRICS)}"
                 )
+            elif m in self.metrics[:i]:
+                problems.add(
+                    file,
+                    f"{join_key(prefix, 'metrics')}[{i}]",
+                    f"'{m}' is listed twice (metrics[{self.metrics.index(m)}]): a figure is recorded once",
+                )
         b = self.random_baseline
         if b is not None and not (math.isfinite(b) and 0 <= b < 1):
             problems.add(file, join_key(prefix, "random_baseline"), f"must be in [0, 1), got {b}")

@@ -713,6 +713,16 @@ def _check_downstream(res: AuditResult, inp: AuditInput) -> None:
             res.add(name, problems, ok_detail=detail)
 
 
+def _check_runner_eval_figures(res: AuditResult, inp: AuditInput) -> None:
+    """The report's `runner eval` figures, not rescored: vouched for by MLflow's evidence (INFO), or
+    UNVERIFIED naming --recompute-eval (runner.reports.downstream_audit.runner_eval_check)."""
+    evidence = next((c.status for c in res.checks if c.name == audit_tracked.EVIDENCE), None)
+    found = downstream_audit.runner_eval_check(inp.tables.get("downstream"), evidence == PASS)
+    if found is not None:
+        name, vouched, detail = found
+        (res.info if vouched else res.could_not)(name, detail)
+
+
 def audit_input(
     inp: AuditInput,
     *,
@@ -748,6 +758,8 @@ def audit_input(
     _note_small_validation(res, inp)
     _check_checkpoint(res, inp)
     audit_tracked.check(res, inp, tracked, why, rep)
+    if not recompute_eval:  # rescored below otherwise
+        _check_runner_eval_figures(res, inp)
     if recompute_eval:
         from runner.reports.audit_eval import check_recomputed_eval  # noqa: PLC0415  (imports torch)
 

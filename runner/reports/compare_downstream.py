@@ -32,10 +32,14 @@ def latest_figures(table: pd.DataFrame | None) -> pd.DataFrame:
 
 def _with_parts(row, rows: pd.DataFrame) -> str:
     """An aggregate's record with the records of the figures it averages (`task_records`): two
-    aggregates over differently pinned tasks are not the same number."""
+    aggregates over differently pinned tasks, or over different subsets, are not the same number.
+    A record written since it names them itself (each task's record for the metric it averages,
+    figure or not) is kept; an older one is given those of the figures beside it."""
     if row.task != "aggregate":
         return str(row.convention)
     record = json.loads(str(row.convention))
+    if "task_records" in record:
+        return str(row.convention)
     parts = {}
     for task, metric in (record.get("tasks") or {}).items():
         hit = rows[(rows["task"] == task) & (rows["metric"] == metric)]

@@ -85,7 +85,8 @@ def markdown(tables: dict[str, pd.DataFrame], md_table: Callable[[pd.DataFrame],
         return []
     shown = latest(table)
     numbers, records = numbered_records(shown["convention"])
-    shown = shown.assign(n=shown["documents"], record=numbers)
+    baseline = [f"{b:.6g}" if b == b else "none" for b in shown["random_baseline"]]  # bpb has none
+    shown = shown.assign(n=shown["documents"], record=numbers, random_baseline=baseline)
     cols = ["source", "step", "exposure_tokens", "task", "metric", "value", "n", "random_baseline", "record"]
     lines = [
         "## Downstream tasks",

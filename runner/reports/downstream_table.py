@@ -4,16 +4,23 @@ Owns: reading a run's downstream figures, those scored in the loop (metrics/down
 a resumed run's later row for a step wins, as for validation) and those `runner eval` added
 (downstream/eval-step-NNNNNNN.json), into one validated frame, sorted by source, step, task and
 metric, with where the run stood at each loop scoring (useful tokens, wall and device-wall seconds:
-what a downstream target's time- and cost-to-target are counted from). Never scores anything.
+what a downstream target's time- and cost-to-target are counted from). A malformed row or record is
+one RunnerError naming its file and column (or key), never a pandas or pandera traceback. Never
+scores anything.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
+from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
+import pandera.pandas as pa
+from pandera.errors import SchemaError
 
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl
@@ -25,6 +32,66 @@ COLUMNS = tuple(DOWNSTREAM.columns)
 
 #: where the run stood at a scoring; rows recorded before these were stamped lack them
 PROGRESS = ("useful_tokens", "wall_seconds", "device_wall_seconds")
+_DTYPES = {c: str(spec.dtype) for c, spec in DOWNSTREAM.columns.items()}
+#: the column a frame-wide check of the schema judges (named in the error line)
+_CHECKED = {
+    "downstream_metric_in_range": "value",
+    "downstream_convention_names_its_metric": "convention",
+    "downstream_baseline_unless_bpb": "random_baseline",
+}
+#: a `runner eval` record's per-request file: a name beside it, never a path elsewhere
+_REQUESTS_NAME = re.compile(r"^requests-eval-step-\d{7}(-\d+)?\.jsonl\.gz$")
+
+
+def read_eval_record(path: Path) -> dict[str, Any]:
+    """A `runner eval` record (downstream/eval-step-NNNNNNN.json), checked for what its readers
+    use: RunnerError naming the file and key otherwise."""
+    record = read_json(path)
+    if not isinstance(record, dict):
+        raise RunnerError("a runner eval record must be a JSON object", file=str(path))
+    rows = record.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise RunnerError("must be a list of JSON objects (one per figure)", file=str(path), key="rows")
+    name = record.get("requests_file")
+    if not isinstance(name, str) or not _REQUESTS_NAME.match(name):
+        raise RunnerError(
+            f"must name the per-request file beside it (requests-eval-step-NNNNNNN.jsonl.gz), got {name!r}",
+            file=str(path),
+            key="requests_file",
+        )
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise RunnerError(f"must be a step (an integer >= 0), got {step!r}", file=str(path), key="step")
+    checkpoint = record.get("checkpoint")
+    if not isinstance(checkpoint, str) or not re.fullmatch(r"step-\d{7}", checkpoint):
+        raise RunnerError(
+            f"must name a checkpoint (step-NNNNNNN), got {checkpoint!r}", file=str(path), key="checkpoint"
+        )
+    return record
+
+
+def loop_rows(file: Path) -> list[dict[str, Any]]:
+    """metrics/downstream.jsonl's rows (a torn last line dropped), each a JSON object with an
+    integer step and a task and metric named; RunnerError naming the file otherwise."""
+    try:
+        rows = read_jsonl(file, skip_torn=True)
+    except ValueError as err:  # not UTF-8, an integer of too many digits
+        raise RunnerError(f"unreadable: {err}", file=str(file)) from None
+    for n, r in enumerate(rows, 1):
+        if not isinstance(r, dict):
+            raise RunnerError(f"row {n} is not a JSON object", file=str(file))
+        step, task, metric = r.get("step"), r.get("task"), r.get("metric")
+        if (
+            not isinstance(step, int)
+            or isinstance(step, bool)
+            or not isinstance(task, str)
+            or not isinstance(metric, str)
+        ):
+            raise RunnerError(
+                f"row {n}: step must be an integer and task, metric strings, got {step!r}, {task!r}, {metric!r}",
+                file=str(file),
+            )
+    return rows
 
 
 def _row(r: dict, source: str, file: Path, useful_by_step) -> dict:
@@ -32,10 +99,19 @@ def _row(r: dict, source: str, file: Path, useful_by_step) -> dict:
         row = {"source": source, **{c: r[c] for c in COLUMNS if c not in ("source", *PROGRESS)}}
     except KeyError as e:
         raise RunnerError(f"a downstream row lacks {e.args[0]}", file=str(file)) from None
-    row["wall_seconds"] = float(r.get("wall_seconds", math.nan)) if source == "loop" else math.nan
-    row["device_wall_seconds"] = float(r.get("device_wall_seconds", math.nan)) if source == "loop" else math.nan
+    try:
+        row["wall_seconds"] = float(r.get("wall_seconds", math.nan)) if source == "loop" else math.nan
+        row["device_wall_seconds"] = float(r.get("device_wall_seconds", math.nan)) if source == "loop" else math.nan
+    except (TypeError, ValueError):
+        raise RunnerError(
+            f"wall_seconds and device_wall_seconds must be numbers, got {r.get('wall_seconds')!r}, "
+            f"{r.get('device_wall_seconds')!r}",
+            file=str(file),
+        ) from None
     if "useful_tokens" in r and r["useful_tokens"] is not None:
-        row["useful_tokens"] = int(r["useful_tokens"])
+        if not isinstance(r["useful_tokens"], int) or isinstance(r["useful_tokens"], bool):
+            raise RunnerError(f"useful_tokens must be an integer, got {r['useful_tokens']!r}", file=str(file))
+        row["useful_tokens"] = r["useful_tokens"]
         return row
     useful = useful_by_step()  # a row written before scorings were stamped: train.jsonl's exact sum
     step = int(r["step"])
@@ -48,12 +124,46 @@ def _row(r: dict, source: str, file: Path, useful_by_step) -> dict:
     return row
 
 
-def downstream_table(run_dir: str | Path) -> pd.DataFrame:
-    """Every downstream figure of the run, validated (pandera SchemaErrors on a bad one)."""
+def _schema_problem(err: SchemaError, df: pd.DataFrame) -> str:
+    """One line for a pandera failure: the column, the failing value and the row's scoring."""
+    check = err.check
+    what = getattr(check, "error", None) or getattr(check, "name", None) or str(check or err.reason_code)
+    cases = err.failure_cases
+    index = cases["index"].iloc[0] if isinstance(cases, pd.DataFrame) and "index" in cases and len(cases) else None
+    where = ""
+    if index is not None and index in df.index:
+        r = df.loc[index]
+        where = f" (the row of step {r['step']}, task {r['task']}, metric {r['metric']})"
+    if isinstance(err.schema, pa.Column):
+        value: Any = cases["failure_case"].iloc[0] if isinstance(cases, pd.DataFrame) and len(cases) else None
+        value = value.item() if hasattr(value, "item") else value  # numpy's scalar, said as the file holds it
+        return f"{err.schema.name}: {value!r} fails {what}{where}"
+    column = _CHECKED.get(getattr(check, "name", ""), "")
+    return f"{column + ': ' if column else ''}fails {what}{where}"
+
+
+def _frame(rows: list[dict], file: Path | None) -> pd.DataFrame:
+    """One file's rows as the schema types them, validated; RunnerError naming the file and column."""
+    df = pd.DataFrame(rows, columns=list(COLUMNS))
+    for col, dtype in _DTYPES.items():
+        try:
+            df[col] = df[col].astype(dtype if dtype in ("int64", "float64") else str)  # typed when empty too
+        except (TypeError, ValueError, OverflowError) as err:
+            raise RunnerError(f"{col}: not {dtype} ({str(err).splitlines()[0]})", file=str(file)) from None
+    try:
+        return DOWNSTREAM.validate(df)
+    except SchemaError as err:
+        raise RunnerError(_schema_problem(err, df), file=str(file) if file else None) from None
+
+
+def downstream_table(run_dir: str | Path, exclude: Collection[Path] = ()) -> pd.DataFrame:
+    """Every downstream figure of the run, validated (RunnerError naming the file and column of a bad
+    one); without the `runner eval` records in `exclude` (the table as it stood before them)."""
     run_dir = Path(run_dir)
+    skipped = {Path(p).name for p in exclude}
     loop_file = run_dir / "metrics" / "downstream.jsonl"
-    loop = read_jsonl(loop_file, skip_torn=True) if loop_file.exists() else []
-    latest = {(int(r["step"]), r["task"], r["metric"]): r for r in loop}
+    loop = loop_rows(loop_file) if loop_file.exists() else []
+    latest = {(r["step"], r["task"], r["metric"]): r for r in loop}
 
     @functools.cache
     def useful_by_step() -> dict[int, int]:
@@ -61,13 +171,12 @@ def downstream_table(run_dir: str | Path) -> pd.DataFrame:
         train = read_jsonl(train_file, skip_torn=True) if train_file.exists() else []
         return cumulative_useful(list({int(r["step"]): r for r in train}.values()))
 
-    rows = [_row(r, "loop", loop_file, useful_by_step) for r in latest.values()]
+    frames = [_frame([_row(r, "loop", loop_file, useful_by_step) for r in latest.values()], loop_file)]
     for path in sorted((run_dir / "downstream").glob("eval-step-*.json")):
-        rows += [_row(r, "runner eval", path, useful_by_step) for r in read_json(path).get("rows", [])]
-    df = pd.DataFrame(rows, columns=list(COLUMNS))
-    df = df.astype({"step": "int64", "exposure_tokens": "int64", "documents": "int64", "useful_tokens": "int64"})
-    df = df.astype({"value": "float64", "random_baseline": "float64", "t_eval_seconds": "float64"})
-    df = df.astype({"wall_seconds": "float64", "device_wall_seconds": "float64"})
-    df = df.astype(dict.fromkeys(("source", "task", "metric", "convention"), str))  # typed when empty too
-    df = df.sort_values(["source", "step", "task", "metric"], kind="stable").reset_index(drop=True)
-    return DOWNSTREAM.validate(df)
+        if path.name in skipped:
+            continue
+        rows = read_eval_record(path)["rows"]
+        frames.append(_frame([_row(r, "runner eval", path, useful_by_step) for r in rows], path))
+    frames = [f for f in frames if len(f)] or frames[:1]  # each typed and validated, the empty one too
+    df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    return df.sort_values(["source", "step", "task", "metric"], kind="stable").reset_index(drop=True)

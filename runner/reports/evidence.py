@@ -5,8 +5,13 @@ text (exactly the bytes of the CSV copy the report writes), of the report's expe
 final checkpoint's state.json with the file hashes it lists, and the final per-domain validation
 losses; writing it as report/evidence.json; logging it to the run's MLflow run as `evidence.*`
 tags (the copy the audit trusts: a forger who rewrites a report folder rewrites evidence.json too,
-not the tracking store); reading it back from those tags.
-Never: judges anything (runner.reports.audit compares), trains, or writes outside report/.
+not the tracking store); reading it back from those tags. After a `runner eval` scoring
+(vouch_for_runner_eval): the downstream table's sha256 with that scoring, logged as
+`evidence.runner_eval.<stem>.downstream.sha256` only when the table without it is one the logged
+evidence already vouches for, so that a report rebuilt with the scoring matches MLflow's evidence and
+an edit made before the scoring is never vouched for.
+Never: judges anything (runner.reports.audit compares), trains, or writes outside report/ (but
+that one MLflow tag).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +28,10 @@ import pandas as pd
 from runner.errors import RunnerError
 from runner.fsio import atomic_write_json, read_json, sha256_file
 from runner.reports import tables as rpt
+from runner.reports.downstream_table import downstream_table
 from runner.training.runjson import RunJson
+from runner.training.tracking import missing_store
+from schemas.report_tables import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from runner.reports.audit_input import AuditInput
@@ -119,6 +128,58 @@ def record_evidence(run_dir: str | Path, tracker, evidence: dict[str, Any] | Non
     return evidence
 
 
+def vouch_for_runner_eval(run_dir: str | Path, record: Path) -> str:
+    """After `runner eval` wrote `record` (RUN/downstream/eval-step-NNNNNNN[-K].json): log to the run's
+    MLflow run the sha256 of the downstream table with the scoring (runner_eval_tag), when the table
+    without it is one the logged evidence vouches for (vouched_downstream). Returns the line to say:
+    what was logged, or why nothing was (no MLflow run, no evidence yet, a store not reachable, a run
+    folder whose figures changed since MLflow's evidence was logged)."""
+    run_dir, record = Path(run_dir), Path(record)
+    recorded = RunJson.from_dict(read_json(run_dir / "run.json"), file=str(run_dir / "run.json")).mlflow or {}
+    run_id = recorded.get("run_id")
+    if not run_id:
+        return (
+            "evidence: the run has no MLflow run (trained with --no-tracking): only rescoring vouches for this "
+            "scoring (`runner audit --recompute-eval`)"
+        )
+    tag = runner_eval_tag(record.stem.removeprefix("eval-"))
+    try:
+        before = table_sha256("downstream", downstream_table(run_dir, exclude=(record,)))
+        after = table_sha256("downstream", downstream_table(run_dir))
+    except RunnerError as err:
+        return f"evidence: not logged: the run folder's downstream figures are unreadable ({err})"
+    not_logged = (
+        "evidence: not logged to MLflow (a report rebuilt with this scoring FAILs `MLflow evidence = the report`)"
+    )
+    candidates = [recorded.get("tracking_uri"), os.environ.get("MLFLOW_TRACKING_URI")]
+    uri = next((u for u in candidates if u and missing_store(u) is None), None)
+    if uri is None:
+        return f"{not_logged}: no store of MLflow run {run_id} here ({missing_store(candidates[0])})"
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a dead server costs seconds, not minutes
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: seconds to import)
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        logged = evidence_from_tags(client.get_run(run_id).data.tags)
+    except Exception as err:  # an unreachable server, an unknown run: nothing to vouch with
+        return f"{not_logged}: MLflow run {run_id} not readable at {uri} ({type(err).__name__})"
+    if logged is None:
+        return f"evidence: MLflow run {run_id} holds no evidence yet: the run's end logs it, this scoring included"
+    if logged.get("schema_version") != SCHEMA_VERSION:
+        return f"{not_logged}: its evidence was logged under {logged.get('schema_version')}, this runner writes {SCHEMA_VERSION}"
+    if before not in vouched_downstream(logged):
+        return (
+            f"{not_logged}: the run folder's downstream figures without this scoring (sha256 {before[:12]}) are not "
+            "those MLflow's evidence vouches for: they changed after it was logged"
+        )
+    try:
+        client.set_tag(run_id, tag, after)
+    except Exception as err:
+        return f"{not_logged}: MLflow run {run_id} at {uri} refused the tag ({type(err).__name__})"
+    return f"evidence: MLflow run {run_id} vouches for the downstream table with this scoring ({tag} = {after[:12]})"
+
+
 def read_evidence_file(report_dir: Path) -> dict[str, Any] | None:
     path = Path(report_dir) / EVIDENCE_FILE
     if not path.exists():
@@ -153,6 +214,21 @@ def evidence_tags(evidence: dict[str, Any]) -> dict[str, str]:
     return tags
 
 
+def runner_eval_tag(stem: str) -> str:
+    """The tag vouching for the downstream table with `runner eval`'s scoring `stem` (step-NNNNNNN[-K])."""
+    return f"{RUNNER_EVAL_PREFIX}{stem}.downstream.sha256"
+
+
+RUNNER_EVAL_PREFIX = "evidence.runner_eval."
+
+
+def vouched_downstream(evidence: dict[str, Any]) -> set[str]:
+    """Every downstream table sha256 the logged evidence vouches for: the run end's, and the table's
+    after each `runner eval` scoring logged since."""
+    tables = evidence.get("tables") or {}
+    return {str(h) for h in [tables.get("downstream"), *(evidence.get("runner_eval") or {}).values()] if h}
+
+
 def _float(text: str) -> float:
     try:
         return float(text)
@@ -174,8 +250,11 @@ def evidence_from_tags(tags: dict[str, str]) -> dict[str, Any] | None:
     }
     files: dict[str, Any] = {}
     domains: dict[str, Any] = {}
+    runner_eval: dict[str, str] = {}
     for key, value in tags.items():
-        if key.startswith("evidence.table.") and key.endswith(".sha256"):
+        if key.startswith(RUNNER_EVAL_PREFIX) and key.endswith(".downstream.sha256"):
+            runner_eval[key[len(RUNNER_EVAL_PREFIX) : -len(".downstream.sha256")]] = value
+        elif key.startswith("evidence.table.") and key.endswith(".sha256"):
             ev["tables"][key[len("evidence.table.") : -len(".sha256")]] = value
         elif key.startswith("evidence.checkpoint.file.") and key.endswith(".sha256"):
             files[key[len("evidence.checkpoint.file.") : -len(".sha256")]] = value
@@ -190,6 +269,8 @@ def evidence_from_tags(tags: dict[str, str]) -> dict[str, Any] | None:
         }
     if "evidence.validation.step" in tags:
         ev["validation"] = {"step": int(tags["evidence.validation.step"]), "domains": domains}
+    if runner_eval:
+        ev["runner_eval"] = dict(sorted(runner_eval.items()))
     return ev
 
 
@@ -205,8 +286,14 @@ def evidence_differences(want: dict, inp: AuditInput, *, checkpoint: bool) -> li
     if want.get("schema_version") == rpt.written_version(inp.tables):  # tables hashed as they were written
         for name, digest in sorted((want.get("tables") or {}).items()):
             got = table_sha256(name, inp.tables[name]) if name in inp.tables else "missing"
+            if name == "downstream" and got in vouched_downstream(want):
+                continue  # the run end's table, or the table after a runner eval scoring MLflow vouches for
             if got != digest:
-                problems.append(f"table {name}: sha256 {got[:12]}, evidence {str(digest)[:12]}")
+                later = len(want.get("runner_eval") or {})
+                also = (
+                    f" (nor any of the {later} runner eval scorings' since)" if name == "downstream" and later else ""
+                )
+                problems.append(f"table {name}: sha256 {got[:12]}, evidence {str(digest)[:12]}{also}")
     if inp.cfg_file is not None and sha256_file(inp.cfg_file) != want.get("experiment_yaml_sha256"):
         problems.append(
             f"experiment.yaml: sha256 {sha256_file(inp.cfg_file)[:12]}, evidence {str(want.get('experiment_yaml_sha256'))[:12]}"

@@ -113,6 +113,27 @@ def test_validate_outside_a_checkout_is_one_line_and_exit_2(tmp_path: Path, monk
     ]
 
 
+def test_validate_checks_the_eval_task_files_present_here_against_their_pins(project: Path, monkeypatch, capsys):
+    """As for the manifests: a task file on this machine hashes to its pin, one absent is a note."""
+    monkeypatch.chdir(project)
+    assert main(["validate", "experiments/cpu-tiny-tasks.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "note: experiments/cpu-tiny-tasks.yaml: eval.tasks.arc_easy.sha256: data/tasks/arc_easy/rc_0shot/"
+        "requests.jsonl.gz is not on this machine: checked at launch (`runner fetch` writes it)"
+    ) in out
+    task = project / "data/tasks/arc_easy/rc_0shot/requests.jsonl.gz"
+    task.parent.mkdir(parents=True)
+    task.write_bytes(b"not the pinned file")
+    assert main(["validate", "experiments/cpu-tiny-tasks.yaml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: data/tasks/arc_easy/rc_0shot/requests.jsonl.gz: eval.tasks.arc_easy.sha256: file sha256 is "
+        "a08d9e349848bd89daff2c27d89e8eb3529dc848e2c9db433a674b629dc65d71, the recipe pins "
+        "1e1aad851f24e0a547840f932d813c3380cafa77c5c92a6997a2151024a8573c"
+    ], err
+
+
 def test_an_infeasible_cap_names_the_mixture_recipe_to_edit(project_with_data: Path, monkeypatch, capsys):
     recipe = project_with_data / "recipes/mixture/builtin-3dom.yaml"
     recipe.write_text(recipe.read_text().replace("max_repetition_ratio: 3.0}", "max_repetition_ratio: 1.0}"))

@@ -141,6 +141,28 @@ def test_aggregates_over_differently_pinned_tasks_are_refused(tmp_path, cli):
     assert "downstream aggregate.mean_centered: convention key `task_records` differs" in out.err
 
 
+def test_aggregates_over_different_subsets_are_refused(tmp_path, cli):
+    """The aggregate averages builtin's centered_acc, which neither run records as a figure: the
+    aggregate's own record names each task's (limit included), so two subsets never compare equal."""
+    folders = {}
+    for name, limit in (("a", 100), ("b", 50)):
+        folder = folders[name] = _report(tmp_path, name, {150: 0.30}, limit=limit)
+        df = pd.read_parquet(folder / "downstream.parquet")
+        record = {
+            "rule": "mean_centered",
+            "tasks": {"builtin": "centered_acc"},
+            "task_records": {"builtin": json.loads(_record("centered_acc", limit=limit))},
+        }
+        agg = df.iloc[[0]].assign(task="aggregate", metric="mean_centered", value=0.1, random_baseline=0.0)
+        agg = agg.assign(convention=json.dumps(record, sort_keys=True))
+        part = _typed("downstream", pd.concat([agg, df[df["task"] != "builtin"]]))  # no builtin figure beside it
+        part.to_parquet(folder / "downstream.parquet", index=False)
+        part.to_csv(folder / "downstream.csv", index=False)
+    code, out = cli("compare", folders["a"], folders["b"], "--labels", "base,other")
+    assert code == 2 and len(out.err.strip().splitlines()) == 1, out.err
+    assert "downstream aggregate.mean_centered: convention key `task_records` differs" in out.err
+
+
 def test_downstream_targets_show_who_gets_there_first(tmp_path, cli):
     """A downstream target judged on each run's loop scorings: met at the first at or above, first in
     tokens, seconds and dollars; a name meaning two targets is refused."""

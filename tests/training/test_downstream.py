@@ -149,6 +149,65 @@ def test_malformed_mc_rows_are_refused_naming_the_file(tmp_path, row, message):
     assert "bad.jsonl" in str(e.value)
 
 
+_MC_ROW = json.dumps({"query": "q", "choices": ["a", "b"], "gold": 0}) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "message"),
+    [
+        pytest.param(
+            "cut.jsonl.gz",
+            gzip.compress(_MC_ROW.encode() * 50)[:-10],
+            "not a whole readable gzip file (EOFError",
+            id="cut.jsonl.gz",
+        ),
+        pytest.param(
+            "plain.jsonl.gz", _MC_ROW.encode(), "not a whole readable gzip file (BadGzipFile", id="plain.jsonl.gz"
+        ),
+        pytest.param(
+            "latin1.jsonl",
+            b'{"query": "\xff", "choices": ["a", "b"], "gold": 0}\n',
+            "not UTF-8 text",
+            id="latin1.jsonl",
+        ),
+        pytest.param(
+            "digits.jsonl",
+            b'{"query": "q", "choices": ["a", "b"], "gold": ' + b"1" * 5000 + b"}\n",
+            "ValueError",
+            id="digits.jsonl",
+        ),
+        pytest.param(
+            "deep.jsonl", b"[" * 100_000 + b"]" * 100_000 + b"\n", "line 1 is refused: RecursionError", id="deep.jsonl"
+        ),
+        pytest.param(
+            "surrogate.jsonl",
+            b'{"query": "q\\ud800", "choices": ["a", "b"], "gold": 0}\n',
+            "lone surrogate",
+            id="surrogate.jsonl",
+        ),
+    ],
+)
+def test_a_task_file_unreadable_as_its_format_is_one_line_naming_it_and_the_task(tmp_path, name, data, message):
+    path = tmp_path / name
+    path.write_bytes(data)
+    spec = DownstreamTask(format="mc", path=str(path), sha256=sha256_file(path))
+    with pytest.raises(RunnerError) as e:
+        load_task("t", spec, tmp_path)
+    assert f"{name}: eval.tasks.t: " in str(e.value) and message in str(e.value), str(e.value)
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_an_olmes_config_unreadable_as_json_is_one_line_naming_it(tmp_path):
+    spec = olmes_spec("piqa_rc_0shot")
+    for i, text in enumerate((b"[" * 100_000, b"\xff", b"[1, 2]", b'{"metric_kwargs": {"uncond_docid_offset": true}}')):
+        config = tmp_path / f"config{i}.json"
+        config.write_bytes(text)
+        bad = DownstreamTask(**{**spec.__dict__, "config_path": str(config), "config_sha256": sha256_file(config)})
+        with pytest.raises(RunnerError, match=rf"config{i}.json: eval.tasks.piqa: ") as e:
+            load_task("piqa", bad, REPO)
+        assert len(str(e.value).splitlines()) == 1
+
+
 def test_task_section_validation():
     problems = Problems()
     DownstreamTask(format="mc", limit=0, metrics=["accuracy"], random_baseline=1.0).validate(
@@ -166,6 +225,10 @@ def test_task_section_validation():
     problems = Problems()
     DownstreamTask(format="builtin").validate(problems, "eval.yaml", "tasks.b")
     assert problems.lines == []
+    DownstreamTask(format="builtin", metrics=["acc", "bpb", "acc"]).validate(problems, "eval.yaml", "tasks.b")
+    assert problems.lines == [
+        "eval.yaml: tasks.b.metrics[2]: 'acc' is listed twice (metrics[0]): a figure is recorded once"
+    ]
 
 
 def test_subset_is_the_first_limit_of_the_seeded_permutation_in_id_order():

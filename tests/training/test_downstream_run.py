@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,10 @@ def test_loop_scores_at_the_interval_and_the_end_and_tracks_it(scored_run):
         record["task_sha256"] == sha256_file(ARC / "requests.jsonl.gz") and record["limit"] == 3 and record["seed"] == 1
     )
     assert arc["random_baseline"] == pytest.approx(0.25)
+    assert {r["random_baseline"] for r in rows if r["metric"] == "bpb"} == {None}  # an accuracy's; bpb has none
+    agg = json.loads(next(r for r in rows if r["task"] == "aggregate")["convention"])
+    assert agg["tasks"] == {"builtin": "centered_acc", "arc_easy": "centered_acc"}
+    assert {t: r["limit"] for t, r in agg["task_records"].items()} == {"builtin": 4, "arc_easy": 3}
     lls = _lls(run / "downstream/requests-loop-step-0000004.jsonl.gz")
     assert len(lls) == 4 * 4 + 3 * 4 and all(v < 0 for v in lls.values())
     # training steps' own time excludes the scoring: train.jsonl is unchanged in shape
@@ -105,6 +110,9 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
     train_rows = (run / "metrics/downstream.jsonl").read_text()
     proc = run_in_process(scored_run, ["eval", str(run)], env(scored_run))
     assert proc.returncode == 0, proc.stderr
+    assert (
+        "evidence: MLflow run " in proc.stdout and "evidence.runner_eval.step-0000004.downstream.sha256" in proc.stdout
+    )
     assert {p: sha256_file(p) for p in lineage} == before
     assert (run / "metrics/downstream.jsonl").read_text() == train_rows
     record = json.loads((run / "downstream/eval-step-0000004.json").read_text())
@@ -146,8 +154,13 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
     assert check_run(run) == []
 
     proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "hellaswag"], env(scored_run))
-    assert proc.returncode == 2 and "no task hellaswag in the eval recipe" in proc.stderr
+    assert proc.returncode == 2 and "no task hellaswag in the eval recipe (known: arc_easy, builtin)" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = run_in_process(scored_run, ["eval", str(run), "--tasks", ""], env(scored_run))
+    assert (
+        proc.returncode == 2
+        and proc.stderr == "error: --tasks: names no task (''): give task names of the eval recipe, or builtin\n"
+    )
 
 
 @pytest.mark.slow
@@ -270,6 +283,9 @@ def test_downstream_keys_are_operational_and_checked(tmp_path):
     with pytest.raises(RunnerError, match=r"recipes/eval/e.yaml: tasks.x.path: a mc task pins its file") as e:
         load_experiment(exp)
     assert "e.yaml: tasks.x.limit: must be >= 1" in str(e.value)
+    recipe.write_text(yaml.safe_dump({**body, "tasks": {"aggregate": {"format": "builtin"}}}))
+    with pytest.raises(RunnerError, match=r"t.yaml: eval.tasks.aggregate: 'aggregate' names the figure over the tasks"):
+        load_experiment(exp)
 
 
 def test_downstream_table_schema_refuses_impossible_figures():
@@ -308,6 +324,19 @@ def test_downstream_table_schema_refuses_impossible_figures():
             DOWNSTREAM.validate(pd.DataFrame([{**good, **bad}]))
 
 
+def _own_store(scored_run: Path, run: Path, tmp_path: Path) -> str:
+    """A copy of the fixture's MLflow store for a copy of its run (run.json pointed at it): what a test
+    logs (runner eval's evidence) stays in it. Returns its URI."""
+    import shutil
+
+    shutil.copy(scored_run / "mlflow.db", tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    info = json.loads((run / "run.json").read_text())
+    info["mlflow"]["tracking_uri"] = uri
+    (run / "run.json").write_text(json.dumps(info, indent=1))
+    return uri
+
+
 @pytest.mark.slow
 def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_requests(scored_run, tmp_path):
     import shutil
@@ -315,11 +344,15 @@ def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_reque
     import pandas as pd
 
     from runner.reports.audit import audit
+    from runner.reports.audit_tracked import EVIDENCE
+    from runner.reports.downstream_audit import EVAL_FIGURES
     from runner.reports.downstream_table import downstream_table
 
     run = tmp_path / "run"
-    shutil.copytree(scored_run / "run", run)
-    proc = run_in_process(scored_run, ["report", str(run)], env(scored_run))
+    shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))  # whatever ran before
+    uri = _own_store(scored_run, run, tmp_path)
+    environ = env(scored_run, MLFLOW_TRACKING_URI=uri)
+    proc = run_in_process(scored_run, ["report", str(run)], environ)
     assert proc.returncode == 0, proc.stderr
     report = run / "report"
     table = pd.read_parquet(report / "downstream.parquet")
@@ -331,33 +364,52 @@ def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_reque
     final = table[(table["source"] == "loop") & (table["step"] == 4)]
     arc = final[(final["task"] == "arc_easy") & (final["metric"] == "acc")].iloc[0]
     assert f"| loop | 4 | {arc.exposure_tokens:,} | arc_easy | acc | {arc.value:.6g} | 3 | 0.25 |" in section
+    bpb = final[final["metric"] == "bpb"].iloc[0]
+    assert f"| builtin | bpb | {bpb.value:.6g} | 4 | none |" in section  # bpb has no random baseline
     assert json.loads(arc.convention)["task_sha256"] in section and "![downstream](downstream.png)" in section
     assert (report / "downstream.png").stat().st_size > 0  # two loop scorings: a curve
 
-    checks = {c.name: c for c in audit(run, check_mlflow=False).checks}
+    checks = {c.name: c for c in audit(run, tracking_uri=uri).checks}
     for name in (
         "schema: downstream",
         "downstream table equals the recomputed figures",
         "report matches the run folder",
+        EVIDENCE,
     ):
         assert checks[name].status == "PASS", checks[name]
     # a later `runner eval` is not yet in the report: noted, not failed (the report is rebuilt to show it)
-    proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "builtin", "--limit", "2"], env(scored_run))
+    proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "builtin", "--limit", "2"], environ)
     assert proc.returncode == 0, proc.stderr
-    checks = {c.name: c for c in audit(run, check_mlflow=False).checks}
+    assert "vouches for the downstream table with this scoring" in proc.stdout, proc.stdout
+    checks = {c.name: c for c in audit(run, tracking_uri=uri).checks}
     later = checks["downstream table equals the recomputed figures"]
     assert later.status == "PASS" and "runner eval figures scored after the report" in later.detail, later
-    assert checks["report matches the run folder"].status == "PASS"
-    # a forged table value (parquet and csv alike) fails against the figures the requests give
-    forged = table.copy()
+    assert checks["report matches the run folder"].status == "PASS" and checks[EVIDENCE].status == "PASS"
+    assert EVAL_FIGURES not in checks  # none in the report
+    # runner eval, then runner report: MLflow's evidence vouches for the table with the scoring (runner
+    # eval logged its hash), as for the loop's figures; without MLflow only a rescoring would
+    proc = run_in_process(scored_run, ["report", str(run)], environ)
+    assert proc.returncode == 0, proc.stderr
+    result = audit(run, tracking_uri=uri)
+    checks = {c.name: c for c in result.checks}
+    assert result.failed() == [] and checks[EVIDENCE].status == "PASS", result.render()
+    assert checks[EVAL_FIGURES].status == "INFO" and "logged to MLflow's evidence" in checks[EVAL_FIGURES].detail
+    unvouched = next(c for c in audit(run, check_mlflow=False).checks if c.name == EVAL_FIGURES)
+    assert unvouched.status == "UNVERIFIED" and "run `runner audit --recompute-eval`" in unvouched.detail
+    assert unvouched.detail.startswith("4 figures of 1 runner eval scoring (step 4): only their arithmetic")
+    # a forged table value (parquet and csv alike) fails against the figures the requests give, and
+    # against MLflow's evidence
+    forged = pd.read_parquet(report / "downstream.parquet")
     forged.loc[(forged["task"] == "arc_easy") & (forged["metric"] == "acc"), "value"] = 1.0
     forged.to_parquet(report / "downstream.parquet", index=False)
     forged.to_csv(report / "downstream.csv", index=False)
-    result = audit(run, check_mlflow=False)
+    result = audit(run, tracking_uri=uri)
     failed = {c.name: c.detail for c in result.checks if c.status == "FAIL"}
     assert (
         "loop step 4 arc_easy.acc: value 1.0 in the table" in failed["downstream table equals the recomputed figures"]
     )
+    assert failed[EVIDENCE].startswith("table downstream: sha256 "), failed[EVIDENCE]
+    assert re.search(r"\(nor any of the \d+ runner eval scorings' since\)$", failed[EVIDENCE]), failed[EVIDENCE]
     assert result.verdict == "FAIL"
     # a report without the table reads as older only where nothing says it had one: this run has tasks
     (report / "downstream.parquet").unlink()
@@ -388,31 +440,201 @@ def test_a_report_written_before_the_downstream_table_reads_it_as_empty(tmp_path
     assert "downstream.parquet" in missing_report_files(report, ["code", "legal", "prose"])
 
 
-@pytest.mark.slow
-def test_recompute_eval_rescores_the_loop_requests_from_the_checkpoints(scored_run, tmp_path):
-    import shutil
-
-    from runner.reports.audit import audit
-    from runner.reports.audit_downstream_eval import NAME
-
-    run = tmp_path / "run"
-    shutil.copytree(scored_run / "run", run)
-    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
-    assert check.status == "PASS" and check.detail.startswith("steps 2, 4 within 1e-4 + 1e-6 |ll|"), check
-    # one request's recorded log-likelihood moved by 1e-3: the rescoring names it
-    path = run / "downstream/requests-loop-step-0000004.jsonl.gz"
+def _read_gz(path: Path) -> list[dict]:
     with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    rows[5]["ll"] -= 1e-3
+        return [json.loads(line) for line in f]
+
+
+def _write_gz(path: Path, rows: list[dict]) -> None:
     with gzip.open(path, "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _forge_eval_scoring(record_path: Path, edit) -> list[dict]:
+    """What a careful forger does to a `runner eval` scoring: its request file edited (`edit(rows)`),
+    then every figure of its record (centered forms and the aggregate too) recomputed from it with
+    the audit's own arithmetic, so that the two files agree. Returns the edited request rows."""
+    from runner.reports.downstream_audit import _centered, recompute
+
+    record = json.loads(record_path.read_text())
+    path = record_path.parent / record["requests_file"]
+    requests = _read_gz(path)
+    edit(requests)
+    _write_gz(path, requests)
+    got = recompute(requests)
+    baselines = {r["task"]: r["random_baseline"] for r in record["rows"] if r["random_baseline"] is not None}
+    for r in record["rows"]:
+        if r["task"] == "aggregate":
+            parts = json.loads(r["convention"])["tasks"].items()
+            r["value"] = sum(_centered(got[t][m.removeprefix("centered_")], baselines[t]) for t, m in parts) / len(
+                parts
+            )
+        elif r["metric"].startswith("centered_"):
+            r["value"] = _centered(got[r["task"]][r["metric"].removeprefix("centered_")], r["random_baseline"])
+        else:
+            r["value"] = got[r["task"]][r["metric"]]
+    record_path.write_text(json.dumps(record))
+    return requests
+
+
+@pytest.mark.slow
+def test_recompute_eval_rescores_the_loop_and_runner_eval_requests_from_the_checkpoints(scored_run, tmp_path):
+    import shutil
+
+    from runner.reports.audit import audit, load_input
+    from runner.reports.audit_downstream_eval import NAME, check_recomputed_downstream
+    from runner.reports.audit_result import AuditResult
+    from runner.reports.downstream_audit import check_run
+    from runner.training.downstream.posthoc import run_eval
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))  # whatever ran before
+    record = run_eval(run, ["builtin"], limit=2, say=lambda *a: None)  # a runner eval scoring at step 4
+    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
+    assert check.status == "PASS", check
+    assert check.detail.startswith(
+        "loop steps 2, 4; runner eval eval-step-0000004.json: every request record equal (gold, choices, tokens, "
+        "characters), ll within 1e-4 + 1e-6 |ll|"
+    ), check
+    # one request's recorded log-likelihood moved by 1e-3: the rescoring names it
+    path = run / "downstream/requests-loop-step-0000004.jsonl.gz"
+    honest = path.read_bytes()
+    rows = _read_gz(path)
+    rows[5]["ll"] -= 1e-3
+    _write_gz(path, rows)
     check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
     want = f"step 4: {rows[5]['task']} document {rows[5]['doc_id']} choice {rows[5]['choice']}: recorded ll"
     assert check.status == "FAIL" and want in check.detail
+    path.write_bytes(honest)
+
+    # A runner eval scoring forged consistently: one document's wrong choice made the likeliest (its ll
+    # above the gold's), another request's token count changed; the record's figures recomputed from
+    # the edited requests. Its arithmetic holds; its rescoring names both requests and the step.
+    edited: dict[str, dict] = {}
+
+    def edit(requests: list[dict]) -> None:
+        wrong = edited["ll"] = next(r for r in requests if r["choice"] != r["gold"])
+        gold = next(r for r in requests if r["doc_id"] == wrong["doc_id"] and r["choice"] == r["gold"])
+        wrong["ll"] = gold["ll"] + 5.0
+        requests[-1]["tokens"] += 1
+
+    forged = _forge_eval_scoring(record, edit)
+    assert check_run(run) == []
+    result = audit(run, check_mlflow=False, recompute_eval=True)
+    check = next(c for c in result.checks if c.name == NAME)
+    wrong = edited["ll"]
+    where = "runner eval step 4 (eval-step-0000004.json): builtin document"
+    assert check.status == "FAIL" and result.verdict == "FAIL", check
+    assert f"{where} {wrong['doc_id']} choice {wrong['choice']}: recorded ll " in check.detail, check.detail
+    last = forged[-1]
+    assert (
+        f"{where} {last['doc_id']} choice {last['choice']}: recorded tokens {last['tokens']}, rescored " in check.detail
+    )
+    # its request file cut short: a failed check naming the file, not a crash
+    requests = run / "downstream/requests-eval-step-0000004.jsonl.gz"
+    requests.write_bytes(requests.read_bytes()[:-20])
+    res = AuditResult("x")
+    check_recomputed_downstream(res, load_input(run))
+    assert res.checks[0].status == "FAIL", res.checks
+    assert "requests-eval-step-0000004.jsonl.gz: not a whole gzip jsonl file (EOFError" in res.checks[0].detail
+
     shutil.rmtree(run / "checkpoints/step-0000002")  # a pruned checkpoint is named, not failed
     shutil.rmtree(run / "checkpoints/step-0000004")
     check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
     assert check.status == "UNVERIFIED" and "no checkpoint that verifies at a scored step (2, 4)" in check.detail
+
+
+#: damaged per-request files (loop step 4's): the audit's line for each
+DAMAGED = {
+    "cut": (lambda b: b[:-20], "not a whole gzip jsonl file (EOFError"),
+    "not gzip": (lambda b: gzip.decompress(b), "not a whole gzip jsonl file (BadGzipFile"),
+    "not json": (lambda b: gzip.compress(b"{not json\n"), "line 1 is not JSON"),
+    "no ll": (
+        lambda b: gzip.compress(
+            "".join(
+                json.dumps({k: v for k, v in r.items() if k != "ll"}) + "\n"
+                for r in map(json.loads, gzip.decompress(b).splitlines())
+            ).encode()
+        ),
+        "line 1 lacks ll",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", sorted(DAMAGED))
+def test_a_damaged_request_file_is_a_failed_check_naming_it(scored_run, tmp_path, damage):
+    import shutil
+
+    from runner.reports.audit import load_input
+    from runner.reports.audit_downstream_eval import check_recomputed_downstream
+    from runner.reports.audit_result import AuditResult
+    from runner.reports.downstream_audit import NAME, audit_checks, check_run
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))
+    path = run / "downstream/requests-loop-step-0000004.jsonl.gz"
+    change, message = DAMAGED[damage]
+    path.write_bytes(change(path.read_bytes()))
+    want = f"loop step 4: {path}: {message}"
+    assert any(want in p for p in check_run(run)), check_run(run)
+    checks = {name: problems for name, problems, _ in audit_checks(run)}
+    assert any(want in p for p in checks[NAME]), checks[NAME]
+    res = AuditResult("x")
+    check_recomputed_downstream(res, load_input(run))  # the rescoring reads it too
+    assert res.checks[0].status == "FAIL" and f"step 4: {path}: {message}" in res.checks[0].detail, res.checks
+
+
+@pytest.mark.slow
+def test_a_malformed_downstream_row_or_record_is_one_line_naming_the_file_and_column(scored_run, tmp_path):
+    import shutil
+
+    from runner.errors import RunnerError
+    from runner.reports.audit import audit
+    from runner.reports.downstream_table import downstream_table
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))
+    loop_file = run / "metrics/downstream.jsonl"
+    honest = loop_file.read_text()
+    rows = [json.loads(line) for line in honest.splitlines()]
+    acc = next(i for i, r in enumerate(rows) if r["metric"] == "acc")
+    for edit, message in (
+        ({"value": "high"}, "value: not float64"),
+        ({"value": 1.5}, "value: fails accuracies in [0, 1], centered <= 1, bpb > 0 (the row of step 2, task"),
+        ({"documents": 0}, "documents: 0 fails greater_than_or_equal_to(1)"),
+        ({"random_baseline": None}, "random_baseline: fails a random baseline on every figure but bpb"),
+        ({"convention": "{"}, "convention: fails the convention record names the metric"),
+        ({"useful_tokens": "many"}, "useful_tokens must be an integer, got 'many'"),
+        ({"step": "two"}, "step must be an integer and task, metric strings, got 'two'"),
+    ):
+        edited = [dict(r, **edit) if i == acc else r for i, r in enumerate(rows)]
+        loop_file.write_text("".join(json.dumps(r) + "\n" for r in edited))
+        with pytest.raises(RunnerError) as e:
+            downstream_table(run)
+        assert str(e.value).startswith(f"{loop_file}: ") and message in str(e.value), str(e.value)
+        assert len(str(e.value).splitlines()) == 1
+    # runner report: exit 2, one line; the audit: a failed check naming the file and column, no traceback
+    proc = run_in_process(scored_run, ["report", str(run)], env(scored_run))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "step must be an integer" in proc.stderr
+    result = audit(run, check_mlflow=False)
+    schema = next(c for c in result.checks if c.name == "downstream table schema")
+    assert schema.status == "FAIL" and "metrics/downstream.jsonl: row " in schema.detail, schema
+    assert result.verdict == "FAIL"
+    loop_file.write_text(honest)
+    # a runner eval record whose rows are not figures, or whose request file is elsewhere
+    record = run / "downstream/eval-step-0000004.json"
+    for body, message in (
+        ({"rows": [1], "requests_file": "requests-eval-step-0000004.jsonl.gz"}, "rows: must be a list of JSON objects"),
+        ({"rows": [], "requests_file": "../../run.json"}, "requests_file: must name the per-request file beside it"),
+        ([1, 2], "a runner eval record must be a JSON object"),
+    ):
+        record.write_text(
+            json.dumps(body if isinstance(body, list) else {"step": 4, "checkpoint": "step-0000004", **body})
+        )
+        with pytest.raises(RunnerError, match=rf"eval-step-0000004.json: {re.escape(message)}"):
+            downstream_table(run)
 
 
 def _bracket_by_hand(rows: list[dict], task: str, metric: str, at_least: float) -> dict[str, int]:

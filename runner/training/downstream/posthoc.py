@@ -56,8 +56,8 @@ def run_eval(
     micro_batch: int | None = None,
     limit: int | None = None,
     say: Callable = print,
-) -> dict:
-    """Score the checkpoint; returns (and writes) the record `downstream/eval-step-NNNNNNN.json`."""
+) -> Path:
+    """Score the checkpoint; writes the record `downstream/eval-step-NNNNNNN.json` and returns its path."""
     if micro_batch is not None and micro_batch < 1:
         raise RunnerError(f"must be >= 1, got {micro_batch}", key="--micro-batch")
     run_dir, path = find_checkpoint(target)
@@ -102,8 +102,9 @@ def run_eval(
         # the checkpoint's useful tokens; no wall time: scored after the fact, never part of the run's
         "rows": [{**r, "useful_tokens": useful} for r in scored.rows] if useful is not None else scored.rows,
     }
-    atomic_write_json(out / f"eval-{stem}.json", record)
+    written = out / f"eval-{stem}.json"
+    atomic_write_json(written, record)
     for r in scored.rows:
         say(f"  {r['task']:<24} {r['metric']:<18} {r['value']:.4f}  ({r['documents']} documents)")
     say(f"  t_eval {scored.t_eval_seconds:.2f} s in {scored.forwards} forwards; written to {out}")
-    return record
+    return written

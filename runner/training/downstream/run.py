@@ -3,9 +3,10 @@
 Owns: preparing the eval recipe's tasks for a run (loaded, subset, encoded and refused at load),
 one scoring of all of them (every task's requests batched together, every rank the same number
 of forwards, its wall time as `t_eval_seconds`), the figure rows (task, metric, value, step,
-exposure tokens, documents, random baseline and the convention record) and the per-request
-log-likelihood file. Callers: the training loop (runner.training.downstream.inloop) and
-`runner eval` (runner.training.downstream.posthoc). Never trains and never counts a token.
+exposure tokens, documents, random baseline (an accuracy's: null on bpb's rows) and the convention
+record; the aggregate's names each task's own) and the per-request log-likelihood file. Callers:
+the training loop (runner.training.downstream.inloop) and `runner eval`
+(runner.training.downstream.posthoc). Never trains and never counts a token.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def task_specs(exp: Experiment, names: list[str] | None = None, limit: int | Non
     builtin = BUILTIN if limit is None else dataclasses.replace(BUILTIN, limit=limit)
     unknown = [n for n in names if n not in declared and n != "builtin"]
     if unknown:
-        known = ", ".join(sorted(declared) + ["builtin"])
+        known = ", ".join(sorted({*declared, "builtin"}))
         raise RunnerError(f"no task {', '.join(unknown)} in the eval recipe (known: {known})", key="--tasks")
     return {n: declared.get(n, builtin) for n in names}
 
@@ -135,18 +136,31 @@ def score(
         stamp = {"step": step, "exposure_tokens": exposure_tokens, "task": task.name}
         for metric in task.metrics:
             record = canonical_json(convention(task, prepared, metric, dtype))
-            rows.append(_row(stamp, metric, values[metric], len(task.documents), random_baseline(task), record, t_eval))
+            baseline = None if metric == "bpb" else random_baseline(task)  # an accuracy's: bpb has none
+            rows.append(_row(stamp, metric, values[metric], len(task.documents), baseline, record, t_eval))
         requests += _request_records(task, mine, tokens)
     overall = aggregate(prepared.tasks, per_task, prepared.aggregate)
     if overall is not None:
         stamp = {"step": step, "exposure_tokens": exposure_tokens, "task": "aggregate"}
-        record = canonical_json({"tasks": aggregate_metrics(prepared.tasks), "rule": prepared.aggregate})
+        record = _aggregate_record(prepared, dtype)
         documents = sum(len(t.documents) for t in prepared.tasks)
         rows.append(_row(stamp, prepared.aggregate, overall, documents, 0.0, record, t_eval))
     return Scored(rows, requests, t_eval, forwards)
 
 
-def _row(stamp: dict, metric: str, value: float, documents: int, baseline: float, record: str, t_eval: float) -> dict:
+def _aggregate_record(prepared: Prepared, dtype: str) -> str:
+    """The aggregate's record: its rule, the metric it averages of each task, and each task's own
+    record for that metric (task file, limit, seed, ...): two aggregates over different subsets,
+    or differently pinned tasks, are never the same figure."""
+    chosen = aggregate_metrics(prepared.tasks)
+    by_name = {t.name: t for t in prepared.tasks}
+    parts = {name: convention(by_name[name], prepared, m, dtype) for name, m in chosen.items()}
+    return canonical_json({"tasks": chosen, "rule": prepared.aggregate, "task_records": parts})
+
+
+def _row(
+    stamp: dict, metric: str, value: float, documents: int, baseline: float | None, record: str, t_eval: float
+) -> dict:
     return {
         **stamp,
         "metric": metric,

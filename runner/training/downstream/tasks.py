@@ -4,21 +4,24 @@ sha256 the eval recipe pins (SPEC "Downstream evaluation").
 Owns: the three file formats (OLMES `requests.jsonl.gz` + `config.json`, plain multiple-choice
 jsonl `{query, choices, gold}`, schema jsonl `{context_options, continuation, gold}`), the
 built-in task made from the built-in corpus, and the fixed subset (documents sorted by id, the
-first `limit` of `numpy.random.default_rng(seed).permutation(n)`). Never tokenizes (encode.py
-does) and never touches the network.
+first `limit` of `numpy.random.default_rng(seed).permutation(n)`). A file that cannot be read as
+its format (not gzip, cut short, not UTF-8, not JSON, nested too deep, a lone surrogate that no
+tokenizer takes) is one RunnerError naming it and the task's `eval.tasks.<name>`. Never tokenizes
+(encode.py does) and never touches the network.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from runner.config.schema import DownstreamTask
-from runner.errors import RunnerError
+from runner.errors import RunnerError, display_path
 from runner.fsio import sha256_file
 from runner.training.downstream.documents import Document, Request, Task
 
@@ -37,20 +40,65 @@ def _pinned(root: Path, rel: str, sha256: str, key: str, package: Any = None) ->
     return path
 
 
+def _loads(text: str, where: str, path: Path) -> Any:
+    """One JSON value whose strings are all encodable text (a lone surrogate, which JSON's \\ud800
+    escape allows, is no text a tokenizer takes); RunnerError naming the file otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RunnerError(f"{where} is not JSON: {e.msg}", file=str(path)) from None
+    except (ValueError, RecursionError) as e:  # an integer of more digits than Python converts, nesting too deep
+        raise RunnerError(
+            f"{where} is refused: {type(e).__name__}: {str(e).splitlines()[0][:80]}", file=str(path)
+        ) from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RunnerError(
+            f"{where} holds a lone surrogate ({e.object[e.start : e.end]!r}), not text", file=str(path)
+        ) from None
+    return value
+
+
+def check_task_pins(exp: Any) -> list[str]:
+    """What `runner validate` checks of the eval recipe's task files without reading them as tasks:
+    each one on this machine hashes to its pin (a RunnerError naming the file and
+    `eval.tasks.<name>.sha256` or `.config_sha256`, as at launch); notes for those that are not."""
+    notes = []
+    for name, spec in sorted(exp.config.eval.tasks.items()):
+        pins = [] if spec.format == "builtin" else [(spec.path, spec.sha256, "sha256")]
+        if spec.format == "olmes":
+            pins.append((spec.config_path, spec.config_sha256, "config_sha256"))
+        for rel, sha256, pin in pins:
+            key = f"eval.tasks.{name}.{pin}"
+            if rel is None or sha256 is None:
+                continue  # the schema names what is missing
+            path = Path(rel) if Path(rel).is_absolute() else exp.project_root / rel
+            if not path.is_file():
+                fetch = " (`runner fetch` writes it)" if spec.package is not None else ""
+                notes.append(f"{display_path(exp.path)}: {key}: {rel} is not on this machine: checked at launch{fetch}")
+                continue
+            _pinned(exp.project_root, rel, sha256, key, spec.package)
+    return notes
+
+
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RunnerError(f"line {n} is not JSON: {e.msg}", file=str(path)) from None
-            if not isinstance(row, dict):
-                raise RunnerError(f"line {n} is not a JSON object", file=str(path))
-            rows.append(row)
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = _loads(line, f"line {n}", path)
+                if not isinstance(row, dict):
+                    raise RunnerError(f"line {n} is not a JSON object", file=str(path))
+                rows.append(row)
+    except UnicodeDecodeError as e:
+        raise RunnerError(f"not UTF-8 text ({e.reason})", file=str(path)) from None
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, cut short, corrupt
+        kind = "gzip file" if path.suffix == ".gz" else "file"
+        raise RunnerError(f"not a whole readable {kind} ({type(e).__name__}: {e})", file=str(path)) from None
     return rows
 
 
@@ -97,12 +145,18 @@ def read_schema(path: Path, delimiter: str) -> list[Document]:
 
 def _olmes_offset(config_path: Path) -> int:
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunnerError(f"not JSON: {e}", file=str(config_path)) from None
-    kwargs = config.get("metric_kwargs") or (config.get("task_config") or {}).get("metric_kwargs") or {}
-    offset = kwargs.get("uncond_docid_offset", UNCOND_DOCID_OFFSET)
-    if not isinstance(offset, int):
+        text = config_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RunnerError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=str(config_path)) from None
+    config = _loads(text, "the config", config_path)
+    task_config = config.get("task_config") if isinstance(config, dict) else None
+    kwargs = (config.get("metric_kwargs") if isinstance(config, dict) else None) or (
+        task_config.get("metric_kwargs") if isinstance(task_config, dict) else None
+    )
+    if not isinstance(config, dict) or not isinstance(kwargs or {}, dict):
+        raise RunnerError("must be a JSON object with a metric_kwargs object", file=str(config_path))
+    offset = (kwargs or {}).get("uncond_docid_offset", UNCOND_DOCID_OFFSET)
+    if not isinstance(offset, int) or isinstance(offset, bool):
         raise RunnerError(
             f"metric_kwargs.uncond_docid_offset must be an integer, got {offset!r}", file=str(config_path)
         )
@@ -117,7 +171,8 @@ def read_olmes(path: Path, config_path: Path) -> list[Document]:
     by_doc: dict[int, dict[int, Request]] = {}
     labels: dict[int, int] = {}
     for n, row in enumerate(_jsonl(path), 1):
-        doc_id, idx, req = row.get("doc_id"), row.get("idx"), row.get("request") or {}
+        doc_id, idx, req = row.get("doc_id"), row.get("idx"), row.get("request")
+        req = req if isinstance(req, dict) else {}
         if not isinstance(doc_id, int) or not isinstance(idx, int):
             raise RunnerError(f"line {n}: doc_id and idx must be integers", file=str(path))
         if doc_id >= offset:
@@ -158,6 +213,15 @@ def load_task(name: str, spec: DownstreamTask, root: Path) -> Task:
     """The task's documents (its subset) from its pinned file(s); RunnerError naming the file and
     key when a file is missing, its sha256 differs or a row is malformed."""
     key = f"eval.tasks.{name}"
+    try:
+        return _load_task(name, spec, root, key)
+    except RunnerError as e:  # a reader's error names the file; the task's key says which recipe entry
+        if e.key is not None:
+            raise
+        raise RunnerError(e.detail, file=e.file, key=key) from None
+
+
+def _load_task(name: str, spec: DownstreamTask, root: Path, key: str) -> Task:
     config_sha = None
     if spec.format == "builtin":
         from runner.training.downstream.builtin_task import builtin_documents  # noqa: PLC0415 (reads the corpus)
