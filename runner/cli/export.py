@@ -78,14 +78,20 @@ def register(subparsers) -> None:
         "are the audited report's (with --step, that checkpoint's own ledger and replayed evaluation).",
     )
     p.add_argument("run", metavar="RUN_DIR", help="run folder (runs/EXPERIMENT/RUN_ID)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new, or empty)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the folder to write (new, or empty; outside the run folder, not a symbolic link)",
+    )
     p.add_argument("--step", type=_step, default=None, metavar="N", help="the checkpoint of step N (default: the last)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
     p.add_argument(
         "--max-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,
         metavar="SIZE",
-        help=f"safetensors shards above this size are split, with an index (default {DEFAULT_MAX_SHARD_SIZE})",
+        help=f"safetensors shards above this size are split, with an index (KB, MB, GB, TB; default "
+        f"{DEFAULT_MAX_SHARD_SIZE})",
     )
     p.add_argument(
         "--push", default=None, metavar="REPO", help="then commit the folder to this Hub repository (HF_TOKEN)"

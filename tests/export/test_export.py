@@ -434,6 +434,73 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_and_no_folder_is_written(ll
     assert proc.returncode == 2 and "no checkpoint of step 3" in proc.stderr and "step-0000002" in proc.stderr
 
 
+def _refused(root: Path, argv: list[str], says: str) -> str:
+    """`runner ARGV` exits 2 with one error line, containing `says`, and no traceback; the line."""
+    proc = run_in_process(root, argv, env(root))
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr
+    assert says in errors[0], errors[0]
+    return errors[0]
+
+
+def _export_case(case: str, run: Path, earlier: Path, tmp: Path) -> tuple[list[str], str]:
+    """(the export's extra argv, what its one error line says) for a refused option."""
+    out = tmp / "out"
+    if case == "parent is a file":
+        (tmp / "mine.txt").write_text("keep")
+        out = tmp / "mine.txt" / "out"
+    elif case == "symlink to an empty folder":
+        (tmp / "empty").mkdir()
+        out = tmp / "link"
+        out.symlink_to(tmp / "empty")
+    elif case == "not empty":
+        (tmp / "taken").mkdir()
+        (tmp / "taken" / "mine.txt").write_text("keep")
+        out = tmp / "taken"
+    return {
+        "inside the run folder": (["--out", str(run / "exported")], "is inside the run folder"),
+        "parent is a file": (["--out", str(out)], "mine.txt is not a folder"),
+        "unwritable": (["--out", "/proc/runner-export"], "--out: no folder can be made in /proc"),
+        "symlink to an empty folder": (["--out", str(out)], f"--out: {out} is a symbolic link"),
+        "not empty": (["--out", str(out)], "already exists and is not an empty folder"),
+        "an earlier export": (["--out", str(earlier)], "holds an earlier export (step 4 of"),
+        "shard size banana": (["--out", str(out), "--max-shard-size", "banana"], "--max-shard-size: not a size"),
+        "shard size 0": (["--out", str(out), "--max-shard-size", "0"], "--max-shard-size: not a size: '0'"),
+        "shard size 0KB": (["--out", str(out), "--max-shard-size", "0KB"], "a shard holds at least one byte"),
+        "push repo id": (["--out", str(out), "--push", "not a/repo!"], "--push: not a Hub repository id"),
+    }[case]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "inside the run folder",
+        "parent is a file",
+        "unwritable",
+        "symlink to an empty folder",
+        "not empty",
+        "an earlier export",
+        "shard size banana",
+        "shard size 0",
+        "shard size 0KB",
+        "push repo id",
+    ],
+)
+def test_export_refuses_a_bad_out_or_option_in_one_line_before_any_work(llama_run, llama_fp32, tmp_path, case):
+    if case == "unwritable" and not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    work = tmp_path / "work"
+    work.mkdir()
+    argv, says = _export_case(case, llama_run, llama_fp32, work)
+    before = {p: (p.read_bytes() if p.is_file() and not p.is_symlink() else None) for p in work.rglob("*")}
+    run, earlier = _tree_hashes(llama_run), _tree_hashes(llama_fp32)
+    _refused(tmp_path, ["export", str(llama_run), *argv, "--dtype", "fp32"], says)
+    after = {p: (p.read_bytes() if p.is_file() and not p.is_symlink() else None) for p in work.rglob("*")}
+    assert after == before  # nothing written, nothing removed: not a probe, not a temporary folder
+    assert _tree_hashes(llama_run) == run and _tree_hashes(llama_fp32) == earlier
+    assert not (llama_run / "exported").exists()
+
+
 def test_an_existing_folder_is_never_written_over(llama_run, tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "mine.txt").write_text("keep")
