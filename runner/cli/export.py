@@ -55,6 +55,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         step=args.step,
     )
     print(f"{got.prompt}{got.text}")
+    if got.note:
+        print(f"note: {got.note}", file=sys.stderr)
     print(
         f"({got.new_tokens} new tokens from {got.source}, temperature {args.temperature:g}, seed {args.seed})",
         file=sys.stderr,
@@ -66,6 +68,16 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:  # torch.manual_seed's range
+        raise argparse.ArgumentTypeError(f"an integer from 0 to 2**64 - 1, got {text}")
     return value
 
 
@@ -113,10 +125,20 @@ def register(subparsers) -> None:
         "target", metavar="RUN_OR_DIR", help="a run folder (its last checkpoint, or --step) or an exported folder"
     )
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); above 0, sampled at T"
+        "--max-new-tokens",
+        type=_positive,
+        default=32,
+        metavar="N",
+        help="tokens to generate (default 32; at most what the model's context leaves after the prompt)",
     )
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="the sampling seed (default 0)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0 = greedy (default); above 0 (finite), sampled at T",
+    )
+    p.add_argument("--seed", type=_seed, default=0, metavar="S", help="the sampling seed (default 0)")
     p.add_argument("--step", type=_step, default=None, metavar="N", help="a run folder's checkpoint of step N")
     p.set_defaults(func=cmd_sample)

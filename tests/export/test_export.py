@@ -432,6 +432,9 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_and_no_folder_is_written(ll
     assert _leftovers(tmp_path / "exports") == []
     proc = run_in_process(tmp_path, ["export", str(copy), "--out", str(out), "--step", "3"], env(tmp_path))
     assert proc.returncode == 2 and "no checkpoint of step 3" in proc.stderr and "step-0000002" in proc.stderr
+    # `runner sample` refuses it too, in its own words.
+    line = _refused(tmp_path, ["sample", str(copy), "--prompt", "x"], "model.safetensors sha256 mismatch")
+    assert line.endswith("refusing to sample from it") and "export" not in line
 
 
 def _refused(root: Path, argv: list[str], says: str) -> str:
@@ -685,6 +688,71 @@ def test_sample_from_the_run_and_from_its_exported_folder_agree(llama_run, llama
         generate(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
         == from_run.text
     )
+
+
+def _damage(folder: Path, how: str) -> None:
+    if how == "config.json not JSON":
+        (folder / "config.json").write_text('{"model_type": "llama",')
+    elif how == "config.json missing":
+        (folder / "config.json").unlink()
+    elif how == "safetensors truncated":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "tokenizer.json not JSON":
+        (folder / "tokenizer.json").write_text("garbage")
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    ids=["config.json not JSON", "config.json missing", "safetensors truncated", "tokenizer.json not JSON"],
+    argvalues=[
+        ("config.json not JSON", "config.json: not readable JSON"),
+        ("config.json missing", "config.json: missing: the exported folder is damaged"),
+        ("safetensors truncated", "model.safetensors: not a readable safetensors file"),
+        ("tokenizer.json not JSON", "tokenizer.json: not readable JSON"),
+    ],
+)
+def test_sample_refuses_a_damaged_folder_naming_the_file(llama_fp32, tmp_path, how, says):
+    folder = tmp_path / "copy"
+    shutil.copytree(llama_fp32, folder)
+    _damage(folder, how)
+    _refused(tmp_path, ["sample", str(folder), "--prompt", "def main("], says)
+
+
+@pytest.mark.parametrize(
+    "option, says",
+    ids=["seed 1e23", "seed 10**23", "temperature nan", "temperature inf", "temperature < 0", "0 tokens", "-2 tokens"],
+    argvalues=[
+        (["--seed", "1e23"], "argument --seed: an integer from 0 to 2**64 - 1, got 1e23"),
+        (["--seed", str(10**23)], f"argument --seed: an integer from 0 to 2**64 - 1, got {10**23}"),
+        (["--temperature", "nan"], "--temperature: a finite number >= 0 (0 = greedy), got nan"),
+        (["--temperature", "inf"], "--temperature: a finite number >= 0 (0 = greedy), got inf"),
+        (["--temperature", "-0.5"], "--temperature: a finite number >= 0 (0 = greedy), got -0.5"),
+        (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+        (["--max-new-tokens", "-2"], "argument --max-new-tokens: must be >= 1, got -2"),
+    ],
+)
+def test_sample_refuses_a_bad_setting_in_one_line(llama_fp32, option, says):
+    _refused(llama_fp32.parent, ["sample", str(llama_fp32), "--prompt", "def main(", *option], says)
+
+
+def test_sample_caps_the_new_tokens_at_what_the_models_context_leaves(llama_run, llama_fp32):
+    from runner.export.sample import sample
+
+    prompt = "def main("
+    room = SEQ_LEN - len(AutoTokenizer.from_pretrained(llama_fp32)(prompt)["input_ids"])
+    for target in (llama_fp32, llama_run):  # max_position_embeddings = seq_len, from either
+        got = sample(target, prompt, max_new_tokens=100_000_000)
+        assert got.new_tokens == room and f"--max-new-tokens 100000000 capped at {room}" in got.note
+    assert sample(llama_fp32, prompt, max_new_tokens=room).note is None
+    root = llama_run.parents[1]
+    proc = run_in_process(root, ["sample", str(llama_fp32), "--prompt", prompt, "--max-new-tokens", "99999"], env(root))
+    assert proc.returncode == 0 and f"note: --max-new-tokens 99999 capped at {room}:" in proc.stderr
+    with pytest.raises(RunnerError, match=r"--prompt: encodes to \d+ tokens; the model's context is 16 positions"):
+        sample(llama_fp32, "def main(x): return x + 1 # " * 4)
+    for bad in ({"max_new_tokens": 0}, {"temperature": float("nan")}, {"seed": 2**64}):  # the API checks them too
+        with pytest.raises(RunnerError, match=next(iter(bad)).replace("_", "-")):
+            sample(llama_fp32, prompt, **bad)
 
 
 def test_export_samples_logs_each_evaluations_greedy_text_equal_to_generate_on_its_checkpoint(llama_run):
