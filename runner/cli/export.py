@@ -55,6 +55,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         step=args.step,
     )
     print(f"{got.prompt}{got.text}")
+    if got.note:
+        print(f"note: {got.note}", file=sys.stderr)
     print(
         f"({got.new_tokens} new tokens from {got.source}, temperature {args.temperature:g}, seed {args.seed})",
         file=sys.stderr,
@@ -69,6 +71,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:  # torch.manual_seed's range
+        raise argparse.ArgumentTypeError(f"an integer from 0 to 2**64 - 1, got {text}")
+    return value
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "export",
@@ -78,14 +90,20 @@ def register(subparsers) -> None:
         "are the audited report's (with --step, that checkpoint's own ledger and replayed evaluation).",
     )
     p.add_argument("run", metavar="RUN_DIR", help="run folder (runs/EXPERIMENT/RUN_ID)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new, or empty)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the folder to write (new, or empty; outside the run folder, not a symbolic link)",
+    )
     p.add_argument("--step", type=_step, default=None, metavar="N", help="the checkpoint of step N (default: the last)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
     p.add_argument(
         "--max-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,
         metavar="SIZE",
-        help=f"safetensors shards above this size are split, with an index (default {DEFAULT_MAX_SHARD_SIZE})",
+        help=f"safetensors shards above this size are split, with an index (KB, MB, GB, TB; default "
+        f"{DEFAULT_MAX_SHARD_SIZE})",
     )
     p.add_argument(
         "--push", default=None, metavar="REPO", help="then commit the folder to this Hub repository (HF_TOKEN)"
@@ -107,10 +125,20 @@ def register(subparsers) -> None:
         "target", metavar="RUN_OR_DIR", help="a run folder (its last checkpoint, or --step) or an exported folder"
     )
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); above 0, sampled at T"
+        "--max-new-tokens",
+        type=_positive,
+        default=32,
+        metavar="N",
+        help="tokens to generate (default 32; at most what the model's context leaves after the prompt)",
     )
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="the sampling seed (default 0)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0 = greedy (default); above 0 (finite), sampled at T",
+    )
+    p.add_argument("--seed", type=_seed, default=0, metavar="S", help="the sampling seed (default 0)")
     p.add_argument("--step", type=_step, default=None, metavar="N", help="a run folder's checkpoint of step N")
     p.set_defaults(func=cmd_sample)

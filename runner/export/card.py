@@ -6,6 +6,8 @@ the checks that could not run); for the final checkpoint every figure is the aud
 (accounting, validation, MFU with its convention, device-hours and cost); for an earlier checkpoint
 (`--step N`) the accounting is that checkpoint's own ledger and the validation loss is recomputed
 from its weights on the pinned samples (the run's evaluation, replayed), never the final report's.
+The downstream section, at either, is the figures scored at the checkpoint's own step and the
+targets as they stood there (runner.export.card_downstream).
 Written with huggingface_hub's ModelCard/ModelCardData. Never writes into the run folder.
 """
 
@@ -27,6 +29,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from runner.config.load import to_yaml
 from runner.errors import RunnerError
+from runner.export import card_downstream
 from runner.export.source import Source, reference_model
 from runner.fsio import sha256_file
 from runner.reports import tables as rpt
@@ -161,9 +164,8 @@ def figures(src: Source) -> dict:
         validation_source = "recomputed now from this checkpoint's weights on the run's pinned validation samples"
     for row in accounting:
         row["manifest_sha256"] = cfg.data.manifests[row["domain"]].sha256
-    extra = {name: df.to_dict("records") for name, df in tables.items() if name.startswith("downstream")}
     return {
-        "format": "runner-export-accounting/1",
+        "format": "runner-export-accounting/2",
         "experiment": {"name": cfg.name, "version": cfg.version, "fingerprint": src.exp.fingerprint},
         "run_id": as_record(src.run).run_id,
         "checkpoint": {
@@ -174,7 +176,7 @@ def figures(src: Source) -> dict:
         },
         "accounting": accounting,
         "validation": {"step": val_step, "source": validation_source, "domains": validation},
-        "downstream": extra,
+        "downstream": card_downstream.downstream_figures(cfg, tables, src.step),
         "compute": _compute(src, summary),
         "audit": audited,
         "tokenizer": {
@@ -261,8 +263,7 @@ def card_text(src: Source, f: dict, dtype: str, verification: dict) -> str:
         "",
     ]
     lines += [*_table(v["domains"], ["domain", "loss_nats", "bpb"]), ""]
-    for name, rows in f["downstream"].items():
-        lines += [f"## {name}", "", *_table(rows, list(rows[0]) if rows else []), ""]
+    lines += card_downstream.markdown(cfg, f["downstream"])
     lines += [
         "## Compute",
         "",

@@ -3,8 +3,11 @@
 Owns the order of the act: the checkpoint chosen and verified (runner.export.source), the folder
 written beside its destination under a temporary name (runner.export.folder), loaded back and
 compared (runner.export.verify), its card and accounting written (runner.export.card), and only
-then renamed to `--out`. Any failure removes the temporary folder: no folder is left that did
-not pass. Never changes the run folder, and never writes over an existing non-empty `--out`.
+then renamed to `--out`. Any failure removes the temporary folder (and the parents it made): no
+folder is left that did not pass. Before any of it, the options are checked (dtype, shard size,
+the push's repository id and token) and `--out` too: never inside the run folder (export never
+changes a run folder), never an existing non-empty folder or file (nothing is written over, an
+earlier export included), never a symbolic link, and somewhere a folder can be made.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,9 +25,9 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from runner.config.load import Experiment
-from runner.errors import RunnerError
+from runner.errors import RunnerError, display_path
 from runner.export import DEFAULT_MAX_SHARD_SIZE, card, folder, verify
-from runner.export.push import Pushed, check_token, push_folder
+from runner.export.push import Pushed, check_repo_id, check_token, push_folder
 from runner.export.source import Source, open_source
 from runner.fsio import fsync_dir, fsync_file
 
@@ -42,9 +46,47 @@ class Exported:
     pushed: Pushed | None = None
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise RunnerError("already exists and is not an empty folder: remove it or give another --out", file=str(out))
+def _check_out(out: Path, run_dir: Path) -> None:
+    """Refuse, before any work, an `--out` the export may not or cannot write (one line each)."""
+    if out.is_symlink():  # named as given: a file= would show the link resolved
+        raise RunnerError(
+            f"{out} is a symbolic link (to {os.readlink(out)}): give the folder itself, or another --out",
+            key="--out",
+        )
+    if out.resolve().is_relative_to(run_dir.resolve()):
+        raise RunnerError(
+            f"is inside the run folder {run_dir}: export never changes a run folder; name a folder outside it",
+            file=str(out),
+            key="--out",
+        )
+    try:
+        taken = out.exists() and (not out.is_dir() or any(out.iterdir()))
+    except OSError as e:
+        raise RunnerError(f"cannot be read ({e.strerror or e})", file=str(out), key="--out") from None
+    if taken:
+        raise RunnerError(_taken(out), file=str(out), key="--out")
+    ancestor = next(p for p in out.absolute().parents if os.path.lexists(p))
+    if not ancestor.is_dir():
+        raise RunnerError(f"{display_path(ancestor)} is not a folder", file=str(out), key="--out")
+    try:  # a folder can be made there (a read-only or virtual file system cannot take one)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=ancestor))
+    except OSError as e:
+        raise RunnerError(
+            f"no folder can be made in {display_path(ancestor)} ({e.strerror or e})", file=str(out), key="--out"
+        ) from None
+
+
+def _taken(out: Path) -> str:
+    """Why an existing `--out` is not written to (it is never removed: it may be the user's)."""
+    record = out / RECORD
+    if out.is_dir() and record.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            was = json.loads(record.read_text())
+            return (
+                f"holds an earlier export (step {was.get('step')} of {was.get('run_dir')}): an export is never "
+                "written over; remove it or give another --out"
+            )
+    return "already exists and is not an empty folder: remove it or give another --out"
 
 
 def export_run(
@@ -65,27 +107,31 @@ def export_run(
         raise RunnerError(f"unknown dtype {dtype!r}; one of {', '.join(folder.DTYPES)}", key="--dtype")
     if (revision or private) and not push:
         raise RunnerError("--revision and --private go with --push REPO", key="--revision" if revision else "--private")
-    if push:
-        check_token()  # before an export of minutes: a push that cannot happen is said now
+    shard_bytes = folder.shard_size_bytes(max_shard_size)
+    if push:  # before an export of minutes: a push that cannot happen is said now
+        check_repo_id(push)
+        check_token()
     start = time.monotonic()
-    out = Path(out)
-    _check_out(out)
+    out, run_dir = Path(out), Path(run_dir)
+    _check_out(out, run_dir)
     src = open_source(run_dir, step)
     say(f"export: {src.checkpoint.path} (verified) -> {out} ({dtype})")
     figures = card.figures(src)  # before any file is written: a run whose report does not audit is refused
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    made = [p for p in reversed(out.absolute().parents) if not os.path.lexists(p)]  # outermost first
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # never an existing folder
+        tmp.chmod(0o755)  # mkdtemp's 0700; a shared model folder is read by others
+    except OSError as e:
+        _remove_empty(made)
+        raise RunnerError(f"cannot make the folder ({e.strerror or e})", file=str(out), key="--out") from None
     try:
         with quiet_transformers():
-            verification = _write_and_verify(src, tmp, dtype, max_shard_size, figures, say)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
+            verification = _write_and_verify(src, tmp, dtype, shard_bytes, figures, say)
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)
         raise
     files = sorted(p.name for p in out.iterdir())
     done = Exported(out, src, dtype, verification, time.monotonic() - start, files)
@@ -96,6 +142,28 @@ def export_run(
             out, push, step=src.step, exposure_tokens=exposure, revision=revision, private=private
         )
     return done
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """The verified folder renamed to `out`, which is still absent or empty (as checked before)."""
+    try:
+        if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+            out.rmdir()
+        os.rename(tmp, out)
+    except OSError as e:
+        raise RunnerError(
+            f"appeared or changed while the export ran ({e.strerror or e}): left as it is, nothing moved there",
+            file=str(out),
+            key="--out",
+        ) from None
+    fsync_dir(out.parent)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """The parents an export made, innermost first, where they are still empty."""
+    for path in reversed(folders):
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 @contextlib.contextmanager
@@ -112,7 +180,7 @@ def quiet_transformers():
         hf_logging.enable_progress_bar()
 
 
-def _write_and_verify(src: Source, tmp: Path, dtype: str, max_shard_size: str, figures: dict, say) -> dict:
+def _write_and_verify(src: Source, tmp: Path, dtype: str, max_shard_size: int, figures: dict, say) -> dict:
     """Every file of the export into `tmp`, and the folder verified, in that order."""
     folder.write_folder(src, dtype, tmp, max_shard_size)
     domains, ids = verify.fixed_inputs(src)

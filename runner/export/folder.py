@@ -13,6 +13,7 @@ folder it is given.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,18 +21,40 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from runner.data.tokenizer import load_tokenizer
+from runner.errors import RunnerError
 from runner.export import DEFAULT_MAX_SHARD_SIZE
 from runner.export.source import Source, bos_id, export_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+#: the Hub's size units (huggingface_hub's shard splitter reads these; powers of 1000)
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]B)\s*$", re.IGNORECASE)
 
 
-def write_folder(src: Source, dtype: str, out: Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> None:
+def shard_size_bytes(size: str | int) -> int:
+    """`--max-shard-size` in bytes (`5GB`, `500MB`, `100KB`; an int is bytes), refused unless it is a
+    size above 0: checked before an export starts, then handed to save_pretrained as bytes."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = _SIZE.match(str(size))
+        if not m:
+            raise RunnerError(
+                f"not a size: {size!r} (give a number and a unit: 5GB, 500MB, 100KB; {', '.join(SIZE_UNITS)})",
+                key="--max-shard-size",
+            )
+        value = int(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()])
+    if value < 1:
+        raise RunnerError(f"a shard holds at least one byte, got {size!r}", key="--max-shard-size")
+    return value
+
+
+def write_folder(src: Source, dtype: str, out: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> None:
     """Write the model and tokenizer of `src` into the (new, empty) folder `out`."""
     model = export_model(src, DTYPES[dtype])
     model.generation_config = generation_config(src)
-    model.save_pretrained(out, max_shard_size=max_shard_size)
+    model.save_pretrained(out, max_shard_size=shard_size_bytes(max_shard_size))
     _complete_config(out / "config.json", src, dtype)
     write_tokenizer(src, out)
 

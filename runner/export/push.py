@@ -4,8 +4,9 @@ Owns: the branch a checkpoint goes to (`step-0001200-exposure-2457600`: its step
 exposure tokens from its own ledger, never step x batch), the one commit per export
 (`upload_folder`), removing a branch this push created when its commit failed (no branch is left
 looking complete without its files), and turning what the Hub client raises into one line (a
-missing token, a refused write, an unreachable Hub). huggingface_hub 1.x and 2.x: only calls both
-have (`HfApi.create_repo/list_repo_refs/create_branch/upload_folder/delete_branch`, `get_token`).
+missing token, a refused write, an unreachable Hub, a repository id the Hub would refuse).
+huggingface_hub 1.x and 2.x: only calls both have (`HfApi.create_repo/list_repo_refs/create_branch/
+upload_folder/delete_branch`, `get_token`, `validate_repo_id`).
 `HF_TOKEN` and `HF_ENDPOINT` as the client reads them. Never pushes a folder that was not verified
 (runner.export.export calls it after the move into place).
 """
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import HfApi, constants, get_token
-from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
 
 from runner.errors import RunnerError
 
@@ -64,6 +66,17 @@ def _one_line(err: BaseException, endpoint: str, repo: str) -> str | None:
     if isinstance(err, OSError):
         return f"push to {endpoint} failed: {err}"
     return None
+
+
+def check_repo_id(repo: str) -> None:
+    """A repository id the Hub accepts (huggingface_hub's own rule), checked before an export of
+    minutes: a push that cannot be named is refused now."""
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "not a repository id"
+        first = first.split(" Use `repo_type`")[0]  # the Python API's advice, not the command's
+        raise RunnerError(f"not a Hub repository id: {first}", key="--push") from None
 
 
 def check_token() -> str:

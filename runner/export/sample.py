@@ -2,21 +2,27 @@
 
 Owns: opening either kind of source (a run folder: its verified checkpoint in transformers' plain
 class, with the pinned tokenizer; an exported folder: `AutoModelForCausalLM`/`AutoTokenizer`,
-exactly what a user of the folder gets), and the sampling settings (greedy at temperature 0,
-otherwise multinomial sampling seeded by `seed`). One process, on the CPU. Never writes anything.
+exactly what a user of the folder gets; a damaged one, a file it names missing, unreadable JSON or
+safetensors, is one line naming the file), and the sampling settings (greedy at temperature 0,
+otherwise multinomial sampling seeded by `seed`; a temperature that is not a finite number >= 0 is
+refused), with the new tokens capped at what the model's context (`max_position_embeddings`) leaves
+after the prompt. One process, on the CPU. Never writes anything.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
-from runner.export.export import quiet_transformers
+from runner.export.export import RECORD, quiet_transformers
 from runner.export.source import export_model, open_source
 from runner.training.runfolder import is_run_dir
 
@@ -27,10 +33,15 @@ class Sample:
     text: str  #: the continuation only
     new_tokens: int
     source: str  #: what generated it: `runs/x/y checkpoints/step-0000150` or the folder
+    note: str | None = None  #: said beside the text: the new tokens were capped at the model's context
+
+
+#: torch.manual_seed's range
+SEED_LIMIT = 2**64
 
 
 def _from_run(path: Path, step: int | None):
-    src = open_source(path, step)
+    src = open_source(path, step, command="sample")
     cfg = src.exp.config
     pinned = src.exp.resolve_path(cfg.tokenizer.path)
     tok = load_tokenizer(pinned, cfg.tokenizer.sha256)
@@ -43,8 +54,82 @@ def _from_run(path: Path, step: int | None):
 
 def _from_folder(path: Path):
     if not (path / "config.json").is_file():
+        if (path / RECORD).is_file() or any(path.glob("*.safetensors")):
+            raise RunnerError("missing: the exported folder is damaged", file=str(path / "config.json"))
         raise RunnerError("neither a run folder nor an exported model folder (no config.json)", file=str(path))
-    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path), str(path)
+    _check_folder(path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path), str(path)
+    except Exception as e:  # transformers' loaders raise many kinds (tokenizers' is a bare Exception)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RunnerError(f"transformers cannot load it ({type(e).__name__}: {first})", file=str(path)) from None
+
+
+def _json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RunnerError(f"not readable JSON ({e}): the folder is damaged", file=str(file)) from None
+    if not isinstance(data, dict):
+        raise RunnerError("not a JSON object: the folder is damaged", file=str(file))
+    return data
+
+
+def _check_folder(path: Path) -> None:
+    """The files an exported folder's loaders read, each readable, before transformers reads them:
+    its JSON files, and the safetensors its index names (or model.safetensors), headers and sizes."""
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"):
+        if (path / name).exists():
+            _json(path / name)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise RunnerError("has no weight_map: the folder is damaged", file=str(index))
+        shards = sorted(set(map(str, weight_map.values())))
+    elif (path / "model.safetensors").exists():
+        shards = ["model.safetensors"]
+    else:
+        return  # another layout (pytorch_model.bin): transformers says what it lacks
+    for name in shards:
+        file = path / name
+        if not file.is_file():
+            raise RunnerError(f"missing ({index.name} names it): the folder is damaged", file=str(file))
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass  # the header parsed and every tensor it lists inside the file
+        except (SafetensorError, OSError) as e:
+            raise RunnerError(f"not a readable safetensors file ({e}): the folder is damaged", file=str(file)) from None
+
+
+def _check_settings(max_new_tokens: int, temperature: float, seed: int) -> None:
+    if max_new_tokens < 1:
+        raise RunnerError(f"must be >= 1, got {max_new_tokens}", key="--max-new-tokens")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise RunnerError(f"a finite number >= 0 (0 = greedy), got {temperature}", key="--temperature")
+    if isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
+        raise RunnerError(f"an integer from 0 to 2**64 - 1, got {seed}", key="--seed")
+
+
+def _room(model, prompt_tokens: int, max_new_tokens: int) -> tuple[int, str | None]:
+    """The new tokens to generate: at most what the model's context leaves after the prompt (a
+    model trained on N positions has never seen position N), and the note that says so."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is None:
+        return max_new_tokens, None
+    room = int(positions) - prompt_tokens
+    if room < 1:
+        raise RunnerError(
+            f"encodes to {prompt_tokens} tokens; the model's context is {positions} positions "
+            "(max_position_embeddings): no room is left to generate",
+            key="--prompt",
+        )
+    if max_new_tokens <= room:
+        return max_new_tokens, None
+    return room, (
+        f"--max-new-tokens {max_new_tokens} capped at {room}: the model's context is {positions} positions "
+        f"(max_position_embeddings) and the prompt takes {prompt_tokens}"
+    )
 
 
 @torch.no_grad()
@@ -62,8 +147,7 @@ def sample(
     path = Path(target)
     if not path.is_dir():
         raise RunnerError("no such folder", file=str(path))
-    if temperature < 0:
-        raise RunnerError(f"must be >= 0, got {temperature}", key="--temperature")
+    _check_settings(max_new_tokens, temperature, seed)
     with quiet_transformers():
         if is_run_dir(path):
             model, tokenizer, where = _from_run(path, step)
@@ -76,6 +160,7 @@ def sample(
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         if ids.shape[1] == 0:
             raise RunnerError("the prompt encodes to no tokens", key="--prompt")
+        max_new_tokens, note = _room(model, int(ids.shape[1]), max_new_tokens)
         torch.manual_seed(seed)
         settings = (
             {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
@@ -87,4 +172,4 @@ def sample(
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             **settings,
         )[0, ids.shape[1] :]
-    return Sample(prompt, tokenizer.decode(out, skip_special_tokens=False), int(out.shape[0]), where)
+    return Sample(prompt, tokenizer.decode(out, skip_special_tokens=False), int(out.shape[0]), where, note)

@@ -26,6 +26,9 @@ from runner.training.model import build_model, llama_config, olmoe_config
 from runner.training.runfolder import is_run_dir
 from runner.training.runjson import as_record
 
+#: how a refusal ends, per command that opens a checkpoint (`runner export`, `runner sample`)
+REFUSING = {"export": "refusing to export it", "sample": "refusing to sample from it"}
+
 #: attention backends a CPU runs; a GPU-only one (flash attention) is replaced by sdpa for the
 #: reference model: the same function of the weights, computed by another kernel.
 CPU_ATTENTION = ("sdpa", "eager")
@@ -46,9 +49,11 @@ class Source:
         return self.checkpoint.step
 
 
-def open_source(run_dir: str | Path, step: int | None = None) -> Source:
+def open_source(run_dir: str | Path, step: int | None = None, command: str = "export") -> Source:
     """The run at `run_dir` and its checkpoint at `step` (default: the last committed step),
-    verified; a damaged, missing or foreign checkpoint is a RunnerError naming the folder."""
+    verified; a damaged, missing or foreign checkpoint is a RunnerError naming the folder, worded
+    for the `command` that opens it (`export`, `sample`)."""
+    refusing = REFUSING[command]
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
         raise RunnerError("not a run folder (no run.json and experiment.yaml)", file=str(run_dir))
@@ -68,11 +73,12 @@ def open_source(run_dir: str | Path, step: int | None = None) -> Source:
         raise RunnerError(f"no checkpoint of {what}{hint}", file=str(path))
     problem = verify(path)
     if problem is not None:
-        raise RunnerError(f"checkpoint does not verify ({problem}): refusing to export it", file=str(path))
+        raise RunnerError(f"checkpoint does not verify ({problem}): {refusing}", file=str(path))
     state = read_json(path / "state.json")
     if int(state.get("format", 1)) < 3 or not isinstance(state.get("config"), dict):
         raise RunnerError(
-            f"a format-{state.get('format', 1)} checkpoint: export reads format 3 (resume the run once to rewrite it)",
+            f"a format-{state.get('format', 1)} checkpoint: `runner {command}` reads format 3 (resume the run once to "
+            "rewrite it)",
             file=str(path),
         )
     root = Path(rec.project_root or find_project_root(Path.cwd()))
@@ -82,7 +88,7 @@ def open_source(run_dir: str | Path, step: int | None = None) -> Source:
     if state.get("fingerprint") != exp.fingerprint:
         raise RunnerError(
             f"state.json's config resolves to fingerprint {exp.fingerprint[:12]}, the checkpoint records "
-            f"{str(state.get('fingerprint'))[:12]}: refusing to export it",
+            f"{str(state.get('fingerprint'))[:12]}: {refusing}",
             file=str(path / "state.json"),
         )
     return Source(run_dir, run, exp, Checkpoint(path=path, step=int(state["step"]), state=state), chosen == committed)

@@ -1,8 +1,8 @@
 """`runner export`: a run's checkpoint as a folder transformers alone loads, verified, with its card.
 
-Two tiny runs trained once per module (a tied Llama, an untied OLMoE) serve every case; the
-reference each export is compared with here is the runner's own model with the checkpoint's
-weights (build_model + the checkpoint's state), not anything the export wrote.
+Two tiny runs trained once per module (a tied Llama that also scores a downstream task, an untied
+OLMoE) serve every case; the reference each export is compared with here is the runner's own model
+with the checkpoint's weights (build_model + the checkpoint's state), not anything the export wrote.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -35,6 +36,35 @@ from runner.training.model import build_model
 
 STEPS, SEQ_LEN, BATCH = 4, 16, 8
 PROMPTS = ["def main(", "the"]  #: llama_run's export.samples
+ARC = Path(__file__).resolve().parents[1] / "assets/downstream/olmes/arc_easy_rc_5shot"
+#: llama_run's downstream targets: one met at the first scoring, one never
+TASK_TARGETS = {
+    "any": {"task": "aggregate", "metric": "mean_centered", "at_least": -1.0},
+    "sure": {"task": "arc_easy", "metric": "acc", "at_least": 1.0},
+}
+
+
+def _tasks() -> dict:
+    """llama_run's eval keys: a downstream task whose answers fit the 16-position context, scored at
+    steps 2 and 4, and TASK_TARGETS."""
+    return {
+        "tasks": {
+            "arc_easy": {
+                "format": "olmes",
+                "path": str(ARC / "requests.jsonl.gz"),
+                "sha256": sha256_file(ARC / "requests.jsonl.gz"),
+                "config_path": str(ARC / "config.json"),
+                "config_sha256": sha256_file(ARC / "config.json"),
+                "limit": 3,
+                "seed": 1,
+                "metrics": ["acc", "centered_acc", "bpb"],
+            }
+        },
+        "downstream_interval_steps": 2,
+        "targets": TASK_TARGETS,
+    }
+
+
 MOE = {
     "arch": "olmoe",
     "intermediate_size": 32,
@@ -43,7 +73,7 @@ MOE = {
 }
 
 
-def _train(root: Path, export: dict | None = None, **model_extra) -> Path:
+def _train(root: Path, export: dict | None = None, eval_extra: dict | None = None, **model_extra) -> Path:
     exp = make_project(
         root,
         steps=STEPS,
@@ -55,6 +85,9 @@ def _train(root: Path, export: dict | None = None, **model_extra) -> Path:
     )
     if export:
         exp.write_text(yaml.safe_dump({**yaml.safe_load(exp.read_text()), "export": export}, sort_keys=False))
+    if eval_extra:
+        recipe = root / "recipes/eval/e.yaml"
+        recipe.write_text(yaml.safe_dump({**yaml.safe_load(recipe.read_text()), **eval_extra}))
     proc = launch(root, exp, "--run-dir", "runs/r")
     (root / "launch.txt").write_text(proc.stdout)
     return root / "runs" / "r"
@@ -62,10 +95,12 @@ def _train(root: Path, export: dict | None = None, **model_extra) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory) -> Path:
-    """The tied Llama (make_project's model), exporting itself at its end (`export.at_end`)."""
+    """The tied Llama (make_project's model), scoring _tasks(), exporting itself at its end (`export.at_end`)."""
     samples = {"prompts": PROMPTS, "max_new_tokens": 5}
     return _train(
-        tmp_path_factory.mktemp("llama"), export={"at_end": "exports", "license": "apache-2.0", "samples": samples}
+        tmp_path_factory.mktemp("llama"),
+        export={"at_end": "exports", "license": "apache-2.0", "samples": samples},
+        eval_extra=_tasks(),
     )
 
 
@@ -215,6 +250,121 @@ def test_the_card_carries_the_audited_reports_figures(llama_run, llama_fp32):
     assert experiment_from_dict(saved).fingerprint == exp.fingerprint
 
 
+def _card_table(card: str, heading: str) -> list[dict[str, str]]:
+    """The Markdown table of the card's section `heading`, parsed: every row as wide as the header."""
+    section = card[card.index(heading) :]
+    section = section[: section.index("\n## ", len(heading))]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert set(rows[1].replace("|", "")) == {"-"} and rows[1].count("|") == len(header) + 1
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows[2:]]
+    assert all(len(c) == len(header) for c in cells), section
+    return [dict(zip(header, c)) for c in cells]
+
+
+def _check_downstream_section(folder: Path, report: Path, step: int) -> list[dict[str, str]]:
+    """The card's downstream section and accounting.json's `downstream` against the report's figures
+    at `step` (every source) and the downstream targets judged on the loop's scorings up to it."""
+    from runner.reports.downstream_report import numbered_records
+    from runner.training.task_targets import TaskTarget, task_targets_table
+
+    card = (folder / "README.md").read_text()
+    got = json.loads((folder / "accounting.json").read_text())["downstream"]
+    tables = read_tables(report)
+    want = tables["downstream"][tables["downstream"]["step"] == step].reset_index(drop=True)
+    assert len(want) == 4 and got["step"] == step  # arc_easy acc, centered_acc, bpb; the aggregate
+    heading = f"## Downstream tasks (step {step})"
+    rows = _card_table(card, heading)
+    numbers, records = numbered_records(want["convention"])
+    assert len(rows) == len(got["figures"]) == len(want)
+    for shown, mine, (_, r), n in zip(rows, got["figures"], want.iterrows(), numbers):
+        key = (r["source"], r["task"], r["metric"])
+        assert (
+            (shown["source"], shown["task"], shown["metric"]) == key == (mine["source"], mine["task"], mine["metric"])
+        )
+        assert mine["value"] == r["value"] and float(shown["value"]) == pytest.approx(r["value"], rel=1e-5, abs=1e-6)
+        assert int(shown["documents"]) == mine["documents"] == r["documents"] == 3
+        assert int(shown["record"]) == mine["record"] == n
+        assert mine["convention"] == json.loads(r["convention"])
+        if r["task"] == "aggregate" or r["metric"] == "bpb":  # no random baseline to speak of
+            assert shown["random baseline"] == shown["centered"] == "" and mine["random_baseline"] is None
+        else:
+            b = r["random_baseline"]
+            assert float(shown["random baseline"]) == pytest.approx(b) and mine["random_baseline"] == b
+        if r["metric"] == "acc":
+            centered = (r["value"] - r["random_baseline"]) / (1 - r["random_baseline"])
+            assert mine["centered"] == pytest.approx(centered) and float(shown["centered"]) == pytest.approx(centered)
+    section = card[card.index(heading) : card.index("## Compute")]
+    for i, record in enumerate(records, start=1):  # each record once, numbered, below the table
+        assert section.count(f"{i}. `{record}`") == 1
+    assert "nan" not in section and "{" not in "".join(line for line in section.splitlines() if line.startswith("|"))
+    # The downstream targets as they stood at this step: the loop's scorings up to it, never later ones.
+    declared = [TaskTarget(k, v["task"], v["metric"], v["at_least"]) for k, v in sorted(TASK_TARGETS.items())]
+    price = float(tables["run_summary"]["price_per_device_hour"].iloc[0])
+    judged = task_targets_table(declared, tables["downstream"], step, price)
+    assert got["targets"] == judged.to_dict("records") and all(t["step"] <= step for t in got["targets"])
+    shown_targets = _card_table(card, "## Downstream targets")
+    assert [(t["target"], t["point"], int(t["step"])) for t in shown_targets] == [
+        (t["target"], t["point"], t["step"]) for t in got["targets"]
+    ]
+    assert f"in-loop scorings up to this checkpoint (step {step})" in section
+    assert "`any` (aggregate mean_centered >= -1): met at the first evaluation, step 2" in section
+    return rows
+
+
+def test_the_cards_downstream_section_is_a_table_of_the_final_steps_figures(llama_run, llama_fp32):
+    rows = _check_downstream_section(llama_fp32, llama_run / "report", STEPS)
+    assert {r["source"] for r in rows} == {"loop"}
+    tables = read_tables(llama_run / "report")
+    assert json.loads((llama_fp32 / "accounting.json").read_text())["downstream"]["targets"] == tables[
+        "downstream_targets"
+    ].to_dict("records")  # the final checkpoint: the report's own downstream_targets table
+
+
+def test_the_cards_downstream_section_takes_every_source_at_its_step_and_says_when_there_is_none(llama_run):
+    """runner eval figures of the checkpoint's step are on its card beside the loop's (a report
+    rewritten after `runner eval` holds them); a step nobody scored is one line, a run without
+    tasks no section at all."""
+    import dataclasses
+
+    from runner.export import card_downstream
+
+    exp = load_experiment(llama_run.parents[1] / "experiments" / "t.yaml")
+    tables = read_tables(llama_run / "report")
+    loop = tables["downstream"]
+    later = loop[loop["step"] == 2].assign(
+        source="runner eval",
+        convention=lambda df: [json.dumps({**json.loads(c), "limit": 2}, sort_keys=True) for c in df["convention"]],
+    )
+    tables["downstream"] = pd.concat([loop, later], ignore_index=True)
+    at2 = card_downstream.downstream_figures(exp.config, tables, 2)
+    assert [f["source"] for f in at2["figures"]] == ["loop"] * 4 + ["runner eval"] * 4
+    assert {f["record"] for f in at2["figures"] if f["source"] == "runner eval"} == {3, 4}  # its own records
+    assert all(t["step"] <= 2 for t in at2["targets"])
+    at4 = card_downstream.downstream_figures(exp.config, tables, 4)
+    assert {f["source"] for f in at4["figures"]} == {"loop"}  # another step's figures never travel
+    lines = card_downstream.markdown(exp.config, card_downstream.downstream_figures(exp.config, tables, 3))
+    assert lines[:3] == [
+        "## Downstream tasks (step 3)",
+        "",
+        "No downstream scoring at step 3 (the audited report has scorings at steps 2, 4).",
+    ]
+    assert (
+        lines[lines.index("## Downstream targets") :].count(
+            "| target | point | step | exposure tokens | useful tokens | value | wall s | device-hours | cost USD |"
+        )
+        == 1
+    )
+    early = card_downstream.downstream_figures(exp.config, tables, 1)  # before any scoring: no table at all
+    text = "\n".join(card_downstream.markdown(exp.config, early))
+    assert "No downstream scoring at step 1" in text and "|" not in text and early["targets"] == []
+    assert "`sure` (arc_easy acc >= 1): no evaluation recorded" in text
+    bare = dataclasses.replace(exp.config, eval=dataclasses.replace(exp.config.eval, tasks={}, targets={}))
+    nothing = {**tables, "downstream": loop.iloc[:0]}
+    assert card_downstream.downstream_figures(bare, nothing, 4) is None
+    assert card_downstream.markdown(bare, None) == []
+
+
 # ---- bf16, sharding, an earlier step -----------------------------------------------------------
 
 
@@ -246,6 +396,18 @@ def test_an_earlier_step_carries_its_own_ledger_and_replayed_evaluation(llama_ru
     for r in accounting["validation"]["domains"]:
         assert r["loss_nats"] == pytest.approx(recorded[r["domain"]]["loss_nats"], rel=1e-5)
     assert "step 2" in (done.out / "README.md").read_text()
+    # Its downstream figures are step 2's scoring, not the final one's (bpb moved between them).
+    rows = _check_downstream_section(done.out, llama_run / "report", 2)
+    final = json.loads((llama_run.parents[1] / "exports" / llama_run.name / "accounting.json").read_text())
+    bpb = {
+        f["step"]: next(r for r in f["figures"] if r["metric"] == "bpb")
+        for f in (accounting["downstream"], final["downstream"])
+    }
+    assert (
+        bpb[2]["value"] != bpb[STEPS]["value"]
+        and "## Downstream tasks (step 4)" not in (done.out / "README.md").read_text()
+    )
+    assert next(r for r in rows if r["metric"] == "bpb")["value"] == f"{bpb[2]['value']:.6g}"
 
 
 # ---- refusals: nothing is left behind ----------------------------------------------------------
@@ -270,6 +432,76 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_and_no_folder_is_written(ll
     assert _leftovers(tmp_path / "exports") == []
     proc = run_in_process(tmp_path, ["export", str(copy), "--out", str(out), "--step", "3"], env(tmp_path))
     assert proc.returncode == 2 and "no checkpoint of step 3" in proc.stderr and "step-0000002" in proc.stderr
+    # `runner sample` refuses it too, in its own words.
+    line = _refused(tmp_path, ["sample", str(copy), "--prompt", "x"], "model.safetensors sha256 mismatch")
+    assert line.endswith("refusing to sample from it") and "export" not in line
+
+
+def _refused(root: Path, argv: list[str], says: str) -> str:
+    """`runner ARGV` exits 2 with one error line, containing `says`, and no traceback; the line."""
+    proc = run_in_process(root, argv, env(root))
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr
+    assert says in errors[0], errors[0]
+    return errors[0]
+
+
+def _export_case(case: str, run: Path, earlier: Path, tmp: Path) -> tuple[list[str], str]:
+    """(the export's extra argv, what its one error line says) for a refused option."""
+    out = tmp / "out"
+    if case == "parent is a file":
+        (tmp / "mine.txt").write_text("keep")
+        out = tmp / "mine.txt" / "out"
+    elif case == "symlink to an empty folder":
+        (tmp / "empty").mkdir()
+        out = tmp / "link"
+        out.symlink_to(tmp / "empty")
+    elif case == "not empty":
+        (tmp / "taken").mkdir()
+        (tmp / "taken" / "mine.txt").write_text("keep")
+        out = tmp / "taken"
+    return {
+        "inside the run folder": (["--out", str(run / "exported")], "is inside the run folder"),
+        "parent is a file": (["--out", str(out)], "mine.txt is not a folder"),
+        "unwritable": (["--out", "/proc/runner-export"], "--out: no folder can be made in /proc"),
+        "symlink to an empty folder": (["--out", str(out)], f"--out: {out} is a symbolic link"),
+        "not empty": (["--out", str(out)], "already exists and is not an empty folder"),
+        "an earlier export": (["--out", str(earlier)], "holds an earlier export (step 4 of"),
+        "shard size banana": (["--out", str(out), "--max-shard-size", "banana"], "--max-shard-size: not a size"),
+        "shard size 0": (["--out", str(out), "--max-shard-size", "0"], "--max-shard-size: not a size: '0'"),
+        "shard size 0KB": (["--out", str(out), "--max-shard-size", "0KB"], "a shard holds at least one byte"),
+        "push repo id": (["--out", str(out), "--push", "not a/repo!"], "--push: not a Hub repository id"),
+    }[case]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "inside the run folder",
+        "parent is a file",
+        "unwritable",
+        "symlink to an empty folder",
+        "not empty",
+        "an earlier export",
+        "shard size banana",
+        "shard size 0",
+        "shard size 0KB",
+        "push repo id",
+    ],
+)
+def test_export_refuses_a_bad_out_or_option_in_one_line_before_any_work(llama_run, llama_fp32, tmp_path, case):
+    if case == "unwritable" and not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    work = tmp_path / "work"
+    work.mkdir()
+    argv, says = _export_case(case, llama_run, llama_fp32, work)
+    before = {p: (p.read_bytes() if p.is_file() and not p.is_symlink() else None) for p in work.rglob("*")}
+    run, earlier = _tree_hashes(llama_run), _tree_hashes(llama_fp32)
+    _refused(tmp_path, ["export", str(llama_run), *argv, "--dtype", "fp32"], says)
+    after = {p: (p.read_bytes() if p.is_file() and not p.is_symlink() else None) for p in work.rglob("*")}
+    assert after == before  # nothing written, nothing removed: not a probe, not a temporary folder
+    assert _tree_hashes(llama_run) == run and _tree_hashes(llama_fp32) == earlier
+    assert not (llama_run / "exported").exists()
 
 
 def test_an_existing_folder_is_never_written_over(llama_run, tmp_path):
@@ -456,6 +688,71 @@ def test_sample_from_the_run_and_from_its_exported_folder_agree(llama_run, llama
         generate(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
         == from_run.text
     )
+
+
+def _damage(folder: Path, how: str) -> None:
+    if how == "config.json not JSON":
+        (folder / "config.json").write_text('{"model_type": "llama",')
+    elif how == "config.json missing":
+        (folder / "config.json").unlink()
+    elif how == "safetensors truncated":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "tokenizer.json not JSON":
+        (folder / "tokenizer.json").write_text("garbage")
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    ids=["config.json not JSON", "config.json missing", "safetensors truncated", "tokenizer.json not JSON"],
+    argvalues=[
+        ("config.json not JSON", "config.json: not readable JSON"),
+        ("config.json missing", "config.json: missing: the exported folder is damaged"),
+        ("safetensors truncated", "model.safetensors: not a readable safetensors file"),
+        ("tokenizer.json not JSON", "tokenizer.json: not readable JSON"),
+    ],
+)
+def test_sample_refuses_a_damaged_folder_naming_the_file(llama_fp32, tmp_path, how, says):
+    folder = tmp_path / "copy"
+    shutil.copytree(llama_fp32, folder)
+    _damage(folder, how)
+    _refused(tmp_path, ["sample", str(folder), "--prompt", "def main("], says)
+
+
+@pytest.mark.parametrize(
+    "option, says",
+    ids=["seed 1e23", "seed 10**23", "temperature nan", "temperature inf", "temperature < 0", "0 tokens", "-2 tokens"],
+    argvalues=[
+        (["--seed", "1e23"], "argument --seed: an integer from 0 to 2**64 - 1, got 1e23"),
+        (["--seed", str(10**23)], f"argument --seed: an integer from 0 to 2**64 - 1, got {10**23}"),
+        (["--temperature", "nan"], "--temperature: a finite number >= 0 (0 = greedy), got nan"),
+        (["--temperature", "inf"], "--temperature: a finite number >= 0 (0 = greedy), got inf"),
+        (["--temperature", "-0.5"], "--temperature: a finite number >= 0 (0 = greedy), got -0.5"),
+        (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+        (["--max-new-tokens", "-2"], "argument --max-new-tokens: must be >= 1, got -2"),
+    ],
+)
+def test_sample_refuses_a_bad_setting_in_one_line(llama_fp32, option, says):
+    _refused(llama_fp32.parent, ["sample", str(llama_fp32), "--prompt", "def main(", *option], says)
+
+
+def test_sample_caps_the_new_tokens_at_what_the_models_context_leaves(llama_run, llama_fp32):
+    from runner.export.sample import sample
+
+    prompt = "def main("
+    room = SEQ_LEN - len(AutoTokenizer.from_pretrained(llama_fp32)(prompt)["input_ids"])
+    for target in (llama_fp32, llama_run):  # max_position_embeddings = seq_len, from either
+        got = sample(target, prompt, max_new_tokens=100_000_000)
+        assert got.new_tokens == room and f"--max-new-tokens 100000000 capped at {room}" in got.note
+    assert sample(llama_fp32, prompt, max_new_tokens=room).note is None
+    root = llama_run.parents[1]
+    proc = run_in_process(root, ["sample", str(llama_fp32), "--prompt", prompt, "--max-new-tokens", "99999"], env(root))
+    assert proc.returncode == 0 and f"note: --max-new-tokens 99999 capped at {room}:" in proc.stderr
+    with pytest.raises(RunnerError, match=r"--prompt: encodes to \d+ tokens; the model's context is 16 positions"):
+        sample(llama_fp32, "def main(x): return x + 1 # " * 4)
+    for bad in ({"max_new_tokens": 0}, {"temperature": float("nan")}, {"seed": 2**64}):  # the API checks them too
+        with pytest.raises(RunnerError, match=next(iter(bad)).replace("_", "-")):
+            sample(llama_fp32, prompt, **bad)
 
 
 def test_export_samples_logs_each_evaluations_greedy_text_equal_to_generate_on_its_checkpoint(llama_run):
