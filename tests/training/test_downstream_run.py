@@ -397,6 +397,13 @@ def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_reque
     unvouched = next(c for c in audit(run, check_mlflow=False).checks if c.name == EVAL_FIGURES)
     assert unvouched.status == "UNVERIFIED" and "run `runner audit --recompute-eval`" in unvouched.detail
     assert unvouched.detail.startswith("4 figures of 1 runner eval scoring (step 4): only their arithmetic")
+    # and the audited run exports: the card carries the final step's figures of both sources
+    out = tmp_path / "exported"
+    proc = run_in_process(scored_run, ["export", str(run), "--out", str(out), "--dtype", "fp32"], environ)
+    assert proc.returncode == 0, proc.stderr
+    card = (out / "README.md").read_text()
+    assert "## Downstream tasks (step 4)" in card and "| runner eval | builtin | acc |" in card, card
+    assert "| loop | arc_easy | acc |" in card
     # a forged table value (parquet and csv alike) fails against the figures the requests give, and
     # against MLflow's evidence
     forged = pd.read_parquet(report / "downstream.parquet")
