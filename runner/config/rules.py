@@ -118,6 +118,7 @@ def validate_experiment(
         return notes  # the arithmetic below divides by values already found wrong
     check_batch_split(cfg, path, problems)
     check_warmup(cfg, path, problems)
+    check_samples(cfg, path, problems)
     if resources is not None:
         notes += resources.check_experiment(cfg, path, problems)
     return notes
@@ -228,6 +229,19 @@ def check_warmup(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:
     length = max_duration_tokens(cfg)
     if cfg.optim.warmup_tokens > length:
         problems.add(path, "optim.warmup_tokens", f"{cfg.optim.warmup_tokens:,} exceeds the schedule length {length:,}")
+
+
+def check_samples(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:
+    """The loop's samples fit the model's context (greedy, every rank, one forward per new token over
+    the whole sequence: 10**8 tokens would never end the evaluation)."""
+    samples = cfg.export.samples
+    if samples.prompts and samples.max_new_tokens >= cfg.train.seq_len:
+        problems.add(
+            path,
+            "export.samples.max_new_tokens",
+            f"{samples.max_new_tokens:,} leaves no room for a prompt in the model's context of train.seq_len "
+            f"{cfg.train.seq_len:,} positions: at most {cfg.train.seq_len - 1:,}",
+        )
 
 
 def check_targets(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:

@@ -644,6 +644,11 @@ def test_export_keys_are_operational_and_leave_the_fingerprint(llama_run):
     path.write_text(yaml.safe_dump({**data, "name": "t-export", "export": {"samples": {"max_new_tokens": 0}}}))
     with pytest.raises(RunnerError, match="export.samples.max_new_tokens: must be >= 1"):
         load_experiment(path)
+    seq_len = data["train"]["seq_len"]
+    samples = {"prompts": PROMPTS, "max_new_tokens": 10**8}  # greedy every evaluation: would never end
+    path.write_text(yaml.safe_dump({**data, "name": "t-export", "export": {"samples": samples}}))
+    with pytest.raises(RunnerError, match=f"export.samples.max_new_tokens: .* at most {seq_len - 1}"):
+        load_experiment(path)
     path.unlink()
 
 
