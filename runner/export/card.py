@@ -325,8 +325,19 @@ def write(src: Source, out: Path, f: dict, dtype: str, verification: dict) -> No
     )
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{card_text(src, f, dtype, verification)}")
     card.save(out / "README.md")
-    (out / ACCOUNTING).write_text(json.dumps(f, indent=1, default=_plain) + "\n")
+    # strict JSON (jq, JavaScript): a figure not recorded (NaN, inf) is null, never Python's NaN
+    (out / ACCOUNTING).write_text(json.dumps(_finite(f), indent=1, default=_plain, allow_nan=False) + "\n")
     (out / EXPERIMENT).write_text(to_yaml(cfg))
+
+
+def _finite(x: Any) -> Any:
+    """`x` with every non-finite float (numpy's too) as None, containers walked."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    x = x.item() if hasattr(x, "item") else x
+    return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def _plain(x: Any) -> Any:

@@ -44,6 +44,15 @@ TASK_TARGETS = {
 }
 
 
+def strict_json(path: Path):
+    """JSON as strict readers take it: NaN and Infinity are refused."""
+
+    def refuse(token: str):
+        raise AssertionError(f"{path}: {token} is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
 def _tasks() -> dict:
     """llama_run's eval keys: a downstream task whose answers fit the 16-position context, scored at
     steps 2 and 4, and TASK_TARGETS."""
@@ -221,7 +230,7 @@ def test_the_card_carries_the_audited_reports_figures(llama_run, llama_fp32):
     assert "runner" in card.data.tags and "llama" in card.data.tags
     tables = read_tables(llama_run / "report")
     exp = load_experiment(llama_run.parents[1] / "experiments" / "t.yaml")
-    accounting = json.loads((llama_fp32 / "accounting.json").read_text())
+    accounting = strict_json(llama_fp32 / "accounting.json")  # jq and JavaScript read it: no NaN
     assert accounting["experiment"]["fingerprint"] == exp.fingerprint and exp.fingerprint in card.text
     by_domain = {r["domain"]: r for r in accounting["accounting"]}
     for row in tables["accounting"].to_dict("records"):
@@ -269,7 +278,7 @@ def _check_downstream_section(folder: Path, report: Path, step: int) -> list[dic
     from runner.training.task_targets import TaskTarget, task_targets_table
 
     card = (folder / "README.md").read_text()
-    got = json.loads((folder / "accounting.json").read_text())["downstream"]
+    got = strict_json(folder / "accounting.json")["downstream"]
     tables = read_tables(report)
     want = tables["downstream"][tables["downstream"]["step"] == step].reset_index(drop=True)
     assert len(want) == 4 and got["step"] == step  # arc_easy acc, centered_acc, bpb; the aggregate
