@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ def shard_size_bytes(size: str | int) -> int:
                 f"not a size: {size!r} (give a number and a unit: 5GB, 500MB, 100KB; {', '.join(SIZE_UNITS)})",
                 key="--max-shard-size",
             )
-        value = int(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()])
+        value = int(Fraction(m.group(1)) * SIZE_UNITS[m.group(2).upper()])  # exact: 400 digits are no float
     if value < 1:
         raise RunnerError(f"a shard holds at least one byte, got {size!r}", key="--max-shard-size")
     return value

@@ -513,6 +513,14 @@ def test_export_refuses_a_bad_out_or_option_in_one_line_before_any_work(llama_ru
     assert not (llama_run / "exported").exists()
 
 
+def test_a_shard_size_is_read_exactly_in_the_hubs_units():
+    from runner.export.folder import shard_size_bytes
+
+    assert shard_size_bytes("5GB") == 5 * 10**9 and shard_size_bytes(" 0.5 mb ") == 500_000
+    assert shard_size_bytes("1" * 400 + "KB") == int("1" * 400) * 1000  # no float: 10**400 overflowed one
+    assert shard_size_bytes(1) == 1
+
+
 def test_an_existing_folder_is_never_written_over(llama_run, tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "mine.txt").write_text("keep")
