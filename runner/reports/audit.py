@@ -713,11 +713,15 @@ def _check_downstream(res: AuditResult, inp: AuditInput) -> None:
             res.add(name, problems, ok_detail=detail)
 
 
-def _check_runner_eval_figures(res: AuditResult, inp: AuditInput) -> None:
-    """The report's `runner eval` figures, not rescored: vouched for by MLflow's evidence (INFO), or
-    UNVERIFIED naming --recompute-eval (runner.reports.downstream_audit.runner_eval_check)."""
+def _check_runner_eval_figures(res: AuditResult, inp: AuditInput, rescored: set[int] | None = None) -> None:
+    """The report's `runner eval` figures not rescored (all but those of the steps in `rescored`):
+    vouched for by MLflow's evidence (INFO), or UNVERIFIED naming --recompute-eval
+    (runner.reports.downstream_audit.runner_eval_check)."""
     evidence = next((c.status for c in res.checks if c.name == audit_tracked.EVIDENCE), None)
-    found = downstream_audit.runner_eval_check(inp.tables.get("downstream"), evidence == PASS)
+    table = inp.tables.get("downstream")
+    if table is not None and rescored:
+        table = table[~((table["source"] == "runner eval") & table["step"].isin(sorted(rescored)))]
+    found = downstream_audit.runner_eval_check(table, evidence == PASS)
     if found is not None:
         name, vouched, detail = found
         (res.info if vouched else res.could_not)(name, detail)
@@ -758,15 +762,16 @@ def audit_input(
     _note_small_validation(res, inp)
     _check_checkpoint(res, inp)
     audit_tracked.check(res, inp, tracked, why, rep)
-    if not recompute_eval:  # rescored below otherwise
-        _check_runner_eval_figures(res, inp)
+    rescored: set[int] = set()
     if recompute_eval:
         from runner.reports.audit_eval import check_recomputed_eval  # noqa: PLC0415  (imports torch)
 
         check_recomputed_eval(res, inp, checkpoint=checkpoint, progress=progress)
         from runner.reports.audit_downstream_eval import check_recomputed_downstream  # noqa: PLC0415  (torch)
 
-        check_recomputed_downstream(res, inp, progress=progress)
+        rescored = check_recomputed_downstream(res, inp, progress=progress)
+    # what was not rescored (a pruned checkpoint, no --recompute-eval) rests on MLflow's evidence
+    _check_runner_eval_figures(res, inp, rescored)
     return res
 
 

@@ -196,20 +196,21 @@ class _Rescorer:
 
 def check_recomputed_downstream(
     res: AuditResult, inp: AuditInput, progress: Callable[[str], None] | None = None
-) -> None:
-    """Adds NAME (nothing for a run that scored no task)."""
+) -> set[int]:
+    """Adds NAME (nothing for a run that scored no task). Returns the steps of the `runner eval`
+    scorings rescored (their figures need no other voucher; a failed rescoring is a FAIL here)."""
     progress = progress or (lambda message: None)
     if inp.run_dir is None:
         if "downstream" in inp.tables and len(inp.tables["downstream"]):
             res.could_not(NAME, "a report folder carries no checkpoint or per-request file: audit the run folder")
-        return
+        return set()
     try:
         found = scorings(inp.run_dir)
     except RunnerError as err:
         res.add(NAME, [str(err)])
-        return
+        return set()
     if not found:
-        return
+        return set()
     exp = experiment_from_dict(inp.cfg, project_root=_project_root(inp), path=inp.cfg_file)
     rescorer = _Rescorer(exp)
     problems: list[str] = []
@@ -236,14 +237,14 @@ def check_recomputed_downstream(
             got = rescorer.rescore(s, specs)
         except RunnerError as err:
             res.could_not(NAME, f"the task files or tokenizer are not usable here: {err}")
-            return
+            return set()
         problems += request_problems(s.where, want, got.requests, s.bf16)
         problems += convention_problems(s.where, s.rows, got.rows)
         rescored.append(s)
     if not rescored:
         steps = ", ".join(map(str, sorted({s.step for s in found})))
         res.could_not(NAME, f"no checkpoint that verifies at a scored step ({steps})")
-        return
+        return set()
     tol = "1e-4 + 1e-6 |ll|" + (" (2e-2 relative: bf16 autocast)" if any(s.bf16 for s in rescored) else "")
     loop = [str(s.step) for s in rescored if s.source == "loop"]
     evals = [s.label.removeprefix("runner eval ") for s in rescored if s.source != "loop"]
@@ -254,3 +255,4 @@ def check_recomputed_downstream(
     if pruned:
         detail += f"; no checkpoint for {', '.join(s.label for s in pruned)}"
     res.add(NAME, problems, ok_detail=detail)
+    return {s.step for s in rescored if s.source != "loop"}

@@ -491,7 +491,8 @@ def test_recompute_eval_rescores_the_loop_and_runner_eval_requests_from_the_chec
     from runner.reports.audit import audit, load_input
     from runner.reports.audit_downstream_eval import NAME, check_recomputed_downstream
     from runner.reports.audit_result import AuditResult
-    from runner.reports.downstream_audit import check_run
+    from runner.reports.downstream_audit import EVAL_FIGURES, check_run
+    from runner.reports.evidence import write_report_with_evidence
     from runner.training.downstream.posthoc import run_eval
 
     run = tmp_path / "run"
@@ -525,6 +526,7 @@ def test_recompute_eval_rescores_the_loop_and_runner_eval_requests_from_the_chec
         wrong["ll"] = gold["ll"] + 5.0
         requests[-1]["tokens"] += 1
 
+    honest_eval = {f: f.read_bytes() for f in (record, run / "downstream/requests-eval-step-0000004.jsonl.gz")}
     forged = _forge_eval_scoring(record, edit)
     assert check_run(run) == []
     result = audit(run, check_mlflow=False, recompute_eval=True)
@@ -545,10 +547,20 @@ def test_recompute_eval_rescores_the_loop_and_runner_eval_requests_from_the_chec
     assert res.checks[0].status == "FAIL", res.checks
     assert "requests-eval-step-0000004.jsonl.gz: not a whole gzip jsonl file (EOFError" in res.checks[0].detail
 
+    for f, data in honest_eval.items():
+        f.write_bytes(data)
+    write_report_with_evidence(run)  # the report shows the runner eval figures
+
     shutil.rmtree(run / "checkpoints/step-0000002")  # a pruned checkpoint is named, not failed
+    checks = {c.name: c for c in audit(run, check_mlflow=False, recompute_eval=True).checks}
+    assert checks[NAME].status == "PASS" and "; no checkpoint for loop step 2" in checks[NAME].detail
+    assert EVAL_FIGURES not in checks  # rescored: nothing left to vouch for
     shutil.rmtree(run / "checkpoints/step-0000004")
-    check = next(c for c in audit(run, check_mlflow=False, recompute_eval=True).checks if c.name == NAME)
+    checks = {c.name: c for c in audit(run, check_mlflow=False, recompute_eval=True).checks}
+    check = checks[NAME]
     assert check.status == "UNVERIFIED" and "no checkpoint that verifies at a scored step (2, 4)" in check.detail
+    # runner eval figures neither rescored nor vouched for by MLflow: UNVERIFIED under --recompute-eval too
+    assert checks[EVAL_FIGURES].status == "UNVERIFIED", checks[EVAL_FIGURES]
 
 
 #: damaged per-request files (loop step 4's): the audit's line for each
