@@ -332,12 +332,14 @@ def _check_experiment_keys(data: dict, path: Path, problems: Problems) -> dict[s
     """The experiment file's own top-level keys and labels; returns its recipe references."""
     for k in data:
         if k not in EXPERIMENT_KEYS:
-            problems.add(
-                path,
-                k,
-                f"unknown key{did_you_mean(k, EXPERIMENT_KEYS + KINDS)}"
-                + (" (recipes are named under 'recipes:', changes go under 'overrides:')" if k in KINDS else ""),
-            )
+            if k in KINDS:  # a section at the top: it belongs to a recipe or under overrides
+                said = (
+                    f"a recipe section, not an experiment key: name its recipe under 'recipes: {{{k}: ...}}', "
+                    f"or put changes under 'overrides: {{{k}: ...}}'"
+                )
+            else:
+                said = f"unknown key{did_you_mean(k, EXPERIMENT_KEYS + KINDS)}"
+            problems.add(path, k, said)
     for label in LABEL_KEYS + ("seed",):
         if label not in data:
             problems.add(path, label, "missing")

@@ -80,7 +80,9 @@ def _cell(x: Any) -> str:
     if x is None:
         return ""
     if isinstance(x, float):
-        return f"{x:.6g}"  # as report.md writes the downstream table
+        # as report.md writes the downstream table; an accuracy's rounding noise (0.2 - 0.2000000000000001
+        # over 0.8) is 0, never 6.93889e-17
+        return f"{round(x, 12) + 0.0:.6g}"
     return f"{x:,}" if isinstance(x, int) else str(x)
 
 

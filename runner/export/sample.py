@@ -81,6 +81,8 @@ def _check_folder(path: Path) -> None:
     for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"):
         if (path / name).exists():
             _json(path / name)
+        elif name.startswith("tokenizer") and (path / RECORD).is_file():  # runner export writes both
+            raise RunnerError("missing: the exported folder is damaged", file=str(path / name))
     index = path / "model.safetensors.index.json"
     if index.exists():
         weight_map = _json(index).get("weight_map")

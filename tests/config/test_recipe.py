@@ -345,6 +345,20 @@ def test_every_problem_in_a_file_is_listed_at_once(project: Path):
     assert any("train.exposur_tokens: unknown key (did you mean 'exposure_tokens'?)" in l for l in lines)
 
 
+def test_a_recipe_section_at_the_top_of_an_experiment_says_where_it_goes(project: Path):
+    edit(project / "experiments/cpu-tiny.yaml", lambda d: d.update(eval={"interval_steps": 5}, evall=1))
+    with pytest.raises(RunnerError) as err:
+        load_experiment(project / "experiments/cpu-tiny.yaml")
+    lines = str(err.value).splitlines()
+    assert any(
+        "eval: a recipe section, not an experiment key: name its recipe under 'recipes: {eval: ...}', or put "
+        "changes under 'overrides: {eval: ...}'" in l
+        for l in lines
+    ), lines
+    assert not any("did you mean 'eval'?) (" in l for l in lines)  # it suggested the key it refused
+    assert any("evall: unknown key (did you mean 'eval'?)" in l for l in lines), lines
+
+
 def test_a_hash_yaml_reads_as_a_number_is_told_to_be_quoted(project: Path):
     path = project / "experiments/cpu-tiny.yaml"
     text = path.read_text()

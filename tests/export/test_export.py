@@ -372,6 +372,8 @@ def test_the_cards_downstream_section_takes_every_source_at_its_step_and_says_wh
     nothing = {**tables, "downstream": loop.iloc[:0]}
     assert card_downstream.downstream_figures(bare, nothing, 4) is None
     assert card_downstream.markdown(bare, None) == []
+    # a figure's rounding noise shows as 0 (an adversary's card read 6.93889e-17 for a centered 0)
+    assert card_downstream._cell((0.2 - 0.2000000000000001) / 0.8) == "0" and card_downstream._cell(1 / 3) == "0.333333"
 
 
 # ---- bf16, sharding, an earlier step -----------------------------------------------------------
@@ -722,16 +724,25 @@ def _damage(folder: Path, how: str) -> None:
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     elif how == "tokenizer.json not JSON":
         (folder / "tokenizer.json").write_text("garbage")
+    elif how == "tokenizer.json missing":
+        (folder / "tokenizer.json").unlink()
 
 
 @pytest.mark.parametrize(
     "how, says",
-    ids=["config.json not JSON", "config.json missing", "safetensors truncated", "tokenizer.json not JSON"],
+    ids=[
+        "config.json not JSON",
+        "config.json missing",
+        "safetensors truncated",
+        "tokenizer.json not JSON",
+        "tokenizer.json missing",
+    ],
     argvalues=[
         ("config.json not JSON", "config.json: not readable JSON"),
         ("config.json missing", "config.json: missing: the exported folder is damaged"),
         ("safetensors truncated", "model.safetensors: not a readable safetensors file"),
         ("tokenizer.json not JSON", "tokenizer.json: not readable JSON"),
+        ("tokenizer.json missing", "tokenizer.json: missing: the exported folder is damaged"),
     ],
 )
 def test_sample_refuses_a_damaged_folder_naming_the_file(llama_fp32, tmp_path, how, says):
