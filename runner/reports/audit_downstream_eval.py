@@ -30,7 +30,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.reports.audit_eval import _project_root
 from runner.reports.audit_result import AuditResult
-from runner.reports.downstream_audit import REQUEST_INTS, read_requests
+from runner.reports.downstream_audit import REQUEST_INTS, convention_record, read_requests
 from runner.reports.downstream_table import loop_rows, read_eval_record
 from runner.training.checkpoint import Checkpoint, dirname, verify
 from runner.training.downstream.run import BUILTIN, Prepared, prepare, score, task_specs
@@ -59,14 +59,6 @@ class Scoring:
     bf16: bool  #: scored under bf16 autocast (the loop on a bf16 run)
 
 
-def _record(row: dict) -> dict:
-    try:
-        record = json.loads(row["convention"])
-    except (TypeError, ValueError, RecursionError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
 def _eval_specs(exp, rows: list[dict]) -> dict[str, DownstreamTask]:
     """The tasks a `runner eval` scoring scored: those its rows name, each at the limit its
     convention records (runner eval --limit replaces every task's own)."""
@@ -79,7 +71,7 @@ def _eval_specs(exp, rows: list[dict]) -> dict[str, DownstreamTask]:
         base = declared.get(name, BUILTIN if name == "builtin" else None)
         if base is None:
             raise RunnerError(f"task {name} is not a task of the run's eval recipe")
-        limit = _record(r).get("limit")
+        limit = convention_record(r).get("limit")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise RunnerError(f"task {name}: the convention's limit {limit!r} is not a document count")
         specs[name] = dataclasses.replace(base, limit=limit)
@@ -95,7 +87,7 @@ def scorings(run_dir: Path) -> list[Scoring]:
         by_step.setdefault(step, []).append(r)
     out = []
     for step, rows in by_step.items():
-        bf16 = any("bfloat16" in str(_record(r).get("dtype")) for r in rows if r["task"] != "aggregate")
+        bf16 = any("bfloat16" in str(convention_record(r).get("dtype")) for r in rows if r["task"] != "aggregate")
         requests = run_dir / "downstream" / f"requests-loop-step-{step:07d}.jsonl.gz"
         ckpt = run_dir / "checkpoints" / dirname(step)
         out.append(Scoring(f"step {step}", f"loop step {step}", step, ckpt, requests, rows, "loop", bf16))
@@ -150,7 +142,7 @@ def request_problems(where: str, want: list[dict], got: list[dict], bf16: bool) 
 
 def convention_problems(where: str, want: list[dict], got: list[dict]) -> list[str]:
     """Figures the recorded rows and the rescoring's disagree on: one lacking, or a convention key."""
-    w = {(r["task"], r["metric"]): _without_dtype(_record(r)) for r in want}
+    w = {(r["task"], r["metric"]): _without_dtype(convention_record(r)) for r in want}
     g = {(r["task"], r["metric"]): _without_dtype(json.loads(r["convention"])) for r in got}
     if w.keys() != g.keys():
         return [f"{where}: figures {sorted(w.keys() ^ g.keys())} are in one of the record and the rescoring only"]

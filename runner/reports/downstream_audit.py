@@ -110,7 +110,7 @@ def recompute(requests: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _record(row: dict) -> dict:
+def convention_record(row: dict) -> dict:
     """A row's convention record ({} when it is not a JSON object: the schema check names that)."""
     try:
         record = json.loads(row["convention"])
@@ -134,7 +134,7 @@ def check_scoring(rows: list[dict], requests: list[dict], where: str) -> list[st
         if metric.removeprefix("centered_") not in _NORMS and metric != "bpb":
             problems.append(f"{where}: {task}.{metric}: not a metric the request records give")
             continue
-        stated = _record(r).get("random_baseline")
+        stated = convention_record(r).get("random_baseline")
         if stated is not None and (not isinstance(stated, (int, float)) or isinstance(stated, bool)):
             problems.append(f"{where}: {task}.{metric}: the record's random_baseline {stated!r} is not a number")
             continue
@@ -154,7 +154,7 @@ def check_scoring(rows: list[dict], requests: list[dict], where: str) -> list[st
         if r["documents"] != got[task]["documents"]:
             problems.append(f"{where}: {task}: {r['documents']} documents recorded, {got[task]['documents']} scored")
     for r in [r for r in rows if r["task"] == "aggregate"]:
-        chosen = _record(r).get("tasks") or {}
+        chosen = convention_record(r).get("tasks") or {}
         if (
             not isinstance(chosen, dict)
             or not chosen

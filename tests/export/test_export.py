@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from datafixtures import arc_easy_task
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from tokenizers import Tokenizer
@@ -36,7 +37,6 @@ from runner.training.model import build_model
 
 STEPS, SEQ_LEN, BATCH = 4, 16, 8
 PROMPTS = ["def main(", "the"]  #: llama_run's export.samples
-ARC = Path(__file__).resolve().parents[1] / "assets/downstream/olmes/arc_easy_rc_5shot"
 #: llama_run's downstream targets: one met at the first scoring, one never
 TASK_TARGETS = {
     "any": {"task": "aggregate", "metric": "mean_centered", "at_least": -1.0},
@@ -57,18 +57,7 @@ def _tasks() -> dict:
     """llama_run's eval keys: a downstream task whose answers fit the 16-position context, scored at
     steps 2 and 4, and TASK_TARGETS."""
     return {
-        "tasks": {
-            "arc_easy": {
-                "format": "olmes",
-                "path": str(ARC / "requests.jsonl.gz"),
-                "sha256": sha256_file(ARC / "requests.jsonl.gz"),
-                "config_path": str(ARC / "config.json"),
-                "config_sha256": sha256_file(ARC / "config.json"),
-                "limit": 3,
-                "seed": 1,
-                "metrics": ["acc", "centered_acc", "bpb"],
-            }
-        },
+        "tasks": {"arc_easy": arc_easy_task(3, ["acc", "centered_acc", "bpb"])},
         "downstream_interval_steps": 2,
         "targets": TASK_TARGETS,
     }

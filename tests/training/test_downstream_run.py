@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from datafixtures import ARC, arc_easy_task
 from trainfixtures import env, launch, make_project, run_in_process
 
 from runner.fsio import read_jsonl, sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
-ARC = REPO / "tests/assets/downstream/olmes/arc_easy_rc_5shot"
 STEPS = 4
 
 
@@ -26,16 +26,7 @@ def _with_tasks(root: Path, micro: int = 4, **eval_extra) -> Path:
     body = yaml.safe_load(recipe.read_text())
     body["tasks"] = {
         "builtin": {"format": "builtin", "limit": 4, "metrics": ["acc", "centered_acc", "bpb"]},
-        "arc_easy": {
-            "format": "olmes",
-            "path": str(ARC / "requests.jsonl.gz"),
-            "sha256": sha256_file(ARC / "requests.jsonl.gz"),
-            "config_path": str(ARC / "config.json"),
-            "config_sha256": sha256_file(ARC / "config.json"),
-            "limit": 3,
-            "seed": 1,
-            "metrics": ["acc", "acc_per_char"],
-        },
+        "arc_easy": arc_easy_task(3, ["acc", "acc_per_char"]),
     }
     body.update(eval_extra)
     recipe.write_text(yaml.safe_dump(body))
