@@ -48,6 +48,12 @@ def zero_eval_seconds() -> dict[str, float]:
     return dict.fromkeys(EVAL_TIME_KEYS, 0.0)
 
 
+#: A source of per-step figures (Options.step_figures): called on every rank after each committed step,
+#: handed the attempt and the committed step count; its {name: value} goes into the step's record, so
+#: metrics/train.jsonl holds it and MLflow logs it at the step (the callbacks; no other edit needed).
+StepFigures = Callable[["Attempt", int], dict[str, float]]
+
+
 @dataclass
 class Options:
     """How `loop.train` runs an attempt beyond the experiment: tests' and tools' hooks, extra callbacks."""
@@ -57,6 +63,7 @@ class Options:
     nonfinite_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None  # tests: poison a loss
     peak_measure_seconds: float = 1.0
     callbacks: list[Callback] = field(default_factory=list)
+    step_figures: list[StepFigures] = field(default_factory=list)  # per-step figures beyond the loop's own
     records: list[RunRecord] | None = None  # the run folder's records (rank 0 writes); None: records.default_records()
     kill_at_step: int | None = None  # fault injection: SIGKILL itself mid-step (smoke, tests)
     fault: Callable[[], None] | None = None  # what kill_at_step does instead of a SIGKILL (tests: runner.cli.train)

@@ -90,7 +90,8 @@ class MetricsFiles(Callback):
 
 
 class TrackingCallback(Callback):
-    """MLflow metrics: loss, lr, throughput, MFU, counters, realized ratios, validation.
+    """MLflow metrics: loss, lr, throughput, MFU, the step's further figures, counters, realized
+    ratios, validation.
 
     Per-step metrics go out every `log_interval_steps`, and always for the attempt's last committed
     step (end of the run or of an extension, hard stop, preemption): MLflow's latest values are the
@@ -145,7 +146,8 @@ class TrackingCallback(Callback):
 
     def _log_step(self, record: StepRecord, counters, ratios) -> None:
         row = record.as_row()
-        m = {self.STEP_NAMES.get(k, k): row[k] for k in self.STEP_KEYS if row.get(k) is not None}
+        keys = [*self.STEP_KEYS, *(k for k in record.figures if k not in self.STEP_KEYS)]
+        m = {self.STEP_NAMES.get(k, k): row[k] for k in keys if row.get(k) is not None}
         m.update(self.accounting(counters, ratios))
         self.tracker.log_metrics(m, step=record.step)
 

@@ -379,7 +379,7 @@ def _train_step(run: Attempt, step: int) -> _Step:
 
 
 def _metrics_record(
-    run: Attempt, committed: int, s: _Step, step_seconds: float, counters: dict, experts: dict
+    run: Attempt, committed: int, s: _Step, step_seconds: float, counters: dict, figures: dict
 ) -> StepRecord:
     tokens = run.steps.tokens
     fpt, hfu_fpt, peak_tflops = run.flops.flops_per_token, run.flops.hfu_flops_per_token, run.flops.peak_tflops
@@ -400,7 +400,7 @@ def _metrics_record(
         goodput_mfu=hardware.mfu(fpt, counters["total"]["useful"], run.clock.device_wall_seconds(), peak_tflops, 1),
         exposure_tokens=int(counters["total"]["exposure"]),
         hfu=hardware.mfu(hfu_fpt, tokens, step_seconds, peak_tflops, run.world) if hfu_fpt else None,
-        experts=experts,
+        figures=figures,
     )
 
 
@@ -583,7 +583,7 @@ def _commit(run: Attempt, step: int, s: _Step) -> int:
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.ledger.commit(s.global_pairs, s.useful)
-    step_experts = run.experts.commit(run.acc) if run.experts is not None else {}
+    figures = run.experts.commit(run.acc) if run.experts is not None else {}
     committed = step + 1
     step_seconds = run.clock.end_step()  # the device's clock: the optimizer's kernels done
     # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
@@ -598,7 +598,9 @@ def _commit(run: Attempt, step: int, s: _Step) -> int:
         broken = run.experts.load.broken_invariant({d: counters[d]["exposure"] for d in run.data.domains})
         if broken:
             raise RuntimeError(f"expert load broke at step {committed}: " + "; ".join(broken[:4]))
-    record = _metrics_record(run, committed, s, step_seconds, counters, step_experts)
+    for source in run.opts.step_figures:  # a new per-step figure: one source there (Options.step_figures)
+        figures |= source(run, committed)
+    record = _metrics_record(run, committed, s, step_seconds, counters, figures)
     for cb in run.callbacks:
         cb.on_step(record, counters, run.ledger.realized_ratios())
     return committed
