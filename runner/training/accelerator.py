@@ -433,18 +433,6 @@ def _compile_record(model_cfg: ModelRecipe, dev: DeviceIdentity, file: str | Non
     }
 
 
-def apply_runtime_settings(
-    hardware_cfg: HardwareRecipe,
-    model_cfg: ModelRecipe,
-    *,
-    optim_cfg: OptimRecipe | None = None,
-    device: DeviceIdentity | str | None = None,
-    file: str | None = None,
-) -> dict[str, Any]:
-    """`apply_runtime`'s record alone."""
-    return apply_runtime(hardware_cfg, model_cfg, optim_cfg=optim_cfg, device=device, file=file).record
-
-
 def apply_runtime(
     hardware_cfg: HardwareRecipe,
     model_cfg: ModelRecipe,
@@ -561,7 +549,7 @@ def liger_version() -> str | None:
 
 
 def restore_default_settings() -> None:
-    """Undo what apply_runtime_settings set globally (tests and benchmarks that switch recipes)."""
+    """Undo what apply_runtime set globally (tests and benchmarks that switch recipes)."""
     _set_tf32(False)
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         torch.backends.cuda.matmul.fp32_precision = "none"

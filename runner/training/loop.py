@@ -404,33 +404,14 @@ def _metrics_record(
     )
 
 
-def _data_failed(run: Attempt, wait: bool) -> float:
-    """1.0 when this rank's shard verification found a mismatch (wait: once every shard is hashed)."""
-    verifier = run.data.verifier
-    if verifier is None:
-        return 0.0
-    if wait and not verifier.done():
-        run.say("data: the checkpoint waits for the shards' sha256 verification to finish")
-        while not verifier.join(timeout=60):
-            run.say(f"data: {verifier.progress()}")
-    if verifier.done() and not verifier.announced and verifier.failure() is None:
-        verifier.announced = True
-        run.say(verifier.summary())
-    return float(verifier.failure() is not None)
-
-
-def _raise_data_failure(run: Attempt) -> None:
-    failure = run.data.verifier.failure() if run.data.verifier is not None else None
-    raise failure or RunnerError("a shard differs from its manifest's sha256 on another node (its error line names it)")
-
-
 def _save(run: Attempt, step: int, wait_for_data: bool = True) -> None:
     # No checkpoint rests on a shard that differs from its pin: every rank waits for its node's hashing.
     # Except a preemption's: its grace period may be shorter than the hashing, and losing the work is
     # worse; the resumed launch verifies again (unfinished shards are not cached) before its next one.
-    failed = all_reduce(run.acc, torch.tensor([_data_failed(run, wait=wait_for_data)], device=run.acc.device))
+    mine = run.data.verification_failed(run.say, wait=wait_for_data)
+    failed = all_reduce(run.acc, torch.tensor([mine], device=run.acc.device))
     if failed.item() > 0:
-        _raise_data_failure(run)
+        run.data.raise_failure()
     # The previous write done first: rank 0 holds one checkpoint in host memory at a time.
     started = time.perf_counter()
     run.checkpointer.writes.wait()
@@ -626,10 +607,10 @@ def _checkpoint_or_stop(run: Attempt, committed: int, flag: _StopFlag) -> int:
         run.acc,
         checkpoint=run.main and run.checkpointer.due(committed),
         stop=flag.signum is not None,
-        data_failed=_data_failed(run, wait=False),
+        data_failed=run.data.verification_failed(run.say, wait=False),
     )
     if due.data_failed:
-        _raise_data_failure(run)
+        run.data.raise_failure()
     if due.stop:
         _save(run, committed, wait_for_data=False)
         run.say(
