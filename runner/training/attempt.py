@@ -66,7 +66,7 @@ class Options:
     step_figures: list[StepFigures] = field(default_factory=list)  # per-step figures beyond the loop's own
     records: list[RunRecord] | None = None  # the run folder's records (rank 0 writes); None: records.default_records()
     kill_at_step: int | None = None  # fault injection: SIGKILL itself mid-step (smoke, tests)
-    fault: Callable[[], None] | None = None  # what kill_at_step does instead of a SIGKILL (tests: runner.cli.train)
+    fault: Callable[[], None] | None = None  # what kill_at_step does instead of a SIGKILL (tests, --fault)
     verify_shards: bool = True  # hash every shard against its manifest before the first checkpoint (bench: off)
 
 
