@@ -334,8 +334,8 @@ def _smoke_folders(full: Experiment, steps: int, out: Path) -> tuple[Path, Path]
 def _smoke_differences(ref: Path, res: Path, steps: int, accelerator: str):
     """(weight identity, problems): the final weights, the ledger's counters and the expert load of the
     resumed run against the uninterrupted one."""
+    from runner.runs.checkpoints import dirname
     from runner.runs.resume_identity import compare_weights
-    from runner.training.checkpoint import dirname
 
     problems = []
     final = dirname(steps)

@@ -28,6 +28,7 @@ from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.planning import hardware
 from runner.planning.flops import convention_for, flops_per_token, hfu_convention, hfu_flops_per_token
 from runner.planning.plan import choose_micro_batch
+from runner.runs.checkpoints import MARKER
 from runner.runs.folder import RunFolder
 from runner.runs.steprecord import StepRecord
 from runner.training import evaluate
@@ -47,14 +48,7 @@ from runner.training.accelerator import (
 from runner.training.attempt import Attempt, Gathered, Options
 from runner.training.batches import load_data, read_step
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
-from runner.training.checkpoint import (
-    MARKER,
-    Checkpointer,
-    gather_full_state,
-    host_copy,
-    set_rng_state,
-    training_tensors,
-)
+from runner.training.checkpoint import Checkpointer, gather_full_state, host_copy, set_rng_state, training_tensors
 from runner.training.clock import RunClock
 from runner.training.collectives import (
     STOP_TIMEOUT_KEY,
