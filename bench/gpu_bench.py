@@ -442,31 +442,13 @@ def train_step(model, optimizer, batch, v: Variant, device: torch.device) -> Non
 
 
 def planned_memory_gib(shape: dict[str, Any], v: Variant, device: torch.device) -> float | None:
-    """runner.planning.plan's memory per device for this variant (None without the runner)."""
+    """runner.planning's peak memory per device for this variant (None without the runner): its compile
+    scope, kernels, loss and micro batch, one micro batch per optimizer step (as train_step takes it)."""
     try:
-        from runner.planning.plan import memory_per_device
+        from runner.planning.measured_memory import planned_row_bytes
     except Exception:
         return None
-    gpu = device.type == "cuda"
-    cfg = {
-        "tokenizer": {"vocab_size": shape["vocab_size"]},
-        "model": {
-            "arch": "llama",
-            **{k: shape[k] for k in ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")},
-            "tie_embeddings": shape["tie_embeddings"],
-            "attn_implementation": v.attn,
-            "kernels": v.kernels,
-            "cross_entropy": v.cross_entropy,
-            "activation_checkpointing": False,
-        },
-        "train": {"seq_len": shape["seq_len"], "micro_batch_sequences": v.micro_batch},
-        "hardware": {
-            "accelerator": "cuda" if gpu else "cpu",
-            "precision": "bf16" if v.autocast_bf16 and gpu else "fp32",
-            "memory_gib": 0,
-        },
-    }
-    return memory_per_device(cfg)["total_bytes"] / 2**30
+    return planned_row_bytes(shape, asdict(v), gpu=device.type == "cuda") / 2**30
 
 
 def run_variant(

@@ -134,3 +134,31 @@ CHECKPOINT_SOURCE = (
     "on a 2-core host, 1.4 GB/s); write: 3.5 GB/s, one data-center NVMe SSD (Samsung PM9A3 U.2 datasheet, "
     "heise.de/-4720224); sha256 read-back 1.5 GB/s measured on a 2-core host (runner.planning.assumptions)"
 )
+
+
+# ---------------------------------------------------------------- what torch.compile saves in memory
+#: The fraction of the eager decoder layers' saved activation bytes (runner.planning.plan.
+#: saved_activation_bytes' "layers") that a compiled step keeps, by (compile_scope, kernels):
+#: AOTAutograd's min-cut partitioner recomputes pointwise ops in the backward instead of saving them,
+#: which no first-principles count here reproduces yet, so each factor is measured: max_memory_allocated
+#: of one bench row, less the plan's model state at the backward's peak (no gradients: one micro batch
+#: per step), the head's saved bytes and the loss's transient, over the eager layers' count. Rows:
+#: bench/measurements/h200-20261204 (one H200 SXM, torch 2.11.0+cu130, transformers 5.17.0, triton
+#: 3.6.0, liger-kernel 0.8.5, 2026-12-04, commit 6b9382b). Whole-model compile + Liger is refused on
+#: CUDA (runner.config.rules.check_speed_options), so it has no factor.
+_H200_BENCH = "bench/measurements/h200-20261204"
+COMPILE_SAVED_FRACTION: dict[tuple[str, str], tuple[float, str]] = {
+    # "1p3b recipe mb8": 1p3b's shape, sdpa, plain loss, mb 8: 47.46 GiB allocated vs 69.51 planned eager
+    ("model", "none"): (0.471, f"measured: H200 bench row '1p3b recipe mb8' (whole-model compile), {_H200_BENCH}/bench.json"),
+    # "gpu-smoke settings mb16": gpu-smoke's shape (vocab 4,096), chunked loss, mb 16: 68.96 GiB vs 100.15 eager
+    ("regional", "none"): (
+        0.626,
+        f"measured: H200 bench row 'gpu-smoke settings mb16' (regional compile), {_H200_BENCH}/bench-extra-rows.json",
+    ),
+    # "compile-regional liger mb8": inductor falls back on Liger's RMSNorm kernel and cannot recompute
+    # through Liger's autograd functions: 49.79 GiB vs 50.97 eager
+    ("regional", "liger"): (
+        0.963,
+        f"measured: H200 bench row 'compile-regional liger mb8', {_H200_BENCH}/bench-extra-rows.json",
+    ),
+}
