@@ -62,6 +62,12 @@ def compare_bench(bench: Mapping[str, Any], extra_rows: list[Mapping[str, Any]] 
             continue
         planned = planned_row_bytes(shapes[row.get("shape", "main")], row) / GIB
         measured = float(row["peak_memory_gib"])
-        out.append({"variant": row["variant"], "planned_gib": planned, "measured_gib": measured,
-                    "error": planned / measured - 1})
+        out.append(
+            {
+                "variant": row["variant"],
+                "planned_gib": planned,
+                "measured_gib": measured,
+                "error": planned / measured - 1,
+            }
+        )
     return out

@@ -457,6 +457,7 @@ def _time_plans(
     assumed = _time_block(tokens, assumed_tps, overheads, n_devices, price)
     assumed["mfu"] = mfu
     assumed["mfu_rule"], assumed["mfu_source"] = assumption.rule, assumption.source
+    assumed["mfu_basis"] = assumption.basis
     n_all = params_of_config(cfg).all
     assumed["pure_hours_6n_all"] = (
         compute_seconds(training_flops(n_all, tokens), mfu, peak_tflops, n_devices) / SECONDS_PER_HOUR
@@ -582,7 +583,7 @@ def build_plan(
     tokens = float(cfg.train.exposure_tokens)  # the plan (and its JSON) counts in floats: 2.6e10, not 26000000000
     peak = hardware.resolve_peak(hw)
     fpt = flops_per_token(cfg, convention)
-    assumption = assumed_mfu(architecture(cfg), hw.default_mfu, cfg.recipes.get("hardware", ""), mfu)
+    assumption = assumed_mfu(architecture(cfg), hw.default_mfu, cfg.recipes.get("hardware", ""), mfu, cfg)
     assumed, measured = _time_plans(cfg, tokens, fpt, peak.peak_tflops, assumption, calibration)
     mix = mixture_plan(cfg, Path(root))
     return {
@@ -739,7 +740,10 @@ def _format_model_and_compute(plan: Mapping[str, Any], out: list[str]) -> None:
 
 def _format_time(plan: Mapping[str, Any], out: list[str]) -> None:
     t = plan["time"]
-    cols = [("assumed", t["assumed"])] + ([("measured", t["measured"])] if t["measured"] else [])
+    first = {"measured": "device-measured MFU", "--mfu": "--mfu"}.get(t["assumed"].get("mfu_basis", ""), "assumed")
+    cols = [(first, t["assumed"])] + (
+        [("calibration run" if first != "assumed" else "measured", t["measured"])] if t["measured"] else []
+    )
     out.append(f"{'time and cost':<36}" + "".join(f"{name:>22}" for name, _ in cols))
     _row(out, "MFU", *(f"{b['mfu']:.1%}" for _, b in cols))
     _row(out, "tokens/s (processed)", *(_si(b["tokens_per_second"]) for _, b in cols))
@@ -751,7 +755,8 @@ def _format_time(plan: Mapping[str, Any], out: list[str]) -> None:
     _row(out, "device-hours", *(f"{b['device_hours']:,.1f}" for _, b in cols))
     costs = (f"{b['cost_usd']:,.0f}" if b["cost_usd"] >= 100 else f"{b['cost_usd']:.2f}" for _, b in cols)
     _row(out, "cost (USD)", *costs)
-    out.append(f"  assumed MFU: {t['assumed']['mfu_rule']} ({t['assumed']['mfu_source']})")
+    basis = t["assumed"].get("mfu_basis", "assumed")
+    out.append(f"  MFU {basis}: {t['assumed']['mfu_rule']} ({t['assumed']['mfu_source']})")
     if t["measured"] and plan.get("calibration"):
         cal = plan["calibration"]
         out.append(

@@ -24,8 +24,14 @@ def test_every_measured_bench_row_is_planned_within_five_percent():
     rows += compare_bench(_read("h200-20261204-session2/bench.json"))
     variants = {r["variant"] for r in rows}
     # eager plain, Liger, chunked; whole-model compile; regional compile with and without Liger
-    assert {"plain mb8", "liger mb8", "chunked-ce mb8", "1p3b recipe mb8", "compile-regional liger mb8",
-            "gpu-smoke settings mb16"} <= variants
+    assert {
+        "plain mb8",
+        "liger mb8",
+        "chunked-ce mb8",
+        "1p3b recipe mb8",
+        "compile-regional liger mb8",
+        "gpu-smoke settings mb16",
+    } <= variants
     for r in rows:
         assert abs(r["error"]) <= TOLERANCE, r
 
