@@ -284,7 +284,11 @@ def _launch(args, held: contextlib.ExitStack) -> int:
     """`runner launch` on every rank, in the order its refusals must come: the target and world
     checked, the folder chosen and locked, records written, MLflow started, the loop run, the report
     and summary written. Each step may refuse before the next writes anything."""
+    from runner.training import startup
+
+    startup.begin_launch()  # process start to here: the interpreter and the CLI
     exp, run_dir, existing = _resolve(args)
+    startup.mark("config")
     if existing and args.extend_to is None:
         assert run_dir is not None  # a run folder found is a folder named
         line = _finished_line(run_dir)
@@ -294,6 +298,8 @@ def _launch(args, held: contextlib.ExitStack) -> int:
             return EXIT_OK
     from runner.training.loop import Options, train
     from runner.training.runfolder import extend_run
+
+    startup.mark("imports")
 
     if existing and run_dir is not None and not args.no_tracking:  # before anything is written: a lost store is refused
         _check_recorded_store(run_dir)
@@ -310,6 +316,7 @@ def _launch(args, held: contextlib.ExitStack) -> int:
     tracker = None if args.no_tracking else _start_tracking(args, exp, run_dir, existing, main)
     kill, fault = _fault(args.fault, acc.process_index) if args.fault else (args.kill_at_step, None)
     opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=kill, fault=fault)
+    startup.mark("accelerator_and_folder")
     try:
         code = train(exp, run_dir, acc, tracker, opts)
     except BaseException:

@@ -28,7 +28,6 @@ from runner.planning.assumptions import AssumedMfu, assumed_mfu, carried_mfu
 from runner.planning.downstream_cost import format_lines as format_downstream_lines
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.resources import CHECKPOINT_BYTES_PER_PARAM
-from runner.planning.scaling import Point, forecast_target
 
 SECONDS_PER_HOUR = 3600.0
 SECONDS_PER_DAY = 86400.0
@@ -630,6 +629,8 @@ def forecast_targets(plan: Mapping[str, Any], fit_result: Mapping[str, Any], tar
     needs to reach it (runner.planning.scaling.forecast_target over the fit's runs), and the FLOPs,
     days, device-hours and dollars of that many tokens at the plan's assumed and measured throughput;
     or why it cannot be reached, and whether the answer is beyond the fit's trusted range."""
+    from runner.planning.scaling import Point, forecast_target  # noqa: PLC0415  (scipy: a forecast's, not the trainer's)
+
     try:
         points = [Point(**p) for p in fit_result["points"]]
     except (KeyError, TypeError) as err:

@@ -337,18 +337,20 @@ class Checkpoint:
     def format(self) -> int:
         return int(self.record.format)
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """The model's full state dict keyed by parameter name, tied aliases restored (format >= 2)."""
-        tensors = load_file(str(self.path / "model.safetensors"))
+    def model_state(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The model's full state dict keyed by parameter name, tied aliases restored (format >= 2),
+        read straight into `device`'s memory (a GPU's: no host copy to move again)."""
+        tensors = load_file(str(self.path / "model.safetensors"), device=device)
         for alias, name in self.record.tied.items():
             if alias not in tensors and name in tensors:
                 tensors[alias] = tensors[name]
         return tensors
 
-    def load_into(self, model, optimizer) -> None:
+    def load_into(self, model, optimizer, device: str = "cpu") -> None:
         """Weights and optimizer state into `model` (plain or FSDP2-sharded) and its optimizer.
         Every rank calls it and reads the files (run folders live on shared storage); each keeps its
-        own shard. The world size and sharding need not match the writer's."""
+        own shard. The world size and sharding need not match the writer's. `device`: where the
+        files are read to (the model's accelerator: one copy from the file, none from the host)."""
         if self.format < 2:
             # Only checkpoints of the first format need it, and its public path moved between torch releases.
             from torch.distributed.tensor import DTensor  # noqa: PLC0415
@@ -361,12 +363,15 @@ class Checkpoint:
             load_model(model, str(self.path / "model.safetensors"), strict=True)
             optimizer.load_state_dict(self.optimizer_state())
             return
-        set_model_state_dict(model, cast(dict, self.model_state()), options=_options(strict=True))
-        set_optimizer_state_dict(model, optimizer, self.optimizer_state(), options=_options())
+        set_model_state_dict(model, cast(dict, self.model_state(device)), options=_options(strict=True))
+        set_optimizer_state_dict(model, optimizer, self.optimizer_state(device), options=_options())
 
-    def optimizer_state(self) -> dict:
+    def optimizer_state(self, device: str = "cpu") -> dict:
         index = json.loads((self.path / "optimizer.json").read_text())
-        return unflatten_optimizer(load_file(str(self.path / "optimizer.safetensors")), index)
+        tensors = load_file(str(self.path / "optimizer.safetensors"), device=device)
+        # a 0-dim entry (AdamW's step) stays on the host, where torch's non-fused AdamW keeps it
+        tensors = {k: v.cpu() if v.dim() == 0 else v for k, v in tensors.items()}
+        return unflatten_optimizer(tensors, index)
 
     def ledger_state(self) -> dict[str, np.ndarray]:
         return load_numpy(str(self.path / "ledger.safetensors"))

@@ -30,7 +30,7 @@ from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.planning import hardware
 from runner.planning.flops import convention_for, flops_per_token, hfu_convention, hfu_flops_per_token
 from runner.planning.plan import choose_micro_batch
-from runner.training import evaluate
+from runner.training import evaluate, startup
 from runner.training import experts as experts_mod
 from runner.training.accelerator import (
     SHARD_RUNNER_CPU,
@@ -237,13 +237,16 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         end_step = min(end_step, cfg.train.hard_stop_tokens // (B * L))
 
     runtime, micro, accum = _runtime(cfg, acc, micro, accum)
+    startup.mark("accelerator_and_folder")
     sharding = runtime["sharding"]
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
     data = load_data(exp, L, verify=opts.verify_shards and acc.is_local_main_process)  # one hasher per node
+    startup.mark("data")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg)
+    with startup.on_device(acc.device):  # parameters made and initialised there: no host copy to move
+        model = build_model(cfg)
     probe = experts_mod.attach(model, cfg, data.domains)  # hooks on the routers, before any wrapping
     if sharding == SHARD_RUNNER_CPU:
         shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
@@ -252,6 +255,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     checkpointer = Checkpointer.for_run(
         run_dir, cfg.train.checkpoint, report=opts.report if acc.is_main_process else None
     )
+    startup.mark("model_build")
     return _Run(
         exp=exp,
         acc=acc,
@@ -295,6 +299,7 @@ def _resume(run: _Run) -> None:
     else:
         run.model, run.optimizer = acc.prepare(run.model, run.optimizer)
     run.raw_model = acc.unwrap_model(run.model)
+    startup.mark("weights_on_device")
     if ckpt is not None:
         state = ckpt.record
         if state.fingerprint not in fingerprints:
@@ -304,7 +309,7 @@ def _resume(run: _Run) -> None:
                 file=str(run.folder.path),
             )
         try:
-            ckpt.load_into(run.raw_model, run.inner_optimizer)
+            ckpt.load_into(run.raw_model, run.inner_optimizer, device=startup.load_device(acc.device))
         except (ValueError, RuntimeError, KeyError) as err:  # verified files that do not fit this model
             raise RunnerError(
                 f"checkpoint {ckpt.path.name} does not fit this run's model: {str(err).splitlines()[0]}",
@@ -325,6 +330,7 @@ def _resume(run: _Run) -> None:
     acc.wait_for_everyone()
     # processed survives SIGKILL through the journal: work after the checkpoint was spent, then lost.
     _catch_up_processed(ledger, run.clock.replay(run.folder.journal_entries(), data.domains))
+    startup.mark("checkpoint_load")
     run.runtime.update(ddp_compile_settings(run.model, run.cfg.model.compile))
     run.model = maybe_compile(run.model, run.cfg)
 
@@ -562,6 +568,7 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
     """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE).
     An exception leaves run.json `failed`, never `running` (RunFolder.failed_on_error)."""
     opts = opts or Options()
+    startup.begin_train()  # `runner launch` started it at the process start; else it starts now
     with RunFolder(Path(run_dir), writer=acc.is_main_process).failed_on_error():
         run = _setup(exp, Path(run_dir), acc, opts)
         try:
@@ -581,6 +588,7 @@ def _attempt(run: _Run, tracker) -> int:
     try:
         run.model.train()
         for step in range(run.start_step, run.steps.end_step):
+            startup.step_begins()  # the first: t_startup ends, the first step's own clock starts
             run.clock.begin_step()
             s = _train_step(run, step)
             if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
@@ -588,6 +596,7 @@ def _attempt(run: _Run, tracker) -> int:
                 exit_code = EXIT_NONFINITE
                 break
             committed = _commit(run, step, s)
+            startup.step_done()
             if run.cfg.eval.interval_steps and committed % run.cfg.eval.interval_steps == 0:
                 _evaluate(run, committed)
             downstream.at_step(run, committed)  # at eval.downstream_interval_steps and the segment's last step
@@ -616,7 +625,7 @@ def _start_attempt(run: _Run, tracker) -> _StopFlag:
     flag = _StopFlag()
     flag.old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
     flag.deadline = _stop_deadline(run)
-    run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None)
+    run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None, startup.elapsed())
     run.last_saved = run.last_eval = run.start_step
     if run.opts.max_steps is not None:
         run.steps.end_step = min(run.steps.end_step, run.start_step + int(run.opts.max_steps))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from runner.fsio import atomic_write_json
+from runner.training import startup
 from runner.training.checkpoint import rng_state, tied_parameters
 from runner.training.expert_load import FILE as EXPERT_LOAD_FILE
 from runner.training.runfolder import ledger_document, write_ledger_json
@@ -202,6 +203,31 @@ class EvalTimes(RunRecord):
         self._take(run)()
 
 
+class StartupTimes(RunRecord):
+    """run.json's `t_startup` (runner.training.startup): this attempt's start by part and its first
+    step, next to the earlier attempts' and summed; written at every checkpoint and the attempt's end."""
+
+    @staticmethod
+    def _take(run: Any) -> Write | None:
+        clock = startup.current()
+        if clock is None:
+            return None
+        folder, mine = run.folder, clock.record(int(run.clock.attempt))
+
+        def write() -> None:
+            folder.update(t_startup=startup.merged(folder.record().t_startup, mine))
+
+        return write
+
+    def at_checkpoint(self, run: Any, saved: Gathered) -> Write | None:
+        return self._take(run)
+
+    def at_end(self, run: Any, committed: int, status: str, summary: dict, system: dict | None) -> None:
+        write = self._take(run)
+        if write is not None:
+            write()
+
+
 def default_records() -> list[RunRecord]:
     """The records every run keeps, in the order they are written (run.json last: it points at the rest)."""
-    return [CheckpointFiles(), LedgerJson(), EvalTimes(), RunJson()]
+    return [CheckpointFiles(), LedgerJson(), EvalTimes(), StartupTimes(), RunJson()]
