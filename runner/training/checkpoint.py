@@ -61,6 +61,7 @@ from runner.config.schema import CheckpointSection
 from runner.errors import RunnerError
 from runner.fsio import fsync_dir, fsync_file, sha256_file
 from runner.training.clock import RunClock
+from runner.training.staging import hashable_layout, save_safetensors_hashed
 
 MARKER = "COMPLETE"
 #: train.checkpoint.write: where a checkpoint's files are written (the schema's Literal lists the same)
@@ -377,6 +378,16 @@ class Checkpoint:
         return load_numpy(str(self.path / "ledger.safetensors"))
 
 
+def _save_hashed(tensors: dict[str, torch.Tensor], path: Path) -> str | None:
+    """Write `tensors` to `path` (safetensors, fsynced) and return its sha256 when hashed while
+    written; None when written by safetensors itself (a dtype the one-pass writer does not know)."""
+    digest = save_safetensors_hashed(tensors, path, fsync=False) if hashable_layout(tensors) else None
+    if digest is None:
+        save_file(tensors, str(path))
+    fsync_file(path)
+    return digest
+
+
 class Checkpointer:
     """Interval policy plus atomic save/verify/prune under `<run_dir>/checkpoints`.
 
@@ -469,14 +480,22 @@ class Checkpointer:
             shutil.rmtree(tmp)
         tmp.mkdir()
         tied = {a: n for a, n in (tied or {}).items() if a in model_state and n in model_state}
-        save_file(_store_once(model_state, tied), str(tmp / "model.safetensors"))
         tensors, index = flatten_optimizer(optimizer_state)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        # the large files written and hashed in one pass (runner.training.staging), never read back
+        digests = {
+            name: _save_hashed(part, tmp / name)
+            for name, part in (
+                ("model.safetensors", _store_once(model_state, tied)),
+                ("optimizer.safetensors", tensors),
+            )
+        }
         (tmp / "optimizer.json").write_text(json.dumps(index))
         save_numpy({k: np.ascontiguousarray(v) for k, v in ledger_state.items()}, str(tmp / "ledger.safetensors"))
         for name in FILES:
-            fsync_file(tmp / name)
-        full_state = dict(state, format=FORMAT, tied=tied, files={name: sha256_file(tmp / name) for name in FILES})
+            if name not in digests:
+                fsync_file(tmp / name)
+        files = {name: digests.get(name) or sha256_file(tmp / name) for name in FILES}
+        full_state = dict(state, format=FORMAT, tied=tied, files=files)
         (tmp / "state.json").write_text(json.dumps(full_state, indent=1, sort_keys=True))
         fsync_file(tmp / "state.json")
         fsync_dir(tmp)
