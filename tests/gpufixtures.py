@@ -73,3 +73,54 @@ def plan_and_probe(device: torch.device, loss: str, accelerator: str, autocast_d
     x, y, m = batch(device)
     probe = probe_training_forward(model, x, y, m, autocast_dtype=autocast_dtype)
     return saved_activation_bytes(cfg)["total"], probe
+
+
+def staging_scenario(device: torch.device) -> dict[str, Any]:
+    """The pinned checkpoint copy as the loop takes it (runner.training.staging.PinnedStaging): a tiny
+    model trained one step on `device`, its state staged (prefilled buffers), the next optimizer step
+    ordered after the copies, staged again. Returns what the tests check: the staged values against the
+    state at the checkpoint, the model after the steps against a run that never staged, the buffers."""
+    from runner.training.checkpoint import gather_full_state, training_tensors
+    from runner.training.staging import PinnedStaging
+
+    accelerator = "cpu" if device.type == "cpu" else "cuda"
+    out: dict[str, Any] = {}
+    for staged in (False, True):
+        model = tiny_model(device, accelerator)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=device.type == "cuda")
+        staging = PinnedStaging(device)
+        prefill = staging.prefill(list(model.parameters()))
+        prefill.join()
+        after_prefill = staging.allocated_bytes
+        b = batch(device)
+        loss_grads(model, b, None)
+        opt.step()
+        at_checkpoint = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if staged:
+            model_state, optim_state = gather_full_state(model, opt, to_host=False)
+            first = staging.stage(model_state, optim_state, training_tensors(model, opt))
+            loss_grads(model, b, None)
+            staging.before_optimizer_step()
+            opt.step()  # changes the parameters in place: the staged copy must not see it
+            first.ready()
+            out["staged_equal"] = all(
+                torch.equal(first.model_state[n].cpu(), at_checkpoint[n].cpu()) for n in at_checkpoint
+            )
+            out["pinned"] = all(t.is_pinned() for t in first.model_state.values()) if device.type == "cuda" else None
+            out["on_host"] = {t.device.type for t in first.model_state.values()}
+            ptrs = [t.data_ptr() for t in first.model_state.values()]
+            model_state, optim_state = gather_full_state(model, opt, to_host=False)
+            second = staging.stage(model_state, optim_state, training_tensors(model, opt))
+            second.ready()
+            out["reused"] = ptrs == [t.data_ptr() for t in second.model_state.values()]  # name by name
+            out["allocated_after_prefill"] = staging.allocated_bytes - after_prefill
+            out["fresh"] = (first.allocated_bytes, second.allocated_bytes)
+            out["second_equal"] = all(
+                torch.equal(second.model_state[n].cpu(), p.detach().cpu()) for n, p in model.named_parameters()
+            )
+            out["staged_params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        else:
+            loss_grads(model, b, None)
+            opt.step()
+            out["reference_params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return out

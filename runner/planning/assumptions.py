@@ -194,27 +194,31 @@ EXPORT_SOURCE = (
 
 # ---------------------------------------------------------------- writing a checkpoint
 #: What a checkpoint costs (runner plan's t_checkpoint; the loop records the real figures per checkpoint
-#: in run.json `checkpoints`). A checkpoint is the full fp32 state (12 B/param) on rank 0:
-#:   the copy to host memory, the one part the loop waits for under train.checkpoint.write: background:
-#:     from a GPU over its host link, NVIDIA H200/H100 SXM: PCIe Gen5 x16, 128 GB/s both ways (the
-#:     H200 datasheet), so 64 GB/s device to host. The gather copies into pageable memory, which
-#:     reaches less than the link: the loop's stop is a lower bound. On a CPU the copy is a host
-#:     memcpy: torch.clone of a 256 MiB fp32 tensor on this project's 2-core CI-class host, three
+#: in run.json `checkpoints`). A checkpoint is the full fp32 state (12 B/param) on rank 0. Measured on
+#: the H200 machine (bench/measurements/h200-20261204-session2/pinned.json, pinned_probe.py: 146 fp32
+#: tensors, 15.6 GB; one NVIDIA H200, torch 2.11.0+cu130, 2026-12-04, commit 6b9382b):
+#:   device -> pinned host buffers, non_blocking on a side stream: enqueued in 1.5 ms, done in 0.282 s
+#:     (55 GB/s), the same on reuse: the loop's checkpoint copy on a GPU without FSDP
+#:     (runner.training.staging.PinnedStaging: buffers allocated once per run, 7.6-8.0 s for 15.6 GB,
+#:     in a background thread at the attempt's start). The loop enqueues and goes on; its next optimizer
+#:     step waits on the device for the copy: the stall is at most the copy (an upper bound).
+#:   device -> pageable host memory (`.to("cpu")` per tensor): 9.80 s, 1.59 GB/s: FSDP's gather
+#:     (cpu_offload) still copies so.
+#:   a CPU run: torch.clone of a 256 MiB fp32 tensor on this project's 2-core CI-class host, three
 #:     times under load 3: 2.2, 1.4, 1.35 GB/s (1.4 taken).
-#:   the write (serialize + fsync) at one data-center NVMe SSD's sequential write: Samsung PM9A3 U.2
-#:     (PCIe 4.0), up to 3.5 GB/s (Samsung's datasheet as heise online reported it, heise.de/-4720224);
-#:     a node's share of a shared filesystem may be less.
-#:   the read-back sha256 of every file (state.json lists them): runner.fsio.sha256_file of a 256 MiB
-#:     file in page cache on the same host (SHA extensions), three times: 1.32, 1.53, 1.58 GB/s (1.5
-#:     taken); a GPU node's core is about as fast.
-HOST_LINK_BYTES_PER_S = 64e9
+#:   the files' write + fsync 1.31 GB/s (the work disk of that machine) and sha256 on one host core
+#:     1.28 GB/s: the writer hashes each chunk in a thread while it writes the next
+#:     (runner.training.staging.save_safetensors_hashed), so the write takes the slower of the two.
+PINNED_COPY_BYTES_PER_S = 55.2e9
+PAGEABLE_COPY_BYTES_PER_S = 1.59e9
 HOST_MEMCPY_BYTES_PER_S = 1.4e9
-DISK_WRITE_BYTES_PER_S = 3.5e9
-SHA256_BYTES_PER_S = 1.5e9
+DISK_WRITE_BYTES_PER_S = 1.31e9
+SHA256_BYTES_PER_S = 1.28e9
 CHECKPOINT_SOURCE = (
-    "copy to host: PCIe Gen5 x16 device to host, 64 GB/s (NVIDIA H200 datasheet; a CPU run: memcpy measured "
-    "on a 2-core host, 1.4 GB/s); write: 3.5 GB/s, one data-center NVMe SSD (Samsung PM9A3 U.2 datasheet, "
-    "heise.de/-4720224); sha256 read-back 1.5 GB/s measured on a 2-core host (runner.planning.assumptions)"
+    "measured on one H200 machine (bench/measurements/h200-20261204-session2/pinned.json, 2026-12-04, commit "
+    "6b9382b): device to pinned host 55 GB/s on a side stream (FSDP's pageable gather 1.59 GB/s), write + fsync "
+    "1.31 GB/s, sha256 1.28 GB/s hashed beside the write; a CPU run's copy: memcpy on a 2-core host, 1.4 GB/s "
+    "(runner.planning.assumptions)"
 )
 
 

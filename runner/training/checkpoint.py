@@ -113,20 +113,29 @@ def _options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
-def gather_full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+def gather_full_state(model, optimizer, to_host: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """(model state, optimizer state), unsharded, on CPU, keyed by parameter name.
 
     `model` is the unwrapped module (plain, or FSDP2-sharded in place). A collective when the
     parameters are sharded: EVERY rank must call it; rank 0 receives the tensors, the others get
-    empty dicts (cpu_offload keeps one copy in host memory, on the writer)."""
+    empty dicts (cpu_offload keeps one copy in host memory, on the writer). `to_host=False` on a model
+    that is not sharded: the training tensors themselves, where they are (each rank its own; the
+    caller copies them: runner.training.staging.PinnedStaging)."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    options = _options(cpu_offload=distributed)
+    in_place = not to_host and not _sharded(model)
+    options = _options(cpu_offload=distributed and not in_place)
     # Full state dicts of a module and of its optimizer: tensors by parameter name, torch's nested form.
     model_state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
     optim_state = cast(dict, get_optimizer_state_dict(model, optimizer, options=options))
-    if not distributed:  # one process: cpu_offload needs a process group, so copy to host here
+    if not distributed and not in_place:  # one process: cpu_offload needs a process group, so copy to host here
         model_state = {k: v.detach().cpu() for k, v in model_state.items()}
     return model_state, optim_state
+
+
+def _sharded(model) -> bool:
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def tied_parameters(model) -> dict[str, str]:

@@ -74,6 +74,7 @@ from runner.training.prefetch import Prefetcher
 from runner.training.records import Gathered, RunRecord, default_records, take_records, zero_eval_seconds
 from runner.training.samples import samples_callback
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
+from runner.training.staging import PinnedStaging
 from runner.training.steps import FlopsBasis, StepPlan
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
 from runner.training.tracking import START_WAIT_SECONDS, Tracker
@@ -136,6 +137,7 @@ class _Run:
     clock: RunClock = field(default_factory=lambda: RunClock(1))  # _setup: the run's world and device clock
     downstream: Any = None  # the downstream tasks, prepared at their first scoring (runner.training.downstream)
     eval_seconds: dict = field(default_factory=zero_eval_seconds)  # this attempt's t_eval (records.EvalTimes)
+    staging: PinnedStaging | None = None  # rank 0 on a GPU: the checkpoints' reusable pinned buffers
 
     @property
     def cfg(self):
@@ -283,7 +285,19 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         sharding=sharding,
         experts=probe,
         clock=RunClock(world, step_clock(acc.device)),
+        staging=_staging(acc, cfg, model),
     )
+
+
+def _staging(acc, cfg, model) -> PinnedStaging | None:
+    """Rank 0's pinned checkpoint buffers on a GPU when the model is not sharded (FSDP's gather copies
+    to the host itself), filled in a background thread from the parameters' shapes."""
+    if not acc.is_main_process or cfg.hardware.distributed == "fsdp":
+        return None
+    staging = PinnedStaging.for_device(acc.device)
+    if staging is not None:
+        staging.prefill(list(model.parameters()))  # each parameter, and AdamW's two moments of it
+    return staging
 
 
 def _resume(run: _Run) -> None:
@@ -531,10 +545,14 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
     started = time.perf_counter()
     run.checkpointer.writes.wait()
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
-    model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
+    model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer, to_host=run.staging is None)
     if run.main:
         live = training_tensors(run.raw_model, run.inner_optimizer)
-        saved = Gathered(step, *host_copy(model_state, optimizer_state, live), started)
+        if run.staging is not None:  # copies enqueued into pinned buffers; the writer waits for them
+            staged = run.staging.stage(model_state, optimizer_state, live)
+            saved = Gathered(step, staged.model_state, staged.optimizer_state, started, ready=staged.ready)
+        else:
+            saved = Gathered(step, *host_copy(model_state, optimizer_state, live), started)
         # checkpoint files, ledger.json, run.json (runner.training.records): taken now, written behind the loop
         write = take_records(run.opts.records, run, saved)
         if run.checkpointer.writes.mode == "background":
@@ -679,6 +697,8 @@ def _stop_nonfinite(run: _Run, step: int, s: _Step) -> None:
 def _commit(run: _Run, step: int, s: _Step) -> int:
     """The optimizer step and the ledger's commit, the invariants checked, the step record handed to
     the callbacks. Returns the committed step count."""
+    if run.staging is not None:  # on the device: after the last checkpoint's copies, no host wait
+        run.staging.before_optimizer_step()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.ledger.commit(s.global_pairs, s.useful)

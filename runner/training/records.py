@@ -45,6 +45,7 @@ class Gathered:
     resumed: float | None = None  #: perf_counter when the loop went on, the write handed off (background)
     write_seconds: float | None = None  #: the files' own write: serialize, fsync, hash, rename, seal, prune
     written: str | None = None  #: "background" or "foreground": the thread that wrote the files, as seen there
+    ready: Callable[[], None] | None = None  #: waits for the copies into host memory (PinnedStaging), if any
 
     def stopped_seconds(self) -> float:
         """How long the loop stood still for this checkpoint (SPEC's t_checkpoint): until it went on,
@@ -161,6 +162,8 @@ def take_records(records: list[RunRecord], run: Any, saved: Gathered) -> Write:
     writes = [w for w in (record.at_checkpoint(run, saved) for record in records) if w is not None]
 
     def write() -> None:
+        if saved.ready is not None:  # the device-to-host copies, enqueued by the loop, done first
+            saved.ready()
         for w in writes:
             w()
 

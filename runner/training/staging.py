@@ -7,8 +7,8 @@ Owns:
   the device-to-host copies enqueued on a side stream after the step's kernels, the loop going on at
   once; the next optimizer step ordered after the copies on the device (`before_optimizer_step`: a
   stream wait, no host sync), and the writer waiting for them (`Staged.ready`) before it reads the
-  buffers. On a host without an accelerator the same bookkeeping runs with plain buffers and
-  synchronous copies (what the CPU tests exercise; the loop keeps `checkpoint.host_copy` there).
+  buffers. A staging for the CPU device runs the same bookkeeping with plain buffers and synchronous
+  copies of the host tensors (what the CPU tests exercise; the loop keeps `checkpoint.host_copy` there).
   Measured on an H200 (bench/measurements/h200-20261204-session2/pinned.json): 15.6 GB to pageable
   memory 9.80 s; pinned allocation for 15.6 GB 7.6-8.0 s (hence once per run, off the loop);
   device to pinned, non_blocking on a side stream, enqueued in 1.5 ms, done in 0.282 s (55 GB/s).
@@ -104,7 +104,7 @@ class PinnedStaging:
     def release(self) -> None:
         """The checkpoint's files are written: its buffers go back to the pool for the next one."""
         with self._lock:
-            for key, buf in self.in_use:
+            for key, buf in reversed(self.in_use):  # the stack as it was: each name gets its buffer again
                 self.pool.setdefault(key, []).append(buf)
             self.in_use = []
 
@@ -126,7 +126,7 @@ class PinnedStaging:
                 key = (str(x.device), _storage_key(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
                 if key not in copies:
                     t = x.detach()
-                    if t.device.type != "cpu":
+                    if t.device.type != "cpu" or self.device.type == "cpu":  # a CPU staging copies host tensors too
                         buf, n = self._take(tuple(t.shape), t.dtype)
                         fresh += n
                         if self.stream is not None:

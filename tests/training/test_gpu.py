@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 import torch
-from gpufixtures import batch, loss_grads, plan_and_probe, regional_model, tiny_model
+from gpufixtures import batch, loss_grads, plan_and_probe, regional_model, staging_scenario, tiny_model
 
 from runner.training.accelerator import check_attention_backend, device_identity
 from runner.training.loss import chunked_loss_sum, liger_loss_sum, plain_loss_sum
@@ -129,6 +129,16 @@ def test_memory_plan_matches_the_saved_tensor_probe_under_cuda_autocast(loss):
     planned, probe = plan_and_probe(DEV, loss, "cuda", BF16)
     assert abs(planned / probe.activations - 1) < 0.05, (planned, probe.to_dict())
     assert probe.peak_allocated is not None and probe.peak_allocated > probe.activations
+
+
+def test_pinned_checkpoint_staging_on_the_gpu():
+    """The loop's checkpoint copy on CUDA: pinned host buffers filled on a side stream, the next
+    optimizer step ordered after them on the device, the buffers reused; training unchanged by it."""
+    out = staging_scenario(DEV)
+    assert out["pinned"] and out["on_host"] == {"cpu"}
+    assert out["staged_equal"] and out["second_equal"] and out["reused"] and out["fresh"][1] == 0
+    for name, ref in out["reference_params"].items():
+        torch.testing.assert_close(out["staged_params"][name], ref, rtol=0, atol=0)
 
 
 def test_nvml_reads_this_gpu():
