@@ -35,7 +35,7 @@ def test_t_checkpoint_of_1p3b_by_hand_in_both_write_modes(tmp_path):
     assert ck["t_checkpoint_hours"] == pytest.approx(ck["count"] * copy / SECONDS_PER_HOUR)
     assert ck["fraction_of_pure"] == pytest.approx(ck["count"] * copy / pure)
     text = format_plan(plan)
-    assert "t_checkpoint (about" in text and "for the copy to host memory" in text
+    assert "t_checkpoint (about" in text and "for the copy to pinned host memory (an upper bound" in text
     assert "pinned.json" in text and "commit 6b9382b" in text  # the rates' source
     # written in the loop, each checkpoint stops it for the write as well
     fg = build_plan(_with_checkpoint(cfg, write="foreground"), root=tmp_path)["checkpoint_time"]
