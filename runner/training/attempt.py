@@ -31,6 +31,7 @@ from runner.training.experts import RouterProbe
 from runner.training.ledger import TokenLedger
 from runner.training.prefetch import Prefetcher
 from runner.training.schedule import segment_schedule_steps
+from runner.training.staging import PinnedStaging
 from runner.training.steps import FlopsBasis, StepPlan
 from runner.training.sysmetrics import SystemMetricsCallback
 from runner.training.tracking import Tracker
@@ -112,6 +113,7 @@ class Attempt:
     clock: RunClock = field(default_factory=lambda: RunClock(1))  # _setup: the run's world and device clock
     downstream: Prepared | None = None  # the downstream tasks, prepared at their first scoring (downstream.inloop)
     eval_seconds: dict = field(default_factory=zero_eval_seconds)  # this attempt's t_eval (records.EvalTimes)
+    staging: PinnedStaging | None = None  # rank 0 on a GPU: the checkpoints' reusable pinned buffers
 
     @property
     def cfg(self) -> ExperimentSchema:
@@ -160,6 +162,7 @@ class Gathered:
     resumed: float | None = None  #: perf_counter when the loop went on, the write handed off (background)
     write_seconds: float | None = None  #: the files' own write: serialize, fsync, hash, rename, seal, prune
     written: str | None = None  #: "background" or "foreground": the thread that wrote the files, as seen there
+    ready: Callable[[], None] | None = None  #: waits for the copies into host memory (PinnedStaging), if any
 
     def stopped_seconds(self) -> float:
         """How long the loop stood still for this checkpoint (SPEC's t_checkpoint): until it went on,

@@ -60,6 +60,7 @@ from runner.config.schema import CheckpointSection
 from runner.errors import RunnerError
 from runner.fsio import fsync_dir, fsync_file, sha256_file
 from runner.runs.checkpoints import FILES, FORMAT, MARKER, CheckpointState, dirname, step_of, verify
+from runner.training.staging import hashable_layout, save_safetensors_hashed
 
 #: train.checkpoint.write: where a checkpoint's files are written (the schema's Literal lists the same)
 WRITE_MODES = ("background", "foreground")
@@ -104,20 +105,29 @@ def _options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
-def gather_full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+def gather_full_state(model, optimizer, to_host: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """(model state, optimizer state), unsharded, on CPU, keyed by parameter name.
 
     `model` is the unwrapped module (plain, or FSDP2-sharded in place). A collective when the
     parameters are sharded: EVERY rank must call it; rank 0 receives the tensors, the others get
-    empty dicts (cpu_offload keeps one copy in host memory, on the writer)."""
+    empty dicts (cpu_offload keeps one copy in host memory, on the writer). `to_host=False` on a model
+    that is not sharded: the training tensors themselves, where they are (each rank its own; the
+    caller copies them: runner.training.staging.PinnedStaging)."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    options = _options(cpu_offload=distributed)
+    in_place = not to_host and not _sharded(model)
+    options = _options(cpu_offload=distributed and not in_place)
     # Full state dicts of a module and of its optimizer: tensors by parameter name, torch's nested form.
     model_state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
     optim_state = cast(dict, get_optimizer_state_dict(model, optimizer, options=options))
-    if not distributed:  # one process: cpu_offload needs a process group, so copy to host here
+    if not distributed and not in_place:  # one process: cpu_offload needs a process group, so copy to host here
         model_state = {k: v.detach().cpu() for k, v in model_state.items()}
     return model_state, optim_state
+
+
+def _sharded(model) -> bool:
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def tied_parameters(model) -> dict[str, str]:
@@ -302,18 +312,20 @@ class Checkpoint:
     def format(self) -> int:
         return int(self.record.format)
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """The model's full state dict keyed by parameter name, tied aliases restored (format >= 2)."""
-        tensors = load_file(str(self.path / "model.safetensors"))
+    def model_state(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The model's full state dict keyed by parameter name, tied aliases restored (format >= 2),
+        read straight into `device`'s memory (a GPU's: no host copy to move again)."""
+        tensors = load_file(str(self.path / "model.safetensors"), device=device)
         for alias, name in self.record.tied.items():
             if alias not in tensors and name in tensors:
                 tensors[alias] = tensors[name]
         return tensors
 
-    def load_into(self, model, optimizer) -> None:
+    def load_into(self, model, optimizer, device: str = "cpu") -> None:
         """Weights and optimizer state into `model` (plain or FSDP2-sharded) and its optimizer.
         Every rank calls it and reads the files (run folders live on shared storage); each keeps its
-        own shard. The world size and sharding need not match the writer's."""
+        own shard. The world size and sharding need not match the writer's. `device`: where the
+        files are read to (the model's accelerator: one copy from the file, none from the host)."""
         if self.format < 2:
             # Only checkpoints of the first format need it, and its public path moved between torch releases.
             from torch.distributed.tensor import DTensor  # noqa: PLC0415
@@ -326,15 +338,28 @@ class Checkpoint:
             load_model(model, str(self.path / "model.safetensors"), strict=True)
             optimizer.load_state_dict(self.optimizer_state())
             return
-        set_model_state_dict(model, cast(dict, self.model_state()), options=_options(strict=True))
-        set_optimizer_state_dict(model, optimizer, self.optimizer_state(), options=_options())
+        set_model_state_dict(model, cast(dict, self.model_state(device)), options=_options(strict=True))
+        set_optimizer_state_dict(model, optimizer, self.optimizer_state(device), options=_options())
 
-    def optimizer_state(self) -> dict:
+    def optimizer_state(self, device: str = "cpu") -> dict:
         index = json.loads((self.path / "optimizer.json").read_text())
-        return unflatten_optimizer(load_file(str(self.path / "optimizer.safetensors")), index)
+        tensors = load_file(str(self.path / "optimizer.safetensors"), device=device)
+        # a 0-dim entry (AdamW's step) stays on the host, where torch's non-fused AdamW keeps it
+        tensors = {k: v.cpu() if v.dim() == 0 else v for k, v in tensors.items()}
+        return unflatten_optimizer(tensors, index)
 
     def ledger_state(self) -> dict[str, np.ndarray]:
         return load_numpy(str(self.path / "ledger.safetensors"))
+
+
+def _save_hashed(tensors: dict[str, torch.Tensor], path: Path) -> str | None:
+    """Write `tensors` to `path` (safetensors, fsynced) and return its sha256 when hashed while
+    written; None when written by safetensors itself (a dtype the one-pass writer does not know)."""
+    digest = save_safetensors_hashed(tensors, path, fsync=False) if hashable_layout(tensors) else None
+    if digest is None:
+        save_file(tensors, str(path))
+    fsync_file(path)
+    return digest
 
 
 class Checkpointer:
@@ -429,14 +454,22 @@ class Checkpointer:
             shutil.rmtree(tmp)
         tmp.mkdir()
         tied = {a: n for a, n in (tied or {}).items() if a in model_state and n in model_state}
-        save_file(_store_once(model_state, tied), str(tmp / "model.safetensors"))
         tensors, index = flatten_optimizer(optimizer_state)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        # the large files written and hashed in one pass (runner.training.staging), never read back
+        digests = {
+            name: _save_hashed(part, tmp / name)
+            for name, part in (
+                ("model.safetensors", _store_once(model_state, tied)),
+                ("optimizer.safetensors", tensors),
+            )
+        }
         (tmp / "optimizer.json").write_text(json.dumps(index))
         save_numpy({k: np.ascontiguousarray(v) for k, v in ledger_state.items()}, str(tmp / "ledger.safetensors"))
         for name in FILES:
-            fsync_file(tmp / name)
-        full_state = dict(state, format=FORMAT, tied=tied, files={name: sha256_file(tmp / name) for name in FILES})
+            if name not in digests:
+                fsync_file(tmp / name)
+        files = {name: digests.get(name) or sha256_file(tmp / name) for name in FILES}
+        full_state = dict(state, format=FORMAT, tied=tied, files=files)
         (tmp / "state.json").write_text(json.dumps(full_state, indent=1, sort_keys=True))
         fsync_file(tmp / "state.json")
         fsync_dir(tmp)

@@ -110,10 +110,11 @@ class RunClock:
 
     # ---- one attempt ------------------------------------------------------------------------------
 
-    def start_attempt(self, journal: TextIO | None) -> None:
-        """The attempt's first step starts now; `journal` (rank 0's, else None) gets its lines."""
+    def start_attempt(self, journal: TextIO | None, started_before: float = 0.0) -> None:
+        """The attempt's first step starts now; `journal` (rank 0's, else None) gets its lines. Its wall
+        counts `started_before` seconds already spent starting it (runner.training.startup)."""
         self.journal = journal
-        self.t_attempt = self.host_now()
+        self.t_attempt = self.host_now() - max(0.0, started_before)
 
     def begin_step(self) -> None:
         self.step_t0 = self.step_clock.now()

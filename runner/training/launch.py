@@ -38,6 +38,7 @@ from runner.runs.folder import (
     segment_record,
 )
 from runner.runs.lock import RunLock, lock_records
+from runner.training import startup
 from runner.training.tracking import Tracker, absolute_uri, check_run_store, flatten, git_commit
 
 if TYPE_CHECKING:
@@ -84,7 +85,9 @@ def launch(req: Request, held: contextlib.ExitStack, say: Say) -> Launched:
     started, the loop run. Each step may refuse before the next writes anything. A finished run
     relaunched without `extend_to` is a no-op that touches nothing (no torch import, peak re-measure,
     report or MLflow): its `Launched.done` is the line to print."""
+    startup.begin_launch()  # process start to here: the interpreter and the CLI
     exp, run_dir, existing = resolve(req)
+    startup.mark("config")
     if existing and req.extend_to is None:
         assert run_dir is not None  # a run folder found is a folder named
         line = _finished_line(run_dir)
@@ -92,6 +95,7 @@ def launch(req: Request, held: contextlib.ExitStack, say: Say) -> Launched:
             return Launched(EXIT_OK, exp, run_dir, done=line)
     from runner.training import loop  # noqa: PLC0415 - torch, off a finished run's no-op relaunch
 
+    startup.mark("imports")
     if existing and run_dir is not None and req.tracking:  # before anything is written: a lost store is refused
         _check_recorded_store(run_dir)
     if req.extend_to is not None:
@@ -107,6 +111,7 @@ def launch(req: Request, held: contextlib.ExitStack, say: Say) -> Launched:
     tracker = _start_tracking(req, exp, run_dir, existing, main, say) if req.tracking else None
     kill, fault = _fault(req.faults, acc.process_index) if req.faults else (req.kill_at_step, None)
     opts = loop.Options(max_steps=req.max_steps, report=say, kill_at_step=kill, fault=fault)
+    startup.mark("accelerator_and_folder")
     try:
         code = loop.train(exp, run_dir, acc, tracker, opts)
     except BaseException:

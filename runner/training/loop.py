@@ -31,7 +31,7 @@ from runner.planning.plan import choose_micro_batch
 from runner.runs.checkpoints import MARKER
 from runner.runs.folder import RunFolder
 from runner.runs.steprecord import StepRecord
-from runner.training import evaluate
+from runner.training import evaluate, startup
 from runner.training import experts as experts_mod
 from runner.training.accelerator import (
     SHARD_RUNNER_CPU,
@@ -53,6 +53,7 @@ from runner.training.clock import RunClock
 from runner.training.collectives import (
     STOP_TIMEOUT_KEY,
     StopDeadline,
+    StopFlag,
     all_gather_ints,
     all_reduce,
     check_same_checkpoint,
@@ -65,6 +66,7 @@ from runner.training.prefetch import Prefetcher
 from runner.training.records import default_records, take_records
 from runner.training.samples import samples_callback
 from runner.training.schedule import lr_at, make_optimizer
+from runner.training.staging import PinnedStaging
 from runner.training.steps import FlopsBasis, StepPlan
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
 from runner.training.tracking import START_WAIT_SECONDS, Tracker
@@ -80,18 +82,6 @@ class _Step:
     global_pairs: np.ndarray  # the whole global batch [B, 2]: the ledger commits all ranks' pairs
     useful: dict[str, int]  # useful targets per domain, all ranks
     useful_tokens: float
-
-
-class _StopFlag:
-    """Catches SIGTERM/SIGINT for the loop to stop at the next step boundary (and the handlers it replaced)."""
-
-    def __init__(self):
-        self.signum = None
-        self.old_handlers: dict = {}
-        self.deadline: StopDeadline | None = None  # with other ranks: the stop's bound
-
-    def __call__(self, signum, frame):
-        self.signum = signum
 
 
 def _device_memory_bytes(acc) -> int | None:
@@ -139,13 +129,16 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> Attempt:
         end_step = min(end_step, cfg.train.hard_stop_tokens // (B * L))
 
     applied, micro, accum = _runtime(cfg, acc, micro, accum)
+    startup.mark("accelerator_and_folder")
     runtime, sharding = applied.record, applied.record["sharding"]
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
     data = load_data(exp, L, verify=opts.verify_shards and acc.is_local_main_process)  # one hasher per node
+    startup.mark("data")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg)
+    with startup.on_device(acc.device):  # parameters made and initialised there: no host copy to move
+        model = build_model(cfg)
     probe = experts_mod.attach(model, cfg, data.domains)  # hooks on the routers, before any wrapping
     if sharding == SHARD_RUNNER_CPU:
         shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
@@ -154,6 +147,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> Attempt:
     checkpointer = Checkpointer.for_run(
         run_dir, cfg.train.checkpoint, report=opts.report if acc.is_main_process else None
     )
+    startup.mark("model_build")
     return Attempt(
         exp=exp,
         acc=acc,
@@ -183,6 +177,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> Attempt:
         sharding=sharding,
         experts=probe,
         clock=RunClock(world, step_clock(acc.device)),
+        staging=PinnedStaging.for_checkpoints(acc, cfg.hardware.distributed, model),
     )
 
 
@@ -199,6 +194,7 @@ def _resume(run: Attempt) -> None:
     else:
         run.model, run.optimizer = acc.prepare(run.model, run.optimizer)
     run.raw_model = acc.unwrap_model(run.model)
+    startup.mark("weights_on_device")
     if ckpt is not None:
         state = ckpt.record
         if state.fingerprint not in fingerprints:
@@ -208,7 +204,7 @@ def _resume(run: Attempt) -> None:
                 file=str(run.folder.path),
             )
         try:
-            ckpt.load_into(run.raw_model, run.inner_optimizer)
+            ckpt.load_into(run.raw_model, run.inner_optimizer, device=startup.load_device(acc.device))
         except (ValueError, RuntimeError, KeyError) as err:  # verified files that do not fit this model
             raise RunnerError(
                 f"checkpoint {ckpt.path.name} does not fit this run's model: {str(err).splitlines()[0]}",
@@ -228,7 +224,8 @@ def _resume(run: Attempt) -> None:
         run.folder.repair_journal()
     acc.wait_for_everyone()
     # processed survives SIGKILL through the journal: work after the checkpoint was spent, then lost.
-    _catch_up_processed(ledger, run.clock.replay(run.folder.journal_entries(), data.domains))
+    ledger.catch_up_processed(run.clock.replay(run.folder.journal_entries(), data.domains))
+    startup.mark("checkpoint_load")
     run.runtime.update(ddp_compile_settings(run.model, run.cfg.model.compile))
     run.model = maybe_compile(run.model, run.cfg)
 
@@ -410,10 +407,14 @@ def _save(run: Attempt, step: int, wait_for_data: bool = True) -> None:
     started = time.perf_counter()
     run.checkpointer.writes.wait()
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
-    model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
+    model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer, to_host=run.staging is None)
     if run.main:
         live = training_tensors(run.raw_model, run.inner_optimizer)
-        saved = Gathered(step, *host_copy(model_state, optimizer_state, live), started)
+        if run.staging is not None:  # copies enqueued into pinned buffers; the writer waits for them
+            staged = run.staging.stage(model_state, optimizer_state, live)
+            saved = Gathered(step, staged.model_state, staged.optimizer_state, started, ready=staged.ready)
+        else:
+            saved = Gathered(step, *host_copy(model_state, optimizer_state, live), started)
         # checkpoint files, ledger.json, run.json (runner.training.records): taken now, written behind the loop
         write = take_records(run.records, run, saved)
         if run.checkpointer.writes.mode == "background":
@@ -447,6 +448,7 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
     """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE).
     An exception leaves run.json `failed`, never `running` (RunFolder.failed_on_error)."""
     opts = opts or Options()
+    startup.begin_train()  # `runner launch` started it at the process start; else it starts now
     with RunFolder(Path(run_dir), writer=acc.is_main_process).failed_on_error():
         run = _setup(exp, Path(run_dir), acc, opts)
         try:
@@ -466,6 +468,7 @@ def _attempt(run: Attempt, tracker) -> int:
     try:
         run.model.train()
         for step in range(run.start_step, run.steps.end_step):
+            startup.step_begins()  # the first: t_startup ends, the first step's own clock starts
             run.clock.begin_step()
             s = _train_step(run, step)
             if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
@@ -473,6 +476,7 @@ def _attempt(run: Attempt, tracker) -> int:
                 exit_code = EXIT_NONFINITE
                 break
             committed = _commit(run, step, s)
+            startup.step_done()
             if run.cfg.eval.interval_steps and committed % run.cfg.eval.interval_steps == 0:
                 _evaluate(run, committed)
             downstream.at_step(run, committed)  # at eval.downstream_interval_steps and the segment's last step
@@ -492,16 +496,16 @@ def _attempt(run: Attempt, tracker) -> int:
     return exit_code
 
 
-def _start_attempt(run: Attempt, tracker) -> _StopFlag:
+def _start_attempt(run: Attempt, tracker) -> StopFlag:
     """MLflow started, the stop signals caught, the journal opened and the batches prefetched."""
     if tracker is not None:
         # MLflow's start-up (import, a new store's tables, the run) before the first step, not
         # during the first steps: on the delivery thread it holds the GIL for seconds.
         tracker.flush(timeout=START_WAIT_SECONDS)
-    flag = _StopFlag()
+    flag = StopFlag()
     flag.old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
     flag.deadline = _stop_deadline(run)
-    run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None)
+    run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None, startup.elapsed())
     run.last_saved = run.last_eval = run.start_step
     if run.opts.max_steps is not None:
         run.steps.end_step = min(run.steps.end_step, run.start_step + int(run.opts.max_steps))
@@ -530,7 +534,7 @@ def _stop_deadline(run: Attempt) -> StopDeadline | None:
     return StopDeadline(run.cfg.train.checkpoint.stop_timeout_seconds, line)
 
 
-def _end_attempt(run: Attempt, flag: _StopFlag) -> None:
+def _end_attempt(run: Attempt, flag: StopFlag) -> None:
     assert run.batches is not None
     run.batches.close()
     try:
@@ -555,6 +559,8 @@ def _stop_nonfinite(run: Attempt, step: int, s: _Step) -> None:
 def _commit(run: Attempt, step: int, s: _Step) -> int:
     """The optimizer step and the ledger's commit, the invariants checked, the step record handed to
     the callbacks. Returns the committed step count."""
+    if run.staging is not None:  # on the device: after the last checkpoint's copies, no host wait
+        run.staging.before_optimizer_step()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.ledger.commit(s.global_pairs, s.useful)
@@ -594,7 +600,7 @@ class Decisions(NamedTuple):
         return cls(*(bool(x > 0) for x in summed.tolist()))
 
 
-def _checkpoint_or_stop(run: Attempt, committed: int, flag: _StopFlag) -> int:
+def _checkpoint_or_stop(run: Attempt, committed: int, flag: StopFlag) -> int:
     """Save when the checkpointer's interval is due, stop (saving) on a signal, fail on a shard that
     differs from its pin. Minutes-based intervals differ per rank's clock: rank 0 decides for all."""
     due = Decisions.agreed(
@@ -677,15 +683,6 @@ def _rollback_to_last_checkpoint(run: Attempt) -> int:
         ledger.load_state_dict(state)
     if run.experts is not None:  # the expert load rolls back with the ledger (zero without a checkpoint)
         run.experts.load_state_dict(state, str(run.folder.path))
-    _catch_up_processed(ledger, spent)
+    ledger.catch_up_processed(spent)
     run.ledger = ledger
     return ckpt.step if ckpt is not None else 0
-
-
-def _catch_up_processed(ledger, spent: dict[str, int]) -> None:
-    """Raise the ledger's processed counters to `spent` per domain: work done after its
-    checkpoint, then lost, still counts as processed (SPEC)."""
-    current = ledger.counters()
-    catch_up = {d: max(spent[d] - int(current[d]["processed"]), 0) for d in ledger.domains}
-    if any(catch_up.values()):
-        ledger.record_processed(catch_up)

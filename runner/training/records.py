@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from runner.fsio import atomic_write_json
+from runner.training import startup
 from runner.training.attempt import EVAL_TIME_KEYS, Attempt, Gathered, RunRecord, Write
 from runner.training.checkpoint import rng_state, tied_parameters
 from runner.training.expert_load import FILE as EXPERT_LOAD_FILE
@@ -124,6 +125,8 @@ def take_records(records: list[RunRecord], run: Attempt, saved: Gathered) -> Wri
     writes = [w for w in (record.at_checkpoint(run, saved) for record in records) if w is not None]
 
     def write() -> None:
+        if saved.ready is not None:  # the device-to-host copies, enqueued by the loop, done first
+            saved.ready()
         for w in writes:
             w()
 
@@ -159,9 +162,34 @@ class EvalTimes(RunRecord):
         self._take(run)()
 
 
+class StartupTimes(RunRecord):
+    """run.json's `t_startup` (runner.training.startup): this attempt's start by part and its first
+    step, next to the earlier attempts' and summed; written at every checkpoint and the attempt's end."""
+
+    @staticmethod
+    def _take(run: Attempt) -> Write | None:
+        clock = startup.current()
+        if clock is None:
+            return None
+        folder, mine = run.folder, clock.record(int(run.clock.attempt))
+
+        def write() -> None:
+            folder.update(t_startup=startup.merged(folder.record().t_startup, mine))
+
+        return write
+
+    def at_checkpoint(self, run: Attempt, saved: Gathered) -> Write | None:
+        return self._take(run)
+
+    def at_end(self, run: Attempt, committed: int, status: str, summary: dict, system: dict | None) -> None:
+        write = self._take(run)
+        if write is not None:
+            write()
+
+
 def default_records() -> list[RunRecord]:
     """The records every run keeps, in the order they are written (run.json last: it points at the rest)."""
-    return [CheckpointFiles(), LedgerJson(), EvalTimes(), RunJsonWriter()]
+    return [CheckpointFiles(), LedgerJson(), EvalTimes(), StartupTimes(), RunJsonWriter()]
 
 
 def ledger_document(ledger: TokenLedger) -> dict:
