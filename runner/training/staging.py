@@ -128,7 +128,7 @@ class PinnedStaging:
         copies: dict[tuple, torch.Tensor] = {}
         fresh = 0
         main = torch.cuda.current_stream(self.device) if self.cuda else None
-        if self.stream is not None:
+        if self.stream is not None and main is not None:
             self.stream.wait_stream(main)  # the copies read the step's finished values
 
         def copy(x):
@@ -228,8 +228,7 @@ def save_safetensors_hashed(tensors: dict[str, torch.Tensor], path: Path, fsync:
         pending = None
         for name in order:
             t = tensors[name].detach()
-            data = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-            view = memoryview(data).cast("B") if t.numel() else memoryview(b"")
+            view = t.contiguous().reshape(-1).view(torch.uint8).numpy().data.cast("B") if t.numel() else memoryview(b"")
             for start in range(0, len(view), CHUNK_BYTES):
                 chunk = view[start : start + CHUNK_BYTES]
                 if pending is not None:
