@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config.rules import devices, total_steps
-from runner.config.schema import ExperimentSchema, from_plain
+from runner.config.schema import AC_MODES, ExperimentSchema, checkpointing_mode, from_plain
 from runner.data.manifest import load_manifest, num_samples
 from runner.data.mixture import plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError
@@ -102,7 +102,7 @@ def as_schema(cfg: ExperimentSchema | Mapping[str, Any]) -> ExperimentSchema:
 
 
 def saved_activation_bytes(
-    cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None, checkpointing: bool | None = None
+    cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None, checkpointing: bool | str | None = None
 ) -> dict[str, float]:
     """Bytes autograd saves for the backward during one training forward of a micro batch, by part.
 
@@ -121,7 +121,8 @@ def saved_activation_bytes(
                  chunked/liger: d/dhidden 4h (+ d/dW 4*V*h, once per micro batch)
       input ids 8; RoPE cos and sin, 2 * seq_len * head_dim * 4, once per micro batch.
     With activation checkpointing each layer keeps only its input (4h) and the layer being
-    recomputed holds its own tensors again (`recompute_layer`). Liger's kernels (`model.kernels:
+    recomputed holds its own tensors again (`recompute_layer`); `selective` keeps the input and its
+    matmul and attention outputs (`selective_layer_saved_bytes`). Liger's kernels (`model.kernels:
     liger`) save no normalised product and no silu output: estimated from Liger's source, to be
     measured on a GPU (bench/device_check.sh). Not counted: autocast's bf16 weight copies (model
     state), the parameters themselves."""
@@ -140,8 +141,10 @@ def saved_activation_bytes(
     head_fixed = 0 if plain else 4 * vocab * h
     tokens = s * b
     rope = 2 * s * (h // heads) * 4
-    checkpointing = model.activation_checkpointing if checkpointing is None else checkpointing
-    layers = counts.n_layers * (4 * h if checkpointing else layer) * tokens
+    mode = checkpointing_mode(model.activation_checkpointing if checkpointing is None else checkpointing)
+    checkpointing = mode != "none"
+    kept = {"full": 4 * h, "selective": selective_layer_saved_bytes(model, s, c), "none": layer}[mode]
+    layers = counts.n_layers * kept * tokens
     return {
         "layers": float(layers),
         "head": float(head_per_token * tokens + head_fixed),
@@ -150,6 +153,24 @@ def saved_activation_bytes(
         "recompute_layer": float(layer * tokens + rope if checkpointing else 0),
         "total": float(layers + head_per_token * tokens + head_fixed + 8 * tokens + (0 if checkpointing else rope)),
     }
+
+
+def selective_layer_saved_bytes(model, s: int, c: int) -> int:
+    """Bytes per token one decoder layer keeps under `selective` checkpointing
+    (runner.training.checkpointing): its input (4h, fp32) and the outputs of its matmuls and of
+    attention, in the compute dtype (c bytes): q c*h, k and v c*kv each, attention output c*h and
+    4*heads logsumexp (sdpa; eager: scores and probabilities c*heads*s each), o_proj c*h; dense MLP
+    gate and up c*f each, down c*h; MoE router logits c*E, per routed copy gate+up 2*c*f_e and down c*h."""
+    h, heads = model.hidden_size, model.n_heads
+    kv = model.n_kv_heads * (h // heads)
+    attention = c * h + 2 * c * kv + c * h + c * h
+    attention += 2 * c * heads * s if model.attn_implementation == "eager" else 4 * heads
+    if model.moe is not None:
+        moe = model.moe
+        mlp = c * moe.n_experts + moe.experts_per_token * (2 * c * moe.expert_intermediate_size + c * h)
+    else:
+        mlp = 2 * c * model.intermediate_size + c * h
+    return 4 * h + attention + mlp
 
 
 def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[int, int]:
@@ -164,11 +185,14 @@ def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[i
     else:
         attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * kv + 4 * heads + c * h
     mlp = norm + (2 if autocast else 1) * c * h + (3 if liger else 4) * c * f
-    if model.moe is not None:  # OLMoE: q/k norms' inputs; router input and fp32 logits/probabilities; per
-        # routed copy its gathered input, gate, silu(gate), up, product and weighted output (estimated)
+    if model.moe is not None:  # OLMoE with the runner's layer (runner.training.moe): q/k norms' inputs;
+        # router input c*h, fp32 probabilities 4E, top-k ids, sort order, source rows (8 B each per
+        # routed copy) and sorted weights (4); per routed copy the grouped matmul's input c*h, gate+up
+        # 2*c*f_e, silu(gate) and product c*f_e each, down output c*h, weighted output 4h (the
+        # residual's dtype). Within 0.1% of the saved-tensor probe on CPU, fp32 and bf16 autocast.
         k, f_e, n_experts = model.moe.experts_per_token, model.moe.expert_intermediate_size, model.moe.n_experts
-        attention += c * h + c * kv
-        mlp = norm + c * h + 2 * n_experts * 4 + k * (2 * c * h + 4 * c * f_e)
+        attention += c * h + c * kv + 4 * h + 4 * kv + 8  # q/k norms: inputs, fp32 products, rsqrt
+        mlp = norm + c * h + 4 * n_experts + 28 * k + k * (2 * c * h + 4 * c * f_e + 4 * h)
     return norm, attention + mlp
 
 
@@ -198,8 +222,8 @@ def memory_per_device(cfg: ExperimentSchema | Mapping[str, Any], micro_batch: in
     micro batch asks what each candidate needs). Not counted: CUDA context, allocator
     fragmentation, communication buffers (AUTO_MICRO_BATCH_MEMORY_FRACTION leaves room for them).
     A mixture of experts (OLMoE) counts every expert in model state (all of them live in memory
-    whichever a token uses); its activations are estimated (not yet calibrated by the probe) in
-    `saved_activation_bytes`.
+    whichever a token uses); its activations (the runner's MoE layer) are calibrated by the probe
+    like the dense model's, in each checkpointing mode (none, full, selective).
     """
     cfg = as_schema(cfg)
     train, hw = cfg.train, cfg.hardware
@@ -213,13 +237,14 @@ def memory_per_device(cfg: ExperimentSchema | Mapping[str, Any], micro_batch: in
     state = {k: v * n_params / shard for k, v in state_bytes_per_param.items()}
 
     b = micro_batch if micro_batch is not None else train.micro_batch_sequences
-    checkpointing = cfg.model.activation_checkpointing
+    mode = checkpointing_mode(cfg.model.activation_checkpointing)
+    checkpointing = mode != "none"
     transient = head_transient_bytes(cfg, b)
-    saved_full = saved_activation_bytes(cfg, b, checkpointing=False)
-    saved_ckpt = saved_activation_bytes(cfg, b, checkpointing=True)
-    full = saved_full["total"] + transient
-    checkpointed = saved_ckpt["total"] + saved_ckpt["recompute_layer"] + transient
-    activations = checkpointed if checkpointing else full
+    saved = {m: saved_activation_bytes(cfg, b, checkpointing=m) for m in AC_MODES}
+    by_mode = {m: saved[m]["total"] + saved[m]["recompute_layer"] + transient for m in AC_MODES}
+    saved_full, saved_ckpt = saved["none"], saved["full"]
+    full, checkpointed = by_mode["none"], by_mode["full"]
+    activations = by_mode[mode]
     state_total = sum(state.values())
     total = state_total + activations
     capacity = hw.memory_gib * GIB
@@ -229,11 +254,13 @@ def memory_per_device(cfg: ExperimentSchema | Mapping[str, Any], micro_batch: in
         "params": n_params,
         "model_state_bytes": state,
         "model_state_total_bytes": state_total,
-        "activation_bytes_saved": (saved_ckpt if checkpointing else saved_full)["total"],
+        "activation_bytes_saved": saved[mode]["total"],
         "head_transient_bytes": transient,
         "activation_bytes_full": full,
         "activation_bytes_checkpointed": checkpointed,
+        "activation_bytes_selective": by_mode["selective"],
         "activation_checkpointing": checkpointing,
+        "activation_checkpointing_mode": mode,
         "activation_bytes": activations,
         "micro_batch_sequences": b,
         "seq_len": train.seq_len,
@@ -711,6 +738,8 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
     _row(out, "activations (no checkpointing)", _gib(mem["activation_bytes_full"]))
     _row(out, f"  of which the loss's peak ({mem['cross_entropy']})", _gib(mem["head_transient_bytes"]))
     _row(out, "activations (checkpointing)", _gib(mem["activation_bytes_checkpointed"]))
+    if "activation_bytes_selective" in mem:
+        _row(out, "activations (selective checkpointing)", _gib(mem["activation_bytes_selective"]))
     _row(out, "total (as configured)", _gib(mem["total_bytes"]), note=f"of {_gib(mem['capacity_bytes'])}")
     verdict = "fits"
     if not mem["fits"]:
