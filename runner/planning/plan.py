@@ -289,7 +289,6 @@ def memory_per_device(
     by_mode = {m: saved[m]["total"] + saved[m]["recompute_layer"] + transient for m in AC_MODES}
     # compile's measured saving applies to what eager autograd keeps of the decoder layers (no checkpointing)
     by_mode["none"] -= (1.0 - fraction) * saved["none"]["layers"]
-    saved_full, saved_ckpt = saved["none"], saved["full"]
     full, checkpointed = by_mode["none"], by_mode["full"]
     activations = by_mode[mode]
     state_total = sum(state.values())

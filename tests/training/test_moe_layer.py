@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import OlmoeForCausalLM
 
 from runner.config.load import load_experiment
@@ -283,14 +282,21 @@ def test_the_memory_plan_counts_each_checkpointing_mode_as_the_saved_tensor_prob
     micro, seq_len = 2, 64
     plain = {
         "model": {
-            "arch": "olmoe", "hidden_size": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-            "intermediate_size": 64, "tie_embeddings": True,
+            "arch": "olmoe",
+            "hidden_size": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "intermediate_size": 64,
+            "tie_embeddings": True,
             "moe": {"n_experts": 8, "experts_per_token": 2, "expert_intermediate_size": 64},
         },
         "tokenizer": {"vocab_size": 1000, "eos_id": 0},
         "train": {"seq_len": seq_len, "micro_batch_sequences": micro, "global_batch_sequences": micro},
         "hardware": {
-            "accelerator": "cuda" if bf16 else "cpu", "precision": "bf16" if bf16 else "fp32", "memory_gib": 141
+            "accelerator": "cuda" if bf16 else "cpu",
+            "precision": "bf16" if bf16 else "fp32",
+            "memory_gib": 141,
         },
     }
     x, y = torch.randint(0, 1000, (micro, seq_len)), torch.randint(0, 1000, (micro, seq_len))
