@@ -67,6 +67,17 @@ class PinnedStaging:
         """Staging where the device is an accelerator torch copies from asynchronously; else None."""
         return cls(device) if torch.device(device).type == "cuda" else None
 
+    @classmethod
+    def for_checkpoints(cls, acc, distributed: str, model: torch.nn.Module) -> PinnedStaging | None:
+        """Rank 0's pinned checkpoint buffers on a GPU when the model is not sharded (FSDP's gather
+        copies to the host itself), filled in a background thread from the parameters' shapes."""
+        if not acc.is_main_process or distributed == "fsdp":
+            return None
+        staging = cls.for_device(acc.device)
+        if staging is not None:
+            staging.prefill(list(model.parameters()))  # each parameter, and AdamW's two moments of it
+        return staging
+
     def _new(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
         self.allocated_bytes += buf.numel() * buf.element_size()
