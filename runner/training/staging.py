@@ -128,7 +128,7 @@ class PinnedStaging:
         copies: dict[tuple, torch.Tensor] = {}
         fresh = 0
         main = torch.cuda.current_stream(self.device) if self.cuda else None
-        if self.stream is not None:
+        if self.stream is not None and main is not None:
             self.stream.wait_stream(main)  # the copies read the step's finished values
 
         def copy(x):
