@@ -9,7 +9,7 @@ Never: runs a model, or reads anything but the JSON it is given.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from runner.planning.plan import GIB, memory_per_device
@@ -53,7 +53,7 @@ def planned_probe_bytes(cfg: Mapping[str, Any], micro_batch: int) -> float:
     return mem["backward_peak_bytes"] - mem["model_state_bytes"]["adamw moments (2 x fp32)"]
 
 
-def compare_bench(bench: Mapping[str, Any], extra_rows: list[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+def compare_bench(bench: Mapping[str, Any], extra_rows: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
     """Each measured row of a gpu_bench result (and rows run alone at its shapes) beside its plan."""
     shapes = {"main": bench["model_shape"], "smoke": bench.get("smoke_shape")}
     out = []

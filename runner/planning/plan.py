@@ -221,7 +221,7 @@ def autocast_weight_copy_params(cfg: ExperimentSchema | Mapping[str, Any]) -> in
     if counts.moe:
         return counts.all
     lay = counts.layer
-    matmul = lay.attention + lay.mlp  # type: ignore[union-attr]
+    matmul = lay.attention + lay.mlp
     head = counts.embedding if cfg.model.cross_entropy == "plain" else 0  # lm_head: vocab x hidden
     return counts.n_layers * matmul + head
 

@@ -28,7 +28,6 @@ parameter index) are still read for runs begun before.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import errno
 import functools
 import json
@@ -39,7 +38,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -60,18 +59,11 @@ from torch.distributed.checkpoint.state_dict import (
 from runner.config.schema import CheckpointSection
 from runner.errors import RunnerError
 from runner.fsio import fsync_dir, fsync_file, sha256_file
-from runner.training.clock import RunClock
+from runner.runs.checkpoints import FILES, FORMAT, MARKER, CheckpointState, dirname, step_of, verify
 from runner.training.staging import hashable_layout, save_safetensors_hashed
 
-MARKER = "COMPLETE"
 #: train.checkpoint.write: where a checkpoint's files are written (the schema's Literal lists the same)
 WRITE_MODES = ("background", "foreground")
-FORMAT = 3
-FILES = ("model.safetensors", "optimizer.safetensors", "ledger.safetensors", "optimizer.json")
-
-
-def dirname(step: int) -> str:
-    return f"step-{step:07d}"
 
 
 # ---- optimizer state <-> flat tensors (no pickle) --------------------------------------------
@@ -306,33 +298,6 @@ def set_rng_state(state: dict) -> None:
 # ---- save -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CheckpointState:
-    """A checkpoint's state.json, typed: the one reader, holding the older formats' defaults (format 1
-    had no `format`, `tied` or fingerprint). What the loop stores (runner.training.records
-    .checkpoint_state) and the run clock's totals (RunClock.state_dict) stay flat in the file."""
-
-    step: int
-    format: int = 1
-    files: dict = field(default_factory=dict)  #: file name -> sha256
-    tied: dict = field(default_factory=dict)  #: alias -> the parameter stored once (format >= 2)
-    fingerprint: str | None = None
-    config: dict | None = None  #: the resolved experiment that wrote it
-    rng: dict | None = None
-    sampler_step: int | None = None
-    segment: int | None = None
-    attempt: int | None = None
-    scheduler: dict | None = None
-    mlflow_run_id: str | None = None
-    clock: dict = field(default_factory=dict)  #: step_seconds_total, device_step_seconds_total, world_size
-
-    @classmethod
-    def from_dict(cls, state: dict) -> CheckpointState:
-        names = {f.name for f in dataclasses.fields(cls)} - {"clock"}
-        values = {k: v for k, v in state.items() if k in names and v is not None}
-        return cls(**values, clock={k: state[k] for k in RunClock.STATE_KEYS if k in state})
-
-
 @dataclass
 class Checkpoint:
     path: Path
@@ -530,9 +495,9 @@ class Checkpointer:
         Folders above `keep`'s step are left alone: this run has not yet written their replacement."""
         self.clean_temporaries()
         kept = 0
-        keep_step = _step_of(keep)
+        keep_step = step_of(keep)
         for path in self.candidates():
-            if _step_of(path) > keep_step:
+            if step_of(path) > keep_step:
                 continue
             if kept < self.keep_last:
                 problem = self.check(path)
@@ -549,7 +514,7 @@ class Checkpointer:
         """Checkpoint folders, newest first (by step number in the name)."""
         if not self.root.exists():
             return []
-        found = [(_step_of(p), p) for p in self.root.glob("step-*")]
+        found = [(step_of(p), p) for p in self.root.glob("step-*")]
         return [p for step, p in sorted(found, reverse=True) if step >= 0]
 
     def latest_valid(self, report=print) -> Checkpoint | None:
@@ -585,12 +550,6 @@ def _io_error(e: Exception) -> tuple[str, int | None]:
     return re.sub(r"\s*\(os error \d+\)", "", text), int(found.group(1)) if found else None
 
 
-def _step_of(path: Path) -> int:
-    """The step in a `step-NNNNNNN` folder name; -1 for any other name."""
-    number = path.name.removeprefix("step-")
-    return int(number) if number.isdigit() and path.name.startswith("step-") else -1
-
-
 def _signature(path: Path) -> tuple:
     """Sizes and mtimes of a checkpoint folder's files: a cached verification holds while they hold."""
     out: list[tuple[str, int | None, int | None]] = []
@@ -601,42 +560,3 @@ def _signature(path: Path) -> tuple:
         except OSError:
             out.append((name, None, None))
     return tuple(out)
-
-
-def _sealed_state_sha256(path: Path) -> str | None:
-    """The state.json sha256 a format-3 COMPLETE marker seals; None for an older marker."""
-    try:
-        seal = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return seal.get("state.json") if isinstance(seal, dict) else None
-
-
-def verify(path: Path) -> str | None:
-    """None when the checkpoint is complete, its state.json is the one COMPLETE seals (format 3),
-    every file matches the sha256 state.json records, and state.json is the state of this step."""
-    if not (path / MARKER).exists():
-        return f"no {MARKER} marker"
-    sealed = _sealed_state_sha256(path)
-    try:
-        if sealed is not None and sha256_file(path / "state.json") != sealed:
-            return "state.json sha256 mismatch (edited after it was written)"
-        state = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        return f"state.json unreadable: {e}"
-    if not isinstance(state, dict) or not isinstance(state.get("files"), dict):
-        return "state.json holds no file hashes"
-    written_format = state.get("format", 1)
-    if sealed is None and not (isinstance(written_format, int) and written_format <= 2):
-        return f"{MARKER} does not seal state.json (a format-{written_format} checkpoint needs it)"
-    for name, digest in state["files"].items():
-        if not (path / name).is_file():
-            return f"{name} missing"
-        if sha256_file(path / name) != digest:
-            return f"{name} sha256 mismatch"
-    if set(state["files"]) != set(FILES):
-        return "state.json lists the wrong files"
-    step = state.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step != _step_of(path):
-        return f"state.json says step {step!r}, the folder is {path.name}"
-    return None

@@ -67,6 +67,17 @@ class PinnedStaging:
         """Staging where the device is an accelerator torch copies from asynchronously; else None."""
         return cls(device) if torch.device(device).type == "cuda" else None
 
+    @classmethod
+    def for_checkpoints(cls, acc, distributed: str, model: torch.nn.Module) -> PinnedStaging | None:
+        """Rank 0's pinned checkpoint buffers on a GPU when the model is not sharded (FSDP's gather
+        copies to the host itself), filled in a background thread from the parameters' shapes."""
+        if not acc.is_main_process or distributed == "fsdp":
+            return None
+        staging = cls.for_device(acc.device)
+        if staging is not None:
+            staging.prefill(list(model.parameters()))  # each parameter, and AdamW's two moments of it
+        return staging
+
     def _new(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
         self.allocated_bytes += buf.numel() * buf.element_size()
@@ -117,7 +128,7 @@ class PinnedStaging:
         copies: dict[tuple, torch.Tensor] = {}
         fresh = 0
         main = torch.cuda.current_stream(self.device) if self.cuda else None
-        if self.stream is not None:
+        if self.stream is not None and main is not None:
             self.stream.wait_stream(main)  # the copies read the step's finished values
 
         def copy(x):
@@ -218,7 +229,7 @@ def save_safetensors_hashed(tensors: dict[str, torch.Tensor], path: Path, fsync:
         for name in order:
             t = tensors[name].detach()
             data = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-            view = memoryview(data).cast("B") if t.numel() else memoryview(b"")
+            view = memoryview(data).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type]
             for start in range(0, len(view), CHUNK_BYTES):
                 chunk = view[start : start + CHUNK_BYTES]
                 if pending is not None:

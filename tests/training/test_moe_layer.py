@@ -307,7 +307,7 @@ def test_the_memory_plan_counts_each_checkpointing_mode_as_the_saved_tensor_prob
         model = build_model(from_plain(ExperimentSchema, {**cfg, "hardware": {"accelerator": "cpu"}}))
         model.train()
 
-        def forward():  # the trainer's OLMoE loss: transformers' logits, the runner's plain loss sum
+        def forward(model=model):  # the trainer's OLMoE loss: transformers' logits, the runner's plain loss sum
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 return plain_loss_sum(model(input_ids=x).logits, y, torch.ones(micro, seq_len, dtype=torch.bool))
 
