@@ -70,7 +70,9 @@ def fwd_bwd_seconds(module, x: torch.Tensor, grad: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7, help="timed forward+backward passes per row (after one warm-up)")
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="timed forward+backward passes per row (after one warm-up)"
+    )
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), fp32, forward + backward per pass")
     for title, shape in SHAPES.items():

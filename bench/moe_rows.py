@@ -50,12 +50,26 @@ class MoeVariant:
 def moe_variants() -> list[MoeVariant]:
     regional = 3.0  # compile's time box: one decoder layer's forward and backward graphs
     return [
-        MoeVariant("moe runner regional selective mb4", 4, compile="regional", checkpointing="selective", budget_factor=regional),
+        MoeVariant(
+            "moe runner regional selective mb4",
+            4,
+            compile="regional",
+            checkpointing="selective",
+            budget_factor=regional,
+        ),
         MoeVariant("moe transformers experts eager full mb4", 4, layer="transformers"),
         MoeVariant("moe runner eager full mb4", 4),
         MoeVariant("moe runner regional full mb4", 4, compile="regional", budget_factor=regional),
-        MoeVariant("moe runner regional none mb(plan)", 0, compile="regional", checkpointing="none", budget_factor=regional),
-        MoeVariant("moe runner regional selective mb8", 8, compile="regional", checkpointing="selective", budget_factor=regional),
+        MoeVariant(
+            "moe runner regional none mb(plan)", 0, compile="regional", checkpointing="none", budget_factor=regional
+        ),
+        MoeVariant(
+            "moe runner regional selective mb8",
+            8,
+            compile="regional",
+            checkpointing="selective",
+            budget_factor=regional,
+        ),
         MoeVariant("moe runner regional full mb8", 8, compile="regional", budget_factor=regional),
     ]
 
@@ -125,16 +139,34 @@ def train_step(model, probe, optimizer, batch, device: torch.device, autocast: b
     probe.commit(ONE_PROCESS)
 
 
-def run_moe_variant(v: MoeVariant, cfg, device: torch.device, *, deadline: float, warmup: int, steps: int,
-                    peak_tflops: float | None, ceiling_tflops: float | None, tiny: bool, bench: Any) -> Any:
+def run_moe_variant(
+    v: MoeVariant,
+    cfg,
+    device: torch.device,
+    *,
+    deadline: float,
+    warmup: int,
+    steps: int,
+    peak_tflops: float | None,
+    ceiling_tflops: float | None,
+    tiny: bool,
+    bench: Any,
+) -> Any:
     """One row (gpu_bench.Row) inside [now, deadline]; every failure is a row, never an exception."""
     from runner.planning.flops import convention_for, flops_per_token
     from runner.planning.plan import memory_per_device
 
     micro = v.micro_batch or planned_micro_batch(cfg, device)
     gpu = device.type == "cuda"
-    row = bench.Row(v.name.replace("mb(plan)", f"mb{micro}"), micro, cfg.model.attn_implementation, v.compile,
-                    gpu, gpu, shape="main")
+    row = bench.Row(
+        v.name.replace("mb(plan)", f"mb{micro}"),
+        micro,
+        cfg.model.attn_implementation,
+        v.compile,
+        gpu,
+        gpu,
+        shape="main",
+    )
     row.extra = {"moe_layer": v.layer, "activation_checkpointing": v.checkpointing}
     model = probe = optimizer = batch = None
     stage = ["build"]
@@ -151,13 +183,16 @@ def run_moe_variant(v: MoeVariant, cfg, device: torch.device, *, deadline: float
                 t0 = time.perf_counter()
                 stage[0] = "build"
                 model, probe = build(run_cfg, v, device, tiny)
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                              fused=gpu)
+                optimizer = torch.optim.AdamW(
+                    model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=gpu
+                )
                 gen = torch.Generator(device="cpu").manual_seed(0)
                 size, vocab = (micro, run_cfg.train.seq_len), model.config.vocab_size
-                batch = (torch.randint(0, vocab, size, generator=gen).to(device),
-                         torch.randint(0, vocab, size, generator=gen).to(device),
-                         torch.ones(size, dtype=torch.bool, device=device))
+                batch = (
+                    torch.randint(0, vocab, size, generator=gen).to(device),
+                    torch.randint(0, vocab, size, generator=gen).to(device),
+                    torch.ones(size, dtype=torch.bool, device=device),
+                )
                 stage[0] = "warm-up (compile)"
                 for _ in range(warmup):
                     train_step(model, probe, optimizer, batch, device, gpu)
@@ -235,9 +270,13 @@ def run_moe(args, bench: Any) -> dict[str, Any]:
         "peak_source": peak_source,
         "matmul": mm,
         "model_source": f"{'experiments/cpu-tiny-moe.yaml' if tiny else args.experiment} (runner.config)",
-        "model_shape": {"n_layers": cfg.model.n_layers, "hidden_size": cfg.model.hidden_size,
-                        "n_experts": cfg.model.moe.n_experts, "experts_per_token": cfg.model.moe.experts_per_token,
-                        "seq_len": cfg.train.seq_len},
+        "model_shape": {
+            "n_layers": cfg.model.n_layers,
+            "hidden_size": cfg.model.hidden_size,
+            "n_experts": cfg.model.moe.n_experts,
+            "experts_per_token": cfg.model.moe.experts_per_token,
+            "seq_len": cfg.train.seq_len,
+        },
         "params_active": counts.get("active"),
         "flops_per_token": flops_per_token(cfg, convention_for(cfg)),
         "flops_formula": "6N+attn over active parameters (runner.planning.flops.MOE_CONVENTION), "
@@ -256,14 +295,34 @@ def run_moe(args, bench: Any) -> dict[str, Any]:
         remaining = deadline_all - time.perf_counter()
         box = args.variant_s * v.budget_factor
         if remaining < min(box, 20.0) * 0.5:
-            row = bench.Row(v.name, v.micro_batch, cfg.model.attn_implementation, v.compile, not tiny, not tiny,
-                            status="skipped", detail=f"global budget: {max(remaining, 0):.0f} s left")
+            row = bench.Row(
+                v.name,
+                v.micro_batch,
+                cfg.model.attn_implementation,
+                v.compile,
+                not tiny,
+                not tiny,
+                status="skipped",
+                detail=f"global budget: {max(remaining, 0):.0f} s left",
+            )
         else:
-            row = run_moe_variant(v, cfg, device, deadline=time.perf_counter() + min(box, remaining),
-                                  warmup=result["warmup_steps"], steps=result["timed_steps"], peak_tflops=peak,
-                                  ceiling_tflops=mm["best_tflops"], tiny=tiny, bench=bench)
-            print(f"  {row.variant}: {row.status} {bench._fmt(row.tokens_per_second, ',.0f')} tok/s "
-                  f"{bench._fmt(row.mfu, '.1%')} {row.detail[:100]}", flush=True)
+            row = run_moe_variant(
+                v,
+                cfg,
+                device,
+                deadline=time.perf_counter() + min(box, remaining),
+                warmup=result["warmup_steps"],
+                steps=result["timed_steps"],
+                peak_tflops=peak,
+                ceiling_tflops=mm["best_tflops"],
+                tiny=tiny,
+                bench=bench,
+            )
+            print(
+                f"  {row.variant}: {row.status} {bench._fmt(row.tokens_per_second, ',.0f')} tok/s "
+                f"{bench._fmt(row.mfu, '.1%')} {row.detail[:100]}",
+                flush=True,
+            )
         result["rows"].append(asdict(row))
         result["elapsed_seconds"] = time.perf_counter() - t_begin
         bench.write_result(out, result)

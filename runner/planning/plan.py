@@ -242,7 +242,6 @@ def memory_per_device(cfg: ExperimentSchema | Mapping[str, Any], micro_batch: in
     transient = head_transient_bytes(cfg, b)
     saved = {m: saved_activation_bytes(cfg, b, checkpointing=m) for m in AC_MODES}
     by_mode = {m: saved[m]["total"] + saved[m]["recompute_layer"] + transient for m in AC_MODES}
-    saved_full, saved_ckpt = saved["none"], saved["full"]
     full, checkpointed = by_mode["none"], by_mode["full"]
     activations = by_mode[mode]
     state_total = sum(state.values())

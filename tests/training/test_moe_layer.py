@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import OlmoeForCausalLM
 
 from runner.config.load import load_experiment
@@ -283,14 +282,21 @@ def test_the_memory_plan_counts_each_checkpointing_mode_as_the_saved_tensor_prob
     micro, seq_len = 2, 64
     plain = {
         "model": {
-            "arch": "olmoe", "hidden_size": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-            "intermediate_size": 64, "tie_embeddings": True,
+            "arch": "olmoe",
+            "hidden_size": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "intermediate_size": 64,
+            "tie_embeddings": True,
             "moe": {"n_experts": 8, "experts_per_token": 2, "expert_intermediate_size": 64},
         },
         "tokenizer": {"vocab_size": 1000, "eos_id": 0},
         "train": {"seq_len": seq_len, "micro_batch_sequences": micro, "global_batch_sequences": micro},
         "hardware": {
-            "accelerator": "cuda" if bf16 else "cpu", "precision": "bf16" if bf16 else "fp32", "memory_gib": 141
+            "accelerator": "cuda" if bf16 else "cpu",
+            "precision": "bf16" if bf16 else "fp32",
+            "memory_gib": 141,
         },
     }
     x, y = torch.randint(0, 1000, (micro, seq_len)), torch.randint(0, 1000, (micro, seq_len))
@@ -301,7 +307,7 @@ def test_the_memory_plan_counts_each_checkpointing_mode_as_the_saved_tensor_prob
         model = build_model(from_plain(ExperimentSchema, {**cfg, "hardware": {"accelerator": "cpu"}}))
         model.train()
 
-        def forward():  # the trainer's OLMoE loss: transformers' logits, the runner's plain loss sum
+        def forward(model=model):  # the trainer's OLMoE loss: transformers' logits, the runner's plain loss sum
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 return plain_loss_sum(model(input_ids=x).logits, y, torch.ones(micro, seq_len, dtype=torch.bool))
 
@@ -326,5 +332,7 @@ def test_activation_checkpointing_modes_load_validate_and_keep_true_and_false_fi
         prints[value] = fingerprint(exp.config)
     assert prints[True] == prints["full"] and prints[False] == prints["none"]
     assert len({prints[True], prints[False], prints["selective"]}) == 3
-    with pytest.raises(RunnerError, match="m.yaml: activation_checkpointing: 'partial' is not one of true, false, full"):
+    with pytest.raises(
+        RunnerError, match="m.yaml: activation_checkpointing: 'partial' is not one of true, false, full"
+    ):
         load_experiment(make_project(tmp_path / "bad", model_extra={"activation_checkpointing": "partial"}))

@@ -33,6 +33,7 @@ from torch.nn import functional as F
 
 from runner.training.moe.routers import Router
 
+
 def _torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """torch >= 2.10's public name, else 2.9's private one (same kernel); looked up at call time,
     so tests can watch the dtypes it gets."""
