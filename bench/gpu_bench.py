@@ -783,6 +783,11 @@ def _previous(out: Path) -> dict[str, Any] | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.part == "moe":  # the mixture-of-experts rows alone (bench/moe_rows.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import moe_rows
+
+        return moe_rows.run_moe(args, sys.modules[__name__])
     t_begin = time.perf_counter()
     global_deadline = t_begin + args.budget_s
     out = Path(args.out)
@@ -887,10 +892,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-tiny", action="store_true", help="tiny sizes on CPU (automatic without a GPU)")
     p.add_argument(
         "--part",
-        choices=("decisive", "rest", "all"),
+        choices=("decisive", "rest", "all", "moe"),
         default="all",
         help="decisive: the ceiling, the main experiment's own settings and the smoke experiment's; "
-        "rest: the ladder after them, appended to --out's rows; all: both (default)",
+        "rest: the ladder after them, appended to --out's rows; all: both (default); "
+        "moe: the mixture-of-experts rows of --experiment (experiments/olmoe-1b-7b.yaml; cpu-tiny-moe's "
+        "model with --cpu-tiny): transformers' experts, the runner's layer eager / regional compile / "
+        "selective and no checkpointing / micro batches 4 and 8 (bench/moe_rows.py)",
     )
     args = p.parse_args(argv)
     if args.budget_s <= 0 or math.isnan(args.budget_s):

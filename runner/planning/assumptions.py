@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from runner.config.schema import checkpointing_mode
+
 H100_DENSE_BF16_TFLOPS = 989.4  # the peak table's H100 SXM figure (runner.planning.hardware.PEAKS)
 
 #: OLMo-core's published BF16 throughput for its 7B at sequence length 4096 on H100: 10,000 tokens/s per
@@ -126,10 +128,16 @@ def _dotted(cfg: Any, key: str) -> Any:
     return node
 
 
+def _same(key: str, value: Any, wanted: Any) -> bool:
+    if key == "model.activation_checkpointing":  # true is full and false none: one meaning
+        return value is not None and checkpointing_mode(value) == checkpointing_mode(wanted)
+    return bool(value == wanted)
+
+
 def measured_mfu(cfg: Any) -> MeasuredMfu | None:
     """The measured figure whose configuration this experiment (a typed or plain resolved config) has."""
     for m in MEASURED_MFU:
-        if all(_dotted(cfg, k) == v for k, v in m.match):
+        if all(_same(k, _dotted(cfg, k), v) for k, v in m.match):
             return m
     return None
 

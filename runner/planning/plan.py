@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config.rules import devices, total_steps
-from runner.config.schema import ExperimentSchema, from_plain
+from runner.config.schema import AC_MODES, ExperimentSchema, checkpointing_mode, from_plain
 from runner.data.manifest import load_manifest, num_samples
 from runner.data.mixture import plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError
@@ -104,7 +104,7 @@ def as_schema(cfg: ExperimentSchema | Mapping[str, Any]) -> ExperimentSchema:
 
 
 def saved_activation_bytes(
-    cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None, checkpointing: bool | None = None
+    cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None, checkpointing: bool | str | None = None
 ) -> dict[str, float]:
     """Bytes autograd saves for the backward during one training forward of a micro batch, by part.
 
@@ -123,7 +123,8 @@ def saved_activation_bytes(
                  chunked/liger: d/dhidden 4h (+ d/dW 4*V*h, once per micro batch)
       input ids 8; RoPE cos and sin, 2 * seq_len * head_dim * 4, once per micro batch.
     With activation checkpointing each layer keeps only its input (4h) and the layer being
-    recomputed holds its own tensors again (`recompute_layer`). Liger's kernels (`model.kernels:
+    recomputed holds its own tensors again (`recompute_layer`); `selective` keeps the input and its
+    matmul and attention outputs (`selective_layer_saved_bytes`). Liger's kernels (`model.kernels:
     liger`) save no normalised product and no silu output: estimated from Liger's source, to be
     measured on a GPU (bench/device_check.sh). Not counted: autocast's bf16 weight copies (model
     state), the parameters themselves."""
@@ -142,8 +143,10 @@ def saved_activation_bytes(
     head_fixed = 0 if plain else 4 * vocab * h
     tokens = s * b
     rope = 2 * s * (h // heads) * 4
-    checkpointing = model.activation_checkpointing if checkpointing is None else checkpointing
-    layers = counts.n_layers * (4 * h if checkpointing else layer) * tokens
+    mode = checkpointing_mode(model.activation_checkpointing if checkpointing is None else checkpointing)
+    checkpointing = mode != "none"
+    kept = {"full": 4 * h, "selective": selective_layer_saved_bytes(model, s, c), "none": layer}[mode]
+    layers = counts.n_layers * kept * tokens
     return {
         "layers": float(layers),
         "head": float(head_per_token * tokens + head_fixed),
@@ -152,6 +155,24 @@ def saved_activation_bytes(
         "recompute_layer": float(layer * tokens + rope if checkpointing else 0),
         "total": float(layers + head_per_token * tokens + head_fixed + 8 * tokens + (0 if checkpointing else rope)),
     }
+
+
+def selective_layer_saved_bytes(model, s: int, c: int) -> int:
+    """Bytes per token one decoder layer keeps under `selective` checkpointing
+    (runner.training.checkpointing): its input (4h, fp32) and the outputs of its matmuls and of
+    attention, in the compute dtype (c bytes): q c*h, k and v c*kv each, attention output c*h and
+    4*heads logsumexp (sdpa; eager: scores and probabilities c*heads*s each), o_proj c*h; dense MLP
+    gate and up c*f each, down c*h; MoE router logits c*E, per routed copy gate+up 2*c*f_e and down c*h."""
+    h, heads = model.hidden_size, model.n_heads
+    kv = model.n_kv_heads * (h // heads)
+    attention = c * h + 2 * c * kv + c * h + c * h
+    attention += 2 * c * heads * s if model.attn_implementation == "eager" else 4 * heads
+    if model.moe is not None:
+        moe = model.moe
+        mlp = c * moe.n_experts + moe.experts_per_token * (2 * c * moe.expert_intermediate_size + c * h)
+    else:
+        mlp = 2 * c * model.intermediate_size + c * h
+    return 4 * h + attention + mlp
 
 
 def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[int, int]:
@@ -166,11 +187,14 @@ def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[i
     else:
         attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * kv + 4 * heads + c * h
     mlp = norm + (2 if autocast else 1) * c * h + (3 if liger else 4) * c * f
-    if model.moe is not None:  # OLMoE: q/k norms' inputs; router input and fp32 logits/probabilities; per
-        # routed copy its gathered input, gate, silu(gate), up, product and weighted output (estimated)
+    if model.moe is not None:  # OLMoE with the runner's layer (runner.training.moe): q/k norms' inputs;
+        # router input c*h, fp32 probabilities 4E, top-k ids, sort order, source rows (8 B each per
+        # routed copy) and sorted weights (4); per routed copy the grouped matmul's input c*h, gate+up
+        # 2*c*f_e, silu(gate) and product c*f_e each, down output c*h, weighted output 4h (the
+        # residual's dtype). Within 0.1% of the saved-tensor probe on CPU, fp32 and bf16 autocast.
         k, f_e, n_experts = model.moe.experts_per_token, model.moe.expert_intermediate_size, model.moe.n_experts
-        attention += c * h + c * kv
-        mlp = norm + c * h + 2 * n_experts * 4 + k * (2 * c * h + 4 * c * f_e)
+        attention += c * h + c * kv + 4 * h + 4 * kv + 8  # q/k norms: inputs, fp32 products, rsqrt
+        mlp = norm + c * h + 4 * n_experts + 28 * k + k * (2 * c * h + 4 * c * f_e + 4 * h)
     return norm, attention + mlp
 
 
@@ -234,7 +258,11 @@ def memory_per_device(
     `micro_batch` overrides the recipe's (the automatic micro batch asks what each candidate needs).
     Not counted: CUDA context, allocator fragmentation, communication buffers
     (AUTO_MICRO_BATCH_MEMORY_FRACTION leaves room for them). Measured against max_memory_allocated of
-    every H200 bench row: tests/planning/test_memory_measured.py.
+    every H200 bench row: tests/planning/test_memory_measured.py. `model.activation_checkpointing`
+    is none, full or selective (runner.training.checkpointing): each mode's activations are counted.
+    A mixture of experts (OLMoE) counts every expert in model state (all of them live in memory
+    whichever a token uses); its activations (the runner's MoE layer) are calibrated by the probe
+    like the dense model's, in each checkpointing mode.
     """
     cfg = as_schema(cfg)
     train, hw = cfg.train, cfg.hardware
@@ -251,16 +279,18 @@ def memory_per_device(
         state["bf16 autocast weight copies"] = 2 * autocast_weight_copy_params(cfg) / shard
 
     b = micro_batch if micro_batch is not None else train.micro_batch_sequences
+    mode = checkpointing_mode(cfg.model.activation_checkpointing)
+    checkpointing = mode != "none"
     held = grads_held_at_peak(cfg, b) if grads_held is None else grads_held
-    checkpointing = cfg.model.activation_checkpointing
     transient = head_transient_bytes(cfg, b)
-    saved_full = saved_activation_bytes(cfg, b, checkpointing=False)
-    saved_ckpt = saved_activation_bytes(cfg, b, checkpointing=True)
+    saved = {m: saved_activation_bytes(cfg, b, checkpointing=m) for m in AC_MODES}
     compiled = compile_saved_fraction(cfg)
     fraction = compiled["fraction"] if compiled else 1.0
-    full = saved_full["total"] - (1.0 - fraction) * saved_full["layers"] + transient
-    checkpointed = saved_ckpt["total"] + saved_ckpt["recompute_layer"] + transient
-    activations = checkpointed if checkpointing else full
+    by_mode = {m: saved[m]["total"] + saved[m]["recompute_layer"] + transient for m in AC_MODES}
+    # compile's measured saving applies to what eager autograd keeps of the decoder layers (no checkpointing)
+    by_mode["none"] -= (1.0 - fraction) * saved["none"]["layers"]
+    full, checkpointed = by_mode["none"], by_mode["full"]
+    activations = by_mode[mode]
     state_total = sum(state.values())
     held_state = state_total - (0 if held else state["grads (fp32)"])
     backward = held_state + activations
@@ -276,11 +306,13 @@ def memory_per_device(
         "grads_held_at_peak": held,
         "backward_peak_bytes": backward,
         "optimizer_step_peak_bytes": step,
-        "activation_bytes_saved": (saved_ckpt if checkpointing else saved_full)["total"],
+        "activation_bytes_saved": saved[mode]["total"],
         "head_transient_bytes": transient,
         "activation_bytes_full": full,
         "activation_bytes_checkpointed": checkpointed,
+        "activation_bytes_selective": by_mode["selective"],
         "activation_checkpointing": checkpointing,
+        "activation_checkpointing_mode": mode,
         "activation_bytes": activations,
         "compile_saved_fraction": compiled,
         "micro_batch_sequences": b,
@@ -298,7 +330,7 @@ def compile_saved_fraction(cfg: ExperimentSchema) -> dict[str, Any] | None:
     """The measured fraction of the eager decoder layers' saved bytes torch.compile leaves, with its
     source, for this model's compile scope and kernels (None: not compiled, or checkpointed)."""
     model = cfg.model
-    if not model.compile or model.activation_checkpointing:
+    if not model.compile or checkpointing_mode(model.activation_checkpointing) != "none":
         return None
     key = (str(model.compile_scope), "liger" if model.kernels == "liger" else "none")
     fraction, source = assumptions.COMPILE_SAVED_FRACTION.get(key, (1.0, "not measured: the eager count"))
@@ -789,6 +821,8 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
     _row(out, "activations (no checkpointing)", _gib(mem["activation_bytes_full"]))
     _row(out, f"  of which the loss's peak ({mem['cross_entropy']})", _gib(mem["head_transient_bytes"]))
     _row(out, "activations (checkpointing)", _gib(mem["activation_bytes_checkpointed"]))
+    if "activation_bytes_selective" in mem:
+        _row(out, "activations (selective ckpt)", _gib(mem["activation_bytes_selective"]))
     _row(out, "total (as configured)", _gib(mem["total_bytes"]), note=f"of {_gib(mem['capacity_bytes'])}")
     verdict = "fits"
     if not mem["fits"]:

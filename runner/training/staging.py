@@ -228,7 +228,8 @@ def save_safetensors_hashed(tensors: dict[str, torch.Tensor], path: Path, fsync:
         pending = None
         for name in order:
             t = tensors[name].detach()
-            view = t.contiguous().reshape(-1).view(torch.uint8).numpy().data.cast("B") if t.numel() else memoryview(b"")
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+            view = memoryview(data).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type]
             for start in range(0, len(view), CHUNK_BYTES):
                 chunk = view[start : start + CHUNK_BYTES]
                 if pending is not None:
