@@ -7,7 +7,8 @@ scoring on every rank (the same forwards on each; results summed exactly), and w
 go: metrics/downstream.jsonl (one row per task and metric, with `t_eval_seconds` and where the run
 stood when the scoring ended: useful tokens, wall and device-wall seconds), the per-request
 log-likelihoods downstream/requests-loop-step-NNNNNNN.jsonl.gz, MLflow metrics
-`downstream/<task>/<metric>` (and `downstream/t_eval_seconds`, `downstream/exposure_tokens`) at
+`downstream/<task>/<metric>` (and `downstream/t_eval_seconds`, `downstream/exposure_tokens` and
+the stamp: `downstream/useful_tokens`, `downstream/wall_seconds`, `downstream/device_wall_seconds`) at
 the step, the convention records as tags, the request files as artifacts. Its time is measured
 after the step's own time is taken, so it is never step time, and none of its tokens is counted.
 """
@@ -87,6 +88,8 @@ def at_step(run: Any, committed: int) -> None:
         return
     metrics = {f"downstream/{r['task']}/{r['metric']}": r["value"] for r in scored.rows}
     metrics |= {"downstream/t_eval_seconds": scored.t_eval_seconds, "downstream/exposure_tokens": exposure}
+    # the stamp time- and cost-to-target are counted from, where an edit of the run folder cannot reach
+    metrics |= {f"downstream/{k}": v for k, v in stamp.items()}
     tracker.log_metrics(metrics, step=committed)
     tracker.log_tags({f"downstream.{r['task']}.{r['metric']}.convention": r["convention"] for r in scored.rows})
     tracker.log_artifacts(requests, "downstream")
