@@ -332,6 +332,8 @@ def load_claims(path: str | Path) -> list[dict]:
     path = Path(path)
     data = read_yaml(path)
     claims = data.get("claims") if isinstance(data, dict) else data
+    if claims is None or claims == []:
+        raise RunnerError("holds no claims: nothing to audit (state at least one under `claims:`)", file=str(path))
     if not isinstance(claims, list) or not all(isinstance(c, dict) for c in claims):
         raise RunnerError("expected a list of claims (mappings), or a mapping with key 'claims'", file=str(path))
     return claims

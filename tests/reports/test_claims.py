@@ -516,3 +516,15 @@ def test_the_readme_example_output_is_what_audit_claims_prints(capsys):
     assert _cli(["audit-claims", str(CLAIMS_DIR / "mixtures.yaml")]) == 1
     out = capsys.readouterr().out.splitlines()
     assert len(example.splitlines()) >= 10 and all(line in out for line in example.splitlines())
+
+
+@pytest.mark.parametrize("body", ["claims: []\n", "[]\n", "claims:\n", ""])
+def test_an_empty_claims_file_is_one_line_and_a_non_zero_exit(tmp_path, capsys, body):
+    """Issue 37 item 8: `claims: []` audited nothing and exited 0."""
+    from runner.cli import main
+
+    path = tmp_path / "empty.yaml"
+    path.write_text(body)
+    code = main(["audit-claims", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].endswith("empty.yaml: holds no claims: nothing to audit (state at least one under `claims:`)"), (code, err)
