@@ -84,10 +84,18 @@ def _audit(args) -> int:
 
 
 def _audit_claims(args) -> int:
+    from runner.errors import display_path
+    from runner.reports.claim_source import free_text_warning
     from runner.reports.claims import PLAUSIBLE_MFU, audit_claims, render
 
     bound = PLAUSIBLE_MFU if args.plausible_mfu is None else args.plausible_mfu
-    results = [r for file in args.file for r in audit_claims(file, plausible_mfu=bound)]
+    results = []
+    for file in args.file:
+        found = audit_claims(file, plausible_mfu=bound)
+        warning = free_text_warning(display_path(file), [r.source for r in found])
+        if warning:
+            print(warning, file=sys.stderr)
+        results += found
     against = None
     if args.against:
         from runner.reports.against import compare_claims

@@ -28,6 +28,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_yaml
 from runner.planning.hardware import PEAKS, canonical_device, mfu
 from runner.planning.plan import CHINCHILLA_TOKENS_PER_PARAM, SECONDS_PER_DAY
+from runner.reports.claim_source import Source, parse_source, source_line
 from runner.reports.mixture_claims import TOKEN_UNITS, MixtureResult, audit_mixture, parse_quantity, render_mixture
 
 TOKEN_KINDS = ("exposure", "unique", "useful", "processed")
@@ -97,6 +98,8 @@ class ClaimResult:
     tokens_per_param_vs_chinchilla: float | None = None
     flags: list[Flag] = field(default_factory=list)
     mixture: MixtureResult | None = None
+    #: where it was published (runner.reports.claim_source): structured, free text, or None
+    source: Source | str | None = None
 
     @property
     def impossible(self) -> bool:
@@ -288,6 +291,7 @@ def audit_claim(claim: dict, where: str = "claim", *, plausible_mfu: float = PLA
         )
     active = _number(claim, "active_params", where)
     res = ClaimResult(name, dict(claim), "active" if active is not None else "all")
+    res.source = parse_source(claim.get("source"), where)
     _check_token_kind(claim, where, res)
     if n_params is not None:
         _audit_throughput(claim, where, res, n_params, active, plausible_mfu)
@@ -381,6 +385,7 @@ def render(results: list[ClaimResult], plausible_mfu: float = PLAUSIBLE_MFU) -> 
     ]
     for r in results:
         lines.append(_throughput_row(r))
+        lines.append(f"    {source_line(r.source)}")
         if r.mixture is not None:
             lines += render_mixture(r.mixture)
         lines += [f"    - {f.severity}: {f.message}" for f in r.flags]

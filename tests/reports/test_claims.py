@@ -9,6 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
+import re
+
 import pytest
 import yaml
 
@@ -528,3 +530,52 @@ def test_an_empty_claims_file_is_one_line_and_a_non_zero_exit(tmp_path, capsys, 
     code = main(["audit-claims", str(path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].endswith("empty.yaml: holds no claims: nothing to audit (state at least one under `claims:`)"), (code, err)
+
+
+def test_a_structured_source_is_checked_and_printed_with_the_verdict(tmp_path, capsys):
+    """Issue 37 item 9: a claim's source names a title, a year and a URL, DOI or arXiv id, printed
+    with the verdict; today's free text still reads, with one warning naming it."""
+    from runner.cli import main
+
+    base = "{name: a, model_params: 1.45e+9, tokens_per_second: 42000, token_kind: exposure, hardware: H200, "
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "claims:\n"
+        f"  - {base}source: {{title: 'LLaMA: Open and Efficient Foundation Language Models', year: 2023,"
+        " arxiv: '2302.13971', section: Table 1}}\n"
+        f"  - {base}source: {{title: T, year: 2020, doi: 10.18653/v1/2020.acl-main.1}}}}\n"
+    )
+    assert main(["audit-claims", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    rows = out.splitlines()
+    at = next(i for i, line in enumerate(rows) if line.startswith("a ") and line.endswith("ok"))
+    assert rows[at + 1] == (
+        "    source: LLaMA: Open and Efficient Foundation Language Models (2023), Table 1; arXiv:2302.13971 "
+        "(recorded, not fetched)"
+    )
+    assert "    source: T (2020); doi:10.18653/v1/2020.acl-main.1 (recorded, not fetched)" in rows
+    assert audit_claims(path)[0].to_dict()["source"]["arxiv"] == "2302.13971"
+    # today's format: free text, read with one warning naming it
+    path.write_text(f"claims:\n  - {base}source: Touvron et al. 2023}}\n  - {base[:-2]}}}\n")
+    assert main(["audit-claims", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip() == (
+        f"warning: {path}: 2 of 2 claims state no structured source (claims[0] 'Touvron et al. 2023', "
+        "claims[1] (none)): state source: {title, year, url or doi or arxiv} so a reader can find it"
+    )
+    assert "    source: 'Touvron et al. 2023' (free text: not checked)" in out.splitlines()
+    # a structured source that a reader could not find, or malformed: one line naming the field
+    for source, message in (
+        ("{title: T, year: 2020}", "c.yaml: claims[0]: source: names no url, doi or arxiv id"),
+        ("{title: T, year: twenty, arxiv: '2302.13971'}", "claims[0]: source.year: must be a year"),
+        ("{title: T, year: 2020, arxiv: 'see the paper'}", "claims[0]: source.arxiv: must be an arXiv id"),
+        ("{title: T, year: 2020, doi: 'doi.org'}", "claims[0]: source.doi: must be a DOI"),
+        ("{title: T, year: 2020, url: 'ftp://x'}", "claims[0]: source.url: must be an http(s) URL"),
+        ("{title: '', year: 2020, url: 'https://x.org'}", "claims[0]: source.title: must be a non-empty"),
+        ("{title: T, year: 2020, url: 'https://x.org', page: 3}", "claims[0]: source: unknown keys ['page']"),
+        ("[1]", "claims[0]: source: must be {title, year, and url, doi or arxiv}"),
+    ):
+        path.write_text(f"claims:\n  - {base}source: {source}}}\n")
+        with pytest.raises(RunnerError, match=re.escape(message)):
+            audit_claims(path)
