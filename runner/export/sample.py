@@ -3,7 +3,8 @@
 Owns: opening either kind of source (a run folder: its verified checkpoint in transformers' plain
 class, with the pinned tokenizer; an exported folder: `AutoModelForCausalLM`/`AutoTokenizer`,
 exactly what a user of the folder gets; a damaged one, a file it names missing, unreadable JSON or
-safetensors, is one line naming the file), and the sampling settings (greedy at temperature 0,
+safetensors, is one line naming the file; weights that do not fit the model config.json describes,
+missing, unused or of another shape, are refused rather than generated from at random), and the sampling settings (greedy at temperature 0,
 otherwise multinomial sampling seeded by `seed`; a temperature that is not a finite number >= 0 is
 refused), with the new tokens capped at what the model's context (`max_position_embeddings`) leaves
 after the prompt. One process, on the CPU. Never writes anything.
@@ -59,10 +60,39 @@ def _from_folder(path: Path):
         raise RunnerError("neither a run folder nor an exported model folder (no config.json)", file=str(path))
     _check_folder(path)
     try:
-        return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path), str(path)
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers' loaders raise many kinds (tokenizers' is a bare Exception)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RunnerError(f"transformers cannot load it ({type(e).__name__}: {first})", file=str(path)) from None
+    _check_loaded(path, model, info)
+    return model.eval(), tokenizer, str(path)
+
+
+def _check_loaded(path: Path, model, info: dict) -> None:
+    """Refuse a folder whose weights do not fit the model its config.json describes: transformers
+    initialises what the weights lack at random and drops what the model has no place for, and
+    would generate from that without a word (config.json saying GPT-2 over Llama weights)."""
+    missing = sorted(map(str, info.get("missing_keys") or []))
+    unused = sorted(map(str, info.get("unexpected_keys") or []))
+    mismatched = sorted(str(m[0]) if isinstance(m, (tuple, list)) else str(m) for m in info.get("mismatched_keys") or [])
+    if not (missing or unused or mismatched):
+        return
+    said = [
+        f"{len(keys)} {what} (first {keys[0]})"
+        for keys, what in (
+            (missing, "weights missing, which would be random"),
+            (unused, "weights in the files not used"),
+            (mismatched, "of another shape"),
+        )
+        if keys
+    ]
+    kind = f"{model.config.model_type} ({type(model).__name__})"
+    raise RunnerError(
+        f"config.json describes {kind}, and the weights do not fit it: {'; '.join(said)}: refusing to sample "
+        "from partly random weights",
+        file=str(path),
+    )
 
 
 def _json(file: Path) -> dict:

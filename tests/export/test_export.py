@@ -901,3 +901,24 @@ def test_push_failures_are_one_line_and_leave_no_branch_looking_complete(llama_f
     proc = run_in_process(root, ["export", "x", "--out", str(root / "never"), "--push", "team/tiny"], environ)
     assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "no Hugging Face token" in proc.stderr
     assert not (root / "never").exists()
+
+
+def test_sample_refuses_a_config_that_does_not_describe_the_weights(llama_fp32, tmp_path):
+    """Issue 37 item 5: config.json saying GPT-2 over Llama weights loaded with every weight newly
+    initialised, and generated from it with exit 0 and no warning."""
+    from transformers import GPT2Config
+
+    folder = tmp_path / "mismatched"
+    shutil.copytree(llama_fp32, folder)
+    llama = json.loads((folder / "config.json").read_text())
+    gpt2 = GPT2Config(
+        vocab_size=llama["vocab_size"],
+        n_positions=llama["max_position_embeddings"],
+        n_embd=llama["hidden_size"],
+        n_layer=llama["num_hidden_layers"],
+        n_head=llama["num_attention_heads"],
+    )
+    (folder / "config.json").write_text(gpt2.to_json_string())
+    line = _refused(tmp_path, ["sample", str(folder), "--prompt", "def main("], "config.json describes gpt2")
+    assert " weights missing, which would be random (first " in line, line
+    assert "weights in the files not used (first model." in line and line.endswith("partly random weights")
