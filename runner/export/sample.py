@@ -4,7 +4,9 @@ Owns: opening either kind of source (a run folder: its verified checkpoint in tr
 class, with the pinned tokenizer; an exported folder: `AutoModelForCausalLM`/`AutoTokenizer`,
 exactly what a user of the folder gets; a damaged one, a file it names missing, unreadable JSON or
 safetensors, is one line naming the file; weights that do not fit the model config.json describes,
-missing, unused or of another shape, are refused rather than generated from at random), and the sampling settings (greedy at temperature 0,
+missing, unused or of another shape, are refused rather than generated from at random; an exported
+folder's files checked against the record its run folder keeps (runner.export.verify_export): refused
+when they differ, said "unverified" where no record is at hand), and the sampling settings (greedy at temperature 0,
 otherwise multinomial sampling seeded by `seed`; a temperature that is not a finite number >= 0 is
 refused), with the new tokens capped at what the model's context (`max_position_embeddings`) leaves
 after the prompt. One process, on the CPU. Never writes anything.
@@ -25,6 +27,7 @@ from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
 from runner.export.export import RECORD, quiet_transformers
 from runner.export.source import export_model, open_source
+from runner.export.verify_export import sample_provenance
 from runner.training.runfolder import is_run_dir
 
 
@@ -35,6 +38,8 @@ class Sample:
     new_tokens: int
     source: str  #: what generated it: `runs/x/y checkpoints/step-0000150` or the folder
     note: str | None = None  #: said beside the text: the new tokens were capped at the model's context
+    #: an exported folder's files against the run folder's record (verified / unverified: why)
+    provenance: str | None = None
 
 
 #: torch.manual_seed's range
@@ -181,6 +186,7 @@ def sample(
         raise RunnerError("no such folder", file=str(path))
     _check_settings(max_new_tokens, temperature, seed)
     with quiet_transformers():
+        provenance = None
         if is_run_dir(path):
             model, tokenizer, where = _from_run(path, step)
         else:
@@ -189,6 +195,7 @@ def sample(
                     "--step names a checkpoint of a run folder; this is an exported folder", file=str(path)
                 )
             model, tokenizer, where = _from_folder(path)
+            provenance = sample_provenance(path)  # refuses files that differ from the run's record
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         if ids.shape[1] == 0:
             raise RunnerError("the prompt encodes to no tokens", key="--prompt")
@@ -204,4 +211,5 @@ def sample(
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             **settings,
         )[0, ids.shape[1] :]
-    return Sample(prompt, tokenizer.decode(out, skip_special_tokens=False), int(out.shape[0]), where, note)
+    text = tokenizer.decode(out, skip_special_tokens=False)
+    return Sample(prompt, text, int(out.shape[0]), where, note, provenance)

@@ -120,14 +120,18 @@ def llama_fp32(llama_run, tmp_path_factory) -> Path:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verified: logits within 1e-05" in proc.stdout
     assert _tree_hashes(llama_run) == before, "export changed the run folder"
+    records = [json.loads(p.read_text()) for p in (llama_run / "exports").glob("*.json")]
+    assert any(r["out"] == str(out.resolve()) and r["files"] == _tree_hashes(out) for r in records)
     return out
 
 
 def _tree_hashes(folder: Path) -> dict[str, str]:
+    """Every file's sha256, but the lock and the records of exports (RUN/exports/: the one thing an
+    export adds to a run folder)."""
     return {
         str(p.relative_to(folder)): sha256_file(p)
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != "lock"
+        if p.is_file() and p.name != "lock" and p.relative_to(folder).parts[0] != "exports"
     }
 
 
@@ -922,3 +926,102 @@ def test_sample_refuses_a_config_that_does_not_describe_the_weights(llama_fp32, 
     line = _refused(tmp_path, ["sample", str(folder), "--prompt", "def main("], "config.json describes gpt2")
     assert " weights missing, which would be random (first " in line, line
     assert "weights in the files not used (first model." in line and line.endswith("partly random weights")
+
+
+def _forge_card(folder: Path) -> None:
+    """The adversary's edit: the card's MFU line says 61%, accounting.json's exposure x10."""
+    readme = folder / "README.md"
+    lines = readme.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("- MFU "))
+    lines[at] = "- MFU 61.00%" + lines[at][lines[at].index(","):]
+    readme.write_text("\n".join(lines) + "\n")
+    accounting = json.loads((folder / "accounting.json").read_text())
+    accounting["accounting"][0]["exposure_tokens"] *= 10
+    (folder / "accounting.json").write_text(json.dumps(accounting, indent=1) + "\n")
+
+
+def test_verify_export_checks_an_export_against_its_run_and_a_forged_card_never_publishes(
+    llama_run, llama_fp32, tmp_path
+):
+    """Issue 37 items 4 and 6: `runner verify-export` anchors outside the export (the hashes recorded
+    in RUN/exports/ when it was written), checks the weights against the checkpoint tensor by tensor,
+    config and tokenizer against the run's, and the card's and accounting.json's figures recomputed
+    from the audited report; `publish --card` and `audit-reports` run it, `runner sample` checks the
+    recorded hashes."""
+    from safetensors.torch import load_file, save_file
+
+    from runner.export.verify_export import RECORDS
+
+    root = llama_run.parents[1]
+    proc = run_in_process(root, ["verify-export", str(llama_fp32), "--run", str(llama_run)], env(root))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "verdict: PASS" and all(line.split()[0] == "PASS" for line in lines[1:-1]), proc.stdout
+    assert "tensors equal, exactly, to the checkpoint's cast as exported" in proc.stdout
+
+    forged = tmp_path / "forged"
+    shutil.copytree(llama_fp32, forged)
+    _forge_card(forged)
+    # the forger rewrites the run folder's record too: the figures are recomputed all the same
+    records = sorted((llama_run / RECORDS).glob("*.json"))
+    saved = {p: p.read_bytes() for p in records}
+    from runner.export.verify_export import file_hashes
+
+    for p in records:
+        record = json.loads(p.read_text())
+        if record["out"] == str(llama_fp32.resolve()):
+            p.write_text(json.dumps({**record, "out": str(forged.resolve()), "files": file_hashes(forged)}))
+    proc = run_in_process(root, ["verify-export", str(forged), "--run", str(llama_run)], env(root))
+    for p, data in saved.items():
+        p.write_bytes(data)
+    assert proc.returncode == 1 and proc.stdout.splitlines()[-1] == "verdict: FAIL", proc.stdout
+    checks = {line.split(":")[0].split(None, 1)[1]: line.strip() for line in proc.stdout.splitlines()[1:-1]}
+    assert checks["files as recorded in the run folder when exported"].startswith("PASS")  # the forged record
+    assert "accounting[0].exposure_tokens: " in checks["accounting.json = the audited report's figures"]
+    assert "'- MFU 61.00%" in checks["model card = the audited report's figures"]
+    # against the true record: the files that differ are named
+    proc = run_in_process(root, ["verify-export", str(forged), "--run", str(llama_run)], env(root))
+    assert "README.md (sha256 differs), accounting.json (sha256 differs)" in proc.stdout, proc.stdout
+
+    # a weight edited (the shard rewritten, export.json's hashes too): named tensor by tensor
+    weights = tmp_path / "weights"
+    shutil.copytree(llama_fp32, weights)
+    tensors = load_file(weights / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, weights / "model.safetensors", metadata={"format": "pt"})
+    proc = run_in_process(root, ["verify-export", str(weights), "--run", str(llama_run)], env(root))
+    assert proc.returncode == 1 and f"FAIL       weights = checkpoint step {STEPS}'s: {name}: values differ" in proc.stdout
+
+    # runner sample refuses the forged folder (its files are not the recorded ones), and says
+    # "unverified" of an export whose run folder is not here
+    line = _refused(tmp_path, ["sample", str(forged), "--prompt", "def main("], "differ from the run's record")
+    assert "README.md (sha256 differs)" in line
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(llama_fp32, moved)
+    record = json.loads((moved / "export.json").read_text())
+    (moved / "export.json").write_text(json.dumps({**record, "run_dir": str(tmp_path / "gone")}))
+    proc = run_in_process(root, ["sample", str(moved), "--prompt", "def main(", "--max-new-tokens", "2"], env(root))
+    assert proc.returncode == 0 and "unverified: the run folder it names" in proc.stderr, proc.stderr
+    proc = run_in_process(root, ["sample", str(llama_fp32), "--prompt", "def main(", "--max-new-tokens", "2"], env(root))
+    assert proc.returncode == 0 and "verified: " in proc.stderr and "unverified" not in proc.stderr, proc.stderr
+
+    # publish --card of the forged folder: refused before anything is published
+    reports = tmp_path / "reports"
+    proc = run_in_process(
+        root, ["publish", str(llama_run), "--reports-dir", str(reports), "--card", str(forged)], env(root)
+    )
+    assert proc.returncode == 2 and "does not verify against the run (runner verify-export)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not reports.exists(), proc.stderr
+    # an honest card publishes; its published copy forged afterwards FAILs audit-reports
+    proc = run_in_process(
+        root, ["publish", str(llama_run), "--reports-dir", str(reports), "--card", str(llama_fp32)], env(root)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_in_process(root, ["audit-reports", str(reports)], env(root))
+    card = next((reports / "models").iterdir())
+    assert f"PASS {card}" in proc.stdout or "FAIL" not in proc.stdout, proc.stdout
+    _forge_card(card)
+    proc = run_in_process(root, ["audit-reports", str(reports)], env(root))
+    assert proc.returncode == 1 and "accounting[0].exposure_tokens" in proc.stdout, proc.stdout
+    assert "README.md line " in proc.stdout and "'- MFU 61.00%" in proc.stdout
