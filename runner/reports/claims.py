@@ -81,7 +81,9 @@ FAILING = ("impossible", "inconsistent", "implausible")  #: severities that make
 
 @dataclass
 class Flag:
-    severity: str  # a key of VERDICTS: "impossible", "inconsistent", "implausible", "unstated", "warning"
+    #: a key of VERDICTS: "impossible", "inconsistent", "implausible", "unstated", "warning"; or "note",
+    #: which never changes a verdict (a figure admitted by its printed digits, said so)
+    severity: str
     message: str
 
 
