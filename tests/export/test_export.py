@@ -1020,7 +1020,7 @@ def test_verify_export_checks_an_export_against_its_run_and_a_forged_card_never_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     proc = run_in_process(root, ["audit-reports", str(reports)], env(root))
     card = next((reports / "models").iterdir())
-    assert f"PASS {card}" in proc.stdout or "FAIL" not in proc.stdout, proc.stdout
+    assert proc.returncode in (0, 5) and f"PASS {card}" in proc.stdout, proc.stdout
     _forge_card(card)
     proc = run_in_process(root, ["audit-reports", str(reports)], env(root))
     assert proc.returncode == 1 and "accounting[0].exposure_tokens" in proc.stdout, proc.stdout
