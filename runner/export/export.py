@@ -26,7 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from runner.config.load import Experiment
 from runner.errors import RunnerError, display_path
-from runner.export import DEFAULT_MAX_SHARD_SIZE, card, folder, verify, verify_export
+from runner.export import DEFAULT_MAX_SHARD_SIZE, card, export_scoring, folder, verify, verify_export
 from runner.export.push import Pushed, check_repo_id, check_token, push_folder
 from runner.export.source import Source, open_source
 from runner.fsio import fsync_dir, fsync_file
@@ -194,6 +194,10 @@ def _write_and_verify(src: Source, tmp: Path, dtype: str, max_shard_size: int, f
         f"(max diff {verification['model']['max_abs_logit_diff']:.3g}), "
         f"{verification['model']['greedy_tokens_compared']} greedy tokens identical, tokenizer ids identical"
     )
+    scoring = export_scoring.score_folder(src, tmp, dtype)  # the folder's own figures, in its dtype
+    if scoring is not None and figures.get("downstream") is not None:
+        figures["downstream"]["export_scoring"] = scoring
+        say(f"scored on the folder ({scoring['dtype']}): {len(scoring['figures'])} figures")
     card.write(src, tmp, figures, dtype, verification)
     record = card.export_record(src, dtype, verification)
     record["files"] = verify_export.file_hashes(tmp)  # every file written before this one

@@ -18,6 +18,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -65,7 +66,8 @@ def _from_folder(path: Path):
         raise RunnerError("neither a run folder nor an exported model folder (no config.json)", file=str(path))
     _check_folder(path)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+        model, info = loaded
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers' loaders raise many kinds (tokenizers' is a bare Exception)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -80,7 +82,9 @@ def _check_loaded(path: Path, model, info: dict) -> None:
     would generate from that without a word (config.json saying GPT-2 over Llama weights)."""
     missing = sorted(map(str, info.get("missing_keys") or []))
     unused = sorted(map(str, info.get("unexpected_keys") or []))
-    mismatched = sorted(str(m[0]) if isinstance(m, (tuple, list)) else str(m) for m in info.get("mismatched_keys") or [])
+    mismatched = sorted(
+        str(m[0]) if isinstance(m, (tuple, list)) else str(m) for m in info.get("mismatched_keys") or []
+    )
     if not (missing or unused or mismatched):
         return
     said = [

@@ -8,8 +8,8 @@ writes it (the checkpoint's weights through transformers' own save_pretrained, c
 config, the pinned tokenizer, experiment.yaml) and compared: the weights tensor by tensor (exported
 shards never hash-equal checkpoint files), the JSON files as data; the card (README.md) and
 accounting.json re-rendered from the figures the run's report gives now, audited (only the audit's
-date and the export's logit check are taken from the folder), and compared line by line and key by
-key. Each check is a line: PASS, FAIL naming what differs, or UNVERIFIED saying why (an export
+date and the export's logit check are taken from the folder; the folder's own downstream scoring is
+rescored on it), and compared line by line and key by key. Each check is a line: PASS, FAIL naming what differs, or UNVERIFIED saying why (an export
 written before records were kept). Also: the check `runner sample` makes of an exported folder
 (recorded hashes where the run folder is at hand, "unverified" where it is not), and the figures
 check of a published card (reports/models/<name>/) against the published report it names.
@@ -36,7 +36,7 @@ from transformers.utils import logging as hf_logging
 
 from runner.config.load import load_saved_experiment
 from runner.errors import RunnerError, display_path
-from runner.export import card, card_downstream, folder
+from runner.export import card, card_downstream, export_scoring, folder
 from runner.export.source import Source, open_source
 from runner.fsio import atomic_write_json, read_json, sha256_file
 from runner.reports import tables as rpt
@@ -107,14 +107,18 @@ def check_recorded_files(export_dir: Path, run_dir: Path) -> Check:
     records = _records(run_dir)
     if not records:
         return Check(
-            name, UNVERIFIED, f"{display_path(Path(run_dir) / RECORDS)} holds no export record (exported before "
-            "records were kept): the files are checked against the run below, not against their hashes"
+            name,
+            UNVERIFIED,
+            f"{display_path(Path(run_dir) / RECORDS)} holds no export record (exported before "
+            "records were kept): the files are checked against the run below, not against their hashes",
         )
     for path, rec in records:
         if rec["files"] == got:
             return Check(name, PASS, f"{len(got)} files, sha256 as {display_path(path)} records")
     here = str(Path(export_dir).resolve())
-    path, rec = max(records, key=lambda r: (r[1].get("out") == here, sum(got.get(k) == v for k, v in r[1]["files"].items())))
+    path, rec = max(
+        records, key=lambda r: (r[1].get("out") == here, sum(got.get(k) == v for k, v in r[1]["files"].items()))
+    )
     want = rec["files"]
     differ = [f for f in sorted(set(got) | set(want)) if got.get(f) != want.get(f)]
     said = [
@@ -262,6 +266,25 @@ def _card_figures(src: Source, export_dir: Path) -> dict:
     return figures
 
 
+def _with_export_scoring(figures: dict, src: Source, export_dir: Path, dtype: str, record: dict) -> None:
+    """The folder's own scoring in the regenerated figures: the card's where a rescoring of the folder
+    agrees with it (its t_eval is not a figure), else the rescoring's (the comparison then names it);
+    none for an export written before folders were scored (export.json lists no files)."""
+    downstream = figures.get("downstream")
+    if downstream is None:
+        return
+    try:
+        claimed = (read_json(export_dir / card.ACCOUNTING).get("downstream") or {}).get("export_scoring")
+    except (RunnerError, AttributeError):
+        claimed = None
+    if claimed is None and "files" not in record:
+        return
+    with _quiet():
+        rescored = export_scoring.score_folder(src, export_dir, dtype)
+    if rescored is not None:
+        downstream["export_scoring"] = claimed if export_scoring.agrees(claimed, rescored) else rescored
+
+
 def verify_export(export_dir: str | Path, run_dir: str | Path) -> list[Check]:
     """Every check of an exported folder against the run it came from (see the module docstring)."""
     export_dir, run_dir = Path(export_dir), Path(run_dir)
@@ -288,17 +311,24 @@ def verify_export(export_dir: str | Path, run_dir: str | Path) -> list[Check]:
         tok = _compare_files(export_dir, tmp, tokenizer_files, "tokenizer = the run's pinned one")
         checks.append(tok)
         figures = _card_figures(src, export_dir)
+        _with_export_scoring(figures, src, export_dir, dtype, record)
         card.write(src, tmp, figures, dtype, record.get("verification") or {})
-        checks.append(_compare_files(export_dir, tmp, [card.ACCOUNTING], "accounting.json = the audited report's figures"))
+        checks.append(
+            _compare_files(export_dir, tmp, [card.ACCOUNTING], "accounting.json = the audited report's figures")
+        )
         checks.append(_compare_files(export_dir, tmp, ["README.md"], "model card = the audited report's figures"))
         checks.append(_compare_files(export_dir, tmp, [card.EXPERIMENT], "experiment.yaml = the checkpoint's"))
         regenerated = {p.name for p in tmp.iterdir()} | {EXPORT_RECORD, "model.safetensors.index.json"}
-        extra = sorted(p.name for p in export_dir.iterdir() if p.name not in regenerated and not p.name.endswith(".safetensors"))
+        extra = sorted(
+            p.name for p in export_dir.iterdir() if p.name not in regenerated and not p.name.endswith(".safetensors")
+        )
         checks.append(
             Check(
                 "no other files",
                 FAIL if extra else PASS,
-                f"not written by runner export: {', '.join(extra)}" if extra else "every file is one runner export writes",
+                f"not written by runner export: {', '.join(extra)}"
+                if extra
+                else "every file is one runner export writes",
             )
         )
     finally:
@@ -353,8 +383,12 @@ def check_published_card(card_dir: Path, reports_dir: Path) -> list[Check]:
         return [Check(name, FAIL, f"no published report of run {run_id} at {display_path(report)}")]
     tables = rpt.read_tables(report)
     run = read_json(report / "run.json")
-    src = SimpleNamespace(
-        exp=exp, step=step, final=bool(claimed["checkpoint"].get("final")), run=run, run_dir=Path(run_id),
+    src: Any = SimpleNamespace(  # the fields of a Source the card reads, from the published report
+        exp=exp,
+        step=step,
+        final=bool(claimed["checkpoint"].get("final")),
+        run=run,
+        run_dir=Path(run_id),
         checkpoint=SimpleNamespace(path=Path(f"step-{step:07d}")),
     )
     if not src.final:
@@ -374,11 +408,23 @@ def check_published_card(card_dir: Path, reports_dir: Path) -> list[Check]:
         downstream=card_downstream.downstream_figures(exp.config, tables, step),
         compute=card._compute(src, summary),
     )
+    if want["downstream"] is not None and (claimed.get("downstream") or {}).get("export_scoring"):
+        # scored on the weights, which a published card does not carry: taken as the card states it
+        want["downstream"]["export_scoring"] = claimed["downstream"]["export_scoring"]
     want["validation"] = {**want.get("validation", {}), "step": val_step, "domains": validation}
-    want["checkpoint"] = {**want.get("checkpoint", {}), "exposure_tokens": sum(int(r["exposure_tokens"]) for r in accounting)}
+    want["checkpoint"] = {
+        **want.get("checkpoint", {}),
+        "exposure_tokens": sum(int(r["exposure_tokens"]) for r in accounting),
+    }
     want = json.loads(json.dumps(card._finite(want), default=card._plain))
     diffs = _key_diffs(json.loads(json.dumps(card._finite(claimed), default=card._plain)), want)
-    checks = [Check(name, FAIL if diffs else PASS, "; ".join(diffs[:6]) or f"accounting.json's figures are {display_path(report)}'s")]
+    checks = [
+        Check(
+            name,
+            FAIL if diffs else PASS,
+            "; ".join(diffs[:6]) or f"accounting.json's figures are {display_path(report)}'s",
+        )
+    ]
     text = (card_dir / "README.md").read_text(errors="replace") if (card_dir / "README.md").is_file() else ""
     m = _DTYPE_LINE.search(text)
     if not m:
@@ -388,7 +434,9 @@ def check_published_card(card_dir: Path, reports_dir: Path) -> list[Check]:
     try:
         card.write(src, tmp, want, m.group(1), placeholder)
         mine = [line for line in text.splitlines() if not line.startswith("- export verified:")]
-        theirs = [line for line in (tmp / "README.md").read_text().splitlines() if not line.startswith("- export verified:")]
+        theirs = [
+            line for line in (tmp / "README.md").read_text().splitlines() if not line.startswith("- export verified:")
+        ]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     same = mine == theirs
@@ -396,7 +444,9 @@ def check_published_card(card_dir: Path, reports_dir: Path) -> list[Check]:
         Check(
             "published card text",
             PASS if same else FAIL,
-            "README.md is the card of those figures" if same else f"README.md {_first_diff(chr(10).join(mine), chr(10).join(theirs))}",
+            "README.md is the card of those figures"
+            if same
+            else f"README.md {_first_diff(chr(10).join(mine), chr(10).join(theirs))}",
         )
     )
     return checks

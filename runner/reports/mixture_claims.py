@@ -279,7 +279,10 @@ def _check_source(s: _Parsed, row: SourceRow, total: float, unit: str, bpt: floa
     implied, e = row.implied_epochs, s.epochs
     # What the weight's printed digits allow carries into every figure derived from it: "3%" is
     # 2.5-3.5%, so the epochs and tokens seen it implies span the same relative range.
-    low, high = (s.weight.value - s.weight.half_unit) / s.weight.value, (s.weight.value + s.weight.half_unit) / s.weight.value
+    low, high = (
+        (s.weight.value - s.weight.half_unit) / s.weight.value,
+        (s.weight.value + s.weight.half_unit) / s.weight.value,
+    )
     if implied is not None and e is not None and abs(e.value - implied) > DISAGREE_REL * implied:
         span = f"{implied * low:.3g}-{implied * high:.3g}"
         if e.value + e.half_unit >= implied * low and e.value - e.half_unit <= implied * high:

@@ -933,7 +933,7 @@ def _forge_card(folder: Path) -> None:
     readme = folder / "README.md"
     lines = readme.read_text().splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("- MFU "))
-    lines[at] = "- MFU 61.00%" + lines[at][lines[at].index(","):]
+    lines[at] = "- MFU 61.00%" + lines[at][lines[at].index(",") :]
     readme.write_text("\n".join(lines) + "\n")
     accounting = json.loads((folder / "accounting.json").read_text())
     accounting["accounting"][0]["exposure_tokens"] *= 10
@@ -991,7 +991,9 @@ def test_verify_export_checks_an_export_against_its_run_and_a_forged_card_never_
     tensors[name] = tensors[name] + 1e-3
     save_file(tensors, weights / "model.safetensors", metadata={"format": "pt"})
     proc = run_in_process(root, ["verify-export", str(weights), "--run", str(llama_run)], env(root))
-    assert proc.returncode == 1 and f"FAIL       weights = checkpoint step {STEPS}'s: {name}: values differ" in proc.stdout
+    assert (
+        proc.returncode == 1 and f"FAIL       weights = checkpoint step {STEPS}'s: {name}: values differ" in proc.stdout
+    )
 
     # runner sample refuses the forged folder (its files are not the recorded ones), and says
     # "unverified" of an export whose run folder is not here
@@ -1003,7 +1005,9 @@ def test_verify_export_checks_an_export_against_its_run_and_a_forged_card_never_
     (moved / "export.json").write_text(json.dumps({**record, "run_dir": str(tmp_path / "gone")}))
     proc = run_in_process(root, ["sample", str(moved), "--prompt", "def main(", "--max-new-tokens", "2"], env(root))
     assert proc.returncode == 0 and "unverified: the run folder it names" in proc.stderr, proc.stderr
-    proc = run_in_process(root, ["sample", str(llama_fp32), "--prompt", "def main(", "--max-new-tokens", "2"], env(root))
+    proc = run_in_process(
+        root, ["sample", str(llama_fp32), "--prompt", "def main(", "--max-new-tokens", "2"], env(root)
+    )
     assert proc.returncode == 0 and "verified: " in proc.stderr and "unverified" not in proc.stderr, proc.stderr
 
     # publish --card of the forged folder: refused before anything is published
@@ -1025,3 +1029,44 @@ def test_verify_export_checks_an_export_against_its_run_and_a_forged_card_never_
     proc = run_in_process(root, ["audit-reports", str(reports)], env(root))
     assert proc.returncode == 1 and "accounting[0].exposure_tokens" in proc.stdout, proc.stdout
     assert "README.md line " in proc.stdout and "'- MFU 61.00%" in proc.stdout
+
+
+@pytest.mark.slow  # lm-eval's import alone takes seconds
+def test_the_card_carries_the_folders_own_scoring_in_its_dtype_beside_the_runs(llama_run):
+    """Issue 37 item 10: the default export is bf16 while the run scored in fp32; at export time the
+    folder is scored in its own dtype and the card shows both, each with its dtype. The reference:
+    lm-evaluation-harness's HFLM on the bf16 folder (dtype=bfloat16), argmax of its log-likelihoods."""
+    lm_eval = pytest.importorskip("lm_eval", reason="the `eval` extra: pip install -e '.[eval]'")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from runner.config.load import load_saved_experiment
+    from runner.training.downstream.run import prepare, task_specs
+
+    assert lm_eval.__version__ == "0.4.13"
+    exported = llama_run.parents[1] / "exports" / llama_run.name  # export.at_end, bf16 by default
+    accounting = json.loads((exported / "accounting.json").read_text())
+    scoring = accounting["downstream"]["export_scoring"]
+    assert scoring["dtype"] == "bfloat16" and scoring["step"] == STEPS
+    ours = {(f["task"], f["metric"]): f["value"] for f in scoring["figures"]}
+    assert set(ours) == {("arc_easy", m) for m in ("acc", "centered_acc", "bpb")} | {("aggregate", "mean_centered")}
+    run_fig = {(f["task"], f["metric"]): f for f in accounting["downstream"]["figures"] if f["source"] == "loop"}
+    assert run_fig[("arc_easy", "acc")]["convention"]["dtype"] == "float32"
+    card = (exported / "README.md").read_text()
+    row = (
+        f"| arc_easy | acc | {ours[('arc_easy', 'acc')]:.6g} | {run_fig[('arc_easy', 'acc')]['value']:.6g} "
+        "| loop, float32 |"
+    )
+    assert "## Downstream tasks scored on this folder (bfloat16, at export)" in card and row in card, card
+
+    exp = load_saved_experiment(exported / "experiment.yaml", project_root=llama_run.parents[1])
+    task = prepare(exp, task_specs(exp)).tasks[0]
+    lm = HFLM(pretrained=str(exported), dtype="bfloat16", max_length=SEQ_LEN, device="cpu", batch_size=1)
+    requests = [(r.context, r.continuation) for d in task.documents for r in d.requests]
+    lls = [ll for ll, _ in lm.loglikelihood([Instance("loglikelihood", {}, p, idx=0) for p in requests])]
+    at, right = 0, 0
+    for d in task.documents:
+        mine = lls[at : at + d.choices]
+        at += d.choices
+        right += int(max(range(d.choices), key=lambda i: (mine[i], -i)) == d.gold)
+    assert ours[("arc_easy", "acc")] == pytest.approx(right / len(task.documents))

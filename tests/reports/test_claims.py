@@ -6,10 +6,9 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
-
-import re
 
 import pytest
 import yaml
@@ -531,7 +530,11 @@ def test_an_empty_claims_file_is_one_line_and_a_non_zero_exit(tmp_path, capsys, 
     path.write_text(body)
     code = main(["audit-claims", str(path)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].endswith("empty.yaml: holds no claims: nothing to audit (state at least one under `claims:`)"), (code, err)
+    assert (
+        code == 2
+        and len(err) == 1
+        and err[0].endswith("empty.yaml: holds no claims: nothing to audit (state at least one under `claims:`)")
+    ), (code, err)
 
 
 def test_a_structured_source_is_checked_and_printed_with_the_verdict(tmp_path, capsys):
