@@ -29,7 +29,7 @@ from runner.errors import RunnerError
 from runner.export.export import RECORD, quiet_transformers
 from runner.export.source import export_model, open_source
 from runner.export.verify_export import sample_provenance
-from runner.training.runfolder import is_run_dir
+from runner.runs.folder import is_run_dir
 
 
 @dataclass
