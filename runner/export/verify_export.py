@@ -116,6 +116,13 @@ def check_recorded_files(export_dir: Path, run_dir: Path) -> Check:
         if rec["files"] == got:
             return Check(name, PASS, f"{len(got)} files, sha256 as {display_path(path)} records")
     here = str(Path(export_dir).resolve())
+    if not any(r.get("out") == here for _, r in records) and "files" not in _listed(export_dir):
+        return Check(
+            name,
+            UNVERIFIED,
+            f"no record in {display_path(Path(run_dir) / RECORDS)} is of this folder, and its {EXPORT_RECORD} lists no "
+            "files (exported before records were kept): checked against the run below, not against its hashes",
+        )
     path, rec = max(
         records, key=lambda r: (r[1].get("out") == here, sum(got.get(k) == v for k, v in r[1]["files"].items()))
     )
@@ -126,6 +133,15 @@ def check_recorded_files(export_dir: Path, run_dir: Path) -> Check:
         for f in differ
     ]
     return Check(name, FAIL, f"against {display_path(path)}: {', '.join(said[:8])}{' ...' if len(said) > 8 else ''}")
+
+
+def _listed(export_dir: Path) -> dict:
+    """export.json as read ({} when unreadable: the checks below say so)."""
+    try:
+        data = read_json(Path(export_dir) / EXPORT_RECORD)
+    except RunnerError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def sample_provenance(export_dir: Path) -> str:

@@ -995,6 +995,15 @@ def test_verify_export_checks_an_export_against_its_run_and_a_forged_card_never_
         proc.returncode == 1 and f"FAIL       weights = checkpoint step {STEPS}'s: {name}: values differ" in proc.stdout
     )
 
+    # an export written before records were kept (export.json lists no files, no record names it)
+    from runner.export.verify_export import UNVERIFIED, check_recorded_files
+
+    older = tmp_path / "older"
+    shutil.copytree(llama_fp32, older)
+    record = json.loads((older / "export.json").read_text())
+    (older / "export.json").write_text(json.dumps({k: v for k, v in record.items() if k != "files"}))
+    assert check_recorded_files(older, llama_run).status == UNVERIFIED
+
     # runner sample refuses the forged folder (its files are not the recorded ones), and says
     # "unverified" of an export whose run folder is not here
     line = _refused(tmp_path, ["sample", str(forged), "--prompt", "def main("], "differ from the run's record")
