@@ -980,8 +980,10 @@ def test_verify_export_checks_an_export_against_its_run_and_a_forged_card_never_
     assert "accounting[0].exposure_tokens: " in checks["accounting.json = the audited report's figures"]
     assert "'- MFU 61.00%" in checks["model card = the audited report's figures"]
     # against the true record: the files that differ are named
-    proc = run_in_process(root, ["verify-export", str(forged), "--run", str(llama_run)], env(root))
-    assert "README.md (sha256 differs), accounting.json (sha256 differs)" in proc.stdout, proc.stdout
+    from runner.export.verify_export import FAIL, check_recorded_files
+
+    against = check_recorded_files(forged, llama_run)
+    assert against.status == FAIL and "README.md (sha256 differs), accounting.json (sha256 differs)" in against.detail
 
     # a weight edited (the shard rewritten, export.json's hashes too): named tensor by tensor
     weights = tmp_path / "weights"
@@ -996,7 +998,7 @@ def test_verify_export_checks_an_export_against_its_run_and_a_forged_card_never_
     )
 
     # an export written before records were kept (export.json lists no files, no record names it)
-    from runner.export.verify_export import UNVERIFIED, check_recorded_files
+    from runner.export.verify_export import UNVERIFIED
 
     older = tmp_path / "older"
     shutil.copytree(llama_fp32, older)

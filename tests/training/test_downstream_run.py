@@ -809,8 +809,8 @@ def _gold_likeliest(task: str):
 @pytest.mark.slow
 def test_forged_downstream_figures_and_stamps_fail_after_an_honest_extension(scored_run, tmp_path):
     """Issue 37 items 1 and 2: a loop scoring forged consistently (its checkpoint pruned), every loop
-    row's wall and device seconds halved, a runner eval scoring forged consistently (its checkpoint
-    kept), then one honest extension segment, whose end rebuilds the report and logs evidence over the
+    row's wall and device seconds halved, two runner eval scorings forged consistently (one checkpoint
+    kept, one pruned), then one honest extension segment, whose end rebuilds the report and logs evidence over the
     forged files: the audit compares MLflow's downstream history, logged at each scoring's step
     before the extension, with the report, and FAILs naming each figure, with and without
     --recompute-eval."""
@@ -823,8 +823,9 @@ def test_forged_downstream_figures_and_stamps_fail_after_an_honest_extension(sco
     shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))
     uri = _own_store(scored_run, run, tmp_path)
     environ = env(scored_run, MLFLOW_TRACKING_URI=uri)
-    proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "builtin", "--limit", "2"], environ)
-    assert proc.returncode == 0, proc.stderr
+    for target in (run, run / "checkpoints/step-0000002"):  # runner eval scorings at steps 4 and 2
+        proc = run_in_process(scored_run, ["eval", str(target), "--tasks", "builtin", "--limit", "2"], environ)
+        assert proc.returncode == 0, proc.stderr
     proc = run_in_process(scored_run, ["report", str(run)], environ)
     assert proc.returncode == 0, proc.stderr
     honest = audit(run, tracking_uri=uri)
@@ -846,7 +847,8 @@ def test_forged_downstream_figures_and_stamps_fail_after_an_honest_extension(sco
         r["wall_seconds"] /= 2
         r["device_wall_seconds"] /= 2
     loop_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    _forge_eval_scoring(run / "downstream/eval-step-0000004.json", _gold_likeliest("builtin"))
+    _forge_eval_scoring(run / "downstream/eval-step-0000004.json", _gold_likeliest("builtin"))  # checkpoint kept
+    _forge_eval_scoring(run / "downstream/eval-step-0000002.json", _gold_likeliest("builtin"))  # checkpoint pruned
     shutil.rmtree(run / "checkpoints/step-0000002")  # pruned, as keep_last prunes it
     launch(scored_run, run, "--extend-to", (STEPS + 1) * 4 * 64, MLFLOW_TRACKING_URI=uri)
 
@@ -866,4 +868,5 @@ def test_forged_downstream_figures_and_stamps_fail_after_an_honest_extension(sco
     assert "downstream/wall_seconds at step 2: MLflow " in problems
     assert "downstream/device_wall_seconds at step 4: MLflow " in problems
     assert "runner_eval/builtin/acc at step 4: MLflow " in problems
+    assert "runner_eval/builtin/bpb at step 2: MLflow " in problems  # the gold's ll raised: bpb always moves
     assert "step 5" not in problems  # the extension's own scoring is honest
