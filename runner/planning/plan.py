@@ -653,8 +653,12 @@ def _format_model_and_compute(plan: Mapping[str, Any], out: list[str]) -> None:
             out,
             "per layer experts: all (k active)",
             f"{layer['mlp']:,} ({layer['mlp_active']:,})",
-            note=f"{layer['n_experts']} experts x {layer['expert']:,}, k = {layer['experts_per_token']}",
+            note=f"{layer['n_experts']} experts x {layer['expert']:,}, k = {layer['experts_per_token']}"
+            + (f", shared {layer['shared']:,}" if layer.get("shared") else ""),
         )
+        if p.get("dense_layer"):
+            dense = p["dense_layer"]
+            _row(out, "dense first layers (each)", f"{dense['total']:,}", note=f"{p['n_dense_layers']} x, all active")
     else:
         _row(out, "per layer (attn / mlp / norms)", f"{layer['attention']:,} / {layer['mlp']:,} / {layer['norms']:,}")
     out.append("compute")
