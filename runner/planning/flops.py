@@ -334,7 +334,9 @@ def _moe_layer(model: ModelRecipe, d_model: int, q_dim: int, kv_dim: int) -> Moe
         raise RunnerError(f"{k} experts per token but only {n_experts} experts", key="model.moe.experts_per_token")
     head_dim = q_dim // model.n_heads
     # OLMoE normalises q and k over all heads at once; GLM-4.5 per head (one head_dim gain each)
-    q_norm, k_norm = {"full": (q_dim, kv_dim), "per_head": (head_dim, head_dim), "none": (0, 0)}[model.qk_norm or "full"]
+    q_norm, k_norm = {"full": (q_dim, kv_dim), "per_head": (head_dim, head_dim), "none": (0, 0)}[
+        model.qk_norm or "full"
+    ]
     shared = moe.shared_experts * 3 * d_model * moe.shared_intermediate_size
     return MoeLayerParams(
         q_proj=d_model * q_dim,

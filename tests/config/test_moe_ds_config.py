@@ -49,9 +49,17 @@ BROKEN = [
     (lambda m: m["moe"].update(balancing="free"), "moe.balancing", "not one of aux_loss, aux_free"),
     (lambda m: m["moe"].update(hash_layers=3), "moe.hash_layers", "only 2 mixture-of-experts layers"),
     (lambda m: m["moe"].update(first_dense_layers=2), "moe.first_dense_layers", "leave no mixture-of-experts"),
-    (lambda m: m["moe"].update(first_dense_layers=1, hash_layers=2), "moe.hash_layers", "only 1 mixture-of-experts layers"),
+    (
+        lambda m: m["moe"].update(first_dense_layers=1, hash_layers=2),
+        "moe.hash_layers",
+        "only 1 mixture-of-experts layers",
+    ),
     (lambda m: m["moe"].update(router_aux_loss_coef=0.01), "moe.router_aux_loss_coef", "aux_free balances without"),
-    (lambda m: m["moe"].update(balancing="aux_loss", bias_update_rate=0.01), "moe.bias_update_rate", "only with balancing: aux_free"),
+    (
+        lambda m: m["moe"].update(balancing="aux_loss", bias_update_rate=0.01),
+        "moe.bias_update_rate",
+        "only with balancing: aux_free",
+    ),
     (lambda m: m["moe"].update(bias_update_rate=0.0), "moe.bias_update_rate", "finite number > 0"),
     (lambda m: m["moe"].update(shared_experts=-1), "moe.shared_experts", "integer >= 0"),
     (
