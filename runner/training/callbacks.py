@@ -30,6 +30,9 @@ MOE_METRICS = (
     "expert_idle_capacity",
 )
 
+#: prefix of the per-layer load imbalance figures of a step (`expert_load_imbalance_layer_<i>`)
+LAYER_IMBALANCE = "expert_load_imbalance_layer_"
+
 
 class Callback:
     """Side effects of the loop. Hooks run on every rank; sinks act only where they should.
@@ -126,6 +129,8 @@ class TrackingCallback(Callback):
     def _log_step(self, record: StepRecord, counters, ratios) -> None:
         row = record.as_row()
         m = {self.STEP_NAMES.get(k, k): row[k] for k in self.STEP_KEYS if row.get(k) is not None}
+        # a mixture of experts' per-layer load imbalance (runner.training.moe.balancing), one key per layer
+        m.update({f"step/{k}": v for k, v in record.experts.items() if k.startswith(LAYER_IMBALANCE)})
         m.update(self.accounting(counters, ratios))
         self.tracker.log_metrics(m, step=record.step)
 

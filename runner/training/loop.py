@@ -67,6 +67,7 @@ from runner.training.collectives import (
 from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
+from runner.training.moe import balancing
 from runner.training.prefetch import Prefetcher
 from runner.training.records import Gathered, RunRecord, default_records, take_records, zero_eval_seconds
 from runner.training.runfolder import RunFolder
@@ -133,6 +134,7 @@ class _Run:
     batches: Prefetcher | None = None  # of HostBatch, one per step of this attempt
     system: SystemMetricsCallback | None = None  # when system metrics are on
     experts: experts_mod.RouterProbe | None = None  # of a mixture-of-experts model, else None
+    routing: balancing.RoutingRecord | None = None  # of a mixture-of-experts model: per-step loads, balancing bias
     clock: RunClock = field(default_factory=lambda: RunClock(1))  # _setup: the run's world and device clock
     downstream: Any = None  # the downstream tasks, prepared at their first scoring (runner.training.downstream)
     eval_seconds: dict = field(default_factory=zero_eval_seconds)  # this attempt's t_eval (records.EvalTimes)
@@ -245,6 +247,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
     probe = experts_mod.attach(model, cfg, data.domains)  # hooks on the routers, before any wrapping
+    routing = balancing.attach(model, cfg, run_dir, acc.is_main_process)  # metrics/routing.jsonl, aux-free bias
     if sharding == SHARD_RUNNER_CPU:
         shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = make_optimizer(model, cfg, fused=bool(runtime.get("adamw_fused")))
@@ -278,6 +281,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         resolved_config=exp.to_container(),
         sharding=sharding,
         experts=probe,
+        routing=routing,
         clock=RunClock(world, step_clock(acc.device)),
     )
 
@@ -675,6 +679,8 @@ def _commit(run: _Run, step: int, s: _Step) -> int:
     run.ledger.commit(s.global_pairs, s.useful)
     step_experts = run.experts.commit(run.acc) if run.experts is not None else {}
     committed = step + 1
+    if run.routing is not None and run.experts is not None and run.experts.last_step is not None:
+        step_experts |= run.routing.commit(committed, run.experts.last_step.sum(axis=1))  # the bias update
     step_seconds = run.clock.end_step()  # the device's clock: the optimizer's kernels done
     # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
     mix = run.cfg.mixture.domains

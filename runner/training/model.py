@@ -26,6 +26,7 @@ from runner.errors import RunnerError
 from runner.training import loss as losses
 from runner.training.accelerator import check_attention_backend
 from runner.training.experts import autocast_experts
+from runner.training.moe.deepseek import install_deepseek_layers, uses_deepseek_layers
 from runner.training.moe.olmoe import install_moe_layers
 
 # transformers' own RoPE: Liger replaces this module-level function, so the model built last in a
@@ -184,27 +185,6 @@ def _build_olmoe(cfg: ExperimentSchema, backend: str, experts: str | None = None
     return model
 
 
-def _refuse_unbuilt_moe_keys(cfg: ExperimentSchema) -> None:
-    """transformers' OLMoE holds none of the DeepSeek-style keys: a recipe that sets one is refused
-    here, naming the keys, rather than trained as something it did not ask for."""
-    from runner.config.schema import OMITTED_AT_DEFAULT  # noqa: PLC0415
-
-    moe: Any = cfg.model.moe
-    keys = [
-        k
-        for k, default in OMITTED_AT_DEFAULT.items()
-        if k.startswith("model.moe.") and getattr(moe, k.rsplit(".", 1)[1]) != default
-    ]
-    if cfg.model.qk_norm not in (None, "full"):
-        keys.append("model.qk_norm")
-    if keys:
-        raise RunnerError(
-            f"this trainer builds transformers' OLMoE, which has none of {', '.join(keys)}: "
-            "leave them at their defaults",
-            key=keys[0],
-        )
-
-
 def build_model(cfg: ExperimentSchema) -> RunnerLlama | OlmoeForCausalLM:
     """A freshly initialised model (weights from torch's current RNG; seed it before calling): the
     runner's Llama (its loss inside the forward), or transformers' OLMoE for arch olmoe."""
@@ -218,8 +198,9 @@ def build_model(cfg: ExperimentSchema) -> RunnerLlama | OlmoeForCausalLM:
                 "arch olmoe runs transformers' OLMoE: kernels none and cross_entropy plain only",
                 key="model.kernels" if cfg.model.kernels != "none" else "model.cross_entropy",
             )
-        _refuse_unbuilt_moe_keys(cfg)
         model = _build_olmoe(cfg, backend)
+        if uses_deepseek_layers(cfg):  # DeepSeek-style routers, shared experts, dense first layers
+            install_deepseek_layers(model, cfg)
     else:
         # from_config writes the chosen backend into the config it is given: hand it a copy.
         config = llama_config(cfg)

@@ -12,10 +12,10 @@ from runner.training.moe.ds_routers import (
     HashRouter,
     ScoreTopKRouter,
     hash_table,
-    next_bias,
     sequence_balance_loss,
     update_bias,
 )
+from runner.training.routing_record import next_bias
 
 H, E, K, T, V = 32, 8, 2, 40, 50
 

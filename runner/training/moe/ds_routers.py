@@ -1,5 +1,5 @@
 """DeepSeek-style routers of the runner's mixture-of-experts layer, on the routers' interface
-(runner.training.moe.routers: `forward(hidden [T, H], token_ids [T] | None) -> RouterOutput(weights
+(runner.training.moe.routers' Router: `forward(hidden [T, H], token_ids [T] | None) -> RouterOutput(weights
 [T, k], experts [T, k], logits [T, E])`).
 
 - `ScoreTopKRouter`: an expert's score is sigmoid (DeepSeek-V3, transformers' Glm4MoeTopkRouter with
@@ -12,9 +12,9 @@
   are `tid2eid[token id]`, a fixed table (`hash_table`, built from the run's seed and tokenizer, kept
   in the checkpoint as a persistent buffer); the weights are the chosen experts' scores as above.
 - `update_bias`: the balancing update, `b_i += rate * sign(mean load - load_i)`, once per optimizer
-  step from the step's load (summed over micro batches and ranks), in place, outside autograd; and
-  `next_bias`, the same in numpy, which the audit replays bit for bit (the sign is taken on integers,
-  `sum(load) - E * load_i`, and each step adds exactly +-rate or 0 in float32).
+  step from the step's load (summed over micro batches and ranks), in place, outside autograd; its
+  numpy twin, which the audit replays bit for bit, is runner.training.routing_record.next_bias (the
+  sign is taken on integers, `sum(load) - E * load_i`; each step adds exactly +-rate or 0 in float32).
 - `sequence_balance_loss`: DeepSeek-V3's sequence-wise balance loss.
 
 Router logits and scores are fp32 (Glm4Moe's router casts to fp32; so does this one under autocast).
@@ -24,22 +24,17 @@ Never: synchronises with the host in a forward (no .item(), no data-dependent br
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from runner.training.moe.routers import Router, RouterOutput
+
 SCORES = ("sigmoid", "sqrt_softplus", "softmax")
 #: Glm4Moe's and DeepSeek-V4's guard against a zero sum of the chosen scores
 NORM_EPS = 1e-20
-
-
-class RouterOutput(NamedTuple):
-    weights: torch.Tensor  #: [T, k] float, as the router normalises or scales them
-    experts: torch.Tensor  #: [T, k] long, expert ids
-    logits: torch.Tensor  #: [T, E] raw logits
 
 
 def expert_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
@@ -53,7 +48,7 @@ def expert_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
     raise ValueError(f"score {score!r} is not one of {', '.join(SCORES)}")
 
 
-class _ScoredRouter(nn.Module):
+class _ScoredRouter(Router):
     """A linear gate [E, H] (`weight`, the name transformers' routers use) and the gate weights of
     chosen experts from their scores."""
 
@@ -66,12 +61,10 @@ class _ScoredRouter(nn.Module):
         norm_topk_prob: bool = True,
         routed_scaling_factor: float = 1.0,
     ):
-        super().__init__()
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k {top_k} must be in [1, n_experts={n_experts}]")
+        super().__init__(n_experts, top_k)
         if score not in SCORES:
             raise ValueError(f"score {score!r} is not one of {', '.join(SCORES)}")
-        self.n_experts, self.top_k, self.score = int(n_experts), int(top_k), score
+        self.score = score
         self.norm_topk_prob, self.routed_scaling_factor = bool(norm_topk_prob), float(routed_scaling_factor)
         self.weight = nn.Parameter(torch.zeros(n_experts, hidden_size))
 
@@ -140,17 +133,11 @@ def hash_table(
 def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
     """Auxiliary-loss-free balancing, in place: `b_i += rate * sign(mean(load) - load_i)` with `load`
     [E] the step's positions routed to each expert (summed over micro batches and ranks). The sign is
-    taken on integers (sum - E * load_i), so no rounding can flip it; fp32 adds, as `next_bias`."""
+    taken on integers (sum - E * load_i), so no rounding can flip it; fp32 adds, as
+    runner.training.routing_record.next_bias."""
     load = load.to(torch.int64)
     direction = torch.sign(load.sum() - load.numel() * load).to(torch.float32)
     bias.add_(direction * torch.tensor(rate, dtype=torch.float32, device=bias.device))
-
-
-def next_bias(bias: np.ndarray, load: np.ndarray, rate: float) -> np.ndarray:
-    """`update_bias` in numpy (float32, the same operations): what the audit replays."""
-    load = np.asarray(load, dtype=np.int64)
-    direction = np.sign(load.sum(axis=-1, keepdims=True) - load.shape[-1] * load).astype(np.float32)
-    return (np.asarray(bias, dtype=np.float32) + direction * np.float32(rate)).astype(np.float32)
 
 
 def sequence_balance_loss(logits: torch.Tensor, experts: torch.Tensor, seq_len: int, score: str) -> torch.Tensor:
