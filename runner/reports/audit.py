@@ -42,6 +42,7 @@ from runner.reports import tables as rpt
 from runner.reports.audit_input import AuditInput, Replay
 from runner.reports.audit_result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
 from runner.reports.expert_audit import check_expert_load, checkpoint_load_problems
+from runner.reports.routing_audit import check_routing, checkpoint_bias_problems
 from runner.training.record import conventions_of, device_seconds, devices_held, read_manifest_copies
 from runner.training.runfolder import is_reportable_run
 from schemas.report_tables import ADDED_SINCE, READABLE_VERSIONS, SCHEMA_VERSION, SCHEMAS, validate_tables
@@ -692,6 +693,7 @@ def _check_checkpoint(res: AuditResult, inp: AuditInput) -> None:
         if int((seen > 0).sum()) * seq_len != int(acct.loc[d, "unique_tokens"]):
             problems.append(f"{d}: checkpoint ledger has {int((seen > 0).sum())} samples seen")
     problems += checkpoint_load_problems(ledger, inp)
+    problems += checkpoint_bias_problems(path, inp)
     res.add(name, problems, ok_detail=f"{path.name} verifies; its ledger (and expert load) recounts to the report")
 
 
@@ -755,6 +757,7 @@ def audit_input(
     _check_targets(res, inp)
     _check_downstream(res, inp)
     check_expert_load(res, inp)
+    check_routing(res, inp)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
     _check_complete(res, inp)
