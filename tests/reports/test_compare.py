@@ -13,7 +13,7 @@ from runfixtures import make_run
 
 from runner.config.fingerprint import fingerprint
 from runner.fsio import read_jsonl
-from runner.reports.audit import audit
+from runner.reports.audit.run import audit
 from runner.reports.tables import read_tables, write_report
 
 REPO = Path(__file__).resolve().parents[2]

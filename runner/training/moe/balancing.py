@@ -8,7 +8,7 @@ have no bias: their choice is a table), outside autograd, identically on every r
 line of `metrics/routing.jsonl`: the step, each MoE layer's per-expert load and, where a layer has
 one, its bias after the update (float32 values, written exactly). The bias is a buffer of the
 model, so checkpoints carry it and a resume restores it bit for bit; the audit replays the
-trajectory from the recorded loads (runner.reports.routing_audit). Also the per-layer load
+trajectory from the recorded loads (runner.reports.audit.routing). Also the per-layer load
 imbalance of the step (max / mean) for MLflow.
 Never: touches the gate weights, counts a step that was not committed, or writes from a rank
 other than the main one.

@@ -28,12 +28,12 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
-from runner.reports.audit import audit
-from runner.reports.compare_downstream import mark_firsts, side_by_side, task_target_results, union_task_targets
-from runner.reports.evidence import write_report_with_evidence
+from runner.reports.audit.evidence import write_report_with_evidence
+from runner.reports.audit.run import audit
+from runner.reports.compare.downstream import mark_firsts, side_by_side, task_target_results, union_task_targets
 from runner.reports.publish import portable
-from runner.training.runfolder import is_reportable_run
-from runner.training.runjson import as_record
+from runner.runs.folder import is_reportable_run
+from runner.runs.runjson import as_record
 from schemas.report_tables import READABLE_VERSIONS, validate_tables, with_added_columns
 
 ACCOUNTING = ("processed_tokens", "exposure_tokens", "useful_tokens", "unique_tokens", "lost_tokens")
