@@ -80,7 +80,7 @@ def test_v4_style_run_resumes_bit_identically_audits_and_a_forged_bias_or_load_f
     assert lines == ref_lines and sorted(lines) == list(range(1, 7))
     assert lines[6]["bias"][0] is None  # layer 0 is hash-routed: no bias
     bias = np.asarray(lines[6]["bias"][1])
-    assert np.any(bias != 0) and set(np.round(np.abs(bias) / 0.01).astype(int)) <= set(range(0, 7))
+    assert np.any(bias != 0) and set(np.round(np.abs(bias) / 0.01).astype(int)) <= set(range(7))
     assert (run / "metrics/routing.jsonl").read_text().count('"step": 3,') == 2  # redone after the kill
     genuine = audit(run, check_mlflow=False)
     assert genuine.consistent, genuine.render()

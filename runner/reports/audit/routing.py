@@ -31,7 +31,7 @@ def _record_path(inp) -> Path | None:
 
 
 def check_routing(res, inp) -> None:
-    """Add the routing checks of `inp` (runner.reports.audit_input.AuditInput) to `res`."""
+    """Add the routing checks of `inp` (runner.reports.audit.input.AuditInput) to `res`."""
     cfg = inp.config
     if not is_moe(cfg) or cfg.model.moe is None:
         return

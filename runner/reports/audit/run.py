@@ -43,8 +43,8 @@ from runner.reports.audit import evidence as ev
 from runner.reports.audit import tracked as audit_tracked
 from runner.reports.audit.experts import check_expert_load, checkpoint_load_problems
 from runner.reports.audit.input import AuditInput, Replay, verified_state
-from runner.reports.audit.routing import check_routing, checkpoint_bias_problems
 from runner.reports.audit.result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
+from runner.reports.audit.routing import check_routing, checkpoint_bias_problems
 from runner.reports.downstream import targets as downstream_targets
 from runner.runs.folder import is_reportable_run
 from runner.runs.recorded import conventions_of, device_seconds, devices_held, read_manifest_copies
