@@ -96,3 +96,27 @@ def test_glm4_moe_refuses_v4_parts_naming_each_key():
     assert len(line.splitlines()) == 1
     for key in ("model.moe.router", "model.moe.hash_layers", "model.moe.swiglu_limit", "model.qk_norm"):
         assert key in line, line
+
+
+def test_the_deepseek_layers_compile_whole_with_no_host_sync():
+    """Regional compile with fullgraph (maybe_compile's choice for arch olmoe): the hash-routed and the
+    learned layer, shared expert and clip included, trace without a break or a host sync, and compute
+    what the eager model computes."""
+    from test_moe_layer import SyncWatch
+
+    from runner.training.model import maybe_compile
+
+    cfg = _cfg("cpu-tiny-moe-ds", compile=True, compile_scope="regional")
+    torch.manual_seed(0)
+    eager = build_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compile=False)))
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    watch = SyncWatch()
+    torch._dynamo.reset()
+    maybe_compile(model, cfg, backend=watch)
+    ids = torch.randint(0, cfg.tokenizer.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    for m in (model, eager):
+        m(input_ids=ids).logits.square().mean().backward()
+    assert watch.graphs["forward"] >= 1 and watch.graphs["backward"] >= 1 and watch.syncs == []
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
