@@ -169,6 +169,11 @@ def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[i
         k, f_e, n_experts = model.moe.experts_per_token, model.moe.expert_intermediate_size, model.moe.n_experts
         attention += c * h + c * kv
         mlp = norm + c * h + 2 * n_experts * 4 + k * (2 * c * h + 4 * c * f_e)
+        # shared experts (DeepSeek's): gate, silu, up and product of their width, and their output;
+        # dense first layers are estimated as MoE layers (an upper bound when their MLP is smaller)
+        mlp += 4 * c * model.moe.shared_experts * model.moe.shared_intermediate_size + (
+            c * h if model.moe.shared_experts else 0
+        )
     return norm, attention + mlp
 
 
