@@ -22,9 +22,10 @@ from runner.config.load import Experiment, experiment_from_dict, find_project_ro
 from runner.errors import RunnerError
 from runner.export.glm4moe import glm4moe_config, glm4moe_state
 from runner.fsio import read_json
+from runner.runs.checkpoints import dirname, verify
 from runner.runs.folder import is_run_dir
 from runner.runs.runjson import as_record
-from runner.training.checkpoint import Checkpoint, dirname, verify
+from runner.training.checkpoint import Checkpoint
 from runner.training.model import build_model, llama_config, olmoe_config
 from runner.training.moe.deepseek import uses_deepseek_layers
 

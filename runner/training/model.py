@@ -21,10 +21,11 @@ from transformers.models.llama import modeling_llama
 from transformers.models.olmoe import modeling_olmoe
 
 from runner.config.rules import model_vocab_size
-from runner.config.schema import ExperimentSchema
+from runner.config.schema import ExperimentSchema, checkpointing_mode
 from runner.errors import RunnerError
 from runner.training import loss as losses
 from runner.training.accelerator import check_attention_backend
+from runner.training.checkpointing import checkpoint_kwargs
 from runner.training.experts import autocast_experts
 from runner.training.moe.deepseek import install_deepseek_layers, uses_deepseek_layers
 from runner.training.moe.olmoe import install_moe_layers
@@ -208,16 +209,18 @@ def build_model(cfg: ExperimentSchema) -> RunnerLlama | OlmoeForCausalLM:
         llama.cross_entropy = cfg.model.cross_entropy
         apply_kernels(llama, cfg.model.kernels)
         model = llama
-    if cfg.model.activation_checkpointing:
-        enable_activation_checkpointing(model)
+    mode = checkpointing_mode(cfg.model.activation_checkpointing)
+    if mode != "none":
+        enable_activation_checkpointing(model, mode)
     return model
 
 
-def enable_activation_checkpointing(model: Any) -> None:
-    """Recompute each decoder layer's activations in the backward (non-reentrant). transformers
-    5.2x names it `activation_checkpointing_enable` (`gradient_checkpointing_enable` its deprecated
-    alias); 5.17, the GPU image's, has only `gradient_checkpointing_enable`: whichever exists."""
-    kwargs = {"use_reentrant": False}
+def enable_activation_checkpointing(model: Any, mode: str = "full") -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant): all of them
+    (`full`), or all but the matmul and attention outputs (`selective`, runner.training.checkpointing).
+    transformers 5.2x names it `activation_checkpointing_enable` (`gradient_checkpointing_enable`
+    its deprecated alias); 5.17, the GPU image's, has only `gradient_checkpointing_enable`: whichever exists."""
+    kwargs = checkpoint_kwargs(mode)
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)

@@ -233,7 +233,7 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.slow
 def test_a_write_failing_mid_checkpoint_is_one_line_and_the_run_resumes(tmp_path):
     from runner.fsio import sha256_file
-    from runner.training.checkpoint import verify
+    from runner.runs.checkpoints import verify
 
     exp = make_project(tmp_path, steps=8, checkpoint_every=2, keep_last=3)
     reference = tmp_path / "runs" / "ref"

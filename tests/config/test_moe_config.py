@@ -14,6 +14,7 @@ from runner.config.fingerprint import canonical_meaning
 from runner.config.load import load_experiment
 from runner.config.schema import ExperimentSchema, ModelRecipe, from_plain
 from runner.errors import RunnerError
+from runner.planning import assumptions
 from runner.planning.flops import MOE_CONVENTION, convention_for, count_params, flops_per_token, params_of_config
 from runner.planning.hardware import mfu
 from runner.planning.plan import build_plan, format_plan
@@ -149,7 +150,8 @@ def test_h200_moe_counts_and_flops_per_token_by_hand():
     assert flops_per_token(cfg, convention_for(cfg)) == FLOPS_PER_TOKEN == 7_879_274_496
 
 
-def test_h200_moe_plan_takes_compute_from_active_and_memory_from_total_parameters():
+def test_h200_moe_plan_takes_compute_from_active_and_memory_from_total_parameters(monkeypatch):
+    monkeypatch.setattr(assumptions, "MEASURED_MFU", ())  # the assumed path (the measured one: test_plan_assumptions)
     plan = build_plan(_h200_moe(), root=REPO)
     assert plan["convention"]["params_counted"] == "active"
     assert plan["compute"]["flops_per_token"] == FLOPS_PER_TOKEN

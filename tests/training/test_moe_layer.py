@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import OlmoeForCausalLM
 
 from runner.config.load import load_experiment
@@ -269,3 +268,52 @@ def test_a_host_sync_in_the_layer_is_caught(monkeypatch, sync):
         assert watch.syncs, "the sync went unseen"
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_memory_plan_counts_each_checkpointing_mode_as_the_saved_tensor_probe_measures(bf16):
+    """runner.planning.plan.saved_activation_bytes against runner.training.memprobe for the MoE
+    model in none, full and selective (bf16: CPU autocast standing in for the GPU's)."""
+    from runner.config.schema import ExperimentSchema, from_plain
+    from runner.planning.plan import memory_per_device, saved_activation_bytes
+    from runner.training.loss import plain_loss_sum
+    from runner.training.memprobe import saved_bytes
+
+    micro, seq_len = 2, 64
+    plain = {
+        "model": {
+            "arch": "olmoe",
+            "hidden_size": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "intermediate_size": 64,
+            "tie_embeddings": True,
+            "moe": {"n_experts": 8, "experts_per_token": 2, "expert_intermediate_size": 64},
+        },
+        "tokenizer": {"vocab_size": 1000, "eos_id": 0},
+        "train": {"seq_len": seq_len, "micro_batch_sequences": micro, "global_batch_sequences": micro},
+        "hardware": {
+            "accelerator": "cuda" if bf16 else "cpu",
+            "precision": "bf16" if bf16 else "fp32",
+            "memory_gib": 141,
+        },
+    }
+    x, y = torch.randint(0, 1000, (micro, seq_len)), torch.randint(0, 1000, (micro, seq_len))
+    measured = {}
+    for mode in ("none", "full", "selective"):
+        cfg = {**plain, "model": {**plain["model"], "activation_checkpointing": mode}}
+        torch.manual_seed(0)
+        model = build_model(from_plain(ExperimentSchema, {**cfg, "hardware": {"accelerator": "cpu"}}))
+        model.train()
+
+        def forward(model=model):  # the trainer's OLMoE loss: transformers' logits, the runner's plain loss sum
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return plain_loss_sum(model(input_ids=x).logits, y, torch.ones(micro, seq_len, dtype=torch.bool))
+
+        probe = saved_bytes(model, forward)
+        planned = saved_activation_bytes(cfg)["total"]
+        measured[mode] = probe.activations
+        assert abs(planned / probe.activations - 1) <= 0.01, (mode, planned, probe.activations)
+        assert memory_per_device(cfg)["activation_checkpointing_mode"] == mode
+    assert measured["full"] < measured["selective"] < measured["none"]

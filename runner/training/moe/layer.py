@@ -33,6 +33,7 @@ from torch.nn import functional as F
 
 from runner.training.moe.routers import Router
 
+
 def _torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """torch >= 2.10's public name, else 2.9's private one (same kernel); looked up at call time,
     so tests can watch the dtypes it gets."""
@@ -99,11 +100,11 @@ class GroupedExperts(nn.Module):
     """E SwiGLU experts of hidden H and intermediate I as two stacked weights (transformers' OLMoE
     fused layout), run over expert-sorted rows by grouped matmuls."""
 
-    def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int, device=None):
         super().__init__()
         self.n_experts, self.hidden_size, self.intermediate_size = n_experts, hidden_size, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * intermediate_size, hidden_size, device=device))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size, device=device))
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x [S, H] sorted by expert, offsets [E] int32 cumulative counts -> [S, H] in the compute dtype."""

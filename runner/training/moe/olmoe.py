@@ -27,7 +27,7 @@ class RouterLogitsTap(modeling_olmoe.OlmoeTopKRouter):
     def __init__(self) -> None:
         nn.Module.__init__(self)
 
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
 
 
@@ -36,10 +36,11 @@ def runner_moe_block(block: Any, config: Any) -> MoELayer:
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"the runner's experts are SwiGLU; OLMoE config has hidden_act {config.hidden_act!r}")
     n_experts, hidden = block.gate.weight.shape
-    router = SoftmaxTopKRouter(hidden, n_experts, config.num_experts_per_tok, bool(config.norm_topk_prob))
+    # Made on the meta device (no memory): their parameters are replaced by the block's at once.
+    router = SoftmaxTopKRouter(hidden, n_experts, config.num_experts_per_tok, bool(config.norm_topk_prob), "meta")
     router.weight = block.gate.weight
     intermediate = block.experts.down_proj.shape[-1]
-    experts = GroupedExperts(n_experts, hidden, intermediate)
+    experts = GroupedExperts(n_experts, hidden, intermediate, "meta")
     experts.gate_up_proj = block.experts.gate_up_proj
     experts.down_proj = block.experts.down_proj
     return MoELayer(router, experts, logits_tap=RouterLogitsTap())

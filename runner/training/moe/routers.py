@@ -59,10 +59,10 @@ class SoftmaxTopKRouter(Router):
     by their sum (OLMoE-1B-7B's config: false). The weights come back in the logits' dtype (bf16
     under bf16 autocast), as transformers' do."""
 
-    def __init__(self, hidden_size: int, n_experts: int, top_k: int, norm_topk_prob: bool = False):
+    def __init__(self, hidden_size: int, n_experts: int, top_k: int, norm_topk_prob: bool = False, device=None):
         super().__init__(n_experts, top_k)
         self.norm_topk_prob = bool(norm_topk_prob)
-        self.weight = nn.Parameter(torch.zeros(n_experts, hidden_size))
+        self.weight = nn.Parameter(torch.zeros(n_experts, hidden_size, device=device))
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor | None = None) -> RouterOutput:
         logits = F.linear(hidden, self.weight)
