@@ -15,7 +15,7 @@ import pytest
 import torch
 from trainfixtures import launch, make_project
 
-from runner.reports.audit import audit
+from runner.reports.audit.run import audit
 from runner.training.routing_record import read_routing
 
 V4 = {
