@@ -82,6 +82,9 @@ def test_v4_style_run_resumes_bit_identically_audits_and_a_forged_bias_or_load_f
     bias = np.asarray(lines[6]["bias"][1])
     assert np.any(bias != 0) and set(np.round(np.abs(bias) / 0.01).astype(int)) <= set(range(7))
     assert (run / "metrics/routing.jsonl").read_text().count('"step": 3,') == 2  # redone after the kill
+    rows = {r["step"]: r for r in map(json.loads, (run / "metrics/train.jsonl").read_text().splitlines())}
+    load = np.asarray(lines[6]["load"][1])  # the step's per-layer imbalance figure (MLflow's too)
+    assert rows[6]["moe_layer_1_load_imbalance"] == pytest.approx(load.max() / load.mean())
     genuine = audit(run, check_mlflow=False)
     assert genuine.consistent, genuine.render()
     assert {c.name: c.status for c in genuine.checks}[BIAS] == "PASS"

@@ -63,7 +63,7 @@ class RoutingRecord:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         imbalance = balance(load)["imbalance"]
-        return {f"expert_load_imbalance_layer_{i}": float(v) for i, v in enumerate(imbalance)}
+        return {f"moe_layer_{i}_load_imbalance": float(v) for i, v in enumerate(imbalance)}
 
 
 def attach(model: torch.nn.Module, cfg: Any, run_dir: Path, main: bool) -> RoutingRecord | None:
