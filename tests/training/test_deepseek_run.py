@@ -5,8 +5,8 @@ Glm4MoeForCausalLM and loads in transformers alone with the run's logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import shutil
 import signal
 from pathlib import Path
 
@@ -15,7 +15,9 @@ import pytest
 import torch
 from trainfixtures import launch, make_project
 
-from runner.reports.audit.run import audit
+from runner.reports.audit.result import AuditResult
+from runner.reports.audit.routing import check_routing
+from runner.reports.audit.run import audit, load_input
 from runner.training.routing_record import read_routing
 
 V4 = {
@@ -61,12 +63,12 @@ SUMS = "routing record: step loads sum to the expert load table"
 
 
 def _lines(run: Path) -> dict[int, dict]:
-    return read_routing(run, 6)
+    return read_routing(run, 4)
 
 
 @pytest.mark.slow
 def test_v4_style_run_resumes_bit_identically_audits_and_a_forged_bias_or_load_fails(tmp_path):
-    exp = make_project(tmp_path, steps=6, checkpoint_every=2, keep_last=2, model_extra=V4)
+    exp = make_project(tmp_path, steps=4, checkpoint_every=2, keep_last=2, eval_every=4, model_extra=V4)
     ref = tmp_path / "runs" / "ref"
     launch(tmp_path, exp, "--run-dir", ref, "--no-tracking")
     run = tmp_path / "runs" / "k"
@@ -74,40 +76,49 @@ def test_v4_style_run_resumes_bit_identically_audits_and_a_forged_bias_or_load_f
     assert killed.returncode == -signal.SIGKILL
     launch(tmp_path, run, "--no-tracking")
     # The bias is a buffer of the model: checkpointed, restored, and the weights are the same bytes.
-    weights = [(r / "checkpoints/step-0000006/model.safetensors").read_bytes() for r in (run, ref)]
+    weights = [(r / "checkpoints/step-0000004/model.safetensors").read_bytes() for r in (run, ref)]
     assert weights[0] == weights[1]
     lines, ref_lines = _lines(run), _lines(ref)
-    assert lines == ref_lines and sorted(lines) == list(range(1, 7))
-    assert lines[6]["bias"][0] is None  # layer 0 is hash-routed: no bias
-    bias = np.asarray(lines[6]["bias"][1])
-    assert np.any(bias != 0) and set(np.round(np.abs(bias) / 0.01).astype(int)) <= set(range(7))
+    assert lines == ref_lines and sorted(lines) == list(range(1, 5))
+    assert lines[4]["bias"][0] is None  # layer 0 is hash-routed: no bias
+    bias = np.asarray(lines[4]["bias"][1])
+    assert np.any(bias != 0) and set(np.round(np.abs(bias) / 0.01).astype(int)) <= set(range(5))
     assert (run / "metrics/routing.jsonl").read_text().count('"step": 3,') == 2  # redone after the kill
     rows = {r["step"]: r for r in map(json.loads, (run / "metrics/train.jsonl").read_text().splitlines())}
-    load = np.asarray(lines[6]["load"][1])  # the step's per-layer imbalance figure (MLflow's too)
-    assert rows[6]["moe_layer_1_load_imbalance"] == pytest.approx(load.max() / load.mean())
+    load = np.asarray(lines[4]["load"][1])  # the step's per-layer imbalance figure (MLflow's too)
+    assert rows[4]["moe_layer_1_load_imbalance"] == pytest.approx(load.max() / load.mean())
     genuine = audit(run, check_mlflow=False)
     assert genuine.consistent, genuine.render()
     assert {c.name: c.status for c in genuine.checks}[BIAS] == "PASS"
 
-    forged = tmp_path / "forged-bias"
-    shutil.copytree(run, forged)
-    text = (forged / "metrics/routing.jsonl").read_text().splitlines()
-    row = json.loads(text[-1])
-    row["bias"][1][0] += 0.01  # one expert of the last step a little more favoured
-    (forged / "metrics/routing.jsonl").write_text("\n".join(text[:-1] + [json.dumps(row)]) + "\n")
-    result = audit(forged, check_mlflow=False)
-    assert BIAS in result.failed() and "step 6 layer 1" in next(c for c in result.checks if c.name == BIAS).detail
+    # Forgeries of metrics/routing.jsonl, each judged by the routing checks on the genuine report.
+    inp = load_input(run)
 
-    forged = tmp_path / "forged-load"
-    shutil.copytree(run, forged)
-    text = (forged / "metrics/routing.jsonl").read_text().splitlines()
-    row = json.loads(text[3])
-    row["load"][1][0] += 8  # moved between experts: the step's sum holds
-    row["load"][1][1] -= 8
-    text[3] = json.dumps(row)
-    (forged / "metrics/routing.jsonl").write_text("\n".join(text) + "\n")
-    result = audit(forged, check_mlflow=False)
-    assert SUMS in result.failed(), result.render()
+    def routing_checks(edit) -> AuditResult:
+        forged = tmp_path / f"forged-{len(list(tmp_path.glob('forged-*')))}"
+        (forged / "metrics").mkdir(parents=True)
+        text = (run / "metrics/routing.jsonl").read_text().splitlines()
+        edit(text)
+        (forged / "metrics/routing.jsonl").write_text("\n".join(text) + "\n")
+        res = AuditResult(str(forged))
+        check_routing(res, dataclasses.replace(inp, run_dir=forged, report_dir=None))
+        return res
+
+    def favour_one_expert(text: list[str]) -> None:  # the last step's bias, one expert a little higher
+        row = json.loads(text[-1])
+        row["bias"][1][0] += 0.01
+        text[-1] = json.dumps(row)
+
+    def move_load(text: list[str]) -> None:  # the last step's load moved between experts: its sum holds
+        row = json.loads(text[-1])
+        row["load"][1][0] += 8
+        row["load"][1][1] -= 8
+        text[-1] = json.dumps(row)
+
+    assert routing_checks(lambda text: None).failed() == []
+    result = routing_checks(favour_one_expert)
+    assert result.failed() == [BIAS] and "step 4 layer 1" in result.checks[-1].detail
+    assert SUMS in routing_checks(move_load).failed()
 
 
 @pytest.mark.slow
