@@ -75,7 +75,7 @@ def plan_and_probe(device: torch.device, loss: str, accelerator: str, autocast_d
     return saved_activation_bytes(cfg)["total"], probe
 
 
-def staging_scenario(device: torch.device) -> dict[str, Any]:
+def staging_scenario(device: torch.device, b: int = MICRO, s: int = SEQ) -> dict[str, Any]:
     """The pinned checkpoint copy as the loop takes it (runner.training.staging.PinnedStaging): a tiny
     model trained one step on `device`, its state staged (prefilled buffers), the next optimizer step
     ordered after the copies, staged again. Returns what the tests check: the staged values against the
@@ -92,14 +92,14 @@ def staging_scenario(device: torch.device) -> dict[str, Any]:
         prefill = staging.prefill(list(model.parameters()))
         prefill.join()
         after_prefill = staging.allocated_bytes
-        b = batch(device)
-        loss_grads(model, b, None)
+        data = batch(device, b=b, s=s)
+        loss_grads(model, data, None)
         opt.step()
         at_checkpoint = {n: p.detach().clone() for n, p in model.named_parameters()}
         if staged:
             model_state, optim_state = gather_full_state(model, opt, to_host=False)
             first = staging.stage(model_state, optim_state, training_tensors(model, opt))
-            loss_grads(model, b, None)
+            loss_grads(model, data, None)
             staging.before_optimizer_step()
             opt.step()  # changes the parameters in place: the staged copy must not see it
             first.ready()
@@ -120,7 +120,7 @@ def staging_scenario(device: torch.device) -> dict[str, Any]:
             )
             out["staged_params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
         else:
-            loss_grads(model, b, None)
+            loss_grads(model, data, None)
             opt.step()
             out["reference_params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return out

@@ -831,7 +831,7 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
     _row(out, f"  of which the loss's peak ({mem['cross_entropy']})", _gib(mem["head_transient_bytes"]))
     _row(out, "activations (checkpointing)", _gib(mem["activation_bytes_checkpointed"]))
     if "activation_bytes_selective" in mem:
-        _row(out, "activations (selective checkpointing)", _gib(mem["activation_bytes_selective"]))
+        _row(out, "activations (selective ckpt)", _gib(mem["activation_bytes_selective"]))
     _row(out, "total (as configured)", _gib(mem["total_bytes"]), note=f"of {_gib(mem['capacity_bytes'])}")
     verdict = "fits"
     if not mem["fits"]:

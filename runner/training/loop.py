@@ -410,7 +410,9 @@ def _save(run: Attempt, step: int, wait_for_data: bool = True) -> None:
     started = time.perf_counter()
     run.checkpointer.writes.wait()
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
-    model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer, to_host=run.staging is None)
+    # every rank the same options (rank 0 stages in pinned buffers; the others hold references, no copy)
+    staged_run = run.acc.device.type == "cuda" and run.cfg.hardware.distributed != "fsdp"
+    model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer, to_host=not staged_run)
     if run.main:
         live = training_tensors(run.raw_model, run.inner_optimizer)
         if run.staging is not None:  # copies enqueued into pinned buffers; the writer waits for them

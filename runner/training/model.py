@@ -271,11 +271,11 @@ def maybe_compile(model: torch.nn.Module, cfg: ExperimentSchema, *, backend: Any
         # A MoE layer (the runner's, runner.training.moe) traces as one graph: fullgraph, so a graph
         # break is an error, not a silent split around an uncompiled piece.
         fullgraph = cfg.model.arch == "olmoe"
-        if fullgraph:
-            # Under activation checkpointing the layer's forward is traced inside the checkpoint
-            # operator, where a write to an outer object (the router probe's, transformers' kernel
-            # hub context) would have to be replayed by the recomputation: it must not be (the
-            # probe is disarmed by then), as eager checkpointing does not count it either.
+        # Under activation checkpointing the layer's forward is traced inside the checkpoint
+        # operator, where a write to an outer object (the router probe's, transformers' kernel
+        # hub context) would have to be replayed by the recomputation: it must not be (the
+        # probe is disarmed by then), as eager checkpointing does not count it either.
+        if fullgraph and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
             torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         for layer in inner.model.layers:
             layer.compile(fullgraph=fullgraph, **options)

@@ -3,6 +3,7 @@ written (issue 12, item 6). Each attack of the issue is reproduced here, plus a 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -269,11 +270,16 @@ def test_no_space_left_is_said_as_such(tmp_path, monkeypatch):
 
     import runner.training.checkpoint as ck
 
-    def disk_full(tensors, filename, *args, **kwargs):
+    def disk_full(tensors, filename, *args, **kwargs):  # safetensors' writer
         Path(filename).write_bytes(b"partial")
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
+    def disk_full_hashed(tensors, path, *args, **kwargs):  # the runner's one-pass writer: Python's OSError
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(ck, "save_file", disk_full)
+    monkeypatch.setattr(ck, "save_safetensors_hashed", disk_full_hashed)
     with pytest.raises(RunnerError) as err:
         ck.Checkpointer(tmp_path, 1, 0, 1).save(1, {"w": torch.zeros(2)}, {"state": {}, "param_groups": []}, {}, {})
     assert str(err.value).endswith(
@@ -534,3 +540,26 @@ def test_fuzzed_fetch_records_exit_0_or_2_without_traceback(project, tmp_path, c
                 assert len(lines) == 1 and lines[0].startswith("error: "), (argv, doc, err)
 
     records()
+
+
+def test_a_key_set_twice_is_refused_naming_the_file_key_and_both_lines(project, capsys, monkeypatch, tmp_path):
+    """Issue 37 item 7: YAML keeps the last of two equal keys silently (`seed: 1` then `seed: 2`
+    trained with seed 2); a recipe, an experiment and a claims file refuse it in one line."""
+    monkeypatch.chdir(project)
+    path = experiment(project, "twice", "seed: 1\nseed: 2\n")
+    line = one_error(*run_cli(capsys, "validate", path)[::2])
+    assert line == (
+        "error: experiments/twice.yaml: seed: duplicate key: lines 5 and 6 both set it (YAML keeps the last "
+        "silently): keep one"
+    ), line
+    recipe = project / "recipes/optim/adamw-tiny.yaml"
+    recipe.write_text(recipe.read_text().replace("grad_clip: 1.0\n", "grad_clip: 1.0\nbetas: [0.9, 0.99]\n"))
+    line = one_error(*run_cli(capsys, "validate", project / "experiments/cpu-tiny.yaml")[::2])
+    assert line.startswith("error: recipes/optim/adamw-tiny.yaml: betas: duplicate key: lines 6 and 9 "), line
+    nested = experiment(project, "nested", "train:\n  seq_len: 128\n  seq_len: 64\n")
+    line = one_error(*run_cli(capsys, "validate", nested)[::2])
+    assert "experiments/nested.yaml: train.seq_len: duplicate key: lines 6 and 7" in line, line
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n  - name: a\n    model_params: 1.0e+9\n    model_params: 2.0e+9\n")
+    line = one_error(*run_cli(capsys, "audit-claims", claims)[::2])
+    assert "error: claims.yaml: claims[0].model_params: duplicate key: lines 3 and 4" in line, line

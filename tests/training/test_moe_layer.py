@@ -317,3 +317,22 @@ def test_the_memory_plan_counts_each_checkpointing_mode_as_the_saved_tensor_prob
         assert abs(planned / probe.activations - 1) <= 0.01, (mode, planned, probe.activations)
         assert memory_per_device(cfg)["activation_checkpointing_mode"] == mode
     assert measured["full"] < measured["selective"] < measured["none"]
+
+
+def test_activation_checkpointing_modes_load_validate_and_keep_true_and_false_fingerprints(tmp_path):
+    from trainfixtures import make_project
+
+    from runner.config.fingerprint import fingerprint
+    from runner.errors import RunnerError
+
+    prints = {}
+    for value in (True, "full", False, "none", "selective"):
+        exp = load_experiment(make_project(tmp_path / str(value), model_extra={"activation_checkpointing": value}))
+        assert exp.config.model.activation_checkpointing == value  # recorded as written
+        prints[value] = fingerprint(exp.config)
+    assert prints[True] == prints["full"] and prints[False] == prints["none"]
+    assert len({prints[True], prints[False], prints["selective"]}) == 3
+    with pytest.raises(
+        RunnerError, match="m.yaml: activation_checkpointing: 'partial' is not one of true, false, full"
+    ):
+        load_experiment(make_project(tmp_path / "bad", model_extra={"activation_checkpointing": "partial"}))

@@ -14,7 +14,7 @@ from runner.training.staging import PinnedStaging, save_safetensors_hashed
 
 
 def test_staging_copies_the_checkpoint_state_reuses_its_buffers_and_never_changes_training():
-    out = staging_scenario(torch.device("cpu"))
+    out = staging_scenario(torch.device("cpu"), b=1, s=32)  # the GPU test's code at a CPU's size
     assert out["staged_equal"] and out["second_equal"] and out["reused"]
     assert out["fresh"][1] == 0  # the second checkpoint allocated nothing
     for name, ref in out["reference_params"].items():  # training with staging = training without

@@ -19,8 +19,11 @@ from transformers.models.olmoe import modeling_olmoe
 from runner.training.moe.layer import GroupedExperts, MoELayer
 from runner.training.moe.routers import SoftmaxTopKRouter
 
+# transformers >= 5 records its OlmoeTopKRouter's outputs; a version without it records nothing here.
+_RECORDED_ROUTER: type[nn.Module] = getattr(modeling_olmoe, "OlmoeTopKRouter", nn.Module)
 
-class RouterLogitsTap(modeling_olmoe.OlmoeTopKRouter):
+
+class RouterLogitsTap(_RECORDED_ROUTER):  # type: ignore[misc,valid-type]
     """Returns the router logits it is given. An OlmoeTopKRouter by class only (no weight): what
     transformers' output recorder hooks to collect `router_logits`."""
 
