@@ -6,8 +6,8 @@ every stage reads by attribute: `cfg.train.seq_len`), the allowed choices (`Lite
 keys left out of the fingerprint, and each section's `validate` (ranges, divisibility, formats)
 next to its fields. Never reads files (runner.config.load does) and never judges values across
 sections or against other modules' tables (runner.config.rules does).
-Imports nothing but the standard library and runner.errors, so a script with only torch can build
-these objects (bench/gpu_bench.py).
+Imports nothing but the standard library, runner.errors and runner.config.moe_rules (which imports
+the same), so a script with only torch can build these objects (bench/gpu_bench.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from runner.config.moe_rules import validate_deepseek_keys, validate_moe_layers
 from runner.errors import Problems, join_key
 
 #: OmegaConf's marker of a value a recipe or experiment must give (no default)
@@ -75,6 +76,9 @@ CrossEntropy = Literal["plain", "chunked", "liger"]
 CheckpointWrite = Literal["background", "foreground"]
 MicroBatchPolicy = Literal["fixed", "auto"]
 RepoType = Literal["model", "dataset"]
+MoeRouter = Literal["softmax", "sigmoid", "sqrt_softplus"]
+MoeBalancing = Literal["aux_loss", "aux_free"]
+QkNorm = Literal["full", "per_head", "none"]
 
 #: model.activation_checkpointing's modes; true means full and false none (the same fingerprint)
 AC_MODES = ("full", "selective", "none")
@@ -263,6 +267,26 @@ class MoeSection(Section):
     expert_intermediate_size: int = MISSING  #: hidden size of each expert's SwiGLU MLP
     router_aux_loss_coef: float = 0.01  #: load-balancing loss weight (Switch: E * sum_e f_e P_e; 1.0 = balanced)
     router_z_loss_coef: float = 0.001  #: router z-loss weight (ST-MoE: mean squared log-sum-exp of router logits)
+    # DeepSeek-style keys (runner.config.moe_rules checks how they combine); each is left out of the
+    # fingerprint at its default (OMITTED_AT_DEFAULT), so OLMoE experiments keep theirs.
+    router: MoeRouter = "softmax"  #: score of an expert: softmax (OLMoE) | sigmoid (DeepSeek-V3) | sqrt_softplus (V4)
+    #: aux_loss (router_aux_loss_coef) | aux_free (DeepSeek-V3: a per-expert bias steers the top-k choice only)
+    balancing: MoeBalancing = "aux_loss"
+    bias_update_rate: float = 0.001  #: aux_free: b_i += rate * sign(mean load - load_i) once per optimizer step
+    sequence_aux_loss_coef: float = 0.0  #: DeepSeek-V3's sequence-wise balance loss weight (0 = none)
+    shared_experts: int = 0  #: experts every position passes through besides its k routed ones
+    shared_expert_intermediate_size: int | None = None  #: width of each shared expert (null = expert_intermediate_size)
+    routed_scaling_factor: float = 1.0  #: the routed experts' gate weights are multiplied by this
+    norm_topk_prob: bool = False  #: gate weights of the k chosen experts renormalised to sum to 1 (OLMoE: false)
+    first_dense_layers: int = 0  #: the first N layers have a dense SwiGLU MLP of model.intermediate_size
+    hash_layers: int = 0  #: the first N MoE layers route by a fixed token id -> k experts table (DeepSeek-V4)
+    swiglu_limit: float | None = None  #: DeepSeek-V4's clip of the experts' gate (max) and up (+-) (null = none)
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Width of one shared expert."""
+        size = self.shared_expert_intermediate_size
+        return self.expert_intermediate_size if size is None else size
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         _at_least_one(problems, file, prefix, self, ("n_experts", "experts_per_token", "expert_intermediate_size"))
@@ -272,10 +296,11 @@ class MoeSection(Section):
                 join_key(prefix, "experts_per_token"),
                 f"{self.experts_per_token} experts per token but only {self.n_experts} experts",
             )
-        for k in ("router_aux_loss_coef", "router_z_loss_coef"):
+        for k in ("router_aux_loss_coef", "router_z_loss_coef", "sequence_aux_loss_coef"):
             value = getattr(self, k)
             if not (value >= 0 and math.isfinite(value)):
                 problems.add(file, join_key(prefix, k), f"must be a finite number >= 0, got {value}")
+        validate_deepseek_keys(self, problems, file, prefix)
 
 
 @dataclass(frozen=True)
@@ -305,6 +330,8 @@ class ModelRecipe(Recipe):
     #: LM head + loss: plain (fp32 logits [batch, seq, vocab]) | chunked (the runner's: head and loss per chunk of tokens, full logits never exist) | liger (Liger's fused linear cross-entropy; CUDA/ROCm only)
     cross_entropy: CrossEntropy = "plain"
     moe: MoeSection | None = None  #: arch olmoe: experts, k, expert size, router loss weights; null = dense
+    #: arch olmoe: RMSNorm of q and k over all heads (full: OLMoE's), per head (per_head: GLM-4.5's) or none (null = full)
+    qk_norm: QkNorm | None = None
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
@@ -350,6 +377,8 @@ class ModelRecipe(Recipe):
         """A mixture-of-experts model (arch olmoe) has a `moe` section that makes sense; a dense one has none."""
         key = join_key(prefix, "moe")
         if self.arch != "olmoe":
+            if self.qk_norm is not None:
+                problems.add(file, join_key(prefix, "qk_norm"), f"only arch olmoe has q/k norms, not {self.arch}")
             if self.moe is not None:
                 problems.add(file, key, f"only a mixture-of-experts arch (olmoe) has experts, not {self.arch}")
             return
@@ -359,16 +388,18 @@ class ModelRecipe(Recipe):
             )
             return
         self.moe.validate(problems, file, key)
+        validate_moe_layers(self, problems, file, prefix)
         for k, plain in (("kernels", "none"), ("cross_entropy", "plain")):
             if getattr(self, k) != plain:
                 problems.add(file, join_key(prefix, k), f"arch olmoe runs transformers' OLMoE: {k} {plain} only")
-        if self.intermediate_size != self.moe.expert_intermediate_size:
+        if self.moe.first_dense_layers == 0 and self.intermediate_size != self.moe.expert_intermediate_size:
             problems.add(
                 file,
                 join_key(prefix, "intermediate_size"),
                 f"olmoe has no dense MLP: its MLPs are the experts, so intermediate_size ({self.intermediate_size}) "
                 f"must equal moe.expert_intermediate_size ({self.moe.expert_intermediate_size}); "
-                "write intermediate_size: ${model.moe.expert_intermediate_size}",
+                "write intermediate_size: ${model.moe.expert_intermediate_size} (or give the first layers a dense MLP "
+                "of their own with moe.first_dense_layers)",
             )
 
 
@@ -910,6 +941,18 @@ OMITTED_AT_DEFAULT = {
     "model.kernels": "none",
     "model.cross_entropy": "plain",
     "train.micro_batch_policy": "fixed",
+    "model.qk_norm": None,
+    "model.moe.router": "softmax",
+    "model.moe.balancing": "aux_loss",
+    "model.moe.bias_update_rate": 0.001,
+    "model.moe.sequence_aux_loss_coef": 0.0,
+    "model.moe.shared_experts": 0,
+    "model.moe.shared_expert_intermediate_size": None,
+    "model.moe.routed_scaling_factor": 1.0,
+    "model.moe.norm_topk_prob": False,
+    "model.moe.first_dense_layers": 0,
+    "model.moe.hash_layers": 0,
+    "model.moe.swiglu_limit": None,
 }
 LABEL_KEYS = ("name", "version", "description")
 

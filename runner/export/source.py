@@ -16,16 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM, OlmoeForCausalLM, PretrainedConfig
+from transformers import Glm4MoeForCausalLM, LlamaForCausalLM, OlmoeForCausalLM, PretrainedConfig
 
 from runner.config.load import Experiment, experiment_from_dict, find_project_root
 from runner.errors import RunnerError
+from runner.export.glm4moe import glm4moe_config, glm4moe_state
 from runner.fsio import read_json
 from runner.runs.checkpoints import dirname, verify
 from runner.runs.folder import is_run_dir
 from runner.runs.runjson import as_record
 from runner.training.checkpoint import Checkpoint
 from runner.training.model import build_model, llama_config, olmoe_config
+from runner.training.moe.deepseek import uses_deepseek_layers
 
 #: how a refusal ends, per command that opens a checkpoint (`runner export`, `runner sample`)
 REFUSING = {"export": "refusing to export it", "sample": "refusing to sample from it"}
@@ -117,8 +119,13 @@ def hf_config(src: Source) -> PretrainedConfig:
     """transformers' config of the run's model: every value training used, plus what a reader of
     the folder needs (the EOS as pad, a KV cache for generation)."""
     cfg = _cpu_config(src.exp)
-    config = copy.deepcopy(olmoe_config(cfg) if cfg.model.arch == "olmoe" else llama_config(cfg))
-    config.architectures = ["OlmoeForCausalLM" if cfg.model.arch == "olmoe" else "LlamaForCausalLM"]
+    config: PretrainedConfig
+    if uses_deepseek_layers(cfg):  # DeepSeek-V3 style: Glm4Moe, or refused naming the keys
+        config, name = glm4moe_config(cfg), "Glm4MoeForCausalLM"
+    else:
+        config = copy.deepcopy(olmoe_config(cfg) if cfg.model.arch == "olmoe" else llama_config(cfg))
+        name = "OlmoeForCausalLM" if cfg.model.arch == "olmoe" else "LlamaForCausalLM"
+    config.architectures = [name]
     config.bos_token_id = bos_id(src.exp)
     config.eos_token_id = cfg.tokenizer.eos_id
     config.pad_token_id = cfg.tokenizer.eos_id  # packed training has no padding; batched generation needs an id
@@ -132,10 +139,15 @@ def bos_id(exp: Experiment) -> int | None:
     return int(value) if value is not None else None
 
 
-def export_model(src: Source, dtype: torch.dtype) -> LlamaForCausalLM | OlmoeForCausalLM:
+def export_model(src: Source, dtype: torch.dtype) -> LlamaForCausalLM | OlmoeForCausalLM | Glm4MoeForCausalLM:
     """transformers' plain class with the checkpoint's weights (ties restored), cast to `dtype`."""
     config = hf_config(src)
-    cls = OlmoeForCausalLM if src.exp.config.model.arch == "olmoe" else LlamaForCausalLM
-    model = cls._from_config(config, dtype=torch.float32)
-    model.load_state_dict(src.checkpoint.model_state(), strict=True)
+    state = src.checkpoint.model_state()
+    if config.architectures == ["Glm4MoeForCausalLM"]:
+        model = Glm4MoeForCausalLM._from_config(config, dtype=torch.float32)
+        state = glm4moe_state(state, model)
+    else:
+        cls = OlmoeForCausalLM if src.exp.config.model.arch == "olmoe" else LlamaForCausalLM
+        model = cls._from_config(config, dtype=torch.float32)
+    model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()

@@ -117,10 +117,13 @@ class LayerParams:
 
 @dataclass(frozen=True)
 class MoeLayerParams:
-    """Parameters of one OLMoE decoder layer, by block: attention with q/k RMSNorm, a linear router
-    (hidden -> experts) and `n_experts` SwiGLU experts, of which a token passes through `k`.
-    OLMoE has no shared experts: a token's active parameters are attention, router, its k experts
-    and the norms (SPEC, "Mixture-of-experts")."""
+    """Parameters of one OLMoE-style decoder layer, by block: attention with q/k RMSNorm (over all
+    heads, per head or none: model.qk_norm), a linear router (hidden -> experts) and `n_experts`
+    SwiGLU experts, of which a token passes through `k`, plus the shared experts every token passes
+    through (`shared`, DeepSeek's). A dense layer of such a model (moe.first_dense_layers) has no
+    router and no expert: its whole SwiGLU MLP (`dense_mlp`) is active. A token's active parameters
+    are attention, router, its k experts, the shared experts, a dense MLP and the norms (SPEC,
+    "Mixture-of-experts"); a hash-routed layer counts k experts like a learned one."""
 
     q_proj: int
     k_proj: int
@@ -134,6 +137,8 @@ class MoeLayerParams:
     experts_per_token: int
     input_norm: int
     post_attention_norm: int
+    shared: int = 0  # the shared experts' gate, up and down projections, all of them
+    dense_mlp: int = 0  # a dense layer's SwiGLU MLP (then n_experts = k = router = 0)
 
     @property
     def attention(self) -> int:
@@ -141,13 +146,13 @@ class MoeLayerParams:
 
     @property
     def mlp(self) -> int:
-        """Every expert: what the layer holds in memory."""
-        return self.n_experts * self.expert
+        """Every expert (and shared expert, or the dense MLP): what the layer holds in memory."""
+        return self.n_experts * self.expert + self.shared + self.dense_mlp
 
     @property
     def mlp_active(self) -> int:
-        """The k experts one token is routed to."""
-        return self.experts_per_token * self.expert
+        """The k experts one token is routed to, the shared experts, or the dense MLP."""
+        return self.experts_per_token * self.expert + self.shared + self.dense_mlp
 
     @property
     def norms(self) -> int:
@@ -163,6 +168,9 @@ class MoeLayerParams:
 
     def to_dict(self) -> dict[str, int]:
         d = asdict(self)
+        for key in ("shared", "dense_mlp"):  # OLMoE's layers have neither: their records stay as they were
+            if not d[key]:
+                del d[key]
         d.update(
             attention=self.attention,
             mlp=self.mlp,
@@ -188,10 +196,16 @@ class ParamCounts:
     n_layers: int
     layer: LayerParams | MoeLayerParams
     tie_embeddings: bool
+    n_dense_layers: int = 0  # moe.first_dense_layers: the first layers are `dense_layer`, the rest `layer`
+    dense_layer: MoeLayerParams | None = None
 
     @property
     def layers(self) -> int:
-        return self.n_layers * self.layer.total
+        return self._over_layers(lambda layer: layer.total)
+
+    def _over_layers(self, size) -> int:
+        dense = size(self.dense_layer) * self.n_dense_layers if self.dense_layer is not None else 0
+        return (self.n_layers - self.n_dense_layers) * size(self.layer) + dense
 
     @property
     def moe(self) -> bool:
@@ -200,7 +214,7 @@ class ParamCounts:
     @property
     def active(self) -> int:
         if isinstance(self.layer, MoeLayerParams):
-            return self.n_layers * self.layer.active + self.final_norm + self.lm_head
+            return self._over_layers(lambda layer: layer.active) + self.final_norm + self.lm_head
         return self.non_embedding
 
     def get(self, params_counted: str) -> int:
@@ -225,6 +239,11 @@ class ParamCounts:
             "per_layer": self.layer.to_dict(),
             "tie_embeddings": self.tie_embeddings,
             "moe": self.moe,
+            **(
+                {"n_dense_layers": self.n_dense_layers, "dense_layer": self.dense_layer.to_dict()}
+                if self.dense_layer is not None and self.n_dense_layers
+                else {}
+            ),
         }
 
 
@@ -251,8 +270,21 @@ def count_params(model: ModelRecipe, vocab_size: int) -> ParamCounts:
     head_dim = d_model // n_heads
     kv_dim = n_kv_heads * head_dim
     layer: LayerParams | MoeLayerParams
+    dense_layer: MoeLayerParams | None = None
+    n_dense = 0
     if model.arch == "olmoe":
         layer = _moe_layer(model, d_model, n_heads * head_dim, kv_dim)
+        assert model.moe is not None  # _moe_layer refused a model without one
+        n_dense = model.moe.first_dense_layers
+        if n_dense:
+            if not 0 < n_dense < n_layers:
+                raise RunnerError(
+                    f"{n_dense} dense first layers leave no mixture-of-experts layer of n_layers {n_layers}",
+                    key="model.moe.first_dense_layers",
+                )
+            dense_layer = replace(
+                layer, router=0, expert=0, n_experts=0, experts_per_token=0, shared=0, dense_mlp=3 * d_model * d_ff
+            )
     else:
         layer = LayerParams(
             q_proj=d_model * n_heads * head_dim,
@@ -268,7 +300,7 @@ def count_params(model: ModelRecipe, vocab_size: int) -> ParamCounts:
     tied = model.tie_embeddings
     embedding = vocab_size * d_model
     lm_head = vocab_size * d_model
-    body = n_layers * layer.total + d_model
+    body = (n_layers - n_dense) * layer.total + (n_dense * dense_layer.total if dense_layer else 0) + d_model
     total = embedding + body + (0 if tied else lm_head)
     # Non-embedding: the input lookup is excluded, the head (a matmul) counted even when tied.
     non_embedding = body + lm_head
@@ -281,6 +313,8 @@ def count_params(model: ModelRecipe, vocab_size: int) -> ParamCounts:
         n_layers=n_layers,
         layer=layer,
         tie_embeddings=tied,
+        n_dense_layers=n_dense,
+        dense_layer=dense_layer,
     )
 
 
@@ -298,19 +332,26 @@ def _moe_layer(model: ModelRecipe, d_model: int, q_dim: int, kv_dim: int) -> Moe
     d_expert = _positive(moe.expert_intermediate_size, "model.moe.expert_intermediate_size")
     if k > n_experts:
         raise RunnerError(f"{k} experts per token but only {n_experts} experts", key="model.moe.experts_per_token")
+    head_dim = q_dim // model.n_heads
+    # OLMoE normalises q and k over all heads at once; GLM-4.5 per head (one head_dim gain each)
+    q_norm, k_norm = {"full": (q_dim, kv_dim), "per_head": (head_dim, head_dim), "none": (0, 0)}[
+        model.qk_norm or "full"
+    ]
+    shared = moe.shared_experts * 3 * d_model * moe.shared_intermediate_size
     return MoeLayerParams(
         q_proj=d_model * q_dim,
         k_proj=d_model * kv_dim,
         v_proj=d_model * kv_dim,
         o_proj=q_dim * d_model,
-        q_norm=q_dim,  # OLMoE normalises q and k over all heads at once
-        k_norm=kv_dim,
+        q_norm=q_norm,
+        k_norm=k_norm,
         router=d_model * n_experts,
         expert=3 * d_model * d_expert,  # SwiGLU: gate and up (hidden -> expert), down (expert -> hidden)
         n_experts=n_experts,
         experts_per_token=k,
         input_norm=d_model,
         post_attention_norm=d_model,
+        shared=shared,
     )
 
 

@@ -195,6 +195,11 @@ def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[i
         k, f_e, n_experts = model.moe.experts_per_token, model.moe.expert_intermediate_size, model.moe.n_experts
         attention += c * h + c * kv + 4 * h + 4 * kv + 8  # q/k norms: inputs, fp32 products, rsqrt
         mlp = norm + c * h + 4 * n_experts + 28 * k + k * (2 * c * h + 4 * c * f_e + 4 * h)
+        # shared experts (DeepSeek's; estimated, not probed): gate, up, silu and product of their width,
+        # and their output; dense first layers are estimated as MoE layers (an upper bound when smaller)
+        mlp += 4 * c * model.moe.shared_experts * model.moe.shared_intermediate_size + (
+            c * h if model.moe.shared_experts else 0
+        )
     return norm, attention + mlp
 
 
@@ -759,8 +764,12 @@ def _format_model_and_compute(plan: Mapping[str, Any], out: list[str]) -> None:
             out,
             "per layer experts: all (k active)",
             f"{layer['mlp']:,} ({layer['mlp_active']:,})",
-            note=f"{layer['n_experts']} experts x {layer['expert']:,}, k = {layer['experts_per_token']}",
+            note=f"{layer['n_experts']} experts x {layer['expert']:,}, k = {layer['experts_per_token']}"
+            + (f", shared {layer['shared']:,}" if layer.get("shared") else ""),
         )
+        if p.get("dense_layer"):
+            dense = p["dense_layer"]
+            _row(out, "dense first layers (each)", f"{dense['total']:,}", note=f"{p['n_dense_layers']} x, all active")
     else:
         _row(out, "per layer (attn / mlp / norms)", f"{layer['attention']:,} / {layer['mlp']:,} / {layer['norms']:,}")
     out.append("compute")

@@ -172,6 +172,7 @@ def markdown(
         f"- Parameters: {params['all']:,} in total (memory, checkpoints), {params['active']:,} active per token "
         "(attention, router, k experts, norms, head: FLOPs and MFU).",
         "- Every position is routed (no drops): per layer and domain the loads sum to exposure x k.",
+        *_deepseek_lines(cfg),
     ]
     if worst is not None:
         lines.append(
@@ -198,4 +199,41 @@ def markdown(
         "  `idle_capacity` = 1 - mean / max: the share of expert capacity, sized for the busiest expert, left idle.",
         "",
     ]
+    return lines
+
+
+def _deepseek_lines(cfg: ExperimentSchema) -> list[str]:
+    """What the report says of DeepSeek-style routing ([] for an OLMoE recipe at its defaults)."""
+    moe = cfg.model.moe
+    assert moe is not None
+    lines = []
+    if moe.router != "softmax" or moe.balancing != "aux_loss":
+        balancing = (
+            f"auxiliary-loss-free: a per-expert bias on the top-k choice only, b += {moe.bias_update_rate} x "
+            "sign(mean load - load) once per optimizer step; its value after every step is in "
+            "metrics/routing.jsonl, which the audit replays from the recorded step loads"
+            if moe.balancing == "aux_free"
+            else "by the auxiliary loss"
+        )
+        lines.append(
+            f"- Routing: {moe.router} scores"
+            + (", top-k renormalised" if moe.norm_topk_prob else "")
+            + (f", routed output x {moe.routed_scaling_factor}" if moe.routed_scaling_factor != 1.0 else "")
+            + f"; balancing {balancing}."
+        )
+    if moe.shared_experts:
+        lines.append(
+            f"- {moe.shared_experts} shared expert(s) of {moe.shared_intermediate_size} per layer: every position "
+            "passes through them; they are not in the load tables (nothing is routed to them)."
+        )
+    if moe.first_dense_layers:
+        lines.append(
+            f"- The first {moe.first_dense_layers} layer(s) have a dense MLP and route nothing: `layer` in the "
+            f"tables counts mixture-of-experts layers (table layer 0 is model layer {moe.first_dense_layers})."
+        )
+    if moe.hash_layers:
+        lines.append(
+            f"- MoE layers 0-{moe.hash_layers - 1} route by a fixed token id -> expert table (hash routing): their "
+            "load follows each domain's token frequencies, not a learned choice, and no bias balances them."
+        )
     return lines

@@ -29,6 +29,7 @@ from runner.training.collectives import fsdp2_no_sync
 from runner.training.downstream.run import Prepared
 from runner.training.experts import RouterProbe
 from runner.training.ledger import TokenLedger
+from runner.training.moe.balancing import RoutingRecord
 from runner.training.prefetch import Prefetcher
 from runner.training.schedule import segment_schedule_steps
 from runner.training.staging import PinnedStaging
@@ -110,6 +111,7 @@ class Attempt:
     batches: Prefetcher | None = None  # of HostBatch, one per step of this attempt
     system: SystemMetricsCallback | None = None  # when system metrics are on
     experts: RouterProbe | None = None  # of a mixture-of-experts model, else None
+    routing: RoutingRecord | None = None  # of a mixture-of-experts model: per-step loads, balancing bias
     clock: RunClock = field(default_factory=lambda: RunClock(1))  # _setup: the run's world and device clock
     downstream: Prepared | None = None  # the downstream tasks, prepared at their first scoring (downstream.inloop)
     eval_seconds: dict = field(default_factory=zero_eval_seconds)  # this attempt's t_eval (records.EvalTimes)

@@ -30,16 +30,24 @@ import numpy as np
 import torch
 
 from runner.training.expert_load import ExpertLoad, balance
+from runner.training.moe.ds_routers import expert_scores, sequence_balance_loss
 from runner.training.moe.routers import RouterOutput
 
 
-def router_losses(logits: torch.Tensor, indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(load-balancing loss, z-loss) of one router call: logits [T, E], indices [T, k]."""
+def router_losses(
+    logits: torch.Tensor, indices: torch.Tensor, n_experts: int, score: str = "softmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(load-balancing loss, z-loss) of one router call: logits [T, E], indices [T, k]. P_e is the
+    mean routing probability: softmax (OLMoE), or a sigmoid / sqrt-softplus router's scores
+    normalised over the experts (DeepSeek-V3's)."""
     logits = logits.float()
     assigned = torch.zeros(n_experts, dtype=torch.float32, device=logits.device)
     assigned.index_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=logits.device))
     share = assigned / indices.numel()
-    aux = n_experts * (share * logits.softmax(dim=-1).mean(dim=0)).sum()
+    probs = expert_scores(logits, score)
+    if score != "softmax":
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    aux = n_experts * (share * probs.mean(dim=0)).sum()
     z = logits.logsumexp(dim=-1).square().mean()
     return aux, z
 
@@ -57,10 +65,21 @@ def _over_layers(reduce, values: np.ndarray) -> float:
 class RouterProbe:
     """Counts routed positions per (layer, domain, expert) for the forwards it is armed for."""
 
-    def __init__(self, routers: list[torch.nn.Module], load: ExpertLoad, seq_len: int, aux_coef: float, z_coef: float):
+    def __init__(
+        self,
+        routers: list[torch.nn.Module],
+        load: ExpertLoad,
+        seq_len: int,
+        aux_coef: float,
+        z_coef: float,
+        seq_coef: float = 0.0,
+        score: str = "softmax",
+    ):
         self.load = load
         self.seq_len = seq_len
         self.aux_coef, self.z_coef = aux_coef, z_coef
+        self.seq_coef, self.score = seq_coef, score  # DeepSeek-V3's sequence-wise loss, the router's scores
+        self.last_step: np.ndarray | None = None  # the last committed step's routed[layer, domain, expert]
         self.n_layers, self.n_experts = load.n_layers, load.n_experts
         self._pending: torch.Tensor | None = None  # [layers, domains * experts] int64, on the model's device
         self._loss_sums: torch.Tensor | None = None  # [aux, z, forwards] float64
@@ -126,12 +145,16 @@ class RouterProbe:
             raise RuntimeError(f"{ran} of {self.n_layers} routers ran in a training forward")
         calls = [r for r in routed if r is not None]
         self._count([indices for _, indices in calls])
-        losses = [router_losses(logits, indices, self.n_experts) for logits, indices in calls]
+        losses = [router_losses(logits, indices, self.n_experts, self.score) for logits, indices in calls]
         aux = torch.stack([a for a, _ in losses]).mean()
         z = torch.stack([b for _, b in losses]).mean()
         assert self._loss_sums is not None  # made by the arm() before this forward
         self._loss_sums += torch.stack([aux.detach().double(), z.detach().double(), aux.new_ones(()).double()])
-        return self.aux_coef * aux + self.z_coef * z
+        loss = self.aux_coef * aux + self.z_coef * z
+        if self.seq_coef:
+            seq = [sequence_balance_loss(logits, indices, self.seq_len, self.score) for logits, indices in calls]
+            loss = loss + self.seq_coef * torch.stack(seq).mean()
+        return loss
 
     def commit(self, acc) -> dict[str, float]:
         """The step is committed: add its routed positions (every rank's) to the run's load; return
@@ -147,6 +170,7 @@ class RouterProbe:
         # A copy: on CPU .numpy() shares the buffer that discard() zeroes.
         step = routed.cpu().numpy().reshape(self.load.routed.shape).copy()
         self.load.add(step)
+        self.last_step = step
         aux, z, forwards = sums.tolist()
         self.discard()
         per_layer = balance(step.sum(axis=1))  # all domains together, one row per layer
@@ -218,6 +242,14 @@ def attach(model: torch.nn.Module, cfg, domains: list[str]) -> RouterProbe | Non
         return None
     moe = cfg.model.moe
     inner: Any = model
-    routers = [layer.mlp.gate for layer in inner.model.layers]
+    routers = [layer.mlp.gate for layer in inner.model.layers if hasattr(layer.mlp, "gate")]  # dense layers: none
     load = ExpertLoad(domains, len(routers), moe.n_experts, moe.experts_per_token)
-    return RouterProbe(routers, load, cfg.train.seq_len, moe.router_aux_loss_coef, moe.router_z_loss_coef)
+    return RouterProbe(
+        routers,
+        load,
+        cfg.train.seq_len,
+        moe.router_aux_loss_coef,
+        moe.router_z_loss_coef,
+        moe.sequence_aux_loss_coef,
+        moe.router,
+    )

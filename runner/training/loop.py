@@ -62,6 +62,7 @@ from runner.training.collectives import (
 from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
+from runner.training.moe import balancing
 from runner.training.prefetch import Prefetcher
 from runner.training.records import default_records, take_records
 from runner.training.samples import samples_callback
@@ -140,6 +141,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> Attempt:
     with startup.on_device(acc.device):  # parameters made and initialised there: no host copy to move
         model = build_model(cfg)
     probe = experts_mod.attach(model, cfg, data.domains)  # hooks on the routers, before any wrapping
+    routing = balancing.attach(model, cfg, run_dir, acc.is_main_process)  # metrics/routing.jsonl, aux-free bias
     if sharding == SHARD_RUNNER_CPU:
         shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = make_optimizer(model, cfg, fused=bool(runtime.get("adamw_fused")))
@@ -176,6 +178,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> Attempt:
         resolved_config=exp.to_container(),
         sharding=sharding,
         experts=probe,
+        routing=routing,
         clock=RunClock(world, step_clock(acc.device)),
         staging=PinnedStaging.for_checkpoints(acc, cfg.hardware.distributed, model),
     )
@@ -568,6 +571,8 @@ def _commit(run: Attempt, step: int, s: _Step) -> int:
     run.ledger.commit(s.global_pairs, s.useful)
     figures = run.experts.commit(run.acc) if run.experts is not None else {}
     committed = step + 1
+    if run.routing is not None and run.experts is not None and run.experts.last_step is not None:
+        figures |= run.routing.commit(committed, run.experts.last_step.sum(axis=1))  # the bias update
     step_seconds = run.clock.end_step()  # the device's clock: the optimizer's kernels done
     # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
     mix = run.cfg.mixture.domains

@@ -27,6 +27,7 @@ from runner.training import loss as losses
 from runner.training.accelerator import check_attention_backend
 from runner.training.checkpointing import checkpoint_kwargs
 from runner.training.experts import autocast_experts
+from runner.training.moe.deepseek import install_deepseek_layers, uses_deepseek_layers
 from runner.training.moe.olmoe import install_moe_layers
 
 # transformers' own RoPE: Liger replaces this module-level function, so the model built last in a
@@ -199,6 +200,8 @@ def build_model(cfg: ExperimentSchema) -> RunnerLlama | OlmoeForCausalLM:
                 key="model.kernels" if cfg.model.kernels != "none" else "model.cross_entropy",
             )
         model = _build_olmoe(cfg, backend)
+        if uses_deepseek_layers(cfg):  # DeepSeek-style routers, shared experts, dense first layers
+            install_deepseek_layers(model, cfg)
     else:
         # from_config writes the chosen backend into the config it is given: hand it a copy.
         config = llama_config(cfg)

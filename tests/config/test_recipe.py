@@ -219,6 +219,9 @@ SHIPPED_FINGERPRINTS = {
     "gpu-smoke.yaml": "833fef114ea040d464aaf51bd36545cdc0c618c68e5d79c5f3df992c66aaf999",  # v2: 16 steps (issue 21)
     "gpu-smoke-cpu.yaml": "156e579cd9b8a3d9520ceccba9e92e402c9e1a875e4fe793454b7aa455fde944",  # v2: 16 steps
     "gpu-smoke-liger.yaml": "4fc59a335ee13b9ba91520b21abc253309b17ba11fed7f6a3a922d101ce315d4",  # gpu-smoke@2
+    "cpu-tiny-moe-ds.yaml": "c1292048f4760920247ebfa03d742e8b012cc780c2814cf5da211c28303952cd",
+    "cpu-tiny-moe-v3.yaml": "195f742582dad414fc57a2903131609dcb65e5f09efc11557230ce47f4fd249d",
+    "moe-ds-1b.yaml": "030b1f17135b252390066e409c53ac56d7591dfac0ea1679f8ef8e5bd6be26ee",
 }
 
 

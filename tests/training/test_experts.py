@@ -231,7 +231,9 @@ def _a_consistent_expert_load_forgery_fails_against_the_checkpoint(moe_run: Path
     _save(report, "expert_balance", pd.DataFrame(rows, columns=list(SCHEMAS["expert_balance"].columns)))
     _reseal(report)
     result = audit(run, check_mlflow=False)
-    assert result.failed() == [CHECKPOINT], result.render()
+    # Two records apart from the tables hold it: the checkpoint's expert load, and the per-step loads
+    # of metrics/routing.jsonl (runner.reports.audit.routing), which no longer sum to the table.
+    assert sorted(result.failed()) == sorted([CHECKPOINT, "routing record: step loads sum to the expert load table"])
     detail = _check(result, CHECKPOINT).detail
     assert f"expert load layer 0, a, expert {e0}: checkpoint {int(load.loc[first[0], 'routed_tokens']) + 1}" in detail
     assert f"expert {e1}: checkpoint {int(load.loc[first[1], 'routed_tokens']) - 1}" in detail

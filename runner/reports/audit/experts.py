@@ -78,7 +78,8 @@ def check_expert_load(res, inp) -> None:
         res.add("expert tables empty for a dense model", filled, ok_detail="no experts")
         return
     moe = cfg.model.moe
-    layers, experts, k = cfg.model.n_layers, moe.n_experts, moe.experts_per_token
+    # dense first layers route nothing: the tables hold the MoE layers, numbered from 0
+    layers, experts, k = cfg.model.n_layers - moe.first_dense_layers, moe.n_experts, moe.experts_per_token
     domains = sorted(cfg.mixture.domains)
     routed, shape_problems = _routed_array(tables["expert_load"], layers, domains, experts)
     res.add(
@@ -122,7 +123,8 @@ def checkpoint_load_problems(ledger: dict[str, np.ndarray], inp) -> list[str]:
     if STATE_KEY not in ledger:
         return ["the checkpoint stores no expert load"]
     domains = sorted(cfg.mixture.domains)
-    table, _ = _routed_array(inp.tables["expert_load"], cfg.model.n_layers, domains, cfg.model.moe.n_experts)
+    moe_layers = cfg.model.n_layers - cfg.model.moe.first_dense_layers
+    table, _ = _routed_array(inp.tables["expert_load"], moe_layers, domains, cfg.model.moe.n_experts)
     stored = np.asarray(ledger[STATE_KEY], dtype=np.int64)
     if stored.shape != table.shape:
         return [f"the checkpoint's expert load has shape {list(stored.shape)}, the report's {list(table.shape)}"]

@@ -44,6 +44,7 @@ from runner.reports.audit import tracked as audit_tracked
 from runner.reports.audit.experts import check_expert_load, checkpoint_load_problems
 from runner.reports.audit.input import AuditInput, Replay
 from runner.reports.audit.result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
+from runner.reports.audit.routing import check_routing, checkpoint_bias_problems
 from runner.reports.downstream import targets as downstream_targets
 from runner.runs.checkpoints import dirname, verified_state
 from runner.runs.folder import is_reportable_run
@@ -693,6 +694,7 @@ def _check_checkpoint(res: AuditResult, inp: AuditInput) -> None:
         if int((seen > 0).sum()) * seq_len != int(acct.loc[d, "unique_tokens"]):
             problems.append(f"{d}: checkpoint ledger has {int((seen > 0).sum())} samples seen")
     problems += checkpoint_load_problems(ledger, inp)
+    problems += checkpoint_bias_problems(path, inp)
     res.add(name, problems, ok_detail=f"{path.name} verifies; its ledger (and expert load) recounts to the report")
 
 
@@ -756,6 +758,7 @@ def audit_input(
     _check_targets(res, inp)
     _check_downstream(res, inp)
     check_expert_load(res, inp)
+    check_routing(res, inp)
     _check_rebuilt(res, inp)
     _check_csv_copies(res, inp)
     _check_complete(res, inp)

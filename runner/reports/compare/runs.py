@@ -31,6 +31,7 @@ from runner.reports import targets as tg
 from runner.reports.audit.evidence import write_report_with_evidence
 from runner.reports.audit.run import audit
 from runner.reports.compare.downstream import mark_firsts, side_by_side, task_target_results, union_task_targets
+from runner.reports.compare.experts import expert_balance
 from runner.reports.publish import portable
 from runner.runs.folder import is_reportable_run
 from runner.runs.runjson import as_record
@@ -432,6 +433,9 @@ def compare(sources: list[Source]) -> Comparison:
         "accounting": accounting(sources),
         "speed": speed_df,
     }
+    balance = expert_balance(comp.labels, sources)
+    if balance is not None:  # mixtures of experts: load imbalance per layer, and how each run balances
+        comp.frames["expert_balance"] = balance
     downstream = side_by_side(comp.labels, [s.tables.get("downstream") for s in sources])
     if len(downstream):  # refused above when the runs' convention records differ
         comp.frames["downstream"] = downstream
@@ -601,6 +605,16 @@ def render_markdown(comp: Comparison, plots: list[str] | None = None) -> str:
         *(
             [f"**Token counts NOT comparable**: {comp.tokens_not_comparable}; compare bits per byte.", ""]
             if comp.tokens_not_comparable
+            else []
+        ),
+        *(
+            [
+                "## Expert load balance (max / mean load per MoE layer, all domains, over the run)",
+                "",
+                *_md(f["expert_balance"]),
+                "",
+            ]
+            if "expert_balance" in f
             else []
         ),
         "## Speed and cost",

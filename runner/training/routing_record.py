@@ -1,0 +1,54 @@
+"""metrics/routing.jsonl: a mixture-of-experts run's routing, step by step, and the balancing bias replay.
+
+Owns: the file's format (one line per committed step: the step, each MoE layer's per-expert load
+summed over micro batches, ranks and domains, and each learned router's balancing bias after that
+step's update, float32 values written exactly; a hash-routed layer's bias is null), its reader
+(the lineage: a step redone after a resume is written again and the later line counts), and
+`next_bias`, the numpy twin of the trainer's update (runner.training.moe.ds_routers.update_bias):
+`b_i += rate * sign(mean(load) - load_i)`, the sign taken on integers (sum - E x load_i) and each
+step adding exactly +-rate or 0 in float32, so a replay equals the trainer's bias bit for bit.
+Numpy only, so reports and the audit read it without torch. Never: writes the file (the trainer's
+runner.training.moe.balancing does).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runner.errors import RunnerError
+from runner.fsio import read_jsonl
+
+FILE = "metrics/routing.jsonl"
+FORMAT = "runner-routing/1"
+
+
+def next_bias(bias: np.ndarray, load: np.ndarray, rate: float) -> np.ndarray:
+    """The bias after one step's update from that step's `load` [..., E] (float32, as the trainer)."""
+    load = np.asarray(load, dtype=np.int64)
+    direction = np.sign(load.sum(axis=-1, keepdims=True) - load.shape[-1] * load).astype(np.float32)
+    return (np.asarray(bias, dtype=np.float32) + direction * np.float32(rate)).astype(np.float32)
+
+
+def read_routing(run_dir: str | Path, committed_steps: int) -> dict[int, dict[str, Any]]:
+    """step -> its line, for steps 1..committed_steps of the run's lineage; {} when there is no file."""
+    path = Path(run_dir) / FILE
+    rows: dict[int, dict[str, Any]] = {}
+    for row in read_jsonl(path, skip_torn=True):
+        try:
+            if row.get("format") != FORMAT:
+                raise ValueError(f"format {row.get('format')!r}, expected {FORMAT}")
+            step = int(row["step"])
+            row["load"], row["bias"]  # noqa: B018  (both present)
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            raise RunnerError(f"not a routing record line: {err}", file=str(path)) from None
+        if 1 <= step <= committed_steps:
+            rows[step] = row
+    return rows
+
+
+def bias_matrix(row: dict[str, Any]) -> list[np.ndarray | None]:
+    """A line's biases as float32 vectors (None for a layer without one)."""
+    return [None if b is None else np.asarray(b, dtype=np.float32) for b in row["bias"]]
