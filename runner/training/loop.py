@@ -76,6 +76,7 @@ from runner.training.schedule import lr_at, make_optimizer, segment_schedule_ste
 from runner.training.steprecord import StepRecord
 from runner.training.steps import FlopsBasis, StepPlan
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
+from runner.training.threads import apply_threads, attempt_threads
 from runner.training.tracking import START_WAIT_SECONDS, Tracker
 
 if TYPE_CHECKING:
@@ -236,7 +237,12 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     if cfg.train.hard_stop_tokens is not None:
         end_step = min(end_step, cfg.train.hard_stop_tokens // (B * L))
 
+    # before anything computes: the run's recorded count on a resume (runner.training.threads)
+    recorded = RunFolder(run_dir).record().threads
+    where = exp.recipe_files.get("hardware") or exp.path or run_dir
+    threads = apply_threads(attempt_threads(cfg.hardware.threads, recorded, file=str(where)))
     runtime, micro, accum = _runtime(cfg, acc, micro, accum)
+    runtime["torch_threads"] = threads
     sharding = runtime["sharding"]
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
@@ -362,6 +368,7 @@ def _conventions(run: _Run, tracker) -> None:
             conventions=conventions,
             runtime=run.runtime,
             world_size=run.world,
+            threads=int(run.runtime["torch_threads"]),
             devices=int(run.world),
             nodes=node_count(run.world),  # this attempt's nodes (torchrun's agents)
             attempts=run.clock.attempt,
