@@ -30,20 +30,31 @@ def settings_of(summary: Any, run: dict) -> dict[str, str]:
     return out
 
 
-def hardware_differences(labels: list[str], settings: list[dict[str, str]]) -> list[str]:
-    """One phrase per setting whose values differ between the runs, e.g. `threads: 1 (a) vs 2 (b)`."""
-    out = []
+#: settings that change MFU's denominator: MFU figures under different ones are not comparable either
+#: (a device alone may differ: two parts with one peak, e.g. H100 and H200 SXM, give comparable MFU)
+DENOMINATOR = ("threads", "peak_tflops")
+
+
+def hardware_differences(labels: list[str], settings: list[dict[str, str]]) -> dict[str, str]:
+    """setting -> a phrase naming its values, e.g. `threads: 1 (a) vs 2 (b)`, for each setting whose
+    values differ between the runs (in SETTINGS order; empty when the runs share them)."""
+    out = {}
     for key in SETTINGS:
         values = [s.get(key, "-") for s in settings]
         if len(set(values)) > 1:
-            out.append(f"{key}: " + " vs ".join(f"{v} ({label})" for v, label in zip(values, labels)))
+            out[key] = f"{key}: " + " vs ".join(f"{v} ({label})" for v, label in zip(values, labels))
     return out
 
 
-def not_comparable_line(differences: list[str]) -> str:
+def mfu_denominators_differ(differences: dict[str, str]) -> bool:
+    return any(key in differences for key in DENOMINATOR)
+
+
+def not_comparable_line(differences: dict[str, str]) -> str:
     """The sentence the comparison's speed section opens with when the settings differ."""
     return (
         "**Speed and cost NOT comparable**: the runs ran under different hardware settings ("
-        + "; ".join(differences)
-        + "): their seconds, dollars and MFU measure the setting as much as the experiment."
+        + "; ".join(differences.values())
+        + "): their seconds and dollars measure the setting as much as the experiment, and no run is "
+        "first in them."
     )
