@@ -88,8 +88,10 @@ def main() -> None:
             b.join()
         for p in exps.values():
             p.unlink(missing_ok=True)
-    print(f"cpu-tiny, {args.steps} steps per launch (start-up included), {args.runs} launch(es) per count, "
-          f"{args.busy} busy process(es), {os.cpu_count()} cores")
+    print(
+        f"cpu-tiny, {args.steps} steps per launch (start-up included), {args.runs} launch(es) per count, "
+        f"{args.busy} busy process(es), {os.cpu_count()} cores"
+    )
     base_wall = statistics.median(w for w, _ in results[1])
     base_cpu = statistics.median(c for _, c in results[1])
     for n in COUNTS:

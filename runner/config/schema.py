@@ -411,7 +411,9 @@ class HardwareRecipe(Recipe):
         super().validate(problems, file, prefix)
         _at_least_one(problems, file, prefix, self, ("devices_per_node", "nodes"))
         if self.threads is not None and self.threads < 1:
-            problems.add(file, join_key(prefix, "threads"), f"must be >= 1 (or null: torch's default), got {self.threads}")
+            problems.add(
+                file, join_key(prefix, "threads"), f"must be >= 1 (or null: torch's default), got {self.threads}"
+            )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             problems.add(file, join_key(prefix, "peak_tflops"), f"must be > 0, got {self.peak_tflops}")
         if self.peak_tflops is not None and not self.peak_source:

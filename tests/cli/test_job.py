@@ -187,8 +187,21 @@ def _load(tmp_path, text: str) -> subprocess.CompletedProcess:
     )
 
 
+def test_skypilot_task_keeps_what_outlives_the_cluster_and_installs_the_runtime_only(pinned):
+    task = yaml.safe_load(job("experiments/1p3b-4x8-fsdp.yaml", "--skypilot", "--bucket", "my-runs", cwd=pinned))
+    assert task["file_mounts"] == {"/runner-store": {"name": "my-runs", "mode": "MOUNT_CACHED"}}
+    assert task["envs"]["MLFLOW_TRACKING_URI"] == "sqlite:////runner-store/mlflow.db"  # on the bucket
+    assert task["setup"].splitlines()[-1] == 'python -m pip install --quiet -e ".[gpu]"'  # no dev, no eval
+    uri = ("--tracking-uri", "http://mlflow.internal:5000")
+    served = yaml.safe_load(job("experiments/1p3b-4x8-fsdp.yaml", "--skypilot", *uri, cwd=pinned))
+    assert served["envs"]["MLFLOW_TRACKING_URI"] == uri[1]
+    cpu = yaml.safe_load(job("experiments/cpu-tiny.yaml", "--skypilot"))
+    assert cpu["setup"].splitlines()[-1] == "python -m pip install --quiet -e ."
+    assert cpu["file_mounts"]["/runner-store"]["name"] == "cpu-tiny-runner"
+
+
 @pytest.mark.slow
-def test_skypilot_task_loads_in_skypilots_own_loader_offline(tmp_path):
+def test_skypilot_task_loads_in_skypilots_own_loader_offline(tmp_path, pinned):
     import json
 
     try:
@@ -200,19 +213,21 @@ def test_skypilot_task_loads_in_skypilots_own_loader_offline(tmp_path):
         (pytest.fail if named else pytest.skip)(
             f"skypilot is not importable by {SKY_PYTHON}: see pyproject's `skypilot` extra"
         )
-    text = job("experiments/1p3b-4x8-fsdp.yaml", "--skypilot", "--bucket", "my-runs")
+    text = job("experiments/1p3b-4x8-fsdp.yaml", "--skypilot", "--bucket", "my-runs", cwd=pinned)
     proc = _load(tmp_path, text)
     assert proc.returncode == 0, proc.stderr[-3000:]
     task = json.loads(proc.stdout.splitlines()[-1])
     assert task["name"] == "1p3b-4x8-fsdp" and task["num_nodes"] == 4 and task["accelerators"] == {"H200": 8}
     assert task["storage"] == {"/runner-store": "my-runs"}
     assert task["envs"]["RUN_DIR"].startswith("/runner-store/runs/1p3b-4x8-fsdp/")  # on the shared bucket
-    assert task["envs"]["FSDP_VERSION"] == "2" and task["setup"].strip() == "./install.sh"
+    assert task["envs"]["FSDP_VERSION"] == "2" and task["setup"].strip().endswith('-e ".[gpu]"')
+    assert task["envs"]["MLFLOW_TRACKING_URI"] == "sqlite:////runner-store/mlflow.db"
     assert (
         "--nnodes $SKYPILOT_NUM_NODES --nproc-per-node 8 --max-restarts 1" in task["run"]
         and "$SKYPILOT_NODE_IPS" in task["run"]
     )
-    mi = json.loads(_load(tmp_path, job("experiments/1p3b-mi300x.yaml", "--skypilot")).stdout.splitlines()[-1])
+    mi = job("experiments/1p3b-mi300x.yaml", "--skypilot", cwd=pinned)
+    mi = json.loads(_load(tmp_path, mi).stdout.splitlines()[-1])
     assert mi["accelerators"] == {"MI300X": 1} and mi["num_nodes"] == 1
     # The loader is a real check: a task it cannot read is refused.
     broken = _load(tmp_path, text.replace("num_nodes: 4", "num_nodes: four"))
