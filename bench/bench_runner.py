@@ -233,7 +233,7 @@ def overlap_run(tmp: Path, prefetch: int, steps: int, micro_seconds: float) -> d
     model_module.build_model = lambda cfg: device
     try:
         run_dir = root / "runs" / "r"
-        from runner.training.runfolder import create_run_folder
+        from runner.runs.folder import create_run_folder
 
         create_run_folder(exp, run_dir, "r")
         tracker = Tracker(run_dir, tracking_uri=f"sqlite:///{tmp / 'overlap-mlflow.db'}")

@@ -4,7 +4,7 @@ Owns the column names, dtypes and descriptions of every report table, and the fr
 that encode the SPEC's accounting invariants (1-5) inside one table, plus `validate_tables`, which
 adds the checks that need two tables (invariant 2: totals equal the sum of domains; histogram
 versus counters). Never reads or writes files and never recomputes anything from a config: that is
-runner.reports.audit's job.
+runner.reports.audit.run's job.
 
 Token counters are exact integers in tokens (input positions, SPEC "Token counters"); `L` (the
 sequence length) is recovered inside the accounting table as `pool_tokens / samples`, because the

@@ -264,7 +264,7 @@ def check_pr(cwd: Path) -> subprocess.CompletedProcess:
 
 def step_record(step: int, **fields):
     """A committed step's record as the loop hands it to callbacks: `fields` given, every other figure 0."""
-    from runner.training.steprecord import StepRecord  # noqa: PLC0415 (only the callback tests need it)
+    from runner.runs.steprecord import StepRecord  # noqa: PLC0415 (only the callback tests need it)
 
     zeros = dict.fromkeys(
         ("loss", "lr", "grad_norm", "step_seconds", "data_wait_seconds", "wall_seconds", "tokens_per_second"), 0.0

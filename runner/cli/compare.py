@@ -1,4 +1,4 @@
-"""CLI verb `runner compare`: parsing and printing only (runner.reports.compare does the work)."""
+"""CLI verb `runner compare`: parsing and printing only (runner.reports.compare.runs does the work)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from runner.errors import EXIT_OK
 
 
 def _compare(args) -> int:
-    from runner.reports import compare as cmp
+    from runner.reports.compare import runs as cmp
 
     sources = [cmp.load_source(target) for target in args.runs]
     cmp.assign_labels(sources, [x.strip() for x in args.labels.split(",")] if args.labels else None)

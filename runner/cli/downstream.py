@@ -1,7 +1,7 @@
 """CLI for downstream tasks: `runner eval RUN_OR_CHECKPOINT [--tasks ...]`.
 
 Owns the verb's arguments only; scoring and what it writes are runner.training.downstream.posthoc's,
-the MLflow evidence vouching for the scoring runner.reports.evidence's.
+the MLflow evidence vouching for the scoring runner.reports.audit.evidence's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from runner.errors import EXIT_OK, RunnerError
 
 
 def _eval(args) -> int:
-    from runner.reports.evidence import vouch_for_runner_eval
+    from runner.reports.audit.evidence import vouch_for_runner_eval
     from runner.training.downstream.posthoc import run_eval
 
     names = [n.strip() for part in args.tasks for n in part.split(",") if n.strip()] if args.tasks else None

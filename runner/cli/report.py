@@ -32,9 +32,9 @@ def _report(args) -> int:
         fetched = rpt.fetch_mlflow_run(args.run, args.dest or tempfile.mkdtemp(prefix="runner-report-"))
         print(f"report written to {rpt.report_from_fetched(fetched)}")
         return EXIT_OK
-    from runner.reports.evidence import write_report_with_evidence
-    from runner.training.runfolder import is_run_dir
-    from runner.training.runlock import RunLock
+    from runner.reports.audit.evidence import write_report_with_evidence
+    from runner.runs.folder import is_run_dir
+    from runner.runs.lock import RunLock
 
     # Never rewrite report/ under a launch that writes it too.
     with RunLock(target, "runner report") if is_run_dir(target) else contextlib.nullcontext():
@@ -47,8 +47,8 @@ def _report(args) -> int:
 def _writer_of(target: str) -> tuple[Path, dict] | None:
     """(run folder, lock record) when `target` is a run folder, or its report/, that a process holds now."""
     from runner.reports.tables import REPORT_DIR
-    from runner.training.runfolder import is_run_dir
-    from runner.training.runlock import lock_holder
+    from runner.runs.folder import is_run_dir
+    from runner.runs.lock import lock_holder
 
     path = Path(target)
     for folder in (path, path.parent) if path.name == REPORT_DIR else (path,):
@@ -59,8 +59,8 @@ def _writer_of(target: str) -> tuple[Path, dict] | None:
 
 
 def _audit(args) -> int:
-    from runner.reports.audit import audit
-    from runner.training.runlock import holder_text
+    from runner.reports.audit.run import audit
+    from runner.runs.lock import holder_text
 
     writer = _writer_of(args.run)
     if writer is not None:  # its report/ and raw files change under the audit: any verdict would be noise
@@ -84,13 +84,13 @@ def _audit(args) -> int:
 
 
 def _audit_claims(args) -> int:
-    from runner.reports.claims import PLAUSIBLE_MFU, audit_claims, render
+    from runner.reports.claims.training import PLAUSIBLE_MFU, audit_claims, render
 
     bound = PLAUSIBLE_MFU if args.plausible_mfu is None else args.plausible_mfu
     results = [r for file in args.file for r in audit_claims(file, plausible_mfu=bound)]
     against = None
     if args.against:
-        from runner.reports.against import compare_claims
+        from runner.reports.claims.against import compare_claims
 
         against = compare_claims(results, args.against)
     if args.json:

@@ -1,6 +1,6 @@
 """CLI for training: `runner launch`, `runner smoke`, `runner sync`.
 
-Owns: choosing the run folder (its records are runner.training.runfolder's), the accelerate set-up, the MLflow
+Owns: choosing the run folder (its records are runner.runs.folder's), the accelerate set-up, the MLflow
 run's start/finish, the terminal summary, and the smoke test's kill-and-resume comparison. The loop
 is runner.training.loop's; never trains or counts tokens here. Verbs import what they call when
 they run (runner.cli's rule: `runner --help` stays fast).
@@ -28,7 +28,7 @@ from runner.fsio import read_json, read_jsonl
 if TYPE_CHECKING:
     from runner.config.load import Experiment
     from runner.config.schema import ExperimentSchema
-    from runner.training.runfolder import RunFolder
+    from runner.runs.folder import RunFolder
     from runner.training.tracking import Tracker
 
 
@@ -112,7 +112,8 @@ def make_accelerator(cfg: ExperimentSchema):
 def _resolve(args) -> tuple[Experiment, Path | None, bool]:
     """(experiment, run folder or None for a new default one, whether the folder holds a run)."""
     from runner.planning.resources import load_experiment
-    from runner.training.runfolder import check_same_experiment, checked_experiment_of_run, is_run_dir
+    from runner.runs.folder import check_same_experiment, is_run_dir
+    from runner.training.launch import checked_experiment_of_run
 
     target = Path(args.target)
     if target.is_dir():
@@ -151,7 +152,7 @@ def _tracker_of(folder: RunFolder, tracking_uri: str | None, **kwargs) -> Tracke
 
 
 def _check_recorded_store(run_dir: Path) -> None:
-    from runner.training.runfolder import RunFolder
+    from runner.runs.folder import RunFolder
     from runner.training.tracking import absolute_uri, check_run_store
 
     saved = RunFolder(run_dir).record().mlflow
@@ -160,7 +161,7 @@ def _check_recorded_store(run_dir: Path) -> None:
 
 
 def _make_tracker(run_dir: Path, main: bool) -> Tracker:
-    from runner.training.runfolder import RunFolder
+    from runner.runs.folder import RunFolder
 
     return _tracker_of(RunFolder(run_dir, writer=main), None, enabled=main, report=lambda m: print(m, file=sys.stderr))
 
@@ -202,7 +203,7 @@ def _is_rank0() -> bool:
 
 def _finished_line(run_dir: Path) -> str | None:
     """The no-op line for a finished run relaunched without --extend-to, else None."""
-    from runner.training.runfolder import RunFolder
+    from runner.runs.folder import RunFolder
 
     info = RunFolder(run_dir).record()
     if info.status != "finished":
@@ -230,11 +231,11 @@ def check_world(cfg: ExperimentSchema, world: int) -> str | None:
 
 @contextlib.contextmanager
 def _owning(run_dir: Path, acc, command: str = "runner launch"):
-    """Rank 0 holds the run folder's lock (runner.training.runlock.RunLock) for the whole launch; every rank
+    """Rank 0 holds the run folder's lock (runner.runs.lock.RunLock) for the whole launch; every rank
     learns whether it got it, so a refused launch stops everywhere before anything is written."""
     from accelerate.utils import broadcast_object_list
 
-    from runner.training.runlock import RunLock
+    from runner.runs.lock import RunLock
 
     lock = None
     refused: list[tuple[str, str | None] | None] = [None]
@@ -264,7 +265,7 @@ def _check_same_folder(run_dir: Path, held: dict | None) -> None:
     another checkpoint or write beside the run; all ranks refuse with the same line, before training."""
     import torch.distributed as dist
 
-    from runner.training.runlock import lock_records
+    from runner.runs.lock import lock_records
 
     mine: list = [held]
     dist.broadcast_object_list(mine, src=0)
@@ -292,8 +293,8 @@ def _launch(args, held: contextlib.ExitStack) -> int:
             if _is_rank0():
                 print(line)
             return EXIT_OK
+    from runner.training.launch import extend_run
     from runner.training.loop import Options, train
-    from runner.training.runfolder import extend_run
 
     if existing and run_dir is not None and not args.no_tracking:  # before anything is written: a lost store is refused
         _check_recorded_store(run_dir)
@@ -364,7 +365,8 @@ def _claim_folder(args, exp: Experiment, run_dir: Path | None, existing: bool, a
 
     from runner.config.load import to_yaml
     from runner.data.manifest import launch_warnings
-    from runner.training.runfolder import check_mixture_feasible, create_run_folder, extend_run, is_run_dir
+    from runner.runs.folder import create_run_folder, is_run_dir
+    from runner.training.launch import check_mixture_feasible, extend_run
 
     main = acc.is_main_process
     if run_dir is None:
@@ -398,7 +400,7 @@ def _claim_folder(args, exp: Experiment, run_dir: Path | None, existing: bool, a
 def _start_tracking(args, exp: Experiment, run_dir: Path, existing: bool, main: bool) -> Tracker:
     """The MLflow run started or resumed: params and the experiment.yaml artifact on the first start only,
     the new segment's tags after an --extend-to."""
-    from runner.training.runfolder import RunFolder
+    from runner.runs.folder import RunFolder
     from runner.training.tracking import flatten
 
     tracker = _make_tracker(run_dir, main)
@@ -420,7 +422,7 @@ def _close_run(exp: Experiment, run_dir: Path, tracker: Tracker | None) -> None:
     """Rank 0 after the loop: the report when the run ended as the user chose (finished, or at its hard
     stop), the MLflow run's end, the summary, and the export the experiment asks for at its end."""
     from runner.config.rules import global_batch_tokens
-    from runner.training.runfolder import RunFolder
+    from runner.runs.folder import RunFolder
 
     info = RunFolder(run_dir).record()
     status = info.status
@@ -442,7 +444,7 @@ def _close_run(exp: Experiment, run_dir: Path, tracker: Tracker | None) -> None:
 
 def _print_summary(run_dir: Path) -> None:
     """What a user wants on the terminal after a run: the counters, losses, speed and where things are."""
-    from runner.training.runfolder import RunFolder
+    from runner.runs.folder import RunFolder
 
     info = RunFolder(run_dir).record()
     ledger_path = run_dir / "ledger.json"
@@ -497,7 +499,7 @@ def _export_at_end(run_dir: Path, exp: Experiment) -> None:
 
 
 def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
-    from runner.reports.evidence import record_evidence, write_report_with_evidence
+    from runner.reports.audit.evidence import record_evidence, write_report_with_evidence
 
     try:
         out, evidence = write_report_with_evidence(run_dir)
@@ -512,8 +514,8 @@ def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
 
 
 def cmd_sync(args) -> int:
-    from runner.training.runfolder import RunFolder, is_run_dir
-    from runner.training.runlock import RunLock
+    from runner.runs.folder import RunFolder, is_run_dir
+    from runner.runs.lock import RunLock
 
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
@@ -554,7 +556,7 @@ def _launch_cmd(run_dir: Path, *extra: str) -> list[str]:
 
 def cmd_smoke(args) -> int:
     """`runner smoke`: one short run killed and resumed against one uninterrupted, compared bit for bit on
-    a CPU and within a stated tolerance on a GPU (runner.training.resume_identity)."""
+    a CPU and within a stated tolerance on a GPU (runner.runs.resume_identity)."""
     from runner.planning.resources import load_experiment
 
     full = load_experiment(args.experiment)
@@ -595,7 +597,7 @@ def _smoke_folders(full: Experiment, steps: int, out: Path) -> tuple[Path, Path]
     """The reference and resumed run folders (emptied first) of `steps` steps of `full`, checkpointed at
     steps // 2 and at the end, evaluated once."""
     from runner.config.load import experiment_from_dict
-    from runner.training.runfolder import create_run_folder
+    from runner.runs.folder import create_run_folder
 
     B, L = full.config.train.global_batch_sequences, full.config.train.seq_len
     small = full.to_container()
@@ -614,8 +616,8 @@ def _smoke_folders(full: Experiment, steps: int, out: Path) -> tuple[Path, Path]
 def _smoke_differences(ref: Path, res: Path, steps: int, accelerator: str):
     """(weight identity, problems): the final weights, the ledger's counters and the expert load of the
     resumed run against the uninterrupted one."""
+    from runner.runs.resume_identity import compare_weights
     from runner.training.checkpoint import dirname
-    from runner.training.resume_identity import compare_weights
 
     problems = []
     final = dirname(steps)

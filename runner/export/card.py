@@ -1,7 +1,7 @@
 """The model card (README.md), accounting.json and experiment.yaml of an exported folder.
 
 Owns which figures travel with the model and where they come from. The run's own report is audited
-first (runner.reports.audit; a FAIL is never exported, an UNVERIFIED is said so on the card with
+first (runner.reports.audit.run; a FAIL is never exported, an UNVERIFIED is said so on the card with
 the checks that could not run); for the final checkpoint every figure is the audited report's
 (accounting, validation, MFU with its convention, device-hours and cost); for an earlier checkpoint
 (`--step N`) the accounting is that checkpoint's own ledger and the validation loss is recomputed
@@ -33,13 +33,13 @@ from runner.export import card_downstream
 from runner.export.source import Source, reference_model
 from runner.fsio import sha256_file
 from runner.reports import tables as rpt
-from runner.reports.audit import audit
-from runner.reports.audit_eval import _LocalAccelerator
-from runner.reports.evidence import final_validation
+from runner.reports.audit.evidence import final_validation
+from runner.reports.audit.recompute_eval import _LocalAccelerator
+from runner.reports.audit.run import audit
+from runner.runs.recorded import conventions_of
+from runner.runs.runjson import as_record
 from runner.training.batches import load_data
 from runner.training.evaluate import evaluate
-from runner.training.record import conventions_of
-from runner.training.runjson import as_record
 
 ACCOUNTING = "accounting.json"
 EXPERIMENT = "experiment.yaml"

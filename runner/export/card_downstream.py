@@ -5,7 +5,7 @@ Owns which downstream figures travel with an export: those of the audited report
 table scored at the checkpoint's step (every source: the loop's scoring and any `runner eval` of
 it; never another step's, so `--step N` shows step N's figures), each with its random baseline and,
 for an accuracy, its centered form, and their convention records numbered once below the table
-(runner.reports.downstream_report.numbered_records, as report.md numbers them); and the downstream
+(runner.reports.downstream.report.numbered_records, as report.md numbers them); and the downstream
 targets judged on the lineage's in-loop scorings up to that step (runner.training.task_targets),
 rendered as report.md renders them. Never scores or judges anything itself and never reads the run
 folder: the caller hands it the audited report's tables.
@@ -20,8 +20,8 @@ from typing import Any
 import pandas as pd
 
 from runner.config.schema import DOWNSTREAM_ACCURACIES, ExperimentSchema
-from runner.reports.downstream_report import numbered_records
-from runner.reports.downstream_targets import render_markdown
+from runner.reports.downstream.report import numbered_records
+from runner.reports.downstream.targets import render_markdown
 from runner.reports.targets import summary_line, typed_config
 from runner.training.task_targets import TASK_TARGET_COLUMNS, declared_task_targets, task_targets_table
 

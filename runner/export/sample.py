@@ -24,7 +24,7 @@ from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
 from runner.export.export import RECORD, quiet_transformers
 from runner.export.source import export_model, open_source
-from runner.training.runfolder import is_run_dir
+from runner.runs.folder import is_run_dir
 
 
 @dataclass

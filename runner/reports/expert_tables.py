@@ -4,7 +4,7 @@ Owns: turning a mixture-of-experts run folder's expert_load.json and metrics/tra
 report tables `expert_load`, `expert_balance` and `router` (schemas/report_tables.py), the
 domain x expert heat map (expert_load_heatmap.png) and the report.md section. A dense run gets
 the same tables, empty.
-Never: validates or judges the numbers (runner.reports.expert_audit does), or reads anything but
+Never: validates or judges the numbers (runner.reports.audit.experts does), or reads anything but
 the run folder it is given.
 """
 

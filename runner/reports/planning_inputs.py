@@ -25,7 +25,7 @@ from runner.planning import hardware
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.plan import Calibration, architecture, as_schema
 from runner.planning.scaling import Point
-from runner.training.runjson import RunJson
+from runner.runs.runjson import RunJson
 
 
 # ---------------------------------------------------------------- pilot points

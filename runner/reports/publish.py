@@ -27,11 +27,11 @@ from runner.config.load import load_saved_experiment, repo_root
 from runner.errors import RunnerError
 from runner.fsio import atomic_write, read_json, replace_folder, staging_folder
 from runner.reports import tables as rpt
-from runner.reports.audit import AuditResult, audit
-from runner.reports.evidence import write_report_with_evidence
-from runner.training.runfolder import RunFolder, experiment_of_run, is_reportable_run
-from runner.training.runjson import as_record
-from runner.training.runlock import holder_text, lock_holder
+from runner.reports.audit.evidence import write_report_with_evidence
+from runner.reports.audit.run import AuditResult, audit
+from runner.runs.folder import RunFolder, experiment_of_run, is_reportable_run
+from runner.runs.lock import holder_text, lock_holder
+from runner.runs.runjson import as_record
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
 INDEX = "README.md"

@@ -1,11 +1,11 @@
 """Build a run's report: tables (schemas/report_tables.py), report.md, plots, and the inputs an audit needs.
 
 Owns: turning a run folder (run.json, experiment.yaml, ledger.json, metrics/*.jsonl, manifests/),
-read through runner.training.record, into the report tables, and writing run_dir/report/ (parquet + csv
+read through runner.runs.recorded, into the report tables, and writing run_dir/report/ (parquet + csv
 tables, report.md, PNG plots, copies of experiment.yaml, run.json and the manifests so the report
 folder alone can be audited); reading a report folder back; fetching a run folder from an MLflow
 run id.
-Never: validates or judges the numbers (runner.reports.audit does), trains, or edits the run folder
+Never: validates or judges the numbers (runner.reports.audit.run does), trains, or edits the run folder
 outside report/.
 """
 
@@ -27,12 +27,14 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml, replace_folder, staging_folder
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
 from runner.planning.hardware import run_efficiency
-from runner.reports import downstream_report, downstream_targets, expert_tables, targets
-from runner.reports.downstream_table import downstream_table
+from runner.reports import expert_tables, targets
+from runner.reports.downstream import report as downstream_report
+from runner.reports.downstream import targets as downstream_targets
+from runner.reports.downstream.table import downstream_table
+from runner.runs.folder import is_reportable_run
+from runner.runs.recorded import conventions_of, device_seconds, devices_held, read_manifest_copies, run_times
+from runner.runs.runjson import as_record
 from runner.training import task_targets
-from runner.training.record import conventions_of, device_seconds, devices_held, read_manifest_copies, run_times
-from runner.training.runfolder import is_reportable_run
-from runner.training.runjson import as_record
 from runner.training.tracking import default_tracking_uri
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 

@@ -23,7 +23,7 @@ from runner.config.rules import check_targets
 from runner.config.schema import MEAN_DOMAIN, ExperimentSchema
 from runner.errors import Problems
 from runner.fsio import read_yaml
-from runner.training.runjson import as_record
+from runner.runs.runjson import as_record
 from runner.training.targets import (
     POINTS,
     PROGRESS_FIELDS,
@@ -57,6 +57,7 @@ __all__ = [
     "VALIDATION_COLUMNS",
     "audit_checks",
     "bracket",
+    "bracket_rows",
     "complete_eval_rows",
     "differences",
     "declared_targets",
@@ -147,14 +148,9 @@ def summary_lines(report_dir) -> list[str]:
     return lines
 
 
-def render_markdown(targets: list[Target], table: pd.DataFrame) -> list[str]:
-    """The report.md section: one line per target, then the bracket rows."""
-    lines = ["## Quality targets", ""]
-    if not targets:
-        return lines + ["No targets declared (eval recipe `targets:`).", ""]
-    lines += [f"- {summary_line(t, outcome(table, t.name))}" for t in targets]
-    lines += [
-        "",
+def bracket_rows(table: pd.DataFrame) -> list[str]:
+    """The markdown table of a targets table's bracket rows (validation and downstream targets alike)."""
+    lines = [
         "| target | point | step | exposure tokens | useful tokens | value | wall s | device-hours | cost USD |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -163,6 +159,16 @@ def render_markdown(targets: list[Target], table: pd.DataFrame) -> list[str]:
             f"| {r.target} | {r.point} | {r.step:,} | {r.exposure_tokens:,} | {r.useful_tokens:,} | {r.value:.4g} "
             f"| {r.wall_seconds:.1f} | {r.device_hours:.4g} | {r.cost_usd:.4g} |"
         )
+    return lines
+
+
+def render_markdown(targets: list[Target], table: pd.DataFrame) -> list[str]:
+    """The report.md section: one line per target, then the bracket rows."""
+    lines = ["## Quality targets", ""]
+    if not targets:
+        return lines + ["No targets declared (eval recipe `targets:`).", ""]
+    lines += [f"- {summary_line(t, outcome(table, t.name))}" for t in targets]
+    lines += ["", *bracket_rows(table)]
     lines += [
         "",
         "A target is met at the first evaluation whose value is <= the target; `before` is the evaluation before",

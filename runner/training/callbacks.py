@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from runner import progress
 from runner.fsio import read_jsonl, repair_jsonl_tail
+from runner.runs.steprecord import StepRecord
 from runner.training import targets
-from runner.training.steprecord import StepRecord
 
 #: a mixture-of-experts step's figures (runner.training.experts.RouterProbe.commit); absent for dense models
 MOE_METRICS = (

@@ -5,8 +5,8 @@ step's time on the device's clock, each attempt's wall time, both also x the dev
 held (a run resumed on another world size counts each attempt with its own), the processed-work
 journal (`journal/processed.jsonl`: one line per micro step spent, and one per evaluation and
 attempt end with the time alone), its replay on resume (a SIGKILL loses no processed work and no
-wall time), the clock's part of a checkpoint (`state_dict`/`load_state_dict`) and the reading back
-of the totals a run recorded in run.json (`recorded_times`, for reports).
+wall time), and the clock's part of a checkpoint (`state_dict`/`load_state_dict`). Reading back the totals a
+run recorded in run.json is runner.runs.recorded (`recorded_times`, for reports).
 Never imports torch: the device's clock is handed in (runner.training.accelerator.StepClock).
 """
 
@@ -16,11 +16,9 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Protocol, TextIO
 
-from runner.errors import RunnerError
-from runner.training.runjson import RunJson, as_record
+from runner.runs.recorded import device_seconds_or
 
 
 class DeviceClock(Protocol):
@@ -44,12 +42,6 @@ class HostClock:
 
     def seconds_since(self, t0: float) -> float:
         return self.now() - t0
-
-
-def device_seconds_or(recorded: float | None, seconds: float, world: int) -> float:
-    """Recorded device-seconds, else `seconds` x `world`: what a record written before device-seconds
-    were counted per attempt (one world size throughout) stands for. The one copy of this fallback."""
-    return float(recorded) if recorded is not None else seconds * world
 
 
 class RunClock:
@@ -212,47 +204,3 @@ class RunClock:
         assert self.journal is not None
         self.journal.write(json.dumps(line) + "\n")
         self.journal.flush()
-
-
-# ---- what a run recorded ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RecordedTimes:
-    """A finished (or stopped) run's time figures as a report reads them."""
-
-    wall_seconds: float
-    step_seconds_total: float
-    device_wall_seconds: float
-    device_step_seconds: float
-
-
-def recorded_times(run: RunJson | dict, held: int, train_rows: list[dict]) -> RecordedTimes:
-    """The times a run recorded: run.json's totals when present; else the step and wall time from
-    metrics/train.jsonl (a row's step_seconds stands for each step since the previous row:
-    log_interval_steps > 1 logs one row per interval) and device-seconds as time x `held`."""
-    rec = as_record(run)
-    wall, step_total = _seconds(rec, train_rows)
-    return RecordedTimes(
-        wall,
-        step_total,
-        device_seconds_or(rec.device_wall_seconds, wall, held),
-        device_seconds_or(rec.device_step_seconds_total, step_total, held),
-    )
-
-
-def _seconds(run: RunJson, train_rows: list[dict]) -> tuple[float, float]:
-    wall: float | None = run.wall_seconds
-    step_total: float | None = run.step_seconds_total
-    if train_rows and (wall is None or step_total is None):
-        rows = sorted(train_rows, key=lambda r: r["step"])
-        prev, summed = 0, 0.0
-        for r in rows:
-            span = max(int(r["step"]) - prev, 1)
-            summed += float(r["step_seconds"]) * span
-            prev = int(r["step"])
-        wall = wall if wall is not None else max(float(r["wall_seconds"]) for r in rows)
-        step_total = step_total if step_total is not None else summed
-    if wall is None or step_total is None:
-        raise RunnerError("no wall_seconds/step_seconds_total and no metrics/train.jsonl rows", file="run.json")
-    return float(wall), float(step_total)

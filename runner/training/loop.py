@@ -30,6 +30,9 @@ from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.planning import hardware
 from runner.planning.flops import convention_for, flops_per_token, hfu_convention, hfu_flops_per_token
 from runner.planning.plan import choose_micro_batch
+from runner.runs.folder import RunFolder
+from runner.runs.runjson import RunJson
+from runner.runs.steprecord import StepRecord
 from runner.training import evaluate
 from runner.training import experts as experts_mod
 from runner.training.accelerator import (
@@ -69,11 +72,8 @@ from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
 from runner.training.records import Gathered, RunRecord, default_records, take_records, zero_eval_seconds
-from runner.training.runfolder import RunFolder
-from runner.training.runjson import RunJson
 from runner.training.samples import samples_callback
 from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
-from runner.training.steprecord import StepRecord
 from runner.training.steps import FlopsBasis, StepPlan
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
 from runner.training.threads import apply_threads, attempt_threads

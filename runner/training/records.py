@@ -19,14 +19,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from runner.fsio import atomic_write_json
 from runner.training.checkpoint import rng_state, tied_parameters
 from runner.training.expert_load import FILE as EXPERT_LOAD_FILE
-from runner.training.runfolder import ledger_document, write_ledger_json
+from runner.training.ledger import TokenLedger
 from runner.training.schedule import lr_at
 
 
@@ -126,7 +128,7 @@ class LedgerJson(RunRecord):
             run.experts.load.write_json(run.folder.path, committed)
 
 
-class RunJson(RunRecord):
+class RunJsonWriter(RunRecord):
     """run.json: the committed step and the clock's totals at each checkpoint, with what the checkpoint
     cost; the status and the summary at the attempt's end."""
 
@@ -204,4 +206,28 @@ class EvalTimes(RunRecord):
 
 def default_records() -> list[RunRecord]:
     """The records every run keeps, in the order they are written (run.json last: it points at the rest)."""
-    return [CheckpointFiles(), LedgerJson(), EvalTimes(), RunJson()]
+    return [CheckpointFiles(), LedgerJson(), EvalTimes(), RunJsonWriter()]
+
+
+def ledger_document(ledger: TokenLedger) -> dict:
+    """ledger.json's content as of now: counters, repetition histogram and realized ratios (plain JSON)."""
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {str(k): plain(v) for k, v in x.items()}
+        if isinstance(x, (np.integer,)):
+            return int(x)
+        if isinstance(x, (np.floating,)):
+            return float(x)
+        return x
+
+    return {
+        "counters": plain(ledger.counters()),
+        "histogram": plain(ledger.histogram()),
+        "realized_ratios": plain(ledger.realized_ratios()),
+    }
+
+
+def write_ledger_json(run_dir: Path, document: dict) -> None:
+    """ledger.json (for report/audit) from a ledger_document, taken when the figures were current."""
+    atomic_write_json(Path(run_dir) / "ledger.json", document)

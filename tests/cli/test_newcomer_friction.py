@@ -15,8 +15,8 @@ from runfixtures import make_run
 from runner.cli import main
 from runner.data.manifest import said_once
 from runner.reports import tables as rpt
-from runner.reports.audit import audit
-from runner.reports.audit_tracked import key_groups
+from runner.reports.audit.run import audit
+from runner.reports.audit.tracked import key_groups
 
 
 def test_the_demos_small_validation_warning_is_said_once(project_with_data, capsys, monkeypatch):

@@ -9,7 +9,7 @@ import pandas as pd
 from runfixtures import SEQ_LEN, make_run
 
 from runner.data.manifest import MIN_VALIDATION_SAMPLES, small_validation_warning
-from runner.reports.audit import INFO, audit
+from runner.reports.audit.run import INFO, audit
 from runner.reports.tables import write_report
 
 

@@ -14,7 +14,7 @@ from trainfixtures import env, launch, make_project
 
 from runner.export.export import export_run
 from runner.fsio import read_jsonl
-from runner.reports.audit import audit
+from runner.reports.audit.run import audit
 
 
 @pytest.mark.slow

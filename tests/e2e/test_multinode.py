@@ -36,7 +36,7 @@ from timeouts import SCALE, SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from trainfixtures import env, launch, make_project, run_in_process
 
 from runner.fsio import read_jsonl
-from runner.reports.audit import audit
+from runner.reports.audit.run import audit
 from runner.training.collectives import STOP_TIMEOUT_KEY
 
 PROJECT = {"steps": 6, "micro": 2, "checkpoint_every": 3, "eval_every": 3}

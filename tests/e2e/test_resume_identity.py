@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runner.training.resume_identity import GPU_RELATIVE_TOLERANCE, compare_weights
+from runner.runs.resume_identity import GPU_RELATIVE_TOLERANCE, compare_weights
 
 
 @pytest.fixture()

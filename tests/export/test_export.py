@@ -263,7 +263,7 @@ def _card_table(card: str, heading: str) -> list[dict[str, str]]:
 def _check_downstream_section(folder: Path, report: Path, step: int) -> list[dict[str, str]]:
     """The card's downstream section and accounting.json's `downstream` against the report's figures
     at `step` (every source) and the downstream targets judged on the loop's scorings up to it."""
-    from runner.reports.downstream_report import numbered_records
+    from runner.reports.downstream.report import numbered_records
     from runner.training.task_targets import TaskTarget, task_targets_table
 
     card = (folder / "README.md").read_text()

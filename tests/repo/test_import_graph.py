@@ -10,7 +10,9 @@ The layer order (bottom first) is `LAYERS` below; docs/DESIGN.md ("Map") says th
   given points). It sits below training because the trainer computes its MFU and its plan with the very
   functions the planner uses, and the planner never reads a run folder: what reads run folders (a pilot
   run's points, a run's measured throughput) lives in training/ or reports/ and hands numbers down.
-- training: the loop and its components, and the run folder it writes (runfolder, runjson, record, runlock).
+- runs: the run folder's format (its layout and lock, run.json's typed record, what a run recorded, the
+  step record, the resume identity): training writes through it; reports, export and cli read through it.
+- training: the loop and its components, and what they write into the run folder (records).
 - reports: tables, audit, claims, publish, compare; they read run folders and MLflow.
 - export: reads audited reports. cli (and `python -m runner`): argument parsing on top, imported by nothing.
 
@@ -37,6 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("runner.config",)),
     ("data", ("runner.data",)),
     ("planning", ("runner.planning",)),
+    ("runs", ("runner.runs",)),
     ("training", ("runner.training",)),
     ("reports", ("runner.reports",)),
     ("export", ("runner.export",)),

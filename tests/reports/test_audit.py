@@ -14,10 +14,10 @@ from runfixtures import SEQ_LEN, make_run, run_commands
 
 from runner.cli.report import register
 from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED, RunnerError
-from runner.reports.audit import audit
-from runner.reports.audit_result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
-from runner.reports.audit_tracked import NAMES as MLFLOW_CHECKS
-from runner.reports.evidence import write_evidence
+from runner.reports.audit.evidence import write_evidence
+from runner.reports.audit.result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
+from runner.reports.audit.run import audit
+from runner.reports.audit.tracked import NAMES as MLFLOW_CHECKS
 from runner.reports.tables import write_report
 
 CHECKPOINT_CHECK = "final checkpoint agrees with the report"
@@ -437,7 +437,7 @@ def test_cpu_peak_is_recomputed_from_cores_clock_and_flops_per_cycle(run_dir, tm
 
 def test_evidence_hashes_the_csv_text_and_reads_back_from_tags_exactly(run_dir):
     from runner.fsio import sha256_file
-    from runner.reports import evidence as ev
+    from runner.reports.audit import evidence as ev
 
     found = ev.build_evidence(run_dir)
     for name, digest in found["tables"].items():

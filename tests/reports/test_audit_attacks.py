@@ -27,11 +27,11 @@ from runner.data.manifest import manifest_sha256, num_samples
 from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED
 from runner.fsio import sha256_file
 from runner.planning.flops import Convention, flops_per_token
-from runner.reports import evidence as ev
 from runner.reports import tables as rpt
-from runner.reports.audit import audit, replay
-from runner.reports.audit_result import FAIL, PASS, UNVERIFIED
-from runner.reports.audit_tracked import EVIDENCE, METRICS, PARAMS, TAGS
+from runner.reports.audit import evidence as ev
+from runner.reports.audit.result import FAIL, PASS, UNVERIFIED
+from runner.reports.audit.run import audit, replay
+from runner.reports.audit.tracked import EVIDENCE, METRICS, PARAMS, TAGS
 from runner.reports.publish import publish
 from runner.reports.tables import _typed
 

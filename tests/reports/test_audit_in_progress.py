@@ -16,9 +16,9 @@ from runner.cli import main
 from runner.errors import EXIT_IN_PROGRESS, EXIT_UNVERIFIED, RunnerError
 from runner.reports.publish import publish
 from runner.reports.tables import write_report
-from runner.training.runlock import RunLock
+from runner.runs.lock import RunLock
 
-HOLD = "import sys; from runner.training.runlock import RunLock; l = RunLock(sys.argv[1], 'runner launch').__enter__(); print('held', flush=True); sys.stdin.read()"
+HOLD = "import sys; from runner.runs.lock import RunLock; l = RunLock(sys.argv[1], 'runner launch').__enter__(); print('held', flush=True); sys.stdin.read()"
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import pytest
 from test_targets import _set_targets, learnable_project
 from trainfixtures import launch
 
-from runner.reports.audit import audit
-from runner.reports.audit_result import FAIL, PASS
-from runner.reports.audit_tracked import EVIDENCE, METRICS
-from runner.reports.evidence import write_evidence
+from runner.reports.audit.evidence import write_evidence
+from runner.reports.audit.result import FAIL, PASS
+from runner.reports.audit.run import audit
+from runner.reports.audit.tracked import EVIDENCE, METRICS
 from runner.reports.tables import read_tables, write_report
 
 STEP_TOKENS = 8 * 16
@@ -82,7 +82,7 @@ def test_a_figure_is_vouched_for_by_the_evaluation_the_lineage_kept():
     step than the report's best is not compared."""
     from types import SimpleNamespace
 
-    from runner.reports.audit_tracked import Tracked, _compare_lineage, lineage_points
+    from runner.reports.audit.tracked import Tracked, _compare_lineage, lineage_points
 
     stamps = {
         "val_loss.a": [(3, 5.0, 100), (6, 4.0, 200), (6, 4.1, 900)],  # step 6 redone at t=900

@@ -14,7 +14,7 @@ import yaml
 
 from runner.cli.report import register
 from runner.errors import RunnerError
-from runner.reports.claims import audit_claim, audit_claims
+from runner.reports.claims.training import audit_claim, audit_claims
 
 SEEDS = Path(__file__).resolve().parents[2] / "reports" / "claims" / "seeds.yaml"
 

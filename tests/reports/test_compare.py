@@ -13,7 +13,7 @@ from runfixtures import make_run
 
 from runner.config.fingerprint import fingerprint
 from runner.fsio import read_jsonl
-from runner.reports.audit import audit
+from runner.reports.audit.run import audit
 from runner.reports.tables import read_tables, write_report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -256,7 +256,7 @@ def test_runs_under_different_hardware_settings_crown_no_winner_in_seconds_or_do
     """Issue 38, item 5: a CPU's peak follows its threads (1 vs 2: 0.166 vs 0.333 TFLOP/s); a run on
     another setting is not cheaper because of its experiment. The difference is named first, MFU
     under another peak is not comparable, and no run is first in seconds or dollars."""
-    from runner.reports.compare_hardware import hardware_differences, settings_of
+    from runner.reports.compare.hardware import hardware_differences, settings_of
 
     one, two = ({"device_name": "cpu", "peak_tflops": p} for p in (0.1664, 0.3328))
     settings = [settings_of(one, {"threads": 1}), settings_of(two, {"threads": 2})]

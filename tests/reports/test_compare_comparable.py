@@ -13,7 +13,7 @@ import yaml
 from runfixtures import make_run
 
 from runner.data.manifest import manifest_sha256
-from runner.reports import compare as cmp
+from runner.reports.compare import runs as cmp
 
 
 def _compare(capsys, *runs) -> tuple[dict, str]:

@@ -13,9 +13,9 @@ from runfixtures import make_run
 
 from runner.cli import main
 from runner.errors import EXIT_DISCREPANCY, EXIT_UNVERIFIED
-from runner.reports import compare as cmp
 from runner.reports import publish as pub
-from runner.reports.evidence import write_report_with_evidence
+from runner.reports.audit.evidence import write_report_with_evidence
+from runner.reports.compare import runs as cmp
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from runfixtures import make_run
 
-from runner.reports.audit import audit
-from runner.reports.evidence import write_report_with_evidence
+from runner.reports.audit.evidence import write_report_with_evidence
+from runner.reports.audit.run import audit
 from runner.reports.publish import portable, publish
 
 

@@ -12,7 +12,7 @@ from runfixtures import GLOBAL_BATCH, SEQ_LEN, STEPS, make_run, run_commands
 
 from runner.cli.report import register
 from runner.errors import EXIT_UNVERIFIED, RunnerError
-from runner.reports.evidence import write_report_with_evidence
+from runner.reports.audit.evidence import write_report_with_evidence
 from runner.reports.publish import audit_reports, publish
 from runner.reports.tables import PLOTS, TABLES, build_tables
 

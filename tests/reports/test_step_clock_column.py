@@ -11,9 +11,9 @@ import pytest
 from conftest import REPO
 from runfixtures import make_run
 
-from runner.reports.audit import audit
-from runner.reports.compare import load_source
-from runner.reports.evidence import write_report_with_evidence
+from runner.reports.audit.evidence import write_report_with_evidence
+from runner.reports.audit.run import audit
+from runner.reports.compare.runs import load_source
 from runner.reports.tables import build_tables
 from schemas.report_tables import READABLE_VERSIONS, SCHEMA_VERSION, validate_tables
 

@@ -21,7 +21,7 @@ from runner.config.load import load_experiment
 from runner.data.manifest import write_manifest
 from runner.fsio import read_jsonl, sha256_file
 from runner.reports import targets as tg
-from runner.reports.audit import audit
+from runner.reports.audit.run import audit
 from runner.reports.tables import build_tables, read_tables, write_report
 from schemas.report_tables import validate_tables
 

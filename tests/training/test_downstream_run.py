@@ -133,14 +133,14 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
     again = json.loads((run / "downstream/eval-step-0000002-2.json").read_text())  # the first one is kept
     assert again["requests_file"] == "requests-eval-step-0000002-2.jsonl.gz" and again["rows"][0]["documents"] == 4
 
-    from runner.reports.downstream_table import downstream_table
+    from runner.reports.downstream.table import downstream_table
 
     table = downstream_table(run)
     assert set(table["source"]) == {"loop", "runner eval"}
     assert sorted(set(table.loc[table["source"] == "runner eval", "step"])) == [2, 4]
     assert len(table[table["source"] == "loop"]) == 2 * 6
 
-    from runner.reports.downstream_audit import check_run
+    from runner.reports.audit.downstream import check_run
 
     assert check_run(run) == []
 
@@ -158,8 +158,8 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
 def test_audit_recomputes_every_figure_and_fails_a_forgery(scored_run, tmp_path):
     import shutil
 
-    from runner.reports.audit import audit
-    from runner.reports.downstream_audit import check_run
+    from runner.reports.audit.downstream import check_run
+    from runner.reports.audit.run import audit
 
     run = tmp_path / "run"
     shutil.copytree(scored_run / "run", run)
@@ -334,10 +334,10 @@ def test_report_shows_the_downstream_table_and_audit_checks_it_against_the_reque
 
     import pandas as pd
 
-    from runner.reports.audit import audit
-    from runner.reports.audit_tracked import EVIDENCE
-    from runner.reports.downstream_audit import EVAL_FIGURES
-    from runner.reports.downstream_table import downstream_table
+    from runner.reports.audit.downstream import EVAL_FIGURES
+    from runner.reports.audit.run import audit
+    from runner.reports.audit.tracked import EVIDENCE
+    from runner.reports.downstream.table import downstream_table
 
     run = tmp_path / "run"
     shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))  # whatever ran before
@@ -452,7 +452,7 @@ def _forge_eval_scoring(record_path: Path, edit) -> list[dict]:
     """What a careful forger does to a `runner eval` scoring: its request file edited (`edit(rows)`),
     then every figure of its record (centered forms and the aggregate too) recomputed from it with
     the audit's own arithmetic, so that the two files agree. Returns the edited request rows."""
-    from runner.reports.downstream_audit import _centered, recompute
+    from runner.reports.audit.downstream import _centered, recompute
 
     record = json.loads(record_path.read_text())
     path = record_path.parent / record["requests_file"]
@@ -479,11 +479,11 @@ def _forge_eval_scoring(record_path: Path, edit) -> list[dict]:
 def test_recompute_eval_rescores_the_loop_and_runner_eval_requests_from_the_checkpoints(scored_run, tmp_path):
     import shutil
 
-    from runner.reports.audit import audit, load_input
-    from runner.reports.audit_downstream_eval import NAME, check_recomputed_downstream
-    from runner.reports.audit_result import AuditResult
-    from runner.reports.downstream_audit import EVAL_FIGURES, check_run
-    from runner.reports.evidence import write_report_with_evidence
+    from runner.reports.audit.downstream import EVAL_FIGURES, check_run
+    from runner.reports.audit.evidence import write_report_with_evidence
+    from runner.reports.audit.recompute_downstream import NAME, check_recomputed_downstream
+    from runner.reports.audit.result import AuditResult
+    from runner.reports.audit.run import audit, load_input
     from runner.training.downstream.posthoc import run_eval
 
     run = tmp_path / "run"
@@ -576,10 +576,10 @@ DAMAGED = {
 def test_a_damaged_request_file_is_a_failed_check_naming_it(scored_run, tmp_path, damage):
     import shutil
 
-    from runner.reports.audit import load_input
-    from runner.reports.audit_downstream_eval import check_recomputed_downstream
-    from runner.reports.audit_result import AuditResult
-    from runner.reports.downstream_audit import NAME, audit_checks, check_run
+    from runner.reports.audit.downstream import NAME, audit_checks, check_run
+    from runner.reports.audit.recompute_downstream import check_recomputed_downstream
+    from runner.reports.audit.result import AuditResult
+    from runner.reports.audit.run import load_input
 
     run = tmp_path / "run"
     shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))
@@ -600,8 +600,8 @@ def test_a_malformed_downstream_row_or_record_is_one_line_naming_the_file_and_co
     import shutil
 
     from runner.errors import RunnerError
-    from runner.reports.audit import audit
-    from runner.reports.downstream_table import downstream_table
+    from runner.reports.audit.run import audit
+    from runner.reports.downstream.table import downstream_table
 
     run = tmp_path / "run"
     shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))
@@ -664,7 +664,7 @@ def test_downstream_targets_are_reported_recounted_and_a_forged_crossing_fails(s
 
     import pandas as pd
 
-    from runner.reports.audit import audit
+    from runner.reports.audit.run import audit
 
     run = tmp_path / "run"
     shutil.copytree(scored_run / "run", run)

@@ -23,10 +23,10 @@ from trainfixtures import env, launch, make_project, run_in_process
 
 from runner.config.load import load_experiment
 from runner.errors import RunnerError
-from runner.reports import evidence as ev
-from runner.reports.audit import audit
-from runner.reports.audit_tracked import METRICS
-from runner.reports.evidence import write_report_with_evidence
+from runner.reports.audit import evidence as ev
+from runner.reports.audit.evidence import write_report_with_evidence
+from runner.reports.audit.run import audit
+from runner.reports.audit.tracked import METRICS
 from runner.reports.expert_tables import balance_rows
 from runner.reports.tables import _typed
 from runner.training import experts

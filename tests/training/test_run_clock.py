@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from runner.errors import RunnerError
-from runner.training.clock import RunClock, device_seconds_or, recorded_times
+from runner.runs.recorded import device_seconds_or, recorded_times
+from runner.training.clock import RunClock
 
 
 class FakeTime:

@@ -121,7 +121,7 @@ def test_a_relative_store_given_to_sync_is_recorded_absolute(tmp_path, monkeypat
     monkeypatch.chdir(elsewhere)
     Tracker(run, report=lambda m: None).close()
     from runner.cli.train import _tracker_of
-    from runner.training.runfolder import RunFolder
+    from runner.runs.folder import RunFolder
 
     again = _tracker_of(RunFolder(run), None, report=lambda m: None)
     again.log_metrics({"loss": 0.5}, step=2)

@@ -68,7 +68,7 @@ def test_activation_checkpointing_reports_hfu_besides_mfu(tmp_path):
     import pandas as pd
     import yaml
 
-    from runner.reports.audit import audit
+    from runner.reports.audit.run import audit
 
     exp = make_project(tmp_path, steps=4, checkpoint_every=4)
     model = tmp_path / "recipes" / "model" / "m.yaml"

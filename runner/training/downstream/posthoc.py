@@ -18,10 +18,10 @@ import numpy as np
 
 from runner.errors import RunnerError
 from runner.fsio import atomic_write_json, read_json
+from runner.runs.folder import experiment_of_run, is_run_dir
 from runner.training.checkpoint import Checkpoint, verify
 from runner.training.downstream.run import prepare, requests_name, score, task_specs, write_requests
 from runner.training.model import build_model
-from runner.training.runfolder import experiment_of_run, is_run_dir
 
 
 def find_checkpoint(target: Path) -> tuple[Path, Path]:

@@ -1,7 +1,7 @@
 """The lock of a run folder: one process writes it at a time (RunLock), and reading who holds it.
 
 A launch, `runner sync` and `runner report` take it; readers (audit, status) only ask who holds it.
-Never reads or writes the run's records themselves (runner.training.runfolder does).
+Never reads or writes the run's records themselves (runner.runs.folder does).
 """
 
 from __future__ import annotations

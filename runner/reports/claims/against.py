@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from runner.reports.claims import ClaimResult
-from runner.reports.mixture_claims import SourceRow
+from runner.reports.claims.mixture import SourceRow
+from runner.reports.claims.training import ClaimResult
 
 AGAINST_REL = 0.01  #: a run's counters are exact; a claim's figures are rounded to a few digits
 COUNTER_OF_KIND = {"exposure": "exposure_tokens", "unique": "unique_tokens", "useful": "useful_tokens"}
@@ -139,8 +139,8 @@ def claim_against(result: ClaimResult, domains: dict[str, dict[str, float]]) -> 
 
 def compare_claims(results: list[ClaimResult], target: str) -> AgainstResult:
     """Every mixture claim of `results` against the run or report `target` (folder or MLflow run id)."""
-    from runner.reports.audit import audit  # noqa: PLC0415 - pandas and the report tables, only with --against
-    from runner.reports.compare import load_source  # noqa: PLC0415 - the same
+    from runner.reports.audit.run import audit  # noqa: PLC0415 - pandas and the report tables, only with --against
+    from runner.reports.compare.runs import load_source  # noqa: PLC0415 - the same
 
     source = load_source(target)
     audited = audit(target, check_mlflow=False)

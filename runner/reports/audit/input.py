@@ -1,9 +1,10 @@
 """What an audit reads (`AuditInput`: the report tables, the saved experiment, run.json, the manifests, the
-tables rebuilt from a run folder) and the sampler's recount of the committed steps (`Replay`).
+tables rebuilt from a run folder), the sampler's recount of the committed steps (`Replay`) and a
+checkpoint's state.json once the checkpoint verifies (`verified_state`).
 
 Their own module so that the audit's parts (audit_tracked, audit_eval, evidence) name what they are
-handed without importing runner.reports.audit, which imports them. Plain records: reading them is
-runner.reports.audit's `load_input` and `replay_input`.
+handed without importing runner.reports.audit.run, which imports them. Plain records: reading them is
+runner.reports.audit.run's `load_input` and `replay_input`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pandas as pd
 
 from runner.config.load import Experiment
 from runner.config.schema import ExperimentSchema
-from runner.training.runjson import RunJson, as_record
+from runner.fsio import read_json
+from runner.runs.runjson import RunJson, as_record
 
 
 @dataclass
@@ -46,7 +48,7 @@ class AuditInput:
 
     @functools.cached_property
     def record(self) -> RunJson:
-        """run.json typed (runner.training.runjson: the older formats' defaults); empty when there is none."""
+        """run.json typed (runner.runs.runjson: the older formats' defaults); empty when there is none."""
         return as_record(self.run) if self.run else RunJson()
 
     def steps(self) -> int:
@@ -70,3 +72,14 @@ class Replay:
     def histogram(self, d: str) -> dict[int, int]:
         values, counts = np.unique(self.seen[d], return_counts=True)
         return {int(v): int(c) for v, c in zip(values, counts)}
+
+
+def verified_state(path: Path) -> tuple[dict | None, str | None]:
+    """A checkpoint's state.json once the checkpoint verifies (every file against its sha256, the
+    seal, the step): (state, None), or (None, "step-N: the problem") when it does not."""
+    from runner.training.checkpoint import verify  # noqa: PLC0415  (imports torch)
+
+    problem = verify(path)
+    if problem is not None:
+        return None, f"{path.name}: {problem}"
+    return read_json(path / "state.json"), None

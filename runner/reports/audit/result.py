@@ -4,7 +4,7 @@ Owns: the four statuses a check can have, the three verdicts (PASS: every check 
 report ran and held; FAIL: at least one discrepancy; UNVERIFIED: nothing contradicts the report but
 named checks could not run), their exit codes, and how a result is printed. A check that could not
 run is UNVERIFIED, never a pass.
-Never: runs a check or reads a report (runner.reports.audit does).
+Never: runs a check or reads a report (runner.reports.audit.run does).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Reading back what a run recorded: the devices it held, its MFU convention and its times
-(runner.reports.tables, runner.reports.audit and the model card read a run through these), and
+(runner.reports.tables, runner.reports.audit.run and the model card read a run through these), and
 the manifest copies of a run or a report. Never writes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from runner.config.rules import devices
@@ -12,10 +13,15 @@ from runner.config.schema import ExperimentSchema
 from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.planning.flops import Convention
-from runner.training.clock import device_seconds_or, recorded_times
-from runner.training.runjson import RunJson, as_record
+from runner.runs.runjson import RunJson, as_record
 
 # ---- reading what a run recorded ----------------------------------------------------------------
+
+
+def device_seconds_or(recorded: float | None, seconds: float, world: int) -> float:
+    """Recorded device-seconds, else `seconds` x `world`: what a record written before device-seconds
+    were counted per attempt (one world size throughout) stands for. The one copy of this fallback."""
+    return float(recorded) if recorded is not None else seconds * world
 
 
 def read_manifest_copies(folder: Path, domains: list[str]) -> dict[str, dict]:
@@ -83,6 +89,47 @@ def device_seconds(
 
 def run_times(run: RunJson | dict, train_rows: list[dict]) -> tuple[float, float]:
     """(wall_seconds, step_seconds_total): run.json's totals when recorded, else from train.jsonl
-    (runner.training.clock.recorded_times)."""
+    (recorded_times)."""
     times = recorded_times(run, 1, train_rows)
     return times.wall_seconds, times.step_seconds_total
+
+
+@dataclass(frozen=True)
+class RecordedTimes:
+    """A finished (or stopped) run's time figures as a report reads them."""
+
+    wall_seconds: float
+    step_seconds_total: float
+    device_wall_seconds: float
+    device_step_seconds: float
+
+
+def recorded_times(run: RunJson | dict, held: int, train_rows: list[dict]) -> RecordedTimes:
+    """The times a run recorded: run.json's totals when present; else the step and wall time from
+    metrics/train.jsonl (a row's step_seconds stands for each step since the previous row:
+    log_interval_steps > 1 logs one row per interval) and device-seconds as time x `held`."""
+    rec = as_record(run)
+    wall, step_total = _seconds(rec, train_rows)
+    return RecordedTimes(
+        wall,
+        step_total,
+        device_seconds_or(rec.device_wall_seconds, wall, held),
+        device_seconds_or(rec.device_step_seconds_total, step_total, held),
+    )
+
+
+def _seconds(run: RunJson, train_rows: list[dict]) -> tuple[float, float]:
+    wall: float | None = run.wall_seconds
+    step_total: float | None = run.step_seconds_total
+    if train_rows and (wall is None or step_total is None):
+        rows = sorted(train_rows, key=lambda r: r["step"])
+        prev, summed = 0, 0.0
+        for r in rows:
+            span = max(int(r["step"]) - prev, 1)
+            summed += float(r["step_seconds"]) * span
+            prev = int(r["step"])
+        wall = wall if wall is not None else max(float(r["wall_seconds"]) for r in rows)
+        step_total = step_total if step_total is not None else summed
+    if wall is None or step_total is None:
+        raise RunnerError("no wall_seconds/step_seconds_total and no metrics/train.jsonl rows", file="run.json")
+    return float(wall), float(step_total)

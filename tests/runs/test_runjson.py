@@ -1,4 +1,4 @@
-"""run.json's typed record (runner.training.runjson): published and old formats read, the one writer
+"""run.json's typed record (runner.runs.runjson): published and old formats read, the one writer
 refuses a key the record does not name, and unknown keys survive a read-modify-write."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from runner.errors import RunnerError
-from runner.training.record import conventions_of, device_seconds, devices_held
-from runner.training.runfolder import RunFolder
-from runner.training.runjson import RunJson
+from runner.runs.folder import RunFolder
+from runner.runs.recorded import conventions_of, device_seconds, devices_held
+from runner.runs.runjson import RunJson
 
 REPO = Path(__file__).resolve().parents[2]
 

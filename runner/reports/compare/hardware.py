@@ -5,14 +5,14 @@ CPU the threads it computed with, which set that peak) have seconds, dollars and
 comparable: they measure the setting as much as the experiment (a run on one thread of a busy
 2-core machine beats one on two threads by 2x and more, whatever its learning rate). As different
 tokenizers do for losses in nats, such a comparison names the difference first and crowns no
-winner in seconds or dollars. Never reads files; `runner.reports.compare` calls it.
+winner in seconds or dollars. Never reads files; `runner.reports.compare.runs` calls it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from runner.training.runjson import as_record
+from runner.runs.runjson import as_record
 
 #: the settings compared, in the order a difference is named
 SETTINGS = ("device_name", "threads", "peak_tflops")

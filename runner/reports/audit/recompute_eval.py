@@ -21,17 +21,17 @@ import torch
 
 from runner.config.load import experiment_from_dict, find_project_root
 from runner.errors import RunnerError
-from runner.fsio import read_json
-from runner.reports import evidence as ev
-from runner.reports.audit_result import AuditResult
+from runner.reports.audit import evidence as ev
+from runner.reports.audit.input import verified_state
+from runner.reports.audit.result import AuditResult
 from runner.training.batches import load_data
-from runner.training.checkpoint import Checkpoint, dirname, verify
+from runner.training.checkpoint import Checkpoint, dirname
 from runner.training.evaluate import evaluate
 from runner.training.model import build_model
 from runner.training.schedule import make_optimizer
 
 if TYPE_CHECKING:
-    from runner.reports.audit_input import AuditInput
+    from runner.reports.audit.input import AuditInput
 
 NAME = "validation loss recomputed from the final checkpoint"
 # fp32 on CPU repeats the trainer's kernels up to summation order; a bf16 run (autocast on its GPU)
@@ -103,11 +103,10 @@ def check_recomputed_eval(
     if not path.is_dir():
         res.could_not(NAME, f"no checkpoint at {path}")
         return
-    problem = verify(path)
-    if problem is not None:
-        res.add(NAME, [f"{path.name}: {problem}"])
+    state, problem = verified_state(path)
+    if state is None:
+        res.add(NAME, [str(problem)])
         return
-    state = read_json(path / "state.json")
     final = ev.final_validation(inp.tables["validation"])
     if not final:
         res.could_not(NAME, "the report holds no evaluation to compare with")

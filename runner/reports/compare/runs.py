@@ -28,18 +28,18 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml, replace_folder, staging_folder
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
-from runner.reports.audit import audit
-from runner.reports.compare_downstream import mark_firsts, side_by_side, task_target_results, union_task_targets
-from runner.reports.compare_hardware import (
+from runner.reports.audit.evidence import write_report_with_evidence
+from runner.reports.audit.run import audit
+from runner.reports.compare.downstream import mark_firsts, side_by_side, task_target_results, union_task_targets
+from runner.reports.compare.hardware import (
     hardware_differences,
     mfu_denominators_differ,
     not_comparable_line,
     settings_of,
 )
-from runner.reports.evidence import write_report_with_evidence
 from runner.reports.publish import portable
-from runner.training.runfolder import is_reportable_run
-from runner.training.runjson import as_record
+from runner.runs.folder import is_reportable_run
+from runner.runs.runjson import as_record
 from schemas.report_tables import READABLE_VERSIONS, validate_tables, with_added_columns
 
 ACCOUNTING = ("processed_tokens", "exposure_tokens", "useful_tokens", "unique_tokens", "lost_tokens")
@@ -90,7 +90,7 @@ class Comparison:
     not_comparable: dict[tuple[str, str], str] = field(default_factory=dict)
     tokens_not_comparable: str = ""  # why token counts are not in one unit ("" when they are)
     machines: dict[str, str] = field(default_factory=dict)  # label -> machine, when the runs' machines differ
-    #: setting -> its values, where the runs' device, threads or peak differ (runner.reports.compare_hardware)
+    #: setting -> its values, where the runs' device, threads or peak differ (runner.reports.compare.hardware)
     hardware_differences: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -32,16 +32,7 @@ def render_markdown(declared: list[TaskTarget], table: pd.DataFrame) -> list[str
         return []
     lines = ["## Downstream targets", ""]
     lines += [f"- {targets.summary_line(t, targets.outcome(table, t.name))}" for t in declared]
-    lines += [
-        "",
-        "| target | point | step | exposure tokens | useful tokens | value | wall s | device-hours | cost USD |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in table.itertuples(index=False):
-        lines.append(
-            f"| {r.target} | {r.point} | {r.step:,} | {r.exposure_tokens:,} | {r.useful_tokens:,} | {r.value:.4g} "
-            f"| {r.wall_seconds:.1f} | {r.device_hours:.4g} | {r.cost_usd:.4g} |"
-        )
+    lines += ["", *targets.bracket_rows(table)]
     lines += [
         "",
         "A downstream target is met at the first in-loop scoring whose figure is >= `at_least`; `before` is the",

@@ -1,9 +1,8 @@
-"""Run folders: creating one, its run.json and journal, refusing a different experiment, and
-extending a finished run as a new segment.
+"""Run folders: creating one, its run.json and journal, and refusing a different experiment.
 
 Owns the lifecycle records of a run folder (experiment.yaml, fingerprint.txt, run.json segments,
 manifest copies, ledger.json) and the one way to write them. Reading back what a run recorded
-(devices held, MFU convention, times) is runner.training.record; the lock is runner.training.runlock.
+(devices held, MFU convention, times) is runner.runs.recorded; the lock is runner.runs.lock.
 Never trains, tracks or builds a report.
 """
 
@@ -16,23 +15,19 @@ import shutil
 import threading
 from pathlib import Path
 
-import numpy as np
-
 from runner.config.fingerprint import canonical_meaning, diff_keys
-from runner.config.load import Experiment, experiment_from_dict, find_project_root, load_saved_experiment, to_yaml
-from runner.config.rules import check_targets, global_batch_tokens, max_duration_tokens
-from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
+from runner.config.load import Experiment, find_project_root, load_saved_experiment, to_yaml
+from runner.config.rules import check_targets, max_duration_tokens
 from runner.errors import Problems, RunnerError
 from runner.fsio import atomic_write_json, read_json, read_jsonl, repair_jsonl_tail
-from runner.training.ledger import TokenLedger
-from runner.training.runjson import RunJson, check_fields
+from runner.runs.runjson import RunJson, check_fields
 
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _segment(index: int, start_step: int, exp: Experiment) -> dict:
+def segment_record(index: int, start_step: int, exp: Experiment) -> dict:
     """run.json's record of one segment: the budget and fingerprint the run trains under from `start_step`."""
     return {
         "index": index,
@@ -67,7 +62,7 @@ class RunFolder:
         return read_json(self.run_json)
 
     def record(self) -> RunJson:
-        """run.json, typed (runner.training.runjson: older formats' defaults filled in)."""
+        """run.json, typed (runner.runs.runjson: older formats' defaults filled in)."""
         return RunJson.from_dict(self.read(), file=str(self.run_json))
 
     def update(self, **fields) -> dict:
@@ -129,30 +124,6 @@ class RunFolder:
             repair_jsonl_tail(self.journal_path())
 
 
-def ledger_document(ledger: TokenLedger) -> dict:
-    """ledger.json's content as of now: counters, repetition histogram and realized ratios (plain JSON)."""
-
-    def plain(x):
-        if isinstance(x, dict):
-            return {str(k): plain(v) for k, v in x.items()}
-        if isinstance(x, (np.integer,)):
-            return int(x)
-        if isinstance(x, (np.floating,)):
-            return float(x)
-        return x
-
-    return {
-        "counters": plain(ledger.counters()),
-        "histogram": plain(ledger.histogram()),
-        "realized_ratios": plain(ledger.realized_ratios()),
-    }
-
-
-def write_ledger_json(run_dir: Path, document: dict) -> None:
-    """ledger.json (for report/audit) from a ledger_document, taken when the figures were current."""
-    atomic_write_json(Path(run_dir) / "ledger.json", document)
-
-
 def is_run_dir(path: Path) -> bool:
     """A run folder `runner launch` can resume: run.json and the experiment it trains."""
     return (Path(path) / "run.json").exists() and (Path(path) / "experiment.yaml").exists()
@@ -175,33 +146,6 @@ def experiment_of_run(run_dir: Path) -> Experiment:
     return exp
 
 
-def checked_experiment_of_run(run_dir: Path) -> Experiment:
-    """The run folder's experiment, refused when its experiment.yaml was edited into another run.
-
-    The file must resolve to the fingerprint of the run's current segment; operational keys
-    (hard stop, checkpoint cadence, log interval) may change. The differing keys are found against
-    the resolved config saved in the newest valid checkpoint."""
-    exp = experiment_of_run(run_dir)
-    recorded = RunFolder(run_dir).record().current_fingerprint()
-    if not recorded or recorded == exp.fingerprint:
-        return exp
-    # torch, only to name the keys of a refusal: off the path of every launch, report and audit
-    from runner.training.checkpoint import Checkpointer  # noqa: PLC0415
-
-    ckpt = Checkpointer.reader(run_dir).latest_valid(report=lambda m: None)
-    saved = ckpt.record.config if ckpt is not None else None
-    if saved is not None:
-        keys = diff_keys(canonical_meaning(saved), canonical_meaning(exp.config))
-        what = f"differing keys: {', '.join(keys) or '(none)'}"
-    else:
-        what = "no checkpoint holds the resolved config to name the differing keys"
-    raise RunnerError(
-        f"edited: resolves to fingerprint {exp.fingerprint[:12]}, the run's current segment has "
-        f"{recorded[:12]}; {what}; refusing to resume (restore the file, or start a new run)",
-        file=str(run_dir / "experiment.yaml"),
-    )
-
-
 def check_same_experiment(exp: Experiment, run_dir: Path) -> None:
     """Refuse to resume a run folder with a different experiment, naming the differing keys."""
     saved = experiment_of_run(run_dir)
@@ -213,13 +157,6 @@ def check_same_experiment(exp: Experiment, run_dir: Path) -> None:
         f"{saved.fingerprint[:12]}; differing keys: {', '.join(keys) or '(none)'}; refusing to resume",
         file=str(run_dir),
     )
-
-
-def check_mixture_feasible(exp: Experiment) -> None:
-    """Before a folder is written: every pin present and matching, each pool made with the pinned
-    tokenizer, and a mixture the budget and repetition caps allow."""
-    manifests, _ = load_experiment_manifests(exp)
-    plan_experiment_mixture(exp, manifests)
 
 
 def create_run_folder(exp: Experiment, run_dir: Path, run_id: str) -> None:
@@ -239,42 +176,10 @@ def create_run_folder(exp: Experiment, run_dir: Path, run_id: str) -> None:
             "experiment_file": str(exp.path) if exp.path else None,
             "project_root": str(exp.project_root),
             "mlflow": {"tracking_uri": None, "experiment_id": None, "run_id": None},
-            "segments": [_segment(0, 0, exp)],
+            "segments": [segment_record(0, 0, exp)],
             "status": "created",
             "committed_steps": 0,
             "conventions": None,
             "created_at": _now(),
         },
     )
-
-
-def extend_run(run_dir: Path, tokens: int, write: bool) -> Experiment:
-    """A finished run's experiment with exposure and max_duration raised to `tokens` (a new segment)."""
-    exp = checked_experiment_of_run(run_dir)
-    folder = RunFolder(run_dir)
-    info = folder.record()
-    cfg = exp.config
-    step_tokens = global_batch_tokens(cfg)
-    if info.status != "finished":
-        raise RunnerError(
-            f"run status is {info.status!r}; only a finished run is extended (resume it first)",
-            file=str(run_dir / "run.json"),
-            key="status",
-        )
-    if tokens <= cfg.train.exposure_tokens or tokens % step_tokens:
-        raise RunnerError(
-            f"--extend-to {tokens} must exceed the current budget {cfg.train.exposure_tokens} "
-            f"and be a whole number of global batches ({step_tokens} tokens)",
-            key="train.exposure_tokens",
-        )
-    resolved = exp.to_container()
-    resolved["train"]["exposure_tokens"] = tokens
-    resolved["train"]["max_duration_tokens"] = tokens
-    new = experiment_from_dict(resolved, project_root=exp.project_root, path=exp.path)
-    check_mixture_feasible(new)
-    if write:
-        (run_dir / "experiment.yaml").write_text(to_yaml(new.config))
-        (run_dir / "fingerprint.txt").write_text(new.fingerprint + "\n")
-        segments = info.segments + [_segment(len(info.segments), int(info.committed_steps), new)]
-        folder.update(segments=segments, fingerprint=new.fingerprint, status="running")
-    return new

@@ -10,7 +10,7 @@ not the tracking store); reading it back from those tags. After a `runner eval` 
 `evidence.runner_eval.<stem>.downstream.sha256` only when the table without it is one the logged
 evidence already vouches for, so that a report rebuilt with the scoring matches MLflow's evidence and
 an edit made before the scoring is never vouched for.
-Never: judges anything (runner.reports.audit compares), trains, or writes outside report/ (but
+Never: judges anything (runner.reports.audit.run compares), trains, or writes outside report/ (but
 that one MLflow tag).
 """
 
@@ -28,13 +28,13 @@ import pandas as pd
 from runner.errors import RunnerError
 from runner.fsio import atomic_write_json, read_json, sha256_file
 from runner.reports import tables as rpt
-from runner.reports.downstream_table import downstream_table
-from runner.training.runjson import RunJson
+from runner.reports.downstream.table import downstream_table
+from runner.runs.runjson import RunJson
 from runner.training.tracking import missing_store
 from schemas.report_tables import SCHEMA_VERSION
 
 if TYPE_CHECKING:
-    from runner.reports.audit_input import AuditInput
+    from runner.reports.audit.input import AuditInput
 
 FORMAT = "runner-evidence/1"
 EVIDENCE_FILE = "evidence.json"

@@ -8,9 +8,9 @@ recounted by replaying the sampler from the recipe's ratios and the manifests' s
 params, FLOPs per token, the peak (a datasheet figure, or a CPU's cores x clock x FLOP/cycle
 recomputed) and from them MFU, goodput MFU, HFU and cost; the CSV copies against the parquet
 tables; a run folder's raw files and final checkpoint against its report; then, through
-runner.reports.audit_tracked, the run's MLflow run (params, tags, every logged metric, the evidence
+runner.reports.audit.tracked, the run's MLflow run (params, tags, every logged metric, the evidence
 logged at the end) and, when asked, the validation loss recomputed from the final checkpoint
-(runner.reports.audit_eval). A check that cannot run is UNVERIFIED (runner.reports.audit_result), never
+(runner.reports.audit.recompute_eval). A check that cannot run is UNVERIFIED (runner.reports.audit.result), never
 a pass.
 Never: edits a report or a run, trains, or raises for a discrepancy (discrepancies are results;
 only unusable input raises RunnerError).
@@ -36,14 +36,17 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml
 from runner.planning.flops import Convention, flops_per_token, params_of_config
 from runner.planning.hardware import PEAKS, canonical_device, theoretical_peak_from_source
-from runner.reports import audit_tracked, downstream_audit, downstream_targets, targets
-from runner.reports import evidence as ev
 from runner.reports import tables as rpt
-from runner.reports.audit_input import AuditInput, Replay
-from runner.reports.audit_result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
-from runner.reports.expert_audit import check_expert_load, checkpoint_load_problems
-from runner.training.record import conventions_of, device_seconds, devices_held, read_manifest_copies
-from runner.training.runfolder import is_reportable_run
+from runner.reports import targets
+from runner.reports.audit import downstream as downstream_audit
+from runner.reports.audit import evidence as ev
+from runner.reports.audit import tracked as audit_tracked
+from runner.reports.audit.experts import check_expert_load, checkpoint_load_problems
+from runner.reports.audit.input import AuditInput, Replay, verified_state
+from runner.reports.audit.result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
+from runner.reports.downstream import targets as downstream_targets
+from runner.runs.folder import is_reportable_run
+from runner.runs.recorded import conventions_of, device_seconds, devices_held, read_manifest_copies
 from schemas.report_tables import ADDED_SINCE, READABLE_VERSIONS, SCHEMA_VERSION, SCHEMAS, validate_tables
 
 __all__ = ["FAIL", "INFO", "PASS", "UNVERIFIED", "AuditInput", "AuditResult", "Check", "audit", "load_input", "replay"]
@@ -660,17 +663,16 @@ def _check_checkpoint(res: AuditResult, inp: AuditInput) -> None:
     if not any(folder.glob("step-*")):  # before importing torch: a fabricated or pruned run has none
         res.could_not(name, f"no checkpoint at the last committed step {step} in {folder}")
         return
-    from runner.training.checkpoint import dirname, verify  # noqa: PLC0415  (imports torch)
+    from runner.training.checkpoint import dirname  # noqa: PLC0415  (imports torch)
 
     path = folder / dirname(step)
     if not path.exists():
         res.could_not(name, f"no checkpoint at the last committed step {step} in {folder}")
         return
-    problem = verify(path)
-    if problem is not None:
-        res.add(name, [f"{path.name}: {problem}"])
+    state, problem = verified_state(path)
+    if state is None:
+        res.add(name, [str(problem)])
         return
-    state = read_json(path / "state.json")
     problems = []
     if state.get("fingerprint") != inp.exp.fingerprint:
         problems.append(
@@ -697,7 +699,7 @@ def _check_checkpoint(res: AuditResult, inp: AuditInput) -> None:
 
 def _check_targets(res: AuditResult, inp: AuditInput) -> None:
     """Time- and cost-to-target recounted from the evaluations and run.json (runner.reports.targets), and
-    of downstream targets from the loop's scorings (runner.reports.downstream_targets)."""
+    of downstream targets from the loop's scorings (runner.reports.downstream.targets)."""
     for name, problems, ok_detail in targets.audit_checks(inp.tables, inp.config, inp.run):
         res.add(name, problems, ok_detail=ok_detail)
     for name, problems, ok_detail in downstream_targets.audit_checks(inp.tables, inp.config, inp.run):
@@ -705,7 +707,7 @@ def _check_targets(res: AuditResult, inp: AuditInput) -> None:
 
 
 def _check_downstream(res: AuditResult, inp: AuditInput) -> None:
-    """A run's downstream figures recomputed from its per-request files (runner.reports.downstream_audit)."""
+    """A run's downstream figures recomputed from its per-request files (runner.reports.audit.downstream)."""
     for name, problems, detail in downstream_audit.audit_checks(inp.run_dir, inp.tables.get("downstream")):
         if problems is None:
             res.info(name, detail)
@@ -716,7 +718,7 @@ def _check_downstream(res: AuditResult, inp: AuditInput) -> None:
 def _check_runner_eval_figures(res: AuditResult, inp: AuditInput, rescored: set[int] | None = None) -> None:
     """The report's `runner eval` figures not rescored (all but those of the steps in `rescored`):
     vouched for by MLflow's evidence (INFO), or UNVERIFIED naming --recompute-eval
-    (runner.reports.downstream_audit.runner_eval_check)."""
+    (runner.reports.audit.downstream.runner_eval_check)."""
     evidence = next((c.status for c in res.checks if c.name == audit_tracked.EVIDENCE), None)
     table = inp.tables.get("downstream")
     if table is not None and rescored:
@@ -764,10 +766,10 @@ def audit_input(
     audit_tracked.check(res, inp, tracked, why, rep)
     rescored: set[int] = set()
     if recompute_eval:
-        from runner.reports.audit_eval import check_recomputed_eval  # noqa: PLC0415  (imports torch)
+        from runner.reports.audit.recompute_eval import check_recomputed_eval  # noqa: PLC0415  (imports torch)
 
         check_recomputed_eval(res, inp, checkpoint=checkpoint, progress=progress)
-        from runner.reports.audit_downstream_eval import check_recomputed_downstream  # noqa: PLC0415  (torch)
+        from runner.reports.audit.recompute_downstream import check_recomputed_downstream  # noqa: PLC0415  (torch)
 
         rescored = check_recomputed_downstream(res, inp, progress=progress)
     # what was not rescored (a pruned checkpoint, no --recompute-eval) rests on MLflow's evidence

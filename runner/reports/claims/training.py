@@ -11,7 +11,7 @@ A mixture-of-experts claim states both `model_params` (total) and `active_params
 passes through, SPEC "Mixture-of-experts"): its compute, MFU and days use the active count;
 tokens per parameter stays over the total.
 A claim may also state what the model trained on, as a mixture table (`mixture:`; its audit is
-runner.reports.mixture_claims): then `model_params` is optional and the verdict takes the worst of
+runner.reports.claims.mixture): then `model_params` is optional and the verdict takes the worst of
 both: IMPOSSIBLE, INCONSISTENT (stated figures that contradict the table's own arithmetic),
 IMPLAUSIBLE, INCOMPARABLE (a kind or device unstated), WARNING (repetition worth less), ok.
 Never: reads runs or reports, or fills a missing figure from another device's peak.
@@ -28,7 +28,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_yaml
 from runner.planning.hardware import PEAKS, canonical_device, mfu
 from runner.planning.plan import CHINCHILLA_TOKENS_PER_PARAM, SECONDS_PER_DAY
-from runner.reports.mixture_claims import TOKEN_UNITS, MixtureResult, audit_mixture, parse_quantity, render_mixture
+from runner.reports.claims.mixture import TOKEN_UNITS, MixtureResult, audit_mixture, parse_quantity, render_mixture
 
 TOKEN_KINDS = ("exposure", "unique", "useful", "processed")
 #: Dense BF16 training MFU above which a claim is IMPLAUSIBLE (not impossible: the device could, no

@@ -71,7 +71,7 @@ def _balance_problems(bal: pd.DataFrame, want_rows: list[dict]) -> list[str]:
 
 
 def check_expert_load(res, inp) -> None:
-    """Add the expert checks of `inp` (runner.reports.audit_input.AuditInput) to `res` (its AuditResult)."""
+    """Add the expert checks of `inp` (runner.reports.audit.input.AuditInput) to `res` (its AuditResult)."""
     tables, cfg = inp.tables, inp.config
     if not is_moe(cfg) or cfg.model.moe is None:
         filled = [f"{name}: {len(tables[name])} rows" for name in TABLES if len(tables[name])]

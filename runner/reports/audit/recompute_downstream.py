@@ -28,16 +28,16 @@ from runner.config.load import experiment_from_dict
 from runner.config.schema import DownstreamTask
 from runner.errors import RunnerError
 from runner.fsio import read_json
-from runner.reports.audit_eval import _project_root
-from runner.reports.audit_result import AuditResult
-from runner.reports.downstream_audit import REQUEST_INTS, convention_record, read_requests
-from runner.reports.downstream_table import loop_rows, read_eval_record
+from runner.reports.audit.downstream import REQUEST_INTS, convention_record, read_requests
+from runner.reports.audit.recompute_eval import _project_root
+from runner.reports.audit.result import AuditResult
+from runner.reports.downstream.table import loop_rows, read_eval_record
 from runner.training.checkpoint import Checkpoint, dirname, verify
 from runner.training.downstream.run import BUILTIN, Prepared, prepare, score, task_specs
 from runner.training.model import build_model
 
 if TYPE_CHECKING:
-    from runner.reports.audit_input import AuditInput
+    from runner.reports.audit.input import AuditInput
 
 NAME = "downstream log-likelihoods rescored from the checkpoints"
 SHOWN = 3  #: requests named per scoring; the rest are counted

@@ -5,7 +5,7 @@ that must agree) over the request files (`ll`, tokens, characters, bytes, gold a
 request), and the comparison with every row the loop (metrics/downstream.jsonl) and `runner eval`
 (downstream/eval-step-*.json) recorded: the value, the documents, the random baseline, and the
 aggregate over the tasks its record names. Reading a request file (read_requests, for
-runner.reports.audit_downstream_eval too): each record's fields and each document's choices checked.
+runner.reports.audit.recompute_downstream too): each record's fields and each document's choices checked.
 A row without its request file, or one whose file is damaged (not gzip, cut short, not JSON, a
 field missing), is a problem too, never a crash. Never scores a model and never writes.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from runner.errors import RunnerError
-from runner.reports.downstream_table import PROGRESS, downstream_table, loop_rows, read_eval_record
+from runner.reports.downstream.table import PROGRESS, downstream_table, loop_rows, read_eval_record
 
 REL_TOL = 1e-9
 _NORMS = {"acc": None, "acc_norm": "choice_chars", "acc_per_char": "chars", "acc_per_token": "tokens"}
@@ -256,7 +256,7 @@ def table_differences(table: pd.DataFrame, recorded: pd.DataFrame) -> list[str]:
 
 
 def audit_checks(run_dir: Path | None, table: pd.DataFrame | None = None) -> list[tuple[str, list[str] | None, str]]:
-    """(check name, problems, ok detail) for runner.reports.audit: the run folder's figures against
+    """(check name, problems, ok detail) for runner.reports.audit.run: the run folder's figures against
     their request files, and `table` (the report's downstream table) against those figures. None
     for a run that scored no task; without the run folder a report's table cannot be recomputed
     (check name, None, why)."""
@@ -298,7 +298,7 @@ def runner_eval_check(table: pd.DataFrame | None, evidence_passed: bool) -> tupl
     they were not rescored; None when it holds none. A runner eval scoring is recorded nowhere but
     its own two files, which an edit rewrites together (check_run only finds them consistent): its
     figures are vouched for where MLflow's evidence holds the table's hash with them (runner eval
-    logs it: runner.reports.evidence.vouch_for_runner_eval), else only by rescoring."""
+    logs it: runner.reports.audit.evidence.vouch_for_runner_eval), else only by rescoring."""
     if table is None or table.empty:
         return None
     mine = table[table["source"] == "runner eval"]

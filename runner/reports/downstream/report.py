@@ -2,7 +2,7 @@
 records, and downstream.png (each task's figures against exposure tokens) where the loop scored the
 run more than once.
 
-Owns: rendering the `downstream` report table (runner.reports.downstream_table builds it). Never
+Owns: rendering the `downstream` report table (runner.reports.downstream.table builds it). Never
 computes or judges a figure.
 """
 

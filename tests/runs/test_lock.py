@@ -16,7 +16,7 @@ import pytest
 from trainfixtures import env, launch, make_project
 
 from runner.errors import RunnerError
-from runner.training.runlock import OWNER_FILE, RunLock
+from runner.runs.lock import OWNER_FILE, RunLock
 
 
 def _wait_for_training(proc: subprocess.Popen, journal) -> None:

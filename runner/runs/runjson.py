@@ -2,7 +2,7 @@
 
 `RunJson.from_dict` is the one reader (a run folder's run.json, a published report's copy, an old
 run folder's: every key a format lacked gets its default here, never at the call site);
-`RunFolder.update` (runner.training.runfolder) is the one writer, and refuses a key this record
+`RunFolder.update` (runner.runs.folder) is the one writer, and refuses a key this record
 does not name. Keys a newer runner wrote that this one does not know are kept (`extra`), so a
 read-modify-write never drops them. Never reads or writes a file itself.
 """
@@ -22,7 +22,7 @@ _NOT_KEYS = frozenset({"extra", "recorded_keys"})  # the record's own bookkeepin
 class RunJson:
     """One run folder's run.json (DESIGN.md: run folder). None: not recorded (yet, or by this format)."""
 
-    # written when the folder is created (runner.training.runfolder.create_run_folder)
+    # written when the folder is created (runner.runs.folder.create_run_folder)
     run_id: str | None = None
     experiment: str | None = None
     fingerprint: str | None = None  #: the current segment's
@@ -104,5 +104,5 @@ def check_fields(fields: dict, file: str) -> None:
     unknown = sorted(set(fields) - FIELDS)
     if unknown:
         raise RunnerError(
-            f"not a run.json field: {', '.join(unknown)} (add it to runner.training.runjson.RunJson)", file=file
+            f"not a run.json field: {', '.join(unknown)} (add it to runner.runs.runjson.RunJson)", file=file
         )

@@ -7,7 +7,7 @@ recipe and manifest pins, the MFU convention and peak, the run's name); every po
 metric's history against the report wherever the report states that figure (per-domain counters and
 realized ratios, recounted by replaying the sampler at steps the report does not hold; validation
 losses; throughput; the final summary); and the evidence logged at the end of the run
-(runner.reports.evidence) against the report's tables, experiment.yaml, final checkpoint and
+(runner.reports.audit.evidence) against the report's tables, experiment.yaml, final checkpoint and
 validation losses. When the run cannot be reached every one of these checks is UNVERIFIED, saying why.
 Never: writes to a tracking store, or trusts anything in the report folder to stand in for it.
 """
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from runner.config.fingerprint import canonical_meaning
 from runner.fsio import read_json
-from runner.reports import evidence as ev
-from runner.reports.audit_result import AuditResult
+from runner.reports.audit import evidence as ev
+from runner.reports.audit.result import AuditResult
 from runner.reports.tables import CONVENTION_KEYS, written_version
 from runner.training.tracking import missing_store, sqlite_path
 from schemas.report_tables import with_added_columns
 
 if TYPE_CHECKING:
-    from runner.reports.audit_input import AuditInput, Replay
+    from runner.reports.audit.input import AuditInput, Replay
 
 RUN = "MLflow run reachable"
 PARAMS = "MLflow params = experiment.yaml"
