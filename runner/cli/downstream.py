@@ -23,6 +23,10 @@ def _eval(args) -> int:
         )
     record = run_eval(Path(args.target), names, args.micro_batch, args.limit)
     print(vouch_for_runner_eval(record.parents[1], record))
+    if (record.parents[1] / "report").is_dir():  # export takes the report's figures, and refuses until then
+        print(
+            f"report: not rebuilt; `runner report {record.parents[1]}` adds this scoring to it (and to an export's card)"
+        )
     return EXIT_OK
 
 

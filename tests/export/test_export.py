@@ -948,3 +948,24 @@ def test_the_card_reads_as_the_hub_template_with_data_described_and_a_snippet_th
     )
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.startswith("The")  # the prompt, then 32 greedy tokens
+
+
+def test_export_after_runner_eval_says_to_rebuild_the_report_first(tmp_path):
+    """Issue 38, item 3: `runner eval` leaves report/ as it was; an export then would drop its figures
+    from the card, so it is refused in one line naming the command; after `runner report` it exports
+    them."""
+    run = _train(tmp_path, eval_extra=_tasks())
+    root = run.parents[1]
+    scored = run_in_process(root, ["eval", str(run), "--tasks", "arc_easy"], env(root))
+    assert scored.returncode == 0, scored.stderr
+    assert f"report: not rebuilt; `runner report {run}` adds this scoring to it" in scored.stdout
+    out = tmp_path / "exported"
+    proc = run_in_process(root, ["export", str(run), "--out", str(out), "--dtype", "fp32"], env(root))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and not out.exists(), proc.stderr
+    assert lines[0].startswith("error: runs/r/report: report/ predates `runner eval`'s scoring of step 4: ")
+    assert f"run `runner report {run}` first" in lines[0]
+    assert run_in_process(root, ["report", str(run)], env(root)).returncode == 0
+    proc = run_in_process(root, ["export", str(run), "--out", str(out), "--dtype", "fp32"], env(root))
+    assert proc.returncode == 0, proc.stderr
+    assert "| runner eval | arc_easy | acc |" in (out / "README.md").read_text()
