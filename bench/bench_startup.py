@@ -1,17 +1,23 @@
-"""Start-up time of the `runner` command: `python -m runner --help` here vs at another git ref.
+"""Start-up time of the `runner` command here vs at another git ref, side by side and alternating.
 
-The CLI imports a verb's modules only when the verb runs, so `--help` (and every verb's own
-start) pays for the argument parser and little else. This compares this tree with another commit
-of the repository, side by side and alternating (the machine is shared and noisy), and prints the
-medians and their ratio; a bare interpreter start is the floor.
+Default: `python -m runner --help` (the CLI imports a verb's modules only when the verb runs, so
+`--help` pays for the argument parser and little else); a bare interpreter start is the floor.
+`--cpu-tiny`: `runner launch experiments/cpu-tiny.yaml --max-steps 1 --no-tracking` in a scratch
+project of each tree (the built-in corpus prepared once), the launch's whole wall timed, and this
+tree's run.json `t_startup` (process start to the first step, by part) printed beside it. Medians and
+their ratio are printed (the machine is shared and noisy).
 
 Run: python bench/bench_startup.py --ref e936d7d --runs 10
+     python bench/bench_startup.py --cpu-tiny --ref HEAD~1 --runs 3
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _extract(ref: str, dest: Path) -> None:
-    """runner/ and schemas/ of `ref`, as a tree `python -m runner` imports from (cwd first on sys.path)."""
+def _extract(ref: str, dest: Path, paths: tuple[str, ...] = ("runner", "schemas")) -> None:
+    """`paths` of `ref`, as a tree `python -m runner` imports from (cwd first on sys.path)."""
     archive = subprocess.run(
-        ["git", "archive", "--format=tar", ref, "runner", "schemas"], cwd=ROOT, capture_output=True, check=True
+        ["git", "archive", "--format=tar", ref, *paths], cwd=ROOT, capture_output=True, check=True
     ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
@@ -38,11 +44,65 @@ def _seconds(cmd: list[str], cwd: Path) -> float:
     return time.perf_counter() - t0
 
 
+def _project(tree: Path, data: Path | None) -> Path:
+    """A scratch project of `tree` (its runner/, schemas/, recipes/, experiments/), the built-in corpus
+    prepared there (or linked from `data`)."""
+    if data is not None:
+        os.symlink(data, tree / "data")
+    else:
+        subprocess.run([sys.executable, "-m", "runner", "data", "builtin"], cwd=tree, capture_output=True, check=True)
+    return tree
+
+
+def _launch(tree: Path, run_dir: Path) -> tuple[float, dict | None]:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "runner", "launch", "experiments/cpu-tiny.yaml", "--max-steps", "1"]
+    seconds = _seconds([*cmd, "--no-tracking", "--run-dir", str(run_dir)], tree)
+    info = json.loads((run_dir / "run.json").read_text())
+    return seconds, info.get("t_startup")
+
+
+def cpu_tiny(ref: str, runs: int) -> None:
+    paths = ("runner", "schemas", "recipes", "experiments")
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"here": Path(tmp) / "here", ref: Path(tmp) / "ref"}
+        for name, tree in trees.items():
+            tree.mkdir()
+            _extract("HEAD" if name == "here" else ref, tree, paths)
+            if name == "here":  # the working tree as it is, uncommitted edits included
+                for p in ("runner", "schemas"):
+                    shutil.rmtree(tree / p)
+                    shutil.copytree(ROOT / p, tree / p, ignore=shutil.ignore_patterns("__pycache__"))
+        _project(trees["here"], None)
+        _project(trees[ref], trees["here"] / "data")
+        times: dict[str, list[float]] = {name: [] for name in trees}
+        startups: list[dict] = []
+        for _ in range(runs):
+            for name, tree in trees.items():
+                seconds, t_startup = _launch(tree, Path(tmp) / f"run-{name.replace('/', '_')}")
+                times[name].append(seconds)
+                if name == "here" and t_startup:
+                    startups.append(t_startup["attempts"][-1])
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    for name, m in medians.items():
+        print(f"runner launch cpu-tiny --max-steps 1 at {name:<12} median {m:.2f} s   min {min(times[name]):.2f} s")
+    print(f"here / {ref} = {medians['here'] / medians[ref]:.2f}")
+    if startups:
+        last = startups[len(startups) // 2]
+        print(f"t_startup here (median run): {last['seconds']:.2f} s; first step {last['first_step_seconds']} s")
+        for part, v in last["parts"].items():
+            print(f"  {part:<24} {v:7.3f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ref", default="HEAD", help="git ref to compare with (default HEAD)")
     parser.add_argument("--runs", type=int, default=10, help="runs of each, alternating")
+    parser.add_argument("--cpu-tiny", action="store_true", help="launch cpu-tiny for one step instead of --help")
     args = parser.parse_args()
+    if args.cpu_tiny:
+        cpu_tiny(args.ref, args.runs)
+        return
     help_cmd = [sys.executable, "-m", "runner", "--help"]
     with tempfile.TemporaryDirectory() as tmp:
         other = Path(tmp)

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The device check: one prepared script for a GPU machine with no internet, in under 8 minutes.
 #
-#   bash bench/device_check.sh [--out DIR] [--work DIR] [--budget-s 470] [--cpu-tiny] [--python python3]
-#        [--only PHASE,PHASE] [--cap PHASE=SECONDS ...] [--bench-args "..."]
+#   bash bench/device_check.sh [--out DIR] [--work DIR] [--budget-s 560] [--cpu-tiny] [--python python3]
+#        [--call 1|2] [--only PHASE,PHASE] [--cap PHASE=SECONDS ...] [--bench-args "..."]
+#   (--call 1: what decides, in one call of at most 9.5 minutes: env, the decisive bench rows (1p3b's
+#   recipe, gpu-smoke's settings), the MoE rows, the corpus, gpu-smoke launched, SIGKILLed, resumed and
+#   audited (its startup parts and checkpoint stall in the table); --call 2, the same --out: pytest -m
+#   gpu, the memory probe and the rest of the ladder, appended to bench.json. Without --call: all.)
 #   (--cpu-tiny: phase caps x3 and a 1200 s budget by default, for shared CI CPUs; --only runs those
 #   phases alone, --cap sets one phase's cap (not scaled), --bench-args adds gpu_bench.py flags:
 #   what tests/e2e/test_device_check.py uses to prove the caps cheaply)
@@ -48,6 +52,11 @@ while [ $# -gt 0 ]; do
     --cpu-tiny) CPU_TINY=1; shift ;;
     --python) PY=$2; shift 2 ;;
     --only) ONLY=",$2,"; shift 2 ;;
+    --call) case "$2" in
+        1) ONLY=",wheels,env,bench-decisive,bench-moe,corpus,launch-killed,resume,audit," ;;
+        2) ONLY=",wheels,env,pytest-gpu,memory-probe,bench-rest," ;;
+        *) echo "device_check.sh: --call 1 or 2" >&2; exit 2 ;;
+      esac; shift 2 ;;
     --cap) CAP_SET[${2%%=*}]=${2#*=}; shift 2 ;;
     --bench-args) BENCH_ARGS=$2; shift 2 ;;
     -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
@@ -66,7 +75,7 @@ if [ "$CPU_TINY" = 1 ]; then
   # CI's CPUs are shared and slow: the same phases with caps three times as long
   SCALE=3; BUDGET_S=${BUDGET_S:-1200}
 else
-  SCALE=1; BUDGET_S=${BUDGET_S:-470}
+  SCALE=1; BUDGET_S=${BUDGET_S:-560}
 fi
 T0=$(date +%s)
 DEADLINE=$((T0 + BUDGET_S))
@@ -74,8 +83,12 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 if [ "$CPU_TINY" = 1 ]; then
   SMOKE=experiments/gpu-smoke-cpu.yaml; PROBE_MICRO=1,8; BENCH_FLAGS=(--cpu-tiny --variant-s 15)
+  MOE=experiments/cpu-tiny-moe.yaml
 else
-  SMOKE=experiments/gpu-smoke.yaml; PROBE_MICRO=1,2; BENCH_FLAGS=(--variant-s 20 --steps 8 --warmup-steps 2)
+  # --variant-s 30: the 1p3b recipe's build + whole-model compile + warm-up took 76.8 s on the H200
+  # (its box is 4 x 30 = 120 s); gpu-smoke's regional compile gets 3 x 30
+  SMOKE=experiments/gpu-smoke.yaml; PROBE_MICRO=1,2; BENCH_FLAGS=(--variant-s 30 --steps 8 --warmup-steps 2)
+  MOE=experiments/olmoe-1b-7b.yaml
 fi
 # shellcheck disable=SC2206
 BENCH_FLAGS+=($BENCH_ARGS)
@@ -83,12 +96,16 @@ KILL_AT=8   # gpu-smoke checkpoints at step 6: the resume redoes steps 7-8, then
 
 # Each phase's cap in seconds on a GPU (x SCALE on --cpu-tiny; --cap overrides), in the order they run.
 # bench-rest has none: it takes what the others leave. Caps are bounds, not estimates.
-PHASE_ORDER=(wheels env bench-decisive corpus pytest-gpu memory-probe launch-killed resume audit bench-rest)
-declare -A CAP=([wheels]=30 [env]=20 [bench-decisive]=150 [corpus]=15 [pytest-gpu]=50 [memory-probe]=30
-  [launch-killed]=90 [resume]=90 [audit]=15)
+# The caps, from the H200's measured phases (2026-12-04: env 18 s, bench-decisive 118, corpus 3, pytest-gpu 48,
+# memory-probe 21, launch-killed 88, resume 104-110, audit ~28) with margin; bench-decisive now holds the
+# 1p3b recipe (76.8 s to build, compile, warm up) and gpu-smoke's settings row (regional compile).
+PHASE_ORDER=(wheels env bench-decisive bench-moe corpus launch-killed resume audit pytest-gpu memory-probe bench-rest)
+declare -A CAP=([wheels]=30 [env]=25 [bench-decisive]=220 [bench-moe]=70 [corpus]=15 [pytest-gpu]=60
+  [memory-probe]=30 [launch-killed]=100 [resume]=140 [audit]=45)
 declare -A WHAT=([wheels]="omegaconf, pandera, liger-kernel from bench/wheels (only when missing)"
   [env]="torch, CUDA/ROCm, device, driver, kernels that import"
-  [bench-decisive]="matmul ceiling; 1p3b recipe (whole-model compile, plain loss, bf16) with and without Liger"
+  [bench-decisive]="matmul ceiling; the 1p3b recipe (whole-model compile, plain loss, bf16); gpu-smoke's settings row"
+  [bench-moe]="gpu_bench.py --part moe on $MOE (where gpu_bench.py has it)"
   [corpus]="runner data builtin" [pytest-gpu]="pytest -m gpu tests/training/test_gpu.py, 2 workers (1 without pytest-xdist)"
   [memory-probe]="memory plan vs saved-tensor probe at gpu-smoke's shape"
   [launch-killed]="runner launch gpu-smoke, SIGKILLed in step $KILL_AT (checkpoint at 6)"
@@ -166,7 +183,22 @@ phase env 0 "$PY" bench/device_table.py env --out "$OUT_DIR/env.json"
 phase bench-decisive 0 "$PY" bench/gpu_bench.py "${BENCH_FLAGS[@]}" --part decisive \
   --budget-s "$(( ${CAP[bench-decisive]} > 20 ? ${CAP[bench-decisive]} - 10 : ${CAP[bench-decisive]} ))" \
   --smoke-experiment "$SMOKE" --out "$OUT_DIR/bench.json"
+# the mixture-of-experts rows (the `moe` helper's `--part moe`); a gpu_bench.py without it is a line, not a failure
+if grep -q '"moe"' bench/gpu_bench.py; then
+  phase bench-moe 0 "$PY" bench/gpu_bench.py "${BENCH_FLAGS[@]}" --part moe --experiment "$MOE" \
+    --budget-s "$(( ${CAP[bench-moe]} > 20 ? ${CAP[bench-moe]} - 10 : ${CAP[bench-moe]} ))" --out "$OUT_DIR/bench-moe.json"
+elif selected bench-moe; then
+  say "bench-moe: skipped, gpu_bench.py has no --part moe"
+  printf '{"phase": "bench-moe", "rc": null, "seconds": 0, "expected": [null], "note": "gpu_bench.py has no --part moe"}\n' >> "$PHASES"
+fi
 phase corpus 0 "$PY" -m runner data builtin
+if selected launch-killed; then rm -rf "$RUN_DIR"; fi
+# --kill-at-step: the runner SIGKILLs itself in that step (after its first micro batch): exit 137
+phase launch-killed 137 "$PY" -m runner launch "$SMOKE" --run-dir "$RUN_DIR" --no-tracking --kill-at-step "$KILL_AT"
+phase resume 0 "$PY" -m runner launch "$RUN_DIR" --no-tracking
+phase audit "0, 5" "$PY" -m runner audit "$RUN_DIR"
+cp "$RUN_DIR/run.json" "$OUT_DIR/run.json" 2>/dev/null
+cp "$RUN_DIR/metrics/train.jsonl" "$OUT_DIR/train.jsonl" 2>/dev/null
 # pytest's exit 5 = nothing collected to run: every test skipped for want of a GPU (--cpu-tiny);
 # -n 2: pyproject's `-n auto` would start a worker (and a CUDA context) per core of the device
 # (without pytest-xdist on the device, its addopts would not parse: one process, addopts cleared)
@@ -174,13 +206,6 @@ if "$PY" -c "import xdist" >/dev/null 2>&1; then WORKERS="-n 2"; else WORKERS="-
 phase pytest-gpu 0,5 bash -c "set -o pipefail; '$PY' -m pytest $WORKERS -m gpu tests/training/test_gpu.py -p no:cacheprovider -rfEs 2>&1 | tee '$WORK/pytest.txt'"
 phase memory-probe 0 "$PY" bench/memory_probe.py --experiment "$SMOKE" --micro-batches "$PROBE_MICRO" \
   --out "$OUT_DIR/probe.json"
-rm -rf "$RUN_DIR"
-# --kill-at-step: the runner SIGKILLs itself in that step (after its first micro batch): exit 137
-phase launch-killed 137 "$PY" -m runner launch "$SMOKE" --run-dir "$RUN_DIR" --no-tracking --kill-at-step "$KILL_AT"
-phase resume 0 "$PY" -m runner launch "$RUN_DIR" --no-tracking
-phase audit "0, 5" "$PY" -m runner audit "$RUN_DIR"
-cp "$RUN_DIR/run.json" "$OUT_DIR/run.json" 2>/dev/null
-cp "$RUN_DIR/metrics/train.jsonl" "$OUT_DIR/train.jsonl" 2>/dev/null
 if selected bench-rest; then
   LEFT=$((DEADLINE - $(date +%s) - 25))
   CAP[bench-rest]=${CAP_SET[bench-rest]:-$((LEFT + 15))}

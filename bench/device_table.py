@@ -200,7 +200,43 @@ def _bench_lines(bench: dict, failures: list[str]) -> list[str]:
     return lines
 
 
-def _runner_lines(figures: dict, bench: dict | None, failures: list[str], check: dict) -> list[str]:
+RUNNER_PHASES = ("launch-killed", "resume", "audit")
+
+
+def _startup_and_checkpoint_lines(run: dict) -> list[str]:
+    """run.json's `t_startup` (process start to the first step, by part, per attempt) and each
+    checkpoint's stall (`t_checkpoint`) and write (`t_checkpoint_write`): the issue-39 goals are a
+    start of <= 15 s (compile not counted) and a stall < 1 s for 1p3b-sized checkpoints."""
+    lines = []
+    t = run.get("t_startup") or {}
+    for a in t.get("attempts") or []:
+        parts = ", ".join(f"{k} {float(v):.1f}" for k, v in (a.get("parts") or {}).items() if float(v) >= 0.05)
+        first = a.get("first_step_seconds")
+        lines.append(
+            f"- attempt {a.get('attempt')}: start **{float(a.get('seconds', 0)):.1f} s** to the first step "
+            f"({parts or 'no part'}); first step {_num(first, '.1f')} s (compile included, not in the start)"
+            + ("; <= 15 s" if float(a.get("seconds", 0)) <= 15 else "; over the 15 s goal")
+        )
+    if not lines:
+        lines.append("- start: no `t_startup` in run.json (a runner from before it, or no attempt reached a step)")
+    ckpts = run.get("checkpoints") or []
+    if ckpts:
+        stalls = ", ".join(
+            f"step {c.get('step')}: {float(c.get('t_checkpoint', 0)):.2f} s (write {float(c.get('t_checkpoint_write', 0)):.1f} s, "
+            f"{c.get('checkpoint_write')})"
+            for c in ckpts
+        )
+        worst = max(float(c.get("t_checkpoint", 0)) for c in ckpts)
+        lines.append(f"- checkpoint stall (t_checkpoint) {stalls}: " + ("< 1 s" if worst < 1 else "**NOT < 1 s**"))
+    return lines
+
+
+def _runner_lines(
+    figures: dict, bench: dict | None, failures: list[str], check: dict, phases: list[dict] = ()
+) -> list[str]:
+    ran = {p.get("phase") for p in phases if p.get("rc") is not None}
+    if phases and not ran & set(RUNNER_PHASES):
+        return ["Runner: the runner's phases (launch-killed, resume, audit) did not run in this call."]
     run = figures.get("run") or {}
     runtime = run.get("runtime") or {}
     system = run.get("system") or {}
@@ -235,6 +271,8 @@ def _runner_lines(figures: dict, bench: dict | None, failures: list[str], check:
                 line += ", NOT within 3%"
                 failures.append(f"runner {figures['tokens_per_second']:,.0f} tok/s vs bench (ratio {ratio:.3f})")
         lines.append(line + ".")
+    if run:
+        lines += _startup_and_checkpoint_lines(run)
     if run.get("mfu") is not None:
         lines.append(
             f"- whole run (compile, checkpoints, the kill and resume included): MFU {_pct(run['mfu'])}, goodput MFU "
@@ -303,7 +341,15 @@ def render(out: Path, work: Path, command: str) -> str:
         lines += _bench_lines(bench, failures) + [""]
     else:
         lines += ["Bench: no result (phase did not finish).", ""]
-    lines += _runner_lines(runner_figures(work), bench, failures, _read(work / "check.json") or {}) + [""]
+    lines += _runner_lines(runner_figures(work), bench, failures, _read(work / "check.json") or {}, phases) + [""]
+    moe = _read(out / "bench-moe.json")
+    if moe and moe.get("rows"):
+        lines += ["Mixture of experts (`gpu_bench.py --part moe`, MFU over active parameters):", ""]
+        lines += [
+            f"- {r.get('variant')}: {r.get('status')} {_num(r.get('tokens_per_second'), ',.0f')} tok/s, "
+            f"MFU {_pct(r.get('mfu'))}, peak {_num(r.get('peak_memory_gib'), '.1f')} GiB"
+            for r in moe["rows"]
+        ] + [""]
     if probe:
         lines += _probe_lines(probe) + [""]
     lines += ["What failed: " + ("; ".join(failures) if failures else "nothing.")]

@@ -7,8 +7,9 @@ runner's chunked loss -> regional compile -> the gpu-smoke experiment's own sett
 batch sweep of the best -> whole-model compile and the rest, inside one global time budget. The
 model and its loss are the runner's own (runner.training.model.RunnerLlama), so a variant measures
 exactly what `runner launch` runs with those recipe options. `--part decisive` measures the ceiling
-and the rows that decide (the 1p3b recipe's own settings, with and without Liger); `--part rest` the
-ladder after them, appending to the same file. Writes the JSON record as it measures (each row
+and the rows that decide (the 1p3b recipe's own settings, then gpu-smoke's settings row); `--part
+rest` the ladder after them (the 1p3b recipe at twice the micro batch first), appending to the same
+file. Writes the JSON record as it measures (each row
 replaces the file atomically: a bench killed at its cap leaves every finished row, `complete` false),
 prints a table. Never: crashes on a variant (OOM, a missing backend, a kernel error become rows),
 lets a variant's build, warm-up (compile) or timing run past its time box (SIGALRM: a `timeout`
@@ -442,31 +443,13 @@ def train_step(model, optimizer, batch, v: Variant, device: torch.device) -> Non
 
 
 def planned_memory_gib(shape: dict[str, Any], v: Variant, device: torch.device) -> float | None:
-    """runner.planning.plan's memory per device for this variant (None without the runner)."""
+    """runner.planning's peak memory per device for this variant (None without the runner): its compile
+    scope, kernels, loss and micro batch, one micro batch per optimizer step (as train_step takes it)."""
     try:
-        from runner.planning.plan import memory_per_device
+        from runner.planning.measured_memory import planned_row_bytes
     except Exception:
         return None
-    gpu = device.type == "cuda"
-    cfg = {
-        "tokenizer": {"vocab_size": shape["vocab_size"]},
-        "model": {
-            "arch": "llama",
-            **{k: shape[k] for k in ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")},
-            "tie_embeddings": shape["tie_embeddings"],
-            "attn_implementation": v.attn,
-            "kernels": v.kernels,
-            "cross_entropy": v.cross_entropy,
-            "activation_checkpointing": False,
-        },
-        "train": {"seq_len": shape["seq_len"], "micro_batch_sequences": v.micro_batch},
-        "hardware": {
-            "accelerator": "cuda" if gpu else "cpu",
-            "precision": "bf16" if v.autocast_bf16 and gpu else "fp32",
-            "memory_gib": 0,
-        },
-    }
-    return memory_per_device(cfg)["total_bytes"] / 2**30
+    return planned_row_bytes(shape, asdict(v), gpu=device.type == "cuda") / 2**30
 
 
 def run_variant(
@@ -583,7 +566,7 @@ def time_box(until: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def variants(micro_batches: list[int], smoke: Variant) -> list[Variant]:
+def variants(micro_batches: list[int], smoke: Variant | None = None) -> list[Variant]:
     """The ladder, in priority order (what the budget cuts comes last); the micro-batch sweep of the
     best of these is added by `sweep` once they are measured."""
     mid = micro_batches[len(micro_batches) // 2]
@@ -608,7 +591,6 @@ def variants(micro_batches: list[int], smoke: Variant) -> list[Variant]:
             cross_entropy="liger",
             budget_factor=regional,
         ),
-        smoke,
     ]
 
 
@@ -712,9 +694,11 @@ def _skipped(v: Variant, why: str) -> Row:
     return _row(v, status="skipped", detail=why)
 
 
-def decisive_variants(experiment: Path, micro_batch: int) -> list[Variant]:
+def decisive_variants(experiment: Path, micro_batch: int, smoke: Variant | None = None) -> list[Variant]:
     """The rows that decide, measured first: the main experiment's own settings (1p3b: whole-model
-    compile, plain loss, bf16) at the 1p3b shape, and the same with Liger's kernels and loss."""
+    compile, plain loss, bf16) at the 1p3b shape, then `smoke` (gpu-smoke's settings, the row the
+    runner's own launch is compared with). Liger under whole-model compile is no longer one: it failed
+    on the H200 and validation refuses it (runner.config.rules.LIGER_WHOLE_MODEL_COMPILE)."""
     try:
         from runner.config.load import load_experiment
 
@@ -731,8 +715,13 @@ def decisive_variants(experiment: Path, micro_batch: int) -> list[Variant]:
     name = experiment.stem
     factor = {"model": 4.0, "regional": 3.0}.get(settings.get("compile", "none"), 1.0)
     own = Variant(f"{name} recipe mb{micro_batch}", micro_batch, budget_factor=factor, **settings)
-    liger = replace(own, name=f"{name} recipe liger mb{micro_batch}", kernels="liger", cross_entropy="liger")
-    return [own, liger]
+    return [own] + ([smoke] if smoke is not None else [])
+
+
+def recipe_at(experiment: Path, micro_batch: int) -> Variant:
+    """The main experiment's own settings at another micro batch (the memory plan fits 1p3b's mb 16
+    on an H200: 47.5 GiB measured at mb 8)."""
+    return decisive_variants(experiment, micro_batch)[0]
 
 
 def _header(args, device, facts, peak, peak_source, mm, shapes, fpts, sources, smoke, tiny) -> dict[str, Any]:
@@ -794,6 +783,11 @@ def _previous(out: Path) -> dict[str, Any] | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.part == "moe":  # the mixture-of-experts rows alone (bench/moe_rows.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import moe_rows
+
+        return moe_rows.run_moe(args, sys.modules[__name__])
     t_begin = time.perf_counter()
     global_deadline = t_begin + args.budget_s
     out = Path(args.out)
@@ -854,10 +848,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     mid = micro_batches[len(micro_batches) // 2]
     if args.part in ("decisive", "all"):
-        for v in decisive_variants(Path(args.experiment), mid):
+        for v in decisive_variants(Path(args.experiment), mid, smoke):
             measure(v)
     if args.part in ("rest", "all"):
-        for v in variants(micro_batches, smoke):
+        bigger = [recipe_at(Path(args.experiment), 2 * mid)] if not tiny else []
+        for v in bigger + variants(micro_batches):
             measure(v)
         for v in sweep(done, micro_batches) + tail_variants(micro_batches):
             measure(v)
@@ -897,10 +892,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-tiny", action="store_true", help="tiny sizes on CPU (automatic without a GPU)")
     p.add_argument(
         "--part",
-        choices=("decisive", "rest", "all"),
+        choices=("decisive", "rest", "all", "moe"),
         default="all",
-        help="decisive: the ceiling and the main experiment's own settings with and without Liger; "
-        "rest: the ladder after them, appended to --out's rows; all: both (default)",
+        help="decisive: the ceiling, the main experiment's own settings and the smoke experiment's; "
+        "rest: the ladder after them, appended to --out's rows; all: both (default); "
+        "moe: the mixture-of-experts rows of --experiment (experiments/olmoe-1b-7b.yaml; cpu-tiny-moe's "
+        "model with --cpu-tiny): transformers' experts, the runner's layer eager / regional compile / "
+        "selective and no checkpointing / micro batches 4 and 8 (bench/moe_rows.py)",
     )
     args = p.parse_args(argv)
     if args.budget_s <= 0 or math.isnan(args.budget_s):

@@ -5,8 +5,8 @@ CPU), run one training forward and backward under the recipe's precision (bf16 a
 recipe, fp32 on a CPU one) through runner.training.memprobe, and print beside each other
 - saved activations: the planner's `saved_activation_bytes` vs the bytes of distinct storages
   autograd saved (exact on CPU; this script is what says how exact on a GPU);
-- peak (GPU only): torch.cuda.max_memory_allocated over forward and backward vs the planner's total
-  less the AdamW moments (no optimizer step is taken here).
+- peak (GPU only): torch.cuda.max_memory_allocated over forward and backward vs the planner's
+  backward peak less the AdamW moments (no optimizer step is taken here; measured_memory.planned_probe_bytes).
 Never trains, writes checkpoints or downloads anything.
 
     python bench/memory_probe.py --experiment experiments/gpu-smoke.yaml --micro-batches 1,2 --out probe.json
@@ -27,7 +27,8 @@ if str(ROOT) not in sys.path:
 
 from runner.config.load import load_experiment  # noqa: E402
 from runner.config.rules import model_vocab_size  # noqa: E402
-from runner.planning.plan import GIB, memory_per_device, saved_activation_bytes  # noqa: E402
+from runner.planning.measured_memory import planned_probe_bytes  # noqa: E402
+from runner.planning.plan import GIB, saved_activation_bytes  # noqa: E402
 from runner.training.memprobe import probe_training_forward  # noqa: E402
 from runner.training.model import build_model  # noqa: E402
 
@@ -53,8 +54,6 @@ def probe(experiment: Path, micro_batches: list[int]) -> dict:
             torch.cuda.empty_cache()
         measured = probe_training_forward(model, x, y, mask, autocast_dtype=autocast)
         planned_saved = saved_activation_bytes(plain, micro)["total"]
-        plan = memory_per_device(plain, micro)
-        moments = plan["model_state_bytes"]["adamw moments (2 x fp32)"]
         rows.append(
             {
                 "micro_batch": micro,
@@ -62,7 +61,7 @@ def probe(experiment: Path, micro_batches: list[int]) -> dict:
                 "saved_probed_gib": measured.activations / GIB,
                 "saved_error": planned_saved / measured.activations - 1,
                 "weight_copies_probed_gib": measured.weight_copies / GIB,
-                "peak_planned_gib": (plan["total_bytes"] - moments) / GIB if gpu else None,
+                "peak_planned_gib": planned_probe_bytes(plain, micro) / GIB if gpu else None,
                 "peak_allocated_gib": measured.peak_allocated / GIB if measured.peak_allocated else None,
                 "probe": measured.to_dict(),
             }

@@ -1,8 +1,9 @@
 """CLI for training: `runner launch`, `runner smoke`, `runner sync`.
 
-Owns: choosing the run folder (its records are runner.runs.folder's), the accelerate set-up, the MLflow
-run's start/finish, the terminal summary, and the smoke test's kill-and-resume comparison. The loop
-is runner.training.loop's; never trains or counts tokens here. Verbs import what they call when
+Owns: parsing `runner launch` into a request (the launch itself, from the target to the loop, is
+runner.training.launch's), what follows a launch on rank 0 (the report, the MLflow run's end, the
+terminal summary, the export at the end), and the smoke test's kill-and-resume comparison. Never
+trains or counts tokens here. Verbs import what they call when
 they run (runner.cli's rule: `runner --help` stays fast).
 """
 
@@ -10,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
-import functools
 import os
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,8 +25,6 @@ from runner.fsio import read_json, read_jsonl
 
 if TYPE_CHECKING:
     from runner.config.load import Experiment
-    from runner.config.schema import ExperimentSchema
-    from runner.runs.folder import RunFolder
     from runner.training.tracking import Tracker
 
 
@@ -87,98 +83,7 @@ def _tokens(text: str) -> int:
     return int(value)
 
 
-def _timestamp() -> str:
-    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
 # ---- launch -------------------------------------------------------------------------------------
-
-
-def make_accelerator(cfg: ExperimentSchema):
-    from accelerate import Accelerator
-
-    from runner.training.accelerator import accelerate_mixed_precision, ddp_kwargs_handlers, fsdp_plugin, sharding_mode
-
-    acc = Accelerator(
-        cpu=cfg.hardware.accelerator == "cpu",
-        mixed_precision=accelerate_mixed_precision(cfg.hardware),
-        fsdp_plugin=fsdp_plugin(cfg.hardware),  # FSDP2 under accelerate launch: fp32 gradient reduction
-        kwargs_handlers=ddp_kwargs_handlers(),
-    )
-    sharding_mode(cfg.hardware, acc)  # a recipe/accelerate mismatch fails here, before any folder is written
-    return acc
-
-
-def _resolve(args) -> tuple[Experiment, Path | None, bool]:
-    """(experiment, run folder or None for a new default one, whether the folder holds a run)."""
-    from runner.planning.resources import load_experiment
-    from runner.runs.folder import check_same_experiment, is_run_dir
-    from runner.training.launch import checked_experiment_of_run
-
-    target = Path(args.target)
-    if target.is_dir():
-        if not is_run_dir(target):
-            raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(target))
-        if args.run_dir and Path(args.run_dir).resolve() != target.resolve():
-            raise RunnerError("give either a run folder or --run-dir, not two different folders", file=str(target))
-        return checked_experiment_of_run(target), target, True
-    exp = load_experiment(target)
-    run_dir = Path(args.run_dir) if args.run_dir else None
-    if run_dir is not None and is_run_dir(run_dir):
-        check_same_experiment(exp, run_dir)
-        return exp, run_dir, True
-    return exp, run_dir, False
-
-
-def _tracker_of(folder: RunFolder, tracking_uri: str | None, **kwargs) -> Tracker:
-    """The Tracker continuing the MLflow run recorded in run.json, recording it there when the URI
-    it tracks to is not the one recorded (a first launch, or a server that moved). URIs are recorded
-    absolute; a SQLite store that run.json says holds the run but is gone is refused, not recreated."""
-    from runner.training.tracking import Tracker, check_run_store
-
-    saved = folder.record().mlflow
-    tracker = Tracker(
-        folder.path,
-        tracking_uri=tracking_uri or saved.get("tracking_uri"),
-        run_id=saved.get("run_id"),
-        experiment_id=saved.get("experiment_id"),
-        on_run_id=lambda info: folder.update(mlflow=info),
-        **kwargs,
-    )
-    check_run_store(tracker.tracking_uri, tracker.run_id, folder.run_json)
-    if tracker.tracking_uri != saved.get("tracking_uri"):
-        folder.update(mlflow=tracker.info())
-    return tracker
-
-
-def _check_recorded_store(run_dir: Path) -> None:
-    from runner.runs.folder import RunFolder
-    from runner.training.tracking import absolute_uri, check_run_store
-
-    saved = RunFolder(run_dir).record().mlflow
-    if saved.get("tracking_uri"):
-        check_run_store(absolute_uri(saved["tracking_uri"]), saved.get("run_id"), run_dir / "run.json")
-
-
-def _make_tracker(run_dir: Path, main: bool) -> Tracker:
-    from runner.runs.folder import RunFolder
-
-    return _tracker_of(RunFolder(run_dir, writer=main), None, enabled=main, report=lambda m: print(m, file=sys.stderr))
-
-
-def _tags(exp: Experiment, run_dir: Path) -> dict:
-    from runner.training.tracking import git_commit
-
-    cfg = exp.config
-    tags = {
-        "fingerprint": exp.fingerprint,
-        "run_dir": str(run_dir.resolve()),
-        "tokenizer.sha256": cfg.tokenizer.sha256,
-        "git_commit": git_commit(exp.project_root) or "none",
-    }
-    tags.update({f"recipe.{k}": v for k, v in cfg.recipes.items()})
-    tags.update({f"manifest.{d}.sha256": pin.sha256 for d, pin in cfg.data.manifests.items()})
-    return tags
 
 
 def _error_file(args) -> str:
@@ -201,221 +106,32 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _finished_line(run_dir: Path) -> str | None:
-    """The no-op line for a finished run relaunched without --extend-to, else None."""
-    from runner.runs.folder import RunFolder
-
-    info = RunFolder(run_dir).record()
-    if info.status != "finished":
-        return None
-    return (
-        f"run {run_dir}: already finished at step {int(info.committed_steps)} "
-        f"(exposure {int(info.exposure_tokens or 0):,} tokens); extend it with --extend-to TOKENS"
-    )
-
-
-def check_world(cfg: ExperimentSchema, world: int) -> str | None:
-    """Refuse a global batch that does not split over `world` processes; the warning line when the
-    processes held differ from the recipe's plan (None when they agree)."""
-    from runner.config.rules import devices, grad_accum
-
-    grad_accum(cfg, world)
-    planned = devices(cfg)
-    if world == planned:
-        return None
-    return (
-        f"warning: running on {world} devices (world size) but the hardware recipe plans {planned} "
-        f"(devices_per_node x nodes); MFU, goodput MFU and cost count the {world} held"
-    )
-
-
-@contextlib.contextmanager
-def _owning(run_dir: Path, acc, command: str = "runner launch"):
-    """Rank 0 holds the run folder's lock (runner.runs.lock.RunLock) for the whole launch; every rank
-    learns whether it got it, so a refused launch stops everywhere before anything is written."""
-    from accelerate.utils import broadcast_object_list
-
-    from runner.runs.lock import RunLock
-
-    lock = None
-    refused: list[tuple[str, str | None] | None] = [None]
-    if acc.is_main_process:
-        try:
-            lock = RunLock(run_dir, command).__enter__()
-        except RunnerError as e:
-            refused = [(e.detail, e.file)]
-    if acc.num_processes > 1:
-        broadcast_object_list(refused)
-    if refused[0] is not None:
-        raise RunnerError(refused[0][0], file=refused[0][1])
-    if acc.num_processes > 1:
-        _check_same_folder(run_dir, lock.held() if lock is not None else None)
-    try:
-        for line in lock.warnings if lock is not None else []:
-            print(line, file=sys.stderr)
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _check_same_folder(run_dir: Path, held: dict | None) -> None:
-    """Every rank must see the run folder rank 0 locked (shared storage): each reads the lock's
-    record there and compares it with rank 0's. A node with its own copy (or none) would resume from
-    another checkpoint or write beside the run; all ranks refuse with the same line, before training."""
-    import torch.distributed as dist
-
-    from runner.runs.lock import lock_records
-
-    mine: list = [held]
-    dist.broadcast_object_list(mine, src=0)
-    sees = bool(mine[0]) and mine[0] in lock_records(run_dir)
-    views: list = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (sees, os.environ.get("GROUP_RANK", "0")))
-    blind = [f"rank {r} (node {node})" for r, (ok, node) in enumerate(views) if not ok]
-    if blind:
-        raise RunnerError(
-            f"ranks see different run folders: the folder rank 0 locked is not the one {', '.join(blind)} sees; "
-            "the run folder must be on storage every node shares (same path from the launch directory)",
-            file=str(run_dir),
-        )
-
-
 def _launch(args, held: contextlib.ExitStack) -> int:
-    """`runner launch` on every rank, in the order its refusals must come: the target and world
-    checked, the folder chosen and locked, records written, MLflow started, the loop run, the report
-    and summary written. Each step may refuse before the next writes anything."""
-    exp, run_dir, existing = _resolve(args)
-    if existing and args.extend_to is None:
-        assert run_dir is not None  # a run folder found is a folder named
-        line = _finished_line(run_dir)
-        if line is not None:  # nothing to do: touch nothing (no peak re-measure, report, MLflow, torch import)
-            if _is_rank0():
-                print(line)
-            return EXIT_OK
-    from runner.training.launch import extend_run
-    from runner.training.loop import Options, train
+    """`runner launch`: the request parsed, the launch run (runner.training.launch), then on rank 0 the
+    report, the MLflow run's end and the summary."""
+    from runner.training.launch import Request, launch
 
-    if existing and run_dir is not None and not args.no_tracking:  # before anything is written: a lost store is refused
-        _check_recorded_store(run_dir)
-    if args.extend_to is not None:
-        if not existing or run_dir is None:
-            raise RunnerError("--extend-to needs an existing run folder", key="--extend-to")
-        exp = extend_run(run_dir, args.extend_to, write=False)  # validate on every rank before any write
-    acc = make_accelerator(exp.config)
-    main = acc.is_main_process
-    warning = check_world(exp.config, acc.num_processes)  # before any folder is written
-    if warning and main:
-        print(warning, file=sys.stderr)
-    run_dir = _claim_folder(args, exp, run_dir, existing, acc, held)
-    tracker = None if args.no_tracking else _start_tracking(args, exp, run_dir, existing, main)
-    kill, fault = _fault(args.fault, acc.process_index) if args.fault else (args.kill_at_step, None)
-    opts = Options(max_steps=args.max_steps, report=lambda m: print(m, file=sys.stderr), kill_at_step=kill, fault=fault)
-    try:
-        code = train(exp, run_dir, acc, tracker, opts)
-    except BaseException:
-        if tracker is not None:  # what the delivery thread still holds reaches MLflow, or stays journaled
-            tracker.flush()
-            tracker.close()
-        raise
-    if main:
-        _close_run(exp, run_dir, tracker)
-    acc.wait_for_everyone()
-    acc.end_training()
-    return code
-
-
-def _fault(faults: list[str], rank: int):
-    """--fault's step and action for this rank at its agent's restart count (None, None: none)."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    for spec in faults:
-        at_restart, at_rank, step, mode = spec.split(":")
-        if (int(at_restart), int(at_rank)) == (restarts, rank):
-            return int(step), functools.partial(_inject, mode)
-    return None, None
-
-
-def _inject(mode: str) -> None:
-    agent = os.getppid()
-    if mode == "gone":
-        os.kill(agent, signal.SIGKILL)
-    elif mode == "hang" and os.fork() == 0:  # the child holds this process's sockets, silent, until the agent exits
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):  # not the agent's output pipes: whoever reads them sees the end when the agent ends
-            os.dup2(devnull, fd)
-        while _running(agent):
-            time.sleep(0.2)
-        os._exit(0)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` runs (not gone, not a zombie its parent has yet to reap: Linux's /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _claim_folder(args, exp: Experiment, run_dir: Path | None, existing: bool, acc, held: contextlib.ExitStack) -> Path:
-    """The run folder chosen (ranks agree on one), locked for this launch, and its records written (rank 0):
-    created, extended, or given the experiment's new operational keys. Every rank returns after rank 0 wrote."""
-    from accelerate.utils import broadcast_object_list
-
-    from runner.config.load import to_yaml
-    from runner.data.manifest import launch_warnings
-    from runner.runs.folder import create_run_folder, is_run_dir
-    from runner.training.launch import check_mixture_feasible, extend_run
-
-    main = acc.is_main_process
-    if run_dir is None:
-        name = args.run_name or _timestamp()
-        chosen = [str(Path("runs") / exp.config.name / name)]
-        if acc.num_processes > 1:
-            broadcast_object_list(chosen)  # ranks must agree on one timestamped folder
-        run_dir = Path(chosen[0])
-    if main and not existing:
-        check_mixture_feasible(exp)  # before the lock: a refused experiment writes nothing
-    held.enter_context(_owning(run_dir, acc))
-    if main:
-        if args.extend_to is not None:
-            extend_run(run_dir, args.extend_to, write=True)
-        elif not existing:
-            if is_run_dir(run_dir):
-                raise RunnerError(
-                    "became a run while this launch started (another launch); launch again to resume it",
-                    file=str(run_dir),
-                )
-            create_run_folder(exp, run_dir, args.run_name or run_dir.name)
-        elif args.target != str(run_dir):
-            # Same fingerprint, maybe other operational keys (checkpoint interval, hard stop): use them.
-            (run_dir / "experiment.yaml").write_text(to_yaml(exp.config))
-        for line in launch_warnings(exp):  # after the refusals: a launch that will not run warns of nothing
-            print(f"warning: {line}", file=sys.stderr)
-    acc.wait_for_everyone()
-    return run_dir
-
-
-def _start_tracking(args, exp: Experiment, run_dir: Path, existing: bool, main: bool) -> Tracker:
-    """The MLflow run started or resumed: params and the experiment.yaml artifact on the first start only,
-    the new segment's tags after an --extend-to."""
-    from runner.runs.folder import RunFolder
-    from runner.training.tracking import flatten
-
-    tracker = _make_tracker(run_dir, main)
-    first_start = not existing
-    tracker.start(
-        exp.config.name,
-        RunFolder(run_dir).read()["run_id"],
-        params=flatten(exp.to_container()) if first_start else None,
-        tags=_tags(exp, run_dir),
-        artifacts=[run_dir / "experiment.yaml"] if first_start else [],
+    request = Request(
+        target=args.target,
+        run_dir=args.run_dir,
+        run_name=args.run_name,
+        extend_to=args.extend_to,
+        max_steps=args.max_steps,
+        tracking=not args.no_tracking,
+        kill_at_step=args.kill_at_step,
+        faults=tuple(args.fault),
     )
-    if args.extend_to is not None:
-        seg = RunFolder(run_dir).record().segments[-1]
-        tracker.log_tags({f"segment.{seg['index']}.{k}": v for k, v in seg.items() if k != "index"})
-    return tracker
+    launched = launch(request, held, say=lambda m: print(m, file=sys.stderr))
+    if launched.done is not None:
+        if _is_rank0():
+            print(launched.done)
+        return EXIT_OK
+    assert launched.acc is not None  # a launch that trained
+    if launched.acc.is_main_process:
+        _close_run(launched.exp, launched.run_dir, launched.tracker)
+    launched.acc.wait_for_everyone()
+    launched.acc.end_training()
+    return launched.code
 
 
 def _close_run(exp: Experiment, run_dir: Path, tracker: Tracker | None) -> None:
@@ -519,13 +235,14 @@ def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
 def cmd_sync(args) -> int:
     from runner.runs.folder import RunFolder, is_run_dir
     from runner.runs.lock import RunLock
+    from runner.training.launch import tracker_of
 
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
         raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(run_dir))
     # A server that moved is recorded in run.json: later resumes and syncs go there.
     with RunLock(run_dir, "runner sync"):  # a launch sending the same journal would send it twice
-        tracker = _tracker_of(
+        tracker = tracker_of(
             RunFolder(run_dir), args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None
         )
         sent, left = tracker.sync()
@@ -561,11 +278,12 @@ def cmd_smoke(args) -> int:
     """`runner smoke`: one short run killed and resumed against one uninterrupted, compared bit for bit on
     a CPU and within a stated tolerance on a GPU (runner.runs.resume_identity)."""
     from runner.planning.resources import load_experiment
+    from runner.training.launch import timestamp
 
     full = load_experiment(args.experiment)
     cfg = full.config
     steps = max(4, args.steps)
-    out = Path(args.out) if args.out else Path("runs") / cfg.name / f"smoke-{_timestamp()}"
+    out = Path(args.out) if args.out else Path("runs") / cfg.name / f"smoke-{timestamp()}"
     ref, res = _smoke_folders(full, steps, out)
     print(f"smoke: {steps} steps of {cfg.name} x2 in {out}")
     rc = subprocess.run(_launch_cmd(ref)).returncode
@@ -619,8 +337,8 @@ def _smoke_folders(full: Experiment, steps: int, out: Path) -> tuple[Path, Path]
 def _smoke_differences(ref: Path, res: Path, steps: int, accelerator: str):
     """(weight identity, problems): the final weights, the ledger's counters and the expert load of the
     resumed run against the uninterrupted one."""
+    from runner.runs.checkpoints import dirname
     from runner.runs.resume_identity import compare_weights
-    from runner.training.checkpoint import dirname
 
     problems = []
     final = dirname(steps)

@@ -62,7 +62,16 @@ def canonical_meaning(cfg: ExperimentSchema | dict[str, Any]) -> dict[str, Any]:
     for key in ABSENT_WHEN_NULL:
         _drop(data, key.split("."), only_null=True)
     _drop_at_default(data)
+    _same_checkpointing(data)
     return data
+
+
+def _same_checkpointing(data: dict) -> None:
+    """model.activation_checkpointing full is true, none is false: one meaning, one fingerprint
+    (true and false, what every earlier experiment says, hash as they always did)."""
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("activation_checkpointing") in ("full", "none"):
+        model["activation_checkpointing"] = model["activation_checkpointing"] == "full"
 
 
 def fingerprint(cfg: ExperimentSchema | dict[str, Any]) -> str:

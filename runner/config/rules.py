@@ -133,9 +133,22 @@ def unresolved_revisions(cfg: ExperimentSchema) -> list[tuple[str, HubFiles]]:
     return [(key, hub) for key, hub in assets if hub is not None and not COMMIT_HEX.match(str(hub.revision))]
 
 
+#: Why `kernels: liger` under whole-model compile is refused (bench/measurements/h200-20261204/README.md).
+LIGER_WHOLE_MODEL_COMPILE = (
+    "Liger's kernels fail under whole-model compile (measured on an H200, torch 2.11, triton 3.6, liger-kernel "
+    "0.8.5, 2026-12-04: TorchRuntimeError making a fake tensor call, a TypeError in liger's SwiGLU _should_tile); "
+    "use kernels: none (the 1p3b recipe, 56.8% MFU) or compile_scope: regional (it runs, but slower: 47.6%, "
+    "inductor falls back on liger's RMSNorm kernel)"
+)
+
+
 def check_speed_options(cfg: ExperimentSchema, path: Path, problems: Problems) -> None:
-    """Liger's Triton kernels need a GPU: refused for a CPU hardware recipe."""
+    """Liger's Triton kernels need a GPU: refused for a CPU hardware recipe; on a GPU they are refused
+    under whole-model compile, which a device measured to fail (LIGER_WHOLE_MODEL_COMPILE)."""
     if cfg.hardware.accelerator != "cpu":
+        m = cfg.model
+        if m.kernels == "liger" and m.compile and m.compile_scope == "model":
+            problems.add(path, "model.kernels", LIGER_WHOLE_MODEL_COMPILE)
         return
     for key in ("kernels", "cross_entropy"):
         if getattr(cfg.model, key) == "liger":

@@ -76,6 +76,17 @@ CheckpointWrite = Literal["background", "foreground"]
 MicroBatchPolicy = Literal["fixed", "auto"]
 RepoType = Literal["model", "dataset"]
 
+#: model.activation_checkpointing's modes; true means full and false none (the same fingerprint)
+AC_MODES = ("full", "selective", "none")
+
+
+def checkpointing_mode(value: bool | str) -> str:
+    """full | selective | none of a model.activation_checkpointing value (true: full, false: none)."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    return value
+
+
 File = Path | str | None
 S = TypeVar("S")
 
@@ -282,7 +293,9 @@ class ModelRecipe(Recipe):
     pad_vocab_multiple: int = 1  #: embedding rows = tokenizer vocab rounded up to this multiple
     attn_implementation: AttnImplementation = "sdpa"  #: sdpa | eager | flash_attention_2 | flash_attention_3
     sdpa_kernel: SdpaKernel | None = None  #: sdpa only: pin flash | efficient | cudnn | math (null = torch picks)
-    activation_checkpointing: bool = False  #: recompute each layer's forward in backward (less memory; HFU reported)
+    #: recompute in the backward (less memory; HFU reported): full (= true: each decoder layer's whole
+    #: forward) | selective (keep matmul and attention outputs, recompute the element-wise ops) | none (= false)
+    activation_checkpointing: bool | str = False
     compile: bool = False  #: torch.compile the model
     compile_mode: CompileMode = "default"  #: torch.compile mode: default | reduce-overhead | max-autotune
     #: with compile: true, what is compiled: model (one graph) | regional (each decoder layer alone: same kernels, minutes less to compile)
@@ -322,6 +335,12 @@ class ModelRecipe(Recipe):
                 f"only applies to attn_implementation sdpa, not {self.attn_implementation}",
             )
         self._validate_moe(problems, file, prefix)
+        if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing not in AC_MODES:
+            problems.add(
+                file,
+                join_key(prefix, "activation_checkpointing"),
+                f"'{self.activation_checkpointing}' is not one of true, false, {', '.join(AC_MODES)}",
+            )
         if self.compile_scope != "model" and not self.compile:
             problems.add(
                 file, join_key(prefix, "compile_scope"), f"{self.compile_scope} applies only with model.compile: true"

@@ -21,9 +21,10 @@ from transformers import LlamaForCausalLM, OlmoeForCausalLM, PretrainedConfig
 from runner.config.load import Experiment, experiment_from_dict, find_project_root
 from runner.errors import RunnerError
 from runner.fsio import read_json
+from runner.runs.checkpoints import dirname, verify
 from runner.runs.folder import is_run_dir
 from runner.runs.runjson import as_record
-from runner.training.checkpoint import Checkpoint, dirname, verify
+from runner.training.checkpoint import Checkpoint
 from runner.training.model import build_model, llama_config, olmoe_config
 
 #: how a refusal ends, per command that opens a checkpoint (`runner export`, `runner sample`)

@@ -2,9 +2,12 @@
 and what `runner export` of the trained model costs its host (the module's last section).
 
 Owns: the sourced reference figures (dense, and a fine-grained mixture of experts) and the rule that
-picks the assumed MFU of a plan. Precedence, first that applies:
+picks the MFU of a plan. Precedence, first that applies:
   1. `runner plan --mfu X`: X, for any architecture (source "--mfu").
-  2. the hardware recipe's `default_mfu`: the device's figure for a dense model (the schema's 0.40 is
+  2. a figure measured on a device for this experiment's model, tokenizer, hardware recipe and speed
+     settings (MEASURED_MFU: where, with what versions, when, at which commit); basis "measured".
+     These live here, never in a recipe, so no experiment's fingerprint moves when one is measured.
+  3. the hardware recipe's `default_mfu`: the device's figure for a dense model (the schema's 0.40 is
      DENSE_REFERENCE); a mixture of experts assumes it times MOE_TO_DENSE, the ratio of the published
      MoE throughput to a dense one on the same device and training stack.
 `runner plan --calibrate RUN` never changes the assumption: it fills the plan's `measured` column
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from runner.config.schema import checkpointing_mode
 
 H100_DENSE_BF16_TFLOPS = 989.4  # the peak table's H100 SXM figure (runner.planning.hardware.PEAKS)
 
@@ -47,6 +52,7 @@ class AssumedMfu:
     architecture: str  # "dense" or "moe"
     rule: str  # how the value was reached, with its numbers
     source: str  # where the figures behind the rule come from
+    basis: str = "assumed"  # "assumed" (a published reference, scaled), "measured" (MEASURED_MFU) or "--mfu"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,10 +65,94 @@ def reference_mfu(architecture: str) -> float:
     return 6 * DENSE_7B_PARAMS * DENSE_7B_TOKENS_PER_SECOND / (H100_DENSE_BF16_TFLOPS * 1e12)
 
 
-def assumed_mfu(architecture: str, default_mfu: float, hardware_recipe: str, cli_mfu: float | None) -> AssumedMfu:
-    """The plan's assumed MFU by the module docstring's precedence."""
+#: Where the H200 figures were measured (bench/measurements/h200-20261204/README.md lists every figure).
+H200_PROVENANCE = (
+    "one NVIDIA H200 SXM (sm_90, 139.8 GiB), torch 2.11.0+cu130, CUDA 13.0, transformers 5.17.0, triton 3.6.0, "
+    "2026-12-04, commit 6b9382b"
+)
+
+
+@dataclass(frozen=True)
+class MeasuredMfu:
+    """An MFU a device measured, and the configuration it holds for: every `match` key (a dotted path
+    into the resolved experiment, `recipes.model` the recipe reference) must hold the value."""
+
+    value: float
+    what: str
+    match: tuple[tuple[str, Any], ...]
+    source: str
+
+
+_SPEED_DEFAULTS = (("model.attn_implementation", "sdpa"), ("model.sdpa_kernel", None), ("hardware.precision", "bf16"))
+MEASURED_MFU: tuple[MeasuredMfu, ...] = (
+    MeasuredMfu(
+        0.568,
+        "the 1p3b recipe (whole-model compile, plain loss) on one H200",
+        (
+            ("recipes.model", "llama-1p3b@1"),
+            ("recipes.tokenizer", "gpt-neox-20b@2"),
+            ("recipes.hardware", "h200@1"),
+            ("model.compile", True),
+            ("model.compile_scope", "model"),
+            ("model.kernels", "none"),
+            ("model.cross_entropy", "plain"),
+            ("model.activation_checkpointing", False),
+            ("train.seq_len", 2048),
+            *_SPEED_DEFAULTS,
+        ),
+        "measured: bench/gpu_bench.py row '1p3b recipe mb8' (61,695 tok/s, 6N+attn over 989.4 TFLOP/s; a second "
+        f"session 55.8%), bench/measurements/h200-20261204/bench.json; {H200_PROVENANCE}",
+    ),
+    MeasuredMfu(
+        0.130,
+        "OLMoE-1B-7B (the runner's grouped_mm experts in bf16, activation checkpointing, micro batch 4) on one H200",
+        (
+            ("recipes.model", "olmoe-1b-7b@1"),
+            ("recipes.tokenizer", "gpt-neox-20b@2"),
+            ("recipes.hardware", "h200@1"),
+            ("model.compile", False),
+            ("model.activation_checkpointing", True),
+            ("train.seq_len", 2048),
+            *_SPEED_DEFAULTS,
+        ),
+        "measured: 16,377 tok/s, 13.0% of 989.4 TFLOP/s over active parameters (6N+attn), "
+        f"bench/measurements/h200-20261204/olmoe.json (olmoe_step.py); {H200_PROVENANCE}",
+    ),
+)
+
+
+def _dotted(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+    return node
+
+
+def _same(key: str, value: Any, wanted: Any) -> bool:
+    if key == "model.activation_checkpointing":  # true is full and false none: one meaning
+        return value is not None and checkpointing_mode(value) == checkpointing_mode(wanted)
+    return bool(value == wanted)
+
+
+def measured_mfu(cfg: Any) -> MeasuredMfu | None:
+    """The measured figure whose configuration this experiment (a typed or plain resolved config) has."""
+    for m in MEASURED_MFU:
+        if all(_same(k, _dotted(cfg, k), v) for k, v in m.match):
+            return m
+    return None
+
+
+def assumed_mfu(
+    architecture: str, default_mfu: float, hardware_recipe: str, cli_mfu: float | None, cfg: Any = None
+) -> AssumedMfu:
+    """The plan's MFU by the module docstring's precedence (`cfg`: the experiment, for a measured figure)."""
     if cli_mfu is not None:
-        return AssumedMfu(cli_mfu, architecture, f"--mfu {cli_mfu:g}", "given on the command line")
+        return AssumedMfu(cli_mfu, architecture, f"--mfu {cli_mfu:g}", "given on the command line", "--mfu")
+    found = measured_mfu(cfg) if cfg is not None else None
+    if found is not None:
+        return AssumedMfu(
+            found.value, architecture, f"measured {found.value:.1%}: {found.what}", found.source, "measured"
+        )
     stated = f"hardware.default_mfu {default_mfu:.0%} ({hardware_recipe + ', ' if hardware_recipe else ''}dense)"
     if architecture == "moe":
         rule = f"{stated} x {MOE_TO_DENSE:.3f} for a mixture of experts"
@@ -112,25 +202,60 @@ EXPORT_SOURCE = (
 
 # ---------------------------------------------------------------- writing a checkpoint
 #: What a checkpoint costs (runner plan's t_checkpoint; the loop records the real figures per checkpoint
-#: in run.json `checkpoints`). A checkpoint is the full fp32 state (12 B/param) on rank 0:
-#:   the copy to host memory, the one part the loop waits for under train.checkpoint.write: background:
-#:     from a GPU over its host link, NVIDIA H200/H100 SXM: PCIe Gen5 x16, 128 GB/s both ways (the
-#:     H200 datasheet), so 64 GB/s device to host. The gather copies into pageable memory, which
-#:     reaches less than the link: the loop's stop is a lower bound. On a CPU the copy is a host
-#:     memcpy: torch.clone of a 256 MiB fp32 tensor on this project's 2-core CI-class host, three
+#: in run.json `checkpoints`). A checkpoint is the full fp32 state (12 B/param) on rank 0. Measured on
+#: the H200 machine (bench/measurements/h200-20261204-session2/pinned.json, pinned_probe.py: 146 fp32
+#: tensors, 15.6 GB; one NVIDIA H200, torch 2.11.0+cu130, 2026-12-04, commit 6b9382b):
+#:   device -> pinned host buffers, non_blocking on a side stream: enqueued in 1.5 ms, done in 0.282 s
+#:     (55 GB/s), the same on reuse: the loop's checkpoint copy on a GPU without FSDP
+#:     (runner.training.staging.PinnedStaging: buffers allocated once per run, 7.6-8.0 s for 15.6 GB,
+#:     in a background thread at the attempt's start). The loop enqueues and goes on; its next optimizer
+#:     step waits on the device for the copy: the stall is at most the copy (an upper bound).
+#:   device -> pageable host memory (`.to("cpu")` per tensor): 9.80 s, 1.59 GB/s: FSDP's gather
+#:     (cpu_offload) still copies so.
+#:   a CPU run: torch.clone of a 256 MiB fp32 tensor on this project's 2-core CI-class host, three
 #:     times under load 3: 2.2, 1.4, 1.35 GB/s (1.4 taken).
-#:   the write (serialize + fsync) at one data-center NVMe SSD's sequential write: Samsung PM9A3 U.2
-#:     (PCIe 4.0), up to 3.5 GB/s (Samsung's datasheet as heise online reported it, heise.de/-4720224);
-#:     a node's share of a shared filesystem may be less.
-#:   the read-back sha256 of every file (state.json lists them): runner.fsio.sha256_file of a 256 MiB
-#:     file in page cache on the same host (SHA extensions), three times: 1.32, 1.53, 1.58 GB/s (1.5
-#:     taken); a GPU node's core is about as fast.
-HOST_LINK_BYTES_PER_S = 64e9
+#:   the files' write + fsync 1.31 GB/s (the work disk of that machine) and sha256 on one host core
+#:     1.28 GB/s: the writer hashes each chunk in a thread while it writes the next
+#:     (runner.training.staging.save_safetensors_hashed), so the write takes the slower of the two.
+PINNED_COPY_BYTES_PER_S = 55.2e9
+PAGEABLE_COPY_BYTES_PER_S = 1.59e9
 HOST_MEMCPY_BYTES_PER_S = 1.4e9
-DISK_WRITE_BYTES_PER_S = 3.5e9
-SHA256_BYTES_PER_S = 1.5e9
+DISK_WRITE_BYTES_PER_S = 1.31e9
+SHA256_BYTES_PER_S = 1.28e9
 CHECKPOINT_SOURCE = (
-    "copy to host: PCIe Gen5 x16 device to host, 64 GB/s (NVIDIA H200 datasheet; a CPU run: memcpy measured "
-    "on a 2-core host, 1.4 GB/s); write: 3.5 GB/s, one data-center NVMe SSD (Samsung PM9A3 U.2 datasheet, "
-    "heise.de/-4720224); sha256 read-back 1.5 GB/s measured on a 2-core host (runner.planning.assumptions)"
+    "measured on one H200 machine (bench/measurements/h200-20261204-session2/pinned.json, 2026-12-04, commit "
+    "6b9382b): device to pinned host 55 GB/s on a side stream (FSDP's pageable gather 1.59 GB/s), write + fsync "
+    "1.31 GB/s, sha256 1.28 GB/s hashed beside the write; a CPU run's copy: memcpy on a 2-core host, 1.4 GB/s "
+    "(runner.planning.assumptions)"
 )
+
+
+# ---------------------------------------------------------------- what torch.compile saves in memory
+#: The fraction of the eager decoder layers' saved activation bytes (runner.planning.plan.
+#: saved_activation_bytes' "layers") that a compiled step keeps, by (compile_scope, kernels):
+#: AOTAutograd's min-cut partitioner recomputes pointwise ops in the backward instead of saving them,
+#: which no first-principles count here reproduces yet, so each factor is measured: max_memory_allocated
+#: of one bench row, less the plan's model state at the backward's peak (no gradients: one micro batch
+#: per step), the head's saved bytes and the loss's transient, over the eager layers' count. Rows:
+#: bench/measurements/h200-20261204 (one H200 SXM, torch 2.11.0+cu130, transformers 5.17.0, triton
+#: 3.6.0, liger-kernel 0.8.5, 2026-12-04, commit 6b9382b). Whole-model compile + Liger is refused on
+#: CUDA (runner.config.rules.check_speed_options), so it has no factor.
+_H200_BENCH = "bench/measurements/h200-20261204"
+COMPILE_SAVED_FRACTION: dict[tuple[str, str], tuple[float, str]] = {
+    # "1p3b recipe mb8": 1p3b's shape, sdpa, plain loss, mb 8: 47.46 GiB allocated vs 69.51 planned eager
+    ("model", "none"): (
+        0.471,
+        f"measured: H200 bench row '1p3b recipe mb8' (whole-model compile), {_H200_BENCH}/bench.json",
+    ),
+    # "gpu-smoke settings mb16": gpu-smoke's shape (vocab 4,096), chunked loss, mb 16: 68.96 GiB vs 100.15 eager
+    ("regional", "none"): (
+        0.626,
+        f"measured: H200 bench row 'gpu-smoke settings mb16' (regional compile), {_H200_BENCH}/bench-extra-rows.json",
+    ),
+    # "compile-regional liger mb8": inductor falls back on Liger's RMSNorm kernel and cannot recompute
+    # through Liger's autograd functions: 49.79 GiB vs 50.97 eager
+    ("regional", "liger"): (
+        0.963,
+        f"measured: H200 bench row 'compile-regional liger mb8', {_H200_BENCH}/bench-extra-rows.json",
+    ),
+}

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from runner.config.rules import padded_vocab_size
-from runner.config.schema import ExperimentSchema, ModelRecipe
+from runner.config.schema import ExperimentSchema, ModelRecipe, checkpointing_mode
 from runner.errors import RunnerError
 
 FLOPS_FORMULAS = ("6N", "6N+attn")
@@ -356,7 +356,8 @@ def hfu_flops_per_token(
     cfg: ExperimentSchema, convention: Convention = DEFAULT_CONVENTION, *, seq_len: int | None = None
 ) -> float | None:
     """FLOPs per token the hardware executes when activation checkpointing runs the forward again in
-    backward (8N where the model needs 6N): the HFU numerator. None without activation checkpointing."""
-    if not cfg.model.activation_checkpointing:
+    backward (8N where the model needs 6N): the HFU numerator. None without activation checkpointing,
+    and for `selective` (it recomputes no matmul: the FLOPs executed are the model's)."""
+    if checkpointing_mode(cfg.model.activation_checkpointing) != "full":
         return None
     return flops_per_token(cfg, hfu_convention(convention), seq_len=seq_len)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config.rules import devices, total_steps
-from runner.config.schema import ExperimentSchema, from_plain
+from runner.config.schema import AC_MODES, ExperimentSchema, checkpointing_mode, from_plain
 from runner.data.manifest import load_manifest, num_samples
 from runner.data.mixture import plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError
@@ -28,7 +28,6 @@ from runner.planning.assumptions import AssumedMfu, assumed_mfu, carried_mfu
 from runner.planning.downstream_cost import format_lines as format_downstream_lines
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.resources import CHECKPOINT_BYTES_PER_PARAM
-from runner.planning.scaling import Point, forecast_target
 
 SECONDS_PER_HOUR = 3600.0
 SECONDS_PER_DAY = 86400.0
@@ -41,11 +40,14 @@ REPETITION_WARN_EPOCHS = 4.0
 TOKEN_DTYPE_BYTES = {"uint16": 2, "uint32": 4}
 #: what memory_per_device counts, by hardware.precision
 MEMORY_ASSUMPTIONS = {
-    "bf16": "bf16 mixed: fp32 master weights + fp32 grads + 2 fp32 AdamW moments + bf16 weight copies; "
-    "activations as autograd saves them (calibrated: saved-tensor probe, exact on CPU) + the loss's "
-    "peak; no CUDA context or allocator fragmentation",
-    "fp32": "fp32: weights + grads + 2 AdamW moments at 4 B; activations as autograd saves them "
-    "(calibrated: saved-tensor probe, exact on CPU) + the loss's peak; no framework overhead",
+    "bf16": "bf16 mixed: fp32 master weights + fp32 grads (at the backward's peak only when accumulating or "
+    "DDP/FSDP) + 2 fp32 AdamW moments + bf16 copies of the matmul weights; activations as autograd saves "
+    "them (calibrated: saved-tensor probe, exact on CPU) x compile's measured fraction + the loss's peak; "
+    "within 5% of max_memory_allocated on an H200 (bench/measurements/h200-20261204); no CUDA context or "
+    "allocator fragmentation",
+    "fp32": "fp32: weights + grads (at the backward's peak only when accumulating or DDP/FSDP) + 2 AdamW "
+    "moments at 4 B; activations as autograd saves them (calibrated: saved-tensor probe, exact on CPU) + "
+    "the loss's peak; no framework overhead",
 }
 
 
@@ -102,7 +104,7 @@ def as_schema(cfg: ExperimentSchema | Mapping[str, Any]) -> ExperimentSchema:
 
 
 def saved_activation_bytes(
-    cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None, checkpointing: bool | None = None
+    cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None, checkpointing: bool | str | None = None
 ) -> dict[str, float]:
     """Bytes autograd saves for the backward during one training forward of a micro batch, by part.
 
@@ -121,7 +123,8 @@ def saved_activation_bytes(
                  chunked/liger: d/dhidden 4h (+ d/dW 4*V*h, once per micro batch)
       input ids 8; RoPE cos and sin, 2 * seq_len * head_dim * 4, once per micro batch.
     With activation checkpointing each layer keeps only its input (4h) and the layer being
-    recomputed holds its own tensors again (`recompute_layer`). Liger's kernels (`model.kernels:
+    recomputed holds its own tensors again (`recompute_layer`); `selective` keeps the input and its
+    matmul and attention outputs (`selective_layer_saved_bytes`). Liger's kernels (`model.kernels:
     liger`) save no normalised product and no silu output: estimated from Liger's source, to be
     measured on a GPU (bench/device_check.sh). Not counted: autocast's bf16 weight copies (model
     state), the parameters themselves."""
@@ -140,8 +143,10 @@ def saved_activation_bytes(
     head_fixed = 0 if plain else 4 * vocab * h
     tokens = s * b
     rope = 2 * s * (h // heads) * 4
-    checkpointing = model.activation_checkpointing if checkpointing is None else checkpointing
-    layers = counts.n_layers * (4 * h if checkpointing else layer) * tokens
+    mode = checkpointing_mode(model.activation_checkpointing if checkpointing is None else checkpointing)
+    checkpointing = mode != "none"
+    kept = {"full": 4 * h, "selective": selective_layer_saved_bytes(model, s, c), "none": layer}[mode]
+    layers = counts.n_layers * kept * tokens
     return {
         "layers": float(layers),
         "head": float(head_per_token * tokens + head_fixed),
@@ -150,6 +155,24 @@ def saved_activation_bytes(
         "recompute_layer": float(layer * tokens + rope if checkpointing else 0),
         "total": float(layers + head_per_token * tokens + head_fixed + 8 * tokens + (0 if checkpointing else rope)),
     }
+
+
+def selective_layer_saved_bytes(model, s: int, c: int) -> int:
+    """Bytes per token one decoder layer keeps under `selective` checkpointing
+    (runner.training.checkpointing): its input (4h, fp32) and the outputs of its matmuls and of
+    attention, in the compute dtype (c bytes): q c*h, k and v c*kv each, attention output c*h and
+    4*heads logsumexp (sdpa; eager: scores and probabilities c*heads*s each), o_proj c*h; dense MLP
+    gate and up c*f each, down c*h; MoE router logits c*E, per routed copy gate+up 2*c*f_e and down c*h."""
+    h, heads = model.hidden_size, model.n_heads
+    kv = model.n_kv_heads * (h // heads)
+    attention = c * h + 2 * c * kv + c * h + c * h
+    attention += 2 * c * heads * s if model.attn_implementation == "eager" else 4 * heads
+    if model.moe is not None:
+        moe = model.moe
+        mlp = c * moe.n_experts + moe.experts_per_token * (2 * c * moe.expert_intermediate_size + c * h)
+    else:
+        mlp = 2 * c * model.intermediate_size + c * h
+    return 4 * h + attention + mlp
 
 
 def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[int, int]:
@@ -164,11 +187,14 @@ def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[i
     else:
         attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * kv + 4 * heads + c * h
     mlp = norm + (2 if autocast else 1) * c * h + (3 if liger else 4) * c * f
-    if model.moe is not None:  # OLMoE: q/k norms' inputs; router input and fp32 logits/probabilities; per
-        # routed copy its gathered input, gate, silu(gate), up, product and weighted output (estimated)
+    if model.moe is not None:  # OLMoE with the runner's layer (runner.training.moe): q/k norms' inputs;
+        # router input c*h, fp32 probabilities 4E, top-k ids, sort order, source rows (8 B each per
+        # routed copy) and sorted weights (4); per routed copy the grouped matmul's input c*h, gate+up
+        # 2*c*f_e, silu(gate) and product c*f_e each, down output c*h, weighted output 4h (the
+        # residual's dtype). Within 0.1% of the saved-tensor probe on CPU, fp32 and bf16 autocast.
         k, f_e, n_experts = model.moe.experts_per_token, model.moe.expert_intermediate_size, model.moe.n_experts
-        attention += c * h + c * kv
-        mlp = norm + c * h + 2 * n_experts * 4 + k * (2 * c * h + 4 * c * f_e)
+        attention += c * h + c * kv + 4 * h + 4 * kv + 8  # q/k norms: inputs, fp32 products, rsqrt
+        mlp = norm + c * h + 4 * n_experts + 28 * k + k * (2 * c * h + 4 * c * f_e + 4 * h)
     return norm, attention + mlp
 
 
@@ -184,44 +210,92 @@ def head_transient_bytes(cfg: ExperimentSchema | Mapping[str, Any], micro_batch:
     return float(12 * vocab * min(tokens, CHUNKED_LOSS_TOKENS))
 
 
-def memory_per_device(cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None) -> dict[str, Any]:
-    """Bytes per device of model state and activations, with the assumptions stated in the result.
+def autocast_weight_copy_params(cfg: ExperimentSchema | Mapping[str, Any]) -> int:
+    """Parameters whose bf16 copy autocast makes and autograd keeps for the backward: a dense model's
+    decoder-layer matmul weights, plus the LM head's under the plain loss (the chunked and Liger losses
+    cast per chunk); norms and the embedding are never cast. Probed on the H200 at gpu-smoke's shape:
+    2,428,502,016 bytes = 2 x the 24 layers' matmul weights exactly (bench/measurements/h200-20261204/
+    probe.json). A mixture of experts counts every parameter (not yet probed)."""
+    cfg = as_schema(cfg)
+    counts = params_of_config(cfg)
+    if counts.moe:
+        return counts.all
+    lay = counts.layer
+    matmul = lay.attention + lay.mlp
+    head = counts.embedding if cfg.model.cross_entropy == "plain" else 0  # lm_head: vocab x hidden
+    return counts.n_layers * matmul + head
 
-    Model state (per parameter): bf16 mixed precision keeps fp32 master weights (4 B), fp32
-    grads (4 B), AdamW's two fp32 moments (8 B), plus bf16 copies of the weights that autocast
-    makes for the matmuls (2 B: saved for the backward, so alive through it); fp32 drops the copies.
-    FSDP (full shard) divides model state by the devices; DDP and single device hold it all.
 
-    Activations: `saved_activation_bytes` (what autograd keeps, calibrated against the saved-tensor
-    probe) plus `head_transient_bytes` (the loss's peak). With activation checkpointing, the layer
-    inputs, one recomputed layer and the head. `micro_batch` overrides the recipe's (the automatic
-    micro batch asks what each candidate needs). Not counted: CUDA context, allocator
-    fragmentation, communication buffers (AUTO_MICRO_BATCH_MEMORY_FRACTION leaves room for them).
+def grads_held_at_peak(cfg: ExperimentSchema, micro_batch: int) -> bool:
+    """Whether the fp32 gradients are alive at the backward's peak: when a step accumulates several
+    micro batches (the earlier micro batches' gradients wait for the optimizer step) or DDP/FSDP hold
+    them in communication buckets; a single micro batch per step on one device frees them at
+    `zero_grad(set_to_none=True)`, so its backward peak (the loss's) comes before any gradient exists."""
+    if cfg.hardware.distributed != "none":
+        return True
+    return cfg.train.global_batch_sequences // max(1, devices(cfg)) > micro_batch
+
+
+def memory_per_device(
+    cfg: ExperimentSchema | Mapping[str, Any], micro_batch: int | None = None, *, grads_held: bool | None = None
+) -> dict[str, Any]:
+    """Bytes per device at the training step's peak, with the assumptions stated in the result.
+
+    Model state (per parameter): bf16 mixed precision keeps fp32 master weights (4 B), fp32 grads
+    (4 B), AdamW's two fp32 moments (8 B), plus the bf16 copies autocast makes of the matmul weights
+    (`autocast_weight_copy_params`, 2 B each: saved for the backward, so alive through it); fp32 drops
+    the copies. FSDP (full shard) divides model state by the devices; DDP and single device hold it all.
+
+    The peak is the larger of two moments (SPEC "Memory plan"):
+      backward: at the loss's backward, weights + moments + copies + activations, plus the gradients
+        only when `grads_held_at_peak` (accumulation or DDP/FSDP; `grads_held` overrides);
+      optimizer step: weights + gradients + moments (fused AdamW's per-tensor temporaries not counted).
+    Activations: `saved_activation_bytes` (what eager autograd keeps, calibrated against the
+    saved-tensor probe) plus `head_transient_bytes` (the loss's peak); with `model.compile` the decoder
+    layers' part times the measured fraction torch.compile leaves (runner.planning.assumptions.
+    COMPILE_SAVED_FRACTION, by scope and kernels: the H200 bench); with activation checkpointing, the
+    layer inputs, one recomputed layer (eager count, an upper bound under compile) and the head.
+    `micro_batch` overrides the recipe's (the automatic micro batch asks what each candidate needs).
+    Not counted: CUDA context, allocator fragmentation, communication buffers
+    (AUTO_MICRO_BATCH_MEMORY_FRACTION leaves room for them). Measured against max_memory_allocated of
+    every H200 bench row: tests/planning/test_memory_measured.py. `model.activation_checkpointing`
+    is none, full or selective (runner.training.checkpointing): each mode's activations are counted.
     A mixture of experts (OLMoE) counts every expert in model state (all of them live in memory
-    whichever a token uses); its activations are estimated (not yet calibrated by the probe) in
-    `saved_activation_bytes`.
+    whichever a token uses); its activations (the runner's MoE layer) are calibrated by the probe
+    like the dense model's, in each checkpointing mode.
     """
     cfg = as_schema(cfg)
     train, hw = cfg.train, cfg.hardware
     counts = params_of_config(cfg)
     n_params = counts.all
     precision = hw.precision
-    state_bytes_per_param = {"weights (fp32 master)": 4, "grads (fp32)": 4, "adamw moments (2 x fp32)": 8}
-    if precision == "bf16":
-        state_bytes_per_param["bf16 autocast weight copies"] = 2
     shard = devices(cfg) if hw.distributed == "fsdp" else 1
-    state = {k: v * n_params / shard for k, v in state_bytes_per_param.items()}
+    state = {
+        "weights (fp32 master)": 4 * n_params / shard,
+        "grads (fp32)": 4 * n_params / shard,
+        "adamw moments (2 x fp32)": 8 * n_params / shard,
+    }
+    if precision == "bf16":
+        state["bf16 autocast weight copies"] = 2 * autocast_weight_copy_params(cfg) / shard
 
     b = micro_batch if micro_batch is not None else train.micro_batch_sequences
-    checkpointing = cfg.model.activation_checkpointing
+    mode = checkpointing_mode(cfg.model.activation_checkpointing)
+    checkpointing = mode != "none"
+    held = grads_held_at_peak(cfg, b) if grads_held is None else grads_held
     transient = head_transient_bytes(cfg, b)
-    saved_full = saved_activation_bytes(cfg, b, checkpointing=False)
-    saved_ckpt = saved_activation_bytes(cfg, b, checkpointing=True)
-    full = saved_full["total"] + transient
-    checkpointed = saved_ckpt["total"] + saved_ckpt["recompute_layer"] + transient
-    activations = checkpointed if checkpointing else full
+    saved = {m: saved_activation_bytes(cfg, b, checkpointing=m) for m in AC_MODES}
+    compiled = compile_saved_fraction(cfg)
+    fraction = compiled["fraction"] if compiled else 1.0
+    by_mode = {m: saved[m]["total"] + saved[m]["recompute_layer"] + transient for m in AC_MODES}
+    # compile's measured saving applies to what eager autograd keeps of the decoder layers (no checkpointing)
+    by_mode["none"] -= (1.0 - fraction) * saved["none"]["layers"]
+    full, checkpointed = by_mode["none"], by_mode["full"]
+    activations = by_mode[mode]
     state_total = sum(state.values())
-    total = state_total + activations
+    held_state = state_total - (0 if held else state["grads (fp32)"])
+    backward = held_state + activations
+    step = sum(state[k] for k in ("weights (fp32 master)", "grads (fp32)", "adamw moments (2 x fp32)"))
+    total = max(backward, step)
     capacity = hw.memory_gib * GIB
     return {
         "precision": precision,
@@ -229,21 +303,38 @@ def memory_per_device(cfg: ExperimentSchema | Mapping[str, Any], micro_batch: in
         "params": n_params,
         "model_state_bytes": state,
         "model_state_total_bytes": state_total,
-        "activation_bytes_saved": (saved_ckpt if checkpointing else saved_full)["total"],
+        "grads_held_at_peak": held,
+        "backward_peak_bytes": backward,
+        "optimizer_step_peak_bytes": step,
+        "activation_bytes_saved": saved[mode]["total"],
         "head_transient_bytes": transient,
         "activation_bytes_full": full,
         "activation_bytes_checkpointed": checkpointed,
+        "activation_bytes_selective": by_mode["selective"],
         "activation_checkpointing": checkpointing,
+        "activation_checkpointing_mode": mode,
         "activation_bytes": activations,
+        "compile_saved_fraction": compiled,
         "micro_batch_sequences": b,
         "seq_len": train.seq_len,
         "cross_entropy": cfg.model.cross_entropy,
         "total_bytes": total,
         "capacity_bytes": capacity,
         "fits": bool(capacity) and total <= capacity,
-        "fits_with_checkpointing": bool(capacity) and state_total + checkpointed <= capacity,
+        "fits_with_checkpointing": bool(capacity) and max(held_state + checkpointed, step) <= capacity,
         "assumptions": MEMORY_ASSUMPTIONS[precision],
     }
+
+
+def compile_saved_fraction(cfg: ExperimentSchema) -> dict[str, Any] | None:
+    """The measured fraction of the eager decoder layers' saved bytes torch.compile leaves, with its
+    source, for this model's compile scope and kernels (None: not compiled, or checkpointed)."""
+    model = cfg.model
+    if not model.compile or checkpointing_mode(model.activation_checkpointing) != "none":
+        return None
+    key = (str(model.compile_scope), "liger" if model.kernels == "liger" else "none")
+    fraction, source = assumptions.COMPILE_SAVED_FRACTION.get(key, (1.0, "not measured: the eager count"))
+    return {"scope": key[0], "kernels": key[1], "fraction": fraction, "source": source}
 
 
 def choose_micro_batch(
@@ -261,15 +352,16 @@ def choose_micro_batch(
         capacity = min(capacity, float(device_bytes)) if capacity else float(device_bytes)
     budget = capacity * AUTO_MICRO_BATCH_MEMORY_FRACTION
     candidates = [m for m in range(min(cap, per_device), 0, -1) if per_device % m == 0]
+    sharing = cfg.hardware.distributed != "none"
     for m in candidates:
-        need = memory_per_device(cfg, m)["total_bytes"]
+        need = memory_per_device(cfg, m, grads_held=sharing or per_device > m)["total_bytes"]
         if need <= budget:
             return m, (
                 f"auto: micro batch {m} of <= {cap} (per-device batch {per_device}): planned "
                 f"{need / GIB:,.1f} GiB of {budget / GIB:,.1f} GiB ({AUTO_MICRO_BATCH_MEMORY_FRACTION:.0%} "
                 f"of {capacity / GIB:,.1f} GiB)"
             )
-    smallest = memory_per_device(cfg, 1)["total_bytes"]
+    smallest = memory_per_device(cfg, 1, grads_held=sharing or per_device > 1)["total_bytes"]
     raise RunnerError(
         f"micro_batch_policy auto: even micro batch 1 plans {smallest / GIB:,.1f} GiB, over "
         f"{budget / GIB:,.1f} GiB ({AUTO_MICRO_BATCH_MEMORY_FRACTION:.0%} of {capacity / GIB:,.1f} GiB): turn on "
@@ -396,6 +488,7 @@ def _time_plans(
     assumed = _time_block(tokens, assumed_tps, overheads, n_devices, price)
     assumed["mfu"] = mfu
     assumed["mfu_rule"], assumed["mfu_source"] = assumption.rule, assumption.source
+    assumed["mfu_basis"] = assumption.basis
     n_all = params_of_config(cfg).all
     assumed["pure_hours_6n_all"] = (
         compute_seconds(training_flops(n_all, tokens), mfu, peak_tflops, n_devices) / SECONDS_PER_HOUR
@@ -443,6 +536,17 @@ def _storage(cfg: ExperimentSchema, tokens: float, all_params: int, pool_tokens:
     }
 
 
+def checkpoint_copy_rate(cfg: ExperimentSchema) -> float:
+    """Bytes per second of the loop's checkpoint copy to host memory: a host memcpy on a CPU; FSDP's
+    gather into pageable memory; else the side-stream copy into pinned buffers (the loop goes on; its
+    next optimizer step waits for the copy on the device)."""
+    if cfg.hardware.accelerator == "cpu":
+        return assumptions.HOST_MEMCPY_BYTES_PER_S
+    if cfg.hardware.distributed == "fsdp":
+        return assumptions.PAGEABLE_COPY_BYTES_PER_S
+    return assumptions.PINNED_COPY_BYTES_PER_S
+
+
 def checkpoint_time(cfg: ExperimentSchema, checkpoint_bytes: float, pure_seconds: float) -> dict[str, Any]:
     """What the experiment's checkpoints cost (SPEC's t_checkpoint: the time the loop stands still for
     them), from their bytes and runner.planning.assumptions' copy, disk and hashing rates. Under
@@ -453,18 +557,18 @@ def checkpoint_time(cfg: ExperimentSchema, checkpoint_bytes: float, pure_seconds
     by_steps = steps // ck.interval_steps if ck.interval_steps else 0
     by_clock = int(pure_seconds // (ck.interval_minutes * 60)) if ck.interval_minutes else 0
     count = max(by_steps, by_clock, 1)  # a run always ends on a checkpoint
-    link = (
-        assumptions.HOST_MEMCPY_BYTES_PER_S if cfg.hardware.accelerator == "cpu" else assumptions.HOST_LINK_BYTES_PER_S
-    )
-    copy = checkpoint_bytes / link
-    write = checkpoint_bytes / assumptions.DISK_WRITE_BYTES_PER_S + checkpoint_bytes / assumptions.SHA256_BYTES_PER_S
+    copy = checkpoint_bytes / checkpoint_copy_rate(cfg)
+    # written and hashed in one pass (runner.training.staging): the slower of the disk and the hash
+    write = checkpoint_bytes / min(assumptions.DISK_WRITE_BYTES_PER_S, assumptions.SHA256_BYTES_PER_S)
     between = pure_seconds / count
     if ck.write == "background":
         stop = copy + max(write - between, 0.0)
     else:
         stop = copy + write
+    rate = checkpoint_copy_rate(cfg)
     return {
         "write": ck.write,
+        "copy": "pinned" if rate == assumptions.PINNED_COPY_BYTES_PER_S else "host",
         "count": count,
         "seconds_between": between,
         "copy_seconds": copy,
@@ -521,7 +625,7 @@ def build_plan(
     tokens = float(cfg.train.exposure_tokens)  # the plan (and its JSON) counts in floats: 2.6e10, not 26000000000
     peak = hardware.resolve_peak(hw)
     fpt = flops_per_token(cfg, convention)
-    assumption = assumed_mfu(architecture(cfg), hw.default_mfu, cfg.recipes.get("hardware", ""), mfu)
+    assumption = assumed_mfu(architecture(cfg), hw.default_mfu, cfg.recipes.get("hardware", ""), mfu, cfg)
     assumed, measured = _time_plans(cfg, tokens, fpt, peak.peak_tflops, assumption, calibration)
     mix = mixture_plan(cfg, Path(root))
     return {
@@ -568,6 +672,8 @@ def forecast_targets(plan: Mapping[str, Any], fit_result: Mapping[str, Any], tar
     needs to reach it (runner.planning.scaling.forecast_target over the fit's runs), and the FLOPs,
     days, device-hours and dollars of that many tokens at the plan's assumed and measured throughput;
     or why it cannot be reached, and whether the answer is beyond the fit's trusted range."""
+    from runner.planning.scaling import Point, forecast_target  # noqa: PLC0415  (scipy: a forecast's, not the trainer's)
+
     try:
         points = [Point(**p) for p in fit_result["points"]]
     except (KeyError, TypeError) as err:
@@ -678,7 +784,10 @@ def _format_model_and_compute(plan: Mapping[str, Any], out: list[str]) -> None:
 
 def _format_time(plan: Mapping[str, Any], out: list[str]) -> None:
     t = plan["time"]
-    cols = [("assumed", t["assumed"])] + ([("measured", t["measured"])] if t["measured"] else [])
+    first = {"measured": "device-measured MFU", "--mfu": "--mfu"}.get(t["assumed"].get("mfu_basis", ""), "assumed")
+    cols = [(first, t["assumed"])] + (
+        [("calibration run" if first != "assumed" else "measured", t["measured"])] if t["measured"] else []
+    )
     out.append(f"{'time and cost':<36}" + "".join(f"{name:>22}" for name, _ in cols))
     _row(out, "MFU", *(f"{b['mfu']:.1%}" for _, b in cols))
     _row(out, "tokens/s (processed)", *(_si(b["tokens_per_second"]) for _, b in cols))
@@ -690,7 +799,8 @@ def _format_time(plan: Mapping[str, Any], out: list[str]) -> None:
     _row(out, "device-hours", *(f"{b['device_hours']:,.1f}" for _, b in cols))
     costs = (f"{b['cost_usd']:,.0f}" if b["cost_usd"] >= 100 else f"{b['cost_usd']:.2f}" for _, b in cols)
     _row(out, "cost (USD)", *costs)
-    out.append(f"  assumed MFU: {t['assumed']['mfu_rule']} ({t['assumed']['mfu_source']})")
+    basis = t["assumed"].get("mfu_basis", "assumed")
+    out.append(f"  MFU {basis}: {t['assumed']['mfu_rule']} ({t['assumed']['mfu_source']})")
     if t["measured"] and plan.get("calibration"):
         cal = plan["calibration"]
         out.append(
@@ -711,6 +821,8 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
     _row(out, "activations (no checkpointing)", _gib(mem["activation_bytes_full"]))
     _row(out, f"  of which the loss's peak ({mem['cross_entropy']})", _gib(mem["head_transient_bytes"]))
     _row(out, "activations (checkpointing)", _gib(mem["activation_bytes_checkpointed"]))
+    if "activation_bytes_selective" in mem:
+        _row(out, "activations (selective ckpt)", _gib(mem["activation_bytes_selective"]))
     _row(out, "total (as configured)", _gib(mem["total_bytes"]), note=f"of {_gib(mem['capacity_bytes'])}")
     verdict = "fits"
     if not mem["fits"]:
@@ -741,8 +853,13 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
 
 def _format_checkpoint_time(ck: Mapping[str, Any], out: list[str]) -> None:
     behind = "behind the loop" if ck["write"] == "background" else "in the loop (train.checkpoint.write: foreground)"
-    _row(out, "checkpoint write + sha256", f"{ck['write_seconds']:,.3g} s", note=f"each, {behind}")
-    waits = "the copy to host memory" + (
+    _row(out, "checkpoint write + sha256", f"{ck['write_seconds']:,.3g} s", note=f"each, one pass, {behind}")
+    pinned = ck.get("copy") == "pinned"
+    waits = (
+        "the copy to pinned host memory (an upper bound: enqueued, the next optimizer step waits for it)"
+        if pinned
+        else "the copy to host memory"
+    ) + (
         ", and the previous write (checkpoints come faster than one is written)"
         if ck["write"] == "background" and ck["write_seconds"] > ck["seconds_between"]
         else ""

@@ -36,6 +36,7 @@ from runner.runs.folder import is_reportable_run
 from runner.runs.recorded import conventions_of, device_seconds, devices_held, read_manifest_copies, run_times
 from runner.runs.runjson import as_record
 from runner.training import task_targets
+from runner.training.startup import report_lines as startup_lines
 from runner.training.tracking import default_tracking_uri
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 
@@ -496,6 +497,7 @@ def _md_speed(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, run: dict 
         ),
         device_busy_line(run, float(s.mfu)),
         *eval_time_lines(run),
+        *startup_lines(run),
         f"- FLOPs per token {s.flops_per_token:.4g} ({s.flops_formula}, params {s.params_counted}).",
         f"- {s.devices} x {s.device_name} at ${s.price_per_device_hour:.2f}/device-hour: "
         f"${s.cost_per_billion_useful_tokens:.4g} per billion useful tokens.",

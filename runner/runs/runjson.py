@@ -55,6 +55,8 @@ class RunJson:
     #: evaluation wall seconds (runner.training.records.EvalTimes): validation_seconds, downstream_seconds,
     #: downstream_prepare_seconds over the run, and `attempts`: the same per attempt
     t_eval: dict | None = None
+    #: process start to the first step, by part, per attempt and summed (runner.training.startup)
+    t_startup: dict | None = None
     # the attempt's summary
     exposure_tokens: int | None = None
     useful_tokens: int | None = None

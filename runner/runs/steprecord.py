@@ -30,11 +30,13 @@ class StepRecord:
     goodput_mfu: float
     exposure_tokens: int  #: the ledger's exposure after the step
     hfu: float | None = None  #: None when the run recomputes no activations (HFU = MFU): not written
-    experts: dict[str, float] = field(default_factory=dict)  #: a mixture of experts' step figures
+    #: the step's further figures, by name (a mixture of experts' router figures, Options.step_figures'):
+    #: train.jsonl's last keys, and each logged to MLflow at the step (runner.training.callbacks)
+    figures: dict[str, float] = field(default_factory=dict)
 
     def as_row(self) -> dict[str, Any]:
-        """metrics/train.jsonl's line: the fields in order, `hfu` only when measured, the experts' last."""
-        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("hfu", "experts")}
+        """metrics/train.jsonl's line: the fields in order, `hfu` only when measured, the figures last."""
+        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("hfu", "figures")}
         if self.hfu is not None:
             row["hfu"] = self.hfu
-        return row | self.experts
+        return row | self.figures

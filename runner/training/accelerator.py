@@ -155,12 +155,15 @@ class AttentionBackend:
         return asdict(self)
 
 
-def attention_context(runtime: dict[str, Any]) -> contextlib.AbstractContextManager:
-    """The SDPA kernel pin of a runtime record (apply_runtime_settings checked it), as the context the
-    loop enters around each micro step's forward and backward and around evaluation: what is
-    recorded as `sdpa_kernel` is the kernel that runs (activation recomputation in backward included)."""
-    pinned = AttentionBackend(str(runtime["attn_implementation"]), runtime.get("sdpa_kernel"), "")
-    return pinned.context()
+@dataclass(frozen=True)
+class Runtime:
+    """What `apply_runtime` applied: the flat record (run.json's `runtime`, MLflow params) and the
+    attention choice it checked, kept typed: the loop enters `attention.context()` around each micro
+    step's forward and backward and around evaluation, so what is recorded as `sdpa_kernel` is the
+    kernel that runs (activation recomputation in backward included)."""
+
+    record: dict[str, Any]
+    attention: AttentionBackend
 
 
 class StepClock:
@@ -430,15 +433,15 @@ def _compile_record(model_cfg: ModelRecipe, dev: DeviceIdentity, file: str | Non
     }
 
 
-def apply_runtime_settings(
+def apply_runtime(
     hardware_cfg: HardwareRecipe,
     model_cfg: ModelRecipe,
     *,
     optim_cfg: OptimRecipe | None = None,
     device: DeviceIdentity | str | None = None,
     file: str | None = None,
-) -> dict[str, Any]:
-    """Apply the recipe's torch settings for this process and return the record of what was applied.
+) -> Runtime:
+    """Apply the recipe's torch settings for this process and return what was applied.
 
     The record is flat and JSON-serialisable (log it as run params). `optim_cfg`, when given, makes
     a requested-but-unavailable fused AdamW an error instead of a silent unfused optimizer.
@@ -481,7 +484,7 @@ def apply_runtime_settings(
     record.update(pin_memory=pin, non_blocking=pin)
     record.update(_compile_record(model_cfg, run_dev, file))
     record.update(_kernel_record(model_cfg, run_dev, file))
-    return record
+    return Runtime(record, attention)
 
 
 def _kernel_record(model_cfg: ModelRecipe, dev: DeviceIdentity, file: str | None) -> dict[str, Any]:
@@ -546,7 +549,7 @@ def liger_version() -> str | None:
 
 
 def restore_default_settings() -> None:
-    """Undo what apply_runtime_settings set globally (tests and benchmarks that switch recipes)."""
+    """Undo what apply_runtime set globally (tests and benchmarks that switch recipes)."""
     _set_tf32(False)
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         torch.backends.cuda.matmul.fp32_precision = "none"

@@ -8,7 +8,9 @@ step in the prefetch thread. Never decides what data a step sees (the sampler do
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -18,6 +20,7 @@ from runner.data.integrity import ShardVerifier
 from runner.data.manifest import Pool, load_experiment_manifests, num_samples
 from runner.data.sampler import BatchReader, MixtureSampler
 from runner.data.tokenizer import load_tokenizer, token_byte_lengths
+from runner.errors import RunnerError
 
 
 @dataclass
@@ -30,6 +33,27 @@ class Data:
     val_samples: dict[str, int]
     byte_lengths: np.ndarray
     verifier: ShardVerifier | None = None  # hashing the shards in the background, or None
+
+    def verification_failed(self, say: Callable[[str], None], wait: bool) -> float:
+        """1.0 when this rank's shard verification found a mismatch (wait: once every shard is hashed)."""
+        verifier = self.verifier
+        if verifier is None:
+            return 0.0
+        if wait and not verifier.done():
+            say("data: the checkpoint waits for the shards' sha256 verification to finish")
+            while not verifier.join(timeout=60):
+                say(f"data: {verifier.progress()}")
+        if verifier.done() and not verifier.announced and verifier.failure() is None:
+            verifier.announced = True
+            say(verifier.summary())
+        return float(verifier.failure() is not None)
+
+    def raise_failure(self) -> NoReturn:
+        """This rank's mismatch, or the line that another node's was (each node names its own)."""
+        failure = self.verifier.failure() if self.verifier is not None else None
+        raise failure or RunnerError(
+            "a shard differs from its manifest's sha256 on another node (its error line names it)"
+        )
 
 
 def load_data(exp: Experiment, seq_len: int, verify: bool = False) -> Data:

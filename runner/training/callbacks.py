@@ -1,8 +1,9 @@
 """Side effects of the training loop as callbacks: metrics files, MLflow and the progress line.
 
-Owns: what is written after each step, each evaluation and at the end of an attempt
-(metrics/train.jsonl, metrics/eval.jsonl, MLflow metrics, quality targets' MLflow record, the progress
-bar or line on stderr).
+Owns: what is written after each step, each evaluation, each in-loop downstream scoring and at the
+end of an attempt (metrics/train.jsonl, metrics/eval.jsonl, metrics/downstream.jsonl, MLflow metrics,
+tags and the scorings' request files, quality targets' MLflow record, the progress bar or line on
+stderr): the one delivery path of the loop's figures.
 Never changes what is trained.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +33,20 @@ MOE_METRICS = (
 )
 
 
+@dataclass(frozen=True)
+class DownstreamScoring:
+    """One in-loop scoring of the downstream tasks (runner.training.downstream.inloop), as delivered."""
+
+    step: int
+    rows: list[dict]  #: metrics/downstream.jsonl's lines: one per task and metric, stamped where the run stood
+    t_eval_seconds: float
+    exposure_tokens: int
+    requests: Path  #: its per-request log-likelihoods (downstream/requests-loop-step-NNNNNNN.jsonl.gz)
+
+
 class Callback:
-    """Side effects of the loop. Hooks run on every rank; sinks act only where they should.
+    """Side effects of the loop. Hooks run on every rank; sinks act only where they should
+    (`on_downstream`: on the main process only, where the scoring's request file is written).
 
     `on_end` gets the attempt's summary and the accounting of its last committed step (after a
     non-finite stop: of the checkpoint the run was rolled back to)."""
@@ -41,11 +55,14 @@ class Callback:
 
     def on_eval(self, step: int, exposure_tokens: int, rows: list[dict]) -> None: ...
 
+    def on_downstream(self, scoring: DownstreamScoring) -> None: ...
+
     def on_end(self, summary: dict, counters: dict, ratios: dict) -> None: ...
 
 
 class MetricsFiles(Callback):
-    """metrics/train.jsonl and metrics/eval.jsonl (append-only; a resume continues them)."""
+    """metrics/train.jsonl, metrics/eval.jsonl and metrics/downstream.jsonl (append-only; a resume
+    continues them)."""
 
     def __init__(self, run_dir: Path, enabled: bool):
         self.dir = Path(run_dir) / "metrics"
@@ -68,9 +85,13 @@ class MetricsFiles(Callback):
     def on_eval(self, step, exposure_tokens, rows):
         self._append("eval.jsonl", rows)
 
+    def on_downstream(self, scoring):
+        self._append("downstream.jsonl", scoring.rows)
+
 
 class TrackingCallback(Callback):
-    """MLflow metrics: loss, lr, throughput, MFU, counters, realized ratios, validation.
+    """MLflow metrics: loss, lr, throughput, MFU, the step's further figures, counters, realized
+    ratios, validation.
 
     Per-step metrics go out every `log_interval_steps`, and always for the attempt's last committed
     step (end of the run or of an extension, hard stop, preemption): MLflow's latest values are the
@@ -125,7 +146,8 @@ class TrackingCallback(Callback):
 
     def _log_step(self, record: StepRecord, counters, ratios) -> None:
         row = record.as_row()
-        m = {self.STEP_NAMES.get(k, k): row[k] for k in self.STEP_KEYS if row.get(k) is not None}
+        keys = [*self.STEP_KEYS, *(k for k in record.figures if k not in self.STEP_KEYS)]
+        m = {self.STEP_NAMES.get(k, k): row[k] for k in keys if row.get(k) is not None}
         m.update(self.accounting(counters, ratios))
         self.tracker.log_metrics(m, step=record.step)
 
@@ -145,6 +167,19 @@ class TrackingCallback(Callback):
         if rows:
             m.update({f"eval.{k}": rows[0][k] for k in targets.PROGRESS_FIELDS if rows[0].get(k) is not None})
         self.tracker.log_metrics(m, step=step)
+
+    def on_downstream(self, scoring):
+        """`downstream/<task>/<metric>`, `downstream/t_eval_seconds` and `downstream/exposure_tokens` at the
+        step, each figure's convention record as a tag, the request file as an artifact."""
+        rows = scoring.rows
+        metrics = {f"downstream/{r['task']}/{r['metric']}": r["value"] for r in rows}
+        metrics |= {
+            "downstream/t_eval_seconds": scoring.t_eval_seconds,
+            "downstream/exposure_tokens": scoring.exposure_tokens,
+        }
+        self.tracker.log_metrics(metrics, step=scoring.step)
+        self.tracker.log_tags({f"downstream.{r['task']}.{r['metric']}.convention": r["convention"] for r in rows})
+        self.tracker.log_artifacts(scoring.requests, "downstream")
 
     def on_end(self, summary, counters, ratios):
         committed = summary["committed_steps"]

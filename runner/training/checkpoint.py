@@ -28,7 +28,6 @@ parameter index) are still read for runs begun before.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import errno
 import functools
 import json
@@ -39,7 +38,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -60,17 +59,11 @@ from torch.distributed.checkpoint.state_dict import (
 from runner.config.schema import CheckpointSection
 from runner.errors import RunnerError
 from runner.fsio import fsync_dir, fsync_file, sha256_file
-from runner.training.clock import RunClock
+from runner.runs.checkpoints import FILES, FORMAT, MARKER, CheckpointState, dirname, step_of, verify
+from runner.training.staging import hashable_layout, save_safetensors_hashed
 
-MARKER = "COMPLETE"
 #: train.checkpoint.write: where a checkpoint's files are written (the schema's Literal lists the same)
 WRITE_MODES = ("background", "foreground")
-FORMAT = 3
-FILES = ("model.safetensors", "optimizer.safetensors", "ledger.safetensors", "optimizer.json")
-
-
-def dirname(step: int) -> str:
-    return f"step-{step:07d}"
 
 
 # ---- optimizer state <-> flat tensors (no pickle) --------------------------------------------
@@ -112,20 +105,29 @@ def _options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
-def gather_full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+def gather_full_state(model, optimizer, to_host: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """(model state, optimizer state), unsharded, on CPU, keyed by parameter name.
 
     `model` is the unwrapped module (plain, or FSDP2-sharded in place). A collective when the
     parameters are sharded: EVERY rank must call it; rank 0 receives the tensors, the others get
-    empty dicts (cpu_offload keeps one copy in host memory, on the writer)."""
+    empty dicts (cpu_offload keeps one copy in host memory, on the writer). `to_host=False` on a model
+    that is not sharded: the training tensors themselves, where they are (each rank its own; the
+    caller copies them: runner.training.staging.PinnedStaging)."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    options = _options(cpu_offload=distributed)
+    in_place = not to_host and not _sharded(model)
+    options = _options(cpu_offload=distributed and not in_place)
     # Full state dicts of a module and of its optimizer: tensors by parameter name, torch's nested form.
     model_state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
     optim_state = cast(dict, get_optimizer_state_dict(model, optimizer, options=options))
-    if not distributed:  # one process: cpu_offload needs a process group, so copy to host here
+    if not distributed and not in_place:  # one process: cpu_offload needs a process group, so copy to host here
         model_state = {k: v.detach().cpu() for k, v in model_state.items()}
     return model_state, optim_state
+
+
+def _sharded(model) -> bool:
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def tied_parameters(model) -> dict[str, str]:
@@ -296,33 +298,6 @@ def set_rng_state(state: dict) -> None:
 # ---- save -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CheckpointState:
-    """A checkpoint's state.json, typed: the one reader, holding the older formats' defaults (format 1
-    had no `format`, `tied` or fingerprint). What the loop stores (runner.training.records
-    .checkpoint_state) and the run clock's totals (RunClock.state_dict) stay flat in the file."""
-
-    step: int
-    format: int = 1
-    files: dict = field(default_factory=dict)  #: file name -> sha256
-    tied: dict = field(default_factory=dict)  #: alias -> the parameter stored once (format >= 2)
-    fingerprint: str | None = None
-    config: dict | None = None  #: the resolved experiment that wrote it
-    rng: dict | None = None
-    sampler_step: int | None = None
-    segment: int | None = None
-    attempt: int | None = None
-    scheduler: dict | None = None
-    mlflow_run_id: str | None = None
-    clock: dict = field(default_factory=dict)  #: step_seconds_total, device_step_seconds_total, world_size
-
-    @classmethod
-    def from_dict(cls, state: dict) -> CheckpointState:
-        names = {f.name for f in dataclasses.fields(cls)} - {"clock"}
-        values = {k: v for k, v in state.items() if k in names and v is not None}
-        return cls(**values, clock={k: state[k] for k in RunClock.STATE_KEYS if k in state})
-
-
 @dataclass
 class Checkpoint:
     path: Path
@@ -337,18 +312,20 @@ class Checkpoint:
     def format(self) -> int:
         return int(self.record.format)
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """The model's full state dict keyed by parameter name, tied aliases restored (format >= 2)."""
-        tensors = load_file(str(self.path / "model.safetensors"))
+    def model_state(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The model's full state dict keyed by parameter name, tied aliases restored (format >= 2),
+        read straight into `device`'s memory (a GPU's: no host copy to move again)."""
+        tensors = load_file(str(self.path / "model.safetensors"), device=device)
         for alias, name in self.record.tied.items():
             if alias not in tensors and name in tensors:
                 tensors[alias] = tensors[name]
         return tensors
 
-    def load_into(self, model, optimizer) -> None:
+    def load_into(self, model, optimizer, device: str = "cpu") -> None:
         """Weights and optimizer state into `model` (plain or FSDP2-sharded) and its optimizer.
         Every rank calls it and reads the files (run folders live on shared storage); each keeps its
-        own shard. The world size and sharding need not match the writer's."""
+        own shard. The world size and sharding need not match the writer's. `device`: where the
+        files are read to (the model's accelerator: one copy from the file, none from the host)."""
         if self.format < 2:
             # Only checkpoints of the first format need it, and its public path moved between torch releases.
             from torch.distributed.tensor import DTensor  # noqa: PLC0415
@@ -361,15 +338,28 @@ class Checkpoint:
             load_model(model, str(self.path / "model.safetensors"), strict=True)
             optimizer.load_state_dict(self.optimizer_state())
             return
-        set_model_state_dict(model, cast(dict, self.model_state()), options=_options(strict=True))
-        set_optimizer_state_dict(model, optimizer, self.optimizer_state(), options=_options())
+        set_model_state_dict(model, cast(dict, self.model_state(device)), options=_options(strict=True))
+        set_optimizer_state_dict(model, optimizer, self.optimizer_state(device), options=_options())
 
-    def optimizer_state(self) -> dict:
+    def optimizer_state(self, device: str = "cpu") -> dict:
         index = json.loads((self.path / "optimizer.json").read_text())
-        return unflatten_optimizer(load_file(str(self.path / "optimizer.safetensors")), index)
+        tensors = load_file(str(self.path / "optimizer.safetensors"), device=device)
+        # a 0-dim entry (AdamW's step) stays on the host, where torch's non-fused AdamW keeps it
+        tensors = {k: v.cpu() if v.dim() == 0 else v for k, v in tensors.items()}
+        return unflatten_optimizer(tensors, index)
 
     def ledger_state(self) -> dict[str, np.ndarray]:
         return load_numpy(str(self.path / "ledger.safetensors"))
+
+
+def _save_hashed(tensors: dict[str, torch.Tensor], path: Path) -> str | None:
+    """Write `tensors` to `path` (safetensors, fsynced) and return its sha256 when hashed while
+    written; None when written by safetensors itself (a dtype the one-pass writer does not know)."""
+    digest = save_safetensors_hashed(tensors, path, fsync=False) if hashable_layout(tensors) else None
+    if digest is None:
+        save_file(tensors, str(path))
+    fsync_file(path)
+    return digest
 
 
 class Checkpointer:
@@ -464,14 +454,22 @@ class Checkpointer:
             shutil.rmtree(tmp)
         tmp.mkdir()
         tied = {a: n for a, n in (tied or {}).items() if a in model_state and n in model_state}
-        save_file(_store_once(model_state, tied), str(tmp / "model.safetensors"))
         tensors, index = flatten_optimizer(optimizer_state)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        # the large files written and hashed in one pass (runner.training.staging), never read back
+        digests = {
+            name: _save_hashed(part, tmp / name)
+            for name, part in (
+                ("model.safetensors", _store_once(model_state, tied)),
+                ("optimizer.safetensors", tensors),
+            )
+        }
         (tmp / "optimizer.json").write_text(json.dumps(index))
         save_numpy({k: np.ascontiguousarray(v) for k, v in ledger_state.items()}, str(tmp / "ledger.safetensors"))
         for name in FILES:
-            fsync_file(tmp / name)
-        full_state = dict(state, format=FORMAT, tied=tied, files={name: sha256_file(tmp / name) for name in FILES})
+            if name not in digests:
+                fsync_file(tmp / name)
+        files = {name: digests.get(name) or sha256_file(tmp / name) for name in FILES}
+        full_state = dict(state, format=FORMAT, tied=tied, files=files)
         (tmp / "state.json").write_text(json.dumps(full_state, indent=1, sort_keys=True))
         fsync_file(tmp / "state.json")
         fsync_dir(tmp)
@@ -497,9 +495,9 @@ class Checkpointer:
         Folders above `keep`'s step are left alone: this run has not yet written their replacement."""
         self.clean_temporaries()
         kept = 0
-        keep_step = _step_of(keep)
+        keep_step = step_of(keep)
         for path in self.candidates():
-            if _step_of(path) > keep_step:
+            if step_of(path) > keep_step:
                 continue
             if kept < self.keep_last:
                 problem = self.check(path)
@@ -516,7 +514,7 @@ class Checkpointer:
         """Checkpoint folders, newest first (by step number in the name)."""
         if not self.root.exists():
             return []
-        found = [(_step_of(p), p) for p in self.root.glob("step-*")]
+        found = [(step_of(p), p) for p in self.root.glob("step-*")]
         return [p for step, p in sorted(found, reverse=True) if step >= 0]
 
     def latest_valid(self, report=print) -> Checkpoint | None:
@@ -552,12 +550,6 @@ def _io_error(e: Exception) -> tuple[str, int | None]:
     return re.sub(r"\s*\(os error \d+\)", "", text), int(found.group(1)) if found else None
 
 
-def _step_of(path: Path) -> int:
-    """The step in a `step-NNNNNNN` folder name; -1 for any other name."""
-    number = path.name.removeprefix("step-")
-    return int(number) if number.isdigit() and path.name.startswith("step-") else -1
-
-
 def _signature(path: Path) -> tuple:
     """Sizes and mtimes of a checkpoint folder's files: a cached verification holds while they hold."""
     out: list[tuple[str, int | None, int | None]] = []
@@ -568,42 +560,3 @@ def _signature(path: Path) -> tuple:
         except OSError:
             out.append((name, None, None))
     return tuple(out)
-
-
-def _sealed_state_sha256(path: Path) -> str | None:
-    """The state.json sha256 a format-3 COMPLETE marker seals; None for an older marker."""
-    try:
-        seal = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return seal.get("state.json") if isinstance(seal, dict) else None
-
-
-def verify(path: Path) -> str | None:
-    """None when the checkpoint is complete, its state.json is the one COMPLETE seals (format 3),
-    every file matches the sha256 state.json records, and state.json is the state of this step."""
-    if not (path / MARKER).exists():
-        return f"no {MARKER} marker"
-    sealed = _sealed_state_sha256(path)
-    try:
-        if sealed is not None and sha256_file(path / "state.json") != sealed:
-            return "state.json sha256 mismatch (edited after it was written)"
-        state = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        return f"state.json unreadable: {e}"
-    if not isinstance(state, dict) or not isinstance(state.get("files"), dict):
-        return "state.json holds no file hashes"
-    written_format = state.get("format", 1)
-    if sealed is None and not (isinstance(written_format, int) and written_format <= 2):
-        return f"{MARKER} does not seal state.json (a format-{written_format} checkpoint needs it)"
-    for name, digest in state["files"].items():
-        if not (path / name).is_file():
-            return f"{name} missing"
-        if sha256_file(path / name) != digest:
-            return f"{name} sha256 mismatch"
-    if set(state["files"]) != set(FILES):
-        return "state.json lists the wrong files"
-    step = state.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step != _step_of(path):
-        return f"state.json says step {step!r}, the folder is {path.name}"
-    return None

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol, TextIO
 
+from runner.runs.checkpoints import CLOCK_KEYS
 from runner.runs.recorded import device_seconds_or
 
 
@@ -68,8 +69,8 @@ class RunClock:
 
     # ---- checkpoints and resume ------------------------------------------------------------------
 
-    #: the keys of state_dict(), flat in a checkpoint's state.json (runner.training.checkpoint.CheckpointState)
-    STATE_KEYS = ("step_seconds_total", "device_step_seconds_total", "world_size")
+    #: the keys of state_dict(), flat in a checkpoint's state.json (runner.runs.checkpoints.CheckpointState)
+    STATE_KEYS = CLOCK_KEYS
 
     def state_dict(self) -> dict:
         """The clock's part of a checkpoint's state (unrounded: a resume takes the largest total)."""
@@ -110,10 +111,11 @@ class RunClock:
 
     # ---- one attempt ------------------------------------------------------------------------------
 
-    def start_attempt(self, journal: TextIO | None) -> None:
-        """The attempt's first step starts now; `journal` (rank 0's, else None) gets its lines."""
+    def start_attempt(self, journal: TextIO | None, started_before: float = 0.0) -> None:
+        """The attempt's first step starts now; `journal` (rank 0's, else None) gets its lines. Its wall
+        counts `started_before` seconds already spent starting it (runner.training.startup)."""
         self.journal = journal
-        self.t_attempt = self.host_now()
+        self.t_attempt = self.host_now() - max(0.0, started_before)
         self.ended_seconds = None
 
     def begin_step(self) -> None:

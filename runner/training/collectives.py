@@ -65,6 +65,18 @@ def all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
 STOP_TIMEOUT_KEY = "train.checkpoint.stop_timeout_seconds"
 
 
+class StopFlag:
+    """Catches SIGTERM/SIGINT for the loop to stop at the next step boundary (and the handlers it replaced)."""
+
+    def __init__(self):
+        self.signum = None
+        self.old_handlers: dict = {}
+        self.deadline: StopDeadline | None = None  # with other ranks: the stop's bound
+
+    def __call__(self, signum, frame):
+        self.signum = signum
+
+
 class StopDeadline:
     """The bound on a stop: after SIGTERM or SIGINT this process has `seconds` to save its stop
     checkpoint and record the attempt's end; past it, it says `line()` and exits (EXIT_PREEMPTED)

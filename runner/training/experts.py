@@ -1,8 +1,8 @@
 """Observing a mixture-of-experts model's routing while it trains, and its router losses.
 
-Owns: the forward hook on every layer's router (`mlp.gate` of transformers' OLMoE, which returns
-the router logits and the top-k expert indices the experts then use, so what is counted is exactly
-what was computed), the per-step count of input positions routed to each expert of each layer,
+Owns: the forward hook on every layer's router (`mlp.gate`: the runner's Router, whose RouterOutput
+holds the router logits and the top-k experts the layer then uses, or transformers' OlmoeTopKRouter
+returning (logits, weights, indices), so what is counted is exactly what was computed), the per-step count of input positions routed to each expert of each layer,
 split by the domain of the sample each position belongs to, the router losses added to the
 training loss, and the step's commit into the run's ExpertLoad (runner.training.expert_load); and
 the experts' matmuls under autocast (`autocast_experts`).
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from runner.training.expert_load import ExpertLoad, balance
+from runner.training.moe.routers import RouterOutput
 
 
 def router_losses(logits: torch.Tensor, indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +42,10 @@ def router_losses(logits: torch.Tensor, indices: torch.Tensor, n_experts: int) -
     aux = n_experts * (share * logits.softmax(dim=-1).mean(dim=0)).sum()
     z = logits.logsumexp(dim=-1).square().mean()
     return aux, z
+
+
+#: the attribute of a router module where the armed forward's (logits, indices) wait for disarm()
+_ROUTED = "_runner_routed"
 
 
 def _over_layers(reduce, values: np.ndarray) -> float:
@@ -61,9 +66,13 @@ class RouterProbe:
         self._loss_sums: torch.Tensor | None = None  # [aux, z, forwards] float64
         self._row_keys: torch.Tensor | None = None  # [1, positions, 1]: domain * E of each routed row
         self._layer_keys: torch.Tensor | None = None  # [layers, 1, 1]: layer * D * E
-        self._routed_calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (logits, indices) per layer
+        self._routers = list(routers)
         self._armed = False
-        self._handles = [r.register_forward_hook(functools.partial(self._observe, i)) for i, r in enumerate(routers)]
+        # One hook object for every layer, holding no layer index, that only writes: under regional
+        # compile the decoder layers share one compiled graph while what the graph reads is the same
+        # for all of them (a per-layer index, or a list the hook appends to, is guarded on: a
+        # recompile per layer, past torch's limit of 8, and the layers past it run uncompiled).
+        self._handles = [r.register_forward_hook(self._observe) for r in routers]
 
     def _buffers(self, device: torch.device) -> None:
         # Made once, on the first armed forward's device (which never changes within a run; a
@@ -81,16 +90,24 @@ class RouterProbe:
         ids = torch.as_tensor(np.asarray(domain_ids, dtype=np.int64)).to(device)
         # The router sees [sequences x positions] rows in order: row r belongs to sequence r // L.
         self._row_keys = (ids.repeat_interleave(self.seq_len) * self.n_experts)[None, :, None]
-        self._routed_calls = []
+        self._forget_routing()
         self._armed = True
 
-    def _observe(self, layer: int, module, args, output) -> None:
+    def _forget_routing(self) -> None:
+        for router in self._routers:
+            router.__dict__[_ROUTED] = None
+
+    def _observe(self, module, args, output) -> None:
         # Only kept here: counting and losses happen in disarm(), outside the layer. Autograd work
         # done inside would be missing from an activation-checkpointed layer's recomputation, which
         # must match its forward; and one count for all layers is one kernel instead of one per layer.
+        # Kept on the router module itself (one attribute write: no read the compiled graph guards on).
         if self._armed:
-            logits, _, indices = output
-            self._routed_calls.append((logits, indices))
+            if isinstance(output, RouterOutput):  # the runner's routers (runner.training.moe)
+                logits, indices = output.logits, output.experts
+            else:  # transformers' OlmoeTopKRouter: (logits, top-k weights, top-k indices)
+                logits, _, indices = output
+            setattr(module, _ROUTED, (logits, indices))
 
     def _count(self, indices: list[torch.Tensor]) -> None:
         """Add one forward's routing (each layer's [positions, k] expert indices) to the step's counts."""
@@ -102,11 +119,14 @@ class RouterProbe:
     def disarm(self) -> torch.Tensor:
         """End of the armed forward: its weighted router loss (add it to the loss before backward)."""
         self._armed = False
-        if len(self._routed_calls) != self.n_layers:
-            raise RuntimeError(f"{len(self._routed_calls)} of {self.n_layers} routers ran in a training forward")
-        self._count([indices for _, indices in self._routed_calls])
-        losses = [router_losses(logits, indices, self.n_experts) for logits, indices in self._routed_calls]
-        self._routed_calls = []
+        routed = [router.__dict__.get(_ROUTED) for router in self._routers]
+        self._forget_routing()  # the tensors are the step's only: do not keep them alive past it
+        if any(r is None for r in routed) or len(routed) != self.n_layers:
+            ran = sum(r is not None for r in routed)
+            raise RuntimeError(f"{ran} of {self.n_layers} routers ran in a training forward")
+        calls = [r for r in routed if r is not None]
+        self._count([indices for _, indices in calls])
+        losses = [router_losses(logits, indices, self.n_experts) for logits, indices in calls]
         aux = torch.stack([a for a, _ in losses]).mean()
         z = torch.stack([b for _, b in losses]).mean()
         assert self._loss_sums is not None  # made by the arm() before this forward

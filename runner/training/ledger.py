@@ -38,6 +38,14 @@ class TokenLedger:
 
     # --- updates ---------------------------------------------------------------------------
 
+    def catch_up_processed(self, spent: Mapping[str, int]) -> None:
+        """Raise the processed counters to `spent` per domain: work done after the checkpoint this
+        ledger was loaded from, then lost, still counts as processed (SPEC)."""
+        current = self.counters()
+        catch_up = {d: max(int(spent[d]) - int(current[d]["processed"]), 0) for d in self.domains}
+        if any(catch_up.values()):
+            self.record_processed(catch_up)
+
     def record_processed(self, domain_positions: Mapping[str, int]) -> None:
         """Input positions that went through forward+backward (lost work included)."""
         for name, positions in domain_positions.items():

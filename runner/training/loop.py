@@ -15,30 +15,28 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runner.config.load import Experiment
 from runner.config.rules import grad_accum, max_duration_tokens, total_steps
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.planning import hardware
 from runner.planning.flops import convention_for, flops_per_token, hfu_convention, hfu_flops_per_token
 from runner.planning.plan import choose_micro_batch
+from runner.runs.checkpoints import MARKER
 from runner.runs.folder import RunFolder
-from runner.runs.runjson import RunJson
 from runner.runs.steprecord import StepRecord
-from runner.training import evaluate
+from runner.training import evaluate, startup
 from runner.training import experts as experts_mod
 from runner.training.accelerator import (
     SHARD_RUNNER_CPU,
-    apply_runtime_settings,
-    attention_context,
+    Runtime,
+    apply_runtime,
     ddp_compile_settings,
     execution_record,
     fsdp_record,
@@ -47,130 +45,34 @@ from runner.training.accelerator import (
     sharding_mode,
     step_clock,
 )
-from runner.training.batches import Data, load_data, read_step
+from runner.training.attempt import Attempt, Gathered, Options
+from runner.training.batches import load_data, read_step
 from runner.training.callbacks import Callback, MetricsFiles, TargetsCallback, TrackingCallback, TrainingProgress
-from runner.training.checkpoint import (
-    MARKER,
-    Checkpointer,
-    gather_full_state,
-    host_copy,
-    set_rng_state,
-    training_tensors,
-)
+from runner.training.checkpoint import Checkpointer, gather_full_state, host_copy, set_rng_state, training_tensors
 from runner.training.clock import RunClock
 from runner.training.collectives import (
     STOP_TIMEOUT_KEY,
     StopDeadline,
+    StopFlag,
     all_gather_ints,
     all_reduce,
     check_same_checkpoint,
-    fsdp2_no_sync,
     scalar,
 )
 from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.prefetch import Prefetcher
-from runner.training.records import Gathered, RunRecord, default_records, take_records, zero_eval_seconds
+from runner.training.records import default_records, take_records
 from runner.training.samples import samples_callback
-from runner.training.schedule import lr_at, make_optimizer, segment_schedule_steps
+from runner.training.schedule import lr_at, make_optimizer
+from runner.training.staging import PinnedStaging
 from runner.training.steps import FlopsBasis, StepPlan
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
 from runner.training.threads import apply_threads, attempt_threads
 from runner.training.tracking import START_WAIT_SECONDS, Tracker
 
-if TYPE_CHECKING:
-    from accelerate import Accelerator
-
 # ---- the run ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Options:
-    max_steps: int | None = None  # stop after this many steps in this attempt (tests, smoke)
-    report: Callable[[str], None] = print
-    nonfinite_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None  # tests: poison a loss
-    peak_measure_seconds: float = 1.0
-    callbacks: list[Callback] = field(default_factory=list)
-    records: list[RunRecord] = field(default_factory=default_records)  # the run folder's records (rank 0 writes)
-    kill_at_step: int | None = None  # fault injection: SIGKILL itself mid-step (smoke, tests)
-    fault: Callable[[], None] | None = None  # what kill_at_step does instead of a SIGKILL (tests: runner.cli.train)
-    verify_shards: bool = True  # hash every shard against its manifest before the first checkpoint (bench: off)
-
-
-@dataclass
-class _Run:
-    """What one attempt holds. _setup builds it, _resume and _conventions fill it in, the loop advances it."""
-
-    exp: Experiment
-    acc: Accelerator
-    opts: Options
-    folder: RunFolder
-    say: Callable[[str], None]
-    steps: StepPlan  # the step geometry and the attempt's last step
-    runtime: dict
-    data: Data
-    model: torch.nn.Module
-    raw_model: torch.nn.Module  # the model without accelerate's wrapper (set by _resume)
-    optimizer: torch.optim.Optimizer
-    ledger: TokenLedger
-    checkpointer: Checkpointer
-    resolved_config: dict
-    sharding: str  # backends.SHARD_*: who shards the model, if anyone
-    info: RunJson = field(default_factory=RunJson)  # run.json as this attempt found it
-    start_step: int = 0
-    last_saved: int = 0
-    last_eval: int = 0
-    basis: FlopsBasis | None = None  # MFU's FLOPs per token and peak: set by _conventions, before the first step
-    tracker: Tracker | None = None
-    callbacks: list[Callback] = field(default_factory=list)
-
-    @property
-    def flops(self) -> FlopsBasis:
-        if self.basis is None:
-            raise RuntimeError("the FLOPs basis is read before _conventions resolved it")
-        return self.basis
-
-    batches: Prefetcher | None = None  # of HostBatch, one per step of this attempt
-    system: SystemMetricsCallback | None = None  # when system metrics are on
-    experts: experts_mod.RouterProbe | None = None  # of a mixture-of-experts model, else None
-    clock: RunClock = field(default_factory=lambda: RunClock(1))  # _setup: the run's world and device clock
-    downstream: Any = None  # the downstream tasks, prepared at their first scoring (runner.training.downstream)
-    eval_seconds: dict = field(default_factory=zero_eval_seconds)  # this attempt's t_eval (records.EvalTimes)
-
-    @property
-    def cfg(self):
-        return self.exp.config
-
-    @property
-    def rank(self) -> int:
-        return self.acc.process_index
-
-    @property
-    def world(self) -> int:
-        return self.acc.num_processes
-
-    @property
-    def main(self) -> bool:
-        return self.acc.is_main_process
-
-    @property
-    def inner_optimizer(self) -> torch.optim.Optimizer:
-        return getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's wrapper
-
-    def no_sync(self):
-        """Hold gradient reduction during the micro steps before the last (DDP or FSDP2)."""
-        if self.sharding != SHARD_RUNNER_CPU:
-            return self.acc.no_sync(self.model)
-        return fsdp2_no_sync(self.raw_model)
-
-    @property
-    def pin(self) -> bool:
-        # The runtime record only says pin_memory on a GPU; the device check keeps CPU copies synchronous.
-        return bool(self.runtime.get("pin_memory")) and self.acc.device.type == "cuda"
-
-    def schedule_steps_at(self, step: int) -> int:
-        return segment_schedule_steps(self.info.segments, step, self.steps.tokens, self.steps.schedule_steps)
 
 
 @dataclass
@@ -183,18 +85,6 @@ class _Step:
     useful_tokens: float
 
 
-class _StopFlag:
-    """Catches SIGTERM/SIGINT for the loop to stop at the next step boundary (and the handlers it replaced)."""
-
-    def __init__(self):
-        self.signum = None
-        self.old_handlers: dict = {}
-        self.deadline: StopDeadline | None = None  # with other ranks: the stop's bound
-
-    def __call__(self, signum, frame):
-        self.signum = signum
-
-
 def _device_memory_bytes(acc) -> int | None:
     """What the GPU this process uses really holds (the recipe's memory_gib may name a larger part)."""
     if acc.device.type != "cuda":
@@ -202,11 +92,13 @@ def _device_memory_bytes(acc) -> int | None:
     return int(torch.cuda.get_device_properties(acc.device).total_memory)
 
 
-def _runtime(cfg, acc, micro: int, accum: int) -> tuple[dict, int, int]:
-    """The runtime record (kernels, sharding, micro batch and its policy) with the micro batch and the
-    accumulation steps it settles on (policy auto: the largest micro batch the device's memory fits)."""
+def _runtime(cfg, acc, micro: int, accum: int) -> tuple[Runtime, int, int]:
+    """The runtime applied (its record: kernels, sharding, micro batch and its policy; the attention
+    choice) with the micro batch and the accumulation steps it settles on (policy auto: the largest
+    micro batch the device's memory fits)."""
     world = acc.num_processes
-    runtime = apply_runtime_settings(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
+    applied = apply_runtime(cfg.hardware, cfg.model, optim_cfg=cfg.optim)
+    runtime = applied.record
     runtime["sharding"] = sharding_mode(cfg.hardware, acc)
     runtime.update(fsdp_record(acc))
     if cfg.train.micro_batch_policy == "auto":
@@ -222,10 +114,10 @@ def _runtime(cfg, acc, micro: int, accum: int) -> tuple[dict, int, int]:
     )
     if world > 1:  # what bounded this attempt's stop (StopDeadline)
         runtime["stop_timeout_seconds"] = cfg.train.checkpoint.stop_timeout_seconds
-    return runtime, micro, accum
+    return applied, micro, accum
 
 
-def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
+def _setup(exp, run_dir: Path, acc, opts: Options) -> Attempt:
     """Step arithmetic, runtime settings, data, model, optimizer and ledger, before any resume; each
     object is built once, in the order the next one needs: model before sharding before optimizer."""
     cfg, world = exp.config, acc.num_processes
@@ -241,15 +133,18 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     recorded = RunFolder(run_dir).record().threads
     where = exp.recipe_files.get("hardware") or exp.path or run_dir
     threads = apply_threads(attempt_threads(cfg.hardware.threads, recorded, file=str(where)))
-    runtime, micro, accum = _runtime(cfg, acc, micro, accum)
+    applied, micro, accum = _runtime(cfg, acc, micro, accum)
+    startup.mark("accelerator_and_folder")
+    runtime, sharding = applied.record, applied.record["sharding"]
     runtime["torch_threads"] = threads
-    sharding = runtime["sharding"]
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
     data = load_data(exp, L, verify=opts.verify_shards and acc.is_local_main_process)  # one hasher per node
+    startup.mark("data")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg)
+    with startup.on_device(acc.device):  # parameters made and initialised there: no host copy to move
+        model = build_model(cfg)
     probe = experts_mod.attach(model, cfg, data.domains)  # hooks on the routers, before any wrapping
     if sharding == SHARD_RUNNER_CPU:
         shard_fsdp2_cpu(model, world)  # before the optimizer: it must hold the sharded parameters
@@ -258,7 +153,8 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
     checkpointer = Checkpointer.for_run(
         run_dir, cfg.train.checkpoint, report=opts.report if acc.is_main_process else None
     )
-    return _Run(
+    startup.mark("model_build")
+    return Attempt(
         exp=exp,
         acc=acc,
         opts=opts,
@@ -275,6 +171,8 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
             end_step=end_step,
         ),
         runtime=runtime,
+        attention=applied.attention,
+        records=opts.records if opts.records is not None else default_records(),
         data=data,
         model=model,
         raw_model=model,
@@ -285,10 +183,11 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> _Run:
         sharding=sharding,
         experts=probe,
         clock=RunClock(world, step_clock(acc.device)),
+        staging=PinnedStaging.for_checkpoints(acc, cfg.hardware.distributed, model),
     )
 
 
-def _resume(run: _Run) -> None:
+def _resume(run: Attempt) -> None:
     """Load the newest valid checkpoint, then catch the ledger up with the journal of lost work. The checks
     that a checkpoint belongs to this run come before any state is loaded, in one place."""
     acc, ledger, data = run.acc, run.ledger, run.data
@@ -301,6 +200,7 @@ def _resume(run: _Run) -> None:
     else:
         run.model, run.optimizer = acc.prepare(run.model, run.optimizer)
     run.raw_model = acc.unwrap_model(run.model)
+    startup.mark("weights_on_device")
     if ckpt is not None:
         state = ckpt.record
         if state.fingerprint not in fingerprints:
@@ -310,7 +210,7 @@ def _resume(run: _Run) -> None:
                 file=str(run.folder.path),
             )
         try:
-            ckpt.load_into(run.raw_model, run.inner_optimizer)
+            ckpt.load_into(run.raw_model, run.inner_optimizer, device=startup.load_device(acc.device))
         except (ValueError, RuntimeError, KeyError) as err:  # verified files that do not fit this model
             raise RunnerError(
                 f"checkpoint {ckpt.path.name} does not fit this run's model: {str(err).splitlines()[0]}",
@@ -330,12 +230,13 @@ def _resume(run: _Run) -> None:
         run.folder.repair_journal()
     acc.wait_for_everyone()
     # processed survives SIGKILL through the journal: work after the checkpoint was spent, then lost.
-    _catch_up_processed(ledger, run.clock.replay(run.folder.journal_entries(), data.domains))
+    ledger.catch_up_processed(run.clock.replay(run.folder.journal_entries(), data.domains))
+    startup.mark("checkpoint_load")
     run.runtime.update(ddp_compile_settings(run.model, run.cfg.model.compile))
     run.model = maybe_compile(run.model, run.cfg)
 
 
-def _conventions(run: _Run, tracker) -> None:
+def _conventions(run: Attempt, tracker) -> None:
     """FLOPs per token and the peak behind every MFU figure; recorded in run.json and as MLflow tags."""
     # MFU: recomputation never counted (SPEC); a mixture of experts counts active parameters.
     convention = replace(convention_for(run.cfg), recompute_counted=False)
@@ -388,7 +289,7 @@ def _conventions(run: _Run, tracker) -> None:
         )
 
 
-def _callbacks(run: _Run, tracker: Tracker | None) -> list[Callback]:
+def _callbacks(run: Attempt, tracker: Tracker | None) -> list[Callback]:
     """The callbacks of this attempt, in the order they see each step: metrics files, the caller's,
     progress, system metrics, samples, MLflow and the quality targets."""
     callbacks: list[Callback] = [MetricsFiles(run.folder.path, run.main)] + list(run.opts.callbacks)
@@ -397,7 +298,7 @@ def _callbacks(run: _Run, tracker: Tracker | None) -> list[Callback]:
         callbacks.append(TrainingProgress(run.start_step, run.steps.natural_end, hard_stop))
     if run.system is not None:
         callbacks.append(run.system)
-    sampler = samples_callback(run.exp, run.raw_model, run.acc, run.runtime, run.folder.path, tracker)
+    sampler = samples_callback(run.exp, run.raw_model, run.acc, run.attention, run.folder.path, tracker)
     if sampler is not None:  # export.samples: every rank generates at each evaluation, rank 0 logs
         callbacks.append(sampler)
     if tracker is not None:
@@ -406,7 +307,7 @@ def _callbacks(run: _Run, tracker: Tracker | None) -> list[Callback]:
     return callbacks
 
 
-def _system_metrics(run: _Run, tracker: Tracker | None) -> SystemMetricsCallback | None:
+def _system_metrics(run: Attempt, tracker: Tracker | None) -> SystemMetricsCallback | None:
     """The sampler of device utilisation, memory, power, CPU and RAM, or None when switched off."""
     return system_callback(
         float(run.cfg.train.system_metrics_interval_seconds),
@@ -422,7 +323,7 @@ def _system_metrics(run: _Run, tracker: Tracker | None) -> SystemMetricsCallback
     )
 
 
-def _train_step(run: _Run, step: int) -> _Step:
+def _train_step(run: Attempt, step: int) -> _Step:
     """Forward/backward of one global batch; each micro step's processed work is journaled as it is
     spent. The micro-step loop is the hot path: it stays in one frame."""
     acc, data, model, opts = run.acc, run.data, run.model, run.opts
@@ -440,7 +341,7 @@ def _train_step(run: _Run, step: int) -> _Step:
     for m in range(run.steps.accum):
         sl = slice(m * run.steps.micro, (m + 1) * run.steps.micro)
         sync = contextlib.nullcontext() if m == run.steps.accum - 1 else run.no_sync()
-        with sync, attention_context(run.runtime):  # model.sdpa_kernel, forward and backward
+        with sync, run.attention.context():  # model.sdpa_kernel, forward and backward
             if run.experts is None:
                 # The head and the loss run inside the model's forward (model.cross_entropy picks how).
                 summed = model(input_ids=x[sl], loss_targets=y[sl], loss_mask=mask[sl])
@@ -476,7 +377,7 @@ def _train_step(run: _Run, step: int) -> _Step:
 
 
 def _metrics_record(
-    run: _Run, committed: int, s: _Step, step_seconds: float, counters: dict, experts: dict
+    run: Attempt, committed: int, s: _Step, step_seconds: float, counters: dict, figures: dict
 ) -> StepRecord:
     tokens = run.steps.tokens
     fpt, hfu_fpt, peak_tflops = run.flops.flops_per_token, run.flops.hfu_flops_per_token, run.flops.peak_tflops
@@ -497,47 +398,34 @@ def _metrics_record(
         goodput_mfu=hardware.mfu(fpt, counters["total"]["useful"], run.clock.device_wall_seconds(), peak_tflops, 1),
         exposure_tokens=int(counters["total"]["exposure"]),
         hfu=hardware.mfu(hfu_fpt, tokens, step_seconds, peak_tflops, run.world) if hfu_fpt else None,
-        experts=experts,
+        figures=figures,
     )
 
 
-def _data_failed(run: _Run, wait: bool) -> float:
-    """1.0 when this rank's shard verification found a mismatch (wait: once every shard is hashed)."""
-    verifier = run.data.verifier
-    if verifier is None:
-        return 0.0
-    if wait and not verifier.done():
-        run.say("data: the checkpoint waits for the shards' sha256 verification to finish")
-        while not verifier.join(timeout=60):
-            run.say(f"data: {verifier.progress()}")
-    if verifier.done() and not verifier.announced and verifier.failure() is None:
-        verifier.announced = True
-        run.say(verifier.summary())
-    return float(verifier.failure() is not None)
-
-
-def _raise_data_failure(run: _Run) -> None:
-    failure = run.data.verifier.failure() if run.data.verifier is not None else None
-    raise failure or RunnerError("a shard differs from its manifest's sha256 on another node (its error line names it)")
-
-
-def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
+def _save(run: Attempt, step: int, wait_for_data: bool = True) -> None:
     # No checkpoint rests on a shard that differs from its pin: every rank waits for its node's hashing.
     # Except a preemption's: its grace period may be shorter than the hashing, and losing the work is
     # worse; the resumed launch verifies again (unfinished shards are not cached) before its next one.
-    failed = all_reduce(run.acc, torch.tensor([_data_failed(run, wait=wait_for_data)], device=run.acc.device))
+    mine = run.data.verification_failed(run.say, wait=wait_for_data)
+    failed = all_reduce(run.acc, torch.tensor([mine], device=run.acc.device))
     if failed.item() > 0:
-        _raise_data_failure(run)
+        run.data.raise_failure()
     # The previous write done first: rank 0 holds one checkpoint in host memory at a time.
     started = time.perf_counter()
     run.checkpointer.writes.wait()
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
-    model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer)
+    # every rank the same options (rank 0 stages in pinned buffers; the others hold references, no copy)
+    staged_run = run.acc.device.type == "cuda" and run.cfg.hardware.distributed != "fsdp"
+    model_state, optimizer_state = gather_full_state(run.raw_model, run.inner_optimizer, to_host=not staged_run)
     if run.main:
         live = training_tensors(run.raw_model, run.inner_optimizer)
-        saved = Gathered(step, *host_copy(model_state, optimizer_state, live), started)
+        if run.staging is not None:  # copies enqueued into pinned buffers; the writer waits for them
+            staged = run.staging.stage(model_state, optimizer_state, live)
+            saved = Gathered(step, staged.model_state, staged.optimizer_state, started, ready=staged.ready)
+        else:
+            saved = Gathered(step, *host_copy(model_state, optimizer_state, live), started)
         # checkpoint files, ledger.json, run.json (runner.training.records): taken now, written behind the loop
-        write = take_records(run.opts.records, run, saved)
+        write = take_records(run.records, run, saved)
         if run.checkpointer.writes.mode == "background":
             saved.resumed = time.perf_counter()
         run.checkpointer.writes.submit(write)
@@ -545,13 +433,13 @@ def _save(run: _Run, step: int, wait_for_data: bool = True) -> None:
     run.last_saved = step
 
 
-def _evaluate(run: _Run, step: int) -> None:
+def _evaluate(run: Attempt, step: int) -> None:
     """Per-domain validation loss at `step` (none without validation shards), stamped and handed on."""
     if run.data.val_reader is None:
         return
     total = run.ledger.counters()["total"]
     started = time.perf_counter()
-    with attention_context(run.runtime):
+    with run.attention.context():
         rows = evaluate.evaluate(
             run.raw_model, run.data, run.acc, run.cfg.eval.micro_batch_sequences, step, int(total["exposure"])
         )
@@ -569,6 +457,7 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
     """Train (or resume) the run in `run_dir`. Returns the exit code (EXIT_OK / PREEMPTED / NONFINITE).
     An exception leaves run.json `failed`, never `running` (RunFolder.failed_on_error)."""
     opts = opts or Options()
+    startup.begin_train()  # `runner launch` started it at the process start; else it starts now
     with RunFolder(Path(run_dir), writer=acc.is_main_process).failed_on_error():
         run = _setup(exp, Path(run_dir), acc, opts)
         try:
@@ -579,7 +468,7 @@ def train(exp, run_dir: Path, acc, tracker, opts: Options | None = None) -> int:
                 run.data.verifier.stop()
 
 
-def _attempt(run: _Run, tracker) -> int:
+def _attempt(run: Attempt, tracker) -> int:
     """One attempt's loop, from the resumed step to the end (or a stop): train a step, commit it,
     evaluate, then the checkpoint and stop decisions, in the order the ledger requires."""
     _conventions(run, tracker)
@@ -588,6 +477,7 @@ def _attempt(run: _Run, tracker) -> int:
     try:
         run.model.train()
         for step in range(run.start_step, run.steps.end_step):
+            startup.step_begins()  # the first: t_startup ends, the first step's own clock starts
             run.clock.begin_step()
             s = _train_step(run, step)
             if not (math.isfinite(s.loss) and math.isfinite(s.grad_norm)):
@@ -595,6 +485,7 @@ def _attempt(run: _Run, tracker) -> int:
                 exit_code = EXIT_NONFINITE
                 break
             committed = _commit(run, step, s)
+            startup.step_done()
             if run.cfg.eval.interval_steps and committed % run.cfg.eval.interval_steps == 0:
                 _evaluate(run, committed)
             downstream.at_step(run, committed)  # at eval.downstream_interval_steps and the segment's last step
@@ -614,16 +505,16 @@ def _attempt(run: _Run, tracker) -> int:
     return exit_code
 
 
-def _start_attempt(run: _Run, tracker) -> _StopFlag:
+def _start_attempt(run: Attempt, tracker) -> StopFlag:
     """MLflow started, the stop signals caught, the journal opened and the batches prefetched."""
     if tracker is not None:
         # MLflow's start-up (import, a new store's tables, the run) before the first step, not
         # during the first steps: on the delivery thread it holds the GIL for seconds.
         tracker.flush(timeout=START_WAIT_SECONDS)
-    flag = _StopFlag()
+    flag = StopFlag()
     flag.old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
     flag.deadline = _stop_deadline(run)
-    run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None)
+    run.clock.start_attempt(open(run.folder.journal_path(), "a") if run.main else None, startup.elapsed())
     run.last_saved = run.last_eval = run.start_step
     if run.opts.max_steps is not None:
         run.steps.end_step = min(run.steps.end_step, run.start_step + int(run.opts.max_steps))
@@ -636,7 +527,7 @@ def _start_attempt(run: _Run, tracker) -> _StopFlag:
     return flag
 
 
-def _stop_deadline(run: _Run) -> StopDeadline | None:
+def _stop_deadline(run: Attempt) -> StopDeadline | None:
     """With other ranks a stop is bounded (StopDeadline); its line names the checkpoint that stands."""
     if run.world == 1 or threading.current_thread() is not threading.main_thread():
         return None
@@ -652,7 +543,7 @@ def _stop_deadline(run: _Run) -> StopDeadline | None:
     return StopDeadline(run.cfg.train.checkpoint.stop_timeout_seconds, line)
 
 
-def _end_attempt(run: _Run, flag: _StopFlag) -> None:
+def _end_attempt(run: Attempt, flag: StopFlag) -> None:
     assert run.batches is not None
     run.batches.close()
     try:
@@ -665,7 +556,7 @@ def _end_attempt(run: _Run, flag: _StopFlag) -> None:
         run.clock.end_attempt()  # the attempt's whole wall, for the next resume (a kill loses only the tail)
 
 
-def _stop_nonfinite(run: _Run, step: int, s: _Step) -> None:
+def _stop_nonfinite(run: Attempt, step: int, s: _Step) -> None:
     run.optimizer.zero_grad(set_to_none=True)
     candidates = run.checkpointer.candidates()
     run.say(
@@ -674,13 +565,15 @@ def _stop_nonfinite(run: _Run, step: int, s: _Step) -> None:
     )
 
 
-def _commit(run: _Run, step: int, s: _Step) -> int:
+def _commit(run: Attempt, step: int, s: _Step) -> int:
     """The optimizer step and the ledger's commit, the invariants checked, the step record handed to
     the callbacks. Returns the committed step count."""
+    if run.staging is not None:  # on the device: after the last checkpoint's copies, no host wait
+        run.staging.before_optimizer_step()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.ledger.commit(s.global_pairs, s.useful)
-    step_experts = run.experts.commit(run.acc) if run.experts is not None else {}
+    figures = run.experts.commit(run.acc) if run.experts is not None else {}
     committed = step + 1
     step_seconds = run.clock.end_step()  # the device's clock: the optimizer's kernels done
     # SPEC: invariants 1-5 hold after every committed step; a violation is a bug, never data.
@@ -695,38 +588,50 @@ def _commit(run: _Run, step: int, s: _Step) -> int:
         broken = run.experts.load.broken_invariant({d: counters[d]["exposure"] for d in run.data.domains})
         if broken:
             raise RuntimeError(f"expert load broke at step {committed}: " + "; ".join(broken[:4]))
-    record = _metrics_record(run, committed, s, step_seconds, counters, step_experts)
+    for source in run.opts.step_figures:  # a new per-step figure: one source there (Options.step_figures)
+        figures |= source(run, committed)
+    record = _metrics_record(run, committed, s, step_seconds, counters, figures)
     for cb in run.callbacks:
         cb.on_step(record, counters, run.ledger.realized_ratios())
     return committed
 
 
-def _checkpoint_or_stop(run: _Run, committed: int, flag: _StopFlag) -> int:
+class Decisions(NamedTuple):
+    """A step boundary's decisions, each true when any rank says so (one all-reduce for the three)."""
+
+    checkpoint: bool  #: the checkpointer's interval is due (rank 0's clock decides for all)
+    stop: bool  #: a stop signal arrived
+    data_failed: bool  #: a shard differs from its pin
+
+    @classmethod
+    def agreed(cls, acc, checkpoint: bool, stop: bool, data_failed: float) -> Decisions:
+        summed = all_reduce(acc, torch.tensor([float(checkpoint), float(stop), data_failed], device=acc.device))
+        return cls(*(bool(x > 0) for x in summed.tolist()))
+
+
+def _checkpoint_or_stop(run: Attempt, committed: int, flag: StopFlag) -> int:
     """Save when the checkpointer's interval is due, stop (saving) on a signal, fail on a shard that
     differs from its pin. Minutes-based intervals differ per rank's clock: rank 0 decides for all."""
-    due = torch.tensor(
-        [
-            float(run.checkpointer.due(committed)) if run.main else 0.0,
-            float(flag.signum is not None),
-            _data_failed(run, wait=False),
-        ],
-        device=run.acc.device,
+    due = Decisions.agreed(
+        run.acc,
+        checkpoint=run.main and run.checkpointer.due(committed),
+        stop=flag.signum is not None,
+        data_failed=run.data.verification_failed(run.say, wait=False),
     )
-    due = all_reduce(run.acc, due)
-    if due[2] > 0:
-        _raise_data_failure(run)
-    if due[1] > 0:
+    if due.data_failed:
+        run.data.raise_failure()
+    if due.stop:
         _save(run, committed, wait_for_data=False)
         run.say(
             f"stopped by signal at step {committed}; checkpoint saved, resume with `runner launch {run.folder.path}`"
         )
         return EXIT_PREEMPTED
-    if due[0] > 0 and committed < run.steps.end_step:
+    if due.checkpoint and committed < run.steps.end_step:
         _save(run, committed)
     return EXIT_OK
 
 
-def _finish(run: _Run, exit_code: int) -> None:
+def _finish(run: Attempt, exit_code: int) -> None:
     """The attempt's summary: run.json status and totals, ledger.json, and the callbacks' on_end."""
     committed = run.last_saved
     if exit_code == EXIT_NONFINITE:
@@ -767,14 +672,14 @@ def _finish(run: _Run, exit_code: int) -> None:
     if system is not None and system["device_busy"] is not None:
         summary["device_busy"] = system["device_busy"]
     if run.main:
-        for record in run.opts.records:  # ledger.json, run.json (runner.training.records)
+        for record in run.records:  # ledger.json, run.json (runner.training.records)
             record.at_end(run, committed, status, summary, system)
     ratios = run.ledger.realized_ratios()
     for cb in run.callbacks:
         cb.on_end(summary, counters, ratios)
 
 
-def _rollback_to_last_checkpoint(run: _Run) -> int:
+def _rollback_to_last_checkpoint(run: Attempt) -> int:
     """After a non-finite stop the run's lineage is its last good checkpoint (what a relaunch resumes
     from): steps committed in memory after it are discarded, so their exposure becomes lost work.
     The ledger is reset to that checkpoint's, keeping every processed token. Returns its step."""
@@ -787,15 +692,6 @@ def _rollback_to_last_checkpoint(run: _Run) -> int:
         ledger.load_state_dict(state)
     if run.experts is not None:  # the expert load rolls back with the ledger (zero without a checkpoint)
         run.experts.load_state_dict(state, str(run.folder.path))
-    _catch_up_processed(ledger, spent)
+    ledger.catch_up_processed(spent)
     run.ledger = ledger
     return ckpt.step if ckpt is not None else 0
-
-
-def _catch_up_processed(ledger, spent: dict[str, int]) -> None:
-    """Raise the ledger's processed counters to `spent` per domain: work done after its
-    checkpoint, then lost, still counts as processed (SPEC)."""
-    current = ledger.counters()
-    catch_up = {d: max(spent[d] - int(current[d]["processed"]), 0) for d in ledger.domains}
-    if any(catch_up.values()):
-        ledger.record_processed(catch_up)

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from runner.training import checkpointing
+
 
 @dataclass
 class SavedBytes:
@@ -70,11 +72,18 @@ def saved_bytes(model: torch.nn.Module, forward, *, backward: bool = True) -> Sa
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = forward()
+    # `selective` checkpointing keeps its matmul outputs in its own store, not through these hooks:
+    # its policy counts them (runner.training.checkpointing) and they are activations too.
+    checkpointing.SAVED.bytes, checkpointing.SAVED.counting = 0, True
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward()
+    finally:
+        checkpointing.SAVED.counting = False
     if backward:
         loss.backward()
     out = SavedBytes(tensors=len(seen))
+    out.activations += checkpointing.SAVED.bytes
     for kind, nbytes, dtype in seen.values():
         setattr(out, kind, getattr(out, kind) + nbytes)
         if kind == "activations":

@@ -4,7 +4,8 @@ Owns the mapping from recipe keys to `LlamaConfig` / `OlmoeConfig`, the attentio
 training loss path of Llama (`model.cross_entropy`, computed inside the model's forward so DDP and
 FSDP see one call), Liger's kernels (`model.kernels`), activation checkpointing and compilation
 (whole model or per decoder layer). A mixture of experts (arch olmoe) is transformers' OLMoE, its
-loss computed by the loop with the router probe's losses (runner.training.experts). Must never touch
+loss computed by the loop with the router probe's losses (runner.training.experts), its MoE blocks
+the runner's (runner.training.moe). Must never touch
 the network: no hub download, no kernel fetch; a backend or kernel package that is not installed is
 a RunnerError.
 """
@@ -20,11 +21,13 @@ from transformers.models.llama import modeling_llama
 from transformers.models.olmoe import modeling_olmoe
 
 from runner.config.rules import model_vocab_size
-from runner.config.schema import ExperimentSchema
+from runner.config.schema import ExperimentSchema, checkpointing_mode
 from runner.errors import RunnerError
 from runner.training import loss as losses
 from runner.training.accelerator import check_attention_backend
+from runner.training.checkpointing import checkpoint_kwargs
 from runner.training.experts import autocast_experts
+from runner.training.moe.olmoe import install_moe_layers
 
 # transformers' own RoPE: Liger replaces this module-level function, so the model built last in a
 # process decides which one runs (a process trains one model; the bench builds them one at a time).
@@ -156,22 +159,29 @@ def olmoe_config(cfg: ExperimentSchema) -> RunnerOlmoeConfig:
 
 
 def experts_implementation(cfg: ExperimentSchema) -> str:
-    """transformers' expert kernel: one grouped matmul on accelerators; on CPU its reference
-    per-expert loop, no slower there (olmoe-tiny's forward + backward, side by side: 666 vs 694 ms
-    on one loaded core)."""
+    """transformers' expert kernel, for the model built with transformers' experts (the bench's
+    reference row, `_build_olmoe(..., experts=...)`): one grouped matmul on accelerators; on CPU
+    its reference per-expert loop."""
     return "eager" if cfg.hardware.accelerator == "cpu" else "grouped_mm"
 
 
 def _build_olmoe(cfg: ExperimentSchema, backend: str, experts: str | None = None) -> OlmoeForCausalLM:
-    """OLMoE in fp32 with `experts` (default: experts_implementation(cfg)); its grouped experts run in the
-    autocast dtype under autocast, as Linear layers do (runner.training.experts.autocast_experts)."""
+    """OLMoE in fp32. By default (`experts` None) each decoder layer's MoE block is the runner's
+    (runner.training.moe: grouped matmuls on every device, the expert weights cast to the autocast
+    dtype inside the layer). `experts` "eager" or "grouped_mm" keeps transformers' block with that
+    experts implementation instead (the path trained before; its grouped experts run in the
+    autocast dtype under autocast: runner.training.experts.autocast_experts). Same initial weights,
+    same state-dict keys either way."""
     model = OlmoeForCausalLM._from_config(
         copy.deepcopy(olmoe_config(cfg)),
         attn_implementation=backend,
         experts_implementation=experts or experts_implementation(cfg),
         dtype=torch.float32,
     )
-    autocast_experts(model)
+    if experts is None:
+        install_moe_layers(model)
+    else:
+        autocast_experts(model)
     return model
 
 
@@ -196,16 +206,18 @@ def build_model(cfg: ExperimentSchema) -> RunnerLlama | OlmoeForCausalLM:
         llama.cross_entropy = cfg.model.cross_entropy
         apply_kernels(llama, cfg.model.kernels)
         model = llama
-    if cfg.model.activation_checkpointing:
-        enable_activation_checkpointing(model)
+    mode = checkpointing_mode(cfg.model.activation_checkpointing)
+    if mode != "none":
+        enable_activation_checkpointing(model, mode)
     return model
 
 
-def enable_activation_checkpointing(model: Any) -> None:
-    """Recompute each decoder layer's activations in the backward (non-reentrant). transformers
-    5.2x names it `activation_checkpointing_enable` (`gradient_checkpointing_enable` its deprecated
-    alias); 5.17, the GPU image's, has only `gradient_checkpointing_enable`: whichever exists."""
-    kwargs = {"use_reentrant": False}
+def enable_activation_checkpointing(model: Any, mode: str = "full") -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant): all of them
+    (`full`), or all but the matmul and attention outputs (`selective`, runner.training.checkpointing).
+    transformers 5.2x names it `activation_checkpointing_enable` (`gradient_checkpointing_enable`
+    its deprecated alias); 5.17, the GPU image's, has only `gradient_checkpointing_enable`: whichever exists."""
+    kwargs = checkpoint_kwargs(mode)
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)
@@ -253,8 +265,17 @@ def maybe_compile(model: torch.nn.Module, cfg: ExperimentSchema, *, backend: Any
     options: dict[str, Any] = {"mode": cfg.model.compile_mode} if backend == "inductor" else {"backend": backend}
     if cfg.model.compile_scope == "regional":
         inner: Any = getattr(model, "module", model)  # under DDP the layers are the wrapped model's
+        # A MoE layer (the runner's, runner.training.moe) traces as one graph: fullgraph, so a graph
+        # break is an error, not a silent split around an uncompiled piece.
+        fullgraph = cfg.model.arch == "olmoe"
+        # Under activation checkpointing the layer's forward is traced inside the checkpoint
+        # operator, where a write to an outer object (the router probe's, transformers' kernel
+        # hub context) would have to be replayed by the recomputation: it must not be (the
+        # probe is disarmed by then), as eager checkpointing does not count it either.
+        if fullgraph and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         for layer in inner.model.layers:
-            layer.compile(**options)
+            layer.compile(fullgraph=fullgraph, **options)
         return model
     model.compile(**options)
     return model

@@ -17,58 +17,23 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
 from runner.fsio import atomic_write_json
+from runner.training import startup
+from runner.training.attempt import EVAL_TIME_KEYS, Attempt, Gathered, RunRecord, Write
 from runner.training.checkpoint import rng_state, tied_parameters
 from runner.training.expert_load import FILE as EXPERT_LOAD_FILE
 from runner.training.ledger import TokenLedger
 from runner.training.schedule import lr_at
 
 
-@dataclass
-class Gathered:
-    """A checkpoint's full state on rank 0, host memory of its own (checkpoint.gather_full_state, then
-    checkpoint.host_copy), and its times."""
-
-    step: int
-    model_state: dict[str, torch.Tensor]
-    optimizer_state: dict
-    started: float  #: perf_counter when the loop stopped for it (before waiting for the previous write)
-    resumed: float | None = None  #: perf_counter when the loop went on, the write handed off (background)
-    write_seconds: float | None = None  #: the files' own write: serialize, fsync, hash, rename, seal, prune
-    written: str | None = None  #: "background" or "foreground": the thread that wrote the files, as seen there
-
-    def stopped_seconds(self) -> float:
-        """How long the loop stood still for this checkpoint (SPEC's t_checkpoint): until it went on,
-        or, written in the loop, until now."""
-        return (self.resumed if self.resumed is not None else time.perf_counter()) - self.started
-
-
-Write = Callable[[], None]
-
-
-class RunRecord:
-    """One record of the run folder. `run` is the loop's state of the attempt (runner.training.loop._Run).
-
-    `at_checkpoint` runs on the loop's thread at the step boundary: it takes from `run` what it will
-    write and returns the write (None: nothing to write), which may run after training went on."""
-
-    def at_checkpoint(self, run: Any, saved: Gathered) -> Write | None: ...
-
-    def at_end(self, run: Any, committed: int, status: str, summary: dict, system: dict | None) -> None: ...
-
-
 class CheckpointFiles(RunRecord):
     """checkpoints/step_N: model, optimizer, ledger (+ expert load) and the loop's state, atomically."""
 
-    def at_checkpoint(self, run: Any, saved: Gathered) -> Write:
+    def at_checkpoint(self, run: Attempt, saved: Gathered) -> Write:
         ledger_state = run.ledger.state_dict() | (run.experts.state_dict() if run.experts is not None else {})
         state, tied = checkpoint_state(run, saved.step), tied_parameters(run.raw_model)
         checkpointer, loop_thread = run.checkpointer, threading.current_thread()
@@ -83,7 +48,7 @@ class CheckpointFiles(RunRecord):
         return write
 
 
-def checkpoint_state(run: Any, step: int) -> dict:
+def checkpoint_state(run: Attempt, step: int) -> dict:
     """The loop's part of a checkpoint: sampler cursor, RNG, lineage, scheduler and the run clock."""
     cfg, tracker = run.cfg, run.tracker
     segment_steps = run.schedule_steps_at(step)
@@ -110,7 +75,7 @@ def checkpoint_state(run: Any, step: int) -> dict:
 class LedgerJson(RunRecord):
     """ledger.json (counters, repetition, realized ratios) and, of a mixture of experts, its expert load."""
 
-    def at_checkpoint(self, run: Any, saved: Gathered) -> Write:
+    def at_checkpoint(self, run: Attempt, saved: Gathered) -> Write:
         ledger = ledger_document(run.ledger)
         load = run.experts.load.to_json(saved.step) if run.experts is not None else None
         folder = run.folder.path
@@ -122,7 +87,7 @@ class LedgerJson(RunRecord):
 
         return write
 
-    def at_end(self, run: Any, committed: int, status: str, summary: dict, system: dict | None) -> None:
+    def at_end(self, run: Attempt, committed: int, status: str, summary: dict, system: dict | None) -> None:
         write_ledger_json(run.folder.path, ledger_document(run.ledger))
         if run.experts is not None:
             run.experts.load.write_json(run.folder.path, committed)
@@ -132,7 +97,7 @@ class RunJsonWriter(RunRecord):
     """run.json: the committed step and the clock's totals at each checkpoint, with what the checkpoint
     cost; the status and the summary at the attempt's end."""
 
-    def at_checkpoint(self, run: Any, saved: Gathered) -> Write:
+    def at_checkpoint(self, run: Attempt, saved: Gathered) -> Write:
         totals, attempt, folder = run.clock.totals(), run.clock.attempt, run.folder
 
         def write() -> None:
@@ -150,29 +115,22 @@ class RunJsonWriter(RunRecord):
 
         return write
 
-    def at_end(self, run: Any, committed: int, status: str, summary: dict, system: dict | None) -> None:
+    def at_end(self, run: Attempt, committed: int, status: str, summary: dict, system: dict | None) -> None:
         run.folder.update(status=status, **summary, **({"system": system} if system is not None else {}))
 
 
-def take_records(records: list[RunRecord], run: Any, saved: Gathered) -> Write:
+def take_records(records: list[RunRecord], run: Attempt, saved: Gathered) -> Write:
     """Every record's take of the checkpoint, in order, on the loop's thread; the write returned runs
     theirs in the same order (a failed one stops the rest: run.json never names unsealed files)."""
     writes = [w for w in (record.at_checkpoint(run, saved) for record in records) if w is not None]
 
     def write() -> None:
+        if saved.ready is not None:  # the device-to-host copies, enqueued by the loop, done first
+            saved.ready()
         for w in writes:
             w()
 
     return write
-
-
-#: what run.json's `t_eval` sums, per attempt and over the run (SPEC "Downstream evaluation")
-EVAL_TIME_KEYS = ("validation_seconds", "downstream_seconds", "downstream_prepare_seconds")
-
-
-def zero_eval_seconds() -> dict[str, float]:
-    """An attempt's evaluation clock (the loop's `_Run.eval_seconds`), every kind at zero."""
-    return dict.fromkeys(EVAL_TIME_KEYS, 0.0)
 
 
 class EvalTimes(RunRecord):
@@ -182,7 +140,7 @@ class EvalTimes(RunRecord):
     an attempt killed in between keeps what it had at its last checkpoint."""
 
     @staticmethod
-    def _take(run: Any) -> Write:
+    def _take(run: Attempt) -> Write:
         """The attempt's seconds now, on the loop's thread; the write (run.json's read-modify-write) runs
         where the checkpoint's other records run theirs, in order, so no two writers race."""
         folder, attempt = run.folder, int(run.clock.attempt)
@@ -197,16 +155,41 @@ class EvalTimes(RunRecord):
 
         return write
 
-    def at_checkpoint(self, run: Any, saved: Gathered) -> Write:
+    def at_checkpoint(self, run: Attempt, saved: Gathered) -> Write:
         return self._take(run)
 
-    def at_end(self, run: Any, committed: int, status: str, summary: dict, system: dict | None) -> None:
+    def at_end(self, run: Attempt, committed: int, status: str, summary: dict, system: dict | None) -> None:
         self._take(run)()
+
+
+class StartupTimes(RunRecord):
+    """run.json's `t_startup` (runner.training.startup): this attempt's start by part and its first
+    step, next to the earlier attempts' and summed; written at every checkpoint and the attempt's end."""
+
+    @staticmethod
+    def _take(run: Attempt) -> Write | None:
+        clock = startup.current()
+        if clock is None:
+            return None
+        folder, mine = run.folder, clock.record(int(run.clock.attempt))
+
+        def write() -> None:
+            folder.update(t_startup=startup.merged(folder.record().t_startup, mine))
+
+        return write
+
+    def at_checkpoint(self, run: Attempt, saved: Gathered) -> Write | None:
+        return self._take(run)
+
+    def at_end(self, run: Attempt, committed: int, status: str, summary: dict, system: dict | None) -> None:
+        write = self._take(run)
+        if write is not None:
+            write()
 
 
 def default_records() -> list[RunRecord]:
     """The records every run keeps, in the order they are written (run.json last: it points at the rest)."""
-    return [CheckpointFiles(), LedgerJson(), EvalTimes(), RunJsonWriter()]
+    return [CheckpointFiles(), LedgerJson(), EvalTimes(), StartupTimes(), RunJsonWriter()]
 
 
 def ledger_document(ledger: TokenLedger) -> dict:

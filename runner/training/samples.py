@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from runner.data.tokenizer import load_tokenizer
-from runner.training.accelerator import attention_context
+from runner.training.accelerator import AttentionBackend
 from runner.training.callbacks import Callback
 from runner.training.evaluate import eager_forwards
 
@@ -59,8 +59,10 @@ class SamplesCallback(Callback):
     """`export.samples`: at each evaluation, every rank continues each prompt; rank 0 writes
     `<run>/samples/step-NNNNNN.txt` and logs it as the MLflow artifact `samples/<that name>`."""
 
-    def __init__(self, model, acc, runtime: dict, tokenizer, eos_id: int | None, samples, run_dir: Path, tracker):
-        self.model, self.acc, self.runtime = model, acc, runtime
+    def __init__(
+        self, model, acc, attention: AttentionBackend, tokenizer, eos_id: int | None, samples, run_dir: Path, tracker
+    ):
+        self.model, self.acc, self.attention = model, acc, attention
         self.tokenizer, self.eos_id = tokenizer, eos_id
         self.prompts = list(samples.prompts)
         self.max_new_tokens = int(samples.max_new_tokens)
@@ -69,7 +71,7 @@ class SamplesCallback(Callback):
 
     def on_eval(self, step, exposure_tokens, rows):
         pairs = []
-        with attention_context(self.runtime):
+        with self.attention.context():
             for prompt in self.prompts:
                 ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
                 new = greedy(self.model, self.acc, ids, self.max_new_tokens, self.eos_id)
@@ -83,10 +85,10 @@ class SamplesCallback(Callback):
             self.tracker.log_artifacts(path, "samples")
 
 
-def samples_callback(exp, model, acc, runtime: dict, run_dir: Path, tracker) -> SamplesCallback | None:
+def samples_callback(exp, model, acc, attention: AttentionBackend, run_dir: Path, tracker) -> SamplesCallback | None:
     """The callback of `export.samples`, or None when it lists no prompts."""
     cfg = exp.config
     if not cfg.export.samples.prompts:
         return None
     tok = load_tokenizer(exp.resolve_path(cfg.tokenizer.path), cfg.tokenizer.sha256)
-    return SamplesCallback(model, acc, runtime, tok, cfg.tokenizer.eos_id, cfg.export.samples, run_dir, tracker)
+    return SamplesCallback(model, acc, attention, tok, cfg.tokenizer.eos_id, cfg.export.samples, run_dir, tracker)

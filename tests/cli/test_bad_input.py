@@ -3,6 +3,7 @@ written (issue 12, item 6). Each attack of the issue is reproduced here, plus a 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -233,7 +234,7 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.slow
 def test_a_write_failing_mid_checkpoint_is_one_line_and_the_run_resumes(tmp_path):
     from runner.fsio import sha256_file
-    from runner.training.checkpoint import verify
+    from runner.runs.checkpoints import verify
 
     exp = make_project(tmp_path, steps=8, checkpoint_every=2, keep_last=3)
     reference = tmp_path / "runs" / "ref"
@@ -269,11 +270,16 @@ def test_no_space_left_is_said_as_such(tmp_path, monkeypatch):
 
     import runner.training.checkpoint as ck
 
-    def disk_full(tensors, filename, *args, **kwargs):
+    def disk_full(tensors, filename, *args, **kwargs):  # safetensors' writer
         Path(filename).write_bytes(b"partial")
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
+    def disk_full_hashed(tensors, path, *args, **kwargs):  # the runner's one-pass writer: Python's OSError
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(ck, "save_file", disk_full)
+    monkeypatch.setattr(ck, "save_safetensors_hashed", disk_full_hashed)
     with pytest.raises(RunnerError) as err:
         ck.Checkpointer(tmp_path, 1, 0, 1).save(1, {"w": torch.zeros(2)}, {"state": {}, "param_groups": []}, {}, {})
     assert str(err.value).endswith(

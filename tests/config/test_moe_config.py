@@ -14,6 +14,7 @@ from runner.config.fingerprint import canonical_meaning
 from runner.config.load import load_experiment
 from runner.config.schema import ExperimentSchema, ModelRecipe, from_plain
 from runner.errors import RunnerError
+from runner.planning import assumptions
 from runner.planning.flops import MOE_CONVENTION, convention_for, count_params, flops_per_token, params_of_config
 from runner.planning.hardware import mfu
 from runner.planning.plan import build_plan, format_plan
@@ -149,7 +150,8 @@ def test_h200_moe_counts_and_flops_per_token_by_hand():
     assert flops_per_token(cfg, convention_for(cfg)) == FLOPS_PER_TOKEN == 7_879_274_496
 
 
-def test_h200_moe_plan_takes_compute_from_active_and_memory_from_total_parameters():
+def test_h200_moe_plan_takes_compute_from_active_and_memory_from_total_parameters(monkeypatch):
+    monkeypatch.setattr(assumptions, "MEASURED_MFU", ())  # the assumed path (the measured one: test_plan_assumptions)
     plan = build_plan(_h200_moe(), root=REPO)
     assert plan["convention"]["params_counted"] == "active"
     assert plan["compute"]["flops_per_token"] == FLOPS_PER_TOKEN
@@ -172,14 +174,16 @@ def test_h200_moe_plan_takes_compute_from_active_and_memory_from_total_parameter
     # Activations, checkpointed (micro batch 4 x 2048 = n = 8,192 positions), in bytes per position as
     # runner.planning.plan.saved_activation_bytes counts them under bf16 autocast (c = 2; fp32 residual
     # stream and RMSNorms): each layer's fp32 input; one layer recomputed: attention (norm, 3 input casts,
-    # q, k, v, logsumexp, output, and OLMoE's q/k norm inputs), experts (norm, router input, fp32 router
-    # logits and probabilities, per routed copy (k = 8) its input and output, gate, silu, up, product);
+    # q, k, v, logsumexp, output, and OLMoE's q/k norms: inputs, fp32 products, rsqrt), experts (the
+    # runner's MoE layer: norm, router input, fp32 probabilities, top-k ids, sort order, source rows,
+    # sorted weights; per routed copy (k = 8) its input, gate+up, silu, product, down output and the
+    # fp32 weighted output);
     # the plain head (norm, lm_head input, fp32 log-softmax V, targets, mask) and the loss's transient
     # gradient (8 V); input ids 8; RoPE's cos and sin.
     n, c, heads, kv = 4 * SEQ, 2, 16, D
     norm = 4 * D + 4 + 4 * D
-    attention = norm + 3 * c * D + c * D + 2 * c * kv + 4 * heads + c * D + c * D + c * kv
-    experts = norm + c * D + 2 * 64 * 4 + 8 * (2 * c * D + 4 * c * 1024)
+    attention = norm + 3 * c * D + c * D + 2 * c * kv + 4 * heads + c * D + c * D + c * kv + 4 * D + 4 * kv + 8
+    experts = norm + c * D + 4 * 64 + 28 * 8 + 8 * (2 * c * D + 4 * c * 1024 + 4 * D)
     rope = 2 * SEQ * (D // heads) * 4
     head = norm + c * D + 4 * V + 9
     want = LAYERS * 4 * D * n + head * n + 8 * n + (attention + experts) * n + rope + 8 * V * n

@@ -81,3 +81,20 @@ def test_gpu_smoke_is_the_1p3b_shape_on_the_builtin_corpus():
     assert smoke.tokenizer.vocab_size == 4096 and "vocab 4,096" in smoke.description
     assert (smoke.model.compile, smoke.model.compile_scope, smoke.model.cross_entropy) == (True, "regional", "chunked")
     assert smoke.train.micro_batch_policy == "auto" and smoke.hardware.device_name == "H200 SXM"
+
+
+def test_liger_kernels_under_whole_model_compile_on_a_gpu_are_refused_with_the_measured_reason(project: Path):
+    # 1p3b (whole-model compile on an H200) with Liger's kernels: the fake-tensor failure measured on the device
+    path = _edit_experiment(project, "1p3b.yaml", model={"kernels": "liger", "cross_entropy": "liger"})
+    with pytest.raises(RunnerError) as err:
+        load_experiment(path, check_files=False)
+    line = next(x for x in str(err.value).splitlines() if "model.kernels" in x)
+    assert line.split(": ")[0].endswith("experiments/1p3b.yaml")
+    assert "fail under whole-model compile" in line and "liger-kernel 0.8.5" in line and "47.6%" in line
+    # regional compile + Liger (gpu-smoke-liger) runs on the device: loaded, its description says it is slower
+    liger = load_experiment(project / "experiments/gpu-smoke-liger.yaml", check_files=False).config
+    assert (liger.model.compile_scope, liger.model.kernels) == ("regional", "liger")
+    assert "47.6% MFU" in liger.description and "not a speed option" in liger.description
+    # Liger's loss alone under whole-model compile was not what failed (liger's SwiGLU did): not refused
+    path = _edit_experiment(project, "1p3b.yaml", model={"kernels": "none", "cross_entropy": "liger"})
+    assert load_experiment(path, check_files=False).config.model.cross_entropy == "liger"

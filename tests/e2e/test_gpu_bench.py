@@ -77,8 +77,10 @@ def test_measured_rows_are_consistent(tiny_result):
 def test_the_ladder_and_the_smoke_row(tiny_result):
     result, _ = tiny_result
     names = [r["variant"] for r in result["rows"]]
-    # what decides first (1p3b's own settings, with and without Liger), then the ladder
-    assert names[:5] == ["1p3b recipe mb2", "1p3b recipe liger mb2", "plain mb2", "liger mb2", "chunked-ce mb2"]
+    # what decides first (1p3b's own settings, then the smoke experiment's: no Liger under whole-model
+    # compile, which failed on the H200 and is refused), then the ladder
+    assert names[0] == "1p3b recipe mb2" and names[1].startswith("gpu-smoke-cpu settings mb")
+    assert names[2:5] == ["plain mb2", "liger mb2", "chunked-ce mb2"]
     assert result["complete"] is True and result["part"] == "all"
     smoke = next(r for r in result["rows"] if r["shape"] == "smoke")
     # the CPU stand-in's own settings, as runner launch runs them: chunked loss, fp32, auto micro batch
@@ -215,8 +217,9 @@ def test_a_bench_killed_at_its_cap_leaves_its_rows_and_the_table_reads_them(tmp_
     proc.wait()
     assert still_running, proc.stderr.read()[-2000:]  # killed mid-ladder, not after it ended
     result = json.loads(bench_json.read_text())
-    assert result["complete"] is False and len(result["rows"]) >= 3
-    assert [r["variant"] for r in result["rows"][:3]] == ["1p3b recipe mb2", "1p3b recipe liger mb2", "plain mb2"]
+    assert result["complete"] is False and len(result["rows"]) >= 2  # the first ok row: the smoke settings
+    names = [r["variant"] for r in result["rows"]]
+    assert names[0] == "1p3b recipe mb2" and names[1].startswith("gpu-smoke-cpu settings mb")
     assert result["matmul"]["best_tflops"] > 0
     work = tmp_path / "work"
     work.mkdir()
@@ -230,7 +233,7 @@ def test_a_bench_killed_at_its_cap_leaves_its_rows_and_the_table_reads_them(tmp_
     assert table.returncode == 0, table.stderr[-2000:]
     text = (out / "table.md").read_text()
     assert f"partial: the bench stopped after {len(result['rows'])} rows" in text
-    assert all(f"| {r['variant']} |" in text for r in result["rows"])
+    assert all(f"| {r['variant']}" in text for r in result["rows"])  # a smoke row: "(smoke shape)" after it
 
 
 @pytest.mark.parametrize("cpu_tiny", [0, 1])

@@ -32,7 +32,8 @@ from runner.export.source import open_source
 from runner.export.verify import BF16_ATOL
 from runner.fsio import read_jsonl, sha256_file
 from runner.reports.tables import read_tables
-from runner.training.checkpoint import Checkpoint, dirname
+from runner.runs.checkpoints import dirname
+from runner.training.checkpoint import Checkpoint
 from runner.training.model import build_model
 
 STEPS, SEQ_LEN, BATCH = 4, 16, 8

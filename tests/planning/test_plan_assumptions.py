@@ -10,6 +10,7 @@ import pytest
 
 from runner.cli import main
 from runner.config.load import load_experiment
+from runner.planning import assumptions
 from runner.planning.assumptions import MOE_TO_DENSE, assumed_mfu, carried_mfu, reference_mfu
 from runner.planning.plan import Calibration, build_plan, format_plan
 
@@ -44,7 +45,8 @@ def test_precedence_mfu_flag_then_the_recipes_default_mfu_scaled_by_architecture
         assert (given.value, given.rule, given.source) == (0.3, "--mfu 0.3", "given on the command line")
 
 
-def test_the_plan_records_its_assumed_mfu_and_source(configs):
+def test_the_plan_records_its_assumed_mfu_and_source(configs, monkeypatch):
+    monkeypatch.setattr(assumptions, "MEASURED_MFU", ())  # no measured figure: the assumed path
     dense_cfg, moe_cfg = configs
     dense = build_plan(dense_cfg, root=REPO)
     assert dense["time"]["assumed"]["mfu"] == dense_cfg.hardware.default_mfu == 0.4
@@ -53,11 +55,12 @@ def test_the_plan_records_its_assumed_mfu_and_source(configs):
     assert moe["time"]["assumed"]["mfu"] == pytest.approx(0.4 * RATIO)
     assert moe["assumptions"]["mfu"]["rule"] == moe["time"]["assumed"]["mfu_rule"]
     text = format_plan(moe)
-    assert "assumed MFU: hardware.default_mfu 40% (h200@1, dense) x 0.453 for a mixture of experts" in text
+    assert "MFU assumed: hardware.default_mfu 40% (h200@1, dense) x 0.453 for a mixture of experts" in text
     assert build_plan(moe_cfg, root=REPO, mfu=0.25)["time"]["assumed"]["mfu"] == 0.25
 
 
-def test_a_calibration_fills_the_measured_column_and_a_dense_runs_mfu_is_scaled_for_a_moe_plan(configs):
+def test_a_calibration_fills_the_measured_column_and_a_dense_runs_mfu_is_scaled_for_a_moe_plan(configs, monkeypatch):
+    monkeypatch.setattr(assumptions, "MEASURED_MFU", ())
     _, moe_cfg = configs
 
     def calibration(**kw):
@@ -79,9 +82,40 @@ def test_a_calibration_fills_the_measured_column_and_a_dense_runs_mfu_is_scaled_
     assert value == 0.2 and "a lower bound for a dense model" in note
 
 
-def test_runner_plan_prints_the_assumed_mfu_and_its_source(capsys):
+def test_runner_plan_prints_the_mfu_it_used_and_its_source(capsys):
     assert main(["plan", str(REPO / "experiments/olmoe-1b-7b.yaml"), "--json"]) == 0
-
     plan = json.loads(capsys.readouterr().out)
-    assert plan["assumptions"]["mfu"]["value"] == pytest.approx(0.4 * RATIO)
-    assert plan["assumptions"]["mfu"]["source"].startswith("a fine-grained mixture of experts reaches 0.453")
+    assert plan["assumptions"]["mfu"]["value"] == 0.130 and plan["assumptions"]["mfu"]["basis"] == "measured"
+    assert main(["plan", str(REPO / "experiments/1p3b.yaml")]) == 0
+    text = capsys.readouterr().out
+    assert "MFU measured: measured 56.8%: the 1p3b recipe (whole-model compile, plain loss) on one H200" in text
+    assert "commit 6b9382b" in text and "(4.9 d)" in text  # the 26B-token run: 117.1 h of pure training
+    assert main(["plan", str(REPO / "experiments/1p3b-1x8-ddp.yaml")]) == 0
+    assert "MFU assumed: hardware.default_mfu" in capsys.readouterr().out
+
+
+def test_the_measured_h200_figures_are_used_for_their_own_configuration_only(configs):
+    dense_cfg, moe_cfg = configs
+    dense = build_plan(dense_cfg, root=REPO)
+    a = dense["assumptions"]["mfu"]
+    assert (a["value"], a["basis"]) == (0.568, "measured") and "commit 6b9382b" in a["source"] and "H200" in a["source"]
+    # 26.0B tokens at 56.8% of 989.4 TFLOP/s, 9.112e9 FLOPs per token: 4.9 days of pure training
+    days = 26_000_490_496 * 9_112_203_264 / (0.568 * 989.4e12) / 86_400
+    assert dense["time"]["assumed"]["pure_hours"] / 24 == pytest.approx(days, rel=1e-9) == pytest.approx(4.88, abs=0.01)
+    assert "MFU measured: measured 56.8%: the 1p3b recipe" in format_plan(dense)
+    moe = build_plan(moe_cfg, root=REPO)["assumptions"]["mfu"]
+    assert (moe["value"], moe["basis"]) == (0.130, "measured") and "olmoe.json" in moe["source"]
+    # another hardware recipe, another speed setting, another model: assumed, as before
+    plain = load_experiment(REPO / "experiments" / "1p3b.yaml", check_files=False).to_container()
+    for key, value in (("hardware", "h200-1x8-ddp@1"), ("model", "llama-tiny@1")):
+        other = {**plain, "recipes": {**plain["recipes"], key: value}}
+        assert build_plan(other, root=REPO)["assumptions"]["mfu"]["basis"] == "assumed"
+    regional = {**plain, "model": {**plain["model"], "compile_scope": "regional"}}
+    assert build_plan(regional, root=REPO)["assumptions"]["mfu"]["basis"] == "assumed"
+    assert build_plan(dense_cfg, root=REPO, mfu=0.3)["assumptions"]["mfu"]["basis"] == "--mfu"
+
+
+def test_measured_figures_live_outside_the_recipes_so_no_default_mfu_moved():
+    for name in ("h200.yaml", "h200-1x8-ddp.yaml", "h200-1x8-fsdp.yaml", "h200-4x8-fsdp.yaml"):
+        text = (REPO / "recipes" / "hardware" / name).read_text()
+        assert "default_mfu: 0.568" not in text and "default_mfu: 0.13" not in text

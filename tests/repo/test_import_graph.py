@@ -10,8 +10,8 @@ The layer order (bottom first) is `LAYERS` below; docs/DESIGN.md ("Map") says th
   given points). It sits below training because the trainer computes its MFU and its plan with the very
   functions the planner uses, and the planner never reads a run folder: what reads run folders (a pilot
   run's points, a run's measured throughput) lives in training/ or reports/ and hands numbers down.
-- runs: the run folder's format (its layout and lock, run.json's typed record, what a run recorded, the
-  step record, the resume identity): training writes through it; reports, export and cli read through it.
+- runs: the run folder's format (its layout and lock, run.json's typed record, what a run recorded, its
+  checkpoints as a reader sees them, the step record, the resume identity): training writes through it; reports, export and cli read through it.
 - training: the loop and its components, and what they write into the run folder (records).
 - reports: tables, audit, claims, publish, compare; they read run folders and MLflow.
 - export: reads audited reports. cli (and `python -m runner`): argument parsing on top, imported by nothing.

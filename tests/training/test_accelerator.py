@@ -47,7 +47,7 @@ def test_simulated_identities_carry_the_facts_attention_checks_need():
 
 def test_env_var_simulation_is_what_detection_returns(monkeypatch):
     monkeypatch.setenv("RUNNER_SIMULATE_DEVICE", MI300X)
-    record = backends.apply_runtime_settings(MI300X_HW, MODEL)
+    record = backends.apply_runtime(MI300X_HW, MODEL).record
     assert record["device_canonical"] == "MI300X" and record["device_simulated"] is True
 
 
@@ -118,23 +118,23 @@ def _matmul_tf32_on() -> bool:
 
 
 def test_tf32_flag_is_applied_and_recorded_on_a_gpu_recipe():
-    record = backends.apply_runtime_settings(H200_HW, MODEL, device=H200)
+    record = backends.apply_runtime(H200_HW, MODEL, device=H200).record
     assert record["tf32"] is True and record["matmul_fp32_precision"] == "tf32" and _matmul_tf32_on()
     assert torch.get_float32_matmul_precision() == "high"
-    record = backends.apply_runtime_settings(replace(H200_HW, tf32=False), MODEL, device=H200)
+    record = backends.apply_runtime(replace(H200_HW, tf32=False), MODEL, device=H200).record
     assert record["matmul_fp32_precision"] == "ieee" and not _matmul_tf32_on()
 
 
 def test_cpu_recipe_leaves_tf32_alone_and_does_not_pin_memory():
     before = torch.get_float32_matmul_precision()
-    record = backends.apply_runtime_settings(CPU_HW, MODEL, device="cpu")
+    record = backends.apply_runtime(CPU_HW, MODEL, device="cpu").record
     assert torch.get_float32_matmul_precision() == before and record["tf32"] is False
     assert record["pin_memory"] is False and record["non_blocking"] is False
     assert record["mixed_precision"] == "no"
 
 
 def test_gpu_record_has_pinning_compile_and_attention():
-    record = backends.apply_runtime_settings(H200_HW, replace(MODEL, compile=True), optim_cfg=FUSED, device=H200)
+    record = backends.apply_runtime(H200_HW, replace(MODEL, compile=True), optim_cfg=FUSED, device=H200).record
     assert record["pin_memory"] is True and record["non_blocking"] is True
     assert record["compile"] is True and record["compile_mode"] == "default"
     assert record["adamw_fused"] is True and record["attn_implementation"] == "sdpa"
@@ -145,7 +145,7 @@ def test_gpu_record_has_pinning_compile_and_attention():
 def test_speed_options_are_recorded_and_liger_is_checked_for_the_device(monkeypatch):
     model = replace(MODEL, compile=True, compile_scope="regional", kernels="liger", cross_entropy="liger")
     monkeypatch.setattr(backends, "liger_version", lambda: "0.8.5")
-    record = backends.apply_runtime_settings(H200_HW, model, device=H200)
+    record = backends.apply_runtime(H200_HW, model, device=H200).record
     assert (record["compile_scope"], record["kernels"], record["cross_entropy"]) == ("regional", "liger", "liger")
     assert record["liger_kernel_version"] == "0.8.5"
     execution = backends.execution_record({**record, "micro_batch_sequences": 8}, "nvml")
@@ -153,37 +153,35 @@ def test_speed_options_are_recorded_and_liger_is_checked_for_the_device(monkeypa
     assert execution["device_busy_source"] == "nvml" and "tf32" not in execution
     # Liger's Triton kernels on a CPU: one line naming the key, never a silent fallback
     with pytest.raises(RunnerError, match="need a CUDA or ROCm GPU") as err:
-        backends.apply_runtime_settings(CPU_HW, replace(MODEL, cross_entropy="liger"), device="cpu")
+        backends.apply_runtime(CPU_HW, replace(MODEL, cross_entropy="liger"), device="cpu")
     assert err.value.key == "model.cross_entropy" and "chunked" in str(err.value)
     monkeypatch.setattr(backends, "liger_version", lambda: None)
     with pytest.raises(RunnerError, match="liger-kernel is not installed; nothing is downloaded") as err:
-        backends.apply_runtime_settings(MI300X_HW, replace(MODEL, kernels="liger"), device=MI300X)
+        backends.apply_runtime(MI300X_HW, replace(MODEL, kernels="liger"), device=MI300X)
     assert err.value.key == "model.kernels"
-    plain = backends.apply_runtime_settings(CPU_HW, MODEL, device="cpu")
+    plain = backends.apply_runtime(CPU_HW, MODEL, device="cpu").record
     assert (plain["kernels"], plain["cross_entropy"], plain["compile_scope"]) == ("none", "plain", None)
 
 
 def test_fused_adamw_request_is_honoured_or_refused(monkeypatch):
-    record = backends.apply_runtime_settings(CPU_HW, MODEL, optim_cfg=FUSED, device="cpu")
+    record = backends.apply_runtime(CPU_HW, MODEL, optim_cfg=FUSED, device="cpu").record
     assert record["fused_adamw_available"] is True and record["adamw_fused"] is True
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=record["adamw_fused"])
     monkeypatch.setattr(backends, "fused_adamw_available", lambda dev: False)
     with pytest.raises(RunnerError, match="optim.fused"):
-        backends.apply_runtime_settings(CPU_HW, MODEL, optim_cfg=FUSED, device="cpu")
+        backends.apply_runtime(CPU_HW, MODEL, optim_cfg=FUSED, device="cpu")
 
 
 def test_recipe_for_another_device_is_refused():
     with pytest.raises(RunnerError, match="hardware.accelerator"):
-        backends.apply_runtime_settings(MI300X_HW, MODEL, device=H200)
+        backends.apply_runtime(MI300X_HW, MODEL, device=H200)
     with pytest.raises(RunnerError, match="hardware.device_name"):
-        backends.apply_runtime_settings(replace(H200_HW, device_name="A100"), MODEL, device=H200)
+        backends.apply_runtime(replace(H200_HW, device_name="A100"), MODEL, device=H200)
 
 
 def test_missing_backend_in_model_recipe_fails_settings():
     with pytest.raises(RunnerError, match="model.attn_implementation"):
-        backends.apply_runtime_settings(
-            MI300X_HW, replace(MODEL, attn_implementation="flash_attention_2"), device=MI300X
-        )
+        backends.apply_runtime(MI300X_HW, replace(MODEL, attn_implementation="flash_attention_2"), device=MI300X)
 
 
 @pytest.mark.parametrize(

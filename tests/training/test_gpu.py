@@ -11,14 +11,10 @@ import importlib.util
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from gpufixtures import batch, loss_grads, plan_and_probe, regional_model, staging_scenario, tiny_model
 
-from runner.config.schema import ExperimentSchema
-from runner.planning.plan import saved_activation_bytes
 from runner.training.accelerator import check_attention_backend, device_identity
 from runner.training.loss import chunked_loss_sum, liger_loss_sum, plain_loss_sum
-from runner.training.memprobe import probe_training_forward
-from runner.training.model import build_model, maybe_compile
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,38 +24,17 @@ DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 
 
-def _cfg(**model):
-    base = dict(hidden_size=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=352, tie_embeddings=False)
-    return OmegaConf.merge(
-        OmegaConf.structured(ExperimentSchema),
-        {
-            "model": {**base, **model},
-            "tokenizer": {"vocab_size": 2048, "eos_id": 0},
-            "train": {"seq_len": 256, "micro_batch_sequences": 4, "global_batch_sequences": 4},
-            "hardware": {"accelerator": "cuda", "precision": "bf16"},
-        },
-    )
-
-
-def _batch(vocab=2048, b=4, s=256, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, vocab, (b, s), generator=g).to(DEV)
-    y = torch.randint(0, vocab, (b, s), generator=g).to(DEV)
-    return x, y, torch.ones(b, s, dtype=torch.bool, device=DEV)
+# The setup is tests/gpufixtures.py: the same code runs on CPU in tests/training/test_gpu_setup.py.
+def _batch():
+    return batch(DEV)
 
 
 def _model(**model):
-    torch.manual_seed(0)
-    return build_model(_cfg(**model)).to(DEV).train()
+    return tiny_model(DEV, "cuda", **model)
 
 
-def _loss_grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    x, y, m = batch
-    with torch.autocast("cuda", dtype=BF16):
-        loss = model(input_ids=x, loss_targets=y, loss_mask=m)
-    (loss / m.sum()).backward()
-    return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+def _loss_grads(model, b):
+    return loss_grads(model, b, BF16)
 
 
 def _close(a: dict, b: dict, rel: float) -> None:
@@ -143,10 +118,7 @@ def test_liger_kernels_model_matches_transformers_own():
 
 def test_regional_compile_matches_eager():
     eager = _loss_grads(_model(), _batch())
-    cfg = _cfg(compile=True, compile_scope="regional")
-    torch.manual_seed(0)
-    model = maybe_compile(build_model(cfg).to(DEV).train(), cfg)
-    compiled = _loss_grads(model, _batch())
+    compiled = _loss_grads(regional_model(DEV, "cuda"), _batch())
     torch.testing.assert_close(compiled[0], eager[0], rtol=5e-3, atol=0)
     _close(eager[1], compiled[1], 5e-2)
     torch._dynamo.reset()
@@ -154,14 +126,19 @@ def test_regional_compile_matches_eager():
 
 @pytest.mark.parametrize("loss", ["plain", "chunked"])
 def test_memory_plan_matches_the_saved_tensor_probe_under_cuda_autocast(loss):
-    cfg = _cfg(cross_entropy=loss)
-    torch.manual_seed(0)
-    model = build_model(cfg).to(DEV)
-    x, y, m = _batch()
-    probe = probe_training_forward(model, x, y, m, autocast_dtype=BF16)
-    planned = saved_activation_bytes(cfg)["total"]
+    planned, probe = plan_and_probe(DEV, loss, "cuda", BF16)
     assert abs(planned / probe.activations - 1) < 0.05, (planned, probe.to_dict())
     assert probe.peak_allocated is not None and probe.peak_allocated > probe.activations
+
+
+def test_pinned_checkpoint_staging_on_the_gpu():
+    """The loop's checkpoint copy on CUDA: pinned host buffers filled on a side stream, the next
+    optimizer step ordered after them on the device, the buffers reused; training unchanged by it."""
+    out = staging_scenario(DEV)
+    assert out["pinned"] and out["on_host"] == {"cpu"}
+    assert out["staged_equal"] and out["second_equal"] and out["reused"] and out["fresh"][1] == 0
+    for name, ref in out["reference_params"].items():
+        torch.testing.assert_close(out["staged_params"][name], ref, rtol=0, atol=0)
 
 
 def test_nvml_reads_this_gpu():

@@ -120,10 +120,10 @@ def test_a_relative_store_given_to_sync_is_recorded_absolute(tmp_path, monkeypat
     # Later, from another folder: the same store, not a new empty one there.
     monkeypatch.chdir(elsewhere)
     Tracker(run, report=lambda m: None).close()
-    from runner.cli.train import _tracker_of
     from runner.runs.folder import RunFolder
+    from runner.training.launch import tracker_of
 
-    again = _tracker_of(RunFolder(run), None, report=lambda m: None)
+    again = tracker_of(RunFolder(run), None, report=lambda m: None)
     again.log_metrics({"loss": 0.5}, step=2)
     assert again.finish()
     assert list(elsewhere.iterdir()) == []

@@ -253,9 +253,9 @@ def test_infeasible_mixture_error_names_the_experiment_file(tmp_path):
 
 
 def test_world_size_must_split_the_global_batch_and_differing_devices_warn(tmp_path):
-    from runner.cli.train import check_world
     from runner.config.load import load_experiment
     from runner.errors import RunnerError
+    from runner.training.launch import check_world
 
     cfg = load_experiment(make_project(tmp_path, global_batch=8, micro=4)).config
     assert check_world(cfg, 1) is None  # the recipe plans 1 device

@@ -29,6 +29,7 @@ from runner.errors import RunnerError
 from runner.fsio import atomic_write_json, read_json, sha256_file
 from runner.reports import tables as rpt
 from runner.reports.downstream.table import downstream_table
+from runner.runs.checkpoints import MARKER, dirname
 from runner.runs.runjson import RunJson
 from runner.training.tracking import missing_store
 from schemas.report_tables import SCHEMA_VERSION
@@ -65,8 +66,6 @@ def final_validation(validation: pd.DataFrame) -> dict[str, Any]:
 def final_checkpoint(run_dir: Path, committed_steps: int) -> dict[str, Any] | None:
     """The checkpoint written at the run's last committed step: its state.json hash and the file
     hashes state.json lists (computed when it was written); None when there is none."""
-    from runner.training.checkpoint import MARKER, dirname  # noqa: PLC0415  (imports torch)
-
     path = Path(run_dir) / "checkpoints" / dirname(committed_steps)
     if not (path / MARKER).exists() or not (path / "state.json").exists():
         return None

@@ -1,6 +1,5 @@
 """What an audit reads (`AuditInput`: the report tables, the saved experiment, run.json, the manifests, the
-tables rebuilt from a run folder), the sampler's recount of the committed steps (`Replay`) and a
-checkpoint's state.json once the checkpoint verifies (`verified_state`).
+tables rebuilt from a run folder) and the sampler's recount of the committed steps (`Replay`).
 
 Their own module so that the audit's parts (audit_tracked, audit_eval, evidence) name what they are
 handed without importing runner.reports.audit.run, which imports them. Plain records: reading them is
@@ -18,7 +17,6 @@ import pandas as pd
 
 from runner.config.load import Experiment
 from runner.config.schema import ExperimentSchema
-from runner.fsio import read_json
 from runner.runs.runjson import RunJson, as_record
 
 
@@ -72,14 +70,3 @@ class Replay:
     def histogram(self, d: str) -> dict[int, int]:
         values, counts = np.unique(self.seen[d], return_counts=True)
         return {int(v): int(c) for v, c in zip(values, counts)}
-
-
-def verified_state(path: Path) -> tuple[dict | None, str | None]:
-    """A checkpoint's state.json once the checkpoint verifies (every file against its sha256, the
-    seal, the step): (state, None), or (None, "step-N: the problem") when it does not."""
-    from runner.training.checkpoint import verify  # noqa: PLC0415  (imports torch)
-
-    problem = verify(path)
-    if problem is not None:
-        return None, f"{path.name}: {problem}"
-    return read_json(path / "state.json"), None

@@ -32,7 +32,8 @@ from runner.reports.audit.downstream import REQUEST_INTS, convention_record, rea
 from runner.reports.audit.recompute_eval import _project_root
 from runner.reports.audit.result import AuditResult
 from runner.reports.downstream.table import loop_rows, read_eval_record
-from runner.training.checkpoint import Checkpoint, dirname, verify
+from runner.runs.checkpoints import dirname, verify
+from runner.training.checkpoint import Checkpoint
 from runner.training.downstream.run import BUILTIN, Prepared, prepare, score, task_specs
 from runner.training.model import build_model
 

@@ -22,10 +22,10 @@ import torch
 from runner.config.load import experiment_from_dict, find_project_root
 from runner.errors import RunnerError
 from runner.reports.audit import evidence as ev
-from runner.reports.audit.input import verified_state
 from runner.reports.audit.result import AuditResult
+from runner.runs.checkpoints import dirname, verified_state
 from runner.training.batches import load_data
-from runner.training.checkpoint import Checkpoint, dirname
+from runner.training.checkpoint import Checkpoint
 from runner.training.evaluate import evaluate
 from runner.training.model import build_model
 from runner.training.schedule import make_optimizer

@@ -42,9 +42,10 @@ from runner.reports.audit import downstream as downstream_audit
 from runner.reports.audit import evidence as ev
 from runner.reports.audit import tracked as audit_tracked
 from runner.reports.audit.experts import check_expert_load, checkpoint_load_problems
-from runner.reports.audit.input import AuditInput, Replay, verified_state
+from runner.reports.audit.input import AuditInput, Replay
 from runner.reports.audit.result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
 from runner.reports.downstream import targets as downstream_targets
+from runner.runs.checkpoints import dirname, verified_state
 from runner.runs.folder import is_reportable_run
 from runner.runs.recorded import conventions_of, device_seconds, devices_held, read_manifest_copies
 from schemas.report_tables import ADDED_SINCE, READABLE_VERSIONS, SCHEMA_VERSION, SCHEMAS, validate_tables
@@ -660,11 +661,9 @@ def _check_checkpoint(res: AuditResult, inp: AuditInput) -> None:
         return
     step = inp.steps()
     folder = inp.run_dir / "checkpoints"
-    if not any(folder.glob("step-*")):  # before importing torch: a fabricated or pruned run has none
+    if not any(folder.glob("step-*")):  # a fabricated or pruned run has none
         res.could_not(name, f"no checkpoint at the last committed step {step} in {folder}")
         return
-    from runner.training.checkpoint import dirname  # noqa: PLC0415  (imports torch)
-
     path = folder / dirname(step)
     if not path.exists():
         res.could_not(name, f"no checkpoint at the last committed step {step} in {folder}")

@@ -3,24 +3,26 @@
 Owns: when (every `eval.downstream_interval_steps` committed steps, and at the end of every
 segment: the attempt's last step), preparing the tasks once per attempt (after its first step,
 so a refused task stops the run there, not at its first scoring), the
-scoring on every rank (the same forwards on each; results summed exactly), and where the figures
-go: metrics/downstream.jsonl (one row per task and metric, with `t_eval_seconds` and where the run
-stood when the scoring ended: useful tokens, wall and device-wall seconds), the per-request
-log-likelihoods downstream/requests-loop-step-NNNNNNN.jsonl.gz, MLflow metrics
-`downstream/<task>/<metric>` (and `downstream/t_eval_seconds`, `downstream/exposure_tokens`) at
-the step, the convention records as tags, the request files as artifacts. Its time is measured
-after the step's own time is taken, so it is never step time, and none of its tokens is counted.
+scoring on every rank (the same forwards on each; results summed exactly), the per-request
+log-likelihoods downstream/requests-loop-step-NNNNNNN.jsonl.gz, and the rows it hands the callbacks
+(`on_downstream`: one per task and metric, with `t_eval_seconds` and where the run stood when the
+scoring ended: useful tokens, wall and device-wall seconds), which write metrics/downstream.jsonl
+and MLflow (runner.training.callbacks). Its time is measured after the step's own time is taken, so
+it is never step time, and none of its tokens is counted.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runner.training.downstream.run import Prepared, prepare, requests_name, score, write_requests
+from runner.training.callbacks import DownstreamScoring
+from runner.training.downstream.run import prepare, requests_name, score, write_requests
+
+if TYPE_CHECKING:
+    from runner.training.attempt import Attempt
 
 
 def due(interval: int, committed: int, end_step: int) -> bool:
@@ -36,8 +38,8 @@ def _summed(device) -> Any:
     return all_reduce
 
 
-def at_step(run: Any, committed: int) -> None:
-    """Score the tasks when due (a no-op without tasks). `run` is the loop's _Run."""
+def at_step(run: Attempt, committed: int) -> None:
+    """Score the tasks when due (a no-op without tasks)."""
     spec = run.cfg.eval
     if not spec.tasks:
         return
@@ -47,7 +49,7 @@ def at_step(run: Any, committed: int) -> None:
         run.eval_seconds["downstream_prepare_seconds"] += time.perf_counter() - started
     if not due(spec.downstream_interval_steps, committed, run.steps.end_step):
         return
-    prepared: Prepared = run.downstream
+    prepared = run.downstream
     acc = run.acc
     exposure = int(run.ledger.counters()["total"]["exposure"])
     scored = score(
@@ -72,21 +74,12 @@ def at_step(run: Any, committed: int) -> None:
     stamp = {"useful_tokens": useful, "wall_seconds": wall, "device_wall_seconds": device_wall}
     folder = run.folder.path
     requests = write_requests(folder / "downstream" / requests_name(committed, "loop"), scored, committed)
-    (folder / "metrics").mkdir(parents=True, exist_ok=True)
-    with open(folder / "metrics" / "downstream.jsonl", "a") as f:
-        for r in scored.rows:
-            f.write(json.dumps({**r, **stamp, "forwards": scored.forwards}) + "\n")
+    rows = [{**r, **stamp, "forwards": scored.forwards} for r in scored.rows]
+    for cb in run.callbacks:
+        cb.on_downstream(DownstreamScoring(committed, rows, scored.t_eval_seconds, exposure, requests))
     run.say(
         "downstream at step "
         + f"{committed}: "
         + ", ".join(f"{r['task']} {r['metric']} {r['value']:.4f}" for r in scored.rows)
         + f" (t_eval {scored.t_eval_seconds:.2f} s)"
     )
-    tracker = getattr(run, "tracker", None)
-    if tracker is None:
-        return
-    metrics = {f"downstream/{r['task']}/{r['metric']}": r["value"] for r in scored.rows}
-    metrics |= {"downstream/t_eval_seconds": scored.t_eval_seconds, "downstream/exposure_tokens": exposure}
-    tracker.log_metrics(metrics, step=committed)
-    tracker.log_tags({f"downstream.{r['task']}.{r['metric']}.convention": r["convention"] for r in scored.rows})
-    tracker.log_artifacts(requests, "downstream")

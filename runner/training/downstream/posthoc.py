@@ -18,8 +18,9 @@ import numpy as np
 
 from runner.errors import RunnerError
 from runner.fsio import atomic_write_json, read_json
+from runner.runs.checkpoints import verify
 from runner.runs.folder import experiment_of_run, is_run_dir
-from runner.training.checkpoint import Checkpoint, verify
+from runner.training.checkpoint import Checkpoint
 from runner.training.downstream.run import prepare, requests_name, score, task_specs, write_requests
 from runner.training.model import build_model
 

@@ -1,0 +1,71 @@
+"""run.json `t_startup`: process start to the first step, by part, in every attempt; the first step
+beside it; counted in the attempt's wall (goodput); shown in report.md (runner.training.startup)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+from trainfixtures import REPO, launch, make_project
+
+from runner.training import startup
+from runner.training.model import build_model
+
+
+def test_a_launch_and_its_resume_record_every_part_and_count_them_in_the_wall(tmp_path):
+    exp = make_project(tmp_path, steps=4, checkpoint_every=2, eval_every=4)
+    run = tmp_path / "runs" / "r"
+    launch(tmp_path, exp, "--run-dir", run, "--no-tracking", "--max-steps", "2")
+    launch(tmp_path, run, "--no-tracking")  # the resume: a second attempt, from the step-2 checkpoint
+    info = json.loads((run / "run.json").read_text())
+    t = info["t_startup"]
+    assert [a["attempt"] for a in t["attempts"]] == [1, 2]
+    for a in t["attempts"]:
+        assert set(a["parts"]) == set(startup.PARTS)
+        assert abs(sum(a["parts"].values()) - a["seconds"]) < 0.01  # consecutive parts: they sum to the total
+        assert a["first_step_seconds"] is not None and a["first_step_seconds"] > 0
+        assert a["parts"]["config"] > 0 and a["parts"]["model_build"] > 0 and a["parts"]["imports"] >= 0
+    first, resumed = t["attempts"]
+    assert first["parts"]["checkpoint_load"] < resumed["parts"]["checkpoint_load"]  # verified and loaded
+    assert t["seconds"] == round(first["seconds"] + resumed["seconds"], 3)
+    # the attempts' wall starts at their start: it holds the startup and every step
+    assert info["wall_seconds"] >= t["seconds"] + info["step_seconds_total"] - 0.01
+    report = (run / "report" / "report.md").read_text()
+    assert "Startup (t_startup, process start to the first step" in report and "over 2 attempts" in report
+
+
+def test_the_clock_of_a_process_started_for_runner_begins_at_the_process_start():
+    code = (
+        "import time, sys; time.sleep(0.5); sys.argv[0] = 'runner'\n"
+        "from runner.training import startup\n"
+        "startup.begin_launch(); c = startup.current()\n"
+        "print(c.parts['process_to_launch'], time.time() - startup.process_start_time())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    before_launch, since_start = map(float, out.split())
+    assert since_start >= 0.45 and before_launch >= 0.45  # the sleep before the CLI's code is in the startup
+    # a host calling the CLI in process (this test) starts the clock at the call instead
+    startup.begin_launch()
+    assert startup.current().parts["process_to_launch"] < 0.45
+
+
+def test_the_model_is_built_where_the_device_context_says():
+    from gpufixtures import tiny_cfg
+
+    with startup.on_device(torch.device("meta")):  # any device but the CPU: every parameter made there
+        model = build_model(tiny_cfg("cuda"))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert (
+        startup.load_device(torch.device("cuda", 0)) == "cuda:0" and startup.load_device(torch.device("cpu")) == "cpu"
+    )
+
+
+def test_merged_keeps_every_attempt_and_sums_them():
+    a = {"attempt": 1, "seconds": 2.0, "parts": {}, "first_step_seconds": 1.0}
+    b = {"attempt": 2, "seconds": 3.0, "parts": {}, "first_step_seconds": None}
+    rec = startup.merged(startup.merged(None, a), b)
+    assert (rec["seconds"], rec["first_step_seconds"], len(rec["attempts"])) == (5.0, 1.0, 2)
+    assert startup.merged(rec, {**b, "seconds": 4.0})["seconds"] == 6.0  # an attempt rewritten, not added
+    assert startup.report_lines({}) == [] and startup.report_lines({"t_startup": rec})
