@@ -904,6 +904,7 @@ def test_push_failures_are_one_line_and_leave_no_branch_looking_complete(llama_f
     assert not (root / "never").exists()
 
 
+@pytest.mark.slow  # an export and the snippet's own process
 def test_the_card_reads_as_the_hub_template_with_data_described_and_a_snippet_that_runs(llama_run, tmp_path):
     """Issue 38, item 2: what the model is (its parameter count = transformers'), its uses and limits,
     a usage snippet that runs on the folder, each domain's data with its source and licence (a
@@ -951,6 +952,7 @@ def test_the_card_reads_as_the_hub_template_with_data_described_and_a_snippet_th
     assert ran.stdout.startswith("The")  # the prompt, then 32 greedy tokens
 
 
+@pytest.mark.slow  # its own run, a scoring and an export
 def test_export_after_runner_eval_says_to_rebuild_the_report_first(tmp_path):
     """Issue 38, item 3: `runner eval` leaves report/ as it was; an export then would drop its figures
     from the card, so it is refused in one line naming the command; after `runner report` it exports
