@@ -353,11 +353,11 @@ def reproduce_lines(src: Source) -> list[str]:
 def write(src: Source, out: Path, f: dict, dtype: str, verification: dict) -> None:
     """README.md (the card), accounting.json and experiment.yaml into `out`."""
     cfg = src.exp.config
-    unlicensed = {} if cfg.export.license else {"license_name": "unspecified"}  # the card's Licence section says why
     data = ModelCardData(
         library_name="transformers",
         license=cfg.export.license or "other",
-        **unlicensed,
+        # no licence chosen: the Hub's `other` wants a name; the card's Licence section says why
+        license_name=None if cfg.export.license else "unspecified",
         datasets=sorted({s["repo"] for s in f["data_sources"]}) or None,
         tags=["runner", "pretraining", cfg.model.arch, f"fingerprint-{src.exp.fingerprint[:12]}"],
         pipeline_tag="text-generation",

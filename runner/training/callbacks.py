@@ -231,12 +231,11 @@ class TrainingProgress(Callback):
         """(tokens/s, MFU) averaged over about the last SMOOTHING_STEPS steps: tokens and seconds are
         averaged apart (a rate of averages, not an average of rates), MFU scaled with tokens/s."""
         alpha = 2.0 / (SMOOTHING_STEPS + 1)
-        step = (record.tokens_per_second * record.step_seconds, record.step_seconds)
-        if self.smoothed is None:
-            self.smoothed = step
-        else:
-            self.smoothed = tuple(alpha * x + (1 - alpha) * m for x, m in zip(step, self.smoothed))  # type: ignore[assignment]
-        tokens, seconds = self.smoothed
+        tokens, seconds = record.tokens_per_second * record.step_seconds, record.step_seconds
+        if self.smoothed is not None:
+            tokens = alpha * tokens + (1 - alpha) * self.smoothed[0]
+            seconds = alpha * seconds + (1 - alpha) * self.smoothed[1]
+        self.smoothed = (tokens, seconds)
         if seconds <= 0 or record.tokens_per_second <= 0:
             return record.tokens_per_second, record.mfu
         rate = tokens / seconds
