@@ -8,6 +8,7 @@ import shutil
 
 import pandas as pd
 import pytest
+import yaml
 from runfixtures import GLOBAL_BATCH, SEQ_LEN, STEPS, make_run, run_commands
 
 from runner.cli.report import register
@@ -228,3 +229,17 @@ def test_the_report_draws_training_loss_and_learning_rate_and_says_what_n_counts
     (copy / "training.png").unlink()
     render_report_dir(copy)
     assert "## Training loss" not in (copy / "report.md").read_text()
+
+
+def test_a_run_without_targets_tasks_or_experts_has_no_empty_section(run_dir):
+    """Issue 38, item 7: a dense run without downstream tasks has no Downstream or Experts section, and
+    a run without targets no Quality targets section (it said only "No targets declared")."""
+    from runner.reports import targets
+
+    md = (run_dir / "report" / "report.md").read_text()
+    cfg = yaml.safe_load((run_dir / "experiment.yaml").read_text())
+    assert not (cfg["eval"].get("tasks") or cfg["model"].get("moe"))
+    for empty in ("## Downstream", "## Experts"):
+        assert empty not in md, empty
+    assert "## Quality targets" in md  # the fixture declares targets
+    assert targets.render_markdown([], build_tables(run_dir)["targets"]) == []
