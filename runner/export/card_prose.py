@@ -57,7 +57,7 @@ def intended_uses(cfg: ExperimentSchema, f: dict) -> list[str]:
         "**Limitations.** ",
     ]
     limits = [
-        f"it has seen {_tokens(exposure)} tokens"
+        f"It has seen {_tokens(exposure)} tokens"
         + (", far too few for fluent or factual text: expect repetitive, often meaningless output" if small else ""),
         f"it knows only its training domains ({', '.join(r['domain'] for r in f['accounting'])}) and "
         f"their languages, within a {cfg.train.seq_len}-token context",
@@ -84,7 +84,8 @@ def usage_snippet(f: dict) -> list[str]:
         "print(tokenizer.decode(out[0], skip_special_tokens=True))",
         "```",
         "",
-        "The `runner` that trained it samples it the same way: `runner sample . --prompt ...`.",
+        f"The `runner` that trained it samples it the same way: `runner sample . --prompt {prompt!r}` (greedy "
+        "unless `--temperature`).",
     ]
 
 
