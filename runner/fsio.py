@@ -137,6 +137,39 @@ def _expanded_size(root) -> int:
     return sizes[id(root)]
 
 
+def _refuse_duplicate_keys(root, source: Any) -> None:
+    """A RunnerError naming the dotted key and both lines where a mapping holds a key twice: PyYAML
+    keeps the last one silently (`seed: 1` then `seed: 2` would train with seed 2). Iterative; an
+    alias's node is walked once."""
+    seen: set[int] = set()
+    stack = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key, value in node.value:
+                name = str(key.value) if isinstance(key, yaml.ScalarNode) else None
+                if name is not None and key.tag != "tag:yaml.org,2002:merge":
+                    dotted = f"{path}.{name}" if path else name
+                    line = key.start_mark.line + 1
+                    if name in first:
+                        raise RunnerError(
+                            f"duplicate key: lines {first[name]} and {line} both set it (YAML keeps the last "
+                            "silently): keep one",
+                            file=source,
+                            key=dotted,
+                        )
+                    first[name] = line
+                    stack.append((value, dotted))
+                else:
+                    stack.append((value, path))
+
+
 def _yaml_children(node) -> list:
     if isinstance(node, yaml.SequenceNode):
         return list(node.value)
@@ -159,6 +192,7 @@ def load_yaml_text(text: str, source: Any = None) -> Any:
         if node is None:
             return None
         _expanded_size(node)
+        _refuse_duplicate_keys(node, source)
         return loader.construct_document(node)
     except _Refused as err:
         raise RunnerError(f"refused: {err}", file=source) from None

@@ -1,11 +1,11 @@
-"""CLI verbs `export` and `sample`: parsing and printing only (the work is in runner.export)."""
+"""CLI verbs `export`, `verify-export` and `sample`: parsing and printing only (the work is in runner.export)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from runner.errors import EXIT_OK
+from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED
 from runner.export import DEFAULT_MAX_SHARD_SIZE
 
 
@@ -43,6 +43,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_verify_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from runner.export.verify_export import FAIL, UNVERIFIED, render, verdict, verify_export
+
+    checks = verify_export(Path(args.dir), Path(args.run))
+    print(render(Path(args.dir), Path(args.run), checks))
+    return {FAIL: EXIT_DISCREPANCY, UNVERIFIED: EXIT_UNVERIFIED}.get(verdict(checks), EXIT_OK)
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from runner.export.sample import sample
 
@@ -55,6 +65,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         step=args.step,
     )
     print(f"{got.prompt}{got.text}")
+    if got.provenance:
+        print(got.provenance, file=sys.stderr)
     if got.note:
         print(f"note: {got.note}", file=sys.stderr)
     print(
@@ -116,6 +128,18 @@ def register(subparsers) -> None:
     )
     p.add_argument("--private", action="store_true", help="create the repository private (when it is new)")
     p.set_defaults(func=cmd_export)
+
+    p = subparsers.add_parser(
+        "verify-export",
+        help="check an exported folder against its run: recorded hashes, weights, config, tokenizer, card figures",
+        description="Check an exported folder after the fact against the run it came from: its files against the "
+        "hashes recorded in RUN/exports/ when it was written, the weights tensor by tensor against the checkpoint "
+        "they came from, config and tokenizer against the run's, and the card's and accounting.json's figures "
+        "recomputed from the run's audited report. Exit 0 PASS, 1 FAIL (naming what differs), 5 UNVERIFIED.",
+    )
+    p.add_argument("dir", metavar="DIR", help="the exported folder")
+    p.add_argument("--run", required=True, metavar="RUN_DIR", help="the run folder it was exported from")
+    p.set_defaults(func=cmd_verify_export)
 
     p = subparsers.add_parser(
         "sample",

@@ -84,10 +84,18 @@ def _audit(args) -> int:
 
 
 def _audit_claims(args) -> int:
+    from runner.errors import display_path
+    from runner.reports.claims.source import free_text_warning
     from runner.reports.claims.training import PLAUSIBLE_MFU, audit_claims, render
 
     bound = PLAUSIBLE_MFU if args.plausible_mfu is None else args.plausible_mfu
-    results = [r for file in args.file for r in audit_claims(file, plausible_mfu=bound)]
+    results = []
+    for file in args.file:
+        found = audit_claims(file, plausible_mfu=bound)
+        warning = free_text_warning(display_path(file), [r.source for r in found])
+        if warning:
+            print(warning, file=sys.stderr)
+        results += found
     against = None
     if args.against:
         from runner.reports.claims.against import compare_claims
@@ -123,6 +131,17 @@ def _publish(args) -> int:
     why = card_problem(Path(args.run_dir), card) if card is not None else None
     if why:  # before anything is published: --card names a folder that is not this run's final export
         raise RunnerError(why, file=str(card), key="--card")
+    if card is not None:  # a card whose files or figures are not the run's is never published
+        from runner.export.verify_export import FAIL, verify_export
+
+        failed = [c for c in verify_export(card, Path(args.run_dir)) if c.status == FAIL]
+        if failed:
+            raise RunnerError(
+                "does not verify against the run (runner verify-export): "
+                + "; ".join(f"{c.name}: {c.detail}" for c in failed),
+                file=str(card),
+                key="--card",
+            )
     dest, result = publish(args.run_dir, args.reports_dir, require_verified=args.require_verified)
     if dest is None:
         print(result.render())
@@ -154,6 +173,7 @@ def _audit_reports(args) -> int:
     from runner.reports.publish import audit_reports
 
     results = audit_reports(_reports_dir(args), tracking_uri=args.tracking_uri)
+    results += _published_cards(Path(_reports_dir(args)))
     for r in results:
         if args.verbose or r.verdict == "FAIL":
             print(r.render())
@@ -168,6 +188,21 @@ def _audit_reports(args) -> int:
     if counts["UNVERIFIED"]:
         return EXIT_DISCREPANCY if args.require_verified else EXIT_UNVERIFIED
     return EXIT_OK
+
+
+def _published_cards(reports_dir: Path) -> list:
+    """Each published model card (reports/models/<name>/) against the published report of its run:
+    its figures recomputed (runner.export.verify_export), one result per card."""
+    from runner.export.verify_export import check_published_card
+    from runner.reports.audit.result import AuditResult, Check
+
+    out = []
+    for folder in sorted((reports_dir / "models").glob("*/")) if (reports_dir / "models").is_dir() else []:
+        if (folder / "accounting.json").is_file():
+            result = AuditResult(str(folder))
+            result.checks = [Check(c.name, c.status, c.detail) for c in check_published_card(folder, reports_dir)]
+            out.append(result)
+    return out
 
 
 def _fraction(text: str) -> float:

@@ -95,7 +95,7 @@ def _read_yaml(path: Path, problems: Problems) -> dict | None:
     try:
         data = load_yaml_text(text)  # bounded: a billion-laughs file is refused, not expanded
     except RunnerError as e:
-        problems.add(path, "", e.detail)
+        problems.add(path, e.key or "", e.detail)
         return None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from runner.config.schema import DOWNSTREAM_ACCURACIES, ExperimentSchema
+from runner.export import export_scoring
 from runner.reports.downstream.report import numbered_records
 from runner.reports.downstream.targets import render_markdown
 from runner.reports.targets import summary_line, typed_config
@@ -117,6 +118,7 @@ def markdown(config: ExperimentSchema, downstream: dict | None) -> list[str]:
             *[f"{i}. `{r}`" for i, r in enumerate(records, start=1)],
             "",
         ]
+    lines += export_scoring.markdown(downstream)  # the folder's own figures, in its dtype, beside the run's
     declared = declared_task_targets(typed_config(config))
     if declared:
         judged = pd.DataFrame(downstream["targets"], columns=TASK_TARGET_COLUMNS)

@@ -6,7 +6,7 @@ compared (runner.export.verify), its card and accounting written (runner.export.
 then renamed to `--out`. Any failure removes the temporary folder (and the parents it made): no
 folder is left that did not pass. Before any of it, the options are checked (dtype, shard size,
 the push's repository id and token) and `--out` too: never inside the run folder (export never
-changes a run folder), never an existing non-empty folder or file (nothing is written over, an
+changes a run folder, but for its record in RUN/exports/, written last), never an existing non-empty folder or file (nothing is written over, an
 earlier export included), never a symbolic link, and somewhere a folder can be made.
 """
 
@@ -26,7 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from runner.config.load import Experiment
 from runner.errors import RunnerError, display_path
-from runner.export import DEFAULT_MAX_SHARD_SIZE, card, folder, verify
+from runner.export import DEFAULT_MAX_SHARD_SIZE, card, export_scoring, folder, verify, verify_export
 from runner.export.push import Pushed, check_repo_id, check_token, push_folder
 from runner.export.source import Source, open_source
 from runner.export.stale import check_report_current
@@ -135,6 +135,9 @@ def export_run(
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(made)
         raise
+    # the anchor outside the export (runner verify-export): every file's sha256, in the run folder
+    recorded = verify_export.record_export(run_dir, out, src.step, src.checkpoint.path.name, dtype)
+    say(f"recorded: {display_path(recorded)} (the export's file hashes, for runner verify-export)")
     files = sorted(p.name for p in out.iterdir())
     done = Exported(out, src, dtype, verification, time.monotonic() - start, files)
     if push:
@@ -193,8 +196,14 @@ def _write_and_verify(src: Source, tmp: Path, dtype: str, max_shard_size: int, f
         f"(max diff {verification['model']['max_abs_logit_diff']:.3g}), "
         f"{verification['model']['greedy_tokens_compared']} greedy tokens identical, tokenizer ids identical"
     )
+    scoring = export_scoring.score_folder(src, tmp, dtype)  # the folder's own figures, in its dtype
+    if scoring is not None and figures.get("downstream") is not None:
+        figures["downstream"]["export_scoring"] = scoring
+        say(f"scored on the folder ({scoring['dtype']}): {len(scoring['figures'])} figures")
     card.write(src, tmp, figures, dtype, verification)
-    (tmp / RECORD).write_text(json.dumps(card.export_record(src, dtype, verification), indent=1) + "\n")
+    record = card.export_record(src, dtype, verification)
+    record["files"] = verify_export.file_hashes(tmp)  # every file written before this one
+    (tmp / RECORD).write_text(json.dumps(record, indent=1) + "\n")
     for path in tmp.iterdir():
         path.chmod(0o644)  # safetensors writes 0600; a shared model folder is read by others
         fsync_file(path)

@@ -3,7 +3,10 @@
 Owns: opening either kind of source (a run folder: its verified checkpoint in transformers' plain
 class, with the pinned tokenizer; an exported folder: `AutoModelForCausalLM`/`AutoTokenizer`,
 exactly what a user of the folder gets; a damaged one, a file it names missing, unreadable JSON or
-safetensors, is one line naming the file), and the sampling settings (greedy at temperature 0,
+safetensors, is one line naming the file; weights that do not fit the model config.json describes,
+missing, unused or of another shape, are refused rather than generated from at random; an exported
+folder's files checked against the record its run folder keeps (runner.export.verify_export): refused
+when they differ, said "unverified" where no record is at hand), and the sampling settings (greedy at temperature 0,
 otherwise multinomial sampling seeded by `seed`; a temperature that is not a finite number >= 0 is
 refused), with the new tokens capped at what the model's context (`max_position_embeddings`) leaves
 after the prompt. One process, on the CPU. Never writes anything.
@@ -15,6 +18,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,6 +28,7 @@ from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
 from runner.export.export import RECORD, quiet_transformers
 from runner.export.source import export_model, open_source
+from runner.export.verify_export import sample_provenance
 from runner.runs.folder import is_run_dir
 
 
@@ -34,6 +39,8 @@ class Sample:
     new_tokens: int
     source: str  #: what generated it: `runs/x/y checkpoints/step-0000150` or the folder
     note: str | None = None  #: said beside the text: the new tokens were capped at the model's context
+    #: an exported folder's files against the run folder's record (verified / unverified: why)
+    provenance: str | None = None
 
 
 #: torch.manual_seed's range
@@ -59,10 +66,42 @@ def _from_folder(path: Path):
         raise RunnerError("neither a run folder nor an exported model folder (no config.json)", file=str(path))
     _check_folder(path)
     try:
-        return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path), str(path)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+        model, info = loaded
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers' loaders raise many kinds (tokenizers' is a bare Exception)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RunnerError(f"transformers cannot load it ({type(e).__name__}: {first})", file=str(path)) from None
+    _check_loaded(path, model, info)
+    return model.eval(), tokenizer, str(path)
+
+
+def _check_loaded(path: Path, model, info: dict) -> None:
+    """Refuse a folder whose weights do not fit the model its config.json describes: transformers
+    initialises what the weights lack at random and drops what the model has no place for, and
+    would generate from that without a word (config.json saying GPT-2 over Llama weights)."""
+    missing = sorted(map(str, info.get("missing_keys") or []))
+    unused = sorted(map(str, info.get("unexpected_keys") or []))
+    mismatched = sorted(
+        str(m[0]) if isinstance(m, (tuple, list)) else str(m) for m in info.get("mismatched_keys") or []
+    )
+    if not (missing or unused or mismatched):
+        return
+    said = [
+        f"{len(keys)} {what} (first {keys[0]})"
+        for keys, what in (
+            (missing, "weights missing, which would be random"),
+            (unused, "weights in the files not used"),
+            (mismatched, "of another shape"),
+        )
+        if keys
+    ]
+    kind = f"{model.config.model_type} ({type(model).__name__})"
+    raise RunnerError(
+        f"config.json describes {kind}, and the weights do not fit it: {'; '.join(said)}: refusing to sample "
+        "from partly random weights",
+        file=str(path),
+    )
 
 
 def _json(file: Path) -> dict:
@@ -151,6 +190,7 @@ def sample(
         raise RunnerError("no such folder", file=str(path))
     _check_settings(max_new_tokens, temperature, seed)
     with quiet_transformers():
+        provenance = None
         if is_run_dir(path):
             model, tokenizer, where = _from_run(path, step)
         else:
@@ -159,6 +199,7 @@ def sample(
                     "--step names a checkpoint of a run folder; this is an exported folder", file=str(path)
                 )
             model, tokenizer, where = _from_folder(path)
+            provenance = sample_provenance(path)  # refuses files that differ from the run's record
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         if ids.shape[1] == 0:
             raise RunnerError("the prompt encodes to no tokens", key="--prompt")
@@ -174,4 +215,5 @@ def sample(
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             **settings,
         )[0, ids.shape[1] :]
-    return Sample(prompt, tokenizer.decode(out, skip_special_tokens=False), int(out.shape[0]), where, note)
+    text = tokenizer.decode(out, skip_special_tokens=False)
+    return Sample(prompt, text, int(out.shape[0]), where, note, provenance)

@@ -169,14 +169,18 @@ class TrackingCallback(Callback):
         self.tracker.log_metrics(m, step=step)
 
     def on_downstream(self, scoring):
-        """`downstream/<task>/<metric>`, `downstream/t_eval_seconds` and `downstream/exposure_tokens` at the
-        step, each figure's convention record as a tag, the request file as an artifact."""
+        """`downstream/<task>/<metric>`, `downstream/t_eval_seconds`, `downstream/exposure_tokens` and the
+        stamp (`downstream/useful_tokens`, `downstream/wall_seconds`, `downstream/device_wall_seconds`:
+        what time- and cost-to-target are counted from, where an edit of the run folder cannot reach it)
+        at the step, each figure's convention record as a tag, the request file as an artifact."""
         rows = scoring.rows
         metrics = {f"downstream/{r['task']}/{r['metric']}": r["value"] for r in rows}
         metrics |= {
             "downstream/t_eval_seconds": scoring.t_eval_seconds,
             "downstream/exposure_tokens": scoring.exposure_tokens,
         }
+        if rows:  # every row of a scoring carries the same stamp
+            metrics |= {f"downstream/{k}": rows[0][k] for k in ("useful_tokens", "wall_seconds", "device_wall_seconds")}
         self.tracker.log_metrics(metrics, step=scoring.step)
         self.tracker.log_tags({f"downstream.{r['task']}.{r['metric']}.convention": r["convention"] for r in rows})
         self.tracker.log_artifacts(scoring.requests, "downstream")

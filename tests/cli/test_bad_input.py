@@ -540,3 +540,26 @@ def test_fuzzed_fetch_records_exit_0_or_2_without_traceback(project, tmp_path, c
                 assert len(lines) == 1 and lines[0].startswith("error: "), (argv, doc, err)
 
     records()
+
+
+def test_a_key_set_twice_is_refused_naming_the_file_key_and_both_lines(project, capsys, monkeypatch, tmp_path):
+    """Issue 37 item 7: YAML keeps the last of two equal keys silently (`seed: 1` then `seed: 2`
+    trained with seed 2); a recipe, an experiment and a claims file refuse it in one line."""
+    monkeypatch.chdir(project)
+    path = experiment(project, "twice", "seed: 1\nseed: 2\n")
+    line = one_error(*run_cli(capsys, "validate", path)[::2])
+    assert line == (
+        "error: experiments/twice.yaml: seed: duplicate key: lines 5 and 6 both set it (YAML keeps the last "
+        "silently): keep one"
+    ), line
+    recipe = project / "recipes/optim/adamw-tiny.yaml"
+    recipe.write_text(recipe.read_text().replace("grad_clip: 1.0\n", "grad_clip: 1.0\nbetas: [0.9, 0.99]\n"))
+    line = one_error(*run_cli(capsys, "validate", project / "experiments/cpu-tiny.yaml")[::2])
+    assert line.startswith("error: recipes/optim/adamw-tiny.yaml: betas: duplicate key: lines 6 and 9 "), line
+    nested = experiment(project, "nested", "train:\n  seq_len: 128\n  seq_len: 64\n")
+    line = one_error(*run_cli(capsys, "validate", nested)[::2])
+    assert "experiments/nested.yaml: train.seq_len: duplicate key: lines 6 and 7" in line, line
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n  - name: a\n    model_params: 1.0e+9\n    model_params: 2.0e+9\n")
+    line = one_error(*run_cli(capsys, "audit-claims", claims)[::2])
+    assert "error: claims.yaml: claims[0].model_params: duplicate key: lines 3 and 4" in line, line

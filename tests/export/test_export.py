@@ -121,14 +121,18 @@ def llama_fp32(llama_run, tmp_path_factory) -> Path:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verified: logits within 1e-05" in proc.stdout
     assert _tree_hashes(llama_run) == before, "export changed the run folder"
+    records = [json.loads(p.read_text()) for p in (llama_run / "exports").glob("*.json")]
+    assert any(r["out"] == str(out.resolve()) and r["files"] == _tree_hashes(out) for r in records)
     return out
 
 
 def _tree_hashes(folder: Path) -> dict[str, str]:
+    """Every file's sha256, but the lock and the records of exports (RUN/exports/: the one thing an
+    export adds to a run folder)."""
     return {
         str(p.relative_to(folder)): sha256_file(p)
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != "lock"
+        if p.is_file() and p.name != "lock" and p.relative_to(folder).parts[0] != "exports"
     }
 
 
@@ -972,3 +976,179 @@ def test_export_after_runner_eval_says_to_rebuild_the_report_first(tmp_path):
     proc = run_in_process(root, ["export", str(run), "--out", str(out), "--dtype", "fp32"], env(root))
     assert proc.returncode == 0, proc.stderr
     assert "| runner eval | arc_easy | acc |" in (out / "README.md").read_text()
+
+
+def test_sample_refuses_a_config_that_does_not_describe_the_weights(llama_fp32, tmp_path):
+    """Issue 37 item 5: config.json saying GPT-2 over Llama weights loaded with every weight newly
+    initialised, and generated from it with exit 0 and no warning."""
+    from transformers import GPT2Config
+
+    folder = tmp_path / "mismatched"
+    shutil.copytree(llama_fp32, folder)
+    llama = json.loads((folder / "config.json").read_text())
+    gpt2 = GPT2Config(
+        vocab_size=llama["vocab_size"],
+        n_positions=llama["max_position_embeddings"],
+        n_embd=llama["hidden_size"],
+        n_layer=llama["num_hidden_layers"],
+        n_head=llama["num_attention_heads"],
+    )
+    (folder / "config.json").write_text(gpt2.to_json_string())
+    line = _refused(tmp_path, ["sample", str(folder), "--prompt", "def main("], "config.json describes gpt2")
+    assert " weights missing, which would be random (first " in line, line
+    assert "weights in the files not used (first model." in line and line.endswith("partly random weights")
+
+
+def _forge_card(folder: Path) -> None:
+    """The adversary's edit: the card's MFU line says 61%, accounting.json's exposure x10."""
+    readme = folder / "README.md"
+    lines = readme.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("- MFU "))
+    lines[at] = "- MFU 61.00%" + lines[at][lines[at].index(",") :]
+    readme.write_text("\n".join(lines) + "\n")
+    accounting = json.loads((folder / "accounting.json").read_text())
+    accounting["accounting"][0]["exposure_tokens"] *= 10
+    (folder / "accounting.json").write_text(json.dumps(accounting, indent=1) + "\n")
+
+
+def test_verify_export_checks_an_export_against_its_run_and_a_forged_card_never_publishes(
+    llama_run, llama_fp32, tmp_path
+):
+    """Issue 37 items 4 and 6: `runner verify-export` anchors outside the export (the hashes recorded
+    in RUN/exports/ when it was written), checks the weights against the checkpoint tensor by tensor,
+    config and tokenizer against the run's, and the card's and accounting.json's figures recomputed
+    from the audited report; `publish --card` and `audit-reports` run it, `runner sample` checks the
+    recorded hashes."""
+    from safetensors.torch import load_file, save_file
+
+    from runner.export.verify_export import RECORDS
+
+    root = llama_run.parents[1]
+    proc = run_in_process(root, ["verify-export", str(llama_fp32), "--run", str(llama_run)], env(root))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "verdict: PASS" and all(line.split()[0] == "PASS" for line in lines[1:-1]), proc.stdout
+    assert "tensors equal, exactly, to the checkpoint's cast as exported" in proc.stdout
+
+    forged = tmp_path / "forged"
+    shutil.copytree(llama_fp32, forged)
+    _forge_card(forged)
+    # the forger rewrites the run folder's record too: the figures are recomputed all the same
+    records = sorted((llama_run / RECORDS).glob("*.json"))
+    saved = {p: p.read_bytes() for p in records}
+    from runner.export.verify_export import file_hashes
+
+    for p in records:
+        record = json.loads(p.read_text())
+        if record["out"] == str(llama_fp32.resolve()):
+            p.write_text(json.dumps({**record, "out": str(forged.resolve()), "files": file_hashes(forged)}))
+    proc = run_in_process(root, ["verify-export", str(forged), "--run", str(llama_run)], env(root))
+    for p, data in saved.items():
+        p.write_bytes(data)
+    assert proc.returncode == 1 and proc.stdout.splitlines()[-1] == "verdict: FAIL", proc.stdout
+    checks = {line.split(":")[0].split(None, 1)[1]: line.strip() for line in proc.stdout.splitlines()[1:-1]}
+    assert checks["files as recorded in the run folder when exported"].startswith("PASS")  # the forged record
+    assert "accounting[0].exposure_tokens: " in checks["accounting.json = the audited report's figures"]
+    assert "'- MFU 61.00%" in checks["model card = the audited report's figures"]
+    # against the true record: the files that differ are named
+    from runner.export.verify_export import FAIL, check_recorded_files
+
+    against = check_recorded_files(forged, llama_run)
+    assert against.status == FAIL and "README.md (sha256 differs), accounting.json (sha256 differs)" in against.detail
+
+    # a weight edited (the shard rewritten, export.json's hashes too): named tensor by tensor
+    weights = tmp_path / "weights"
+    shutil.copytree(llama_fp32, weights)
+    tensors = load_file(weights / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, weights / "model.safetensors", metadata={"format": "pt"})
+    proc = run_in_process(root, ["verify-export", str(weights), "--run", str(llama_run)], env(root))
+    assert (
+        proc.returncode == 1 and f"FAIL       weights = checkpoint step {STEPS}'s: {name}: values differ" in proc.stdout
+    )
+
+    # an export written before records were kept (export.json lists no files, no record names it)
+    from runner.export.verify_export import UNVERIFIED
+
+    older = tmp_path / "older"
+    shutil.copytree(llama_fp32, older)
+    record = json.loads((older / "export.json").read_text())
+    (older / "export.json").write_text(json.dumps({k: v for k, v in record.items() if k != "files"}))
+    assert check_recorded_files(older, llama_run).status == UNVERIFIED
+
+    # runner sample refuses the forged folder (its files are not the recorded ones), and says
+    # "unverified" of an export whose run folder is not here
+    line = _refused(tmp_path, ["sample", str(forged), "--prompt", "def main("], "differ from the run's record")
+    assert "README.md (sha256 differs)" in line
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(llama_fp32, moved)
+    record = json.loads((moved / "export.json").read_text())
+    (moved / "export.json").write_text(json.dumps({**record, "run_dir": str(tmp_path / "gone")}))
+    proc = run_in_process(root, ["sample", str(moved), "--prompt", "def main(", "--max-new-tokens", "2"], env(root))
+    assert proc.returncode == 0 and "unverified: the run folder it names" in proc.stderr, proc.stderr
+    proc = run_in_process(
+        root, ["sample", str(llama_fp32), "--prompt", "def main(", "--max-new-tokens", "2"], env(root)
+    )
+    assert proc.returncode == 0 and "verified: " in proc.stderr and "unverified" not in proc.stderr, proc.stderr
+
+    # publish --card of the forged folder: refused before anything is published
+    reports = tmp_path / "reports"
+    proc = run_in_process(
+        root, ["publish", str(llama_run), "--reports-dir", str(reports), "--card", str(forged)], env(root)
+    )
+    assert proc.returncode == 2 and "does not verify against the run (runner verify-export)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not reports.exists(), proc.stderr
+    # an honest card publishes; its published copy forged afterwards FAILs audit-reports
+    proc = run_in_process(
+        root, ["publish", str(llama_run), "--reports-dir", str(reports), "--card", str(llama_fp32)], env(root)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_in_process(root, ["audit-reports", str(reports)], env(root))
+    card = next((reports / "models").iterdir())
+    assert proc.returncode in (0, 5) and f"PASS {card}" in proc.stdout, proc.stdout
+    _forge_card(card)
+    proc = run_in_process(root, ["audit-reports", str(reports)], env(root))
+    assert proc.returncode == 1 and "accounting[0].exposure_tokens" in proc.stdout, proc.stdout
+    assert "README.md line " in proc.stdout and "'- MFU 61.00%" in proc.stdout
+
+
+@pytest.mark.slow  # lm-eval's import alone takes seconds
+def test_the_card_carries_the_folders_own_scoring_in_its_dtype_beside_the_runs(llama_run):
+    """Issue 37 item 10: the default export is bf16 while the run scored in fp32; at export time the
+    folder is scored in its own dtype and the card shows both, each with its dtype. The reference:
+    lm-evaluation-harness's HFLM on the bf16 folder (dtype=bfloat16), argmax of its log-likelihoods."""
+    lm_eval = pytest.importorskip("lm_eval", reason="the `eval` extra: pip install -e '.[eval]'")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from runner.config.load import load_saved_experiment
+    from runner.training.downstream.run import prepare, task_specs
+
+    assert lm_eval.__version__ == "0.4.13"
+    exported = llama_run.parents[1] / "exports" / llama_run.name  # export.at_end, bf16 by default
+    accounting = json.loads((exported / "accounting.json").read_text())
+    scoring = accounting["downstream"]["export_scoring"]
+    assert scoring["dtype"] == "bfloat16" and scoring["step"] == STEPS
+    ours = {(f["task"], f["metric"]): f["value"] for f in scoring["figures"]}
+    assert set(ours) == {("arc_easy", m) for m in ("acc", "centered_acc", "bpb")} | {("aggregate", "mean_centered")}
+    run_fig = {(f["task"], f["metric"]): f for f in accounting["downstream"]["figures"] if f["source"] == "loop"}
+    assert run_fig[("arc_easy", "acc")]["convention"]["dtype"] == "float32"
+    card = (exported / "README.md").read_text()
+    row = (
+        f"| arc_easy | acc | {ours[('arc_easy', 'acc')]:.6g} | {run_fig[('arc_easy', 'acc')]['value']:.6g} "
+        "| loop, float32 |"
+    )
+    assert "## Downstream tasks scored on this folder (bfloat16, at export)" in card and row in card, card
+
+    exp = load_saved_experiment(exported / "experiment.yaml", project_root=llama_run.parents[1])
+    task = prepare(exp, task_specs(exp)).tasks[0]
+    lm = HFLM(pretrained=str(exported), dtype="bfloat16", max_length=SEQ_LEN, device="cpu", batch_size=1)
+    requests = [(r.context, r.continuation) for d in task.documents for r in d.requests]
+    lls = [ll for ll, _ in lm.loglikelihood([Instance("loglikelihood", {}, p, idx=0) for p in requests])]
+    at, right = 0, 0
+    for d in task.documents:
+        mine = lls[at : at + d.choices]
+        at += d.choices
+        right += int(max(range(d.choices), key=lambda i: (mine[i], -i)) == d.gold)
+    assert ours[("arc_easy", "acc")] == pytest.approx(right / len(task.documents))

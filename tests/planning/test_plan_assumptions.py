@@ -10,6 +10,7 @@ import pytest
 
 from runner.cli import main
 from runner.config.load import load_experiment
+from runner.config.schema import ExperimentSchema, from_plain
 from runner.planning import assumptions
 from runner.planning.assumptions import MOE_TO_DENSE, assumed_mfu, carried_mfu, reference_mfu
 from runner.planning.plan import Calibration, build_plan, format_plan
@@ -85,7 +86,7 @@ def test_a_calibration_fills_the_measured_column_and_a_dense_runs_mfu_is_scaled_
 def test_runner_plan_prints_the_mfu_it_used_and_its_source(capsys):
     assert main(["plan", str(REPO / "experiments/olmoe-1b-7b.yaml"), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["assumptions"]["mfu"]["value"] == 0.130 and plan["assumptions"]["mfu"]["basis"] == "measured"
+    assert plan["assumptions"]["mfu"]["value"] == 0.144 and plan["assumptions"]["mfu"]["basis"] == "measured"
     assert main(["plan", str(REPO / "experiments/1p3b.yaml")]) == 0
     text = capsys.readouterr().out
     assert "MFU measured: measured 56.8%: the 1p3b recipe (whole-model compile, plain loss) on one H200" in text
@@ -104,7 +105,15 @@ def test_the_measured_h200_figures_are_used_for_their_own_configuration_only(con
     assert dense["time"]["assumed"]["pure_hours"] / 24 == pytest.approx(days, rel=1e-9) == pytest.approx(4.88, abs=0.01)
     assert "MFU measured: measured 56.8%: the 1p3b recipe" in format_plan(dense)
     moe = build_plan(moe_cfg, root=REPO)["assumptions"]["mfu"]
-    assert (moe["value"], moe["basis"]) == (0.130, "measured") and "olmoe.json" in moe["source"]
+    assert (moe["value"], moe["basis"]) == (0.144, "measured") and "bench-moe.json" in moe["source"]
+    # the fast settings the bench measured (regional compile, selective checkpointing, micro batch 8): 31.2%
+    fast = load_experiment(REPO / "experiments" / "olmoe-1b-7b.yaml", check_files=False).to_container()
+    fast["model"].update(compile=True, compile_scope="regional", activation_checkpointing="selective")
+    fast["train"]["micro_batch_sequences"] = 8
+    m = build_plan(from_plain(ExperimentSchema, fast), root=REPO)["assumptions"]["mfu"]
+    assert (m["value"], m["basis"]) == (0.312, "measured") and "regional compile, selective" in m["rule"]
+    fast["train"]["micro_batch_sequences"] = 16  # not measured: assumed
+    assert build_plan(from_plain(ExperimentSchema, fast), root=REPO)["assumptions"]["mfu"]["basis"] != "measured"
     # another hardware recipe, another speed setting, another model: assumed, as before
     plain = load_experiment(REPO / "experiments" / "1p3b.yaml", check_files=False).to_container()
     for key, value in (("hardware", "h200-1x8-ddp@1"), ("model", "llama-tiny@1")):

@@ -768,3 +768,105 @@ def test_run_json_sums_evaluation_time_per_attempt_and_the_report_shows_it(tmp_p
         f"- Evaluation (t_eval, never step time; run.json `t_eval`): validation {t['validation_seconds']:.1f} s, "
         f"downstream scoring {t['downstream_seconds']:.1f} s" in md
     )
+
+
+def _forge_loop_scoring(run: Path, step: int, edit) -> None:
+    """A loop scoring forged consistently: its request file edited (`edit(rows)`), then every figure
+    of that step in metrics/downstream.jsonl recomputed from it with the audit's own arithmetic."""
+    from runner.reports.audit.downstream import _centered, recompute
+
+    path = run / f"downstream/requests-loop-step-{step:07d}.jsonl.gz"
+    requests = _read_gz(path)
+    edit(requests)
+    _write_gz(path, requests)
+    got = recompute(requests)
+    loop_file = run / "metrics/downstream.jsonl"
+    rows = read_jsonl(loop_file)
+    at = [r for r in rows if r["step"] == step]
+    baselines = {r["task"]: r["random_baseline"] for r in at if r["random_baseline"] is not None}
+    for r in at:
+        if r["task"] == "aggregate":
+            parts = json.loads(r["convention"])["tasks"].items()
+            r["value"] = sum(_centered(got[t][m.removeprefix("centered_")], baselines[t]) for t, m in parts) / len(
+                parts
+            )
+        elif r["metric"].startswith("centered_"):
+            r["value"] = _centered(got[r["task"]][r["metric"].removeprefix("centered_")], r["random_baseline"])
+        else:
+            r["value"] = got[r["task"]][r["metric"]]
+    loop_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _gold_likeliest(task: str):
+    def edit(requests: list[dict]) -> None:
+        for r in requests:
+            if r["task"] == task and r["choice"] == r["gold"]:
+                r["ll"] = max(q["ll"] for q in requests if q["task"] == task and q["doc_id"] == r["doc_id"]) + 1.0
+
+    return edit
+
+
+@pytest.mark.slow
+def test_forged_downstream_figures_and_stamps_fail_after_an_honest_extension(scored_run, tmp_path):
+    """Issue 37 items 1 and 2: a loop scoring forged consistently (its checkpoint pruned), every loop
+    row's wall and device seconds halved, two runner eval scorings forged consistently (one checkpoint
+    kept, one pruned), then one honest extension segment, whose end rebuilds the report and logs evidence over the
+    forged files: the audit compares MLflow's downstream history, logged at each scoring's step
+    before the extension, with the report, and FAILs naming each figure, with and without
+    --recompute-eval."""
+    import shutil
+
+    from runner.reports.audit.run import audit
+    from runner.reports.audit.tracked import METRICS
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))
+    uri = _own_store(scored_run, run, tmp_path)
+    environ = env(scored_run, MLFLOW_TRACKING_URI=uri)
+    for target in (run, run / "checkpoints/step-0000002"):  # runner eval scorings at steps 4 and 2
+        proc = run_in_process(scored_run, ["eval", str(target), "--tasks", "builtin", "--limit", "2"], environ)
+        assert proc.returncode == 0, proc.stderr
+    proc = run_in_process(scored_run, ["report", str(run)], environ)
+    assert proc.returncode == 0, proc.stderr
+    honest = audit(run, tracking_uri=uri)
+    metrics = next(c for c in honest.checks if c.name == METRICS)
+    assert honest.failed() == [] and metrics.status == "PASS", honest.render()
+    assert "downstream/" not in metrics.detail.split("no report counterpart:")[1], metrics.detail
+    assert "runner_eval/" not in metrics.detail.split("no report counterpart:")[1], metrics.detail
+
+    true_acc = next(
+        r["value"]
+        for r in read_jsonl(run / "metrics/downstream.jsonl")
+        if (r["step"], r["task"], r["metric"]) == (2, "builtin", "acc")
+    )
+    _forge_loop_scoring(run, 2, _gold_likeliest("builtin"))
+    loop_file = run / "metrics/downstream.jsonl"
+    rows = read_jsonl(loop_file)
+    assert next(r for r in rows if (r["step"], r["task"], r["metric"]) == (2, "builtin", "acc"))["value"] == 1.0
+    for r in rows:
+        r["wall_seconds"] /= 2
+        r["device_wall_seconds"] /= 2
+    loop_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _forge_eval_scoring(run / "downstream/eval-step-0000004.json", _gold_likeliest("builtin"))  # checkpoint kept
+    _forge_eval_scoring(run / "downstream/eval-step-0000002.json", _gold_likeliest("builtin"))  # checkpoint pruned
+    shutil.rmtree(run / "checkpoints/step-0000002")  # pruned, as keep_last prunes it
+    launch(scored_run, run, "--extend-to", (STEPS + 1) * 4 * 64, MLFLOW_TRACKING_URI=uri)
+
+    for recompute in (False, True):
+        result = audit(run, tracking_uri=uri, recompute_eval=recompute)
+        failed = next(c for c in result.checks if c.name == METRICS)
+        assert result.verdict == "FAIL" and failed.status == "FAIL", result.render()
+        assert "downstream/aggregate/mean_centered at step 2: MLflow " in failed.detail, failed.detail
+    # every problem (the check shows the first few)
+    from runner.reports.audit.downstream_tracked import compare
+    from runner.reports.audit.tracked import _read_run
+    from runner.reports.tables import read_tables
+
+    tracked = _read_run(uri, json.loads((run / "run.json").read_text())["mlflow"]["run_id"])
+    problems = "; ".join(compare(tracked.history, read_tables(run / "report")["downstream"], STEPS + 1)[0])
+    assert f"downstream/builtin/acc at step 2: MLflow {true_acc:.10g}, report 1;" in problems, problems
+    assert "downstream/wall_seconds at step 2: MLflow " in problems
+    assert "downstream/device_wall_seconds at step 4: MLflow " in problems
+    assert "runner_eval/builtin/acc at step 4: MLflow " in problems
+    assert "runner_eval/builtin/bpb at step 2: MLflow " in problems  # the gold's ll raised: bpb always moves
+    assert "step 5" not in problems  # the extension's own scoring is honest

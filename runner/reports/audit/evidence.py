@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -132,7 +133,8 @@ def vouch_for_runner_eval(run_dir: str | Path, record: Path) -> str:
     MLflow run the sha256 of the downstream table with the scoring (runner_eval_tag), when the table
     without it is one the logged evidence vouches for (vouched_downstream). Returns the line to say:
     what was logged, or why nothing was (no MLflow run, no evidence yet, a store not reachable, a run
-    folder whose figures changed since MLflow's evidence was logged)."""
+    folder whose figures changed since MLflow's evidence was logged); first, the scoring's own figures are
+    logged as metrics (log_runner_eval_figures) wherever the run is reachable."""
     run_dir, record = Path(run_dir), Path(record)
     recorded = RunJson.from_dict(read_json(run_dir / "run.json"), file=str(run_dir / "run.json")).mlflow or {}
     run_id = recorded.get("run_id")
@@ -163,6 +165,29 @@ def vouch_for_runner_eval(run_dir: str | Path, record: Path) -> str:
         logged = evidence_from_tags(client.get_run(run_id).data.tags)
     except Exception as err:  # an unreachable server, an unknown run: nothing to vouch with
         return f"{not_logged}: MLflow run {run_id} not readable at {uri} ({type(err).__name__})"
+    figures = log_runner_eval_figures(client, run_id, record)
+    line = _vouch(client, run_id, logged, tag, before, after, not_logged, uri)
+    return f"{figures}; {line}"
+
+
+def log_runner_eval_figures(client, run_id: str, record: Path) -> str:
+    """Log a `runner eval` scoring's figures as MLflow metrics `runner_eval/<task>/<metric>` at the
+    scored step, just after it scored them: what the audit compares the report's runner eval rows
+    with once a later segment's evidence covers whatever the run folder then holds
+    (runner.reports.audit.downstream_tracked). Returns the line to say."""
+    from mlflow.entities import Metric  # noqa: PLC0415  (mlflow: seconds to import)
+
+    data = read_json(record)
+    step, now = int(data["step"]), int(time.time() * 1000)
+    metrics = [Metric(f"runner_eval/{r['task']}/{r['metric']}", float(r["value"]), now, step) for r in data["rows"]]
+    try:
+        client.log_batch(run_id, metrics=metrics)
+    except Exception as err:
+        return f"figures: not logged to MLflow run {run_id} ({type(err).__name__})"
+    return f"figures: {len(metrics)} logged to MLflow run {run_id} at step {step} (runner_eval/<task>/<metric>)"
+
+
+def _vouch(client, run_id: str, logged, tag: str, before: str, after: str, not_logged: str, uri: str) -> str:
     if logged is None:
         return f"evidence: MLflow run {run_id} holds no evidence yet: the run's end logs it, this scoring included"
     if logged.get("schema_version") != SCHEMA_VERSION:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.config.fingerprint import canonical_meaning
 from runner.fsio import read_json
+from runner.reports.audit import downstream_tracked
 from runner.reports.audit import evidence as ev
 from runner.reports.audit.result import AuditResult
 from runner.reports.tables import CONVENTION_KEYS, written_version
@@ -442,8 +443,12 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
         if key in EVAL_METRICS or _target_field(key) is not None:
             c, u = _compare_lineage(key, tracked, want, lineage_problems)
             compared, uncompared = compared + c, uncompared + u
+    # downstream figures and their stamps, against what MLflow logged at each scoring
+    d_problems, c, u = downstream_tracked.compare(tracked.history, inp.tables.get("downstream"), want.final)
+    lineage_problems += d_problems
+    compared, uncompared = compared + c, uncompared + u
     for key, points in sorted(tracked.history.items()):
-        if key in EVAL_METRICS or _target_field(key) is not None:
+        if key in EVAL_METRICS or _target_field(key) is not None or downstream_tracked.handles(key):
             continue
         domain = want.domain_of(key)
         if domain is not None and domain not in want.domains and domain != "total":

@@ -277,23 +277,43 @@ def _reconcile(s: _Parsed, total: float, unit: str, bpt: float | None) -> str:
 def _check_source(s: _Parsed, row: SourceRow, total: float, unit: str, bpt: float | None) -> list[tuple[str, str]]:
     flags: list[tuple[str, str]] = []
     implied, e = row.implied_epochs, s.epochs
+    # What the weight's printed digits allow carries into every figure derived from it: "3%" is
+    # 2.5-3.5%, so the epochs and tokens seen it implies span the same relative range.
+    low, high = (
+        (s.weight.value - s.weight.half_unit) / s.weight.value,
+        (s.weight.value + s.weight.half_unit) / s.weight.value,
+    )
     if implied is not None and e is not None and abs(e.value - implied) > DISAGREE_REL * implied:
-        flags.append(
-            (
-                "inconsistent",
-                f"{s.name}: stated {e.value:g} epochs, implied {implied:.3g} (= weight {_pct(s.weight.value)} x total "
-                f"{_fmt(total, unit)} / {_fmt(s.size, unit)} {unit}), more than 10% apart; reconciled by "
-                + _reconcile(s, total, unit, bpt),
+        span = f"{implied * low:.3g}-{implied * high:.3g}"
+        if e.value + e.half_unit >= implied * low and e.value - e.half_unit <= implied * high:
+            flags.append(
+                (
+                    "note",
+                    f"{s.name}: stated {e.value:g} epochs is {abs(e.value - implied) / implied:.0%} from the implied "
+                    f"{implied:.3g}, within the {span} that the printed digits of the weight "
+                    f"({_pct(s.weight.value)} +- {_pct(s.weight.half_unit)}) and epochs allow: consistent",
+                )
             )
-        )
-    if s.seen is not None and row.implied_seen is not None:
-        seen = s.seen if unit == "tokens" else s.seen * (bpt or math.nan)
-        if math.isfinite(seen) and abs(seen - row.implied_seen) > DISAGREE_REL * row.implied_seen:
+        else:
             flags.append(
                 (
                     "inconsistent",
+                    f"{s.name}: stated {e.value:g} epochs, implied {implied:.3g} ({span} within the weight's printed "
+                    f"digits; = weight {_pct(s.weight.value)} x total {_fmt(total, unit)} / {_fmt(s.size, unit)} "
+                    f"{unit}), more than 10% apart; reconciled by " + _reconcile(s, total, unit, bpt),
+                )
+            )
+    if s.seen is not None and row.implied_seen is not None:
+        seen = s.seen if unit == "tokens" else s.seen * (bpt or math.nan)
+        lo, hi = row.implied_seen * low, row.implied_seen * high
+        if math.isfinite(seen) and abs(seen - row.implied_seen) > DISAGREE_REL * row.implied_seen:
+            within = lo <= seen <= hi
+            flags.append(
+                (
+                    "note" if within else "inconsistent",
                     f"{s.name}: stated {_fmt(s.seen, 'tokens')} tokens seen, implied {_fmt(row.implied_seen, unit)} "
-                    f"{unit} (weight x total), more than 10% apart",
+                    f"{unit} (weight x total; {_fmt(lo, unit)}-{_fmt(hi, unit)} within the weight's printed digits), "
+                    + ("more than 10% apart but within that range: consistent" if within else "more than 10% apart"),
                 )
             )
         if e is not None and unit == s.stated_as == "tokens" and s.seen > s.size * (e.value + e.half_unit):
@@ -380,7 +400,7 @@ def audit_mixture(claim: dict, where: str) -> tuple[MixtureResult, list[tuple[st
         severities = {sev for sev, _ in own}
         row.verdict = next(
             (v for sev, v in _ROW_VERDICTS if sev in severities),
-            "ok",
+            "ok (printed digits)" if "note" in severities else "ok",
         )
         flags += own
         result.rows.append(row)

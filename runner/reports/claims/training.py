@@ -29,6 +29,7 @@ from runner.fsio import read_yaml
 from runner.planning.hardware import PEAKS, canonical_device, mfu
 from runner.planning.plan import CHINCHILLA_TOKENS_PER_PARAM, SECONDS_PER_DAY
 from runner.reports.claims.mixture import TOKEN_UNITS, MixtureResult, audit_mixture, parse_quantity, render_mixture
+from runner.reports.claims.source import Source, parse_source, source_line
 
 TOKEN_KINDS = ("exposure", "unique", "useful", "processed")
 #: Dense BF16 training MFU above which a claim is IMPLAUSIBLE (not impossible: the device could, no
@@ -80,7 +81,9 @@ FAILING = ("impossible", "inconsistent", "implausible")  #: severities that make
 
 @dataclass
 class Flag:
-    severity: str  # a key of VERDICTS: "impossible", "inconsistent", "implausible", "unstated", "warning"
+    #: a key of VERDICTS: "impossible", "inconsistent", "implausible", "unstated", "warning"; or "note",
+    #: which never changes a verdict (a figure admitted by its printed digits, said so)
+    severity: str
     message: str
 
 
@@ -97,6 +100,8 @@ class ClaimResult:
     tokens_per_param_vs_chinchilla: float | None = None
     flags: list[Flag] = field(default_factory=list)
     mixture: MixtureResult | None = None
+    #: where it was published (runner.reports.claims.source): structured, free text, or None
+    source: Source | str | None = None
 
     @property
     def impossible(self) -> bool:
@@ -288,6 +293,7 @@ def audit_claim(claim: dict, where: str = "claim", *, plausible_mfu: float = PLA
         )
     active = _number(claim, "active_params", where)
     res = ClaimResult(name, dict(claim), "active" if active is not None else "all")
+    res.source = parse_source(claim.get("source"), where)
     _check_token_kind(claim, where, res)
     if n_params is not None:
         _audit_throughput(claim, where, res, n_params, active, plausible_mfu)
@@ -332,6 +338,8 @@ def load_claims(path: str | Path) -> list[dict]:
     path = Path(path)
     data = read_yaml(path)
     claims = data.get("claims") if isinstance(data, dict) else data
+    if claims is None or claims == []:
+        raise RunnerError("holds no claims: nothing to audit (state at least one under `claims:`)", file=str(path))
     if not isinstance(claims, list) or not all(isinstance(c, dict) for c in claims):
         raise RunnerError("expected a list of claims (mappings), or a mapping with key 'claims'", file=str(path))
     return claims
@@ -379,6 +387,7 @@ def render(results: list[ClaimResult], plausible_mfu: float = PLAUSIBLE_MFU) -> 
     ]
     for r in results:
         lines.append(_throughput_row(r))
+        lines.append(f"    {source_line(r.source)}")
         if r.mixture is not None:
             lines += render_mixture(r.mixture)
         lines += [f"    - {f.severity}: {f.message}" for f in r.flags]
