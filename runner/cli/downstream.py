@@ -18,6 +18,8 @@ def _eval(args) -> int:
             f"names no task ({' '.join(map(repr, args.tasks))}): give task names of the eval recipe, or builtin",
             key="--tasks",
         )
+    if args.micro_batch is not None and args.micro_batch < 1:  # the flags first, as run_eval checks them
+        raise RunnerError(f"must be >= 1, got {args.micro_batch}", key="--micro-batch")
     target = Path(args.target)
     if not ((target / "state.json").is_file() or (target / "run.json").is_file()):  # before seconds of imports
         raise RunnerError("neither a run folder (run.json, experiment.yaml) nor a checkpoint folder", file=args.target)
