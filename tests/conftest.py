@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,13 @@ import pytest
 from suitetimes import SuiteTimes
 
 REPO = Path(__file__).resolve().parents[1]
+
+# One torch thread per test process, set before torch is imported: pytest -n's workers already share
+# the cores, and two threads each on a shared 2-core machine ran 2.8x slower (bench/bench_threads.py);
+# launches in a process of their own inherit it (trainfixtures.env sets it too), as does the default
+# hardware.threads: 1. A run that asks for more sets it itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -148,11 +148,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: verbs of seconds to hours that end by saying their whole wall time (start-up and imports included)
+TIMED = ("launch", "export", "eval", "report", "audit", "smoke", "compare", "data")
+
+
+def _say_wall(command: str, started: float) -> None:
+    """`runner VERB: N s in all`: what the user waited, not only the part a verb measures itself."""
+    import time
+
+    if command in TIMED and os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
+        from runner.progress import format_seconds
+
+        seconds = time.perf_counter() - started
+        long = f" ({format_seconds(seconds)})" if seconds >= 60 else ""
+        print(f"runner {command}: {seconds:.1f} s in all{long}, start-up included", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import time
+
+    import runner
+
+    started = runner.STARTED if argv is None else time.perf_counter()  # in a process: from its first import
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or EXIT_OK)
+        code = int(args.func(args) or EXIT_OK)
+        if code == EXIT_OK:
+            _say_wall(args.command, started)
+        return code
     except RunnerError as e:
         # Under torchrun every rank meets the same bad input: one line per node, not one per process
         # (a node-local problem, such as a shard missing on one node, is still said by that node).

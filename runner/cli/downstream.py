@@ -12,17 +12,26 @@ from runner.errors import EXIT_OK, RunnerError
 
 
 def _eval(args) -> int:
-    from runner.reports.audit.evidence import vouch_for_runner_eval
-    from runner.training.downstream.posthoc import run_eval
-
     names = [n.strip() for part in args.tasks for n in part.split(",") if n.strip()] if args.tasks else None
     if args.tasks is not None and not names:
         raise RunnerError(
             f"names no task ({' '.join(map(repr, args.tasks))}): give task names of the eval recipe, or builtin",
             key="--tasks",
         )
+    if args.micro_batch is not None and args.micro_batch < 1:  # the flags first, as run_eval checks them
+        raise RunnerError(f"must be >= 1, got {args.micro_batch}", key="--micro-batch")
+    target = Path(args.target)
+    if not ((target / "state.json").is_file() or (target / "run.json").is_file()):  # before seconds of imports
+        raise RunnerError("neither a run folder (run.json, experiment.yaml) nor a checkpoint folder", file=args.target)
+    from runner.reports.audit.evidence import vouch_for_runner_eval
+    from runner.training.downstream.posthoc import run_eval
+
     record = run_eval(Path(args.target), names, args.micro_batch, args.limit)
     print(vouch_for_runner_eval(record.parents[1], record))
+    if (record.parents[1] / "report").is_dir():  # export takes the report's figures, and refuses until then
+        print(
+            f"report: not rebuilt; `runner report {record.parents[1]}` adds this scoring to it (and to an export's card)"
+        )
     return EXIT_OK
 
 

@@ -10,7 +10,10 @@ The plan's time and cost head the file. Nothing is submitted.
 from __future__ import annotations
 
 import datetime as dt
+import math
+import re
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import EXIT_OK, RunnerError
@@ -29,13 +32,26 @@ FSDP2_ENV = {
     "FSDP_ACTIVATION_CHECKPOINTING": "false",
 }
 RDZV_PORT = 29500
-INSTALL = "./install.sh"  # the README's install
-STORE = "/runner-store"  # SkyPilot: where the bucket holding runs/ and data/ is mounted on every node
+STORE = "/runner-store"  # SkyPilot: where the bucket holding runs/, data/ and MLflow's store is mounted on every node
+#: SkyPilot's mode for a bucket written heavily (checkpoints): writes land on local disk and are
+#: uploaded behind the job (SkyPilot's docs recommend it for checkpoints; plain MOUNT writes through)
+MOUNT_MODE = "MOUNT_CACHED"
+#: seconds before the time limit Slurm sends SIGTERM (--signal): the runner's stop saves a checkpoint
+SIGNAL_SECONDS = 120
+#: per training process on a GPU node: its torch threads + batch prefetch, checkpoint writer and MLflow delivery
+GPU_HELPER_CPUS = 3
+PLAN_MARGIN = 1.25  # --time default: the plan's wall time + 25% (at least MIN_TIME_MINUTES)
+MIN_TIME_MINUTES = 10
+
+_SLURM_WORD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a partition or account name
+_SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{2}){0,2}|\d+(:\d{2}){0,2})$")  # minutes, M:S, H:M:S, D-H[:M[:S]]
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")  # what S3 and GCS both accept
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"\\`$;|&<>]+$")  # scheme://... with no shell or YAML metacharacter
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("job", help="print a Slurm batch script or a SkyPilot task YAML for an experiment")
-    p.add_argument("experiment", help="experiments/NAME.yaml")
+    p.add_argument("experiment", help="experiments/NAME.yaml (pinned: launch refuses an unpinned one, so job does)")
     kind = p.add_mutually_exclusive_group(required=True)
     kind.add_argument("--slurm", action="store_true", help="a Slurm batch script (sbatch it)")
     kind.add_argument("--skypilot", action="store_true", help="a SkyPilot task YAML (sky launch it)")
@@ -47,7 +63,32 @@ def register(subparsers) -> None:
     p.add_argument(
         "--bucket",
         default=None,
-        help="SkyPilot: the storage bucket mounted for runs/ and data/ (default <experiment>-runner)",
+        help="SkyPilot: the storage bucket mounted for runs/, data/ and MLflow's store (default <experiment>-runner)",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        default=None,
+        help=f"SkyPilot: MLflow's tracking URI (default sqlite:///{STORE}/mlflow.db, on the bucket: it outlives the cluster)",
+    )
+    p.add_argument(
+        "--time",
+        default=None,
+        help="Slurm: the job's time limit (minutes, H:M:S or D-H:M:S; default the plan's wall time + 25%%); "
+        f"{SIGNAL_SECONDS} s before it the run saves and the job requeues itself to resume",
+    )
+    p.add_argument("--partition", default=None, help="Slurm: the partition (default: the cluster's)")
+    p.add_argument("--account", default=None, help="Slurm: the account charged (default: yours)")
+    p.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=None,
+        help="Slurm: CPUs per node's task (default: a CPU recipe's processes x hardware.threads; on GPUs "
+        f"each process's threads + {GPU_HELPER_CPUS} for its prefetch, checkpoint and MLflow threads)",
+    )
+    p.add_argument(
+        "--shared",
+        action="store_true",
+        help="Slurm: do not ask for whole nodes (a GPU recipe's job is --exclusive by default)",
     )
     p.set_defaults(func=cmd_job)
 
@@ -86,6 +127,30 @@ def _plan_lines(exp) -> list[str]:
     ]
 
 
+def comment(line: str) -> str:
+    """`# line` that stays one comment line in a shell script or YAML, whatever `line` holds (validation
+    refuses control characters in recipes; this is the second wall: a line break would end the comment)."""
+    return "# " + "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+
+
+def slurm_word(name: str) -> str:
+    """A Slurm job name from an experiment name: characters outside [A-Za-z0-9._-] become '_'."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:128] or "runner"
+
+
+def slurm_time(wall_hours: float) -> str:
+    """D-HH:MM:SS of the plan's wall time + 25%, at least MIN_TIME_MINUTES minutes."""
+    minutes = max(MIN_TIME_MINUTES, math.ceil(wall_hours * 60 * PLAN_MARGIN))
+    days, rest = divmod(minutes, 24 * 60)
+    return f"{days}-{rest // 60:02d}:{rest % 60:02d}:00"
+
+
+def cpus_per_task(hw) -> int:
+    """CPUs the node's torchrun agent needs for its processes (see --cpus-per-task)."""
+    threads = hw.threads or 1
+    return hw.devices_per_node * (threads if hw.accelerator == "cpu" else threads + GPU_HELPER_CPUS)
+
+
 def _torchrun(nproc: str, nnodes: str, endpoint: str, rdzv_id: str, exp_path: str) -> str:
     return (
         f"torchrun --nnodes {nnodes} --nproc-per-node {nproc} --max-restarts 1 --rdzv-backend c10d --rdzv-endpoint {endpoint} "
@@ -93,27 +158,43 @@ def _torchrun(nproc: str, nnodes: str, endpoint: str, rdzv_id: str, exp_path: st
     )
 
 
-def slurm_script(exp, exp_path: str, run_dir: str) -> str:
+def slurm_script(exp, exp_path: str, run_dir: str, opts: SlurmOptions | None = None) -> str:
+    from runner.planning.plan import build_plan
+
     hw = exp.config.hardware
-    gpus = [f"#SBATCH --gpus-per-node={hw.devices_per_node}"] if hw.accelerator != "cpu" else []
-    exports = " ".join(f"{k}={v}" for k, v in launch_env(exp.config).items())
+    opts = opts or SlurmOptions()
+    gpu = hw.accelerator != "cpu"
+    wall_hours = build_plan(exp.config, root=exp.project_root)["time"]["assumed"]["wall_hours"]
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch_env(exp.config).items())
+    sbatch = [
+        f"--job-name={slurm_word(exp.config.name)}",
+        f"--nodes={hw.nodes}",
+        "--ntasks-per-node=1",  # one torchrun agent per node; it starts the node's processes
+        f"--cpus-per-task={opts.cpus_per_task or cpus_per_task(hw)}",
+        *([f"--gpus-per-node={hw.devices_per_node}"] if gpu else []),
+        *(["--exclusive"] if gpu and not opts.shared else []),  # the node's GPUs, memory and network
+        f"--time={opts.time or slurm_time(wall_hours)}",
+        *([f"--partition={opts.partition}"] if opts.partition else []),
+        *([f"--account={opts.account}"] if opts.account else []),
+        "--requeue",  # preempted or at its time limit: back in the queue, resuming RUN_DIR
+        f"--signal=B:TERM@{SIGNAL_SECONDS}",  # to this shell, whose trap passes it on to srun
+        "--open-mode=append",
+    ]
     lines = [
         "#!/bin/bash",
-        *(f"# {line}" for line in _plan_lines(exp)),
-        f"#SBATCH --job-name={exp.config.name}",
-        f"#SBATCH --nodes={hw.nodes}",
-        "#SBATCH --ntasks-per-node=1",  # one torchrun agent per node; it starts the node's processes
-        *gpus,
-        "#SBATCH --requeue",  # a preempted job comes back and resumes RUN_DIR
-        "#SBATCH --signal=B:TERM@120",
-        "#SBATCH --open-mode=append",
+        *(comment(line) for line in _plan_lines(exp)),
+        *(f"#SBATCH {o}" for o in sbatch),
         "set -euo pipefail",
         "# From the submit folder (shared storage: the project, data/ and runs/ on every node).",
         'cd "${SLURM_SUBMIT_DIR:-.}"',
         f"RUN_DIR={shlex.quote(run_dir)}  # fixed: a requeued or resubmitted job resumes this run",
         'MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}"',
         f"export {exports}",
-        "# A SIGTERM (preemption) reaches every torchrun; the runner checkpoints and exits, Slurm requeues.",
+        f"# {SIGNAL_SECONDS} s before the time limit (--signal) or at a preemption Slurm sends this shell SIGTERM: the",
+        "# trap passes it to srun, which passes it to every torchrun and rank; the runner saves a checkpoint",
+        "# and exits, and the job requeues itself (below) to resume RUN_DIR.",
+        "stopped=0",
+        'trap \'stopped=1; if [ -n "${step:-}" ]; then kill -TERM "$step" 2>/dev/null || true; fi\' TERM',
         "srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\",
         "  "
         + _torchrun(
@@ -122,12 +203,26 @@ def slurm_script(exp, exp_path: str, run_dir: str) -> str:
             f'"$MASTER_ADDR:${{MASTER_PORT:-{RDZV_PORT}}}"',
             '"$SLURM_JOB_ID"',
             exp_path,
-        ),
+        )
+        + " &",
+        "step=$!",
+        "rc=0",
+        "while :; do  # a trap interrupts wait: wait again until srun has ended",
+        '  if wait "$step"; then rc=0; else rc=$?; fi',
+        '  kill -0 "$step" 2>/dev/null || break',
+        "done",
+        'status=$(python -c \'import json, sys; print(json.load(open(sys.argv[1]))["status"])\' "$RUN_DIR/run.json" 2>/dev/null || echo none)',
+        'if [ "$stopped" = 1 ] && [ "$status" != finished ]; then',
+        '  echo "runner job: stopped by SIGTERM, run $RUN_DIR $status: requeueing job $SLURM_JOB_ID to resume it" >&2',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        'exit "$rc"',
     ]
     return "\n".join(lines) + "\n"
 
 
-def skypilot_task(exp, exp_path: str, run_dir: str, bucket: str) -> str:
+def skypilot_task(exp, exp_path: str, run_dir: str, bucket: str, tracking_uri: str | None = None) -> str:
     import yaml
 
     hw, cfg = exp.config.hardware, exp.config
@@ -148,17 +243,31 @@ def skypilot_task(exp, exp_path: str, run_dir: str, bucket: str) -> str:
             ),
         ]
     )
+    # The runtime only (no dev or eval tools); a GPU node's NVML readings and Liger kernels come with `gpu`.
+    extra = "[gpu]" if accelerator else ""
+    setup = "\n".join(
+        [
+            "set -euo pipefail",
+            'python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"',
+            f'python -m pip install --quiet -e ".{extra}"' if extra else "python -m pip install --quiet -e .",
+        ]
+    )
     task = {
         "name": cfg.name,
         "num_nodes": hw.nodes,
         "resources": resources,
         "workdir": ".",
-        "file_mounts": {STORE: {"name": bucket, "mode": "MOUNT"}},
-        "envs": {"RUN_DIR": run_dir, **launch_env(cfg)},
-        "setup": f"{INSTALL}\n",
+        "file_mounts": {STORE: {"name": bucket, "mode": MOUNT_MODE}},
+        "envs": {
+            "RUN_DIR": run_dir,
+            # on the bucket (or a server): the audit's MLflow evidence outlives the cluster
+            "MLFLOW_TRACKING_URI": tracking_uri or f"sqlite:///{STORE}/mlflow.db",
+            **launch_env(cfg),
+        },
+        "setup": setup + "\n",
         "run": run + "\n",
     }
-    head = "".join(f"# {line}\n" for line in _plan_lines(exp))
+    head = "".join(comment(line) + "\n" for line in _plan_lines(exp))
     return head + yaml.dump(task, Dumper=_block_dumper(), sort_keys=False, width=200)
 
 
@@ -176,16 +285,78 @@ def _block_dumper():
     return Dumper
 
 
+@dataclass(frozen=True)
+class SlurmOptions:
+    """The flags a Slurm script takes beside the recipe (None: the default the recipe or plan gives)."""
+
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    cpus_per_task: int | None = None
+    shared: bool = False
+
+
+def _checked(value: str | None, pattern: re.Pattern, flag: str, what: str) -> str | None:
+    """A flag's value written into a job file: refused in one line unless it is plainly `what`."""
+    if value is not None and not pattern.match(value):
+        raise RunnerError(f"{value[:80]!r} is not {what}", key=flag)
+    return value
+
+
+def slurm_options(args) -> SlurmOptions:
+    if args.cpus_per_task is not None and args.cpus_per_task < 1:
+        raise RunnerError(f"must be >= 1, got {args.cpus_per_task}", key="--cpus-per-task")
+    return SlurmOptions(
+        time=_checked(args.time, _SLURM_TIME, "--time", "a Slurm time (minutes, H:M:S or D-H:M:S)"),
+        partition=_checked(args.partition, _SLURM_WORD, "--partition", "a partition name ([A-Za-z0-9._-])"),
+        account=_checked(args.account, _SLURM_WORD, "--account", "an account name ([A-Za-z0-9._-])"),
+        cpus_per_task=args.cpus_per_task,
+        shared=args.shared,
+    )
+
+
+def refuse_unpinned(exp) -> None:
+    """`runner launch` refuses an experiment whose tokenizer, manifests or Hub revisions are not pinned:
+    a job file for one would only fail on the cluster, after the queue."""
+    from runner.config.rules import unresolved_revisions
+
+    cfg = exp.config
+    where = exp.path
+    missing = ["tokenizer.sha256"] if cfg.tokenizer.sha256 is None else []
+    missing += [f"data.manifests.{d}.sha256" for d, pin in cfg.data.manifests.items() if pin.sha256 is None]
+    missing += [dotted for dotted, _ in unresolved_revisions(cfg)]
+    if missing:
+        raise RunnerError(
+            f"not pinned ({', '.join(missing)}): `runner launch` would refuse it on the cluster; "
+            f"`runner pin {where}` first (after `runner fetch` and `runner data prepare`)",
+            file=str(where),
+        )
+
+
 def cmd_job(args) -> int:
     from runner.planning.resources import load_experiment
 
     exp = load_experiment(args.experiment, check_files=False)
     if args.bucket is not None and not args.skypilot:
         raise RunnerError("only a SkyPilot task mounts a bucket (--skypilot)", key="--bucket")
+    if args.tracking_uri is not None and not args.skypilot:
+        raise RunnerError(
+            "a SkyPilot option (--skypilot): a Slurm job uses MLFLOW_TRACKING_URI as sbatch passes it",
+            key="--tracking-uri",
+        )
+    for flag in ("--time", "--partition", "--account", "--cpus-per-task", "--shared"):
+        if getattr(args, flag[2:].replace("-", "_")) not in (None, False) and not args.slurm:
+            raise RunnerError("a Slurm option (--slurm)", key=flag)
+    refuse_unpinned(exp)
     runs = Path("runs") if args.slurm else Path(STORE) / "runs"  # SkyPilot: on the bucket every node mounts
     run_dir = args.run_dir or str(runs / exp.config.name / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    if any(not c.isprintable() for c in run_dir):
+        raise RunnerError("holds a control character", key="--run-dir")
     if args.slurm:
-        print(slurm_script(exp, args.experiment, run_dir), end="")
+        print(slurm_script(exp, args.experiment, run_dir, slurm_options(args)), end="")
     else:
-        print(skypilot_task(exp, args.experiment, run_dir, args.bucket or f"{exp.config.name}-runner"), end="")
+        bucket = _checked(args.bucket, _BUCKET, "--bucket", "a bucket name (a-z, 0-9, '.', '-'; 3-63)")
+        uri = _checked(args.tracking_uri, _URI, "--tracking-uri", "a plain URI (scheme://..., no quotes or spaces)")
+        default = re.sub(r"[^a-z0-9.-]+", "-", f"{exp.config.name}-runner".lower()).strip("-.")
+        print(skypilot_task(exp, args.experiment, run_dir, bucket or default, uri), end="")
     return EXIT_OK

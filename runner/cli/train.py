@@ -178,10 +178,13 @@ def _print_summary(run_dir: Path) -> None:
     conv = info.conventions or {}
     if info.mfu is not None:
         hfu = f"HFU {info.hfu:.1%} (recomputed forward counted); " if info.hfu is not None else ""
+        # the peak's source in a few words (`theoretical: 1 cores x 2.596 GHz x 64 fp32 FLOP/cycle`): its
+        # whole derivation is report.md's convention table, not a 150-character terminal sentence
+        source = str(conv.get("peak_source")).split(" (", 1)[0]
         print(
             f"  MFU {info.mfu:.1%} ({conv.get('flops_formula')}, params {conv.get('params_counted')}, "
             f"{conv.get('time_basis')} time, peak {conv.get('peak_tflops'):.4g} TFLOP/s {conv.get('peak_dtype')}: "
-            f"{conv.get('peak_source')}); goodput MFU {info.goodput_mfu or 0:.1%}; {hfu}"
+            f"{source}); goodput MFU {info.goodput_mfu or 0:.1%}; {hfu}"
             f"${info.cost_per_billion_useful_tokens or 0:,.2f} per billion useful tokens"
         )
     if (run_dir / "report" / "targets.parquet").exists():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -99,6 +100,7 @@ def validate_experiment(
     """Each section's rules, then the rules across sections (with `resources`, those that need FLOPs or
     the peak table too). Returns notes for pins that cannot be verified on this machine."""
     check_numbers(cfg, "", path, problems)
+    check_text(cfg, "", path, problems)
     if problems.lines:
         return []  # the rules below compare numbers: NaN and 10**30 would only confuse them
     cfg.validate(problems, path)
@@ -173,6 +175,33 @@ def _entries(node) -> list[tuple[str, object]] | None:
     return None
 
 
+def check_text(node, key: str, path: Path, problems: Problems) -> None:
+    """No control character in any string or mapping key (names, descriptions, device names, paths,
+    sources): each can reach a generated file (a Slurm script's comment, a SkyPilot task, a model card),
+    where a line break starts a line of its own. A description may hold line breaks and tabs, nothing else."""
+    entries = _entries(node)
+    if entries is not None:
+        for k, v in entries:
+            sub = k if not key else f"{key}{k}" if k.startswith("[") else f"{key}.{k}"
+            if _control(k, allowed=""):
+                problems.add(path, sub, f"the key {k[:60]!r} holds a control character ({_control(k, '')})")
+            check_text(v, sub, path, problems)
+    elif isinstance(node, str):
+        found = _control(node, allowed="\n\t" if key.rsplit(".", 1)[-1] == "description" else "")
+        if found:
+            problems.add(
+                path, key, f"{node[:60]!r} holds a control character ({found}): names and values are one line of text"
+            )
+
+
+def _control(text: str, allowed: str) -> str:
+    """The first control character of `text` outside `allowed`, as U+XXXX, or ''."""
+    for c in text:
+        if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") and c not in allowed:
+            return f"U+{ord(c):04X}"
+    return ""
+
+
 def check_numbers(node, key: str, path: Path, problems: Problems) -> None:
     """Every number finite (NaN and infinity reach no sane setting, and break the fingerprint's JSON)
     and every integer within int64."""
@@ -191,6 +220,7 @@ def check_recipe(
 ) -> None:
     """A recipe file on its own: its section's rules, and with `resources` for hardware the device against
     the peak table (a fault is named in the recipe file: `recipes/hardware/x.yaml: device_name: ...`)."""
+    check_text(recipe, "", path, problems)
     recipe.validate(problems, path, "")
     if resources is not None and isinstance(recipe, HardwareRecipe):
         resources.check_hardware(recipe, path, problems, "")

@@ -451,10 +451,19 @@ class HardwareRecipe(Recipe):
     default_mfu: float = 0.4  #: what the planner assumes before a measurement exists
     #: CPU, when peak_tflops is null: theoretical (cores x clock x FLOP/cycle) | measured (best fp32 matmul burst)
     cpu_peak: CpuPeak | None = None
+    #: torch's CPU threads per process (torch.set_num_threads; on a CPU the cores its peak counts).
+    #: 1 is the fastest on a shared 2-core machine (bench/bench_threads.py) and what torchrun gives each
+    #: process; null = torch's default (every core, or OMP_NUM_THREADS). Operational: not part of the
+    #: fingerprint, recorded in run.json; a resume computes with the run's recorded count
+    threads: int | None = 1
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
         _at_least_one(problems, file, prefix, self, ("devices_per_node", "nodes"))
+        if self.threads is not None and self.threads < 1:
+            problems.add(
+                file, join_key(prefix, "threads"), f"must be >= 1 (or null: torch's default), got {self.threads}"
+            )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             problems.add(file, join_key(prefix, "peak_tflops"), f"must be > 0, got {self.peak_tflops}")
         if self.peak_tflops is not None and not self.peak_source:
@@ -919,6 +928,7 @@ OPERATIONAL_KEYS = (
     "train.hard_stop_tokens",
     "train.checkpoint",
     "hardware.host_memory_gib",  # where a checkpoint is gathered, not what is trained
+    "hardware.threads",  # how fast a CPU computes, not what (a resume keeps the run's count: runner.training.threads)
     "train.log_interval_steps",
     "train.prefetch_batches",
     "train.system_metrics_interval_seconds",

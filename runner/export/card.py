@@ -28,8 +28,9 @@ import transformers
 from huggingface_hub import ModelCard, ModelCardData
 
 from runner.config.load import to_yaml
+from runner.data.datacard import describe
 from runner.errors import RunnerError
-from runner.export import card_downstream
+from runner.export import card_downstream, card_prose
 from runner.export.source import Source, reference_model
 from runner.fsio import sha256_file
 from runner.reports import tables as rpt
@@ -126,6 +127,22 @@ def _sources(src: Source) -> list[dict]:
     return out
 
 
+def _data(src: Source) -> list[dict]:
+    """Each domain's data card (runner.data.datacard): what it is, its source and licence."""
+    cfg, out = src.exp.config, []
+    for d, dom in sorted(cfg.mixture.domains.items()):
+        pin = cfg.data.manifests.get(d)
+        hub = dom.source
+        about = describe(
+            d,
+            src.exp.resolve_path(pin.path) if pin is not None else Path(d),
+            hub.repo if hub is not None else None,
+            hub.revision if hub is not None else None,
+        )
+        out.append({"domain": d, **(about or {})})
+    return out
+
+
 def _compute(src: Source, summary: pd.Series) -> dict:
     """MFU and goodput with their convention, device-hours and cost: the audited report's."""
     cfg = src.exp.config
@@ -184,6 +201,7 @@ def figures(src: Source) -> dict:
             "hub": dataclasses.asdict(cfg.tokenizer.hub) if cfg.tokenizer.hub else None,
         },
         "data_sources": _sources(src),
+        "data": _data(src),
     }
 
 
@@ -224,25 +242,39 @@ def _table(rows: list[dict], columns: list[str]) -> list[str]:
 
 
 def card_text(src: Source, f: dict, dtype: str, verification: dict) -> str:
-    """The card's body (Markdown) under its front matter."""
+    """The card's body (Markdown) under its front matter, in the Hub template's order: model
+    description, intended uses and limitations, how to use, training data, evaluation, then the
+    project's proof (compute, audit, reproduce) and the licence."""
     cfg, a, c = src.exp.config, f["audit"], f["compute"]
     conv = c["convention"]
     lines = [
         f"# {cfg.name} (step {src.step:,})",
         "",
-        f"{cfg.description.strip()}",
+        *card_prose.description(cfg, f),
         "",
         f"Exported by `runner export` from run `{f['run_id']}`, checkpoint `{src.checkpoint.path.name}`"
         f" ({'the final one' if src.final else 'not the final one'}), weights in {dtype}.",
         "",
-        "## Experiment",
+        "## Model description",
         "",
         f"- experiment: `{cfg.name}` version {cfg.version}, fingerprint `{src.exp.fingerprint}`",
         f"- model: {cfg.model.arch}, {cfg.model.n_layers} layers, hidden {cfg.model.hidden_size}, "
         f"context {cfg.train.seq_len} tokens; tokenizer sha256 `{cfg.tokenizer.sha256}`",
         f"- exposure at this checkpoint: {f['checkpoint']['exposure_tokens']:,} tokens",
         "",
-        "## Data accounting",
+        "## Intended uses & limitations",
+        "",
+        *card_prose.intended_uses(cfg, f),
+        "",
+        "## How to use",
+        "",
+        *card_prose.usage_snippet(f),
+        "",
+        "## Training data",
+        "",
+        *card_prose.training_data(f),
+        "",
+        "### Data accounting",
         "",
         "Per domain, in tokens (docs/SPEC.md of the runner defines every counter): "
         + ("the audited report's." if src.final else "this checkpoint's own ledger."),
@@ -257,7 +289,9 @@ def card_text(src: Source, f: dict, dtype: str, verification: dict) -> str:
         ]
     v = f["validation"]
     lines += [
-        f"## Validation (step {v['step']})",
+        "## Evaluation",
+        "",
+        f"### Validation (step {v['step']})",
         "",
         f"Mean token cross-entropy (nats) and bits per byte: {v['source']}.",
         "",
@@ -269,7 +303,7 @@ def card_text(src: Source, f: dict, dtype: str, verification: dict) -> str:
         "",
         f"- MFU {c['mfu']:.2%}, goodput MFU {c['goodput_mfu']:.2%} ({c['scope']}); convention: "
         f"{conv.get('flops_formula')}, params {conv.get('params_counted')}, time basis {conv.get('time_basis')}, "
-        f"peak {conv.get('peak_tflops')} TFLOP/s {conv.get('peak_dtype')} ({conv.get('peak_source')}), "
+        f"peak {_fmt(conv.get('peak_tflops'))} TFLOP/s {conv.get('peak_dtype')} ({conv.get('peak_source')}), "
         f"{conv.get('devices_counted')} device(s) counted",
         f"- device-hours {c['device_hours']:.4g}, cost ${c['cost_usd']:.4g} at ${c['price_per_device_hour_usd']:g} "
         f"per device-hour (${c['cost_per_billion_useful_tokens_usd']:.4g} per billion useful tokens)",
@@ -289,6 +323,10 @@ def card_text(src: Source, f: dict, dtype: str, verification: dict) -> str:
         "```",
         "",
         f"`{EXPERIMENT}` here is the resolved experiment; `{ACCOUNTING}` holds these figures as JSON.",
+        "",
+        "## Licence",
+        "",
+        *card_prose.licence(cfg, f),
         "",
     ]
     return "\n".join(lines)
@@ -318,6 +356,8 @@ def write(src: Source, out: Path, f: dict, dtype: str, verification: dict) -> No
     data = ModelCardData(
         library_name="transformers",
         license=cfg.export.license or "other",
+        # no licence chosen: the Hub's `other` wants a name; the card's Licence section says why
+        license_name=None if cfg.export.license else "unspecified",
         datasets=sorted({s["repo"] for s in f["data_sources"]}) or None,
         tags=["runner", "pretraining", cfg.model.arch, f"fingerprint-{src.exp.fingerprint[:12]}"],
         pipeline_tag="text-generation",

@@ -29,6 +29,7 @@ from runner.errors import RunnerError, display_path
 from runner.export import DEFAULT_MAX_SHARD_SIZE, card, export_scoring, folder, verify, verify_export
 from runner.export.push import Pushed, check_repo_id, check_token, push_folder
 from runner.export.source import Source, open_source
+from runner.export.stale import check_report_current
 from runner.fsio import fsync_dir, fsync_file
 
 #: the export's own record in the folder: which checkpoint, which runner, what was verified
@@ -114,6 +115,7 @@ def export_run(
     start = time.monotonic()
     out, run_dir = Path(out), Path(run_dir)
     _check_out(out, run_dir)
+    check_report_current(run_dir)  # a `runner eval` scoring after the report would miss the card
     src = open_source(run_dir, step)
     say(f"export: {src.checkpoint.path} (verified) -> {out} ({dtype})")
     figures = card.figures(src)  # before any file is written: a run whose report does not audit is refused

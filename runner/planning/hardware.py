@@ -92,8 +92,8 @@ def resolve_peak(hw: HardwareRecipe, *, measure_seconds: float = 1.0) -> Peak:
         source = hw.peak_source or "stated in the hardware recipe (no source given)"
         return Peak(float(stated), hw.peak_dtype, source, hw.device_name)
     if hw.accelerator == "cpu":
-        if hw.cpu_peak == "theoretical":
-            return cpu_theoretical_tflops(measure_seconds=measure_seconds)
+        if hw.cpu_peak == "theoretical":  # the cores the recipe's threads compute on (null: torch's count)
+            return cpu_theoretical_tflops(hw.threads, measure_seconds=measure_seconds)
         if hw.cpu_peak == "measured":
             return measure_cpu_matmul_tflops(seconds=measure_seconds)
         raise RunnerError(

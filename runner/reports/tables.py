@@ -27,6 +27,7 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl, read_yaml, replace_folder, staging_folder
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
 from runner.planning.hardware import run_efficiency
+from runner.reports import curves as training_curves
 from runner.reports import expert_tables, targets
 from runner.reports.downstream import report as downstream_report
 from runner.reports.downstream import targets as downstream_targets
@@ -373,11 +374,17 @@ def device_busy_line(run: dict | None, mfu: float) -> str:
 
 
 def render_markdown(
-    tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, manifests: dict[str, dict], run: dict | None = None
+    tables: dict[str, pd.DataFrame],
+    cfg: ExperimentSchema,
+    manifests: dict[str, dict],
+    run: dict | None = None,
+    curves: bool = False,
 ) -> str:
-    """report.md: what was trained on what data, the token accounting, validation and targets, speed
-    and cost, the experts of a mixture of experts, and how every figure is defined."""
+    """report.md: what was trained on what data, the token accounting, the training curves (`curves`:
+    training.png was written), validation and targets, speed and cost, the experts of a mixture of
+    experts, and how every figure is defined."""
     lines = _md_trained_and_data(tables, cfg, manifests)
+    lines += training_curves.markdown() if curves else []
     lines += _md_validation(tables, cfg)
     lines += downstream_report.markdown(tables, _md_table)
     lines += _md_speed(tables, cfg, run)
@@ -401,7 +408,7 @@ def _md_trained_and_data(
         f"- Model `{recipes.get('model', model.name)}`: {model.arch}, "
         f"hidden {model.hidden_size}, {model.n_layers} layers, {model.n_heads} heads "
         f"({model.n_kv_heads} kv), ffn {model.intermediate_size}; "
-        f"N = {_fmt_int(s.params)} parameters ({s.params_counted}).",
+        f"N = {_fmt_int(s.params)} parameters ({s.params_counted}); {n_meaning(cfg, str(s.params_counted))}",
         f"- Tokenizer `{recipes.get('tokenizer', '?')}` sha256 `{cfg.tokenizer.sha256}`{_hub_source(cfg.tokenizer.hub)}.",
         f"- Optimizer `{recipes.get('optim', '?')}`, seed {cfg.seed}.",
         f"- {_fmt_int(s.steps)} committed steps x {s.global_batch_sequences} sequences x L = {s.seq_len} "
@@ -438,6 +445,22 @@ def _md_trained_and_data(
         "",
     ]
     return lines
+
+
+def n_meaning(cfg: ExperimentSchema, counted: str) -> str:
+    """One line on what N counts, against the total transformers' `num_parameters()` reports."""
+    p = params_of_config(cfg)
+    if counted == "non_embedding" and cfg.model.tie_embeddings:
+        return (
+            "non_embedding leaves out the input embedding lookup and counts the LM head; tied, they are one "
+            "matrix, so N is transformers' total (`num_parameters()`)."
+        )
+    if counted == "non_embedding":
+        return (
+            f"non_embedding leaves out the input embedding lookup and counts the LM head; transformers' total "
+            f"(`num_parameters()`) adds the embedding: {_fmt_int(p.all)}."
+        )
+    return f"what one token passes through; transformers' total (`num_parameters()`) is {_fmt_int(p.all)}."
 
 
 def _md_validation(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema) -> list[str]:
@@ -582,15 +605,21 @@ def write_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
 
-    fig, ax1 = plt.subplots(figsize=(6, 4))
-    ax1.plot(thr["step"], thr["tokens_per_second"], color="tab:blue", label="tokens/s")
-    ax1.set(xlabel="step", ylabel="processed tokens / s", title="Throughput and MFU")
-    ax2 = ax1.twinx()
-    ax2.plot(thr["step"], thr["mfu"], color="tab:red", label="MFU")
-    ax2.plot(thr["step"], thr["goodput_mfu"], color="tab:orange", label="goodput MFU")
-    ax2.set_ylabel("fraction of peak")
-    lines = ax1.get_lines() + ax2.get_lines()  # one legend for both axes: tokens/s is the left one
-    ax2.legend(lines, [str(line.get_label()) for line in lines], loc="lower right")
+    # Two panels sharing the step axis: MFU is tokens/s times a constant, so on twin axes the two
+    # lines fall on each other; a legend inside the axes covered the data.
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(6, 5), sharex=True)
+    ax1.plot(thr["step"], thr["tokens_per_second"], color="tab:blue")
+    ax1.set(ylabel="processed tokens / s", title="Throughput and MFU")
+    ax1.set_ylim(bottom=0)
+    ax2.plot(thr["step"], 100 * thr["mfu"], color="tab:red", label="MFU (step time)")
+    ax2.plot(thr["step"], 100 * thr["goodput_mfu"], color="tab:orange", label="goodput MFU (wall time)")
+    ax2.set(xlabel="step", ylabel="% of peak")
+    ax2.set_ylim(bottom=0)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    if not thr.empty:
+        ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2, frameon=False)  # below the axes
+    fig.tight_layout()
     paths.append(out / "throughput.png")
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
@@ -619,7 +648,10 @@ def write_report(run_dir: str | Path, seal: Callable[[Path], None] | None = None
     shutil.copy2(run_dir / "run.json", out / "run.json")
     for d in domains:
         shutil.copy2(run_dir / "manifests" / f"{d}.json", out / "manifests" / f"{d}.json")
-    (out / "report.md").write_text(render_markdown(tables, cfg, manifests, read_json(run_dir / "run.json")))
+    train_rows = run_dir / "metrics" / "train.jsonl"
+    curves = training_curves.write_training_curves(read_jsonl(train_rows) if train_rows.exists() else [], out)
+    info = read_json(run_dir / "run.json")
+    (out / "report.md").write_text(render_markdown(tables, cfg, manifests, info, curves=curves is not None))
     write_plots(tables, out)
     if seal is not None:
         seal(out)
@@ -639,7 +671,8 @@ def render_report_dir(report_dir: str | Path) -> Path:
     domains = sorted(cfg.mixture.domains)
     manifests = read_manifest_copies(report_dir / "manifests", domains)
     run = read_json(report_dir / "run.json") if (report_dir / "run.json").exists() else None
-    (report_dir / "report.md").write_text(render_markdown(tables, cfg, manifests, run))
+    curves = (report_dir / training_curves.PLOT).exists()  # drawn from train.jsonl, kept as it was
+    (report_dir / "report.md").write_text(render_markdown(tables, cfg, manifests, run, curves=curves))
     write_plots(tables, report_dir)
     return report_dir
 

@@ -164,9 +164,9 @@ def bracket_rows(table: pd.DataFrame) -> list[str]:
 
 def render_markdown(targets: list[Target], table: pd.DataFrame) -> list[str]:
     """The report.md section: one line per target, then the bracket rows."""
+    if not targets:  # an empty section says nothing a reader needs (issue 38: report.md drops them)
+        return []
     lines = ["## Quality targets", ""]
-    if not targets:
-        return lines + ["No targets declared (eval recipe `targets:`).", ""]
     lines += [f"- {summary_line(t, outcome(table, t.name))}" for t in targets]
     lines += ["", *bracket_rows(table)]
     lines += [

@@ -37,6 +37,7 @@ class RunJson:
     # written at each attempt's start (runner.training.loop._conventions)
     runtime: dict = field(default_factory=dict)
     world_size: int | None = None
+    threads: int | None = None  #: torch's CPU threads per process, every attempt's (runner.training.threads)
     devices: int | None = None  #: devices the run held (the trainer's world size)
     nodes: int | None = None
     attempts: int | None = None

@@ -209,6 +209,11 @@ class TrackingCallback(Callback):
         )
 
 
+#: steps the progress line's tokens/s and MFU are averaged over (exponentially): a single step's swing
+#: on a shared CPU (0.7%-2.8% MFU) says nothing; run.json and train.jsonl keep every step's own figure
+SMOOTHING_STEPS = 20
+
+
 class TrainingProgress(Callback):
     """The training progress on stderr (main process only): step / total, exposure, loss, tokens/s,
     MFU, and the time left to the end of the segment and to the hard stop, as a bar on a terminal or
@@ -224,6 +229,21 @@ class TrainingProgress(Callback):
         self.first: tuple[int, float] | None = None  # (step, monotonic time) at this attempt's first step
         self.last_line: str | None = None
         self.last_printed = True
+        self.smoothed: tuple[float, float] | None = None  # (tokens, seconds) of a step, exponentially averaged
+
+    def _smoothed(self, record: StepRecord) -> tuple[float, float]:
+        """(tokens/s, MFU) averaged over about the last SMOOTHING_STEPS steps: tokens and seconds are
+        averaged apart (a rate of averages, not an average of rates), MFU scaled with tokens/s."""
+        alpha = 2.0 / (SMOOTHING_STEPS + 1)
+        tokens, seconds = record.tokens_per_second * record.step_seconds, record.step_seconds
+        if self.smoothed is not None:
+            tokens = alpha * tokens + (1 - alpha) * self.smoothed[0]
+            seconds = alpha * seconds + (1 - alpha) * self.smoothed[1]
+        self.smoothed = (tokens, seconds)
+        if seconds <= 0 or record.tokens_per_second <= 0:
+            return record.tokens_per_second, record.mfu
+        rate = tokens / seconds
+        return rate, record.mfu * rate / record.tokens_per_second
 
     def _seconds_per_step(self, record: StepRecord) -> float:
         now = time.monotonic()
@@ -236,11 +256,12 @@ class TrainingProgress(Callback):
         """The parts of a progress line after the step count (shared by the bar and the log line)."""
         per_step = self._seconds_per_step(record)
         step = record.step
+        rate, mfu = self._smoothed(record)
         parts = [
             f"exposure {record.exposure_tokens:,} tokens",
             f"loss {record.loss:.4f}",
-            f"{record.tokens_per_second:,.0f} tokens/s",
-            f"MFU {record.mfu:.1%}",
+            f"{rate:,.0f} tokens/s",
+            f"MFU {mfu:.1%} (both smoothed, ~{SMOOTHING_STEPS} steps)",
             f"ETA segment end {progress.format_seconds(max(self.segment_end_step - step, 0) * per_step)}",
         ]
         if self.hard_stop_step is not None:

@@ -63,6 +63,7 @@ class RunClock:
         self.step_seconds_total = 0.0  # all attempts: committed steps and the work lost after them
         self.device_step_seconds_total = 0.0  # the same, each step's time x the devices that ran it
         self.t_attempt = host_now()  # start_attempt sets it at the attempt's first step
+        self.ended_seconds: float | None = None  # the attempt's wall as end_attempt journaled it
         self.step_t0 = 0.0  # the device clock's reading when the current step started
         self.journal: TextIO | None = None
 
@@ -115,6 +116,7 @@ class RunClock:
         counts `started_before` seconds already spent starting it (runner.training.startup)."""
         self.journal = journal
         self.t_attempt = self.host_now() - max(0.0, started_before)
+        self.ended_seconds = None
 
     def begin_step(self) -> None:
         self.step_t0 = self.step_clock.now()
@@ -127,6 +129,11 @@ class RunClock:
         return seconds
 
     def attempt_seconds(self) -> float:
+        """This attempt's wall so far; after end_attempt, the figure it journaled (the clock stops there:
+        run.json's wall and device-seconds, the cost and goodput MFU computed from them, and the next
+        resume's replay of the journal are one reading, not several taken moments apart)."""
+        if self.ended_seconds is not None:
+            return self.ended_seconds
         return self.host_now() - self.t_attempt
 
     def wall_seconds(self) -> float:
@@ -169,7 +176,9 @@ class RunClock:
         """Journal how long this attempt has run (no work) and return (wall, device wall) as of that
         line: what an evaluation is stamped with, so a later resume, which counts an attempt's wall
         from its journal, never starts below a figure the attempt already reported."""
-        held = math.ceil(self.attempt_seconds() * 1000) / 1000
+        held = self.ended_seconds
+        if held is None:
+            held = math.ceil(self.attempt_seconds() * 1000) / 1000
         if self.journal is not None:
             line = {
                 "attempt": self.attempt,
@@ -184,8 +193,11 @@ class RunClock:
         return self.prior_wall_seconds + held, self.prior_device_wall_seconds + held * self.world
 
     def end_attempt(self) -> None:
-        """The attempt's whole wall, for the next resume (a kill loses only the tail); the journal closed."""
-        self.journal_time()
+        """The attempt's whole wall, for the next resume (a kill loses only the tail); the journal closed.
+        The clock stops here: every later reading is the journaled one."""
+        if self.ended_seconds is None:
+            self.ended_seconds = math.ceil((self.host_now() - self.t_attempt) * 1000) / 1000
+            self.journal_time()
         if self.journal is not None:
             self.journal.close()
             self.journal = None

@@ -70,6 +70,7 @@ from runner.training.schedule import lr_at, make_optimizer
 from runner.training.staging import PinnedStaging
 from runner.training.steps import FlopsBasis, StepPlan
 from runner.training.sysmetrics import SystemMetricsCallback, close_and_summarize, system_callback
+from runner.training.threads import apply_threads, attempt_threads
 from runner.training.tracking import START_WAIT_SECONDS, Tracker
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -129,9 +130,14 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> Attempt:
     if cfg.train.hard_stop_tokens is not None:
         end_step = min(end_step, cfg.train.hard_stop_tokens // (B * L))
 
+    # before anything computes: the run's recorded count on a resume (runner.training.threads)
+    recorded = RunFolder(run_dir).record().threads
+    where = exp.recipe_files.get("hardware") or exp.path or run_dir
+    threads = apply_threads(attempt_threads(cfg.hardware.threads, recorded, file=str(where)))
     applied, micro, accum = _runtime(cfg, acc, micro, accum)
     startup.mark("accelerator_and_folder")
     runtime, sharding = applied.record, applied.record["sharding"]
+    runtime["torch_threads"] = threads
     if acc.device.type == "cpu":
         # Bit-identical resume needs the same kernels every time; CPU kernels are deterministic.
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -266,6 +272,7 @@ def _conventions(run: Attempt, tracker) -> None:
             conventions=conventions,
             runtime=run.runtime,
             world_size=run.world,
+            threads=int(run.runtime["torch_threads"]),
             devices=int(run.world),
             nodes=node_count(run.world),  # this attempt's nodes (torchrun's agents)
             attempts=run.clock.attempt,

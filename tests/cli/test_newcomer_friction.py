@@ -82,8 +82,19 @@ def test_throughput_legend_names_tokens_per_second_and_repetition_counts_are_int
     saved = {}
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: saved.__setitem__(path.name, fig))
     rpt.write_plots(rpt.read_tables(report), report)
-    thr = saved["throughput.png"].axes
-    assert [t.get_text() for t in thr[-1].get_legend().get_texts()] == ["tokens/s", "MFU", "goodput MFU"]
+    speed, share = saved["throughput.png"].axes  # two panels: MFU is tokens/s x a constant (issue 38 item 10)
+    assert speed.get_ylabel() == "processed tokens / s" and share.get_ylabel() == "% of peak"
+    assert [t.get_text() for t in share.get_legend().get_texts()] == ["MFU (step time)", "goodput MFU (wall time)"]
+    legend = share.get_legend().get_window_extent()  # under the axes, covering no data
+    assert legend.y1 <= share.get_window_extent().y0
     (rep,) = saved["repetition.png"].axes
     assert rep.get_yscale() == "log"
     assert all(float(t).is_integer() for t in rep.get_xticks())
+
+
+def test_the_builtin_build_leaves_the_small_legal_domain_to_the_launch_s_one_warning(tmp_path, capsys):
+    """Issue 38, item 9: the README's first command warns about the demo's `legal` domain once (its launch)."""
+    assert main(["data", "builtin", "--out", str(tmp_path / "builtin")]) == 0
+    printed = capsys.readouterr()
+    assert "validated on" not in printed.out + printed.err
+    assert (tmp_path / "builtin" / "legal" / "datacard.json").exists()  # what the domain is, for the card

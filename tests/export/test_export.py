@@ -908,6 +908,76 @@ def test_push_failures_are_one_line_and_leave_no_branch_looking_complete(llama_f
     assert not (root / "never").exists()
 
 
+@pytest.mark.slow  # an export and the snippet's own process
+def test_the_card_reads_as_the_hub_template_with_data_described_and_a_snippet_that_runs(llama_run, tmp_path):
+    """Issue 38, item 2: what the model is (its parameter count = transformers'), its uses and limits,
+    a usage snippet that runs on the folder, each domain's data with its source and licence (a
+    datacard.json beside the manifest; none: said), tokens seen and epochs, the licence; figures rounded."""
+    import re
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from runner.data.datacard import BUILTIN, write_datacard
+
+    root = llama_run.parents[1]
+    card_path = write_datacard(root / "data" / "a", "a", BUILTIN["prose"])
+    out = tmp_path / "described"
+    try:
+        proc = run_in_process(root, ["export", str(llama_run), "--out", str(out), "--dtype", "fp32"], env(root))
+    finally:
+        card_path.unlink()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = (out / "README.md").read_text()
+    headings = [x for x in text.splitlines() if x.startswith("## ")]
+    order = ["Model description", "Intended uses & limitations", "How to use", "Training data", "Evaluation"]
+    order += ["Compute", "Audit", "Reproduce", "Licence"]
+    assert [h for h in headings if h[3:] in order] == [f"## {h}" for h in order]
+    params = AutoModelForCausalLM.from_pretrained(out).num_parameters()  # tied: the matrix counted once
+    assert f"base language model of {params:,} parameters" in text
+    assert "**Limitations.**" in text and "far too few for fluent or factual text" in text
+    data = text.split("## Training data", 1)[1].split("### Data accounting", 1)[0]
+    rows = {r["domain"]: r for r in _card_table("## Training data" + data + "\n## end", "## Training data")}
+    assert rows["a"]["what it is"].startswith("English prose: the pydoc help topics of CPython 3.11")
+    assert rows["a"]["licence"] == "[PSF-2.0](https://docs.python.org/3.11/license.html)"
+    assert rows["b"]["what it is"].startswith("not described")
+    accounting = strict_json(out / "accounting.json")
+    seen = {r["domain"]: r["exposure_tokens"] for r in accounting["accounting"]}
+    assert rows["a"]["tokens seen"] == f"{seen['a']:,}" and float(rows["a"]["epochs"]) > 0
+    assert "The weights are released under `apache-2.0`" in text and "PSF-2.0" in text.split("## Licence")[1]
+    floats = re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", text.split("## Reproduce")[0])
+    assert floats and all(len(x.replace(".", "").lstrip("0")) <= 6 for x in floats), floats  # none printed raw
+    snippet = text.split("```python\n", 1)[1].split("```", 1)[0]
+    ran = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=out, env=env(root), capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.startswith("The")  # the prompt, then 32 greedy tokens
+
+
+@pytest.mark.slow  # its own run, a scoring and an export
+def test_export_after_runner_eval_says_to_rebuild_the_report_first(tmp_path):
+    """Issue 38, item 3: `runner eval` leaves report/ as it was; an export then would drop its figures
+    from the card, so it is refused in one line naming the command; after `runner report` it exports
+    them."""
+    run = _train(tmp_path, eval_extra=_tasks())
+    root = run.parents[1]
+    scored = run_in_process(root, ["eval", str(run), "--tasks", "arc_easy"], env(root))
+    assert scored.returncode == 0, scored.stderr
+    assert f"report: not rebuilt; `runner report {run}` adds this scoring to it" in scored.stdout
+    out = tmp_path / "exported"
+    proc = run_in_process(root, ["export", str(run), "--out", str(out), "--dtype", "fp32"], env(root))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and not out.exists(), proc.stderr
+    assert lines[0].startswith("error: runs/r/report: report/ predates `runner eval`'s scoring of step 4: ")
+    assert f"run `runner report {run}` first" in lines[0]
+    assert run_in_process(root, ["report", str(run)], env(root)).returncode == 0
+    proc = run_in_process(root, ["export", str(run), "--out", str(out), "--dtype", "fp32"], env(root))
+    assert proc.returncode == 0, proc.stderr
+    assert "| runner eval | arc_easy | acc |" in (out / "README.md").read_text()
+
+
 def test_sample_refuses_a_config_that_does_not_describe_the_weights(llama_fp32, tmp_path):
     """Issue 37 item 5: config.json saying GPT-2 over Llama weights loaded with every weight newly
     initialised, and generated from it with exit 0 and no warning."""

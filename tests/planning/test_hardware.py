@@ -154,9 +154,13 @@ def test_a_sparse_peak_cannot_reach_the_denominator(tmp_path: Path):
 def test_cpu_theoretical_peak_is_cores_x_clock_x_flops_per_cycle(monkeypatch):
     monkeypatch.setattr(hardware, "_cpu_flags", lambda: {"fpu", "avx", "avx2", "fma"})
     monkeypatch.setattr(hardware, "_cpu_clock", lambda: (3.0, hardware.CLOCK_MAX))
-    p = resolve_peak(hw(accelerator="cpu", device_name="cpu", peak_dtype="fp32", cpu_peak="theoretical"))
-    assert p.peak_tflops == pytest.approx(torch.get_num_threads() * 3.0e9 * 32 / 1e12)
-    assert p.peak_source.startswith(f"theoretical: {torch.get_num_threads()} cores x 3.000 GHz x 32")
+    cpu = {"accelerator": "cpu", "device_name": "cpu", "peak_dtype": "fp32", "cpu_peak": "theoretical"}
+    # hardware.threads: the cores the peak counts (null: torch's own count)
+    default = resolve_peak(hw(**cpu, threads=None))
+    assert default.peak_source.startswith(f"theoretical: {torch.get_num_threads()} cores x 3.000 GHz x 32")
+    p = resolve_peak(hw(**cpu, threads=3))
+    assert p.peak_tflops == pytest.approx(3 * 3.0e9 * 32 / 1e12)
+    assert p.peak_source.startswith("theoretical: 3 cores x 3.000 GHz x 32")
     assert p.peak_source.endswith("; cpufreq maximum)")
     # The audit recomputes it from what the source records, whichever clock it names.
     assert hardware.theoretical_peak_from_source(p.peak_source)[0] == pytest.approx(p.peak_tflops)

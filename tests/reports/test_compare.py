@@ -250,3 +250,36 @@ def test_the_published_comparison_is_audited_and_reproducible(cli):
         if r["run"] == "cpu-tiny-lr":
             assert r["met"] and r["first_in_exposure_tokens"], r
     assert not next(r for r in shipped["targets"] if r["run"] == "cpu-tiny" and r["target"] == "code-5p9")["met"]
+
+
+def test_runs_under_different_hardware_settings_crown_no_winner_in_seconds_or_dollars(tmp_path, cli):
+    """Issue 38, item 5: a CPU's peak follows its threads (1 vs 2: 0.166 vs 0.333 TFLOP/s); a run on
+    another setting is not cheaper because of its experiment. The difference is named first, MFU
+    under another peak is not comparable, and no run is first in seconds or dollars."""
+    from runner.reports.compare.hardware import hardware_differences, settings_of
+
+    one, two = ({"device_name": "cpu", "peak_tflops": p} for p in (0.1664, 0.3328))
+    settings = [settings_of(one, {"threads": 1}), settings_of(two, {"threads": 2})]
+    assert settings[0] == {"device_name": "cpu", "threads": "1", "peak_tflops": "0.1664"}
+    assert list(hardware_differences(["a", "b"], settings).values()) == [
+        "threads: 1 (a) vs 2 (b)",
+        "peak_tflops: 0.1664 (a) vs 0.3328 (b)",
+    ]
+    assert settings_of(one, {})["threads"] == "not recorded"  # a run from before threads were recorded
+    assert "threads" not in settings_of({"device_name": "H200 SXM", "peak_tflops": 989.4}, {"threads": 1})
+
+    a = make_run(tmp_path, run_id="a")
+    b = make_run(tmp_path, run_id="b")
+    same = _json(cli, a, b)
+    assert "speed_and_cost_not_comparable" not in same
+    assert any(r["first_in_wall_seconds"] for r in same["targets"])  # equal runs: both first
+    _edit_run(b, conventions={"peak_tflops": 2 * 989.4})
+    data = _json(cli, a, b)
+    assert data["speed_and_cost_not_comparable"] == ["peak_tflops: 989.4 (fixture/a) vs 1979 (fixture/b)"]
+    assert data["mfu_comparable"] is False and data["mfu_convention_differences"] == []
+    assert data["targets"] and not any(r["first_in_wall_seconds"] or r["first_in_cost_usd"] for r in data["targets"])
+    md = cli("compare", a, b).stdout
+    speed = md.split("## Speed and cost", 1)[1]
+    assert speed.lstrip().startswith("**Speed and cost NOT comparable**: the runs ran under different hardware")
+    assert "**MFU figures NOT comparable**: the conventions differ (peaks of different hardware settings" in md
+    assert "not comparable (hardware settings differ)" in md.split("## Quality targets", 1)[1].split("##", 1)[0]

@@ -8,6 +8,7 @@ import shutil
 
 import pandas as pd
 import pytest
+import yaml
 from runfixtures import GLOBAL_BATCH, SEQ_LEN, STEPS, make_run, run_commands
 
 from runner.cli.report import register
@@ -201,3 +202,44 @@ def test_report_of_an_unknown_mlflow_run_names_the_store(tmp_path, monkeypatch):
     MlflowClient(tracking_uri=uri).search_experiments()  # now the store exists, without that run
     with pytest.raises(RunnerError, match=f"cannot download artifacts of MLflow run {'ab' * 16} from {uri}"):
         _cli(["report", "ab" * 16])
+
+
+def test_the_report_draws_training_loss_and_learning_rate_and_says_what_n_counts(run_dir, tmp_path):
+    """Issue 38, item 7: training.png (loss and learning rate against step, from train.jsonl, a step
+    redone after a resume drawn once, at its last value) in report.md; N explained in one line."""
+    from runner.fsio import read_jsonl
+    from runner.reports.curves import _by_step
+    from runner.reports.tables import render_report_dir
+
+    out = run_dir / "report"
+    assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "report.md").read_text()
+    assert "## Training loss and learning rate" in md and "![training](training.png)" in md
+    assert md.index("## Training loss") < md.index("## Validation loss")
+    n_line = next(x for x in md.splitlines() if " N = " in x)
+    assert "(`num_parameters()`)" in n_line
+    rows = read_jsonl(run_dir / "metrics" / "train.jsonl")
+    drawn = _by_step(rows)
+    assert [r["step"] for r in drawn] == sorted({r["step"] for r in rows})
+    redone = [r for r in rows if r["step"] == 3]
+    assert len(redone) >= 1 and drawn[2] is redone[-1]
+    # rebuilt from its tables alone (an MLflow run's artifacts): no train.jsonl, no curve, no section
+    copy = tmp_path / "report"
+    shutil.copytree(out, copy)
+    (copy / "training.png").unlink()
+    render_report_dir(copy)
+    assert "## Training loss" not in (copy / "report.md").read_text()
+
+
+def test_a_run_without_targets_tasks_or_experts_has_no_empty_section(run_dir):
+    """Issue 38, item 7: a dense run without downstream tasks has no Downstream or Experts section, and
+    a run without targets no Quality targets section (it said only "No targets declared")."""
+    from runner.reports import targets
+
+    md = (run_dir / "report" / "report.md").read_text()
+    cfg = yaml.safe_load((run_dir / "experiment.yaml").read_text())
+    assert not (cfg["eval"].get("tasks") or cfg["model"].get("moe"))
+    for empty in ("## Downstream", "## Experts"):
+        assert empty not in md, empty
+    assert "## Quality targets" in md  # the fixture declares targets
+    assert targets.render_markdown([], build_tables(run_dir)["targets"]) == []

@@ -60,7 +60,7 @@ def test_training_progress_in_a_log_file_names_step_tokens_speed_mfu_and_both_et
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2  # the attempt's first step, then (the interval not yet over) its last
     assert lines[0].startswith("train: step 51/150 (34.0%) | exposure 104,448 tokens | loss 4.4900 | ")
-    assert "1,234 tokens/s | MFU 4.1% | ETA segment end " in lines[0]
+    assert "1,234 tokens/s | MFU 4.1% (both smoothed, ~20 steps) | ETA segment end " in lines[0]
     assert lines[-1].startswith("train: step 55/150 (36.7%)") and "| hard stop (step 100) " in lines[-1]
 
 
@@ -96,3 +96,18 @@ def test_the_audit_replay_shows_a_bar_only_on_a_terminal_and_only_when_it_lasts(
     monkeypatch.setattr(progress, "interactive", lambda stream=None: True)
     bar = progress.on_terminal(items, "replay", "step")
     assert list(bar) == items and bar.delay == progress.BAR_DELAY_SECONDS
+
+
+def test_the_progress_rate_is_smoothed_and_says_so():
+    """Issue 38, item 9: one slow step on a busy machine does not swing the line; it says it is smoothed."""
+    stream = io.StringIO()
+    cb = TrainingProgress(start_step=0, segment_end_step=100, hard_stop_step=None, stream=stream)
+    fast = dict(loss=5.0, tokens_per_second=2000.0, mfu=0.02, exposure_tokens=0, step_seconds=0.1)
+    for step in range(1, 30):
+        cb.fields(step_record(step, **fast))
+    slow = cb.fields(step_record(30, **(fast | dict(tokens_per_second=500.0, mfu=0.005, step_seconds=0.4))))
+    rate = float(slow[2].split(" tokens/s")[0].replace(",", ""))
+    mfu = float(slow[3].split("MFU ")[1].split("%")[0])
+    assert 1000 < rate < 2000 and 1.0 < mfu < 2.0  # the one slow step (500 tokens/s, 0.5%) pulls it, no more
+    assert mfu == round(rate / 2000 * 2.0, 1)  # MFU is tokens/s times a constant: smoothed alike
+    assert slow[3].endswith("(both smoothed, ~20 steps)")

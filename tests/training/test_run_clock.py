@@ -124,3 +124,28 @@ def test_recorded_times_prefer_run_json_and_fall_back_to_the_train_rows():
 def test_the_clock_imports_without_torch():
     code = "import sys, runner.training.clock; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_attempt_s_end_is_one_reading_for_run_json_the_cost_and_the_next_replay():
+    """A busy machine between the journal's last line and run.json's summary: the clock stopped at
+    end_attempt, so run.json's device-seconds, the cost computed from them and the journal's sum (what
+    the next resume and the test of the elastic run add up) are one figure, exactly (issue 38, item 1)."""
+    from runner.planning.hardware import run_efficiency
+
+    journal: list[dict] = []
+    for world, steps in ((2, 2), (2, 1), (1, 3)):  # the process count changes between attempts
+        clock, _, lines = _attempt(world=world, journal=journal, steps=steps, step_seconds=0.3337)
+        clock.host_now.t += 7.25  # a loaded machine: _finish reads the clock long after the journal's end
+        journal += lines
+    by_attempt: dict[int, tuple[float, int]] = {}
+    for e in journal:
+        by_attempt[e["attempt"]] = (max(by_attempt.get(e["attempt"], (0.0, 0))[0], e["wall_seconds"]), e["world"])
+    held = sum(wall * world for wall, world in by_attempt.values())
+    assert clock.device_wall_seconds() == held
+    assert clock.wall_seconds() == sum(wall for wall, _ in by_attempt.values())
+    useful, price = 1_234_567, 0.1
+    eff = run_efficiency(1e6, None, 2 * useful, useful, clock.device_step_seconds_total, held, 1.0, price)
+    assert eff.cost_per_billion_useful_tokens == price * held / 3600 / (useful / 1e9)
+    again = RunClock(1, host_now=FakeTime())
+    again.replay(journal, ["a", "b"])
+    assert again.prior_device_wall_seconds == clock.device_wall_seconds()

@@ -15,6 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
+from runner.data.datacard import BUILTIN, write_datacard
 from runner.data.prepare import prepare
 from runner.fsio import sha256_file
 
@@ -63,7 +64,7 @@ def build_builtin(out_dir: str | Path = "data/builtin", progress: bool | None = 
     inputs = write_sources(out_dir / "sources")
     tokenizer_sha256 = sha256_file(TOKENIZER_PATH)
     # In-process tokenization: the corpus is small, and worker start-up would dominate.
-    return {
+    built = {
         domain: prepare(
             domain,
             TOKENIZER_PATH,
@@ -77,3 +78,6 @@ def build_builtin(out_dir: str | Path = "data/builtin", progress: bool | None = 
         )
         for domain in DOMAINS
     }
+    for domain in DOMAINS:  # what each domain is and its licence, beside the manifest (pinned by nothing)
+        write_datacard(out_dir / domain, domain, BUILTIN[domain])
+    return built

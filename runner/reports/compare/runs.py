@@ -32,6 +32,12 @@ from runner.reports.audit.evidence import write_report_with_evidence
 from runner.reports.audit.run import audit
 from runner.reports.compare.downstream import mark_firsts, side_by_side, task_target_results, union_task_targets
 from runner.reports.compare.experts import expert_balance
+from runner.reports.compare.hardware import (
+    hardware_differences,
+    mfu_denominators_differ,
+    not_comparable_line,
+    settings_of,
+)
 from runner.reports.publish import portable
 from runner.runs.folder import is_reportable_run
 from runner.runs.runjson import as_record
@@ -85,6 +91,8 @@ class Comparison:
     not_comparable: dict[tuple[str, str], str] = field(default_factory=dict)
     tokens_not_comparable: str = ""  # why token counts are not in one unit ("" when they are)
     machines: dict[str, str] = field(default_factory=dict)  # label -> machine, when the runs' machines differ
+    #: setting -> its values, where the runs' device, threads or peak differ (runner.reports.compare.hardware)
+    hardware_differences: dict[str, str] = field(default_factory=dict)
 
     @property
     def labels(self) -> list[str]:
@@ -423,6 +431,9 @@ def compare(sources: list[Source]) -> Comparison:
     targets = union_targets(sources)
     comp = Comparison(sources, targets)
     speed_df, comp.mfu_comparable, comp.mfu_differences = speed(sources)
+    comp.hardware_differences = hardware_differences(comp.labels, [settings_of(s.summary, s.run) for s in sources])
+    if mfu_denominators_differ(comp.hardware_differences):  # MFU against another peak
+        comp.mfu_comparable = False
     comp.not_comparable, comp.tokens_not_comparable = comparability(sources)
     comp.machines = machines(sources)
     comp.frames = {
@@ -444,18 +455,23 @@ def compare(sources: list[Source]) -> Comparison:
     if on_tasks:
         runs = [(s.label, s.tables.get("downstream"), int(s.summary["steps"]), s.price) for s in sources]
         comp.frames["downstream_targets"] = task_target_results(runs, on_tasks)
+        if comp.hardware_differences:  # no winner in seconds or dollars across hardware settings
+            comp.frames["downstream_targets"][["first_in_wall_seconds", "first_in_cost_usd"]] = False
     return comp
 
 
 def _without_incomparable_firsts(df: pd.DataFrame, comp: Comparison) -> pd.DataFrame:
     """No run is first at a target whose figure cannot be compared across the runs, nor first in
-    tokens when the runs count tokens of different tokenizers."""
+    tokens when the runs count tokens of different tokenizers, nor first in seconds or dollars when
+    they ran under different hardware settings."""
     for t in comp.targets:
         rows = df["target"] == t.name
         if (t.domain, t.metric) in comp.not_comparable:
             df.loc[rows, [f"first_in_{m}" for m in ("exposure_tokens", "wall_seconds", "cost_usd")]] = False
         elif comp.tokens_not_comparable:
             df.loc[rows, "first_in_exposure_tokens"] = False
+        if comp.hardware_differences:
+            df.loc[rows, ["first_in_wall_seconds", "first_in_cost_usd"]] = False
     return df
 
 
@@ -501,6 +517,8 @@ def _incomparable_json(comp: Comparison) -> dict:
         out["tokens_not_comparable"] = comp.tokens_not_comparable
     if comp.machines:
         out["wall_clock_machines"] = comp.machines
+    if comp.hardware_differences:
+        out["speed_and_cost_not_comparable"] = list(comp.hardware_differences.values())
     return out
 
 
@@ -554,7 +572,9 @@ def targets_markdown(comp: Comparison) -> list[str]:
             firsts = ["not comparable"] * 3
         elif comp.tokens_not_comparable:
             firsts[0] = "not comparable (tokenizers differ)"
-        if comp.machines:
+        if comp.hardware_differences:
+            firsts[1:] = ["not comparable (hardware settings differ)"] * 2
+        elif comp.machines:
             firsts[1:] = [f"{x} (different machines)" for x in firsts[1:]]
         cells = [_target_cell(g.loc[label]) for label in comp.labels]
         lines.append("| " + " | ".join([f"`{t.name}` ({t.describe()})", *cells, *firsts]) + " |")
@@ -619,6 +639,7 @@ def render_markdown(comp: Comparison, plots: list[str] | None = None) -> str:
         ),
         "## Speed and cost",
         "",
+        *([not_comparable_line(comp.hardware_differences), ""] if comp.hardware_differences else []),
         *_md(f["speed"]),
         "",
         *(
@@ -635,9 +656,10 @@ def render_markdown(comp: Comparison, plots: list[str] | None = None) -> str:
     if comp.mfu_comparable:
         lines.append("MFU and goodput MFU are under the same convention: comparable.")
     else:
-        lines.append(
-            "**MFU figures NOT comparable**: the conventions differ (" + "; ".join(comp.mfu_differences) + ")."
-        )
+        why = [*comp.mfu_differences]
+        if mfu_denominators_differ(comp.hardware_differences):
+            why.insert(0, "peaks of different hardware settings, named above")
+        lines.append("**MFU figures NOT comparable**: the conventions differ (" + "; ".join(why) + ").")
     lines.append("")
     for p in plots or []:
         lines += [f"![{Path(p).stem}]({p})", ""]
@@ -673,7 +695,9 @@ def _downstream_targets_markdown(comp: Comparison) -> list[str]:
         ]
         if comp.tokens_not_comparable:
             firsts[0] = "not comparable (tokenizers differ)"
-        if comp.machines:
+        if comp.hardware_differences:
+            firsts[1:] = ["not comparable (hardware settings differ)"] * 2
+        elif comp.machines:
             firsts[1:] = [f"{x} (different machines)" for x in firsts[1:]]
         cells = [_target_cell(g.loc[label]) for label in comp.labels]
         lines.append("| " + " | ".join([f"`{name}` ({g['definition'].iloc[0]})", *cells, *firsts]) + " |")
