@@ -3,7 +3,7 @@ interface of the run folder's records it calls out to at a checkpoint and at the
 (`RunRecord`, handed the checkpoint's `Gathered` state).
 
 The loop (runner.training.loop) builds and advances an `Attempt`; the records (runner.training.records)
-and in-loop scoring (runner.training.downstream.inloop) read it by attribute, so mypy checks every
+and in-loop scoring (runner.training.inloop_downstream) read it by attribute, so mypy checks every
 field they take. Never trains, writes or decides anything itself.
 """
 
@@ -113,7 +113,7 @@ class Attempt:
     experts: RouterProbe | None = None  # of a mixture-of-experts model, else None
     routing: RoutingRecord | None = None  # of a mixture-of-experts model: per-step loads, balancing bias
     clock: RunClock = field(default_factory=lambda: RunClock(1))  # _setup: the run's world and device clock
-    downstream: Prepared | None = None  # the downstream tasks, prepared at their first scoring (downstream.inloop)
+    downstream: Prepared | None = None  # the downstream tasks, prepared at their first scoring (inloop_downstream)
     eval_seconds: dict = field(default_factory=zero_eval_seconds)  # this attempt's t_eval (records.EvalTimes)
     staging: PinnedStaging | None = None  # rank 0 on a GPU: the checkpoints' reusable pinned buffers
 

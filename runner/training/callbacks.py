@@ -35,7 +35,7 @@ MOE_METRICS = (
 
 @dataclass(frozen=True)
 class DownstreamScoring:
-    """One in-loop scoring of the downstream tasks (runner.training.downstream.inloop), as delivered."""
+    """One in-loop scoring of the downstream tasks (runner.training.inloop_downstream), as delivered."""
 
     step: int
     rows: list[dict]  #: metrics/downstream.jsonl's lines: one per task and metric, stamped where the run stood

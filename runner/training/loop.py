@@ -33,6 +33,7 @@ from runner.runs.folder import RunFolder
 from runner.runs.steprecord import StepRecord
 from runner.training import evaluate, startup
 from runner.training import experts as experts_mod
+from runner.training import inloop_downstream as downstream
 from runner.training.accelerator import (
     SHARD_RUNNER_CPU,
     Runtime,
@@ -59,7 +60,6 @@ from runner.training.collectives import (
     check_same_checkpoint,
     scalar,
 )
-from runner.training.downstream import inloop as downstream
 from runner.training.ledger import TokenLedger
 from runner.training.model import build_model, maybe_compile
 from runner.training.moe import balancing

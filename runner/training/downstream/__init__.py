@@ -3,6 +3,6 @@ scored as lm-evaluation-harness's HFLM scores them, in the training loop and by 
 
 Modules: tasks (files, formats, subset), builtin_task (the offline task), encode (HFLM's token
 rules and the load-time refusals), score (batched log-likelihoods, ranks in step), metrics, run
-(preparing and scoring an experiment's tasks, what a scoring records), inloop (the loop's
-call-out), posthoc (`runner eval`).
+(preparing and scoring an experiment's tasks, what a scoring records), posthoc (`runner eval`).
+The training loop's call-out is runner.training.inloop_downstream (it reads the loop's Attempt).
 """

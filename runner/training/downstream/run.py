@@ -5,7 +5,7 @@ one scoring of all of them (every task's requests batched together, every rank t
 of forwards, its wall time as `t_eval_seconds`), the figure rows (task, metric, value, step,
 exposure tokens, documents, random baseline (an accuracy's: null on bpb's rows) and the convention
 record; the aggregate's names each task's own) and the per-request log-likelihood file. Callers:
-the training loop (runner.training.downstream.inloop) and `runner eval`
+the training loop (runner.training.inloop_downstream) and `runner eval`
 (runner.training.downstream.posthoc). Never trains and never counts a token.
 """
 
