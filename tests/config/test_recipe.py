@@ -285,9 +285,16 @@ def test_check_pr_requires_version_bumps_and_refuses_silent_meaning_changes(proj
 
     dependants = [p for p in sorted((project / "experiments").glob("*.yaml")) if _base(p) == f"cpu-tiny@{v}"]
     assert {p.stem for p in dependants} >= {"cpu-tiny-fsdp", "cpu-tiny-lr", "cpu-tiny-moe"}
-    for path in dependants:
-        edit(path, _set("base", f"cpu-tiny@{v + 1}"))
-        edit(path, _set("version", _version(path) + 1))
+    bumped = {f"cpu-tiny@{v}": f"cpu-tiny@{v + 1}"}
+    while dependants:  # and the experiments built on those, in turn (cpu-tiny-moe-ds on cpu-tiny-moe)
+        following = {}
+        for path in dependants:
+            was = _version(path)
+            edit(path, _set("base", bumped[_base(path)]))
+            edit(path, _set("version", was + 1))
+            following[f"{path.stem}@{was}"] = f"{path.stem}@{was + 1}"
+        bumped = following
+        dependants = [p for p in sorted((project / "experiments").glob("*.yaml")) if _base(p) in bumped]
     out = check_pr(project)
     assert out.returncode == 0, out.stderr
     assert "meaning changed: experiments/cpu-tiny.yaml" in out.stdout

@@ -158,6 +158,8 @@ def test_pinned_pool_sizes_check_feasibility_without_the_data(project_with_data:
     assert sorted(p.name for p in result.changes) == [
         "cpu-tiny-fsdp.yaml",
         "cpu-tiny-lr.yaml",
+        "cpu-tiny-moe-ds.yaml",
+        "cpu-tiny-moe-v3.yaml",
         "cpu-tiny-moe.yaml",
         "cpu-tiny-tasks.yaml",
         "cpu-tiny.yaml",
@@ -166,6 +168,8 @@ def test_pinned_pool_sizes_check_feasibility_without_the_data(project_with_data:
     assert pinned["version"] == 3 and pinned["data"]["manifests"]["legal"]["pool_tokens"] == 12744
     for derived in ("cpu-tiny-fsdp", "cpu-tiny-lr", "cpu-tiny-moe", "cpu-tiny-tasks"):
         assert yaml.safe_load((root / f"experiments/{derived}.yaml").read_text())["base"] == "cpu-tiny@3"
+    for derived in ("cpu-tiny-moe-ds", "cpu-tiny-moe-v3"):  # built on cpu-tiny-moe, bumped in turn
+        assert yaml.safe_load((root / f"experiments/{derived}.yaml").read_text())["base"] == "cpu-tiny-moe@2"
     assert "# built by `runner data builtin`" in (root / "experiments/cpu-tiny.yaml").read_text()
     for e, fp in fingerprints.items():
         assert load_experiment(root / f"experiments/{e}.yaml").fingerprint == fp
