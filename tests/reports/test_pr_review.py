@@ -55,10 +55,16 @@ def test_summary_names_changed_keys_and_the_plan_before_and_after(repo, monkeypa
     exp = repo / "experiments/cpu-tiny.yaml"
     before = _plan(exp, repo)
     _edit(exp, version=3, **{"train.exposure_tokens": 360448, "overrides.optim.lr": 0.01})
-    for path in sorted((repo / "experiments").glob("*.yaml")):  # every experiment based on cpu-tiny@2
-        if yaml.safe_load(path.read_text()).get("base") != "cpu-tiny@2":
-            continue
-        _edit(path, version=yaml.safe_load(path.read_text())["version"] + 1, base="cpu-tiny@3")
+    bumped = {"cpu-tiny@2": "cpu-tiny@3"}
+    while bumped:  # every experiment based on cpu-tiny@2, and those based on them in turn
+        following = {}
+        for path in sorted((repo / "experiments").glob("*.yaml")):
+            doc = yaml.safe_load(path.read_text())
+            if doc.get("base") not in bumped:
+                continue
+            _edit(path, version=doc["version"] + 1, base=bumped[doc["base"]])
+            following[f"{path.stem}@{doc['version']}"] = f"{path.stem}@{doc['version'] + 1}"
+        bumped = following
     (repo / "experiments/cpu-tiny-h100.yaml").write_text(
         "name: cpu-tiny-h100\nversion: 1\ndescription: cpu-tiny's shape on an H100\nbase: cpu-tiny@3\n"
         "recipes: {hardware: h100@1}\n"
