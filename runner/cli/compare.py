@@ -1,4 +1,5 @@
-"""CLI verb `runner compare`: parsing and printing only (runner.reports.compare.runs does the work)."""
+"""CLI verb `runner compare`: parsing and printing only (runner.reports.compare.runs compares,
+runner.reports.compare.render writes)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from runner.errors import EXIT_OK
 
 
 def _compare(args) -> int:
+    from runner.reports.compare import render
     from runner.reports.compare import runs as cmp
 
     sources = [cmp.load_source(target) for target in args.runs]
     cmp.assign_labels(sources, [x.strip() for x in args.labels.split(",")] if args.labels else None)
     plots: list[str] = []
     if args.out:  # built beside --out and renamed into place: never half a comparison
-        comp, written = cmp.write_comparison_folder(sources, Path(args.out))
+        comp, written = render.write_comparison_folder(sources, Path(args.out))
         plots = [str(p.resolve()) for p in written if p.suffix == ".png"]
     else:
         comp = cmp.compare(sources)
@@ -23,11 +25,11 @@ def _compare(args) -> int:
         md = Path(args.markdown)
         md.parent.mkdir(parents=True, exist_ok=True)
         links = [_relative(p, md.parent) for p in plots]
-        md.write_text(cmp.render_markdown(comp, links))
+        md.write_text(render.render_markdown(comp, links))
     if args.json:
-        print(json.dumps(cmp.to_json(comp), indent=1))
+        print(json.dumps(render.to_json(comp), indent=1))
     else:
-        print(cmp.render_markdown(comp, plots))
+        print(render.render_markdown(comp, plots))
         for what, where in (("comparison folder", args.out), ("markdown", args.markdown)):
             if where:
                 print(f"wrote {what} {where}")

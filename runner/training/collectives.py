@@ -1,7 +1,8 @@
 """Collectives over the run's ranks (a no-op with one process) and the rank checks built on them.
 
 Owns all-reduce and all-gather of small values, FSDP2's held gradient sync, a DTensor's scalar,
-the check that every rank resumes from the same checkpoint and the bound on a stop's collectives
+the check that every rank resumes from the same checkpoint, a step boundary's agreed decisions
+(Decisions), the stop signal caught (StopFlag) and the bound on a stop's collectives
 (StopDeadline). Never decides anything for a rank.
 """
 
@@ -14,6 +15,7 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -63,6 +65,19 @@ def all_reduce(acc, t: torch.Tensor) -> torch.Tensor:
 
 
 STOP_TIMEOUT_KEY = "train.checkpoint.stop_timeout_seconds"
+
+
+class Decisions(NamedTuple):
+    """A step boundary's decisions, each true when any rank says so (one all-reduce for the three)."""
+
+    checkpoint: bool  #: the checkpointer's interval is due (rank 0's clock decides for all)
+    stop: bool  #: a stop signal arrived
+    data_failed: bool  #: a shard differs from its pin
+
+    @classmethod
+    def agreed(cls, acc, checkpoint: bool, stop: bool, data_failed: float) -> Decisions:
+        summed = all_reduce(acc, torch.tensor([float(checkpoint), float(stop), data_failed], device=acc.device))
+        return cls(*(bool(x > 0) for x in summed.tolist()))
 
 
 class StopFlag:

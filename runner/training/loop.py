@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +53,7 @@ from runner.training.checkpoint import Checkpointer, gather_full_state, host_cop
 from runner.training.clock import RunClock
 from runner.training.collectives import (
     STOP_TIMEOUT_KEY,
+    Decisions,
     StopDeadline,
     StopFlag,
     all_gather_ints,
@@ -599,19 +600,6 @@ def _commit(run: Attempt, step: int, s: _Step) -> int:
     for cb in run.callbacks:
         cb.on_step(record, counters, run.ledger.realized_ratios())
     return committed
-
-
-class Decisions(NamedTuple):
-    """A step boundary's decisions, each true when any rank says so (one all-reduce for the three)."""
-
-    checkpoint: bool  #: the checkpointer's interval is due (rank 0's clock decides for all)
-    stop: bool  #: a stop signal arrived
-    data_failed: bool  #: a shard differs from its pin
-
-    @classmethod
-    def agreed(cls, acc, checkpoint: bool, stop: bool, data_failed: float) -> Decisions:
-        summed = all_reduce(acc, torch.tensor([float(checkpoint), float(stop), data_failed], device=acc.device))
-        return cls(*(bool(x > 0) for x in summed.tolist()))
 
 
 def _checkpoint_or_stop(run: Attempt, committed: int, flag: StopFlag) -> int:

@@ -13,6 +13,7 @@ import yaml
 from runfixtures import make_run
 
 from runner.data.manifest import manifest_sha256
+from runner.reports.compare import render
 from runner.reports.compare import runs as cmp
 
 
@@ -21,7 +22,7 @@ def _compare(capsys, *runs) -> tuple[dict, str]:
     sources = [cmp.load_source(str(r)) for r in runs]
     cmp.assign_labels(sources)
     comp = cmp.compare(sources)
-    return json.loads(json.dumps(cmp.to_json(comp))), cmp.render_markdown(comp)
+    return json.loads(json.dumps(render.to_json(comp))), render.render_markdown(comp)
 
 
 def _edit_manifests(run, edit) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.reports.compare.runs import assign_labels, compare, load_source, render_markdown
+from runner.reports.compare.render import render_markdown
+from runner.reports.compare.runs import assign_labels, compare, load_source
 
 REPO = Path(__file__).resolve().parents[2]
 MOE_REPORT = REPO / "reports/cpu-tiny-moe/20261201-crash-resume"

@@ -15,6 +15,7 @@ from runner.cli import main
 from runner.errors import EXIT_DISCREPANCY, EXIT_UNVERIFIED
 from runner.reports import publish as pub
 from runner.reports.audit.evidence import write_report_with_evidence
+from runner.reports.compare import render
 from runner.reports.compare import runs as cmp
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,9 +129,9 @@ def test_a_comparison_folder_is_made_whole_or_not_at_all(published, tmp_path, mo
     def killed(found):
         raise KeyboardInterrupt  # after the audited report copies are staged, before any table
 
-    monkeypatch.setattr(cmp, "compare", killed)
+    monkeypatch.setattr(render, "compare", killed)
     with pytest.raises(KeyboardInterrupt):
-        cmp.write_comparison_folder(sources(), out)
+        render.write_comparison_folder(sources(), out)
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     staged = [p for p in out.parent.iterdir() if p.name.startswith(".")]
     assert len(staged) == 1 and (staged[0] / "runs" / "b" / "report.md").is_file()  # beside, hidden, not in place

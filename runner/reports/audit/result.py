@@ -9,6 +9,7 @@ Never: runs a check or reads a report (runner.reports.audit.run does).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +18,14 @@ from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED
 PASS, FAIL, UNVERIFIED = "PASS", "FAIL", "UNVERIFIED"
 INFO = "INFO"  # a fact a reader should see next to the checks; never fails, never verifies
 MAX_PROBLEMS_SHOWN = 8
+
+#: the audit's relative tolerance for a recomputed figure against the reported one
+REL_TOL = 1e-6
+
+
+def close(a: float, b: float, rel: float = REL_TOL) -> bool:
+    """Whether a recomputed figure and the reported one agree within `rel` (and 1e-12 absolute)."""
+    return math.isclose(float(a), float(b), rel_tol=rel, abs_tol=1e-12)
 
 
 @dataclass

@@ -34,26 +34,24 @@ from runner.data.manifest import MIN_VALIDATION_SAMPLES, manifest_sha256, num_sa
 from runner.data.sampler import MixtureSampler
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml
-from runner.planning.flops import Convention, flops_per_token, params_of_config
-from runner.planning.hardware import PEAKS, canonical_device, theoretical_peak_from_source
 from runner.reports import tables as rpt
 from runner.reports import targets
 from runner.reports.audit import downstream as downstream_audit
 from runner.reports.audit import evidence as ev
 from runner.reports.audit import tracked as audit_tracked
+from runner.reports.audit.compute import check_compute
 from runner.reports.audit.experts import check_expert_load, checkpoint_load_problems
 from runner.reports.audit.input import AuditInput, Replay
-from runner.reports.audit.result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check
+from runner.reports.audit.result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check, close
 from runner.reports.audit.routing import check_routing, checkpoint_bias_problems
 from runner.reports.downstream import targets as downstream_targets
 from runner.runs.checkpoints import dirname, verified_state
 from runner.runs.folder import is_reportable_run
-from runner.runs.recorded import conventions_of, device_seconds, devices_held, read_manifest_copies
+from runner.runs.recorded import conventions_of, devices_held, read_manifest_copies
 from schemas.report_tables import ADDED_SINCE, READABLE_VERSIONS, SCHEMA_VERSION, SCHEMAS, validate_tables
 
 __all__ = ["FAIL", "INFO", "PASS", "UNVERIFIED", "AuditInput", "AuditResult", "Check", "audit", "load_input", "replay"]
 
-REL_TOL = 1e-6
 CSV_REL_TOL = 1e-9  # a CSV float is the parquet value written as text: only parse noise is tolerated
 HISTOGRAM_CAP = 255  # the ledger's per-sample counters saturate here
 
@@ -180,10 +178,6 @@ def replay_input(inp: AuditInput, snapshot_steps: set[int] | frozenset[int] = fr
 
 
 # ---- the checks that need nothing but the report (and its run folder, when present) --------------
-
-
-def _close(a: float, b: float, rel: float = REL_TOL) -> bool:
-    return math.isclose(float(a), float(b), rel_tol=rel, abs_tol=1e-12)
 
 
 def _check_schemas(res: AuditResult, tables: dict[str, pd.DataFrame]) -> bool:
@@ -327,7 +321,7 @@ def _check_config_agreement(res: AuditResult, inp: AuditInput) -> None:
             "max_repetition_ratio": mix[r.domain].max_repetition_ratio,
         }
         for col, want in per_domain.items():
-            if not _close(getattr(r, col), want, 1e-12):
+            if not close(getattr(r, col), want, 1e-12):
                 problems.append(f"{r.domain}.{col} = {getattr(r, col)}, manifest/mixture say {want}")
     res.add("accounting matches manifests and mixture", problems)
 
@@ -352,7 +346,7 @@ def _check_config_agreement(res: AuditResult, inp: AuditInput) -> None:
     problems = [
         f"{k} = {s[k]!r}, run/config say {v!r}"
         for k, v in expect.items()
-        if (not _close(s[k], v, 1e-12) if isinstance(v, (int, float)) else str(s[k]) != str(v))
+        if (not close(s[k], v, 1e-12) if isinstance(v, (int, float)) else str(s[k]) != str(v))
     ]
     res.add("summary matches experiment config", problems)
 
@@ -389,146 +383,6 @@ def _check_replay(res: AuditResult, inp: AuditInput, rep: Replay) -> None:
     res.add("replay: unique per domain", unique)
     res.add("replay: repetition histogram", histo)
     res.add("replay: mixture exact at every step (invariant 5)", rep.mixture_violations)
-
-
-def _dense_peak(device_name: str) -> tuple[float | None, str]:
-    key = canonical_device(device_name)
-    if key is not None:
-        return PEAKS[key].dense_bf16_tflops, f"{key} dense bf16 from the peak table"
-    return None, "not in the peak table"
-
-
-def _peak_records_agree(inp: AuditInput, s: pd.Series) -> list[str]:
-    """The peak the summary divides by is the one run.json recorded for every convention."""
-    problems = []
-    for record in ("conventions", "conventions_goodput", "conventions_hfu"):
-        conv = getattr(inp.record, record) or {}
-        for key in ("peak_tflops", "peak_dtype", "peak_source"):
-            if key not in conv:
-                continue
-            same = _close(conv[key], s[key], 1e-12) if key == "peak_tflops" else str(conv[key]) == str(s[key])
-            if not same:
-                problems.append(f"run.json {record}.{key} = {conv[key]!r}, summary {s[key]!r}")
-    return problems
-
-
-def _check_peak(res: AuditResult, inp: AuditInput, s: pd.Series) -> float:
-    """Check the peak behind MFU; return the peak (FLOP/s) the recount divides by.
-
-    A datasheet device must use its dense figure. A CPU's theoretical peak is recomputed from the
-    cores x clock x FLOP/cycle recorded in its source. Anything else (a measured burst, a peak a
-    recipe states for a device without a datasheet row) is not a figure the audit can verify."""
-    recorded, source = float(s["peak_tflops"]), str(s["peak_source"])
-    problems = _peak_records_agree(inp, s)
-    dense, where = _dense_peak(str(s["device_name"]))
-    measured = source.startswith("measured")
-    if dense is not None and not measured:
-        if _close(recorded, 2 * dense):
-            problems.append(
-                f"peak {recorded} TFLOP/s is the sparse figure of {s['device_name']} "
-                f"(dense {dense}); sparse peaks are never a denominator"
-            )
-        elif not _close(recorded, dense):
-            problems.append(f"peak {recorded} TFLOP/s is not the dense peak {dense} of {s['device_name']} ({where})")
-        res.add("peak is the device's dense peak", problems, ok_detail=f"{recorded} TFLOP/s ({where})")
-        return dense * 1e12
-    theoretical = theoretical_peak_from_source(source)
-    if theoretical is not None:
-        peak, rounding = theoretical
-        if not math.isclose(recorded, peak, rel_tol=rounding + 1e-9):
-            problems.append(f"peak {recorded} TFLOP/s, the recorded {source.split(' (')[0]} is {peak:.6g}")
-        res.add(
-            "peak recomputed from cores x clock x FLOP/cycle",
-            problems,
-            ok_detail=f"{recorded} TFLOP/s = {source.split(': ', 1)[1].split(' (')[0]}",
-        )
-        return recorded * 1e12
-    if source.startswith("theoretical"):
-        problems.append(f"peak source {source!r} does not state cores x clock x FLOP/cycle in the recorded form")
-    stated = inp.config.hardware.peak_tflops
-    if not measured and stated is not None and not _close(stated, recorded):
-        problems.append(f"peak {recorded} TFLOP/s, the hardware recipe in experiment.yaml states {stated}")
-    if problems:
-        res.add("peak is a figure the audit can verify", problems)
-    else:
-        why = "measured on the machine that ran" if measured else "stated in the hardware recipe"
-        res.could_not(
-            "peak is a figure the audit can verify",
-            f"not a datasheet figure: {recorded} TFLOP/s {why} ({source}) for device {s['device_name']!r}",
-        )
-    return recorded * 1e12
-
-
-def _check_flops(res: AuditResult, inp: AuditInput, s: pd.Series) -> tuple[Convention, float]:
-    """Params and FLOPs per token from the model config under the recorded convention."""
-    seq_len = inp.config.train.seq_len
-    conv = Convention.from_dict(
-        {k: s[k] for k in ("flops_formula", "params_counted", "attention_causal_half", "recompute_counted")}
-    )
-    n_params = params_of_config(inp.config).get(conv.params_counted)
-    fpt = flops_per_token(inp.config, conv, seq_len=seq_len)
-    problems = []
-    if int(s["params"]) != n_params:
-        problems.append(f"params = {int(s['params'])}, model config gives {n_params} ({conv.params_counted})")
-    if not _close(s["flops_per_token"], fpt):
-        problems.append(
-            f"flops_per_token = {s['flops_per_token']:.6g}, model config gives {fpt:.6g} ({conv.flops_formula})"
-        )
-    recorded_conv = inp.record.conventions or {}
-    for key in ("flops_formula", "params_counted", "attention_causal_half", "recompute_counted"):
-        if key in recorded_conv and str(recorded_conv[key]) != str(s[key]):
-            problems.append(f"{key} = {s[key]!r}, run.json conventions say {recorded_conv[key]!r}")
-    res.add("params and FLOPs per token from the model config", problems)
-    return conv, fpt
-
-
-def _check_compute(res: AuditResult, inp: AuditInput) -> None:
-    s = inp.tables["run_summary"].iloc[0]
-    seq_len = inp.config.train.seq_len
-    conv, fpt = _check_flops(res, inp, s)
-    peak = _check_peak(res, inp, s)
-    want: dict[str, float] = {}
-    if inp.has_run_json:
-        # The devices and device-seconds from run.json, not the summary's own columns: the recount
-        # must not trust the figures it is checking.
-        device_wall, device_step = device_seconds(
-            inp.run, inp.config, float(s["wall_seconds"]), float(s["step_seconds_total"])
-        )
-        want.update(device_wall_seconds=device_wall, device_step_seconds=device_step)
-    else:
-        device_wall, device_step = float(s["device_wall_seconds"]), float(s["device_step_seconds"])
-        res.could_not(
-            "device-seconds recomputed",
-            "no run.json: the summary's device-seconds cannot be recounted; MFU, goodput MFU and cost are "
-            "recomputed over them as stated",
-        )
-    want |= {
-        "mfu": fpt * int(s["processed_tokens"]) / (device_step * peak),
-        "goodput_mfu": fpt * int(s["useful_tokens"]) / (device_wall * peak),
-        "hfu": rpt.hfu_flops_per_token_or_nan(inp.config, conv, seq_len)
-        * int(s["processed_tokens"])
-        / (device_step * peak),
-        "cost_per_billion_useful_tokens": float(s["price_per_device_hour"])
-        * device_wall
-        / 3600.0
-        / (int(s["useful_tokens"]) / 1e9)
-        if int(s["useful_tokens"])
-        else 0.0,
-    }
-    if inp.has_run_json:
-        for key in ("wall_seconds", "step_seconds_total"):
-            if getattr(inp.record, key) is not None:
-                want[key] = float(getattr(inp.record, key))
-    for key, value in want.items():
-        if key == "hfu" and math.isnan(float(s[key])) and math.isnan(value):
-            res.info("hfu", "none: the run recomputes no activations (HFU = MFU)")
-            continue
-        ok = _close(s[key], value)
-        res.add(
-            f"{key} recomputed",
-            [] if ok else [f"report {float(s[key]):.6g}, recomputed {value:.6g}"],
-            ok_detail=f"{value:.6g}",
-        )
 
 
 def _check_rebuilt(res: AuditResult, inp: AuditInput) -> None:
@@ -754,7 +608,7 @@ def audit_input(
         rep = None
     if rep is not None:
         _check_replay(res, inp, rep)
-    _check_compute(res, inp)
+    check_compute(res, inp)
     _check_targets(res, inp)
     _check_downstream(res, inp)
     check_expert_load(res, inp)
