@@ -60,7 +60,7 @@ from runner.config.schema import CheckpointSection
 from runner.errors import RunnerError
 from runner.fsio import fsync_dir, fsync_file, sha256_file
 from runner.runs.checkpoints import FILES, FORMAT, MARKER, CheckpointState, dirname, step_of, verify
-from runner.training.staging import hashable_layout, save_safetensors_hashed
+from runner.training.staging import copy_state, hashable_layout, save_safetensors_hashed, storage_key
 
 #: train.checkpoint.write: where a checkpoint's files are written (the schema's Literal lists the same)
 WRITE_MODES = ("background", "foreground")
@@ -165,11 +165,6 @@ def training_tensors(model, optimizer) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers(), *state]
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    local = getattr(t, "_local_tensor", t)  # a DTensor's shard: its own memory
-    return local.untyped_storage().data_ptr()
-
-
 def host_copy(model_state: dict, optimizer_state: dict, live: Iterable[torch.Tensor]) -> tuple[dict, dict]:
     """The gathered state as host memory of its own, so training may go on while it is written.
 
@@ -179,28 +174,7 @@ def host_copy(model_state: dict, optimizer_state: dict, live: Iterable[torch.Ten
     names (tied embeddings) is copied once. The structure around the tensors (param groups, scalars)
     is copied too: the loop sets the learning rate every step. Rank 0 thus holds one checkpoint in
     host memory (runner.planning.resources.host_gather_bytes counts it)."""
-    own = {_storage_key(t) for t in live if t.device.type == "cpu"}
-    copies: dict[tuple, torch.Tensor] = {}
-
-    def copy(x):
-        if torch.is_tensor(x):
-            key = (str(x.device), _storage_key(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
-            if key not in copies:
-                t = x.detach()
-                if t.device.type != "cpu":
-                    copies[key] = t.to("cpu")
-                elif key[1] in own:
-                    copies[key] = t.clone()
-                else:
-                    copies[key] = t
-            return copies[key]
-        if isinstance(x, dict):
-            return {k: copy(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(copy(v) for v in x)
-        return x  # numbers, strings, None: immutable
-
-    return copy(model_state), copy(optimizer_state)
+    return copy_state(model_state, optimizer_state, live, lambda t: t.to("cpu"))
 
 
 def state_bytes(*states) -> int:
@@ -209,7 +183,7 @@ def state_bytes(*states) -> int:
 
     def walk(x):
         if torch.is_tensor(x):
-            seen[(_storage_key(x), x.storage_offset())] = x.numel() * x.element_size()
+            seen[(storage_key(x), x.storage_offset())] = x.numel() * x.element_size()
         elif isinstance(x, dict):
             for v in x.values():
                 walk(v)

@@ -44,8 +44,45 @@ class Staged:
     allocated_bytes: int  #: bytes of buffers this checkpoint had to allocate (0 once the pool holds them)
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def storage_key(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", t)  # a DTensor's shard: its own memory
+    return local.untyped_storage().data_ptr()
+
+
+def copy_state(
+    model_state: dict,
+    optimizer_state: dict,
+    live: Iterable[torch.Tensor],
+    to_host: Callable[[torch.Tensor], torch.Tensor],
+    copy_host: bool = False,
+) -> tuple[dict, dict]:
+    """The gathered state with each tensor that training may still change copied by `to_host`: a
+    tensor on a device (and, with `copy_host`, one on the host too); a host tensor that is training's
+    own memory (`live`) cloned; one the gather already copied kept. A storage under several names
+    (tied embeddings) is copied once; the structure around the tensors (param groups, scalars) is
+    copied too (the loop sets the learning rate every step)."""
+    own = {storage_key(t) for t in live if t.device.type == "cpu"}
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def copy(x):
+        if torch.is_tensor(x):
+            key = (str(x.device), storage_key(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+            if key not in copies:
+                t = x.detach()
+                if t.device.type != "cpu" or copy_host:
+                    copies[key] = to_host(t)
+                elif key[1] in own:
+                    copies[key] = t.clone()
+                else:
+                    copies[key] = t
+            return copies[key]
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(copy(v) for v in x)
+        return x  # numbers, strings, None: immutable
+
+    return copy(model_state), copy(optimizer_state)
 
 
 class PinnedStaging:
@@ -124,40 +161,26 @@ class PinnedStaging:
         a host tensor that is training's own memory (`live`) cloned, any other host tensor kept (the
         gather's own copy). A storage under several names is copied once."""
         self.release()  # the previous checkpoint's write is done (the loop waited for it)
-        own = {_storage_key(t) for t in live if t.device.type == "cpu"}
-        copies: dict[tuple, torch.Tensor] = {}
         fresh = 0
         main = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.stream is not None and main is not None:
             self.stream.wait_stream(main)  # the copies read the step's finished values
 
-        def copy(x):
+        def into_buffer(t: torch.Tensor) -> torch.Tensor:
             nonlocal fresh
-            if torch.is_tensor(x):
-                key = (str(x.device), _storage_key(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
-                if key not in copies:
-                    t = x.detach()
-                    if t.device.type != "cpu" or self.device.type == "cpu":  # a CPU staging copies host tensors too
-                        buf, n = self._take(tuple(t.shape), t.dtype)
-                        fresh += n
-                        if self.stream is not None:
-                            with torch.cuda.stream(self.stream):
-                                buf.copy_(t, non_blocking=True)
-                        else:
-                            buf.copy_(t)
-                        copies[key] = buf
-                    elif key[1] in own:
-                        copies[key] = t.clone()
-                    else:
-                        copies[key] = t
-                return copies[key]
-            if isinstance(x, dict):
-                return {k: copy(v) for k, v in x.items()}
-            if isinstance(x, (list, tuple)):
-                return type(x)(copy(v) for v in x)
-            return x
+            buf, n = self._take(tuple(t.shape), t.dtype)
+            fresh += n
+            if self.stream is not None:
+                with torch.cuda.stream(self.stream):
+                    buf.copy_(t, non_blocking=True)
+            else:
+                buf.copy_(t)
+            return buf
 
-        model_h, optim_h = copy(model_state), copy(optimizer_state)
+        # a CPU staging copies host tensors too (what the CPU tests exercise)
+        model_h, optim_h = copy_state(
+            model_state, optimizer_state, live, into_buffer, copy_host=self.device.type == "cpu"
+        )
         if self.stream is not None:
             event = self.stream.record_event()
             self.pending = event
