@@ -22,13 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers.utils import logging as hf_logging
-
 from runner.config.load import Experiment
 from runner.errors import RunnerError, display_path
 from runner.export import DEFAULT_MAX_SHARD_SIZE, card, export_scoring, folder, verify, verify_export
 from runner.export.push import Pushed, check_repo_id, check_token, push_folder
-from runner.export.source import Source, open_source
+from runner.export.source import Source, open_source, quiet_transformers
 from runner.export.stale import check_report_current
 from runner.fsio import fsync_dir, fsync_file
 
@@ -169,20 +167,6 @@ def _remove_empty(folders: list[Path]) -> None:
     for path in reversed(folders):
         with contextlib.suppress(OSError):
             path.rmdir()
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers' progress bars and load reports are not ours to print (and a verification
-    window may be longer than model_max_length, which transformers warns of)."""
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        hf_logging.enable_progress_bar()
 
 
 def _write_and_verify(src: Source, tmp: Path, dtype: str, max_shard_size: int, figures: dict, say) -> dict:

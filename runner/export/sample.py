@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
-from runner.export.export import RECORD, quiet_transformers
-from runner.export.source import export_model, open_source
+from runner.export.export import RECORD
+from runner.export.source import export_model, open_source, quiet_transformers
 from runner.export.verify_export import sample_provenance
 from runner.runs.folder import is_run_dir
 

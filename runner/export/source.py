@@ -10,6 +10,7 @@ folder: its class name would land in config.json's `architectures`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 from transformers import Glm4MoeForCausalLM, LlamaForCausalLM, OlmoeForCausalLM, PretrainedConfig
+from transformers.utils import logging as hf_logging
 
 from runner.config.load import Experiment, experiment_from_dict, find_project_root
 from runner.errors import RunnerError
@@ -151,3 +153,17 @@ def export_model(src: Source, dtype: torch.dtype) -> LlamaForCausalLM | OlmoeFor
         model = cls._from_config(config, dtype=torch.float32)
     model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' progress bars and load reports are not ours to print (and a verification
+    window may be longer than model_max_length, which transformers warns of)."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        hf_logging.enable_progress_bar()

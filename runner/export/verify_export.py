@@ -18,7 +18,6 @@ Never: writes into the export, or into the run folder beyond its own record.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import json
@@ -32,12 +31,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers.utils import logging as hf_logging
 
 from runner.config.load import load_saved_experiment
 from runner.errors import RunnerError, display_path
 from runner.export import card, card_downstream, export_scoring, folder
-from runner.export.source import Source, open_source
+from runner.export.source import Source, open_source, quiet_transformers
 from runner.fsio import atomic_write_json, read_json, sha256_file
 from runner.reports import tables as rpt
 
@@ -295,7 +293,7 @@ def _with_export_scoring(figures: dict, src: Source, export_dir: Path, dtype: st
         claimed = None
     if claimed is None and "files" not in record:
         return
-    with _quiet():
+    with quiet_transformers():
         rescored = export_scoring.score_folder(src, export_dir, dtype)
     if rescored is not None:
         downstream["export_scoring"] = claimed if export_scoring.agrees(claimed, rescored) else rescored
@@ -312,7 +310,7 @@ def verify_export(export_dir: str | Path, run_dir: str | Path) -> list[Check]:
     src = _source(run_dir, record)
     tmp = Path(tempfile.mkdtemp(prefix=".verify-export-"))
     try:
-        with _quiet():
+        with quiet_transformers():
             folder.write_folder(src, dtype, tmp, max_shard_size=1 << 62)
         checks.append(_check_weights(export_dir, tmp, step))
         checks.append(
@@ -350,19 +348,6 @@ def verify_export(export_dir: str | Path, run_dir: str | Path) -> list[Check]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return checks
-
-
-@contextlib.contextmanager
-def _quiet():
-    """transformers' progress bars and load reports are not ours to print (as runner export's)."""
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        hf_logging.enable_progress_bar()
 
 
 def verdict(checks: list[Check]) -> str:

@@ -105,20 +105,25 @@ def targets_markdown(comp: Comparison) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for t in comp.targets:
         g = df[df["target"] == t.name].set_index("run")
-        firsts = [
-            ", ".join(g.index[g[f"first_in_{m}"]]) or "none" for m in ("exposure_tokens", "wall_seconds", "cost_usd")
-        ]
-        if (t.domain, t.metric) in comp.not_comparable:
-            firsts = ["not comparable"] * 3
-        elif comp.tokens_not_comparable:
-            firsts[0] = "not comparable (tokenizers differ)"
-        if comp.hardware_differences:
-            firsts[1:] = ["not comparable (hardware settings differ)"] * 2
-        elif comp.machines:
-            firsts[1:] = [f"{x} (different machines)" for x in firsts[1:]]
+        firsts = _firsts(comp, g, (t.domain, t.metric) in comp.not_comparable)
         cells = [_target_cell(g.loc[label]) for label in comp.labels]
         lines.append("| " + " | ".join([f"`{t.name}` ({t.describe()})", *cells, *firsts]) + " |")
     return lines + [""]
+
+
+def _firsts(comp: Comparison, g: Any, not_comparable: bool = False) -> list[str]:
+    """Who met a target first in tokens, seconds and dollars (`g`: the target's rows by run), each
+    qualified where the runs' tokenizers, hardware settings or machines differ."""
+    firsts = [", ".join(g.index[g[f"first_in_{m}"]]) or "none" for m in ("exposure_tokens", "wall_seconds", "cost_usd")]
+    if not_comparable:
+        firsts = ["not comparable"] * 3
+    elif comp.tokens_not_comparable:
+        firsts[0] = "not comparable (tokenizers differ)"
+    if comp.hardware_differences:
+        firsts[1:] = ["not comparable (hardware settings differ)"] * 2
+    elif comp.machines:
+        firsts[1:] = [f"{x} (different machines)" for x in firsts[1:]]
+    return firsts
 
 
 def _incomparable_markdown(comp: Comparison) -> list[str]:
@@ -230,15 +235,7 @@ def _downstream_targets_markdown(comp: Comparison) -> list[str]:
     lines.append("|" + "---|" * len(header))
     for name, g in df.groupby("target", sort=True):
         g = g.set_index("run")
-        firsts = [
-            ", ".join(g.index[g[f"first_in_{m}"]]) or "none" for m in ("exposure_tokens", "wall_seconds", "cost_usd")
-        ]
-        if comp.tokens_not_comparable:
-            firsts[0] = "not comparable (tokenizers differ)"
-        if comp.hardware_differences:
-            firsts[1:] = ["not comparable (hardware settings differ)"] * 2
-        elif comp.machines:
-            firsts[1:] = [f"{x} (different machines)" for x in firsts[1:]]
+        firsts = _firsts(comp, g)
         cells = [_target_cell(g.loc[label]) for label in comp.labels]
         lines.append("| " + " | ".join([f"`{name}` ({g['definition'].iloc[0]})", *cells, *firsts]) + " |")
     return lines + ["", "Met at the first in-loop scoring at or above `at_least` (SPEC 'Downstream evaluation').", ""]
