@@ -448,20 +448,13 @@ def _write_gz(path: Path, rows: list[dict]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def _forge_eval_scoring(record_path: Path, edit) -> list[dict]:
-    """What a careful forger does to a `runner eval` scoring: its request file edited (`edit(rows)`),
-    then every figure of its record (centered forms and the aggregate too) recomputed from it with
-    the audit's own arithmetic, so that the two files agree. Returns the edited request rows."""
-    from runner.reports.audit.downstream import _centered, recompute
+def _refigure(rows: list[dict], got: dict) -> None:
+    """Each figure row recomputed in place from `got` (task -> metric -> value), the centred ones and
+    the aggregate as the scoring computes them."""
+    from runner.reports.audit.downstream import _centered
 
-    record = json.loads(record_path.read_text())
-    path = record_path.parent / record["requests_file"]
-    requests = _read_gz(path)
-    edit(requests)
-    _write_gz(path, requests)
-    got = recompute(requests)
-    baselines = {r["task"]: r["random_baseline"] for r in record["rows"] if r["random_baseline"] is not None}
-    for r in record["rows"]:
+    baselines = {r["task"]: r["random_baseline"] for r in rows if r["random_baseline"] is not None}
+    for r in rows:
         if r["task"] == "aggregate":
             parts = json.loads(r["convention"])["tasks"].items()
             r["value"] = sum(_centered(got[t][m.removeprefix("centered_")], baselines[t]) for t, m in parts) / len(
@@ -471,6 +464,21 @@ def _forge_eval_scoring(record_path: Path, edit) -> list[dict]:
             r["value"] = _centered(got[r["task"]][r["metric"].removeprefix("centered_")], r["random_baseline"])
         else:
             r["value"] = got[r["task"]][r["metric"]]
+
+
+def _forge_eval_scoring(record_path: Path, edit) -> list[dict]:
+    """What a careful forger does to a `runner eval` scoring: its request file edited (`edit(rows)`),
+    then every figure of its record (centered forms and the aggregate too) recomputed from it with
+    the audit's own arithmetic, so that the two files agree. Returns the edited request rows."""
+    from runner.reports.audit.downstream import recompute
+
+    record = json.loads(record_path.read_text())
+    path = record_path.parent / record["requests_file"]
+    requests = _read_gz(path)
+    edit(requests)
+    _write_gz(path, requests)
+    got = recompute(requests)
+    _refigure(record["rows"], got)
     record_path.write_text(json.dumps(record))
     return requests
 
@@ -773,7 +781,7 @@ def test_run_json_sums_evaluation_time_per_attempt_and_the_report_shows_it(tmp_p
 def _forge_loop_scoring(run: Path, step: int, edit) -> None:
     """A loop scoring forged consistently: its request file edited (`edit(rows)`), then every figure
     of that step in metrics/downstream.jsonl recomputed from it with the audit's own arithmetic."""
-    from runner.reports.audit.downstream import _centered, recompute
+    from runner.reports.audit.downstream import recompute
 
     path = run / f"downstream/requests-loop-step-{step:07d}.jsonl.gz"
     requests = _read_gz(path)
@@ -782,18 +790,7 @@ def _forge_loop_scoring(run: Path, step: int, edit) -> None:
     got = recompute(requests)
     loop_file = run / "metrics/downstream.jsonl"
     rows = read_jsonl(loop_file)
-    at = [r for r in rows if r["step"] == step]
-    baselines = {r["task"]: r["random_baseline"] for r in at if r["random_baseline"] is not None}
-    for r in at:
-        if r["task"] == "aggregate":
-            parts = json.loads(r["convention"])["tasks"].items()
-            r["value"] = sum(_centered(got[t][m.removeprefix("centered_")], baselines[t]) for t, m in parts) / len(
-                parts
-            )
-        elif r["metric"].startswith("centered_"):
-            r["value"] = _centered(got[r["task"]][r["metric"].removeprefix("centered_")], r["random_baseline"])
-        else:
-            r["value"] = got[r["task"]][r["metric"]]
+    _refigure([r for r in rows if r["step"] == step], got)
     loop_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
