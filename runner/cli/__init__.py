@@ -11,10 +11,14 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from runner.cli import compare, data, downstream, export, hub, job, plan, report, train
 from runner.errors import EXIT_OK, EXIT_USAGE, RunnerError, display_path
+
+#: when this module was imported: the start of a command's wall time where runner.STARTED is missing (main)
+_IMPORTED = time.perf_counter()
 
 #: modules under runner/cli that add their verbs through `register(subparsers)`
 COMMAND_MODULES = (data, hub, train, job, report, plan, compare, export, downstream)
@@ -154,8 +158,6 @@ TIMED = ("launch", "export", "eval", "report", "audit", "smoke", "compare", "dat
 
 def _say_wall(command: str, started: float) -> None:
     """`runner VERB: N s in all`: what the user waited, not only the part a verb measures itself."""
-    import time
-
     if command in TIMED and os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
         from runner.progress import format_seconds
 
@@ -165,11 +167,12 @@ def _say_wall(command: str, started: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import time
-
     import runner
 
-    started = runner.STARTED if argv is None else time.perf_counter()  # in a process: from its first import
+    # In a process: from the package's first import. Read by attribute: under an editable install, a
+    # `runner/` folder in the working directory (a project copy holding runner/builtin/assets/tokenizer.json)
+    # makes `runner` a namespace package whose __init__ never ran; then from this module's import.
+    started = getattr(runner, "STARTED", _IMPORTED) if argv is None else time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

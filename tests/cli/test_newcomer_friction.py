@@ -5,6 +5,8 @@ recomputation; the throughput and repetition plots readable."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import subprocess
 import sys
 
@@ -52,10 +54,38 @@ def test_validates_summary_comes_after_its_errors_when_piped_together(project, t
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,  # one pipe, as `2>&1 | less` reads it
         text=True,
+        env=installed_env(),
     )
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 2 and lines[-1] == "1 valid, 1 invalid", proc.stdout
     assert lines[0].startswith("ok  experiments/cpu-tiny.yaml") and lines[-2].startswith("error: experiments/bad.yaml")
+
+
+def installed_env() -> dict[str, str]:
+    """The environment as a user's shell has it: without PYTHONPATH where the package is installed (as
+    ./install.sh does, editable). The project copy holds runner/builtin/assets/, a `runner/` folder without
+    __init__.py in the working directory, which an editable install's finder lets shadow the package's
+    __init__ (CI caught `runner.STARTED` missing there while a PYTHONPATH run passed)."""
+    env = dict(os.environ)
+    try:
+        importlib.metadata.distribution("runner")
+    except importlib.metadata.PackageNotFoundError:
+        return env  # run from a source tree on PYTHONPATH: keep it
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def test_a_runner_folder_in_the_working_directory_does_not_break_the_command(project):
+    assert (project / "runner").is_dir() and not (project / "runner/__init__.py").exists()
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "data", "builtin"],  # a verb that says its whole wall time
+        cwd=project,
+        capture_output=True,
+        text=True,
+        env=installed_env(),
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "runner data: " in proc.stderr and " s in all, start-up included" in proc.stderr, proc.stderr
 
 
 def test_uncompared_mlflow_keys_are_said_by_family():
