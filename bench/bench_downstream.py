@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 def main() -> None:
     from transformers import LlamaConfig
 
-    from runner.config.schema import DownstreamTask
+    from runner.config.eval_recipe import DownstreamTask
     from runner.data.builtin.build import TOKENIZER_PATH
     from runner.data.tokenizer import load_tokenizer, vocab_size_of
     from runner.fsio import sha256_file

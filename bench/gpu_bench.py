@@ -661,7 +661,7 @@ def smoke_settings(experiment: Path, device: torch.device) -> tuple[dict[str, An
     shape, source = load_shape(experiment)
     try:
         from runner.config.load import load_experiment
-        from runner.planning.plan import choose_micro_batch
+        from runner.planning.memory import choose_micro_batch
 
         exp = load_experiment(experiment, check_files=False)
         cfg, m = exp.config, exp.config.model

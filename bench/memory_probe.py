@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 from runner.config.load import load_experiment  # noqa: E402
 from runner.config.rules import model_vocab_size  # noqa: E402
 from runner.planning.measured_memory import planned_probe_bytes  # noqa: E402
-from runner.planning.plan import GIB, saved_activation_bytes  # noqa: E402
+from runner.planning.memory import GIB, saved_activation_bytes  # noqa: E402
 from runner.training.memprobe import probe_training_forward  # noqa: E402
 from runner.training.model import build_model  # noqa: E402
 

@@ -97,7 +97,7 @@ def _with(cfg, v: MoeVariant, micro_batch: int, device: torch.device):
 
 def planned_micro_batch(cfg, device: torch.device) -> int:
     """The largest micro batch the memory plan fits on this device without checkpointing (auto policy)."""
-    from runner.planning.plan import choose_micro_batch
+    from runner.planning.memory import choose_micro_batch
 
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     none = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, activation_checkpointing="none"))
@@ -154,7 +154,7 @@ def run_moe_variant(
 ) -> Any:
     """One row (gpu_bench.Row) inside [now, deadline]; every failure is a row, never an exception."""
     from runner.planning.flops import convention_for, flops_per_token
-    from runner.planning.plan import memory_per_device
+    from runner.planning.memory import memory_per_device
 
     # Row 5: the plan is conservative on a GPU (it counts autocast's weight copies as kept), so it
     # starts at twice the plan's micro batch and halves on an out-of-memory, within the row's box.

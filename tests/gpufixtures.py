@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from runner.config.schema import ExperimentSchema, from_plain
-from runner.planning.plan import saved_activation_bytes
+from runner.config.schema import ExperimentSchema
+from runner.config.section import from_plain
+from runner.planning.memory import saved_activation_bytes
 from runner.training.memprobe import probe_training_forward
 from runner.training.model import build_model, maybe_compile
 

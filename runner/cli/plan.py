@@ -17,7 +17,8 @@ def _float(text: str, flag: str) -> float:
 
 
 def cmd_plan(args) -> int:
-    from runner.planning.plan import build_plan, format_plan
+    from runner.planning.plan import build_plan
+    from runner.planning.plan_text import format_plan
     from runner.planning.resources import load_experiment
     from runner.reports.planning_inputs import read_calibration
 

@@ -25,15 +25,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.config.fingerprint import fingerprint
 from runner.config.rules import ResourceRules, check_recipe, validate_experiment
-from runner.config.schema import (
-    EXPERIMENT_KEYS,
-    KINDS,
-    LABEL_KEYS,
-    RECIPE_SCHEMAS,
-    ExperimentSchema,
-    Recipe,
-    literal_choices,
-)
+from runner.config.schema import EXPERIMENT_KEYS, KINDS, LABEL_KEYS, RECIPE_SCHEMAS, ExperimentSchema, literal_choices
+from runner.config.section import Recipe
 from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
 from runner.fsio import load_yaml_text, read_yaml
 

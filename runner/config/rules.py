@@ -20,16 +20,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from runner.config.schema import (
-    COMMIT_HEX,
-    MEAN_DOMAIN,
-    SHA256_HEX,
-    ExperimentSchema,
-    HardwareRecipe,
-    HubFiles,
-    Recipe,
-    TokenizerRecipe,
-)
+from runner.config.data_recipes import COMMIT_HEX, HubFiles, TokenizerRecipe
+from runner.config.eval_recipe import MEAN_DOMAIN
+from runner.config.schema import ExperimentSchema, HardwareRecipe
+from runner.config.section import SHA256_HEX, Recipe
 from runner.errors import Problems, RunnerError, did_you_mean, display_path
 from runner.fsio import sha256_file
 

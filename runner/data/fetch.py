@@ -39,7 +39,7 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils._runtime import is_xet_available
 
-from runner.config.schema import COMMIT_HEX as COMMIT
+from runner.config.data_recipes import COMMIT_HEX as COMMIT
 from runner.data.fetch_record import (
     RECORD_FORMAT,
     append_journal,

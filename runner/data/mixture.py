@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from runner.config.schema import RATIO_SUM_TOLERANCE
+from runner.config.data_recipes import RATIO_SUM_TOLERANCE
 from runner.data.sampler import MixtureSchedule
 from runner.errors import MixtureInfeasible, RunnerError
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import pandas as pd
 
-from runner.config.schema import DOWNSTREAM_ACCURACIES, ExperimentSchema
+from runner.config.eval_recipe import DOWNSTREAM_ACCURACIES
+from runner.config.schema import ExperimentSchema
 from runner.export import export_scoring
 from runner.reports.downstream.report import numbered_records
 from runner.reports.downstream.targets import render_markdown

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from runner.planning.plan import GIB, memory_per_device
+from runner.planning.memory import GIB, memory_per_device
 
 
 def bench_row_config(shape: Mapping[str, Any], row: Mapping[str, Any], gpu: bool = True) -> dict[str, Any]:

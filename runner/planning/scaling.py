@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import minimize, minimize_scalar
 
-from runner.config.schema import MEAN_DOMAIN
+from runner.config.eval_recipe import MEAN_DOMAIN
 from runner.errors import RunnerError
 
 HUBER_DELTA = 1e-3

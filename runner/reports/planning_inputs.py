@@ -23,7 +23,8 @@ from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl
 from runner.planning import hardware
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
-from runner.planning.plan import Calibration, architecture, as_schema
+from runner.planning.memory import as_schema
+from runner.planning.plan import Calibration, architecture
 from runner.planning.scaling import Point
 from runner.runs.runjson import RunJson
 

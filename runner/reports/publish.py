@@ -26,6 +26,7 @@ import pandas as pd
 from runner.config.load import load_saved_experiment, repo_root
 from runner.errors import RunnerError
 from runner.fsio import atomic_write, read_json, replace_folder, staging_folder
+from runner.reports import markdown
 from runner.reports import tables as rpt
 from runner.reports.audit.evidence import write_report_with_evidence
 from runner.reports.audit.run import AuditResult, audit
@@ -131,7 +132,7 @@ def index_rows(reports_dir: str | Path) -> pd.DataFrame:
     for folder in published_reports(reports_dir):
         tables = rpt.read_tables(folder)
         s = tables["run_summary"].iloc[0]
-        losses = rpt.final_losses(tables["validation"])
+        losses = markdown.final_losses(tables["validation"])
         rows.append(
             {
                 "experiment": s["experiment"],

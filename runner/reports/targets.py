@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from runner.config.eval_recipe import MEAN_DOMAIN
 from runner.config.load import experiment_from_dict
 from runner.config.rules import check_targets
-from runner.config.schema import MEAN_DOMAIN, ExperimentSchema
+from runner.config.schema import ExperimentSchema
 from runner.errors import Problems
 from runner.fsio import read_yaml
 from runner.runs.runjson import as_record

@@ -27,7 +27,7 @@ from runner.config.rules import grad_accum, max_duration_tokens, total_steps
 from runner.errors import EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.planning import hardware
 from runner.planning.flops import convention_for, flops_per_token, hfu_convention, hfu_flops_per_token
-from runner.planning.plan import choose_micro_batch
+from runner.planning.memory import choose_micro_batch
 from runner.runs.checkpoints import MARKER
 from runner.runs.folder import RunFolder
 from runner.runs.steprecord import StepRecord

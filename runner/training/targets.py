@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from runner.config.schema import MEAN_DOMAIN, TARGET_METRICS
+from runner.config.eval_recipe import MEAN_DOMAIN, TARGET_METRICS
 from runner.errors import RunnerError
 
 SECONDS_PER_HOUR = 3600.0

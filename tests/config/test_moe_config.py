@@ -12,12 +12,14 @@ import yaml
 
 from runner.config.fingerprint import canonical_meaning
 from runner.config.load import load_experiment
-from runner.config.schema import ExperimentSchema, ModelRecipe, from_plain
+from runner.config.schema import ExperimentSchema, ModelRecipe
+from runner.config.section import from_plain
 from runner.errors import RunnerError
 from runner.planning import assumptions
 from runner.planning.flops import MOE_CONVENTION, convention_for, count_params, flops_per_token, params_of_config
 from runner.planning.hardware import mfu
-from runner.planning.plan import build_plan, format_plan
+from runner.planning.plan import build_plan
+from runner.planning.plan_text import format_plan
 from runner.reports.planning_inputs import read_calibration
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,10 +11,12 @@ import yaml
 
 from runner.config.fingerprint import canonical_meaning
 from runner.config.load import load_experiment
-from runner.config.schema import ModelRecipe, from_plain
+from runner.config.schema import ModelRecipe
+from runner.config.section import from_plain
 from runner.errors import RunnerError
 from runner.planning.flops import convention_for, count_params, flops_per_token, params_of_config
-from runner.planning.plan import build_plan, format_plan
+from runner.planning.plan import build_plan
+from runner.planning.plan_text import format_plan
 
 REPO = Path(__file__).resolve().parents[2]
 

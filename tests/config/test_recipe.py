@@ -424,8 +424,9 @@ def test_validate_refuses_an_infeasible_mixture(project_with_data: Path):
 def test_the_config_is_typed_frozen_and_saves_as_before():
     from dataclasses import FrozenInstanceError
 
+    from runner.config.data_recipes import DomainRecipe
     from runner.config.load import experiment_from_dict, to_yaml
-    from runner.config.schema import DomainRecipe, ExperimentSchema, ModelRecipe
+    from runner.config.schema import ExperimentSchema, ModelRecipe
 
     exp = load_experiment(REPO / "experiments/cpu-tiny.yaml")
     cfg = exp.config

@@ -14,7 +14,7 @@ from fakehub import FakeHub
 from hubfixtures import DATA_REPO, SHARDS, _downloads, _exp, serving_hub, use_hub
 
 from runner.cli import main
-from runner.config.schema import repo_id_problem
+from runner.config.data_recipes import repo_id_problem
 from runner.data.fetch import fetch_experiment
 from runner.data.fetch_record import journal_path
 from runner.reports.pr_review import check_pr

@@ -12,7 +12,8 @@ from conftest import REPO
 from runner.config.load import load_experiment
 from runner.planning import assumptions
 from runner.planning.flops import params_of_config
-from runner.planning.plan import SECONDS_PER_HOUR, build_plan, format_plan
+from runner.planning.plan import SECONDS_PER_HOUR, build_plan
+from runner.planning.plan_text import format_plan
 
 
 def _with_checkpoint(cfg, **changes):

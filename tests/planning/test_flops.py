@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from runner.config.schema import ExperimentSchema, ModelRecipe, TokenizerRecipe, TrainSection
+from runner.config.data_recipes import TokenizerRecipe
+from runner.config.schema import ExperimentSchema, ModelRecipe, TrainSection
 from runner.errors import RunnerError
 from runner.planning.flops import DEFAULT_CONVENTION, Convention, count_params, flops_per_token, params_of_config
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from runner.config.load import load_experiment
-from runner.planning.plan import format_plan
+from runner.planning.plan_text import format_plan
 from runner.planning.scaling import Fit, Point, forecast_target, target_quantity, tokens_to_reach
 from runner.reports.targets import declared_targets
 
@@ -137,7 +137,7 @@ def test_plan_with_a_fit_gives_tokens_days_and_dollars_per_target(project, tmp_p
 
 
 def _si(x: float) -> str:
-    from runner.planning.plan import _si as si
+    from runner.planning.plan_text import _si as si
 
     return si(x)
 

@@ -9,7 +9,7 @@ from conftest import REPO
 
 from runner.config.load import load_experiment
 from runner.planning.measured_memory import compare_bench, planned_probe_bytes
-from runner.planning.plan import GIB, choose_micro_batch, memory_per_device
+from runner.planning.memory import GIB, choose_micro_batch, memory_per_device
 
 MEASURED = REPO / "bench" / "measurements"
 TOLERANCE = 0.05

@@ -13,6 +13,7 @@ from runner.errors import RunnerError
 from runner.export import DEFAULT_MAX_SHARD_SIZE
 from runner.planning import assumptions
 from runner.planning.flops import params_of_config
+from runner.planning.memory import memory_per_device
 from runner.planning.plan import (
     EXPORT_SHARD_BYTES,
     SECONDS_PER_DAY,
@@ -20,12 +21,11 @@ from runner.planning.plan import (
     chinchilla_optimal_tokens,
     compute_seconds,
     effective_tokens,
-    format_plan,
-    memory_per_device,
     pure_training_seconds,
     training_flops,
     wall_clock_seconds,
 )
+from runner.planning.plan_text import format_plan
 from runner.reports.planning_inputs import read_calibration
 
 H200 = 989.4

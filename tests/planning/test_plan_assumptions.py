@@ -10,10 +10,12 @@ import pytest
 
 from runner.cli import main
 from runner.config.load import load_experiment
-from runner.config.schema import ExperimentSchema, from_plain
+from runner.config.schema import ExperimentSchema
+from runner.config.section import from_plain
 from runner.planning import assumptions
 from runner.planning.assumptions import MOE_TO_DENSE, assumed_mfu, carried_mfu, reference_mfu
-from runner.planning.plan import Calibration, build_plan, format_plan
+from runner.planning.plan import Calibration, build_plan
+from runner.planning.plan_text import format_plan
 
 REPO = Path(__file__).resolve().parents[2]
 # OLMoE 1.3B active x 24,400 tokens/s over OLMo-core 7B x 10,000 tokens/s, both per H100: 0.45314

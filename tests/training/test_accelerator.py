@@ -323,7 +323,8 @@ def test_compiled_ddp_graphs_stay_whole_instead_of_split_at_gradient_buckets(mon
     from torch._dynamo.testing import CompileCounter
     from torch.nn.parallel import DistributedDataParallel
 
-    from runner.config.schema import ExperimentSchema, TokenizerRecipe, TrainSection
+    from runner.config.data_recipes import TokenizerRecipe
+    from runner.config.schema import ExperimentSchema, TrainSection
     from runner.training.model import build_model, maybe_compile
 
     c = ExperimentSchema(

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from runner.config.schema import DownstreamTask
+from runner.config.eval_recipe import DownstreamTask
 from runner.data.builtin.build import TOKENIZER_PATH
 from runner.data.tokenizer import load_tokenizer, vocab_size_of
 from runner.errors import Problems, RunnerError

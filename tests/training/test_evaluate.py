@@ -11,8 +11,8 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from trainfixtures import make_project
 
+from runner.config.eval_recipe import DownstreamTask
 from runner.config.load import load_experiment
-from runner.config.schema import DownstreamTask
 from runner.training import evaluate
 from runner.training.batches import load_data
 from runner.training.downstream.run import prepare, score

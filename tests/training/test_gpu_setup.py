@@ -12,7 +12,7 @@ import pytest
 import torch
 from gpufixtures import batch, loss_grads, plan_and_probe, regional_model, tiny_cfg, tiny_model
 
-from runner.planning.plan import memory_per_device, saved_activation_bytes
+from runner.planning.memory import memory_per_device, saved_activation_bytes
 
 CPU = torch.device("cpu")
 GPU_TESTS = Path(__file__).parent / "test_gpu.py"

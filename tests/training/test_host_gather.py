@@ -11,7 +11,8 @@ from conftest import REPO
 from runner.config.fingerprint import fingerprint
 from runner.config.load import load_experiment
 from runner.errors import Problems
-from runner.planning.plan import build_plan, format_plan
+from runner.planning.plan import build_plan
+from runner.planning.plan_text import format_plan
 from runner.planning.resources import check_host_gather
 
 OLMOE = REPO / "experiments" / "olmoe-1b-7b.yaml"  # 6.9B parameters: 77.33 GiB gathered

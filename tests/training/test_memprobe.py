@@ -14,9 +14,10 @@ import pytest
 import torch
 from trainfixtures import launch, make_project
 
-from runner.config.schema import ExperimentSchema, from_plain
+from runner.config.schema import ExperimentSchema
+from runner.config.section import from_plain
 from runner.errors import RunnerError
-from runner.planning.plan import GIB, choose_micro_batch, memory_per_device, saved_activation_bytes
+from runner.planning.memory import GIB, choose_micro_batch, memory_per_device, saved_activation_bytes
 from runner.training.memprobe import probe_training_forward
 from runner.training.model import build_model
 

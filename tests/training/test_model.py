@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.config.schema import ExperimentSchema, HardwareRecipe, ModelRecipe, TokenizerRecipe, TrainSection
+from runner.config.data_recipes import TokenizerRecipe
+from runner.config.schema import ExperimentSchema, HardwareRecipe, ModelRecipe, TrainSection
 from runner.errors import RunnerError
 from runner.planning.flops import params_of_config
 from runner.training.model import build_model, is_activation_checkpointing, maybe_compile

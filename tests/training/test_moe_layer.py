@@ -272,10 +272,11 @@ def test_a_host_sync_in_the_layer_is_caught(monkeypatch, sync):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_the_memory_plan_counts_each_checkpointing_mode_as_the_saved_tensor_probe_measures(bf16):
-    """runner.planning.plan.saved_activation_bytes against runner.training.memprobe for the MoE
+    """runner.planning.memory.saved_activation_bytes against runner.training.memprobe for the MoE
     model in none, full and selective (bf16: CPU autocast standing in for the GPU's)."""
-    from runner.config.schema import ExperimentSchema, from_plain
-    from runner.planning.plan import memory_per_device, saved_activation_bytes
+    from runner.config.schema import ExperimentSchema
+    from runner.config.section import from_plain
+    from runner.planning.memory import memory_per_device, saved_activation_bytes
     from runner.training.loss import plain_loss_sum
     from runner.training.memprobe import saved_bytes
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.config.eval_recipe import DownstreamTask
 from runner.config.load import experiment_from_dict
-from runner.config.schema import DownstreamTask
 from runner.errors import RunnerError
 from runner.fsio import read_json
 from runner.reports.audit.downstream import REQUEST_INTS, convention_record, read_requests

@@ -34,8 +34,8 @@ from runner.data.manifest import MIN_VALIDATION_SAMPLES, manifest_sha256, num_sa
 from runner.data.sampler import MixtureSampler
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_yaml
+from runner.reports import markdown, targets
 from runner.reports import tables as rpt
-from runner.reports import targets
 from runner.reports.audit import downstream as downstream_audit
 from runner.reports.audit import evidence as ev
 from runner.reports.audit import tracked as audit_tracked
@@ -636,7 +636,7 @@ def audit_input(
 def _note_small_validation(res: AuditResult, inp: AuditInput) -> None:
     """A note, never a failure: domains whose validation loss rests on too few samples."""
     asked = inp.config.eval.samples_per_domain
-    small = rpt.small_validation_sets(inp.tables["validation"], rpt.domains_of(inp.tables), asked)
+    small = markdown.small_validation_sets(inp.tables["validation"], markdown.domains_of(inp.tables), asked)
     res.info("validation set sizes", "; ".join(small) or f"every domain >= {MIN_VALIDATION_SAMPLES} samples")
 
 

@@ -25,7 +25,8 @@ from runner.fsio import read_json
 from runner.reports.audit import downstream_tracked
 from runner.reports.audit import evidence as ev
 from runner.reports.audit.result import AuditResult
-from runner.reports.tables import CONVENTION_KEYS, written_version
+from runner.reports.markdown import CONVENTION_KEYS
+from runner.reports.tables import written_version
 from runner.training.tracking import missing_store, sqlite_path
 from schemas.report_tables import with_added_columns
 

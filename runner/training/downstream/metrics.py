@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runner.config.schema import DOWNSTREAM_ACCURACIES
+from runner.config.eval_recipe import DOWNSTREAM_ACCURACIES
 from runner.training.downstream.documents import Task
 
 

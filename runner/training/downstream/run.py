@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from runner.config.eval_recipe import DownstreamTask
 from runner.config.load import Experiment
-from runner.config.schema import DownstreamTask
 from runner.data.tokenizer import load_tokenizer
 from runner.errors import RunnerError
 from runner.fsio import canonical_json

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from runner.config.schema import DownstreamTask
+from runner.config.eval_recipe import DownstreamTask
 from runner.errors import RunnerError, display_path
 from runner.fsio import sha256_file
 from runner.training.downstream.documents import Document, Request, Task
