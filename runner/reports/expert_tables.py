@@ -152,8 +152,10 @@ def markdown(
     cfg: ExperimentSchema,
     params: dict[str, int],
     md_table: Callable[[pd.DataFrame], str],
+    final_bias: dict[str, Any] | None = None,
 ) -> list[str]:
-    """The report.md section on experts ([] for a dense run); `md_table` renders a frame as the report does."""
+    """The report.md section on experts ([] for a dense run); `md_table` renders a frame as the report does;
+    `final_bias` (report/final_bias.json) adds the balancing bias after the last step."""
     bal = tables.get("expert_balance")
     if bal is None or bal.empty:  # dense, or an older report
         return []
@@ -199,7 +201,38 @@ def markdown(
         "  `idle_capacity` = 1 - mean / max: the share of expert capacity, sized for the busiest expert, left idle.",
         "",
     ]
-    return lines
+    return lines + bias_lines(final_bias, md_table)
+
+
+def bias_lines(final_bias: dict[str, Any] | None, md_table: Callable[[pd.DataFrame], str]) -> list[str]:
+    """report.md's balancing bias after the last step, every layer's whole vector ([] without one)."""
+    if not final_bias:
+        return []
+    layers = sorted(final_bias["layers"].items(), key=lambda kv: int(kv[0]))
+    rows = pd.DataFrame(
+        [
+            {
+                "model layer": int(layer),
+                "min": float(np.min(v)),
+                "max": float(np.max(v)),
+                "experts raised (b > 0)": int(np.sum(np.asarray(v) > 0)),
+                "experts lowered (b < 0)": int(np.sum(np.asarray(v) < 0)),
+            }
+            for layer, v in layers
+        ]
+    )
+    return [
+        f"Balancing bias after step {final_bias['step']} (added to the scores for the top-k choice only; float32, "
+        f"in `final_bias.json`; every step's in the run's `{final_bias['source']}`, which the audit replays from "
+        "the step loads and holds the final checkpoint's router buffers to):",
+        "",
+        md_table(rows),
+        "",
+        "```",
+        *(f"layer {layer}: " + " ".join(str(np.float32(x)) for x in v) for layer, v in layers),
+        "```",
+        "",
+    ]
 
 
 def _deepseek_lines(cfg: ExperimentSchema) -> list[str]:

@@ -9,6 +9,8 @@ Never: builds or reads tables (runner.reports.tables does), writes files, or jud
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
@@ -114,6 +116,7 @@ def render_markdown(
     manifests: dict[str, dict],
     run: dict | None = None,
     curves: bool = False,
+    final_bias: dict[str, Any] | None = None,
 ) -> str:
     """report.md: what was trained on what data, the token accounting, the training curves (`curves`:
     training.png was written), validation and targets, speed and cost, the experts of a mixture of
@@ -122,7 +125,7 @@ def render_markdown(
     lines += training_curves.markdown() if curves else []
     lines += _md_validation(tables, cfg)
     lines += downstream_report.markdown(tables, _md_table)
-    lines += _md_speed(tables, cfg, run)
+    lines += _md_speed(tables, cfg, run, final_bias)
     lines += _md_definitions(tables["run_summary"].iloc[0])
     return "\n".join(lines)
 
@@ -217,7 +220,9 @@ def _md_validation(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema) -> li
     return lines
 
 
-def _md_speed(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, run: dict | None) -> list[str]:
+def _md_speed(
+    tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, run: dict | None, final_bias: dict[str, Any] | None
+) -> list[str]:
     s = tables["run_summary"].iloc[0]
     return [
         "## How fast, at what cost",
@@ -239,7 +244,7 @@ def _md_speed(tables: dict[str, pd.DataFrame], cfg: ExperimentSchema, run: dict 
         "",
         "![throughput](throughput.png)",
         "",
-        *expert_tables.markdown(tables, cfg, params_of_config(cfg).to_dict(), _md_table),
+        *expert_tables.markdown(tables, cfg, params_of_config(cfg).to_dict(), _md_table, final_bias),
     ]
 
 

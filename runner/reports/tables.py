@@ -11,6 +11,7 @@ outside report/.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -36,6 +37,7 @@ from runner.runs.folder import is_reportable_run
 from runner.runs.recorded import conventions_of, device_seconds, devices_held, read_manifest_copies, run_times
 from runner.runs.runjson import as_record
 from runner.training import task_targets
+from runner.training.routing_record import FINAL_BIAS_FILE, final_bias_of, read_final_bias
 from runner.training.tracking import default_tracking_uri
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 
@@ -381,7 +383,14 @@ def write_report(run_dir: str | Path, seal: Callable[[Path], None] | None = None
     train_rows = run_dir / "metrics" / "train.jsonl"
     curves = training_curves.write_training_curves(read_jsonl(train_rows) if train_rows.exists() else [], out)
     info = read_json(run_dir / "run.json")
-    (out / "report.md").write_text(render_markdown(tables, cfg, manifests, info, curves=curves is not None))
+    bias = None
+    if cfg.model.moe is not None:
+        bias = final_bias_of(run_dir, int(as_record(info).committed_steps), cfg.model.moe.first_dense_layers)
+        if bias is not None:
+            (out / FINAL_BIAS_FILE).write_text(json.dumps(bias, indent=1) + "\n")
+    (out / "report.md").write_text(
+        render_markdown(tables, cfg, manifests, info, curves=curves is not None, final_bias=bias)
+    )
     write_plots(tables, out)
     if seal is not None:
         seal(out)
@@ -402,7 +411,8 @@ def render_report_dir(report_dir: str | Path) -> Path:
     manifests = read_manifest_copies(report_dir / "manifests", domains)
     run = read_json(report_dir / "run.json") if (report_dir / "run.json").exists() else None
     curves = (report_dir / training_curves.PLOT).exists()  # drawn from train.jsonl, kept as it was
-    (report_dir / "report.md").write_text(render_markdown(tables, cfg, manifests, run, curves=curves))
+    bias = read_final_bias(report_dir)  # written with the report from the run's routing record, kept as it was
+    (report_dir / "report.md").write_text(render_markdown(tables, cfg, manifests, run, curves=curves, final_bias=bias))
     write_plots(tables, report_dir)
     return report_dir
 

@@ -19,10 +19,13 @@ from typing import Any
 import numpy as np
 
 from runner.errors import RunnerError
-from runner.fsio import read_jsonl
+from runner.fsio import read_json, read_jsonl
 
 FILE = "metrics/routing.jsonl"
 FORMAT = "runner-routing/1"
+#: the report folder's copy of the last line's biases (small, unlike the record: a run's report carries it)
+FINAL_BIAS_FILE = "final_bias.json"
+FINAL_BIAS_FORMAT = "runner-final-bias/1"
 
 
 def next_bias(bias: np.ndarray, load: np.ndarray, rate: float) -> np.ndarray:
@@ -52,3 +55,30 @@ def read_routing(run_dir: str | Path, committed_steps: int) -> dict[int, dict[st
 def bias_matrix(row: dict[str, Any]) -> list[np.ndarray | None]:
     """A line's biases as float32 vectors (None for a layer without one)."""
     return [None if b is None else np.asarray(b, dtype=np.float32) for b in row["bias"]]
+
+
+def final_bias_of(run_dir: str | Path, committed_steps: int, first_dense_layers: int) -> dict[str, Any] | None:
+    """The balancing bias after the last committed step, as report/final_bias.json holds it: the step,
+    and model layer index (as a string) -> its float32 vector (only layers with a learned bias); None
+    when the run has no routing record, no line for that step, or no layer with a bias."""
+    last = read_routing(run_dir, committed_steps).get(committed_steps)
+    if last is None:
+        return None
+    layers = {
+        str(first_dense_layers + i): [float(x) for x in b] for i, b in enumerate(bias_matrix(last)) if b is not None
+    }
+    if not layers:
+        return None
+    return {"format": FINAL_BIAS_FORMAT, "step": committed_steps, "source": FILE, "layers": layers}
+
+
+def read_final_bias(report_dir: str | Path) -> dict[str, Any] | None:
+    """report/final_bias.json, or None when the report has none (a dense run, a loss-balanced one, a report
+    written before it existed)."""
+    path = Path(report_dir) / FINAL_BIAS_FILE
+    if not path.exists():
+        return None
+    doc = read_json(path)
+    if not isinstance(doc, dict) or doc.get("format") != FINAL_BIAS_FORMAT or not isinstance(doc.get("layers"), dict):
+        raise RunnerError(f"not a final bias record ({FINAL_BIAS_FORMAT})", file=str(path))
+    return doc

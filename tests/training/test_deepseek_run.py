@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from trainfixtures import launch, make_project
 from runner.reports.audit.result import AuditResult
 from runner.reports.audit.routing import check_routing
 from runner.reports.audit.run import audit, load_input
+from runner.reports.tables import render_report_dir
 from runner.training.routing_record import read_routing
 
 V4 = {
@@ -60,6 +62,7 @@ V3 = {
 }
 BIAS = "balancing bias replayed from the step loads"
 SUMS = "routing record: step loads sum to the expert load table"
+REPORT_BIAS = "report's final bias (final_bias.json) equals the replay"
 
 
 def _lines(run: Path) -> dict[int, dict]:
@@ -119,6 +122,25 @@ def test_v4_style_run_resumes_bit_identically_audits_and_a_forged_bias_or_load_f
     result = routing_checks(favour_one_expert)
     assert result.failed() == [BIAS] and "step 4 layer 1" in result.checks[-1].detail
     assert SUMS in routing_checks(move_load).failed()
+
+    # The final bias in the report (issue 36): report/final_bias.json and report.md's section, held by the audit.
+    report = run / "report"
+    final = json.loads((report / "final_bias.json").read_text())
+    assert final["step"] == 4 and list(final["layers"]) == ["1"]  # model layer 1; layer 0 is hash-routed
+    assert np.array_equal(np.asarray(final["layers"]["1"], dtype=np.float32), bias.astype(np.float32))
+    md = (report / "report.md").read_text()
+    assert "Balancing bias after step 4" in md
+    assert "layer 1: " + " ".join(str(np.float32(x)) for x in lines[4]["bias"][1]) in md.splitlines()
+    assert {c.name: c.status for c in genuine.checks}[REPORT_BIAS] == "PASS"
+    forged_report = tmp_path / "forged-report"
+    shutil.copytree(report, forged_report)
+    final["layers"]["1"][0] += 0.01
+    (forged_report / "final_bias.json").write_text(json.dumps(final))
+    res = AuditResult(str(forged_report))
+    check_routing(res, dataclasses.replace(inp, report_dir=forged_report))
+    assert res.failed() == [REPORT_BIAS] and "model layer 1" in res.checks[-1].detail
+    render_report_dir(forged_report)  # re-rendered from the report folder alone: the section stays
+    assert "Balancing bias after step 4" in (forged_report / "report.md").read_text()
 
 
 @pytest.mark.slow

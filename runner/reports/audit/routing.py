@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from runner.planning.flops import is_moe
-from runner.training.routing_record import FILE, bias_matrix, next_bias, read_routing
+from runner.training.routing_record import FILE, FINAL_BIAS_FILE, bias_matrix, next_bias, read_final_bias, read_routing
 
 #: how many differing steps a FAIL lists
 SHOWN = 4
@@ -118,6 +118,32 @@ def check_routing(res, inp) -> None:
         else "balancing by a loss: the bias stays zero"
     )
     res.add("balancing bias replayed from the step loads", problems[:SHOWN], ok_detail=what)
+    has_bias = [learned[layer] and moe.router != "softmax" for layer in range(n_layers)]
+    _check_report_bias(res, inp, bias, has_bias, moe.first_dense_layers, steps)
+
+
+def _check_report_bias(res, inp, replayed: np.ndarray, has_bias: list[bool], first_dense: int, steps: int) -> None:
+    """report/final_bias.json (report.md's bias section) against the bias replayed to the last step."""
+    doc = read_final_bias(inp.report_dir) if inp.report_dir is not None else None
+    if doc is None:
+        return  # a loss-balanced run, or a report written before the file existed: nothing shown to hold
+    want = {str(first_dense + layer): replayed[layer] for layer in range(len(has_bias)) if has_bias[layer]}
+    problems = [] if doc.get("step") == steps else [f"written for step {doc.get('step')}, the run committed {steps}"]
+    for key in sorted(set(want) | set(doc["layers"]), key=int):
+        got = doc["layers"].get(key)
+        if key not in want:
+            problems.append(f"model layer {key}: a bias where the router has none")
+        elif got is None or np.asarray(got, dtype=np.float32).shape != want[key].shape:
+            problems.append(f"model layer {key}: missing or of the wrong length")
+        elif not np.array_equal(np.asarray(got, dtype=np.float32), want[key]):
+            problems.append(
+                f"model layer {key}: {np.asarray(got, dtype=np.float32).tolist()[:3]}..., replayed {want[key].tolist()[:3]}..."
+            )
+    res.add(
+        f"report's final bias ({FINAL_BIAS_FILE}) equals the replay",
+        problems[:SHOWN],
+        ok_detail=f"{len(want)} layers at step {steps}",
+    )
 
 
 def final_bias(inp) -> dict[int, np.ndarray]:
