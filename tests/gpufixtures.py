@@ -125,3 +125,19 @@ def staging_scenario(device: torch.device, b: int = MICRO, s: int = SEQ) -> dict
             opt.step()
             out["reference_params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return out
+
+
+def checkpoint_copy_scenario(model_device: torch.device, device: torch.device, available_bytes: int) -> dict[str, Any]:
+    """The loop's choice of rank 0's checkpoint copy (PinnedStaging.for_checkpoints, as runner.training.loop
+    calls it) for the tiny model on `model_device`, an accelerator `device` and a host with `available_bytes`
+    free: the bytes the buffers would take, the choice, and the staging when one was made (its prefill done)."""
+    from types import SimpleNamespace
+
+    from runner.training.staging import PinnedStaging, staging_bytes
+
+    model = tiny_model(model_device, "cuda")
+    acc = SimpleNamespace(device=device, is_main_process=True)
+    staging, copy = PinnedStaging.for_checkpoints(acc, "none", model, available=lambda: available_bytes)
+    if staging is not None and staging._prefill is not None:
+        staging._prefill.join()
+    return {"need": staging_bytes(model.parameters()), "copy": copy, "staging": staging}

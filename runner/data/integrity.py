@@ -5,19 +5,16 @@ while training starts; the loop waits for it before the run's first checkpoint, 
 report or finished status ever rests on a shard that differs from its pin) and the cache of shards
 already verified, so a resume, or another run over the same data, does not hash them again.
 
-The cache is one JSON file per user and machine: `$RUNNER_CACHE_DIR/verified-shards.json`, by
-default `$XDG_CACHE_HOME/runner/` (`~/.cache/runner/`). An entry holds a shard's resolved path,
-size, mtime, ctime, inode and the sha256 it matched; it counts only while all of them still hold
-and the manifest pins that same sha256. Any write to a file changes its ctime, which no user can
-set back, so a shard edited after it was verified is hashed again. The cache is a speed-up, never
-a record: losing it costs one more hash. Never decides what is trained and never reads tokens for
-training.
+The cache is `verified-shards.json` in the runner's cache folder, under runner.hashcache's trust
+rule (an entry holds a shard's resolved path, size, mtime, ctime, inode and device and the sha256
+it matched, and vouches only while they all still hold): a shard counts as verified without hashing
+when the cache vouches for the very sha256 its manifest pins. A shard edited after it was verified
+is hashed again. Never decides what is trained and never reads tokens for training.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 import time
@@ -26,18 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import RunnerError, display_path
-from runner.fsio import fsync_dir
+from runner.hashcache import HashCache
 
 CACHE_FILE = "verified-shards.json"
 _BLOCK_BYTES = 8 << 20  # 8 MiB reads: hashlib releases the GIL on blocks this size
-
-
-def cache_dir() -> Path:
-    """Where the verification cache lives (see the module docstring)."""
-    if os.environ.get("RUNNER_CACHE_DIR"):
-        return Path(os.environ["RUNNER_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "runner"
 
 
 @dataclass(frozen=True)
@@ -47,10 +36,6 @@ class _Item:
     manifest: Path
 
 
-def _identity(stat: os.stat_result) -> list[int]:
-    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
-
-
 class ShardVerifier:
     """Hashes every shard of `manifests` not already in the cache, in a daemon thread.
 
@@ -58,7 +43,8 @@ class ShardVerifier:
     is checked and raises that failure. `summary()` says what was verified and how."""
 
     def __init__(self, manifests: Iterable, cache: Path | None = None):
-        self.cache_path = (cache_dir() if cache is None else Path(cache)) / CACHE_FILE
+        self.cache = HashCache(CACHE_FILE, cache)
+        self.cache_path = self.cache.path
         items: dict[Path, _Item] = {}
         manifests_list = list(manifests)
         for m in manifests_list:
@@ -123,14 +109,11 @@ class ShardVerifier:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
-        cache = _read_cache(self.cache_path)
-        verified = {}
+        verified: dict[Path, tuple[str, os.stat_result]] = {}
         try:
             for item in self.items:
-                key = str(item.path.resolve())
-                stat = item.path.stat()
-                entry = cache.get(key)
-                if entry == {"identity": _identity(stat), "sha256": item.sha256}:
+                stat = item.path.stat()  # before the hash: a write during it changes the ctime
+                if self.cache.vouched(item.path) == item.sha256:
                     self.shards_cached += 1
                     self.bytes_total += stat.st_size
                     continue
@@ -144,7 +127,7 @@ class ShardVerifier:
                         file=str(item.path),
                     )
                     return
-                verified[key] = {"identity": _identity(item.path.stat()), "sha256": actual}
+                verified[item.path] = (actual, stat)
                 self.bytes_total += stat.st_size
         except OSError as e:
             self._failure = RunnerError(f"cannot read shard: {e.strerror}", file=e.filename)
@@ -153,7 +136,7 @@ class ShardVerifier:
         finally:
             self.seconds = time.perf_counter() - t0
             if verified:
-                _write_cache(self.cache_path, verified)
+                self.cache.remember(verified)
 
     def _hash(self, path: Path) -> str | None:
         h = hashlib.sha256()
@@ -164,26 +147,3 @@ class ShardVerifier:
                 h.update(block)
                 self.bytes_hashed += len(block)
         return h.hexdigest()
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # none yet, or torn by a concurrent writer: hash again
-    return data if isinstance(data, dict) else {}
-
-
-def _write_cache(path: Path, verified: dict) -> None:
-    """Merge `verified` into the cache (entries of files that are gone are dropped). Best effort:
-    several processes may write at once, each through its own temp file, the last rename wins."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        merged = {k: v for k, v in _read_cache(path).items() if os.path.exists(k)}
-        merged.update(verified)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError:
-        return  # a read-only home: every launch hashes again, nothing else changes

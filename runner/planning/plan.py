@@ -27,7 +27,7 @@ from runner.planning import assumptions, hardware
 from runner.planning.assumptions import AssumedMfu, assumed_mfu, carried_mfu
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.memory import as_schema, memory_per_device
-from runner.planning.resources import CHECKPOINT_BYTES_PER_PARAM
+from runner.planning.resources import CHECKPOINT_BYTES_PER_PARAM, PINNED_HOST_FRACTION, host_gather_bytes, pinned_fit
 
 SECONDS_PER_HOUR = 3600.0
 SECONDS_PER_DAY = 86400.0
@@ -244,13 +244,33 @@ def _storage(cfg: ExperimentSchema, tokens: float, all_params: int, pool_tokens:
     }
 
 
+def pinned_host(cfg: ExperimentSchema) -> dict[str, Any] | None:
+    """Rank 0's pinned checkpoint buffers (runner.training.staging.PinnedStaging): their bytes (the
+    checkpoint's, held for the whole run) and, where `hardware.host_memory_gib` states the host,
+    whether the trainer's guard (runner.planning.resources.pinned_fit) would pin them there, the stated
+    memory taken for the available one (an upper bound: the trainer reads MemAvailable at the start).
+    None where no pinned copy is made: a CPU run, FSDP (its gather copies to pageable memory)."""
+    if cfg.hardware.accelerator == "cpu" or cfg.hardware.distributed == "fsdp":
+        return None
+    need = host_gather_bytes(cfg)
+    host = cfg.hardware.host_memory_gib * 2**30 if cfg.hardware.host_memory_gib else None
+    return {
+        "bytes": need,
+        "host_memory_bytes": host,
+        "pinned": None if host is None else pinned_fit(need, host).pinned,
+        "fraction": PINNED_HOST_FRACTION,
+    }
+
+
 def checkpoint_copy_rate(cfg: ExperimentSchema) -> float:
     """Bytes per second of the loop's checkpoint copy to host memory: a host memcpy on a CPU; FSDP's
-    gather into pageable memory; else the side-stream copy into pinned buffers (the loop goes on; its
-    next optimizer step waits for the copy on the device)."""
+    gather into pageable memory, and the pageable copy where the stated host cannot spare the pinned
+    buffers; else the side-stream copy into pinned buffers (the loop goes on; its next optimizer step
+    waits for the copy on the device)."""
     if cfg.hardware.accelerator == "cpu":
         return assumptions.HOST_MEMCPY_BYTES_PER_S
-    if cfg.hardware.distributed == "fsdp":
+    pinned = pinned_host(cfg)
+    if pinned is None or pinned["pinned"] is False:
         return assumptions.PAGEABLE_COPY_BYTES_PER_S
     return assumptions.PINNED_COPY_BYTES_PER_S
 
@@ -277,6 +297,7 @@ def checkpoint_time(cfg: ExperimentSchema, checkpoint_bytes: float, pure_seconds
     return {
         "write": ck.write,
         "copy": "pinned" if rate == assumptions.PINNED_COPY_BYTES_PER_S else "host",
+        "pinned_host": pinned_host(cfg),
         "count": count,
         "seconds_between": between,
         "copy_seconds": copy,

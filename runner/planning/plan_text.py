@@ -168,6 +168,8 @@ def _format_memory_and_storage(plan: Mapping[str, Any], out: list[str]) -> None:
 def _format_checkpoint_time(ck: Mapping[str, Any], out: list[str]) -> None:
     behind = "behind the loop" if ck["write"] == "background" else "in the loop (train.checkpoint.write: foreground)"
     _row(out, "checkpoint write + sha256", f"{ck['write_seconds']:,.3g} s", note=f"each, one pass, {behind}")
+    if ck.get("pinned_host") is not None:
+        _format_pinned_host(ck["pinned_host"], out)
     pinned = ck.get("copy") == "pinned"
     waits = (
         "the copy to pinned host memory (an upper bound: enqueued, the next optimizer step waits for it)"
@@ -189,6 +191,18 @@ def _format_checkpoint_time(ck: Mapping[str, Any], out: list[str]) -> None:
         f"{ck['assumed_fraction']:.1%} (plan.checkpoint_overhead_fraction)",
     )
     out.append(f"  checkpoint rates: {ck['source']}")
+
+
+def _format_pinned_host(pin: Mapping[str, Any], out: list[str]) -> None:
+    """Rank 0's pinned checkpoint buffers, held all run, and whether the stated host would pin them."""
+    at_most = f"held all run; pinned when at most {pin['fraction']:.0%} of the host's available memory at the start"
+    if pin["host_memory_bytes"] is None:
+        note = f"{at_most}; host memory unknown (hardware.host_memory_gib)"
+    elif pin["pinned"]:
+        note = f"{at_most}: pinned on {_gib(pin['host_memory_bytes'])} (hardware.host_memory_gib)"
+    else:
+        note = f"{at_most}: NOT on {_gib(pin['host_memory_bytes'])} (hardware.host_memory_gib): pageable copies"
+    _row(out, "pinned host buffers (rank 0)", _gib(pin["bytes"]), note=note)
 
 
 def _format_export(ex: Mapping[str, Any], out: list[str]) -> None:

@@ -1,7 +1,9 @@
 """The experiment rules that need FLOPs or the hardware peak table: the device has a peak for its dtype,
-the model's training state fits the device memory, a checkpoint gathered on rank 0 fits the host.
+the model's training state fits the device memory, a checkpoint gathered on rank 0 fits the host; and
+whether rank 0's pinned checkpoint buffers may be taken from a host's available memory (`pinned_fit`,
+the trainer's guard and `runner plan`'s row alike).
 
-Owns those three rules and the loaders that apply them with the config's own (`load_experiment`,
+Owns those rules, that guard's arithmetic and the loaders that apply them with the config's own (`load_experiment`,
 `load_recipe_file`: runner.config.load's, handed `RULES`). Every CLI verb loads through these, so a
 fault is still named where the config's own rules name theirs, in the same error. They live here,
 not in runner.config.rules, because they need runner.planning's arithmetic and config imports
@@ -10,6 +12,7 @@ nothing above it. Never reads a run folder.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from runner.config import load
@@ -26,6 +29,16 @@ STATE_BYTES_PER_PARAM = 16
 #: runs behind the loop; the next checkpoint waits for it, so one copy at a time
 #: (runner.training.checkpoint.host_copy; its test measures the copy against this figure).
 CHECKPOINT_BYTES_PER_PARAM = 12
+#: The most of the host's available memory (MemAvailable when the attempt starts) that rank 0's pinned
+#: checkpoint buffers (runner.training.staging.PinnedStaging: the checkpoint's bytes, 12 B/param) may take.
+#: Pinned pages are locked: never swapped or reclaimed, and held for the whole run (allocated once,
+#: reused by every checkpoint), where the pageable copy holds its memory only while a checkpoint is
+#: written. Half leaves the other half, all run long, to what runs beside them: the data loader's pinned
+#: batches and prefetch, the page cache of the shards and of the checkpoint being written, the writer's
+#: and Python's own memory; and an allocation of most of a host's memory can fail outright or bring
+#: the kernel's OOM killer. gpu-smoke's 15.6 GB on the H200 host (128 GiB) takes ~12%: pinned;
+#: OLMoE-1B-7B's 83 GB would take ~65% or more: pageable.
+PINNED_HOST_FRACTION = 0.5
 
 
 def check_device_peak(hw: HardwareRecipe, path: Path, problems: Problems, prefix: str = "hardware") -> None:
@@ -65,6 +78,34 @@ def host_gather_bytes(cfg: ExperimentSchema) -> int:
     """Bytes rank 0 holds in host memory while it writes a checkpoint: the full state, gathered and
     copied to host memory of its own (one checkpoint at a time)."""
     return params_of_config(cfg).all * CHECKPOINT_BYTES_PER_PARAM
+
+
+@dataclass(frozen=True)
+class PinnedFit:
+    """Whether rank 0's checkpoint copies go to pinned buffers, and the line that says why."""
+
+    pinned: bool
+    note: str
+
+
+def pinned_fit(need_bytes: float, available_bytes: float | None, fraction: float = PINNED_HOST_FRACTION) -> PinnedFit:
+    """Pinned buffers of `need_bytes` only when they take at most `fraction` of `available_bytes` (the
+    host's MemAvailable; `runner plan`: the recipe's host memory, an upper bound of it); unknown
+    available memory pins nothing blind."""
+    need = f"{need_bytes / 1e9:,.1f} GB"
+    if available_bytes is None or available_bytes <= 0:
+        return PinnedFit(
+            False, f"pageable: pinned buffers for {need} not taken, the host's available memory is unknown"
+        )
+    share = f"{need_bytes / available_bytes:.0%} of the host's {available_bytes / 1e9:,.1f} GB available"
+    if need_bytes <= fraction * available_bytes:
+        return PinnedFit(True, f"pinned: {need} of buffers, {share} (at most {fraction:.0%})")
+    return PinnedFit(
+        False,
+        f"pageable: pinned buffers for {need} would take {share}, over the {fraction:.0%} they may "
+        "(runner.planning.resources.PINNED_HOST_FRACTION); each checkpoint is copied into pageable host "
+        "memory instead (a longer stop of the loop)",
+    )
 
 
 def check_host_gather(cfg: ExperimentSchema, path: Path, problems: Problems) -> list[str]:

@@ -2,7 +2,10 @@
 the seal (`MARKER`, written last), state.json typed (`CheckpointState`: the one reader, older formats'
 defaults included), verification (`verify`: the seal, every file against the sha256 state.json lists,
 the step) and a verified checkpoint's state (`verified_state`), for the loop's resume, the audit, the
-export and `runner eval` alike. Writing a checkpoint and loading its tensors is
+export and `runner eval` alike. A resume passes `verify` the cache its writer filled
+(`CACHE_FILE`, runner.hashcache's rule: a file whose path, size, mtime, ctime, inode and device are
+those it had when the writer hashed it while writing is not read again); `verified_state` (the
+audit, the export, `runner eval`) hashes every file. Writing a checkpoint and loading its tensors is
 runner.training.checkpoint's (the format is described there). Never imports torch.
 """
 
@@ -14,8 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.fsio import read_json, sha256_file
+from runner.hashcache import HashCache
 
 MARKER = "COMPLETE"
+#: the cache (runner.hashcache) in which the checkpoint writer records the files it hashed while writing
+CACHE_FILE = "verified-checkpoints.json"
 FORMAT = 3
 FILES = ("model.safetensors", "optimizer.safetensors", "ledger.safetensors", "optimizer.json")
 #: the run clock's part of state.json, flat (runner.training.clock.RunClock.state_dict)
@@ -68,9 +74,11 @@ def sealed_state_sha256(path: Path) -> str | None:
     return seal.get("state.json") if isinstance(seal, dict) else None
 
 
-def verify(path: Path) -> str | None:
+def verify(path: Path, known: HashCache | None = None) -> str | None:
     """None when the checkpoint is complete, its state.json is the one COMPLETE seals (format 3),
-    every file matches the sha256 state.json records, and state.json is the state of this step."""
+    every file matches the sha256 state.json records, and state.json is the state of this step.
+    A file `known` vouches for with the very sha256 state.json lists (the writer's cache, the file
+    unchanged since) is not hashed again; state.json always is, against the seal (a few kB)."""
     if not (path / MARKER).exists():
         return f"no {MARKER} marker"
     sealed = sealed_state_sha256(path)
@@ -88,7 +96,7 @@ def verify(path: Path) -> str | None:
     for name, digest in state["files"].items():
         if not (path / name).is_file():
             return f"{name} missing"
-        if sha256_file(path / name) != digest:
+        if (known is None or known.vouched(path / name) != digest) and sha256_file(path / name) != digest:
             return f"{name} sha256 mismatch"
     if set(state["files"]) != set(FILES):
         return "state.json lists the wrong files"
@@ -99,8 +107,8 @@ def verify(path: Path) -> str | None:
 
 
 def verified_state(path: Path) -> tuple[dict | None, str | None]:
-    """A checkpoint's state.json once the checkpoint verifies (every file against its sha256, the
-    seal, the step): (state, None), or (None, "step-N: the problem") when it does not."""
+    """A checkpoint's state.json once the checkpoint verifies (every file hashed against its sha256,
+    whatever a cache says; the seal; the step): (state, None), or (None, "step-N: the problem")."""
     problem = verify(path)
     if problem is not None:
         return None, f"{path.name}: {problem}"

@@ -20,6 +20,10 @@ continues (`train.checkpoint.write: background`; `foreground` writes in the loop
 flight at a time: the next checkpoint, the attempt's end and a stop wait for it. A write killed
 midway leaves a `.tmp-*` folder or a folder without `COMPLETE`: neither verifies, so a resume takes
 the newest checkpoint that does.
+Once a checkpoint is sealed, the writer records the files it hashed while writing them in the
+cache runner.runs.checkpoints.CACHE_FILE names (runner.hashcache's trust rule), so this machine's
+resume verifies them without reading them again; a file changed since (a write changes its ctime)
+is hashed again, and one that differs from state.json is refused as before.
 Format 2 (same files; COMPLETE held the model's sha256, state.json was not sealed, tied matrices
 stored under each name) and format 1 (model via safetensors' save_model, optimizer keyed by
 parameter index) are still read for runs begun before.
@@ -59,7 +63,8 @@ from torch.distributed.checkpoint.state_dict import (
 from runner.config.schema import CheckpointSection
 from runner.errors import RunnerError
 from runner.fsio import fsync_dir, fsync_file, sha256_file
-from runner.runs.checkpoints import FILES, FORMAT, MARKER, CheckpointState, dirname, step_of, verify
+from runner.hashcache import HashCache, identity
+from runner.runs.checkpoints import CACHE_FILE, FILES, FORMAT, MARKER, CheckpointState, dirname, step_of, verify
 from runner.training.staging import copy_state, hashable_layout, save_safetensors_hashed, storage_key
 
 #: train.checkpoint.write: where a checkpoint's files are written (the schema's Literal lists the same)
@@ -339,8 +344,10 @@ def _save_hashed(tensors: dict[str, torch.Tensor], path: Path) -> str | None:
 class Checkpointer:
     """Interval policy plus atomic save/verify/prune under `<run_dir>/checkpoints`.
 
-    Remembers, for the life of the process, which folders it verified (keyed by their files' sizes
-    and mtimes), so pruning after every save hashes each old checkpoint at most once."""
+    Remembers, for the life of the process, which folders it verified (keyed by their files'
+    identities, runner.hashcache.identity), so pruning after every save hashes each old checkpoint at
+    most once; and, across processes, the files its saves hashed while writing (`known`, the
+    machine's cache), so a resume does not hash them again."""
 
     def __init__(
         self,
@@ -362,6 +369,7 @@ class Checkpointer:
         self._checked: dict[str, tuple[tuple, str | None]] = {}  # folder name -> (file signature, problem)
         self._checked_lock = threading.Lock()  # the writer's pruning and the loop's fallbacks both verify
         self.writes = BackgroundWriter(write)  #: the loop's hand-off of each checkpoint (train.checkpoint.write)
+        self.known = HashCache(CACHE_FILE)  #: the files this machine's writers hashed (runner.hashcache)
 
     @classmethod
     def for_run(
@@ -397,7 +405,7 @@ class Checkpointer:
         final = self.root / dirname(step)
         tmp = self.root / f".tmp-{dirname(step)}-{os.getpid()}"
         try:
-            self._write(tmp, model_state, optimizer_state, ledger_state, dict(state, step=step), tied)
+            written = self._write(tmp, model_state, optimizer_state, ledger_state, dict(state, step=step), tied)
             if final.exists():  # an unfinished or corrupt folder of the same step from a killed attempt
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -417,7 +425,11 @@ class Checkpointer:
                 file=str(self.root),
             ) from None
         with self._checked_lock:
-            self._checked[final.name] = (_signature(final), None)  # its hashes were just read back from disk
+            self._checked[final.name] = (_signature(final), None)  # its files were hashed as they were written
+        # sealed: the files as they are now are the ones hashed (a later write changes their ctime)
+        self.known.remember(
+            {final / name: (digest, (final / name).stat()) for name, digest in written["files"].items()}
+        )
         self.last_save_time = time.monotonic()
         self._prune(keep=final)
         return final
@@ -450,13 +462,14 @@ class Checkpointer:
         return full_state
 
     def check(self, path: Path) -> str | None:
-        """verify(path), remembered while the folder's files keep their sizes and mtimes."""
+        """verify(path) with what this machine's writers hashed (`known`), remembered while the
+        folder's files keep their identities."""
         signature = _signature(path)
         with self._checked_lock:
             known = self._checked.get(path.name)
         if known is not None and known[0] == signature:
             return known[1]
-        problem = verify(path)
+        problem = verify(path, self.known)
         with self._checked_lock:
             self._checked[path.name] = (signature, problem)
         return problem
@@ -525,12 +538,12 @@ def _io_error(e: Exception) -> tuple[str, int | None]:
 
 
 def _signature(path: Path) -> tuple:
-    """Sizes and mtimes of a checkpoint folder's files: a cached verification holds while they hold."""
-    out: list[tuple[str, int | None, int | None]] = []
+    """The identities of a checkpoint folder's files (runner.hashcache.identity): a verification
+    remembered in this process holds while they hold."""
+    out: list[tuple[str, list[int] | None]] = []
     for name in (*FILES, "state.json", MARKER):
         try:
-            st = (path / name).stat()
-            out.append((name, st.st_size, st.st_mtime_ns))
+            out.append((name, identity((path / name).stat())))
         except OSError:
-            out.append((name, None, None))
+            out.append((name, None))
     return tuple(out)

@@ -156,6 +156,10 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> Attempt:
     checkpointer = Checkpointer.for_run(
         run_dir, cfg.train.checkpoint, report=opts.report if acc.is_main_process else None
     )
+    staging, copy = PinnedStaging.for_checkpoints(acc, cfg.hardware.distributed, model)
+    runtime.update(copy.record())  # beside checkpoint_write: how the loop's copy is taken, and why
+    if copy.refused and acc.is_main_process:
+        opts.report(f"checkpoint copy: {copy.note}")
     startup.mark("model_build")
     return Attempt(
         exp=exp,
@@ -187,7 +191,7 @@ def _setup(exp, run_dir: Path, acc, opts: Options) -> Attempt:
         experts=probe,
         routing=routing,
         clock=RunClock(world, step_clock(acc.device)),
-        staging=PinnedStaging.for_checkpoints(acc, cfg.hardware.distributed, model),
+        staging=staging,
     )
 
 

@@ -16,9 +16,6 @@ import copy
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, OlmoeConfig, OlmoeForCausalLM, masking_utils
-from transformers.models.llama import modeling_llama
-from transformers.models.olmoe import modeling_olmoe
 
 from runner.config.rules import model_vocab_size
 from runner.config.schema import ExperimentSchema, checkpointing_mode
@@ -27,6 +24,15 @@ from runner.training import loss as losses
 from runner.training.accelerator import check_attention_backend
 from runner.training.checkpointing import checkpoint_kwargs
 from runner.training.experts import autocast_experts
+from runner.training.hf_models import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    masking_utils,
+    modeling_llama,
+    modeling_olmoe,
+)
 from runner.training.moe.deepseek import install_deepseek_layers, uses_deepseek_layers
 from runner.training.moe.olmoe import install_moe_layers
 

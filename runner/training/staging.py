@@ -12,6 +12,10 @@ Owns:
   Measured on an H200 (bench/measurements/h200-20261204-session2/pinned.json): 15.6 GB to pageable
   memory 9.80 s; pinned allocation for 15.6 GB 7.6-8.0 s (hence once per run, off the loop);
   device to pinned, non_blocking on a side stream, enqueued in 1.5 ms, done in 0.282 s (55 GB/s).
+- `checkpoint_copy`: whether rank 0 stages at all, and why (run.json `runtime.checkpoint_copy` and
+  `checkpoint_copy_note`): on a GPU without FSDP, pinned buffers only when the whole state's (12 B/param)
+  fit under runner.planning.resources.PINNED_HOST_FRACTION of the host's available memory at the
+  attempt's start; else, and elsewhere, the pageable copy (runner.training.checkpoint.host_copy).
 - `save_safetensors_hashed`: a safetensors file byte-identical to `safetensors.torch.save_file`'s,
   written and sha256-hashed chunk by chunk (the hash of one chunk beside the write of the next), so
   no file is read back to hash it.
@@ -31,7 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
+
+from runner.planning.resources import pinned_fit
 
 # ---- the copy to host memory ------------------------------------------------------------------
 
@@ -85,6 +92,48 @@ def copy_state(
     return copy(model_state), copy(optimizer_state)
 
 
+def host_available_bytes() -> int | None:
+    """What the host can give without swapping (Linux's MemAvailable, through psutil); None unknown."""
+    try:
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, AttributeError):
+        return None
+
+
+def staging_bytes(params: Iterable[torch.Tensor], copies_each: int = 3) -> int:
+    """Bytes of the buffers `PinnedStaging.prefill` allocates: `copies_each` per parameter (itself and
+    AdamW's two moments): 12 B per fp32 parameter, the checkpoint's size."""
+    return copies_each * sum(p.numel() * p.element_size() for p in params)
+
+
+@dataclass(frozen=True)
+class CheckpointCopy:
+    """How rank 0 copies a checkpoint to host memory, and why; `refused`: pinned buffers were the
+    path but the host's memory could not spare them (the line is said at the start)."""
+
+    pinned: bool
+    note: str
+    refused: bool = False
+
+    def record(self) -> dict[str, str]:
+        """run.json `runtime`'s entries, beside `checkpoint_write`."""
+        return {"checkpoint_copy": "pinned" if self.pinned else "pageable", "checkpoint_copy_note": self.note}
+
+
+def checkpoint_copy(
+    device: torch.device, distributed: str, params: Iterable[torch.Tensor], available_bytes: int | None
+) -> CheckpointCopy:
+    """Pinned staging on a GPU without FSDP whose state fits the host's available memory (runner.
+    planning.resources.pinned_fit); the pageable copy otherwise. Touches no device: the GPU's decision
+    is made, and tested, on a CPU."""
+    if torch.device(device).type != "cuda":
+        return CheckpointCopy(False, "pageable: the device is the host (host_copy clones what training holds)")
+    if distributed == "fsdp":
+        return CheckpointCopy(False, "pageable: FSDP's gather copies the shards to host memory itself")
+    fit = pinned_fit(staging_bytes(params), available_bytes)
+    return CheckpointCopy(fit.pinned, fit.note, refused=not fit.pinned)
+
+
 class PinnedStaging:
     """Reusable host buffers for a checkpoint's tensors (see the module docstring)."""
 
@@ -105,15 +154,20 @@ class PinnedStaging:
         return cls(device) if torch.device(device).type == "cuda" else None
 
     @classmethod
-    def for_checkpoints(cls, acc, distributed: str, model: torch.nn.Module) -> PinnedStaging | None:
-        """Rank 0's pinned checkpoint buffers on a GPU when the model is not sharded (FSDP's gather
-        copies to the host itself), filled in a background thread from the parameters' shapes."""
-        if not acc.is_main_process or distributed == "fsdp":
-            return None
-        staging = cls.for_device(acc.device)
-        if staging is not None:
-            staging.prefill(list(model.parameters()))  # each parameter, and AdamW's two moments of it
-        return staging
+    def for_checkpoints(
+        cls, acc, distributed: str, model: torch.nn.Module, available: Callable[[], int | None] = host_available_bytes
+    ) -> tuple[PinnedStaging | None, CheckpointCopy]:
+        """Rank 0's pinned checkpoint buffers, filled in a background thread from the parameters'
+        shapes, where `checkpoint_copy` chooses them (`available`: the host's available memory now);
+        with the choice (rank 0's is recorded and said; the other ranks never stage)."""
+        params = list(model.parameters())
+        gpu = torch.device(acc.device).type == "cuda" and distributed != "fsdp"
+        copy = checkpoint_copy(acc.device, distributed, params, available() if gpu else None)
+        if not acc.is_main_process or not copy.pinned:
+            return None, copy
+        staging = cls(acc.device)
+        staging.prefill(params)  # each parameter, and AdamW's two moments of it
+        return staging, copy
 
     def _new(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)

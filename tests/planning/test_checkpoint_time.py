@@ -57,3 +57,30 @@ def test_a_cpu_run_copies_at_memcpy_speed():
     size = 12 * params_of_config(cfg).all
     assert ck["copy_seconds"] == pytest.approx(size / assumptions.HOST_MEMCPY_BYTES_PER_S)
     assert ck["count"] == 3  # 150 steps, one every 50
+
+
+def _with_host(cfg, gib):
+    return dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, host_memory_gib=gib))
+
+
+def test_the_plan_states_the_pinned_host_bytes_and_whether_the_stated_host_would_pin_them(tmp_path):
+    cfg = load_experiment(REPO / "experiments" / "olmoe-1b-7b.yaml", check_files=False).config
+    size = 12 * params_of_config(cfg).all  # 6.9B parameters: 83 GB of pinned buffers, held all run
+    unknown = build_plan(cfg, root=tmp_path)["checkpoint_time"]
+    assert unknown["pinned_host"] == {"bytes": size, "host_memory_bytes": None, "pinned": None, "fraction": 0.5}
+    assert unknown["copy"] == "pinned"  # unstated host: the plan assumes the pinned path, and says so
+    assert "held all run; pinned when at most 50%" in format_plan(build_plan(cfg, root=tmp_path))
+    # the H200 device host (128 GiB): 83 GB is over half of it, so the loop copies into pageable memory
+    small = build_plan(_with_host(cfg, 128), root=tmp_path)
+    ck = small["checkpoint_time"]
+    assert ck["pinned_host"]["pinned"] is False and ck["copy"] == "host"
+    assert ck["copy_seconds"] == pytest.approx(size / assumptions.PAGEABLE_COPY_BYTES_PER_S)
+    assert "NOT on 128.00 GiB (hardware.host_memory_gib): pageable copies" in format_plan(small)
+    big = build_plan(_with_host(cfg, 512), root=tmp_path)["checkpoint_time"]
+    assert big["pinned_host"]["pinned"] is True and big["copy"] == "pinned"
+    # FSDP and CPU runs make no pinned copy: no row
+    fsdp = load_experiment(REPO / "experiments" / "1p3b-4x8-fsdp.yaml", check_files=False).config
+    cpu = load_experiment(REPO / "experiments" / "cpu-tiny.yaml", check_files=False).config
+    for other in (fsdp, cpu):
+        plan = build_plan(other, root=tmp_path)
+        assert plan["checkpoint_time"]["pinned_host"] is None and "pinned host buffers" not in format_plan(plan)

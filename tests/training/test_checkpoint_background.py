@@ -105,6 +105,9 @@ def test_a_background_write_lets_training_go_on_and_run_json_records_what_ran(ru
     for run, seen, mode in ((fg_run, fg_seen, "foreground"), (bg_run, bg_seen, "background")):
         info = json.loads((run / "run.json").read_text())
         assert info["runtime"]["checkpoint_write"] == mode and info["status"] == "finished"
+        # beside it, how the loop's copy was taken and why (a CPU: the pageable host copy)
+        assert info["runtime"]["checkpoint_copy"] == "pageable"
+        assert info["runtime"]["checkpoint_copy_note"].startswith("pageable: the device is the host")
         entries = {c["step"]: c for c in info["checkpoints"]}
         assert sorted(entries) == sorted(seen) == [2, 4, 6]
         for step, entry in entries.items():

@@ -11,7 +11,15 @@ import importlib.util
 
 import pytest
 import torch
-from gpufixtures import batch, loss_grads, plan_and_probe, regional_model, staging_scenario, tiny_model
+from gpufixtures import (
+    batch,
+    checkpoint_copy_scenario,
+    loss_grads,
+    plan_and_probe,
+    regional_model,
+    staging_scenario,
+    tiny_model,
+)
 
 from runner.training.accelerator import check_attention_backend, device_identity
 from runner.training.loss import chunked_loss_sum, liger_loss_sum, plain_loss_sum
@@ -139,6 +147,18 @@ def test_pinned_checkpoint_staging_on_the_gpu():
     assert out["staged_equal"] and out["second_equal"] and out["reused"] and out["fresh"][1] == 0
     for name, ref in out["reference_params"].items():
         torch.testing.assert_close(out["staged_params"][name], ref, rtol=0, atol=0)
+
+
+def test_pinned_buffers_only_where_the_host_can_spare_them():
+    """The loop's choice on the GPU: a host with room gets pinned buffers (prefilled, every byte); one
+    that cannot spare half its available memory for them gets none, and the line that says so."""
+    roomy = checkpoint_copy_scenario(DEV, DEV, available_bytes=1 << 40)
+    assert roomy["copy"].pinned and roomy["staging"] is not None
+    assert roomy["staging"].allocated_bytes == roomy["need"]
+    assert all(b.is_pinned() for bufs in roomy["staging"].pool.values() for b in bufs)
+    tight = checkpoint_copy_scenario(DEV, DEV, available_bytes=roomy["need"])
+    assert tight["staging"] is None and tight["copy"].refused
+    assert tight["copy"].record()["checkpoint_copy"] == "pageable"
 
 
 def test_nvml_reads_this_gpu():

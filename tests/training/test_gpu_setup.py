@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpufixtures import batch, loss_grads, plan_and_probe, regional_model, tiny_cfg, tiny_model
+from gpufixtures import (
+    batch,
+    checkpoint_copy_scenario,
+    loss_grads,
+    plan_and_probe,
+    regional_model,
+    tiny_cfg,
+    tiny_model,
+)
 
 from runner.planning.memory import memory_per_device, saved_activation_bytes
 
@@ -60,6 +68,13 @@ def test_the_memory_plan_test_body_runs_and_is_exact_on_the_cpu():
     planned, probe = plan_and_probe(CPU, "chunked", "cpu", None)
     # fp32 on a CPU: exact but for a scalar or two (the GPU test allows 5% under autocast)
     assert abs(planned - probe.activations) <= 16, (planned, probe.activations)
+
+
+def test_the_pinned_buffers_choice_runs_on_the_cpu_for_a_gpu_device():
+    # the GPU test's body where no device is touched: a GPU whose host cannot spare the buffers
+    out = checkpoint_copy_scenario(CPU, torch.device("cuda"), available_bytes=1000)
+    assert out["need"] > 0 and out["staging"] is None and out["copy"].refused
+    assert out["copy"].note.startswith("pageable: pinned buffers for")
 
 
 def test_the_gpu_tests_build_nothing_themselves():

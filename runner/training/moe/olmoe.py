@@ -14,8 +14,8 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers.models.olmoe import modeling_olmoe
 
+from runner.training.hf_models import modeling_olmoe
 from runner.training.moe.layer import GroupedExperts, MoELayer
 from runner.training.moe.routers import SoftmaxTopKRouter
 

@@ -1,0 +1,50 @@
+"""What `runner launch` has imported when its first step begins: nothing a run without tracking,
+targets or reports needs (runner.training.targets imports pandas only to make a frame;
+runner.training.hf_models keeps transformers' detection losses from importing scipy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from timeouts import SUBPROCESS_TIMEOUT_S
+from trainfixtures import env, make_project
+
+#: packages the launch path must not import before the first step of a run with --no-tracking
+NOT_BEFORE_FIRST_STEP = ("pandas", "pyarrow", "pandera", "scipy", "matplotlib", "mlflow")
+
+# `runner launch` as `python -m runner` runs it, stopped where its first step begins
+_DRIVER = """
+import json, os, sys
+from runner.training import startup
+
+def first_step_begins():
+    import transformers.utils
+    print(json.dumps({
+        "present": sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[1].split(","))),
+        "scipy_probe": transformers.utils.is_scipy_available(),
+    }), flush=True)
+    os._exit(0)
+
+startup.step_begins = first_step_begins
+from runner.cli import main
+sys.exit(main(["launch", *sys.argv[2:]]))
+"""
+
+
+def test_a_launch_reaches_its_first_step_without_pandas_scipy_or_mlflow(tmp_path):
+    exp = make_project(tmp_path, steps=2)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER, ",".join(NOT_BEFORE_FIRST_STEP), str(exp), "--no-tracking"],
+        cwd=tmp_path,
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["present"] == []
+    # transformers' own probe is back once its model modules loaded: scipy is installed (the planner's fits)
+    assert seen["scipy_probe"] is True
