@@ -5,8 +5,11 @@ Owns what loading them costs before a launch's first step. transformers' object-
 which every model module imports through `transformers.loss.loss_utils`, import `scipy.optimize` at
 module level when scipy is installed (0.3 s and about 320 modules on a CPU here, more on a fresh
 host) for a Hungarian matcher no runner model has; while this module loads them, transformers'
-scipy probe reads False, and the real probe is back before anything else runs (transformers' later
-calls of it, and the runner's own scipy users (a forecast's fit), see scipy as it is).
+scipy probe reads False, and the real probe is back before anything else runs. A transformers
+module first imported inside that window keeps the False it bound (`from ..utils import
+is_scipy_available`): in practice the detection losses, so their Hungarian matcher is missing in a
+trainer's process, which no runner model calls; every module imported later, and the runner's own
+scipy users (a forecast's fit), see scipy as it is.
 tests/training/test_launch_imports.py holds the launch's imports to this.
 Never: builds, configures or patches a model (runner.training.model does).
 """
