@@ -84,15 +84,9 @@ def moe_config(experiment: Path, tiny: bool):
 
 
 def _with(cfg, v: MoeVariant, micro_batch: int, device: torch.device):
-    model = dataclasses.replace(
-        cfg.model,
-        activation_checkpointing=v.checkpointing,
-        compile=v.compile != "none",
-        compile_scope="regional" if v.compile != "none" else "model",
-    )
-    hardware = dataclasses.replace(cfg.hardware, accelerator="cuda" if device.type == "cuda" else "cpu")
-    train = dataclasses.replace(cfg.train, micro_batch_sequences=micro_batch)
-    return dataclasses.replace(cfg, model=model, hardware=hardware, train=train)
+    from runner.planning.measured_memory import moe_row_config
+
+    return moe_row_config(cfg, micro_batch, v.compile, v.checkpointing, gpu=device.type == "cuda")
 
 
 def planned_micro_batch(cfg, device: torch.device) -> int:
@@ -154,7 +148,7 @@ def run_moe_variant(
 ) -> Any:
     """One row (gpu_bench.Row) inside [now, deadline]; every failure is a row, never an exception."""
     from runner.planning.flops import convention_for, flops_per_token
-    from runner.planning.memory import memory_per_device
+    from runner.planning.measured_memory import planned_moe_row_bytes
 
     # Row 5: the plan is conservative on a GPU (it counts autocast's weight copies as kept), so it
     # starts at twice the plan's micro batch and halves on an out-of-memory, within the row's box.
@@ -176,8 +170,8 @@ def run_moe_variant(
         run_cfg = _with(cfg, v, micro, device)
         fpt = flops_per_token(run_cfg, convention_for(run_cfg))
         row.extra["flops_per_token"] = fpt
-        with contextlib.suppress(Exception):
-            row.planned_memory_gib = memory_per_device(run_cfg)["total_bytes"] / 2**30
+        with contextlib.suppress(Exception):  # one micro batch per step: no gradient held at the backward
+            row.planned_memory_gib = planned_moe_row_bytes(run_cfg) / 2**30
         try:
             with bench.time_box(deadline + max(1.0, 0.1 * (deadline - time.perf_counter()))):
                 if gpu:

@@ -1,6 +1,7 @@
 """The memory plan at a GPU bench row's configuration, and the plan held against what a device measured.
 
-Owns: the plain config of one row of bench/gpu_bench.py (its shape, compile scope, kernels, loss,
+Owns: the config of one row of bench/gpu_bench.py (and of its mixture-of-experts rows, `--part moe`:
+the experiment's model with the row's compile scope, checkpointing mode and micro batch) (its shape, compile scope, kernels, loss,
 micro batch; one micro batch per step, so no gradient is alive at the backward's peak), which the
 bench itself plans with, and the comparison of the plan with `max_memory_allocated` of the rows and of
 bench/memory_probe.py's forward+backward rows (no optimizer state there).
@@ -9,9 +10,11 @@ Never: runs a model, or reads anything but the JSON it is given.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from runner.config.schema import ExperimentSchema
 from runner.planning.memory import GIB, memory_per_device
 
 
@@ -61,6 +64,50 @@ def compare_bench(bench: Mapping[str, Any], extra_rows: Sequence[Mapping[str, An
         if row.get("status") != "ok" or row.get("peak_memory_gib") is None:
             continue
         planned = planned_row_bytes(shapes[row.get("shape", "main")], row) / GIB
+        measured = float(row["peak_memory_gib"])
+        out.append(
+            {
+                "variant": row["variant"],
+                "planned_gib": planned,
+                "measured_gib": measured,
+                "error": planned / measured - 1,
+            }
+        )
+    return out
+
+
+def moe_row_config(
+    cfg: ExperimentSchema, micro_batch: int, compile_scope: str, checkpointing: str, gpu: bool = True
+) -> ExperimentSchema:
+    """The experiment as a `gpu_bench.py --part moe` row trains it (bench/moe_rows.py): its model with the
+    row's compile scope ("none" or "regional"), checkpointing mode and micro batch, on the GPU or the CPU."""
+    model = dataclasses.replace(
+        cfg.model,
+        activation_checkpointing=checkpointing,
+        compile=compile_scope != "none",
+        compile_scope="regional" if compile_scope == "regional" else "model",
+    )
+    hardware = dataclasses.replace(cfg.hardware, accelerator="cuda" if gpu else "cpu")
+    train = dataclasses.replace(cfg.train, micro_batch_sequences=micro_batch)
+    return dataclasses.replace(cfg, model=model, hardware=hardware, train=train)
+
+
+def planned_moe_row_bytes(run_cfg: ExperimentSchema) -> float:
+    """The plan's peak for a MoE bench row: one optimizer step per micro batch (moe_rows.train_step),
+    so no gradient is alive at the backward's peak, whatever the recipe's global batch."""
+    return memory_per_device(run_cfg, grads_held=False)["total_bytes"]
+
+
+def compare_moe_bench(bench: Mapping[str, Any], cfg: ExperimentSchema) -> list[dict[str, Any]]:
+    """Each measured row of a `gpu_bench.py --part moe` result beside its plan (`cfg`: the experiment
+    the bench names in model_source, resolved)."""
+    out = []
+    for row in bench["rows"]:
+        if row.get("status") != "ok" or row.get("peak_memory_gib") is None:
+            continue
+        mode = str(row.get("extra", {}).get("activation_checkpointing", "full"))
+        run_cfg = moe_row_config(cfg, int(row["micro_batch"]), str(row.get("compile") or "none"), mode)
+        planned = planned_moe_row_bytes(run_cfg) / GIB
         measured = float(row["peak_memory_gib"])
         out.append(
             {

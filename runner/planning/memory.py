@@ -23,10 +23,11 @@ GIB = 2.0**30
 #: what memory_per_device counts, by hardware.precision
 MEMORY_ASSUMPTIONS = {
     "bf16": "bf16 mixed: fp32 master weights + fp32 grads (at the backward's peak only when accumulating or "
-    "DDP/FSDP) + 2 fp32 AdamW moments + bf16 copies of the matmul weights; activations as autograd saves "
-    "them (calibrated: saved-tensor probe, exact on CPU) x compile's measured fraction + the loss's peak; "
-    "within 5% of max_memory_allocated on an H200 (bench/measurements/h200-20261204); no CUDA context or "
-    "allocator fragmentation",
+    "DDP/FSDP) + 2 fp32 AdamW moments + bf16 copies of the matmul weights (a compiled mixture of experts: "
+    "the LM head's only); activations as autograd saves them (calibrated: saved-tensor probe, exact on CPU) "
+    "x compile's measured fraction + the loss's peak; within 5% of max_memory_allocated on an H200 (dense "
+    "and OLMoE-1B-7B bench rows, bench/measurements/h200-20261204*); no CUDA context or allocator "
+    "fragmentation",
     "fp32": "fp32: weights + grads (at the backward's peak only when accumulating or DDP/FSDP) + 2 AdamW "
     "moments at 4 B; activations as autograd saves them (calibrated: saved-tensor probe, exact on CPU) + "
     "the loss's peak; no framework overhead",
@@ -162,10 +163,16 @@ def autocast_weight_copy_params(cfg: ExperimentSchema | Mapping[str, Any]) -> in
     decoder-layer matmul weights, plus the LM head's under the plain loss (the chunked and Liger losses
     cast per chunk); norms and the embedding are never cast. Probed on the H200 at gpu-smoke's shape:
     2,428,502,016 bytes = 2 x the 24 layers' matmul weights exactly (bench/measurements/h200-20261204/
-    probe.json). A mixture of experts counts every parameter (not yet probed)."""
+    probe.json). A mixture of experts counts every parameter eager; compiled, only the LM head's under
+    the plain loss: its layers cast their weights inside the compiled region and the partitioner
+    recomputes the cast from the fp32 parameter in the backward instead of keeping a copy (the
+    OLMoE-1B-7B rows of the H200 bench leave no room for 12.9 GiB of copies: assumptions.
+    COMPILE_SAVED_FRACTION_MOE)."""
     cfg = as_schema(cfg)
     counts = params_of_config(cfg)
     if counts.moe:
+        if cfg.model.compile:
+            return counts.embedding if cfg.model.cross_entropy == "plain" else 0
         return counts.all
     lay = counts.layer
     matmul = lay.attention + lay.mlp
@@ -234,8 +241,9 @@ def memory_per_device(
     compiled = compile_saved_fraction(cfg)
     fraction = compiled["fraction"] if compiled else 1.0
     by_mode = {m: saved[m]["total"] + saved[m]["recompute_layer"] + transient for m in AC_MODES}
-    # compile's measured saving applies to what eager autograd keeps of the decoder layers (no checkpointing)
-    by_mode["none"] -= (1.0 - fraction) * saved["none"]["layers"]
+    # compile's measured saving applies to what eager autograd keeps of the decoder layers in the
+    # model's mode (no checkpointing; a mixture of experts' selective mode too)
+    by_mode[mode] -= (1.0 - fraction) * saved[mode]["layers"]
     full, checkpointed = by_mode["none"], by_mode["full"]
     activations = by_mode[mode]
     state_total = sum(state.values())
@@ -275,13 +283,28 @@ def memory_per_device(
 
 def compile_saved_fraction(cfg: ExperimentSchema) -> dict[str, Any] | None:
     """The measured fraction of the eager decoder layers' saved bytes torch.compile leaves, with its
-    source, for this model's compile scope and kernels (None: not compiled, or checkpointed)."""
+    source, for this model's compile scope and kernels (None: not compiled, or checkpointed; a mixture
+    of experts: by scope and checkpointing mode, assumptions.COMPILE_SAVED_FRACTION_MOE, `none` as the
+    dense model's)."""
     model = cfg.model
-    if not model.compile or checkpointing_mode(model.activation_checkpointing) != "none":
+    mode = checkpointing_mode(model.activation_checkpointing)
+    if not model.compile:
         return None
-    key = (str(model.compile_scope), "liger" if model.kernels == "liger" else "none")
+    kernels = "liger" if model.kernels == "liger" else "none"
+    if model.moe is not None and (str(model.compile_scope), mode) in assumptions.COMPILE_SAVED_FRACTION_MOE:
+        fraction, source = assumptions.COMPILE_SAVED_FRACTION_MOE[(str(model.compile_scope), mode)]
+        return {
+            "scope": str(model.compile_scope),
+            "kernels": kernels,
+            "mode": mode,
+            "fraction": fraction,
+            "source": source,
+        }
+    if mode != "none":
+        return None
+    key = (str(model.compile_scope), kernels)
     fraction, source = assumptions.COMPILE_SAVED_FRACTION.get(key, (1.0, "not measured: the eager count"))
-    return {"scope": key[0], "kernels": key[1], "fraction": fraction, "source": source}
+    return {"scope": key[0], "kernels": key[1], "mode": mode, "fraction": fraction, "source": source}
 
 
 def choose_micro_batch(
