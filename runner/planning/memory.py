@@ -65,11 +65,14 @@ def saved_activation_bytes(
       head:      norm + plain: lm_head input c*h, log-softmax 4*V, targets 8, mask 1;
                  chunked/liger: d/dhidden 4h (+ d/dW 4*V*h, once per micro batch)
       input ids 8; RoPE cos and sin, 2 * seq_len * head_dim * 4, once per micro batch.
+    A mixture of experts (arch olmoe) is counted layer by layer as built (`_decoder_layer_saved_bytes`):
+    OLMoE's layers, and DeepSeek's (dense first layers, score and hash routers, shared experts, the
+    SwiGLU clip, q/k norms full, per head or none), each held by the probe too.
     With activation checkpointing each layer keeps only its input (4h) and the layer being
-    recomputed holds its own tensors again (`recompute_layer`); `selective` keeps the input and its
-    matmul and attention outputs (`selective_layer_saved_bytes`). Liger's kernels (`model.kernels:
-    liger`) save no normalised product and no silu output: estimated from Liger's source, to be
-    measured on a GPU (bench/device_check.sh). Not counted: autocast's bf16 weight copies (model
+    recomputed (the largest) holds its own tensors again (`recompute_layer`); `selective` keeps the
+    input and its matmul and attention outputs (`selective_layer_saved_bytes`). Liger's kernels
+    (`model.kernels: liger`) save no normalised product and no silu output: estimated from Liger's
+    source, to be measured on a GPU (bench/device_check.sh). Not counted: autocast's bf16 weight copies (model
     state), the parameters themselves."""
     cfg = as_schema(cfg)
     model, train, hw = cfg.model, cfg.train, cfg.hardware
@@ -80,7 +83,9 @@ def saved_activation_bytes(
     vocab = counts.embedding // h
     autocast = hw.precision == "bf16" and hw.accelerator != "cpu"
     c = 2 if autocast else 4
-    norm, layer = _decoder_layer_saved_bytes(model, s, c, autocast)
+    n_layers = counts.n_layers
+    norm, _ = _decoder_layer_saved_bytes(model, s, c, autocast, 0)
+    per_layer = [_decoder_layer_saved_bytes(model, s, c, autocast, i)[1] for i in range(n_layers)]
     plain = model.cross_entropy == "plain"
     head_per_token = norm + (c * h + 4 * vocab + 9 if plain else 4 * h)
     head_fixed = 0 if plain else 4 * vocab * h
@@ -88,8 +93,13 @@ def saved_activation_bytes(
     rope = 2 * s * (h // heads) * 4
     mode = checkpointing_mode(model.activation_checkpointing if checkpointing is None else checkpointing)
     checkpointing = mode != "none"
-    kept = {"full": 4 * h, "selective": selective_layer_saved_bytes(model, s, c), "none": layer}[mode]
-    layers = counts.n_layers * kept * tokens
+    kept = {
+        "full": [4 * h] * n_layers,
+        "selective": [selective_layer_saved_bytes(model, s, c, i) for i in range(n_layers)],
+        "none": per_layer,
+    }[mode]
+    layers = sum(kept) * tokens
+    layer = max(per_layer)  # the layer being recomputed: the largest (DeepSeek's dense first layers differ)
     return {
         "layers": float(layers),
         "head": float(head_per_token * tokens + head_fixed),
@@ -100,26 +110,85 @@ def saved_activation_bytes(
     }
 
 
-def selective_layer_saved_bytes(model, s: int, c: int) -> int:
-    """Bytes per token one decoder layer keeps under `selective` checkpointing
+def selective_layer_saved_bytes(model, s: int, c: int, index: int = 0) -> int:
+    """Bytes per token decoder layer `index` keeps under `selective` checkpointing
     (runner.training.checkpointing): its input (4h, fp32) and the outputs of its matmuls and of
     attention, in the compute dtype (c bytes): q c*h, k and v c*kv each, attention output c*h and
-    4*heads logsumexp (sdpa; eager: scores and probabilities c*heads*s each), o_proj c*h; dense MLP
-    gate and up c*f each, down c*h; MoE router logits c*E, per routed copy gate+up 2*c*f_e and down c*h."""
+    4*heads logsumexp (sdpa; eager: scores and probabilities c*heads*s each), o_proj c*h (q/k norms,
+    full or per head, save nothing more); dense MLP (Llama's, DeepSeek's dense first layers) gate and
+    up c*f each, down c*h; MoE router logits c*E (every router's, the score routers' too: autocast
+    runs their matmul in c from hidden.float()), per routed copy gate+up 2*c*f_e and down c*h;
+    DeepSeek's shared experts gate and up c*f_s each, down c*h (f_s = shared_experts x
+    shared_intermediate_size). Within 0.1% of the saved-tensor probe on CPU for OLMoE and DeepSeek-V3/V4
+    layers (tests/training/test_moe_layer.py)."""
     h, heads = model.hidden_size, model.n_heads
     kv = model.n_kv_heads * (h // heads)
     attention = c * h + 2 * c * kv + c * h + c * h
     attention += 2 * c * heads * s if model.attn_implementation == "eager" else 4 * heads
-    if model.moe is not None:
-        moe = model.moe
+    moe = model.moe
+    if moe is not None and index >= moe.first_dense_layers:
         mlp = c * moe.n_experts + moe.experts_per_token * (2 * c * moe.expert_intermediate_size + c * h)
+        shared = moe.shared_experts * moe.shared_intermediate_size
+        mlp += 2 * c * shared + c * h if shared else 0
     else:
         mlp = 2 * c * model.intermediate_size + c * h
     return 4 * h + attention + mlp
 
 
-def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[int, int]:
-    """(one RMSNorm's, one decoder layer's) saved bytes per token, by saved_activation_bytes' formula."""
+def _router_score(moe, moe_index: int) -> str | None:
+    """The score function of the router of MoE layer `moe_index` (counted after the dense first
+    layers) as runner.training.moe.deepseek._router builds it (planning never imports the trainer):
+    None for OLMoE's SoftmaxTopKRouter (every layer of a model without DeepSeek keys), else the
+    scored routers' (HashRouter in the first `hash_layers`, ScoreTopKRouter after) `moe.router`."""
+    if moe_index < moe.hash_layers:
+        return str(moe.router)
+    if moe.router == "softmax" and moe.routed_scaling_factor == 1.0 and moe.balancing == "aux_loss":
+        return None
+    return str(moe.router)
+
+
+def _moe_mlp_saved_bytes(model, c: int, autocast: bool, moe_index: int) -> int:
+    """Saved bytes per token of MoE layer `moe_index`'s MLP past its RMSNorm (the runner's layer,
+    runner.training.moe; DeepSeek's parts from runner.training.moe.deepseek), with k routed copies
+    per token. Probed on CPU in fp32 and bf16 autocast; dtypes are CPU autocast's (CUDA's runs
+    softplus, softmax and sum in fp32: a few E-sized router terms more, not probed).
+      router, OLMoE's softmax: input c*h, fp32 probabilities 4E, top-k ids, sort order, source rows
+        (8 B each per copy) and sorted weights (4 per copy);
+      router, scored (sigmoid / sqrt_softplus / softmax score, hash or top-k choice): input c*h (the
+        cast of hidden.float() under autocast), scores c*E (sqrt_softplus: logits and scores, 2*c*E),
+        chosen ids 8 per copy (the gather's index), with norm_topk_prob the chosen scores c per copy
+        and their sum c; the permutation's sort order and source rows 8 each and sorted weights c
+        per copy;
+      routed, per copy: the grouped matmul's input c*h, gate+up 2*c*f_e, silu(gate) and product
+        c*f_e each (swiglu_limit: the clamped gate and up c*f_e each more), down output c*h,
+        weighted output 4h (the residual's dtype);
+      shared experts (f_s = shared_experts x shared_intermediate_size): their input cast for gate
+        and up under autocast (2*c*h; fp32 shares the router's input), gate, up, silu and product
+        c*f_s each (swiglu_limit: clamped gate and up c*f_s each more); their sum with the routed
+        output saves nothing."""
+    moe, h = model.moe, model.hidden_size
+    k, f_e, n_experts = moe.experts_per_token, moe.expert_intermediate_size, moe.n_experts
+    score = _router_score(moe, moe_index)
+    if score is None:
+        router = c * h + 4 * n_experts + 28 * k
+    else:
+        scores = (2 if score == "sqrt_softplus" else 1) * c * n_experts
+        router = c * h + scores + 8 * k + (c * k + c if moe.norm_topk_prob else 0) + 16 * k + c * k
+    swiglu = 6 if moe.swiglu_limit is not None else 4
+    routed = k * (2 * c * h + swiglu * c * f_e + 4 * h)
+    f_s = moe.shared_experts * moe.shared_intermediate_size
+    shared = (2 * c * h if autocast else 0) + swiglu * c * f_s if f_s else 0
+    return router + routed + shared
+
+
+def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool, index: int = 0) -> tuple[int, int]:
+    """(one RMSNorm's, decoder layer `index`'s) saved bytes per token, by saved_activation_bytes'
+    formula. A mixture of experts (arch olmoe) adds, per layer as built: q/k norms (`model.qk_norm`
+    full, OLMoE's, or unset: inputs c*h and c*kv, fp32 products 4h and 4kv, rsqrt 4 each; per_head:
+    rsqrt 4 per head of q and of k instead; none: nothing); its MLP is DeepSeek's dense SwiGLU of
+    model.intermediate_size (the dense MLP's count) in the first `moe.first_dense_layers` layers,
+    else an MoE MLP (`_moe_mlp_saved_bytes`). Within 0.1% of the saved-tensor probe on CPU, fp32 and
+    bf16 autocast, for OLMoE (cpu-tiny-moe) and DeepSeek-V3/V4 (cpu-tiny-moe-v3, -ds)."""
     h, f, heads = model.hidden_size, model.intermediate_size, model.n_heads
     kv = model.n_kv_heads * (h // heads)
     liger = model.kernels == "liger"
@@ -130,19 +199,14 @@ def _decoder_layer_saved_bytes(model, s: int, c: int, autocast: bool) -> tuple[i
     else:
         attention = norm + (3 if autocast else 1) * c * h + c * h + 2 * c * kv + 4 * heads + c * h
     mlp = norm + (2 if autocast else 1) * c * h + (3 if liger else 4) * c * f
-    if model.moe is not None:  # OLMoE with the runner's layer (runner.training.moe): q/k norms' inputs;
-        # router input c*h, fp32 probabilities 4E, top-k ids, sort order, source rows (8 B each per
-        # routed copy) and sorted weights (4); per routed copy the grouped matmul's input c*h, gate+up
-        # 2*c*f_e, silu(gate) and product c*f_e each, down output c*h, weighted output 4h (the
-        # residual's dtype). Within 0.1% of the saved-tensor probe on CPU, fp32 and bf16 autocast.
-        k, f_e, n_experts = model.moe.experts_per_token, model.moe.expert_intermediate_size, model.moe.n_experts
-        attention += c * h + c * kv + 4 * h + 4 * kv + 8  # q/k norms: inputs, fp32 products, rsqrt
-        mlp = norm + c * h + 4 * n_experts + 28 * k + k * (2 * c * h + 4 * c * f_e + 4 * h)
-        # shared experts (DeepSeek's; estimated, not probed): gate, up, silu and product of their width,
-        # and their output; dense first layers are estimated as MoE layers (an upper bound when smaller)
-        mlp += 4 * c * model.moe.shared_experts * model.moe.shared_intermediate_size + (
-            c * h if model.moe.shared_experts else 0
-        )
+    moe = model.moe
+    if moe is not None:
+        qk = model.qk_norm or "full"
+        if qk != "none":
+            rsqrt = 8 if qk == "full" else 4 * (heads + model.n_kv_heads)
+            attention += c * h + c * kv + 4 * h + 4 * kv + rsqrt
+        if index >= moe.first_dense_layers:
+            mlp = norm + _moe_mlp_saved_bytes(model, c, autocast, index - moe.first_dense_layers)
     return norm, attention + mlp
 
 

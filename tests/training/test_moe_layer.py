@@ -320,6 +320,39 @@ def test_the_memory_plan_counts_each_checkpointing_mode_as_the_saved_tensor_prob
     assert measured["full"] < measured["selective"] < measured["none"]
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("experiment", ["cpu-tiny-moe-v3", "cpu-tiny-moe-ds"])
+def test_the_memory_plan_counts_deepseek_layers_as_built_as_the_saved_tensor_probe_measures(experiment, bf16):
+    """saved_activation_bytes against the saved-tensor probe for the DeepSeek-style models, each layer
+    as install_deepseek_layers builds it: V3 (a dense first layer, sigmoid router with norm_topk_prob
+    and routed scaling, one shared expert, no q/k norms) and V4 (a hash-routed layer, sqrt-softplus
+    router, OLMoE's q/k norms, one shared expert, the SwiGLU clip), in none, full and selective."""
+    from runner.planning.memory import saved_activation_bytes
+    from runner.training.loss import plain_loss_sum
+    from runner.training.memprobe import saved_bytes
+
+    micro, seq_len = 2, 64
+    base = load_experiment(REPO / f"experiments/{experiment}.yaml", check_files=False).config
+    base = dataclasses.replace(
+        base, train=dataclasses.replace(base.train, seq_len=seq_len, micro_batch_sequences=micro)
+    )
+    gpu = dataclasses.replace(base.hardware, accelerator="cuda", precision="bf16") if bf16 else None
+    vocab = base.tokenizer.vocab_size
+    x, y = torch.randint(0, vocab, (micro, seq_len)), torch.randint(0, vocab, (micro, seq_len))
+    for mode in ("none", "full", "selective"):
+        cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, activation_checkpointing=mode))
+        torch.manual_seed(0)
+        model = build_model(cfg).train()
+
+        def forward(model=model):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return plain_loss_sum(model(input_ids=x).logits, y, torch.ones(micro, seq_len, dtype=torch.bool))
+
+        probe = saved_bytes(model, forward)
+        planned = saved_activation_bytes(dataclasses.replace(cfg, hardware=gpu) if gpu else cfg)["total"]
+        assert abs(planned / probe.activations - 1) <= 0.01, (mode, planned, probe.activations)
+
+
 def test_activation_checkpointing_modes_load_validate_and_keep_true_and_false_fingerprints(tmp_path):
     from trainfixtures import make_project
 
