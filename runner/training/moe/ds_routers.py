@@ -17,7 +17,9 @@
   sign is taken on integers, `sum(load) - E * load_i`; each step adds exactly +-rate or 0 in float32).
 - `sequence_balance_loss`: DeepSeek-V3's sequence-wise balance loss.
 
-Router logits and scores are fp32 (Glm4Moe's router casts to fp32; so does this one under autocast).
+Router logits come from fp32 operands, as Glm4Moe's router casts them; without autocast (CPU runs) they
+and the scores are fp32. Under autocast, as in transformers' router, the linear still runs in the
+autocast dtype (bf16 logits; the saved-tensor probe shows it, runner.planning.memory counts it).
 Never: synchronises with the host in a forward (no .item(), no data-dependent branch).
 """
 
@@ -38,7 +40,7 @@ NORM_EPS = 1e-20
 
 
 def expert_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
-    """The per-expert scores of fp32 logits [T, E]."""
+    """The per-expert scores of logits [T, E] (fp32, or the autocast dtype under autocast)."""
     if score == "sigmoid":
         return logits.sigmoid()
     if score == "sqrt_softplus":
