@@ -90,6 +90,23 @@ class MeasuredMfu:
 
 
 _SPEED_DEFAULTS = (("model.attn_implementation", "sdpa"), ("model.sdpa_kernel", None), ("hardware.precision", "bf16"))
+
+
+def _olmoe_regional_selective(micro_batch: int) -> tuple[tuple[str, Any], ...]:
+    """The match of an OLMoE-1B-7B bench row on one H200: regional compile, selective checkpointing."""
+    return (
+        ("recipes.model", "olmoe-1b-7b@1"),
+        ("recipes.tokenizer", "gpt-neox-20b@2"),
+        ("recipes.hardware", "h200@1"),
+        ("model.compile", True),
+        ("model.compile_scope", "regional"),
+        ("model.activation_checkpointing", "selective"),
+        ("train.seq_len", 2048),
+        ("train.micro_batch_sequences", micro_batch),
+        *_SPEED_DEFAULTS,
+    )
+
+
 MEASURED_MFU: tuple[MeasuredMfu, ...] = (
     MeasuredMfu(
         0.568,
@@ -130,17 +147,7 @@ MEASURED_MFU: tuple[MeasuredMfu, ...] = (
         0.249,
         "OLMoE-1B-7B (the runner's MoE layer, regional compile, selective activation checkpointing, micro batch 4) "
         "on one H200, one optimizer step per micro batch (a step that accumulates amortizes it: a lower bound)",
-        (
-            ("recipes.model", "olmoe-1b-7b@1"),
-            ("recipes.tokenizer", "gpt-neox-20b@2"),
-            ("recipes.hardware", "h200@1"),
-            ("model.compile", True),
-            ("model.compile_scope", "regional"),
-            ("model.activation_checkpointing", "selective"),
-            ("train.seq_len", 2048),
-            ("train.micro_batch_sequences", 4),
-            *_SPEED_DEFAULTS,
-        ),
+        _olmoe_regional_selective(4),
         "measured: bench/gpu_bench.py --part moe row 'moe runner regional selective mb4' (31,328 tok/s, 24.9% of "
         "989.4 TFLOP/s over active parameters, 6N+attn), bench/measurements/h200-20261204-session2/call2/"
         f"bench-moe.json; {H200_PROVENANCE_MOE}",
@@ -149,17 +156,7 @@ MEASURED_MFU: tuple[MeasuredMfu, ...] = (
         0.312,
         "OLMoE-1B-7B (the runner's MoE layer, regional compile, selective activation checkpointing, micro batch 8) "
         "on one H200",
-        (
-            ("recipes.model", "olmoe-1b-7b@1"),
-            ("recipes.tokenizer", "gpt-neox-20b@2"),
-            ("recipes.hardware", "h200@1"),
-            ("model.compile", True),
-            ("model.compile_scope", "regional"),
-            ("model.activation_checkpointing", "selective"),
-            ("train.seq_len", 2048),
-            ("train.micro_batch_sequences", 8),
-            *_SPEED_DEFAULTS,
-        ),
+        _olmoe_regional_selective(8),
         "measured: bench/gpu_bench.py --part moe row 'moe runner regional selective mb8' (39,164 tok/s, 31.2% of "
         "989.4 TFLOP/s over active parameters, 6N+attn), bench/measurements/h200-20261204-session2/call2/"
         f"bench-moe.json; {H200_PROVENANCE_MOE}",

@@ -56,23 +56,29 @@ def planned_probe_bytes(cfg: Mapping[str, Any], micro_batch: int) -> float:
     return mem["backward_peak_bytes"] - mem["model_state_bytes"]["adamw moments (2 x fp32)"]
 
 
+def _measured_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows that ran and measured a peak."""
+    return [r for r in rows if r.get("status") == "ok" and r.get("peak_memory_gib") is not None]
+
+
+def _beside(row: Mapping[str, Any], planned_gib: float) -> dict[str, Any]:
+    """One measured row beside its plan: the variant, both figures in GiB and the plan's relative error."""
+    measured = float(row["peak_memory_gib"])
+    return {
+        "variant": row["variant"],
+        "planned_gib": planned_gib,
+        "measured_gib": measured,
+        "error": planned_gib / measured - 1,
+    }
+
+
 def compare_bench(bench: Mapping[str, Any], extra_rows: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
     """Each measured row of a gpu_bench result (and rows run alone at its shapes) beside its plan."""
     shapes = {"main": bench["model_shape"], "smoke": bench.get("smoke_shape")}
     out = []
-    for row in [*bench["rows"], *extra_rows]:
-        if row.get("status") != "ok" or row.get("peak_memory_gib") is None:
-            continue
+    for row in _measured_rows([*bench["rows"], *extra_rows]):
         planned = planned_row_bytes(shapes[row.get("shape", "main")], row) / GIB
-        measured = float(row["peak_memory_gib"])
-        out.append(
-            {
-                "variant": row["variant"],
-                "planned_gib": planned,
-                "measured_gib": measured,
-                "error": planned / measured - 1,
-            }
-        )
+        out.append(_beside(row, planned))
     return out
 
 
@@ -102,19 +108,9 @@ def compare_moe_bench(bench: Mapping[str, Any], cfg: ExperimentSchema) -> list[d
     """Each measured row of a `gpu_bench.py --part moe` result beside its plan (`cfg`: the experiment
     the bench names in model_source, resolved)."""
     out = []
-    for row in bench["rows"]:
-        if row.get("status") != "ok" or row.get("peak_memory_gib") is None:
-            continue
+    for row in _measured_rows(bench["rows"]):
         mode = str(row.get("extra", {}).get("activation_checkpointing", "full"))
         run_cfg = moe_row_config(cfg, int(row["micro_batch"]), str(row.get("compile") or "none"), mode)
         planned = planned_moe_row_bytes(run_cfg) / GIB
-        measured = float(row["peak_memory_gib"])
-        out.append(
-            {
-                "variant": row["variant"],
-                "planned_gib": planned,
-                "measured_gib": measured,
-                "error": planned / measured - 1,
-            }
-        )
+        out.append(_beside(row, planned))
     return out
