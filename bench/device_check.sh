@@ -3,7 +3,7 @@
 #
 #   bash bench/device_check.sh [--out DIR] [--work DIR] [--budget-s 560] [--cpu-tiny] [--python python3]
 #        [--call 1|2] [--only PHASE,PHASE] [--cap PHASE=SECONDS ...] [--bench-args "..."]
-#   (--call 1: what decides, in one call of at most 9.5 minutes: env, the decisive bench rows (1p3b's
+#   (--call 1: what decides, in one call of at most 9.5 minutes: env, the launch's import profile, the decisive bench rows (1p3b's
 #   recipe, gpu-smoke's settings), the MoE rows, the corpus, gpu-smoke launched, SIGKILLed, resumed and
 #   audited (its startup parts and checkpoint stall in the table); --call 2, the same --out: pytest -m
 #   gpu, the memory probe and the rest of the ladder, appended to bench.json. Without --call: all.)
@@ -12,7 +12,8 @@
 #   what tests/e2e/test_device_check.py uses to prove the caps cheaply)
 #
 # Writes to --out (default $OUT, else bench/results/device-check-<time>), at most 8 files, none deeper:
-#   env.json    torch, CUDA/ROCm, device, driver, which kernels and packages import
+#   env.json    torch, CUDA/ROCm, device, driver, which kernels and packages import; where the launch's
+#               import seconds go (`imports`: -X importtime summed by package, CUDA's first use)
 #   probe.json  the memory plan against the saved-tensor probe at gpu-smoke's shape (bench/memory_probe.py)
 #   bench.json  gpu_bench.py, written row by row: first the matmul ceiling and the decisive rows (1p3b's
 #               own settings, with and without Liger), then the ladder: plain -> liger -> chunked loss ->
@@ -22,7 +23,7 @@
 #   log.txt     the budget table, then everything every phase printed
 # Phases, in order (each under its own cap and the global budget; one that fails or is killed at its cap
 # is a line in the table, never the end of the check; the budget table at the start lists the caps):
-# carried wheels, env, bench-decisive, built-in corpus, pytest -m gpu (2 workers), memory probe,
+# carried wheels, env, imports, bench-decisive, built-in corpus, pytest -m gpu (2 workers), memory probe,
 # launch + SIGKILL, resume, runner audit, bench-rest (takes the time left), table.
 #
 # The device has torch, transformers, accelerate, huggingface_hub, nvidia-ml-py but not omegaconf,
@@ -53,7 +54,7 @@ while [ $# -gt 0 ]; do
     --python) PY=$2; shift 2 ;;
     --only) ONLY=",$2,"; shift 2 ;;
     --call) case "$2" in
-        1) ONLY=",wheels,env,bench-decisive,bench-moe,corpus,launch-killed,resume,audit," ;;
+        1) ONLY=",wheels,env,imports,bench-decisive,bench-moe,corpus,launch-killed,resume,audit," ;;
         2) ONLY=",wheels,env,pytest-gpu,memory-probe,bench-rest," ;;
         *) echo "device_check.sh: --call 1 or 2" >&2; exit 2 ;;
       esac; shift 2 ;;
@@ -99,11 +100,12 @@ KILL_AT=8   # gpu-smoke checkpoints at step 6: the resume redoes steps 7-8, then
 # The caps, from the H200's measured phases (2026-12-04: env 18 s, bench-decisive 118, corpus 3, pytest-gpu 48,
 # memory-probe 21, launch-killed 88, resume 104-110, audit ~28) with margin; bench-decisive now holds the
 # 1p3b recipe (76.8 s to build, compile, warm up) and gpu-smoke's settings row (regional compile).
-PHASE_ORDER=(wheels env bench-decisive bench-moe corpus launch-killed resume audit pytest-gpu memory-probe bench-rest)
-declare -A CAP=([wheels]=30 [env]=25 [bench-decisive]=220 [bench-moe]=70 [corpus]=15 [pytest-gpu]=60
+PHASE_ORDER=(wheels env imports bench-decisive bench-moe corpus launch-killed resume audit pytest-gpu memory-probe bench-rest)
+declare -A CAP=([wheels]=30 [env]=25 [imports]=40 [bench-decisive]=220 [bench-moe]=70 [corpus]=15 [pytest-gpu]=60
   [memory-probe]=30 [launch-killed]=100 [resume]=140 [audit]=45)
 declare -A WHAT=([wheels]="omegaconf, pandera, liger-kernel from bench/wheels (only when missing)"
   [env]="torch, CUDA/ROCm, device, driver, kernels that import"
+  [imports]="where the launch's import seconds go: -X importtime by package, CUDA's first use (into env.json)"
   [bench-decisive]="matmul ceiling; the 1p3b recipe (whole-model compile, plain loss, bf16); gpu-smoke's settings row"
   [bench-moe]="gpu_bench.py --part moe on $MOE (where gpu_bench.py has it)"
   [corpus]="runner data builtin" [pytest-gpu]="pytest -m gpu tests/training/test_gpu.py, 2 workers (1 without pytest-xdist)"
@@ -179,6 +181,8 @@ fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 phase env 0 "$PY" bench/device_table.py env --out "$OUT_DIR/env.json"
+# run.json's t_startup.imports was 13.2-13.7 s on the H200 against 3.4 s on a CPU: which packages take it
+phase imports 0 "$PY" bench/device_table.py imports --out "$OUT_DIR/env.json"
 # what decides first: the ceiling and 1p3b's own settings with and without Liger (bench.json row by row)
 phase bench-decisive 0 "$PY" bench/gpu_bench.py "${BENCH_FLAGS[@]}" --part decisive \
   --budget-s "$(( ${CAP[bench-decisive]} > 20 ? ${CAP[bench-decisive]} - 10 : ${CAP[bench-decisive]} ))" \

@@ -1,7 +1,8 @@
 """The device check's two ends: what the machine is (`env`), and the one-screen table of what it did (`table`).
 
 `env` writes the environment as JSON: torch and its CUDA/ROCm, the device, its driver, and which
-kernels and packages import (Liger, FlashAttention 2/3, Triton, the SDPA kernels that run).
+kernels and packages import (Liger, FlashAttention 2/3, Triton, the SDPA kernels that run); `imports`
+adds to it where the launch's import seconds go (`-X importtime` by package, CUDA's first use).
 `table` reads what bench/device_check.sh left (phases, pytest output, the bench JSON, the memory
 probe, the smoke run's run.json and metrics) and writes table.md: markdown ready to paste into
 docs/GPU_BENCH.md, with the date, machine, versions, the exact command, the matmul ceiling and its
@@ -97,6 +98,100 @@ def environment() -> dict[str, Any]:
                 kernels[backend] = "unavailable: " + exc.detail.split(": ", 2)[-1][:80]
     facts["attention_kernels"] = kernels
     return facts
+
+
+# ---- where the launch's `imports` part goes --------------------------------------------------------
+
+#: what the launch imports in its `imports` part (runner/training/launch.py), then the device's first use
+IMPORT_PROBE = """
+import json, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+import runner.training.loop
+t2 = time.perf_counter()
+cuda = None
+if torch.cuda.is_available():
+    torch.zeros(1, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    cuda = time.perf_counter() - t2
+print(json.dumps({"torch_s": t1 - t0, "runner_s": t2 - t1, "cuda_init_s": cuda}))
+"""
+
+
+def parse_importtime(text: str) -> list[tuple[str, float, float]]:
+    """`python -X importtime`'s stderr as (module, self seconds, cumulative seconds), in its order."""
+    rows = []
+    for line in text.splitlines():
+        if not line.startswith("import time:"):
+            continue
+        parts = line[len("import time:") :].split("|")
+        if len(parts) != 3 or not parts[0].strip().isdigit():
+            continue  # the header line
+        rows.append((parts[2].strip(), int(parts[0]) / 1e6, int(parts[1]) / 1e6))
+    return rows
+
+
+def summarize_imports(rows: list[tuple[str, float, float]], top: int = 10) -> dict[str, Any]:
+    """Self time summed by top-level package (the parts add up to the whole import), and the modules
+    that cost most in their own body."""
+    by_package: dict[str, float] = {}
+    for module, own, _ in rows:
+        package = module.split(".")[0]
+        by_package[package] = by_package.get(package, 0.0) + own
+    ranked = sorted(by_package.items(), key=lambda kv: -kv[1])
+    return {
+        "modules": len(rows),
+        "self_seconds": round(sum(own for _, own, _ in rows), 3),
+        "by_package": {k: round(v, 3) for k, v in ranked[:top]},
+        "heaviest_modules": {m: round(own, 3) for m, own, _ in sorted(rows, key=lambda r: -r[1])[:top]},
+    }
+
+
+def import_profile(python: str = sys.executable) -> dict[str, Any]:
+    """The launch's imports (torch, then `runner.training.loop`) in a fresh process under
+    `-X importtime`, then the device's first use (CUDA's initialisation where there is one): which
+    package the seconds of run.json's `t_startup.imports` go to."""
+    import os
+    import subprocess
+    import time
+
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [python, "-X", "importtime", "-c", IMPORT_PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+    )
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:200]}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        "process_seconds": round(wall, 3),
+        **{k: (None if v is None else round(v, 3)) for k, v in out.items()},
+        **summarize_imports(parse_importtime(proc.stderr)),
+    }
+
+
+def _imports_lines(facts: dict) -> list[str]:
+    imp = facts.get("imports")
+    if not imp:
+        return []
+    if "error" in imp:
+        return [f"Imports: the profile failed: {imp['error']}"]
+    cuda = imp.get("cuda_init_s")
+    return [
+        f"Imports (`-X importtime` in a fresh process; the launch's `imports` part): `import torch` "
+        f"{imp['torch_s']:.1f} s, then `runner.training.loop` {imp['runner_s']:.1f} s ({imp['modules']} modules)"
+        + (f"; the device's first use after them {cuda:.1f} s" if cuda is not None else "")
+        + f"; the process {imp['process_seconds']:.1f} s in all. By package (own time): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in imp["by_package"].items())
+        + ". Heaviest modules: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in list(imp["heaviest_modules"].items())[:6])
+        + ".",
+    ]
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -337,6 +432,8 @@ def render(out: Path, work: Path, command: str) -> str:
     ]
     if (work / "budget.md").exists():  # what each phase was allowed, before what it did
         lines += [(work / "budget.md").read_text().strip(), ""]
+    if env.get("imports"):
+        lines += _imports_lines(env) + [""]
     if bench:
         lines += _bench_lines(bench, failures) + [""]
     else:
@@ -361,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("env", help="write the environment as JSON")
     e.add_argument("--out", required=True)
+    i = sub.add_parser("imports", help="add the launch's import profile to an env.json (created if missing)")
+    i.add_argument("--out", required=True)
     t = sub.add_parser("table", help="write table.md from what the device check left")
     t.add_argument("--out", required=True, help="the device check's output folder")
     t.add_argument("--work", required=True, help="its work folder (phases, pytest output, the run)")
@@ -374,6 +473,13 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(facts, indent=2, default=str) + "\n")
         print(json.dumps(facts, indent=1, default=str))
         return 0
+    if args.cmd == "imports":
+        path = Path(args.out)
+        facts = _read(path) or {}
+        facts["imports"] = import_profile()
+        path.write_text(json.dumps(facts, indent=2, default=str) + "\n")
+        print("\n".join(_imports_lines(facts)))
+        return 0 if "error" not in facts["imports"] else 1
     text = render(Path(args.out), Path(args.work), args.command)
     (Path(args.out) / "table.md").write_text(text)
     print(text)

@@ -61,6 +61,11 @@ def test_device_check_runs_every_phase_on_cpu_without_mlflow(tmp_path):
     env_facts = json.loads((out / "env.json").read_text())
     assert env_facts["torch_version"] and env_facts["packages"]["omegaconf"] != "missing"
     assert env_facts["packages"]["liger-kernel"] not in ("", None)  # a version, or why it does not load
+    # where the launch's import seconds go: torch first among the packages, CUDA's first use absent on a CPU
+    imports = env_facts["imports"]
+    assert phases["imports"]["rc"] == 0 and imports["torch_s"] > 0 and imports["cuda_init_s"] is None
+    assert "torch" in imports["by_package"] and imports["modules"] > 100
+    assert "Imports (`-X importtime` in a fresh process" in table
 
 
 @pytest.mark.slow

@@ -252,3 +252,37 @@ def test_the_runner_against_bench_bound_is_a_device_check_not_a_cpu_one(cpu_tiny
         assert failures == [] and "not checked against the 3% bound" in text
     else:
         assert failures == ["runner 800 tok/s vs bench (ratio 0.800)"] and "NOT within 3%" in text
+
+
+def test_the_import_profile_sums_own_time_by_package_as_counted_by_hand():
+    """`device_table.py imports`: `-X importtime`'s lines summed by top-level package (own time, so the
+    packages add up to the whole import), the heaviest modules, and the table's line; a failed probe is
+    a line saying so."""
+    spec = importlib.util.spec_from_file_location("device_table", ROOT / "bench" / "device_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    stderr = "\n".join(
+        [
+            "import time: self [us] | cumulative | imported package",
+            "import time:       500 |        500 |   torch._C",
+            "import time:      1500 |       2000 | torch",
+            "import time:    250000 |     250000 |     transformers.utils",
+            "import time:    750000 |    1000000 |   transformers",
+            "import time:      3000 |    1005000 | runner.training.loop",
+            "something else on stderr",
+        ]
+    )
+    rows = table.parse_importtime(stderr)
+    assert rows[0] == ("torch._C", 0.0005, 0.0005) and len(rows) == 5
+    s = table.summarize_imports(rows, top=2)
+    assert s["by_package"] == {"transformers": 1.0, "runner": 0.003}  # 0.25 + 0.75; torch's 0.0005 + 0.0015 third
+    assert s["self_seconds"] == 1.005 and s["modules"] == 5
+    assert list(s["heaviest_modules"]) == ["transformers", "transformers.utils"]
+    facts = {"imports": {"process_seconds": 2.0, "torch_s": 0.5, "runner_s": 1.2, "cuda_init_s": 0.3, **s}}
+    line = table._imports_lines(facts)[0]
+    assert "`import torch` 0.5 s, then `runner.training.loop` 1.2 s (5 modules)" in line
+    assert "the device's first use after them 0.3 s" in line and "By package (own time): transformers 1.00" in line
+    assert table._imports_lines({"imports": {"error": "ModuleNotFoundError: x"}}) == [
+        "Imports: the profile failed: ModuleNotFoundError: x"
+    ]
+    assert table._imports_lines({}) == []
