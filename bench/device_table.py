@@ -316,13 +316,28 @@ def _startup_and_checkpoint_lines(run: dict) -> list[str]:
         lines.append("- start: no `t_startup` in run.json (a runner from before it, or no attempt reached a step)")
     ckpts = run.get("checkpoints") or []
     if ckpts:
+
+        def waited(c: dict) -> float:
+            return float(c.get("t_checkpoint_waited") or 0)
+
         stalls = ", ".join(
-            f"step {c.get('step')}: {float(c.get('t_checkpoint', 0)):.2f} s (write {float(c.get('t_checkpoint_write', 0)):.1f} s, "
-            f"{c.get('checkpoint_write')})"
+            f"step {c.get('step')}: {float(c.get('t_checkpoint', 0)):.2f} s"
+            + (f" of which {waited(c):.2f} s waiting for the previous write" if waited(c) >= 0.005 else "")
+            + f" (write {float(c.get('t_checkpoint_write', 0)):.1f} s, {c.get('checkpoint_write')})"
             for c in ckpts
         )
         worst = max(float(c.get("t_checkpoint", 0)) for c in ckpts)
-        lines.append(f"- checkpoint stall (t_checkpoint) {stalls}: " + ("< 1 s" if worst < 1 else "**NOT < 1 s**"))
+        own = max(float(c.get("t_checkpoint", 0)) - waited(c) for c in ckpts)
+        if worst < 1:
+            verdict = "< 1 s"
+        elif own < 1:  # the copy is quick; the disk wrote slower than the checkpoints came (run.json says how much)
+            verdict = (
+                f"**NOT < 1 s** counting the wait for the previous write; without it {own:.2f} s at most, < 1 s "
+                "(checkpoints came faster than the disk wrote them: `runner plan` counts max(write - time between, 0))"
+            )
+        else:
+            verdict = "**NOT < 1 s**"
+        lines.append(f"- checkpoint stall (t_checkpoint) {stalls}: {verdict}")
     return lines
 
 

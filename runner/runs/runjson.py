@@ -50,7 +50,8 @@ class RunJson:
     device_step_seconds_total: float | None = None
     wall_seconds: float | None = None
     device_wall_seconds: float | None = None
-    #: step, attempt, t_checkpoint (the loop's stop), t_checkpoint_write, checkpoint_write (background/foreground)
+    #: step, attempt, t_checkpoint (the loop's stop), t_checkpoint_waited (of it, waiting for the previous
+    #: write), t_checkpoint_write, checkpoint_write (background/foreground)
     checkpoints: list[dict] = field(default_factory=list)
     #: evaluation wall seconds (runner.training.records.EvalTimes): validation_seconds, downstream_seconds,
     #: downstream_prepare_seconds over the run, and `attempts`: the same per attempt

@@ -165,6 +165,7 @@ class Gathered:
     write_seconds: float | None = None  #: the files' own write: serialize, fsync, hash, rename, seal, prune
     written: str | None = None  #: "background" or "foreground": the thread that wrote the files, as seen there
     ready: Callable[[], None] | None = None  #: waits for the copies into host memory (PinnedStaging), if any
+    waited: float = 0.0  #: of the stop, seconds waiting for the previous checkpoint's write to end
 
     def stopped_seconds(self) -> float:
         """How long the loop stood still for this checkpoint (SPEC's t_checkpoint): until it went on,

@@ -420,7 +420,7 @@ def _save(run: Attempt, step: int, wait_for_data: bool = True) -> None:
         run.data.raise_failure()
     # The previous write done first: rank 0 holds one checkpoint in host memory at a time.
     started = time.perf_counter()
-    run.checkpointer.writes.wait()
+    waited = run.checkpointer.writes.wait()  # nonzero when checkpoints come faster than the disk writes them
     # Every rank: under FSDP the gather is a collective. Rank 0 receives the full state and writes it.
     # every rank the same options (rank 0 stages in pinned buffers; the others hold references, no copy)
     staged_run = run.acc.device.type == "cuda" and run.cfg.hardware.distributed != "fsdp"
@@ -429,9 +429,11 @@ def _save(run: Attempt, step: int, wait_for_data: bool = True) -> None:
         live = training_tensors(run.raw_model, run.inner_optimizer)
         if run.staging is not None:  # copies enqueued into pinned buffers; the writer waits for them
             staged = run.staging.stage(model_state, optimizer_state, live)
-            saved = Gathered(step, staged.model_state, staged.optimizer_state, started, ready=staged.ready)
+            saved = Gathered(
+                step, staged.model_state, staged.optimizer_state, started, ready=staged.ready, waited=waited
+            )
         else:
-            saved = Gathered(step, *host_copy(model_state, optimizer_state, live), started)
+            saved = Gathered(step, *host_copy(model_state, optimizer_state, live), started, waited=waited)
         # checkpoint files, ledger.json, run.json (runner.training.records): taken now, written behind the loop
         write = take_records(run.records, run, saved)
         if run.checkpointer.writes.mode == "background":

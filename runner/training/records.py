@@ -101,12 +101,14 @@ class RunJsonWriter(RunRecord):
         totals, attempt, folder = run.clock.totals(), run.clock.attempt, run.folder
 
         def write() -> None:
-            # SPEC: t_checkpoint is what the loop stood still for (the wall-clock formula sums them);
+            # SPEC: t_checkpoint is what the loop stood still for (the wall-clock formula sums them), of
+            # which t_checkpoint_waited waiting for the previous write (checkpoints faster than the disk);
             # t_checkpoint_write the files' own write, behind the loop when checkpoint_write is background.
             entry = {
                 "step": saved.step,
                 "attempt": attempt,
                 "t_checkpoint": round(saved.stopped_seconds(), 6),
+                "t_checkpoint_waited": round(saved.waited, 6),
                 "t_checkpoint_write": round(saved.write_seconds or 0.0, 6),
                 "checkpoint_write": saved.written,
             }

@@ -286,3 +286,26 @@ def test_the_import_profile_sums_own_time_by_package_as_counted_by_hand():
         "Imports: the profile failed: ModuleNotFoundError: x"
     ]
     assert table._imports_lines({}) == []
+
+
+def test_the_checkpoint_stall_line_says_what_waited_for_the_previous_write():
+    """The H200's step-16 stop of 19.92 s was, by its figures, the wait for step 12's write (24.7 s
+    against about 4 s of steps between them): with run.json's t_checkpoint_waited the table says so,
+    and judges the stall with and without that wait, plainly."""
+    spec = importlib.util.spec_from_file_location("device_table", ROOT / "bench" / "device_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+
+    def ck(step, stop, waited, write):
+        return {"step": step, "t_checkpoint": stop, "t_checkpoint_waited": waited, "t_checkpoint_write": write,
+                "checkpoint_write": "background"}  # fmt: skip
+
+    lines = table._startup_and_checkpoint_lines({"checkpoints": [ck(12, 0.07, 0.0, 24.7), ck(16, 19.92, 19.85, 24.5)]})
+    assert lines[-1].startswith("- checkpoint stall (t_checkpoint) step 12: 0.07 s (write 24.7 s, background), ")
+    assert "step 16: 19.92 s of which 19.85 s waiting for the previous write (write 24.5 s" in lines[-1]
+    assert "**NOT < 1 s** counting the wait for the previous write; without it 0.07 s at most, < 1 s" in lines[-1]
+    slow = table._startup_and_checkpoint_lines({"checkpoints": [ck(6, 9.7, 0.0, 30.0)]})[-1]
+    assert slow.endswith(": **NOT < 1 s**")
+    # a run.json from before t_checkpoint_waited: the stop as it was recorded
+    old = table._startup_and_checkpoint_lines({"checkpoints": [{"step": 6, "t_checkpoint": 0.09}]})[-1]
+    assert old.endswith("step 6: 0.09 s (write 0.0 s, None): < 1 s")

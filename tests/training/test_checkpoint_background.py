@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from runner.training.model import build_model
 from runner.training.schedule import make_optimizer
 
 STEPS, EVERY = 6, 2  # checkpoints at 2 and 4 with steps after them, and at 6, the end
+HELD = 0.2  # seconds a write behind the loop goes on after the next checkpoint began waiting for it
 FILES = ("model.safetensors", "optimizer.safetensors", "ledger.safetensors")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,7 +54,13 @@ class _Watch:
         self.committed = 0
         self.advanced = threading.Condition()
         self.seen: dict[int, dict] = {}
-        real_save, real_commit = Checkpointer.save, loop._commit
+        self.loop_waits = threading.Event()  # the loop's thread is waiting for the write in flight
+        real_save, real_commit, real_wait = Checkpointer.save, loop._commit, BackgroundWriter.wait
+
+        def wait(writer):
+            if writer.busy and threading.current_thread() is threading.main_thread():
+                self.loop_waits.set()
+            return real_wait(writer)
 
         def commit(run, step, s):
             committed = real_commit(run, step, s)
@@ -66,6 +74,11 @@ class _Watch:
             if behind and step < STEPS:
                 with self.advanced:
                     self.advanced.wait_for(lambda: self.committed > step, timeout=TEST_TIMEOUT_S)
+                # ... and until the next checkpoint waits for it, then HELD s more: a disk slower than the
+                # checkpoints come, which the next one's t_checkpoint_waited records
+                assert self.loop_waits.wait(timeout=TEST_TIMEOUT_S)
+                self.loop_waits.clear()
+                time.sleep(HELD)
             committed_before = self.committed
             out = real_save(checkpointer, step, *args, **kwargs)
             self.seen[step] = {
@@ -76,6 +89,7 @@ class _Watch:
 
         monkeypatch.setattr(loop, "_commit", commit)
         monkeypatch.setattr(Checkpointer, "save", save)
+        monkeypatch.setattr(BackgroundWriter, "wait", wait)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +135,12 @@ def test_a_background_write_lets_training_go_on_and_run_json_records_what_ran(ru
         assert fg_seen[step]["committed_meanwhile"] == 0 and fg[step]["t_checkpoint"] >= fg[step]["t_checkpoint_write"]
         assert bg_seen[step]["committed_meanwhile"] >= 1
     # the first one waited for no earlier write: its stop is the copy, shorter than a step and the write
-    assert bg[2]["t_checkpoint"] < bg[2]["t_checkpoint_write"]
+    assert bg[2]["t_checkpoint"] < bg[2]["t_checkpoint_write"] and bg[2]["t_checkpoint_waited"] == 0
+    # the next ones waited for the write before them (held HELD s past their start): part of their stop,
+    # recorded apart; in the loop there is never a write in flight to wait for
+    for step in (4, 6):
+        assert HELD <= bg[step]["t_checkpoint_waited"] <= bg[step]["t_checkpoint"], bg[step]
+    assert all(c["t_checkpoint_waited"] == 0 for c in fg.values())
     # ... and still wrote the state of its own step: the host copy, not the parameters training moved on.
     for step in (2, 4, 6):
         assert _files(bg_run, step) == _files(fg_run, step)
