@@ -307,9 +307,11 @@ def _startup_and_checkpoint_lines(run: dict) -> list[str]:
     for a in t.get("attempts") or []:
         parts = ", ".join(f"{k} {float(v):.1f}" for k, v in (a.get("parts") or {}).items() if float(v) >= 0.05)
         first = a.get("first_step_seconds")
+        pieces = ", ".join(f"{k} {float(v):.1f}" for k, v in (a.get("before_first_step_parts") or {}).items())
         lines.append(
             f"- attempt {a.get('attempt')}: start **{float(a.get('seconds', 0)):.1f} s** to the first step "
-            f"({parts or 'no part'}); first step {_num(first, '.1f')} s (compile included, not in the start)"
+            f"({parts or 'no part'}" + (f"; before_first_step: {pieces}" if pieces else "") + "); "
+            f"first step {_num(first, '.1f')} s (compile included, not in the start)"
             + ("; <= 15 s" if float(a.get("seconds", 0)) <= 15 else "; over the 15 s goal")
         )
     if not lines:

@@ -242,6 +242,7 @@ def _resume(run: Attempt) -> None:
     startup.mark("checkpoint_load")
     run.runtime.update(ddp_compile_settings(run.model, run.cfg.model.compile))
     run.model = maybe_compile(run.model, run.cfg)
+    startup.split("compile_wrapping")
 
 
 def _conventions(run: Attempt, tracker) -> None:
@@ -254,9 +255,12 @@ def _conventions(run: Attempt, tracker) -> None:
         peak = hardware.Peak(float(recorded["peak_tflops"]), recorded["peak_dtype"], recorded["peak_source"], "cpu")
     else:
         peak = hardware.resolve_peak(run.cfg.hardware, measure_seconds=run.opts.peak_measure_seconds)
+    startup.split("peak")
     # HFU's FLOPs: None without activation checkpointing
     run.basis = FlopsBasis(flops_per_token(run.cfg, convention), hfu_flops_per_token(run.cfg, convention), peak)
+    startup.split("conventions")  # the FLOPs per token
     run.system = _system_metrics(run, tracker)
+    startup.split("system_metrics")
     busy_source = run.system.monitor.busy_source if run.system is not None else "not measured (interval 0)"
     conventions = {
         **hardware.convention_record(convention, peak, run.world, "step", run.clock.step_clock.basis),
@@ -482,7 +486,9 @@ def _attempt(run: Attempt, tracker) -> int:
     """One attempt's loop, from the resumed step to the end (or a stop): train a step, commit it,
     evaluate, then the checkpoint and stop decisions, in the order the ledger requires."""
     _conventions(run, tracker)
+    startup.split("conventions")  # run.json's conventions and runtime written, the callbacks, MLflow's tags
     flag = _start_attempt(run, tracker)
+    startup.split("attempt_start")  # MLflow's flush, the signals, the journal, the prefetcher started
     exit_code = EXIT_OK
     try:
         run.model.train()

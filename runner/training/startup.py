@@ -12,7 +12,9 @@ is called. The parts, consecutive and in the order they happen (SPEC "Wall-clock
   model_build         the model built (on the device where there is one) and its optimizer
   weights_on_device   accelerate's prepare (wrapping; the weights' copy when built on the host)
   checkpoint_load     on a resume: the newest checkpoint verified and loaded (0 on a fresh run)
-  before_first_step   the rest: compile's wrapping, conventions, MLflow's flush, the first batches
+  before_first_step   the rest: compile's wrapping, conventions, MLflow's flush, the first batches; split
+                      in `before_first_step_parts` (compile_wrapping, peak, conventions, system_metrics,
+                      attempt_start, rest), beside the parts and summing to this one
 `seconds` sums them; the first step's own wall (compile and autotuning included) is
 `first_step_seconds`, beside it and never in it. The attempt's wall (the run clock) starts at the
 process start, so goodput's wall time counts the startup.
@@ -61,11 +63,19 @@ class StartupClock:
         self.seconds: float | None = None  # set when the first step begins
         self.first_step_seconds: float | None = None
         self._first_t0: float | None = None
+        self.detail: dict[str, float] = {}  #: before_first_step's pieces (`split`), in the order they ran
+        self._split_last = 0.0
 
     def mark(self, part: str) -> None:
         now = time.time()
         self.parts[part] = self.parts.get(part, 0.0) + max(0.0, now - self.last)
         self.last = now
+
+    def split(self, piece: str) -> None:
+        """Close `piece` of before_first_step at now: from the last mark or split, whichever is later."""
+        now = time.time()
+        self.detail[piece] = self.detail.get(piece, 0.0) + max(0.0, now - max(self.last, self._split_last))
+        self._split_last = now
 
     def elapsed(self) -> float:
         """Seconds since the origin (what the attempt's wall counts before its first step)."""
@@ -82,12 +92,18 @@ class StartupClock:
             self.first_step_seconds = time.time() - self._first_t0
 
     def record(self, attempt: int) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "attempt": int(attempt),
             "seconds": round(self.seconds if self.seconds is not None else self.elapsed(), 3),
             "parts": {k: round(v, 3) for k, v in self.parts.items()},
             "first_step_seconds": None if self.first_step_seconds is None else round(self.first_step_seconds, 3),
         }
+        if self.detail and self.seconds is not None:  # before_first_step by piece, `rest` what no piece named
+            rest = self.parts["before_first_step"] - sum(self.detail.values())
+            out["before_first_step_parts"] = {
+                k: round(v, 3) for k, v in {**self.detail, "rest": max(0.0, rest)}.items()
+            }
+        return out
 
 
 _current: StartupClock | None = None
@@ -131,6 +147,12 @@ def mark(part: str) -> None:
     """Close `part` on the current attempt's clock (nothing when none runs)."""
     if _current is not None:
         _current.mark(part)
+
+
+def split(piece: str) -> None:
+    """Close `piece` of before_first_step on the current attempt's clock (nothing when none runs)."""
+    if _current is not None:
+        _current.split(piece)
 
 
 def current() -> StartupClock | None:

@@ -306,6 +306,14 @@ def test_the_checkpoint_stall_line_says_what_waited_for_the_previous_write():
     assert "**NOT < 1 s** counting the wait for the previous write; without it 0.07 s at most, < 1 s" in lines[-1]
     slow = table._startup_and_checkpoint_lines({"checkpoints": [ck(6, 9.7, 0.0, 30.0)]})[-1]
     assert slow.endswith(": **NOT < 1 s**")
+    # each attempt's start by part, and before_first_step by piece where run.json has them
+    attempt = {"attempt": 1, "seconds": 19.8, "first_step_seconds": 15.0, "parts": {"imports": 13.7, "before_first_step": 4.8},
+               "before_first_step_parts": {"compile_wrapping": 0.2, "system_metrics": 4.4, "rest": 0.2}}  # fmt: skip
+    start = table._startup_and_checkpoint_lines({"t_startup": {"attempts": [attempt]}})[0]
+    assert (
+        "(imports 13.7, before_first_step 4.8; before_first_step: compile_wrapping 0.2, system_metrics 4.4, rest 0.2)"
+        in start
+    )
     # a run.json from before t_checkpoint_waited: the stop as it was recorded
     old = table._startup_and_checkpoint_lines({"checkpoints": [{"step": 6, "t_checkpoint": 0.09}]})[-1]
     assert old.endswith("step 6: 0.09 s (write 0.0 s, None): < 1 s")

@@ -27,6 +27,10 @@ def test_a_launch_and_its_resume_record_every_part_and_count_them_in_the_wall(tm
         assert abs(sum(a["parts"].values()) - a["seconds"]) < 0.01  # consecutive parts: they sum to the total
         assert a["first_step_seconds"] is not None and a["first_step_seconds"] > 0
         assert a["parts"]["config"] > 0 and a["parts"]["model_build"] > 0 and a["parts"]["imports"] >= 0
+        # before_first_step by piece, in the order they ran, summing to it ("rest": what no piece named)
+        pieces = a["before_first_step_parts"]
+        assert list(pieces) == ["compile_wrapping", "peak", "conventions", "system_metrics", "attempt_start", "rest"]
+        assert abs(sum(pieces.values()) - a["parts"]["before_first_step"]) < 0.01 and min(pieces.values()) >= 0
     first, resumed = t["attempts"]
     assert first["parts"]["checkpoint_load"] < resumed["parts"]["checkpoint_load"]  # verified and loaded
     assert t["seconds"] == round(first["seconds"] + resumed["seconds"], 3)
@@ -69,3 +73,25 @@ def test_merged_keeps_every_attempt_and_sums_them():
     assert (rec["seconds"], rec["first_step_seconds"], len(rec["attempts"])) == (5.0, 1.0, 2)
     assert startup.merged(rec, {**b, "seconds": 4.0})["seconds"] == 6.0  # an attempt rewritten, not added
     assert startup.report_lines({}) == [] and startup.report_lines({"t_startup": rec})
+
+
+def test_the_pieces_of_before_first_step_are_split_from_the_last_mark_and_sum_to_it(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(startup.time, "time", lambda: now[0])
+    clock = startup.StartupClock(origin=100.0)
+    now[0] = 101.0
+    clock.mark("checkpoint_load")  # before_first_step opens here
+    now[0] = 101.5
+    clock.split("compile_wrapping")
+    now[0] = 103.5
+    clock.split("peak")
+    now[0] = 104.0
+    clock.split("compile_wrapping")  # a piece met again adds up
+    now[0] = 104.25
+    clock.first_step_begins()
+    rec = clock.record(1)
+    assert rec["parts"]["before_first_step"] == 3.25 and rec["seconds"] == 4.25
+    assert rec["before_first_step_parts"] == {"compile_wrapping": 1.0, "peak": 2.0, "rest": 0.25}
+    unfinished = startup.StartupClock(origin=100.0)
+    unfinished.split("peak")  # no first step: no pieces recorded (before_first_step never closed)
+    assert "before_first_step_parts" not in unfinished.record(1)
