@@ -18,9 +18,12 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import re
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +155,6 @@ def import_profile(python: str = sys.executable) -> dict[str, Any]:
     """The launch's imports (torch, then `runner.training.loop`) in a fresh process under
     `-X importtime`, then the device's first use (CUDA's initialisation where there is one): which
     package the seconds of run.json's `t_startup.imports` go to."""
-    import os
-    import subprocess
-    import time
-
     t0 = time.perf_counter()
     proc = subprocess.run(
         [python, "-X", "importtime", "-c", IMPORT_PROBE],

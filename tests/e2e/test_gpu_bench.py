@@ -30,6 +30,15 @@ def bench():
 
 
 @pytest.fixture(scope="module")
+def table():
+    """bench/device_table.py, loaded as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("device_table", ROOT / "bench" / "device_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
 def tiny_result(tmp_path_factory):
     """One standalone run, as a user would start it (a subprocess, not an import)."""
     out = tmp_path_factory.mktemp("bench") / "result.json"
@@ -237,12 +246,9 @@ def test_a_bench_killed_at_its_cap_leaves_its_rows_and_the_table_reads_them(tmp_
 
 
 @pytest.mark.parametrize("cpu_tiny", [0, 1])
-def test_the_runner_against_bench_bound_is_a_device_check_not_a_cpu_one(cpu_tiny):
+def test_the_runner_against_bench_bound_is_a_device_check_not_a_cpu_one(cpu_tiny, table):
     """Off by 20%: a failure on a device; on the --cpu-tiny stand-in (a few timed steps on a shared
     CPU) the ratio is shown and said to be unchecked, never listed under "What failed"."""
-    spec = importlib.util.spec_from_file_location("device_table", ROOT / "bench" / "device_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
     figures = {"mfu": 0.4, "steady_steps": 5, "tokens_per_second": 800.0, "step_seconds": 1.0, "data_wait_seconds": 0}
     bench = {"rows": [{"shape": "smoke", "status": "ok", "variant": "smoke", "tokens_per_second": 1000.0, "mfu": 0.5}]}
     failures: list[str] = []
@@ -254,13 +260,10 @@ def test_the_runner_against_bench_bound_is_a_device_check_not_a_cpu_one(cpu_tiny
         assert failures == ["runner 800 tok/s vs bench (ratio 0.800)"] and "NOT within 3%" in text
 
 
-def test_the_import_profile_sums_own_time_by_package_as_counted_by_hand():
+def test_the_import_profile_sums_own_time_by_package_as_counted_by_hand(table):
     """`device_table.py imports`: `-X importtime`'s lines summed by top-level package (own time, so the
     packages add up to the whole import), the heaviest modules, and the table's line; a failed probe is
     a line saying so."""
-    spec = importlib.util.spec_from_file_location("device_table", ROOT / "bench" / "device_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
     stderr = "\n".join(
         [
             "import time: self [us] | cumulative | imported package",
@@ -288,13 +291,10 @@ def test_the_import_profile_sums_own_time_by_package_as_counted_by_hand():
     assert table._imports_lines({}) == []
 
 
-def test_the_checkpoint_stall_line_says_what_waited_for_the_previous_write():
+def test_the_checkpoint_stall_line_says_what_waited_for_the_previous_write(table):
     """The H200's step-16 stop of 19.92 s was, by its figures, the wait for step 12's write (24.7 s
     against about 4 s of steps between them): with run.json's t_checkpoint_waited the table says so,
     and judges the stall with and without that wait, plainly."""
-    spec = importlib.util.spec_from_file_location("device_table", ROOT / "bench" / "device_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
 
     def ck(step, stop, waited, write):
         return {"step": step, "t_checkpoint": stop, "t_checkpoint_waited": waited, "t_checkpoint_write": write,
