@@ -6,9 +6,14 @@ Default: `python -m runner --help` (the CLI imports a verb's modules only when t
 project of each tree (the built-in corpus prepared once), the launch's whole wall timed, and this
 tree's run.json `t_startup` (process start to the first step, by part) printed beside it. Medians and
 their ratio are printed (the machine is shared and noisy).
+`--cpu-tiny --uncompiled`: the same launches in an environment that compiles torch and transformers in
+every process (a copy of them with no bytecode beside the sources, PYTHONDONTWRITEBYTECODE=1, as in
+an image installed without bytecode): this tree with the runner's bytecode cache (runner.bytecode; its
+first launch fills it and is printed apart), `--ref` with it off (`RUNNER_PYCACHE=off`).
 
 Run: python bench/bench_startup.py --ref e936d7d --runs 10
      python bench/bench_startup.py --cpu-tiny --ref HEAD~1 --runs 3
+     python bench/bench_startup.py --cpu-tiny --uncompiled --ref HEAD --runs 3
 """
 
 from __future__ import annotations
@@ -54,17 +59,47 @@ def _project(tree: Path, data: Path | None) -> Path:
     return tree
 
 
-def _launch(tree: Path, run_dir: Path) -> tuple[float, dict | None]:
+def _launch(tree: Path, run_dir: Path, env: dict[str, str] | None = None) -> tuple[float, dict | None]:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "runner", "launch", "experiments/cpu-tiny.yaml", "--max-steps", "1"]
-    seconds = _seconds([*cmd, "--no-tracking", "--run-dir", str(run_dir)], tree)
+    t0 = time.perf_counter()
+    subprocess.run(
+        [*cmd, "--no-tracking", "--run-dir", str(run_dir)], cwd=tree, capture_output=True, check=True, env=env
+    )
+    seconds = time.perf_counter() - t0
     info = json.loads((run_dir / "run.json").read_text())
     return seconds, info.get("t_startup")
 
 
-def cpu_tiny(ref: str, runs: int) -> None:
+def _uncompiled_site(dest: Path) -> Path:
+    """torch and transformers as a tree of links to their files, with no bytecode beside the sources:
+    an installation that every process compiles again under PYTHONDONTWRITEBYTECODE=1."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    for module in (torch, transformers):
+        src = Path(str(module.__file__)).parent
+        shutil.copytree(
+            src, dest / src.name, symlinks=True, copy_function=os.symlink, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return dest
+
+
+def cpu_tiny(ref: str, runs: int, uncompiled: bool = False) -> None:
     paths = ("runner", "schemas", "recipes", "experiments")
     with tempfile.TemporaryDirectory() as tmp:
+        envs: dict[str, dict[str, str] | None] = {"here": None, ref: None}
+        if uncompiled:
+            site = _uncompiled_site(Path(tmp) / "site")
+            base = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+            }
+            base["PYTHONDONTWRITEBYTECODE"] = "1"
+            envs = {
+                "here": {**base, "RUNNER_PYCACHE": str(Path(tmp) / "pycache")},
+                ref: {**base, "RUNNER_PYCACHE": "off"},
+            }
         trees = {"here": Path(tmp) / "here", ref: Path(tmp) / "ref"}
         for name, tree in trees.items():
             tree.mkdir()
@@ -77,9 +112,13 @@ def cpu_tiny(ref: str, runs: int) -> None:
         _project(trees[ref], trees["here"] / "data")
         times: dict[str, list[float]] = {name: [] for name in trees}
         startups: list[dict] = []
+        if uncompiled:  # the first launch here fills the runner's bytecode cache: apart, not in the medians
+            seconds, t_startup = _launch(trees["here"], Path(tmp) / "run-fill", envs["here"])
+            code = (t_startup or {"attempts": [{}]})["attempts"][-1].get("bytecode")
+            print(f"first launch here (fills the bytecode cache): {seconds:.2f} s; bytecode {code}")
         for _ in range(runs):
             for name, tree in trees.items():
-                seconds, t_startup = _launch(tree, Path(tmp) / f"run-{name.replace('/', '_')}")
+                seconds, t_startup = _launch(tree, Path(tmp) / f"run-{name.replace('/', '_')}", envs[name])
                 times[name].append(seconds)
                 if name == "here" and t_startup:
                     startups.append(t_startup["attempts"][-1])
@@ -99,9 +138,14 @@ def main() -> None:
     parser.add_argument("--ref", default="HEAD", help="git ref to compare with (default HEAD)")
     parser.add_argument("--runs", type=int, default=10, help="runs of each, alternating")
     parser.add_argument("--cpu-tiny", action="store_true", help="launch cpu-tiny for one step instead of --help")
+    parser.add_argument(
+        "--uncompiled",
+        action="store_true",
+        help="with --cpu-tiny: torch and transformers compiled in every process; here with the runner's bytecode cache, --ref without",
+    )
     args = parser.parse_args()
     if args.cpu_tiny:
-        cpu_tiny(args.ref, args.runs)
+        cpu_tiny(args.ref, args.runs, args.uncompiled)
         return
     help_cmd = [sys.executable, "-m", "runner", "--help"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -101,11 +101,11 @@ KILL_AT=8   # gpu-smoke checkpoints at step 6: the resume redoes steps 7-8, then
 # memory-probe 21, launch-killed 88, resume 104-110, audit ~28) with margin; bench-decisive now holds the
 # 1p3b recipe (76.8 s to build, compile, warm up) and gpu-smoke's settings row (regional compile).
 PHASE_ORDER=(wheels env imports bench-decisive bench-moe corpus launch-killed resume audit pytest-gpu memory-probe bench-rest)
-declare -A CAP=([wheels]=30 [env]=25 [imports]=40 [bench-decisive]=220 [bench-moe]=70 [corpus]=15 [pytest-gpu]=60
+declare -A CAP=([wheels]=30 [env]=25 [imports]=75 [bench-decisive]=220 [bench-moe]=70 [corpus]=15 [pytest-gpu]=60
   [memory-probe]=30 [launch-killed]=100 [resume]=140 [audit]=45)
 declare -A WHAT=([wheels]="omegaconf, pandera, liger-kernel from bench/wheels (only when missing)"
   [env]="torch, CUDA/ROCm, device, driver, kernels that import"
-  [imports]="where the launch's import seconds go: -X importtime by package, CUDA's first use (into env.json)"
+  [imports]="where the launch's import seconds go: -X importtime by package, CUDA's first use, bytecode, memory, a second process, the runner's bytecode cache (into env.json)"
   [bench-decisive]="matmul ceiling; the 1p3b recipe (whole-model compile, plain loss, bf16); gpu-smoke's settings row"
   [bench-moe]="gpu_bench.py --part moe on $MOE (where gpu_bench.py has it)"
   [corpus]="runner data builtin" [pytest-gpu]="pytest -m gpu tests/training/test_gpu.py, 2 workers (1 without pytest-xdist)"
@@ -181,7 +181,9 @@ fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 phase env 0 "$PY" bench/device_table.py env --out "$OUT_DIR/env.json"
-# run.json's t_startup.imports was 13.2-13.7 s on the H200 against 3.4 s on a CPU: which packages take it
+# run.json's t_startup.imports was 13.2-13.7 s on the H200 against 3.4 s on a CPU: which packages take it,
+# and whether every process compiles them from source (no bytecode beside them, none written): then the
+# same imports with the runner's bytecode cache, filling it and reading it (a fresh temporary folder)
 phase imports 0 "$PY" bench/device_table.py imports --out "$OUT_DIR/env.json"
 # what decides first: the ceiling and 1p3b's own settings with and without Liger (bench.json row by row)
 phase bench-decisive 0 "$PY" bench/gpu_bench.py "${BENCH_FLAGS[@]}" --part decisive \

@@ -105,9 +105,17 @@ def environment() -> dict[str, Any]:
 
 # ---- where the launch's `imports` part goes --------------------------------------------------------
 
-#: what the launch imports in its `imports` part (runner/training/launch.py), then the device's first use
+#: what the launch imports in its `imports` part (runner/training/launch.py), then the device's first use;
+#: with RUNNER_PROBE_SETTLE=1, after the runner's bytecode choice, as `runner launch` makes it
 IMPORT_PROBE = """
-import json, time
+import json, os, sys, time
+from runner import bytecode
+if os.environ.get("RUNNER_PROBE_SETTLE") == "1":
+    bytecode.settle()
+state = bytecode.state()
+compiled = {n: n not in bytecode.uncompiled([n], dont_write=True) for n in ("torch", "transformers", "runner")}
+uncached = bytecode.uncompiled(("torch", "transformers", "runner"), dont_write=sys.dont_write_bytecode)
+would = bool(bytecode.uncompiled(bytecode.PROBES, dont_write=sys.dont_write_bytecode))
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
@@ -118,8 +126,42 @@ if torch.cuda.is_available():
     torch.zeros(1, device="cuda").add_(1)
     torch.cuda.synchronize()
     cuda = time.perf_counter() - t2
-print(json.dumps({"torch_s": t1 - t0, "runner_s": t2 - t1, "cuda_init_s": cuda}))
+print(json.dumps({"torch_s": t1 - t0, "runner_s": t2 - t1, "cuda_init_s": cuda,
+                  "bytecode": {**state, "beside_the_sources": compiled, "compiled_each_time": uncached,
+                               "runner_would_cache": would}}))
 """
+
+
+def _probe(python: str, *flags: str, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [python, *flags, "-c", IMPORT_PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path, **env},
+    )
+    return proc, time.perf_counter() - t0
+
+
+def _last_json(proc: subprocess.CompletedProcess) -> dict[str, Any]:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _error(proc: subprocess.CompletedProcess) -> str:
+    return (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:200]
+
+
+def memory_facts(meminfo: str = "/proc/meminfo") -> dict[str, float] | None:
+    """The host's memory in GiB (a VM's can start small and grow): total, available, page cache."""
+    try:
+        with open(meminfo) as f:
+            kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if ":" in line)}
+    except (OSError, ValueError, IndexError):
+        return None
+    names = {"MemTotal": "total_gib", "MemAvailable": "available_gib", "Cached": "cached_gib"}
+    return {out: round(kib[k] / 2**20, 1) for k, out in names.items() if k in kib}
 
 
 def parse_importtime(text: str) -> list[tuple[str, float, float]]:
@@ -151,27 +193,55 @@ def summarize_imports(rows: list[tuple[str, float, float]], top: int = 10) -> di
     }
 
 
-def import_profile(python: str = sys.executable) -> dict[str, Any]:
+def import_profile(python: str = sys.executable, cache: Path | None = None) -> dict[str, Any]:
     """The launch's imports (torch, then `runner.training.loop`) in a fresh process under
     `-X importtime`, then the device's first use (CUDA's initialisation where there is one): which
-    package the seconds of run.json's `t_startup.imports` go to."""
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [python, "-X", "importtime", "-c", IMPORT_PROBE],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
-    )
-    wall = time.perf_counter() - t0
+    package the seconds of run.json's `t_startup.imports` go to. Then why they cost what they do:
+    whether torch, transformers and the runner have bytecode beside their sources and whether this
+    Python writes any (`bytecode`), the host's memory, the same imports again in a second fresh
+    process (`repeat_s`: the page cache and any bytecode written by the first warm), and, where the
+    runner would keep bytecode in its own cache (runner.bytecode), the imports with that cache as
+    `runner launch` uses it: once filling it, once reading it (`runner_cache`), in `cache` (default:
+    a fresh folder under the system's temporary folder, never the user's)."""
+    proc, wall = _probe(python, "-X", "importtime")
     if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:200]}
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {
+        return {"error": _error(proc)}
+    out = _last_json(proc)
+    facts: dict[str, Any] = {
         "process_seconds": round(wall, 3),
-        **{k: (None if v is None else round(v, 3)) for k, v in out.items()},
+        **{k: (None if v is None else round(v, 3)) for k, v in out.items() if k != "bytecode"},
         **summarize_imports(parse_importtime(proc.stderr)),
+        "bytecode": out["bytecode"],
+        "memory": memory_facts(),
     }
+    again, _ = _probe(python)
+    facts["repeat_s"] = (
+        round(sum(_last_json(again)[k] for k in ("torch_s", "runner_s")), 3) if again.returncode == 0 else None
+    )
+    if not out["bytecode"]["runner_would_cache"] or out["bytecode"]["cache"] != "beside the sources":
+        facts["runner_cache"] = {
+            "skipped": "bytecode beside the sources is read or written: nothing for the runner to cache"
+        }
+        return facts
+    import tempfile  # noqa: PLC0415
+
+    folder = Path(cache) if cache is not None else Path(tempfile.mkdtemp(prefix="runner-pycache-"))
+    runs = []
+    for _ in ("fill", "read"):
+        p, _ = _probe(python, RUNNER_PROBE_SETTLE="1", RUNNER_PYCACHE=str(folder))
+        if p.returncode != 0:
+            facts["runner_cache"] = {"error": _error(p)}
+            return facts
+        runs.append(_last_json(p))
+    fill, read = runs
+    facts["runner_cache"] = {
+        "folder": str(folder),
+        "fill_s": round(fill["torch_s"] + fill["runner_s"], 3),
+        "read_s": round(read["torch_s"] + read["runner_s"], 3),
+        "by": read["bytecode"].get("by"),
+        "why": read["bytecode"].get("why"),
+    }
+    return facts
 
 
 def _imports_lines(facts: dict) -> list[str]:
@@ -190,7 +260,43 @@ def _imports_lines(facts: dict) -> list[str]:
         + ". Heaviest modules: "
         + ", ".join(f"{k} {v:.2f}" for k, v in list(imp["heaviest_modules"].items())[:6])
         + ".",
-    ]
+    ] + _bytecode_lines(imp)
+
+
+def _bytecode_lines(imp: dict) -> list[str]:
+    """Why the imports cost what they do: bytecode, memory, a second process, the runner's cache."""
+    code = imp.get("bytecode")
+    if not code:
+        return []
+    beside = code.get("beside_the_sources") or {}
+    have = [n for n, ok in beside.items() if ok]
+    lack = [n for n, ok in beside.items() if not ok]
+    text = (
+        "Bytecode: "
+        + (f"beside the sources for {', '.join(have)}" if have else "")
+        + ("; " if have and lack else "")
+        + (f"none beside the sources for {', '.join(lack)}" if lack else "")
+        + f"; this Python {'writes' if code.get('written') else 'writes no'} bytecode"
+        + (f" (cache: {code['cache']})" if code.get("cache") != "beside the sources" else "")
+    )
+    if code.get("compiled_each_time"):
+        text += f"; every process compiles {', '.join(code['compiled_each_time'])} from source"
+    mem = imp.get("memory")
+    if mem:
+        text += ". Memory: " + ", ".join(f"{k.removesuffix('_gib')} {v:.1f} GiB" for k, v in mem.items())
+    if imp.get("repeat_s") is not None:
+        text += f". The same imports in a second process: {imp['repeat_s']:.1f} s"
+    cache = imp.get("runner_cache") or {}
+    if "fill_s" in cache:
+        text += (
+            f". With the runner's bytecode cache (runner.bytecode, as `runner launch` uses it): "
+            f"{cache['fill_s']:.1f} s filling it, then {cache['read_s']:.1f} s reading it"
+        )
+    elif "error" in cache:
+        text += f". The runner's bytecode cache failed: {cache['error']}"
+    elif "skipped" in cache:
+        text += f". The runner's bytecode cache: not tried ({cache['skipped']})"
+    return [text + "."]
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -307,11 +413,14 @@ def _startup_and_checkpoint_lines(run: dict) -> list[str]:
         parts = ", ".join(f"{k} {float(v):.1f}" for k, v in (a.get("parts") or {}).items() if float(v) >= 0.05)
         first = a.get("first_step_seconds")
         pieces = ", ".join(f"{k} {float(v):.1f}" for k, v in (a.get("before_first_step_parts") or {}).items())
+        code = a.get("bytecode") or {}
         lines.append(
             f"- attempt {a.get('attempt')}: start **{float(a.get('seconds', 0)):.1f} s** to the first step "
             f"({parts or 'no part'}" + (f"; before_first_step: {pieces}" if pieces else "") + "); "
             f"first step {_num(first, '.1f')} s (compile included, not in the start)"
             + ("; <= 15 s" if float(a.get("seconds", 0)) <= 15 else "; over the 15 s goal")
+            + (f"; bytecode: {code['cache']}" if code.get("cache") not in (None, "beside the sources") else "")
+            + (f" ({code['why']})" if code.get("why") else "")
         )
     if not lines:
         lines.append("- start: no `t_startup` in run.json (a runner from before it, or no attempt reached a step)")

@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     # `runner/` folder in the working directory (a project copy holding runner/builtin/assets/tokenizer.json)
     # makes `runner` a namespace package whose __init__ never ran; then from this module's import.
     started = getattr(runner, "STARTED", _IMPORTED) if argv is None else time.perf_counter()
+    if argv is None:  # a process started to run a command (not a host calling it): before torch's import
+        from runner import bytecode  # noqa: PLC0415
+
+        bytecode.settle()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -15,7 +15,9 @@ is called. The parts, consecutive and in the order they happen (SPEC "Wall-clock
   before_first_step   the rest: compile's wrapping, conventions, MLflow's flush, the first batches; split
                       in `before_first_step_parts` (compile_wrapping, peak, conventions, system_metrics,
                       attempt_start, rest), beside the parts and summing to this one
-`seconds` sums them; the first step's own wall (compile and autotuning included) is
+Each attempt also records `bytecode`: where its process read and wrote compiled modules
+(runner.bytecode: beside the sources, or the runner's cache where the environment is read-only and
+uncompiled). `seconds` sums them; the first step's own wall (compile and autotuning included) is
 `first_step_seconds`, beside it and never in it. The attempt's wall (the run clock) starts at the
 process start, so goodput's wall time counts the startup.
 Never: imports torch, or decides anything about training.
@@ -26,6 +28,8 @@ from __future__ import annotations
 import os
 import time
 from typing import Any
+
+from runner import bytecode
 
 PARTS = (
     "process_to_launch",
@@ -97,6 +101,7 @@ class StartupClock:
             "seconds": round(self.seconds if self.seconds is not None else self.elapsed(), 3),
             "parts": {k: round(v, 3) for k, v in self.parts.items()},
             "first_step_seconds": None if self.first_step_seconds is None else round(self.first_step_seconds, 3),
+            "bytecode": bytecode.state(),
         }
         if self.detail and self.seconds is not None:  # before_first_step by piece, `rest` what no piece named
             rest = self.parts["before_first_step"] - sum(self.detail.values())
@@ -216,9 +221,17 @@ def report_lines(run: dict | None) -> list[str]:
     last = t["attempts"][-1]
     parts = ", ".join(f"{k} {float(v):.2f}" for k, v in last.get("parts", {}).items() if float(v) >= 0.005)
     first = last.get("first_step_seconds")
+    code = last.get("bytecode") or {}
+    cached = code.get("cache", "beside the sources") != "beside the sources" or "why" in code
     return [
         f"- Startup (t_startup, process start to the first step, in the wall time; run.json `t_startup`): "
         f"{float(t['seconds']):.1f} s over {n} attempt{'s' if n != 1 else ''}; the last attempt "
         f"{float(last['seconds']):.2f} s ({parts or 'no part measured'}); its first step "
-        f"{'-' if first is None else f'{float(first):.2f} s'} (compile included, not in t_startup)."
+        f"{'-' if first is None else f'{float(first):.2f} s'} (compile included, not in t_startup)"
+        + (
+            f"; bytecode cached in {code.get('cache')} ({code.get('why', 'set by ' + str(code.get('by')))})"
+            if cached
+            else ""
+        )
+        + "."
     ]

@@ -53,6 +53,9 @@ def test_device_check_runs_every_phase_on_cpu_without_mlflow(tmp_path):
     # the start of each attempt by part, and each checkpoint's stall (run.json t_startup, checkpoints)
     assert table.count("to the first step (") == 2 and "checkpoint stall (t_checkpoint) step 6:" in table
     assert len(run["t_startup"]["attempts"]) == 2
+    # each attempt a `python -m runner` process: torch has its bytecode here, so Python's default (or yours) stands
+    where = os.environ.get("PYTHONPYCACHEPREFIX") or "beside the sources"
+    assert all(a["bytecode"]["cache"] == where for a in run["t_startup"]["attempts"])
     assert "Memory plan vs probe" in table and "What failed:" in table
     assert "vs bench (ratio" not in table  # the 3% bound is a device's check, not this CPU stand-in's
     # what comes back from a device run: at most 8 files, no folder below $OUT
@@ -66,6 +69,13 @@ def test_device_check_runs_every_phase_on_cpu_without_mlflow(tmp_path):
     assert phases["imports"]["rc"] == 0 and imports["torch_s"] > 0 and imports["cuda_init_s"] is None
     assert "torch" in imports["by_package"] and imports["modules"] > 100
     assert "Imports (`-X importtime` in a fresh process" in table
+    # ... and why: bytecode (torch installed with it here: the runner caches nothing), memory, a second process
+    assert (
+        imports["bytecode"]["beside_the_sources"]["torch"] is True
+        and imports["bytecode"]["runner_would_cache"] is False
+    )
+    assert imports["memory"]["total_gib"] > 0 and imports["repeat_s"] > 0
+    assert "skipped" in imports["runner_cache"] and "Bytecode: beside the sources for torch" in table
 
 
 @pytest.mark.slow

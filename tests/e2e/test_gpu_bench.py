@@ -291,6 +291,57 @@ def test_the_import_profile_sums_own_time_by_package_as_counted_by_hand(table):
     assert table._imports_lines({}) == []
 
 
+def test_the_import_profile_tries_the_runners_bytecode_cache_only_where_every_process_compiles(table, monkeypatch):
+    """Where torch has no bytecode beside its sources and none is written (the runner would cache it),
+    the profile runs the imports twice more with runner.bytecode settled as `runner launch` settles it
+    (filling a fresh cache folder, then reading it) and the table says both; elsewhere it says why not.
+    The probe's processes are stood in for (their real counterpart: tests/training/test_bytecode.py
+    and the --cpu-tiny device check)."""
+    calls = []
+
+    def probe(compiles):
+        def run(python, *flags, **env):
+            calls.append((flags, env))
+            settled = env.get("RUNNER_PROBE_SETTLE") == "1"
+            reading = settled and sum(1 for _, e in calls if e.get("RUNNER_PROBE_SETTLE")) == 2
+            out = {
+                "torch_s": 1.0 if reading else 6.0 if settled else 5.0,
+                "runner_s": 0.5 if reading else 3.0,
+                "cuda_init_s": None,
+                "bytecode": {
+                    "cache": env.get("RUNNER_PYCACHE", "beside the sources") if settled else "beside the sources",
+                    "written": settled,
+                    **({"by": "runner", "why": "torch: no bytecode beside the sources, and X"} if settled else {}),
+                    "beside_the_sources": {"torch": not compiles, "transformers": not compiles, "runner": False},
+                    "compiled_each_time": ["torch", "transformers", "runner"] if compiles else ["runner"],
+                    "runner_would_cache": compiles,
+                },
+            }
+            err = "import time:      1500 |       2000 | torch" if "importtime" in flags else ""
+            return subprocess.CompletedProcess([], 0, stdout=json.dumps(out) + "\n", stderr=err), 9.0
+
+        return run
+
+    monkeypatch.setattr(table, "memory_facts", lambda: {"total_gib": 128.0, "available_gib": 100.0, "cached_gib": 3.0})
+    monkeypatch.setattr(table, "_probe", probe(True))
+    facts = table.import_profile(cache=Path("/c/pycache"))
+    assert [e.get("RUNNER_PROBE_SETTLE") for _, e in calls] == [None, None, "1", "1"]  # profile, again, fill, read
+    assert calls[0][0] == ("-X", "importtime") and {e.get("RUNNER_PYCACHE") for _, e in calls[2:]} == {"/c/pycache"}
+    assert (
+        facts["repeat_s"] == 8.0 and facts["runner_cache"]["fill_s"] == 9.0 and facts["runner_cache"]["read_s"] == 1.5
+    )
+    line = table._imports_lines({"imports": facts})[1]
+    assert line.startswith("Bytecode: none beside the sources for torch, transformers, runner; this Python writes no")
+    assert "every process compiles torch, transformers, runner from source" in line
+    assert "Memory: total 128.0 GiB, available 100.0 GiB, cached 3.0 GiB" in line
+    assert "in a second process: 8.0 s" in line and "9.0 s filling it, then 1.5 s reading it." in line
+    calls.clear()
+    monkeypatch.setattr(table, "_probe", probe(False))
+    facts = table.import_profile()
+    assert len(calls) == 2 and "skipped" in facts["runner_cache"]  # bytecode there: nothing to try
+    assert "The runner's bytecode cache: not tried" in table._imports_lines({"imports": facts})[1]
+
+
 def test_the_checkpoint_stall_line_says_what_waited_for_the_previous_write(table):
     """The H200's step-16 stop of 19.92 s was, by its figures, the wait for step 12's write (24.7 s
     against about 4 s of steps between them): with run.json's t_checkpoint_waited the table says so,

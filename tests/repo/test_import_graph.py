@@ -2,8 +2,8 @@
 
 The layer order (bottom first) is `LAYERS` below; docs/DESIGN.md ("Map") says the same in prose. Why this order:
 
-- base (`errors`, then `fsio`, `hashcache` and `progress`): the error format, atomic writes and the cache of
-  files already hashed, used by everything.
+- base (`errors`, then `fsio`, `hashcache`, `bytecode` and `progress`): the error format, atomic writes, the
+  cache of files already hashed and where compiled modules are cached, used by everything.
 - config: the typed experiment and the rules that need nothing but the experiment; a saved experiment.yaml
   in a run folder is configuration too, so config may read it.
 - data: tokenizers, fetch and pins, manifests, the mixture and the sampler; they read configs.
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: runner.data.sampler); the bare package name `runner` (its __init__) names only itself.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("errors", ("runner", "runner.errors")),
-    ("base", ("runner.fsio", "runner.hashcache", "runner.progress")),
+    ("base", ("runner.fsio", "runner.hashcache", "runner.bytecode", "runner.progress")),
     ("config", ("runner.config",)),
     ("data", ("runner.data",)),
     ("planning", ("runner.planning",)),

@@ -10,6 +10,7 @@ import sys
 import torch
 from trainfixtures import REPO, launch, make_project
 
+from runner import bytecode
 from runner.training import startup
 from runner.training.model import build_model
 
@@ -31,6 +32,7 @@ def test_a_launch_and_its_resume_record_every_part_and_count_them_in_the_wall(tm
         pieces = a["before_first_step_parts"]
         assert list(pieces) == ["compile_wrapping", "peak", "conventions", "system_metrics", "attempt_start", "rest"]
         assert abs(sum(pieces.values()) - a["parts"]["before_first_step"]) < 0.01 and min(pieces.values()) >= 0
+        assert a["bytecode"] == bytecode.state()  # launched in this process: where its bytecode came from
     first, resumed = t["attempts"]
     assert first["parts"]["checkpoint_load"] < resumed["parts"]["checkpoint_load"]  # verified and loaded
     assert t["seconds"] == round(first["seconds"] + resumed["seconds"], 3)
