@@ -11,8 +11,9 @@ bytecode and 6.0-6.3 s compiling torch and transformers each time; `bench/bench_
 --uncompiled`). There, and only there, the runner keeps bytecode in a cache folder of its own (`sys.pycache_prefix`, and `PYTHONPYCACHEPREFIX` for the processes it starts): the first
 command compiles once, the later ones read. Nothing is ever written beside the sources.
 
-`RUNNER_PYCACHE`: the folder (default `<runner cache>/pycache`, i.e. `~/.cache/runner/pycache`), or
-`off` to leave Python's default alone. A `PYTHONPYCACHEPREFIX` the user set is theirs: never
+`RUNNER_PYCACHE`: the folder (default `<runner cache>/pycache`, i.e. `~/.cache/runner/pycache`, made
+private: bytecode is code, so a folder another user owns or may write is never used), or `off` to
+leave Python's default alone. A `PYTHONPYCACHEPREFIX` the user set is theirs: never
 overridden, and recorded as it is.
 Never: imports the packages it checks (their specs are found, not executed).
 """
@@ -95,18 +96,30 @@ def settle(
     why = f"{', '.join(missing)}: no bytecode beside the sources, and {where}"
     folder = cache_folder(env)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        ok = writable(str(folder))
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        problem = None if writable(str(folder)) else "cannot be written either"
+        problem = problem or _not_private(folder)
     except OSError:
-        ok = False
-    if not ok:
-        _unchosen["why"] = f"{why}; {folder} cannot be written either: every process compiles them"
+        problem = "cannot be written either"
+    if problem:
+        _unchosen["why"] = f"{why}; {folder} {problem}: every process compiles them"
         return state()
     sys.pycache_prefix = str(folder)  # read and written there only, never beside the sources
     sys.dont_write_bytecode = False
     os.environ["PYTHONPYCACHEPREFIX"] = str(folder)  # the processes this one starts (torchrun's workers)
     os.environ[WHY] = why  # ... and why, so that their record names the runner, not the user
     return state()
+
+
+def _not_private(folder: Path) -> str | None:
+    """Bytecode is code that runs: a cache folder another user owns or may write is not used (what they
+    put there would run as this user)."""
+    st = folder.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return "belongs to another user"
+    if st.st_mode & 0o022:
+        return "may be written by other users (chmod go-w)"
+    return None
 
 
 def _by_runner() -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,8 @@ def test_an_uncompiled_read_only_package_is_compiled_once_into_the_runners_cache
     assert chosen["cache"] == str(cache) and chosen["by"] == "runner" and chosen["written"] is True
     assert chosen["why"] == "fakepkg: no bytecode beside the sources, and PYTHONDONTWRITEBYTECODE is set"
     cached = Path(first["cached"])
-    assert cached.is_file() and cache in cached.parents  # written to the cache ...
+    assert cached.is_file() and cache in cached.parents  # written to the cache, made private ...
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     assert not (pkg / "__pycache__").exists()  # ... and never beside the sources
     # a worker it starts inherits the choice and names the runner as its author, not the user
     assert first["worker"] == {**chosen}
@@ -117,6 +119,31 @@ def test_a_cache_that_cannot_be_written_is_said_and_changes_nothing(tmp_path, mo
         "cannot be written either: every process compiles them"
     )
     assert got["why"].startswith("fakepkg: no bytecode beside the sources, and ")
+
+
+def test_a_cache_folder_others_may_write_is_never_used(tmp_path, monkeypatch):
+    """Bytecode is code that runs: one planted in a folder another user may write would run as this one."""
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(bytecode, "_unchosen", {})
+    site = tmp_path / "site"
+    _package(site)
+    monkeypatch.syspath_prepend(str(site))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    got = bytecode.settle(
+        packages=("fakepkg",), env={"RUNNER_PYCACHE": str(shared)}, writable=lambda p: p == str(shared)
+    )
+    assert sys.pycache_prefix is None and got["why"].endswith(
+        f"{shared} may be written by other users (chmod go-w): every process compiles them"
+    )
+    monkeypatch.setattr(os, "getuid", lambda: 12345)  # a folder of another user
+    shared.chmod(0o700)
+    got = bytecode.settle(
+        packages=("fakepkg",), env={"RUNNER_PYCACHE": str(shared)}, writable=lambda p: p == str(shared)
+    )
+    assert sys.pycache_prefix is None and "belongs to another user" in got["why"]
 
 
 def test_a_prefix_the_user_set_is_theirs(tmp_path):
