@@ -8,8 +8,9 @@ image's read-only layer, a cluster's shared environment, or `PYTHONDONTWRITEBYTE
 images set) makes every process compile torch's and transformers' thousands of modules from source
 again: seconds of every start (here, on 2 cores, importing the trainer took 3.5 s reading
 bytecode and 6.0-6.3 s compiling torch and transformers each time; `bench/bench_startup.py
---uncompiled`). There, and only there, the runner keeps bytecode in a cache folder of its own (`sys.pycache_prefix`, and `PYTHONPYCACHEPREFIX` for the processes it starts): the first
-command compiles once, the later ones read. Nothing is ever written beside the sources.
+--uncompiled`). There, and only there, the runner keeps bytecode in a cache folder of its own
+(`sys.pycache_prefix`, and `PYTHONPYCACHEPREFIX` for the processes it starts): the first command
+compiles once, the later ones read. Nothing is ever written beside the sources.
 
 `RUNNER_PYCACHE`: the folder (default `<runner cache>/pycache`, i.e. `~/.cache/runner/pycache`, made
 private: bytecode is code, so a folder another user owns or may write is never used), or `off` to

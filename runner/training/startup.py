@@ -222,16 +222,13 @@ def report_lines(run: dict | None) -> list[str]:
     parts = ", ".join(f"{k} {float(v):.2f}" for k, v in last.get("parts", {}).items() if float(v) >= 0.005)
     first = last.get("first_step_seconds")
     code = last.get("bytecode") or {}
-    cached = code.get("cache", "beside the sources") != "beside the sources" or "why" in code
+    if code.get("cache", "beside the sources") != "beside the sources":
+        code_text = f"; bytecode cached in {code['cache']} ({code.get('why') or 'set by ' + str(code.get('by'))})"
+    else:  # Python's default; `why` only where the runner's cache was wanted and could not be used
+        code_text = f"; bytecode compiled by every process ({code['why']})" if code.get("why") else ""
     return [
         f"- Startup (t_startup, process start to the first step, in the wall time; run.json `t_startup`): "
         f"{float(t['seconds']):.1f} s over {n} attempt{'s' if n != 1 else ''}; the last attempt "
         f"{float(last['seconds']):.2f} s ({parts or 'no part measured'}); its first step "
-        f"{'-' if first is None else f'{float(first):.2f} s'} (compile included, not in t_startup)"
-        + (
-            f"; bytecode cached in {code.get('cache')} ({code.get('why', 'set by ' + str(code.get('by')))})"
-            if cached
-            else ""
-        )
-        + "."
+        f"{'-' if first is None else f'{float(first):.2f} s'} (compile included, not in t_startup){code_text}."
     ]

@@ -165,3 +165,10 @@ def test_the_startup_record_and_report_say_where_bytecode_was_cached():
     assert line.endswith("; bytecode cached in /c/pycache (torch: no bytecode beside the sources).")
     plain = {**attempt, "bytecode": {"cache": "beside the sources", "written": True}}
     assert "bytecode" not in startup.report_lines({"t_startup": startup.merged(None, plain)})[0]
+    unusable = {**attempt, "bytecode": {"cache": "beside the sources", "written": False, "why": "torch: ...; X cannot"}}
+    line = startup.report_lines({"t_startup": startup.merged(None, unusable)})[0]
+    assert line.endswith("; bytecode compiled by every process (torch: ...; X cannot).")
+    users = {**attempt, "bytecode": {"cache": "/mine", "written": True, "by": "PYTHONPYCACHEPREFIX"}}
+    assert startup.report_lines({"t_startup": startup.merged(None, users)})[0].endswith(
+        "; bytecode cached in /mine (set by PYTHONPYCACHEPREFIX)."
+    )
