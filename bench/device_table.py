@@ -420,6 +420,7 @@ def _startup_and_checkpoint_lines(run: dict) -> list[str]:
             f"first step {_num(first, '.1f')} s (compile included, not in the start)"
             + ("; <= 15 s" if float(a.get("seconds", 0)) <= 15 else "; over the 15 s goal")
             + (f"; bytecode: {code['cache']}" if code.get("cache") not in (None, "beside the sources") else "")
+            + {True: ", read from it", False: ", compiled into it"}.get(code.get("warm"), "")
             + (f" ({code['why']})" if code.get("why") else "")
         )
     if not lines:

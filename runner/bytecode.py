@@ -38,6 +38,9 @@ WHY = "RUNNER_PYCACHE_WHY"
 
 #: what this process's `settle` found where it chose no folder (for `state`)
 _unchosen: dict[str, str] = {}
+#: where the runner's cache is used: whether it held the probes' bytecode when this process settled
+#: (True: it read them; False: it compiled them into it), for `state`
+_warm: dict[str, bool] = {}
 
 
 def cache_folder(env: Mapping[str, str] | None = None) -> Path:
@@ -86,6 +89,7 @@ def settle(
     if sys.pycache_prefix:
         if _by_runner():  # a worker of a runner that chose it: it may add what is missing too
             sys.dont_write_bytecode = False
+            _warm.setdefault("warm", not uncompiled(packages, lambda _: False, dont_write=True))
         return state()  # else the user's choice stands
     _unchosen.clear()
     if env.get("RUNNER_PYCACHE") == "off":
@@ -107,6 +111,7 @@ def settle(
         return state()
     sys.pycache_prefix = str(folder)  # read and written there only, never beside the sources
     sys.dont_write_bytecode = False
+    _warm["warm"] = not uncompiled(packages, lambda _: False, dont_write=True)  # looked up in the folder now
     os.environ["PYTHONPYCACHEPREFIX"] = str(folder)  # the processes this one starts (torchrun's workers)
     os.environ[WHY] = why  # ... and why, so that their record names the runner, not the user
     return state()
@@ -130,7 +135,8 @@ def _by_runner() -> bool:
 def state() -> dict[str, Any]:
     """Where this process's bytecode is read and written, as run.json records it: `cache` is
     "beside the sources" (Python's default) or the folder; `written` False where none is written
-    (PYTHONDONTWRITEBYTECODE); `by` who chose a folder (runner, or PYTHONPYCACHEPREFIX); `why`."""
+    (PYTHONDONTWRITEBYTECODE); `by` who chose a folder (runner, or PYTHONPYCACHEPREFIX); `why`; in the
+    runner's folder, `warm`: it held torch's bytecode when this process began (read, not compiled)."""
     out: dict[str, Any] = {
         "cache": sys.pycache_prefix or "beside the sources",
         "written": not sys.dont_write_bytecode,
@@ -139,6 +145,8 @@ def state() -> dict[str, Any]:
         out["by"] = "runner" if _by_runner() else "PYTHONPYCACHEPREFIX"
         if _by_runner():
             out["why"] = os.environ[WHY]
+            if "warm" in _warm:
+                out["warm"] = _warm["warm"]
     elif _unchosen:
         out["why"] = _unchosen["why"]
     return out

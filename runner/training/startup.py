@@ -223,7 +223,9 @@ def report_lines(run: dict | None) -> list[str]:
     first = last.get("first_step_seconds")
     code = last.get("bytecode") or {}
     if code.get("cache", "beside the sources") != "beside the sources":
-        code_text = f"; bytecode cached in {code['cache']} ({code.get('why') or 'set by ' + str(code.get('by'))})"
+        warm = code.get("warm")
+        how = "read from it: " if warm is True else "compiled into it: " if warm is False else ""
+        code_text = f"; bytecode cached in {code['cache']} ({how}{code.get('why') or 'set by ' + str(code.get('by'))})"
     else:  # Python's default; `why` only where the runner's cache was wanted and could not be used
         code_text = f"; bytecode compiled by every process ({code['why']})" if code.get("why") else ""
     return [

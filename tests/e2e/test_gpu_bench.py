@@ -365,6 +365,11 @@ def test_the_checkpoint_stall_line_says_what_waited_for_the_previous_write(table
         "(imports 13.7, before_first_step 4.8; before_first_step: compile_wrapping 0.2, system_metrics 4.4, rest 0.2)"
         in start
     )
+    assert start.endswith("over the 15 s goal")  # Python's default bytecode: nothing said of it
+    # where the runner's bytecode cache was used: whether this attempt compiled into it or read from it
+    code = {"cache": "/c/pycache", "written": True, "by": "runner", "why": "torch: no bytecode", "warm": False}
+    start = table._startup_and_checkpoint_lines({"t_startup": {"attempts": [{**attempt, "bytecode": code}]}})[0]
+    assert start.endswith("over the 15 s goal; bytecode: /c/pycache, compiled into it (torch: no bytecode)")
     # a run.json from before t_checkpoint_waited: the stop as it was recorded
     old = table._startup_and_checkpoint_lines({"checkpoints": [{"step": 6, "t_checkpoint": 0.09}]})[-1]
     assert old.endswith("step 6: 0.09 s (write 0.0 s, None): < 1 s")

@@ -63,16 +63,17 @@ def test_an_uncompiled_read_only_package_is_compiled_once_into_the_runners_cache
     assert first["value"] == 42
     chosen = first["chosen"]
     assert chosen["cache"] == str(cache) and chosen["by"] == "runner" and chosen["written"] is True
+    assert chosen["warm"] is False  # nothing in the cache yet: this process compiles into it
     assert chosen["why"] == "fakepkg: no bytecode beside the sources, and PYTHONDONTWRITEBYTECODE is set"
     cached = Path(first["cached"])
     assert cached.is_file() and cache in cached.parents  # written to the cache, made private ...
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     assert not (pkg / "__pycache__").exists()  # ... and never beside the sources
     # a worker it starts inherits the choice and names the runner as its author, not the user
-    assert first["worker"] == {**chosen}
+    assert first["worker"] == {**chosen, "warm": True}  # its parent had compiled fakepkg by then
     # the next process reads it: the import system says it loaded the code object from the cache
     second, trace = _child(site, cache, "-v")
-    assert second["value"] == 42 and second["cached"] == first["cached"]
+    assert second["value"] == 42 and second["cached"] == first["cached"] and second["chosen"]["warm"] is True
     assert f"code object from {first['cached']}" in trace or f"code object from '{first['cached']}'" in trace
     # off: Python's default, nothing cached (and, with nothing written, nothing beside the sources either)
     off, _ = _child(site, tmp_path / "unused", RUNNER_PYCACHE="off")
@@ -159,10 +160,13 @@ def test_the_startup_record_and_report_say_where_bytecode_was_cached():
     clock = startup.StartupClock(origin=0.0)
     rec = clock.record(1)
     assert rec["bytecode"] == bytecode.state()  # what this process ran with, recorded as it is
-    cached = {"cache": "/c/pycache", "written": True, "by": "runner", "why": "torch: no bytecode beside the sources"}
+    why = "torch: no bytecode beside the sources"
+    cached = {"cache": "/c/pycache", "written": True, "by": "runner", "why": why, "warm": True}
     attempt = {"attempt": 1, "seconds": 3.0, "parts": {"imports": 2.0}, "first_step_seconds": 1.0, "bytecode": cached}
     line = startup.report_lines({"t_startup": startup.merged(None, attempt)})[0]
-    assert line.endswith("; bytecode cached in /c/pycache (torch: no bytecode beside the sources).")
+    assert line.endswith(f"; bytecode cached in /c/pycache (read from it: {why}).")
+    filled = {**attempt, "bytecode": {**cached, "warm": False}}
+    assert f"(compiled into it: {why})" in startup.report_lines({"t_startup": startup.merged(None, filled)})[0]
     plain = {**attempt, "bytecode": {"cache": "beside the sources", "written": True}}
     assert "bytecode" not in startup.report_lines({"t_startup": startup.merged(None, plain)})[0]
     unusable = {**attempt, "bytecode": {"cache": "beside the sources", "written": False, "why": "torch: ...; X cannot"}}
