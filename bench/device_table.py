@@ -220,7 +220,8 @@ def import_profile(python: str = sys.executable, cache: Path | None = None) -> d
     )
     if not out["bytecode"]["runner_would_cache"] or out["bytecode"]["cache"] != "beside the sources":
         facts["runner_cache"] = {
-            "skipped": "bytecode beside the sources is read or written: nothing for the runner to cache"
+            "skipped": "torch's bytecode is read or written, beside its sources or where PYTHONPYCACHEPREFIX says: "
+            "nothing for the runner to cache"
         }
         return facts
     import tempfile  # noqa: PLC0415
