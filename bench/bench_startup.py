@@ -43,9 +43,9 @@ def _extract(ref: str, dest: Path, paths: tuple[str, ...] = ("runner", "schemas"
         tar.extractall(dest, filter="data")
 
 
-def _seconds(cmd: list[str], cwd: Path) -> float:
+def _seconds(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> float:
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=cwd, capture_output=True, check=True)
+    subprocess.run(cmd, cwd=cwd, capture_output=True, check=True, env=env)
     return time.perf_counter() - t0
 
 
@@ -62,11 +62,7 @@ def _project(tree: Path, data: Path | None) -> Path:
 def _launch(tree: Path, run_dir: Path, env: dict[str, str] | None = None) -> tuple[float, dict | None]:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "runner", "launch", "experiments/cpu-tiny.yaml", "--max-steps", "1"]
-    t0 = time.perf_counter()
-    subprocess.run(
-        [*cmd, "--no-tracking", "--run-dir", str(run_dir)], cwd=tree, capture_output=True, check=True, env=env
-    )
-    seconds = time.perf_counter() - t0
+    seconds = _seconds([*cmd, "--no-tracking", "--run-dir", str(run_dir)], tree, env)
     info = json.loads((run_dir / "run.json").read_text())
     return seconds, info.get("t_startup")
 

@@ -36,11 +36,10 @@ PROBES = ("torch",)
 #: why the runner chose the folder in PYTHONPYCACHEPREFIX (set beside it, inherited by its workers)
 WHY = "RUNNER_PYCACHE_WHY"
 
-#: what this process's `settle` found where it chose no folder (for `state`)
-_unchosen: dict[str, str] = {}
-#: where the runner's cache is used: whether it held the probes' bytecode when this process settled
-#: (True: it read them; False: it compiled them into it), for `state`
-_warm: dict[str, bool] = {}
+#: what this process's `settle` found, for `state`: `why` where it wanted a folder and could use none;
+#: `warm` where the runner's folder is used (it held the probes' bytecode when this process settled:
+#: True, read; False, compiled into it)
+_found: dict[str, Any] = {}
 
 
 def cache_folder(env: Mapping[str, str] | None = None) -> Path:
@@ -89,9 +88,9 @@ def settle(
     if sys.pycache_prefix:
         if _by_runner():  # a worker of a runner that chose it: it may add what is missing too
             sys.dont_write_bytecode = False
-            _warm.setdefault("warm", not uncompiled(packages, lambda _: False, dont_write=True))
+            _found.setdefault("warm", not uncompiled(packages, lambda _: False, dont_write=True))
         return state()  # else the user's choice stands
-    _unchosen.clear()
+    _found.clear()
     if env.get("RUNNER_PYCACHE") == "off":
         return state()
     missing = uncompiled(packages, writable, dont_write=sys.dont_write_bytecode)
@@ -107,11 +106,11 @@ def settle(
     except OSError:
         problem = "cannot be written either"
     if problem:
-        _unchosen["why"] = f"{why}; {folder} {problem}: every process compiles them"
+        _found["why"] = f"{why}; {folder} {problem}: every process compiles them"
         return state()
     sys.pycache_prefix = str(folder)  # read and written there only, never beside the sources
     sys.dont_write_bytecode = False
-    _warm["warm"] = not uncompiled(packages, lambda _: False, dont_write=True)  # looked up in the folder now
+    _found["warm"] = not uncompiled(packages, lambda _: False, dont_write=True)  # looked up in the folder now
     os.environ["PYTHONPYCACHEPREFIX"] = str(folder)  # the processes this one starts (torchrun's workers)
     os.environ[WHY] = why  # ... and why, so that their record names the runner, not the user
     return state()
@@ -142,11 +141,12 @@ def state() -> dict[str, Any]:
         "written": not sys.dont_write_bytecode,
     }
     if sys.pycache_prefix:
-        out["by"] = "runner" if _by_runner() else "PYTHONPYCACHEPREFIX"
-        if _by_runner():
+        runner = _by_runner()
+        out["by"] = "runner" if runner else "PYTHONPYCACHEPREFIX"
+        if runner:
             out["why"] = os.environ[WHY]
-            if "warm" in _warm:
-                out["warm"] = _warm["warm"]
-    elif _unchosen:
-        out["why"] = _unchosen["why"]
+            if "warm" in _found:
+                out["warm"] = _found["warm"]
+    elif "why" in _found:
+        out["why"] = _found["why"]
     return out

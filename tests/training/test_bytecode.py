@@ -106,7 +106,7 @@ def test_the_choice_is_made_only_where_every_process_would_compile(tmp_path, mon
 def test_a_cache_that_cannot_be_written_is_said_and_changes_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
     monkeypatch.setattr(sys, "pycache_prefix", None)
-    monkeypatch.setattr(bytecode, "_unchosen", {})  # what it says stays in this test
+    monkeypatch.setattr(bytecode, "_found", {})  # what it says stays in this test
     site = tmp_path / "site"
     _package(site)
     monkeypatch.syspath_prepend(str(site))
@@ -126,7 +126,7 @@ def test_a_cache_folder_others_may_write_is_never_used(tmp_path, monkeypatch):
     """Bytecode is code that runs: one planted in a folder another user may write would run as this one."""
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
     monkeypatch.setattr(sys, "pycache_prefix", None)
-    monkeypatch.setattr(bytecode, "_unchosen", {})
+    monkeypatch.setattr(bytecode, "_found", {})
     site = tmp_path / "site"
     _package(site)
     monkeypatch.syspath_prepend(str(site))
