@@ -11,9 +11,13 @@ every process (a copy of them with no bytecode beside the sources, PYTHONDONTWRI
 an image installed without bytecode): this tree with the runner's bytecode cache (runner.bytecode; its
 first launch fills it and is printed apart), `--ref` with it off (`RUNNER_PYCACHE=off`).
 
+`--cpu-tiny --tracking`: the same launches with MLflow on (a SQLite store per tree, made by its first
+launch), as `runner launch` runs by default: MLflow's start before the first step counts.
+
 Run: python bench/bench_startup.py --ref e936d7d --runs 10
      python bench/bench_startup.py --cpu-tiny --ref HEAD~1 --runs 3
      python bench/bench_startup.py --cpu-tiny --uncompiled --ref HEAD --runs 3
+     python bench/bench_startup.py --cpu-tiny --tracking --ref HEAD --runs 5
 """
 
 from __future__ import annotations
@@ -59,10 +63,16 @@ def _project(tree: Path, data: Path | None) -> Path:
     return tree
 
 
-def _launch(tree: Path, run_dir: Path, env: dict[str, str] | None = None) -> tuple[float, dict | None]:
+def _launch(
+    tree: Path, run_dir: Path, env: dict[str, str] | None = None, tracking: bool = False
+) -> tuple[float, dict | None]:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "runner", "launch", "experiments/cpu-tiny.yaml", "--max-steps", "1"]
-    seconds = _seconds([*cmd, "--no-tracking", "--run-dir", str(run_dir)], tree, env)
+    if tracking:  # MLflow on, into a store of the tree's own (made by its first launch)
+        env = {**(env or os.environ), "MLFLOW_TRACKING_URI": f"sqlite:///{tree / 'mlflow.db'}"}
+    else:
+        cmd.append("--no-tracking")
+    seconds = _seconds([*cmd, "--run-dir", str(run_dir)], tree, env)
     info = json.loads((run_dir / "run.json").read_text())
     return seconds, info.get("t_startup")
 
@@ -81,7 +91,7 @@ def _uncompiled_site(dest: Path) -> Path:
     return dest
 
 
-def cpu_tiny(ref: str, runs: int, uncompiled: bool = False) -> None:
+def cpu_tiny(ref: str, runs: int, uncompiled: bool = False, tracking: bool = False) -> None:
     paths = ("runner", "schemas", "recipes", "experiments")
     with tempfile.TemporaryDirectory() as tmp:
         envs: dict[str, dict[str, str] | None] = {"here": None, ref: None}
@@ -114,7 +124,7 @@ def cpu_tiny(ref: str, runs: int, uncompiled: bool = False) -> None:
             print(f"first launch here (fills the bytecode cache): {seconds:.2f} s; bytecode {code}")
         for _ in range(runs):
             for name, tree in trees.items():
-                seconds, t_startup = _launch(tree, Path(tmp) / f"run-{name.replace('/', '_')}", envs[name])
+                seconds, t_startup = _launch(tree, Path(tmp) / f"run-{name.replace('/', '_')}", envs[name], tracking)
                 times[name].append(seconds)
                 if name == "here" and t_startup:
                     startups.append(t_startup["attempts"][-1])
@@ -127,6 +137,9 @@ def cpu_tiny(ref: str, runs: int, uncompiled: bool = False) -> None:
         print(f"t_startup here (median run): {last['seconds']:.2f} s; first step {last['first_step_seconds']} s")
         for part, v in last["parts"].items():
             print(f"  {part:<24} {v:7.3f} s")
+        if "mlflow" in last:
+            waited = last.get("before_first_step_parts", {}).get("attempt_start")
+            print(f"  MLflow in {last['mlflow']}; the wait for its start before the first step: {waited} s")
 
 
 def main() -> None:
@@ -139,9 +152,14 @@ def main() -> None:
         action="store_true",
         help="with --cpu-tiny: torch and transformers compiled in every process; here with the runner's bytecode cache, --ref without",
     )
+    parser.add_argument(
+        "--tracking",
+        action="store_true",
+        help="with --cpu-tiny: MLflow on (a SQLite store per tree) instead of --no-tracking",
+    )
     args = parser.parse_args()
     if args.cpu_tiny:
-        cpu_tiny(args.ref, args.runs, args.uncompiled)
+        cpu_tiny(args.ref, args.runs, args.uncompiled, args.tracking)
         return
     help_cmd = [sys.executable, "-m", "runner", "--help"]
     with tempfile.TemporaryDirectory() as tmp:

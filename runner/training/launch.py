@@ -38,7 +38,8 @@ from runner.runs.folder import (
     segment_record,
 )
 from runner.runs.lock import RunLock, lock_records
-from runner.training import startup
+from runner.training import mlflow_child, startup
+from runner.training.mlflow_child import MlflowChild
 from runner.training.tracking import Tracker, absolute_uri, check_run_store, flatten, git_commit
 
 if TYPE_CHECKING:
@@ -93,6 +94,10 @@ def launch(req: Request, held: contextlib.ExitStack, say: Say) -> Launched:
         line = _finished_line(run_dir)
         if line is not None:
             return Launched(EXIT_OK, exp, run_dir, done=line)
+    # MLflow's process starts before torch is imported: MLflow's own import runs beside it
+    child = mlflow_child.prestart(req.tracking)
+    if child is not None:
+        held.callback(child.close)  # a launch refused before tracking starts leaves no process behind
     from runner.training import loop  # noqa: PLC0415 - torch, off a finished run's no-op relaunch
 
     startup.mark("imports")
@@ -108,7 +113,10 @@ def launch(req: Request, held: contextlib.ExitStack, say: Say) -> Launched:
     if warning and main:
         say(warning)
     run_dir = _claim_folder(req, exp, run_dir, existing, acc, held, say)
-    tracker = _start_tracking(req, exp, run_dir, existing, main, say) if req.tracking else None
+    if child is not None and not main:
+        child.close()
+        child = None
+    tracker = _start_tracking(req, exp, run_dir, existing, main, say, child) if req.tracking else None
     kill, fault = _fault(req.faults, acc.process_index) if req.faults else (req.kill_at_step, None)
     opts = loop.Options(max_steps=req.max_steps, report=say, kill_at_step=kill, fault=fault)
     startup.mark("accelerator_and_folder")
@@ -362,8 +370,8 @@ def _check_recorded_store(run_dir: Path) -> None:
         check_run_store(absolute_uri(saved["tracking_uri"]), saved.get("run_id"), run_dir / "run.json")
 
 
-def _make_tracker(run_dir: Path, main: bool, say: Say) -> Tracker:
-    return tracker_of(RunFolder(run_dir, writer=main), None, enabled=main, report=say)
+def _make_tracker(run_dir: Path, main: bool, say: Say, child: MlflowChild | None = None) -> Tracker:
+    return tracker_of(RunFolder(run_dir, writer=main), None, enabled=main, report=say, child=child)
 
 
 def _tags(exp: Experiment, run_dir: Path) -> dict:
@@ -379,10 +387,12 @@ def _tags(exp: Experiment, run_dir: Path) -> dict:
     return tags
 
 
-def _start_tracking(req: Request, exp: Experiment, run_dir: Path, existing: bool, main: bool, say: Say) -> Tracker:
+def _start_tracking(
+    req: Request, exp: Experiment, run_dir: Path, existing: bool, main: bool, say: Say, child: MlflowChild | None
+) -> Tracker:
     """The MLflow run started or resumed: params and the experiment.yaml artifact on the first start only,
-    the new segment's tags after an --extend-to."""
-    tracker = _make_tracker(run_dir, main, say)
+    the new segment's tags after an --extend-to; MLflow runs in `child` when there is one."""
+    tracker = _make_tracker(run_dir, main, say, child)
     first_start = not existing
     tracker.start(
         exp.config.name,

@@ -525,8 +525,10 @@ def _start_attempt(run: Attempt, tracker) -> StopFlag:
     """MLflow started, the stop signals caught, the journal opened and the batches prefetched."""
     if tracker is not None:
         # MLflow's start-up (import, a new store's tables, the run) before the first step, not
-        # during the first steps: on the delivery thread it holds the GIL for seconds.
+        # during the first steps: on the delivery thread it holds the GIL for seconds. In its own
+        # process (runner.training.mlflow_child) it began before torch's import: little is left.
         tracker.flush(timeout=START_WAIT_SECONDS)
+    startup.tracking(tracker.where if tracker is not None and tracker.enabled else None)
     flag = StopFlag()
     flag.old_handlers = {s: signal.signal(s, flag) for s in (signal.SIGTERM, signal.SIGINT)}
     flag.deadline = _stop_deadline(run)

@@ -17,7 +17,9 @@ is called. The parts, consecutive and in the order they happen (SPEC "Wall-clock
                       attempt_start, rest), beside the parts and summing to this one
 Each attempt also records `bytecode`: where its process read and wrote compiled modules
 (runner.bytecode: beside the sources, or the runner's cache where the environment is read-only and
-uncompiled). `seconds` sums them; the first step's own wall (compile and autotuning included) is
+uncompiled), and, when it tracks, `mlflow`: where MLflow ran (its own process, started before torch's
+import so that MLflow's import runs beside it, or the launch's process; runner.training.mlflow_child).
+`seconds` sums them; the first step's own wall (compile and autotuning included) is
 `first_step_seconds`, beside it and never in it. The attempt's wall (the run clock) starts at the
 process start, so goodput's wall time counts the startup.
 Never: imports torch, or decides anything about training.
@@ -68,6 +70,7 @@ class StartupClock:
         self.first_step_seconds: float | None = None
         self._first_t0: float | None = None
         self.detail: dict[str, float] = {}  #: before_first_step's pieces (`split`), in the order they ran
+        self.mlflow: str | None = None  #: where MLflow ran (`tracking`); None: not tracked
         self._split_last = 0.0
 
     def mark(self, part: str) -> None:
@@ -103,6 +106,8 @@ class StartupClock:
             "first_step_seconds": None if self.first_step_seconds is None else round(self.first_step_seconds, 3),
             "bytecode": bytecode.state(),
         }
+        if self.mlflow is not None:
+            out["mlflow"] = self.mlflow
         if self.detail and self.seconds is not None:  # before_first_step by piece, `rest` what no piece named
             rest = self.parts["before_first_step"] - sum(self.detail.values())
             out["before_first_step_parts"] = {
@@ -158,6 +163,12 @@ def split(piece: str) -> None:
     """Close `piece` of before_first_step on the current attempt's clock (nothing when none runs)."""
     if _current is not None:
         _current.split(piece)
+
+
+def tracking(where: str | None) -> None:
+    """Where this attempt's MLflow runs (runner.training.tracking.Tracker.where); None: not tracked."""
+    if _current is not None:
+        _current.mlflow = where
 
 
 def current() -> StartupClock | None:
@@ -228,6 +239,8 @@ def report_lines(run: dict | None) -> list[str]:
         code_text = f"; bytecode cached in {code['cache']} ({how}{code.get('why') or 'set by ' + str(code.get('by'))})"
     else:  # Python's default; `why` only where the runner's cache was wanted and could not be used
         code_text = f"; bytecode compiled by every process ({code['why']})" if code.get("why") else ""
+    if last.get("mlflow"):
+        code_text += f"; MLflow in {last['mlflow']}"
     return [
         f"- Startup (t_startup, process start to the first step, in the wall time; run.json `t_startup`): "
         f"{float(t['seconds']):.1f} s over {n} attempt{'s' if n != 1 else ''}; the last attempt "

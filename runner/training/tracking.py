@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from runner.config.load import repo_root
 from runner.errors import RunnerError
@@ -245,6 +245,85 @@ class _Journal:
             self.file = None
 
 
+class MlflowOps:
+    """The MLflow calls delivery makes, on plain data (names, ids, lists of rows), in the process that
+    imports mlflow: the delivery thread's own, or MLflow's process of its own (ChildOps forwards to
+    it). Opening one: the fail-fast HTTP settings, a SQLite store made whole (ensure_sqlite_store),
+    the client. Rows: params and tags [key, value], metrics [key, value, timestamp_ms, step]."""
+
+    #: what ChildOps may ask MLflow's process to run (runner.training.mlflow_child)
+    CALLS = (
+        "experiment_id",
+        "create_experiment",
+        "run_with_token",
+        "create_run",
+        "log_batch",
+        "log_artifacts",
+        "set_terminated",
+    )
+
+    def __init__(self, tracking_uri: str, report: Callable[[str], None] = print):
+        _fail_fast_env()
+        from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: seconds to import, first use only)
+
+        path = sqlite_path(tracking_uri)
+        if path is not None:
+            ensure_sqlite_store(path, report)
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+
+    def experiment_id(self, name: str) -> str | None:
+        exp = self.client.get_experiment_by_name(name)
+        return None if exp is None else str(exp.experiment_id)
+
+    def create_experiment(self, name: str, artifact_location: str | None) -> str:
+        return str(self.client.create_experiment(name, artifact_location=artifact_location))
+
+    def run_with_token(self, experiment_id: str, token: str) -> str | None:
+        found = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.runner_start_token = '{token}'", max_results=1
+        )
+        return found[0].info.run_id if found else None
+
+    def create_run(self, experiment_id: str, run_name: str, tags: dict[str, str] | None) -> str:
+        return self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+
+    def log_batch(self, run_id: str, kind: str, rows: list[list]) -> None:
+        from mlflow.entities import Metric, Param, RunTag  # noqa: PLC0415  (mlflow: as above)
+
+        make = {"params": Param, "tags": RunTag, "metrics": Metric}[kind]
+        self.client.log_batch(run_id, **{kind: [make(*row) for row in rows]}, synchronous=True)
+
+    def log_artifacts(self, run_id: str, path: str, artifact_path: str | None) -> None:
+        if Path(path).is_dir():
+            self.client.log_artifacts(run_id, path, artifact_path)
+        elif Path(path).exists():
+            self.client.log_artifact(run_id, path, artifact_path)
+
+    def set_terminated(self, run_id: str, status: str) -> None:
+        self.client.set_terminated(run_id, status)
+
+
+class MlflowProcess(Protocol):
+    """MLflow's process of its own (runner.training.mlflow_child.MlflowChild)."""
+
+    def call(self, uri: str, op: str, args: list, report: Callable[[str], None]) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class ChildOps:
+    """MlflowOps' calls, each run by MLflow's process of its own (runner.training.mlflow_child) on
+    the store at `tracking_uri`; what that process said (a store moved aside) is reported here."""
+
+    def __init__(self, child: MlflowProcess, tracking_uri: str, report: Callable[[str], None]):
+        self.child, self.tracking_uri, self.report = child, tracking_uri, report
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name not in MlflowOps.CALLS:
+            raise AttributeError(name)
+        return lambda *args: self.child.call(self.tracking_uri, name, list(args), self.report)
+
+
 class Tracker:
     """One MLflow run per experiment run, delivered from a background thread behind the journal."""
 
@@ -258,8 +337,10 @@ class Tracker:
         experiment_id: str | None = None,
         on_run_id: Callable[[dict], object] | None = None,
         report: Callable[[str], None] = print,
+        child: MlflowProcess | None = None,
     ):
         self.run_dir = Path(run_dir)
+        self.child = child  #: MLflow's process of its own (runner.training.mlflow_child), else MLflow runs here
         self.enabled = enabled
         self.tracking_uri = absolute_uri(tracking_uri) if tracking_uri else default_tracking_uri()
         self.run_id, self.experiment_id = run_id, experiment_id
@@ -267,7 +348,7 @@ class Tracker:
         self.report = report
         self.pending_path = self.run_dir / PENDING
         self.last_error: str | None = None
-        self._client: Any = None  # an MlflowClient once first used
+        self._client: MlflowOps | ChildOps | None = None  # once first used
         self._journal = _Journal(self.pending_path)
         self._cond = threading.Condition()
         self._queue: list[dict] | None = None  # journaled, not yet confirmed by MLflow; None: not loaded
@@ -283,16 +364,20 @@ class Tracker:
     # ---- connection (background thread) ------------------------------------------------------
 
     @property
-    def client(self):
+    def client(self) -> MlflowOps | ChildOps:
+        """The MLflow operations: in MLflow's process of its own when the tracker has one
+        (runner.training.mlflow_child), else here (mlflow imported on first use)."""
         if self._client is None:
-            _fail_fast_env()
-            from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: seconds to import, first use only)
-
-            path = sqlite_path(self.tracking_uri)
-            if path is not None:
-                ensure_sqlite_store(path, self.report)
-            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+            if self.child is not None:
+                self._client = ChildOps(self.child, self.tracking_uri, self.report)
+            else:
+                self._client = MlflowOps(self.tracking_uri, self.report)
         return self._client
+
+    @property
+    def where(self) -> str:
+        """Where MLflow runs, as run.json's t_startup records it."""
+        return "its own process" if self.child is not None else "the launch's process"
 
     def info(self) -> dict:
         return {"tracking_uri": self.tracking_uri, "experiment_id": self.experiment_id, "run_id": self.run_id}
@@ -301,32 +386,27 @@ class Tracker:
         if self.run_id:
             return
         name = entry["experiment_name"]
-        exp = self.client.get_experiment_by_name(name)
-        run = None
-        if exp is None:
+        experiment_id = self.client.experiment_id(name)
+        run_id = None
+        if experiment_id is None:
             location = None
             path = sqlite_path(self.tracking_uri)
             if path is not None:
                 # Keep artifacts next to the store, whatever the cwd of later runs.
                 location = (path.parent / "mlartifacts" / name).resolve().as_uri()
-            self.experiment_id = self.client.create_experiment(name, artifact_location=location)
+            self.experiment_id = self.client.create_experiment(name, location)
         else:
-            self.experiment_id = exp.experiment_id
+            self.experiment_id = experiment_id
             if entry.get("token"):
                 # Created just before a kill, never recorded in run.json: continue it, not a second run.
-                found = self.client.search_runs(
-                    [self.experiment_id], filter_string=f"tags.runner_start_token = '{entry['token']}'", max_results=1
-                )
-                run = found[0] if found else None
-        if run is None:
+                run_id = self.client.run_with_token(self.experiment_id, entry["token"])
+        if run_id is None:
             tags = {"runner_start_token": entry["token"]} if entry.get("token") else None
-            run = self.client.create_run(self.experiment_id, run_name=entry["run_name"], tags=tags)
-        self.run_id = run.info.run_id
+            run_id = self.client.create_run(self.experiment_id, entry["run_name"], tags)
+        self.run_id = run_id
         self.on_run_id(self.info())
 
     def _send(self, entry: dict) -> None:
-        from mlflow.entities import Param, RunTag  # noqa: PLC0415  (mlflow: as above)
-
         kind = entry["kind"]
         if kind == "start":
             self._ensure_run(entry)
@@ -334,33 +414,25 @@ class Tracker:
         if not self.run_id:
             raise RuntimeError("no MLflow run yet")
         if kind == "params":
-            self._log_batch("params", [Param(k, v) for k, v in entry["params"].items()], _BATCH)
+            self._log_batch("params", [[k, str(v)] for k, v in entry["params"].items()], _BATCH)
         elif kind == "tags":
-            self._log_batch("tags", [RunTag(k, str(v)) for k, v in entry["tags"].items()], _BATCH)
+            self._log_batch("tags", [[k, str(v)] for k, v in entry["tags"].items()], _BATCH)
         elif kind == "artifacts":
-            path = Path(entry["path"])
-            if path.is_dir():
-                self.client.log_artifacts(self.run_id, str(path), entry.get("artifact_path"))
-            elif path.exists():
-                self.client.log_artifact(self.run_id, str(path), entry.get("artifact_path"))
+            self.client.log_artifacts(self.run_id, entry["path"], entry.get("artifact_path"))
         elif kind == "status":
             self.client.set_terminated(self.run_id, entry["status"])
 
     def _send_metrics(self, entries: list[dict]) -> None:
-        from mlflow.entities import Metric  # noqa: PLC0415  (mlflow: as above)
-
         if not self.run_id:
             raise RuntimeError("no MLflow run yet")
-        rows = [
-            Metric(k, float(v), int(e["timestamp_ms"]), int(e["step"]))
-            for e in entries
-            for k, v in e["metrics"].items()
-        ]
+        rows = [[k, float(v), int(e["timestamp_ms"]), int(e["step"])] for e in entries for k, v in e["metrics"].items()]
         self._log_batch("metrics", rows, _METRICS_PER_REQUEST)
 
     def _log_batch(self, kind: str, items: list, limit: int) -> None:
+        if not self.run_id:
+            raise RuntimeError("no MLflow run yet")
         for i in range(0, len(items), limit):
-            self.client.log_batch(self.run_id, **{kind: items[i : i + limit]}, synchronous=True)
+            self.client.log_batch(self.run_id, kind, items[i : i + limit])
 
     # ---- delivery (background thread) --------------------------------------------------------
 
@@ -473,7 +545,7 @@ class Tracker:
             return not self._queue
 
     def close(self) -> None:
-        """Stop the delivery thread (after a request in flight) and close the journal."""
+        """Stop the delivery thread (after a request in flight) and MLflow's process, close the journal."""
         with self._cond:
             thread, stop = self._thread, self._stop
             self._thread = self._stop = None
@@ -482,6 +554,8 @@ class Tracker:
             self._cond.notify_all()
         if thread is not None:
             thread.join(CLOSE_WAIT_SECONDS)
+        if self.child is not None:  # MLflow's process ends (a later use of this tracker starts another)
+            self.child.close()
         with self._cond:
             self._journal.close()
 

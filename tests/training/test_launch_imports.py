@@ -1,5 +1,5 @@
-"""What `runner launch` has imported when its first step begins: nothing a run without tracking,
-targets or reports needs (runner.training.targets imports pandas only to make a frame;
+"""What `runner launch` has imported when its first step begins: nothing a run without targets or
+reports needs, nor MLflow (in a process of its own when the run tracks) (runner.training.targets imports pandas only to make a frame;
 runner.training.hf_models keeps transformers' detection losses from importing scipy)."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from timeouts import SUBPROCESS_TIMEOUT_S
 from trainfixtures import env, make_project
 
-#: packages the launch path must not import before the first step of a run with --no-tracking
+#: packages the launch path must not import before the first step (mlflow: in its own process, or none)
 NOT_BEFORE_FIRST_STEP = ("pandas", "pyarrow", "pandera", "scipy", "matplotlib", "mlflow")
 
 # `runner launch` as `python -m runner` runs it, stopped where its first step begins
@@ -33,10 +34,15 @@ sys.exit(main(["launch", *sys.argv[2:]]))
 """
 
 
-def test_a_launch_reaches_its_first_step_without_pandas_scipy_or_mlflow(tmp_path):
+@pytest.mark.parametrize("tracking", [False, True])
+def test_a_launch_reaches_its_first_step_without_pandas_scipy_or_mlflow(tmp_path, tracking):
+    """With tracking, MLflow runs in its own process (runner.training.mlflow_child): the launch's
+    process imports none of it, and that process has made the MLflow run before the first step."""
     exp = make_project(tmp_path, steps=2)
+    run = tmp_path / "runs" / "r"
+    flags = ["--run-dir", str(run)] + ([] if tracking else ["--no-tracking"])
     proc = subprocess.run(
-        [sys.executable, "-c", _DRIVER, ",".join(NOT_BEFORE_FIRST_STEP), str(exp), "--no-tracking"],
+        [sys.executable, "-c", _DRIVER, ",".join(NOT_BEFORE_FIRST_STEP), str(exp), *flags],
         cwd=tmp_path,
         env=env(tmp_path),
         capture_output=True,
@@ -48,3 +54,4 @@ def test_a_launch_reaches_its_first_step_without_pandas_scipy_or_mlflow(tmp_path
     assert seen["present"] == []
     # transformers' own probe is back once its model modules loaded: scipy is installed (the planner's fits)
     assert seen["scipy_probe"] is True
+    assert bool(json.loads((run / "run.json").read_text())["mlflow"].get("run_id")) == tracking
