@@ -49,17 +49,29 @@ PARTS = (
 def process_start_time() -> float | None:
     """The epoch second this process started, from the kernel (Linux /proc); None elsewhere.
 
-    /proc/<pid>/stat gives the start in clock ticks after boot (10 ms); it is set against the boot clock
-    read now (CLOCK_BOOTTIME, the clock those ticks count), so the result is as exact as the ticks. Not
-    /proc/stat's `btime`: the boot's epoch in whole seconds, which put every start up to 1 s early."""
+    /proc/<pid>/stat gives the start in clock ticks after boot (10 ms, truncated); it is set against the
+    boot clock (CLOCK_BOOTTIME, the clock those ticks count), so the result is as exact as the ticks.
+    Not /proc/stat's `btime`: the boot's epoch in whole seconds, which put every start up to 1 s early."""
     try:
         with open(f"/proc/{os.getpid()}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         ticks = int(fields[19])  # starttime: clock ticks after boot (field 22; 3 fields precede the split)
-        since_boot, now = time.clock_gettime(time.CLOCK_BOOTTIME), time.time()
-        return now - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+        return _boot_epoch() + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME
         return None
+
+
+def _boot_epoch() -> float:
+    """The epoch second at which the boot clock read 0: the boot clock read between two reads of the
+    wall clock, the tightest of five (a process preempted between two reads only widens one pair)."""
+    width, epoch = float("inf"), 0.0
+    for _ in range(5):
+        before = time.time()
+        boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        after = time.time()
+        if after - before < width:
+            width, epoch = after - before, (before + after) / 2 - boot
+    return epoch
 
 
 class StartupClock:

@@ -4,9 +4,12 @@ beside it; counted in the attempt's wall (goodput); shown in report.md (runner.t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 from trainfixtures import REPO, launch, make_project
 
@@ -57,17 +60,18 @@ def test_the_clock_of_a_process_started_for_runner_begins_at_the_process_start()
     assert startup.current().parts["process_to_launch"] < 0.45
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="the kernel's record is Linux's /proc")
 def test_the_process_start_lies_between_the_moments_before_and_after_its_spawn():
     # an order, not a duration: true on a busy machine too. The start is read in clock ticks (10 ms,
     # truncated); the boot's epoch in whole seconds (/proc/stat btime) put it up to 1 s early
-    tick = 1 / startup.os.sysconf("SC_CLK_TCK")
+    tick = 1 / os.sysconf("SC_CLK_TCK")
     code = "from runner.training import startup; print(repr(startup.process_start_time()))"
     for _ in range(3):
-        before = startup.time.time()
+        before = time.time()
         child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
-        after = startup.time.time()  # Popen returns once the child has been made and has exec'd
+        after = time.time()  # Popen returns once the child has been made and has exec'd
         started = float(child.communicate()[0])
-        assert before - tick - 0.001 <= started <= after + 0.001, (before, started, after)
+        assert before - tick - 0.002 <= started <= after + 0.002, (before, started, after)
 
 
 def test_the_model_is_built_where_the_device_context_says():
