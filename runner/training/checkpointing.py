@@ -5,8 +5,9 @@ selective activation checkpointing): inside each checkpointed decoder layer the 
 matmuls (every projection, the experts' grouped matmuls) and of attention are saved, everything
 else (norms, RoPE, SiLU x up, the router's softmax and top-k, the MoE permutation, residual adds)
 is recomputed in the backward. `full` recomputes the whole layer from its input; `none` keeps all.
-Also counts, for the saved-tensor probe (runner.training.memprobe), the bytes the policy saved
-(torch >= 2.13 hands the policy each op's output).
+Also counts, for the saved-tensor probe (runner.training.memprobe), the bytes the policy saved: the
+distinct storages its forward contexts hold once the forward is done (the same on every torch: only
+torch >= 2.13 hands the policy each op's output, and the device image's 2.11 does not).
 Never: changes what a forward computes (the recomputation replays the same ops on the same inputs).
 """
 
@@ -16,6 +17,7 @@ import functools
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 
@@ -53,11 +55,23 @@ def _runner_grouped_mm() -> set[Any]:
 
 
 class SavedBytes:
-    """Bytes of the op outputs `selective` saved in forwards (not recomputations) while counting."""
+    """The stores of the checkpointed forwards run while counting (not recomputations): each
+    holds the op outputs `selective` saved for its layer's backward."""
 
     def __init__(self) -> None:
-        self.bytes = 0
         self.counting = False
+        self.stores: list[dict[Any, list[Any]]] = []
+
+    def storages(self) -> dict[int, int]:
+        """The stores' distinct tensor storages (data pointer -> bytes), read before the backward
+        consumes them."""
+        found: dict[int, int] = {}
+        for store in self.stores:
+            for leaf in tree_leaves(list(store.values())):
+                t = getattr(leaf, "val", leaf)  # torch's _VersionWrapper around each saved output
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+                    found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return found
 
 
 SAVED = SavedBytes()
@@ -65,10 +79,6 @@ SAVED = SavedBytes()
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     if op in SAVED_OPS or op in _RUNNER_OPS:
-        out = getattr(ctx, "op_output", None)
-        if SAVED.counting and not ctx.is_recompute and out is not None:
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            SAVED.bytes += sum(t.untyped_storage().nbytes() for t in outs if isinstance(t, torch.Tensor))
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -77,8 +87,12 @@ _RUNNER_OPS = _runner_grouped_mm()
 
 
 def selective_context():
-    """`context_fn` for torch.utils.checkpoint: the `selective` policy's two contexts."""
-    return create_selective_checkpoint_contexts(_policy)
+    """`context_fn` for torch.utils.checkpoint: the `selective` policy's two contexts (called once per
+    checkpointed forward; the forward's context keeps what it saved in its `storage`)."""
+    forward, recompute = create_selective_checkpoint_contexts(_policy)
+    if SAVED.counting:
+        SAVED.stores.append(forward.storage)
+    return forward, recompute
 
 
 def checkpoint_kwargs(mode: str) -> dict[str, Any]:

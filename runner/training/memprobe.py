@@ -72,18 +72,19 @@ def saved_bytes(model: torch.nn.Module, forward, *, backward: bool = True) -> Sa
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    # `selective` checkpointing keeps its matmul outputs in its own store, not through these hooks:
-    # its policy counts them (runner.training.checkpointing) and they are activations too.
-    checkpointing.SAVED.bytes, checkpointing.SAVED.counting = 0, True
+    # `selective` checkpointing keeps its matmul outputs in stores of its own, not through these
+    # hooks (runner.training.checkpointing): activations too, read before the backward consumes them.
+    checkpointing.SAVED.stores, checkpointing.SAVED.counting = [], True
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = forward()
+        selective = {ptr: n for ptr, n in checkpointing.SAVED.storages().items() if ptr not in seen}
     finally:
-        checkpointing.SAVED.counting = False
+        checkpointing.SAVED.stores, checkpointing.SAVED.counting = [], False
     if backward:
         loss.backward()
-    out = SavedBytes(tensors=len(seen))
-    out.activations += checkpointing.SAVED.bytes
+    out = SavedBytes(tensors=len(seen) + len(selective))
+    out.activations += sum(selective.values())
     for kind, nbytes, dtype in seen.values():
         setattr(out, kind, getattr(out, kind) + nbytes)
         if kind == "activations":

@@ -4,6 +4,7 @@ its pytest never collects nothing: exit 5), and the pins are the GPU image's set
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shlex
 from pathlib import Path
@@ -48,6 +49,15 @@ def test_the_pins_are_the_gpu_images_versions():
     assert pins["transformers"] == "5.17.0" and pins["huggingface_hub"] == "1.33.*"
     assert (pins["accelerate"], pins["tokenizers"], pins["safetensors"]) == ("1.15.0", "0.23.2", "0.8.0")
     assert "httpx" in pins  # what huggingface_hub 1.x speaks (2.x: httpx2, in the environment already)
+
+
+def test_the_device_torch_is_the_one_the_device_ran():
+    """The subset's torch is the build the H200 reported (its env.json), not the environment's."""
+    pin = re.search(r"^DEVICE_TORCH=(\S+)$", SCRIPT, re.M)
+    assert pin, ".ci/run defines no DEVICE_TORCH="
+    image = json.loads((ROOT / "bench/measurements/h200-20261204-session2/call2/env.json").read_text())
+    assert pin.group(1) == "torch==" + image["torch_version"].split("+")[0] == "torch==2.11.0"
+    assert "PYTHONPATH=$overlay${PYTHONPATH:+:$PYTHONPATH} python -m pytest" in SCRIPT
 
 
 def test_ci_runs_the_readme_command_in_a_fresh_environment_and_fails_on_either_run():

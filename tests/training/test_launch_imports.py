@@ -1,6 +1,7 @@
 """What `runner launch` has imported when its first step begins: nothing a run without targets or
 reports needs, nor MLflow (in a process of its own when the run tracks) (runner.training.targets imports pandas only to make a frame;
-runner.training.hf_models keeps transformers' detection losses from importing scipy)."""
+runner.training.hf_models keeps transformers' detection losses from importing scipy, and 5.17's
+assisted-generation candidates from importing scikit-learn, which imports scipy, pandas and pyarrow)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from timeouts import SUBPROCESS_TIMEOUT_S
 from trainfixtures import env, make_project
 
 #: packages the launch path must not import before the first step (mlflow: in its own process, or none)
-NOT_BEFORE_FIRST_STEP = ("pandas", "pyarrow", "pandera", "scipy", "matplotlib", "mlflow")
+NOT_BEFORE_FIRST_STEP = ("pandas", "pyarrow", "pandera", "scipy", "sklearn", "matplotlib", "mlflow")
 
 # `runner launch` as `python -m runner` runs it, stopped where its first step begins
 _DRIVER = """
@@ -25,6 +26,7 @@ def first_step_begins():
     print(json.dumps({
         "present": sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[1].split(","))),
         "scipy_probe": transformers.utils.is_scipy_available(),
+        "sklearn_probe": transformers.utils.is_sklearn_available(),
     }), flush=True)
     os._exit(0)
 
@@ -52,6 +54,7 @@ def test_a_launch_reaches_its_first_step_without_pandas_scipy_or_mlflow(tmp_path
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["present"] == []
-    # transformers' own probe is back once its model modules loaded: scipy is installed (the planner's fits)
-    assert seen["scipy_probe"] is True
+    # transformers' own probes are back once its model modules loaded: scipy is installed (the planner's
+    # fits), and scikit-learn (lm-eval's, the eval extra; transformers 5.17 imports it with every model)
+    assert seen["scipy_probe"] is True and seen["sklearn_probe"] is True
     assert bool(json.loads((run / "run.json").read_text())["mlflow"].get("run_id")) == tracking

@@ -210,7 +210,13 @@ def _probe_step(model, cfg, probe, ids):
 def test_regional_compile_is_one_graph_for_all_layers_with_the_router_probe_armed_and_no_host_sync(checkpointing):
     """fullgraph=True (maybe_compile's choice for OLMoE): a graph break would raise. Four layers,
     two steps: one compiled frame, shared by every layer, forward and backward free of host syncs;
-    the probe records what the eager model routes."""
+    the probe records what the eager model routes. Under checkpointing, transformers 5.2x checkpoints
+    inside a layer's forward (the compiled graph holds the checkpoint and its recomputation); 5.17, the
+    GPU image's, checkpoints around the layer's `__call__`, so the backward's recomputation calls the
+    compiled layer again with the probe disarmed: a second forward graph (the disarmed probe's), also
+    shared by every layer and compiled once."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     cfg = _cfg(n_layers=4, compile=True, compile_scope="regional", activation_checkpointing=checkpointing)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=32))  # the probe's row length
     domains = ["code", "legal", "prose"]
@@ -225,8 +231,9 @@ def test_regional_compile_is_one_graph_for_all_layers_with_the_router_probe_arme
     ids = _ids(cfg, sequences=3)
     for _ in range(2):
         figures = [_probe_step(m, cfg, p, ids) for m, p in zip((model, eager), probes)]
-    assert watch.frames == 1
-    assert watch.graphs["forward"] >= 1 and watch.graphs["backward"] >= 1
+    around_call = checkpointing and "__call__" in GradientCheckpointingLayer.__dict__
+    assert watch.frames == watch.graphs["forward"] == (2 if around_call else 1)
+    assert watch.graphs["backward"] == 1
     assert watch.syncs == []
     assert np.array_equal(probes[0].load.routed, probes[1].load.routed)
     assert probes[0].load.routed.sum() == 2 * 4 * 3 * 32 * cfg.model.moe.experts_per_token
