@@ -44,6 +44,11 @@ PACKAGES = {
     "pynvml": "nvidia-ml-py",
     "amdsmi": "amdsmi",
     "psutil": "psutil",
+    # what transformers 5.17 would import into a launch if present (runner.training.hf_models keeps them out
+    # of the model modules' import): recorded, so the device's `imports` seconds can be read against them
+    "sklearn": "scikit-learn",
+    "scipy": "scipy",
+    "pandas": "pandas",
 }
 RUNNER_WITHIN = 0.03  # the issue's goal: the runner's MFU within 3% of the bench's row of the same settings
 
@@ -544,6 +549,7 @@ def render(out: Path, work: Path, command: str) -> str:
         f"torch {env.get('torch_version')} (CUDA {env.get('cuda_version')}, HIP {env.get('hip_version')}), "
         f"transformers {pk.get('transformers')}, accelerate {pk.get('accelerate')}, liger-kernel {pk.get('liger-kernel')}, "
         f"triton {pk.get('triton')}, flash-attn {pk.get('flash-attn')}, FA3 {pk.get('flash-attn-3')}, "
+        f"scikit-learn {pk.get('scikit-learn')}, scipy {pk.get('scipy')}, pandas {pk.get('pandas')}, "
         f"Python {env.get('python')}; attention: "
         + (", ".join(f"{k} {v}" for k, v in (env.get("attention_kernels") or {}).items()) or "-"),
         "",

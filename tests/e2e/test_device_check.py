@@ -64,6 +64,13 @@ def test_device_check_runs_every_phase_on_cpu_without_mlflow(tmp_path):
     env_facts = json.loads((out / "env.json").read_text())
     assert env_facts["torch_version"] and env_facts["packages"]["omegaconf"] != "missing"
     assert env_facts["packages"]["liger-kernel"] not in ("", None)  # a version, or why it does not load
+    # what transformers 5.17 would pull into a launch, recorded (installed here: lm-eval's, the planner's)
+    from importlib.metadata import version
+
+    assert [env_facts["packages"][d] for d in ("scikit-learn", "scipy", "pandas")] == [
+        version(d) for d in ("scikit-learn", "scipy", "pandas")
+    ]
+    assert f"scikit-learn {version('scikit-learn')}, scipy {version('scipy')}, pandas {version('pandas')}" in table
     # where the launch's import seconds go: torch first among the packages, CUDA's first use absent on a CPU
     imports = env_facts["imports"]
     assert phases["imports"]["rc"] == 0 and imports["torch_s"] > 0 and imports["cuda_init_s"] is None
