@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
 import yaml
 from runfixtures import GLOBAL_BATCH, SEQ_LEN, STEPS, make_run, run_commands
+from timeouts import SUBPROCESS_TIMEOUT_S
+from trainfixtures import env
 
 from runner.cli.report import register
 from runner.errors import EXIT_UNVERIFIED, RunnerError
@@ -158,6 +162,30 @@ def test_audit_reports_takes_the_folder_as_a_positional(run_dir, tmp_path, capsy
     with pytest.raises(RunnerError, match="two different folders"):
         _cli(["audit-reports", str(reports), "--reports-dir", str(tmp_path / "other")])
     assert _cli(["audit-reports", str(tmp_path / "empty")]) == 0  # nothing published: nothing fails
+
+
+def test_audit_reports_imports_no_torch_where_no_model_card_is_published(run_dir, tmp_path):
+    """A clone's reports/ holds no models/: the card checker (torch, transformers: about half of the
+    verb's seconds) is not imported; the reports are audited all the same. With a card published, the
+    card checks run (tests/export/test_export.py)."""
+    reports = tmp_path / "reports"
+    publish(run_dir, reports)
+    (reports / "models").mkdir()  # an empty models/ folder: no card to check either
+    probe = (
+        "import sys\nfrom runner.cli import main\nprint('exit', main(['audit-reports', sys.argv[1]]))\n"
+        "print(sorted({'torch', 'transformers', 'accelerate'} & {m.split('.')[0] for m in sys.modules}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(reports)],
+        cwd=tmp_path,
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+    out = proc.stdout.strip().splitlines()
+    assert "1 published reports: 0 PASS, 1 UNVERIFIED, 0 FAIL" in out, proc.stdout + proc.stderr
+    assert out[-2:] == [f"exit {EXIT_UNVERIFIED}", "[]"], proc.stdout + proc.stderr
 
 
 def test_every_argument_of_every_verb_has_help():
