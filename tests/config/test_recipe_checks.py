@@ -261,3 +261,55 @@ def test_small_validation_sets_are_warned_at_validate(project_with_data: Path, m
         "(256 tokens), fewer than 16: its validation loss is mostly noise (hold out more text: "
         "`runner data prepare --validation-fraction`)"
     ]
+
+
+def test_a_recipe_is_checked_once_per_content_and_its_problems_said_wherever_it_is_used(
+    project: Path, monkeypatch, capsys
+):
+    """`runner validate` composes each recipe into every experiment naming it; its values are checked
+    once per content (runner.config.load._RECIPE_CHECKS), and what the check found is said each time, as
+    if it ran each time: the output equals the uncached check's, a fix is seen at once, and the file is
+    named as it is shown from the current folder."""
+    from runner.config import load
+
+    monkeypatch.setattr(load, "_RECIPE_CHECKS", {})
+    calls: list[Path] = []
+    check = load._check_values_of
+
+    def counted(data, kind, path, problems, resources):
+        calls.append(path)
+        check(data, kind, path, problems, resources)
+
+    monkeypatch.setattr(load, "_check_values_of", counted)
+    monkeypatch.chdir(project)
+    loads: list[Path] = []
+    load_file = load.load_recipe_file
+    monkeypatch.setattr(load, "load_recipe_file", lambda p, *a, **k: loads.append(p) or load_file(p, *a, **k))
+    assert main(["validate"]) == 0
+    capsys.readouterr()
+    recipe_files = sorted(project.glob("recipes/*/*.yaml"))
+    assert sorted(calls) == recipe_files  # each once
+    assert len(loads) > 2 * len(recipe_files)  # the experiments composed them again
+
+    model = project / "recipes/model/llama-tiny.yaml"
+    good = model.read_text()
+    model.write_text(good.replace("n_kv_heads: 2", "n_kv_heads: 3"))
+    assert main(["validate"]) == 2
+    cached = capsys.readouterr()
+    line = "error: recipes/model/llama-tiny.yaml: n_kv_heads: n_heads 4 is not divisible by n_kv_heads 3"
+    # the recipe itself, cpu-tiny and gpu-smoke-cpu (which name it), and the experiments built on them
+    assert cached.err.splitlines().count(line) >= 3, cached.err
+    cached_check = load._check_recipe_values
+    monkeypatch.setattr(load, "_check_recipe_values", lambda *a: check(*a))  # no cache
+    assert main(["validate"]) == 2
+    assert capsys.readouterr() == cached
+
+    monkeypatch.setattr(load, "_check_recipe_values", cached_check)
+    model.write_text(good)  # fixed: the same process sees it
+    assert main(["validate", str(model)]) == 0
+    model.write_text(good.replace("n_kv_heads: 2", "n_kv_heads: 3"))
+    assert main(["validate", str(model)]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    monkeypatch.chdir(project / "experiments")  # outside the recipe's folder: shown as given
+    assert main(["validate", str(model)]) == 2
+    assert capsys.readouterr().err.splitlines() == [line.replace("recipes/model", str(model.parent))]
