@@ -27,7 +27,7 @@ COMMAND_MODULES = (data, hub, train, job, report, plan, compare, export, downstr
 def _cmd_validate(args) -> int:
     from runner.data.manifest import said_once
 
-    paths = [Path(p) for p in args.paths] or default_targets(Path.cwd())
+    paths = [f for p in args.paths for f in yaml_files(Path(p))] or default_targets(Path.cwd())
     failed = 0
     warned: list[str] = []
     # Flushed line by line: piped together (2>&1 | less), errors and the summary keep their order.
@@ -63,6 +63,26 @@ def default_targets(cwd: Path) -> list[Path]:
     return out + sorted((root / "experiments").rglob("*.yaml"))
 
 
+def yaml_files(path: Path) -> list[Path]:
+    """A file as given; a folder as the files under it that `runner validate` checks by default where it is
+    the checkout, or inside its recipes/ or experiments/ (`runner validate recipes/model experiments/`;
+    recipes/hardware/accelerate holds accelerate's files, not recipes), else every .yaml under it; or
+    the folder itself where it holds none (refused by `validate_one`)."""
+    from runner.config.load import find_project_root
+
+    if not path.is_dir():
+        return [path]
+    whole, root = path.resolve(), find_project_root(path)
+    ours = (root / "recipes").is_dir() and (
+        whole == root or whole.is_relative_to(root / "recipes") or whole.is_relative_to(root / "experiments")
+    )
+    if ours:
+        found = [path / t.relative_to(whole) for t in default_targets(root) if t.is_relative_to(whole)]
+    else:
+        found = sorted(path.rglob("*.yaml"))
+    return found or [path]
+
+
 def validate_one(path: Path) -> tuple[str, list[str], list[str]]:
     """Validate a recipe on its own (kind from its folder) or an experiment with the data checks that
     need no training (pins present here, feasibility over the pools' sizes, pinned when the data is
@@ -71,6 +91,8 @@ def validate_one(path: Path) -> tuple[str, list[str], list[str]]:
     from runner.errors import Problems
     from runner.planning.resources import load_experiment, load_recipe_file
 
+    if path.is_dir():
+        raise RunnerError("a folder with no recipe or experiment .yaml file under it", file=str(path))
     if path.parent.name in KINDS:
         problems = Problems()
         load_recipe_file(path, path.parent.name, problems)
@@ -92,6 +114,11 @@ def _cmd_show(args) -> int:
 
     path = Path(args.experiment)
     if path.is_dir():  # a run folder: its resolved experiment.yaml
+        if not (path / "experiment.yaml").is_file():
+            raise RunnerError(
+                f"{display_path(path)}: a folder without experiment.yaml: give an experiment file "
+                "(experiments/NAME.yaml) or a run folder (runs/NAME/RUN_ID)"
+            )
         path = path / "experiment.yaml"
     data = read_yaml(path)
     if isinstance(data, dict) and isinstance(data.get("tokenizer"), dict) and isinstance(data.get("recipes"), dict):
@@ -132,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("validate", help="validate recipes and experiments (default: all of them)")
-    p.add_argument("paths", nargs="*", help="recipe or experiment YAML files")
+    p.add_argument("paths", nargs="*", help="recipe or experiment YAML files, or folders of them")
     p.set_defaults(func=_cmd_validate)
     p = sub.add_parser("show", help="print an experiment's resolved config and fingerprint")
     p.add_argument("experiment", help="experiments/NAME.yaml, or a run folder (its resolved experiment.yaml)")

@@ -31,6 +31,7 @@ from runner.errors import Problems, RunnerError, did_you_mean, display_path, joi
 from runner.fsio import load_yaml_text, read_yaml
 
 _RESOLVER_CALL = re.compile(r"\$\{[^}]*:")  # ${name:...} runs code; ${a.b} is plain data
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")  # an experiment name quoted in a hint
 
 
 @dataclass
@@ -283,6 +284,22 @@ def available_recipes(root: Path, kind: str) -> list[str]:
     return sorted(p.stem for p in (root / "recipes" / kind).glob("*.yaml"))
 
 
+def is_resolved_copy(data: dict) -> bool:
+    """A run's or a report's experiment.yaml: `recipes` and every recipe section written out at the top
+    (an experiment file names its recipes and never holds a section of its own)."""
+    return isinstance(data.get("recipes"), dict) and all(isinstance(data.get(k), dict) for k in KINDS)
+
+
+def _source_hint(data: dict) -> str:
+    name = data.get("name")
+    return f" (experiments/{name}.yaml)" if isinstance(name, str) and _SAFE_NAME.fullmatch(name) else ""
+
+
+def _run_copy_hint(folder: Path) -> str:
+    copy = folder / "experiment.yaml"
+    return f"; `runner show {display_path(folder)}` prints the resolved {display_path(copy)}" if copy.is_file() else ""
+
+
 def load_experiment(
     path: str | Path, *, check_files: bool = True, resources: ResourceRules | None = None
 ) -> Experiment:
@@ -290,10 +307,20 @@ def load_experiment(
     that need FLOPs or the peak table run only with `resources` (runner.planning.resources.load_experiment
     hands them in: what the CLI calls)."""
     path = Path(path)
+    if path.is_dir():
+        raise RunnerError(
+            f"a folder: give an experiment file (experiments/NAME.yaml){_run_copy_hint(path)}", file=str(path)
+        )
     problems = Problems()
     data = _read_yaml(path, problems)
     problems.raise_if_any()
     assert data is not None
+    if is_resolved_copy(data):
+        raise RunnerError(
+            "a run's resolved experiment (every recipe section written out), not an experiment file: give the "
+            f"experiment it was resolved from{_source_hint(data)}; `runner show` prints this copy",
+            file=str(path),
+        )
     return load_experiment_data(
         data, path, find_project_root(path.parent), check_files=check_files, resources=resources
     )

@@ -133,6 +133,66 @@ def test_a_nan_in_a_run_folders_experiment_is_one_line_not_a_fingerprint_traceba
     assert "optim.lr: must be a finite number" in line
 
 
+def test_a_run_folder_or_its_resolved_copy_given_as_an_experiment_is_one_line(project, capsys, monkeypatch):
+    """validate, plan and launch take an experiment file; a run's resolved experiment.yaml (every recipe
+    section written out) is one line naming what to give, not a line per section; so is a folder to plan."""
+    monkeypatch.chdir(project)
+    code, out, _ = run_cli(capsys, "show", "experiments/cpu-tiny.yaml", "--json")
+    run = project / "runs" / "cpu-tiny" / "r1"
+    run.mkdir(parents=True)
+    (run / "experiment.yaml").write_text(yaml.safe_dump(json.loads(out)["config"], sort_keys=False))
+    before = sorted(p.relative_to(project) for p in (project / "runs").rglob("*"))
+    for verb in (("validate",), ("plan",), ("launch", "--no-tracking")):
+        line = one_error(*run_cli(capsys, verb[0], "runs/cpu-tiny/r1/experiment.yaml", *verb[1:])[::2])
+        assert line == (
+            "error: runs/cpu-tiny/r1/experiment.yaml: a run's resolved experiment (every recipe section "
+            "written out), not an experiment file: give the experiment it was resolved from "
+            "(experiments/cpu-tiny.yaml); `runner show` prints this copy"
+        ), verb
+        line = one_error(*run_cli(capsys, verb[0], "runs/cpu-tiny/r1", *verb[1:])[::2])
+        if verb[0] == "validate":  # a folder: the .yaml files under it
+            assert line.startswith("error: runs/cpu-tiny/r1/experiment.yaml: a run's resolved experiment"), line
+        elif verb[0] == "launch":  # a folder: a run to resume
+            assert line.startswith("error: runs/cpu-tiny/r1: not a run folder"), line
+        else:
+            assert line == (
+                "error: runs/cpu-tiny/r1: a folder: give an experiment file (experiments/NAME.yaml); "
+                "`runner show runs/cpu-tiny/r1` prints the resolved runs/cpu-tiny/r1/experiment.yaml"
+            ), verb
+    assert sorted(p.relative_to(project) for p in (project / "runs").rglob("*")) == before  # nothing written
+    assert run_cli(capsys, "show", "runs/cpu-tiny/r1")[0] == 0  # what the lines point to works
+
+
+def test_validate_takes_folders_of_recipes_and_experiments(project, capsys, monkeypatch):
+    monkeypatch.chdir(project)
+    code, out, err = run_cli(capsys, "validate", "recipes/model", "experiments")
+    files = sorted(project.glob("recipes/model/*.yaml")) + sorted(project.glob("experiments/**/*.yaml"))
+    assert code == 0 and err == "", err
+    assert [ln.split()[1] for ln in out.splitlines() if ln.startswith("ok  ")] == [
+        str(f.relative_to(project)) for f in files
+    ]
+    assert out.splitlines()[-1] == f"{len(files)} valid, 0 invalid"
+    (project / "recipes" / "model" / "empty").mkdir()
+    line = one_error(*run_cli(capsys, "validate", "recipes/model/empty")[::2])
+    assert line == "error: recipes/model/empty: a folder with no recipe or experiment .yaml file under it"
+    # the checkout and recipes/ as `runner validate` alone checks them (not recipes/hardware/accelerate)
+    whole = run_cli(capsys, "validate")
+    assert whole[0] == 0 and run_cli(capsys, "validate", ".") == whole
+    recipes = [ln for ln in whole[1].splitlines() if ln.startswith("ok  recipes/")]
+    code, out, _ = run_cli(capsys, "validate", "recipes")
+    assert code == 0 and out.splitlines()[:-1] == recipes and out.splitlines()[-1] == f"{len(recipes)} valid, 0 invalid"
+
+
+def test_show_of_a_folder_that_is_no_run_says_what_it_takes(project, capsys, monkeypatch):
+    monkeypatch.chdir(project)
+    (project / "runs" / "cpu-tiny").mkdir(parents=True)
+    line = one_error(*run_cli(capsys, "show", "runs/cpu-tiny")[::2])
+    assert line == (
+        "error: runs/cpu-tiny: a folder without experiment.yaml: give an experiment file "
+        "(experiments/NAME.yaml) or a run folder (runs/NAME/RUN_ID)"
+    )
+
+
 # ---- files that are not what they claim --------------------------------------------------------
 
 
