@@ -36,6 +36,9 @@ def _report(args) -> int:
     from runner.runs.folder import is_run_dir
     from runner.runs.lock import RunLock
 
+    if not (target / "run.json").exists():  # a run folder's other files missing are named by the report
+        raise RunnerError("not a run folder (no run.json): give runs/NAME/RUN_ID or an MLflow run id", file=args.run)
+
     # Never rewrite report/ under a launch that writes it too.
     with RunLock(target, "runner report") if is_run_dir(target) else contextlib.nullcontext():
         # evidence.json: what this report states; the copy logged to MLflow at the run's end is the proof

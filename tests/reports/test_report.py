@@ -93,6 +93,11 @@ def test_missing_inputs_are_runner_errors(run_dir, tmp_path):
         build_tables(run)
     with pytest.raises(RunnerError, match="not an MLflow run id"):
         _cli(["report", str(tmp_path / "nowhere")])
+    with pytest.raises(RunnerError, match="ledger.json: missing"):
+        _cli(["report", str(run)])
+    with pytest.raises(RunnerError) as e:  # a folder of runs, not a run
+        _cli(["report", str(tmp_path)])
+    assert str(e.value) == f"{tmp_path}: not a run folder (no run.json): give runs/NAME/RUN_ID or an MLflow run id"
 
 
 def test_report_command_rebuilds(run_dir, tmp_path, capsys):
