@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import decimal
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -42,9 +44,9 @@ def register(subparsers) -> None:
         type=_tokens,
         default=None,
         metavar="TOKENS",
-        help="raise max_duration and exposure of a finished run to TOKENS (a new segment)",
+        help="raise max_duration and exposure of a finished run to TOKENS (a new segment; 614400, 614.4K, 26B)",
     )
-    p.add_argument("--max-steps", type=int, default=None, help="stop after N steps in this attempt (tests)")
+    p.add_argument("--max-steps", type=_positive, default=None, help="stop after N steps in this attempt (tests)")
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (smoke, bench)")
     p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
     # fault injection under torchrun, RESTART:RANK:STEP:MODE (repeatable): where the agent's restart count
@@ -76,10 +78,28 @@ def register(subparsers) -> None:
     y.set_defaults(func=cmd_sync)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return value
+
+
+_TOKEN_COUNT = re.compile(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[+]?[0-9]{1,3})?)\s*([kmbgt]?)\s*", re.IGNORECASE)
+_TOKEN_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
 def _tokens(text: str) -> int:
-    value = float(text.replace("_", ""))
-    if value != int(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive whole number of tokens: {text}")
+    """`614400`, `614_400`, `6.144e5`, `614.4K`, `26B` -> a positive whole number of tokens (exact: decimal)."""
+    m = _TOKEN_COUNT.fullmatch(text)
+    value = decimal.Decimal(m.group(1).replace("_", "")) * _TOKEN_SUFFIX[m.group(2).lower()] if m else None
+    if value is None or not 0 < value <= 2**63 - 1 or value != value.to_integral_value():  # int64: torch, numpy
+        raise argparse.ArgumentTypeError(
+            f"not a positive whole number of tokens up to 2**63 - 1 (like 614400, 614_400, 6.144e5, 614.4K or 26B): {text!r}"
+        )
     return int(value)
 
 
@@ -277,14 +297,19 @@ def _launch_cmd(run_dir: Path, *extra: str) -> list[str]:
 def cmd_smoke(args) -> int:
     """`runner smoke`: one short run killed and resumed against one uninterrupted, compared bit for bit on
     a CPU and within a stated tolerance on a GPU (runner.runs.resume_identity)."""
+    from runner.data.manifest import load_experiment_manifests
     from runner.planning.resources import load_experiment
-    from runner.training.launch import timestamp
+    from runner.training.launch import check_device, timestamp
 
     full = load_experiment(args.experiment)
+    try:
+        check_device(full.config)  # what each launch refuses, before the smoke's folders are written
+    except RunnerError as e:
+        raise RunnerError(e.detail, file=str(full.path), key=e.key) from None
     cfg = full.config
     steps = max(4, args.steps)
     out = Path(args.out) if args.out else Path("runs") / cfg.name / f"smoke-{timestamp()}"
-    ref, res = _smoke_folders(full, steps, out)
+    ref, res = _smoke_folders(full, steps, out, load_experiment_manifests(full)[0])
     print(f"smoke: {steps} steps of {cfg.name} x2 in {out}")
     rc = subprocess.run(_launch_cmd(ref)).returncode
     if rc != EXIT_OK:
@@ -314,10 +339,12 @@ def cmd_smoke(args) -> int:
     return EXIT_DISCREPANCY if problems else EXIT_OK
 
 
-def _smoke_folders(full: Experiment, steps: int, out: Path) -> tuple[Path, Path]:
+def _smoke_folders(full: Experiment, steps: int, out: Path, manifests: dict) -> tuple[Path, Path]:
     """The reference and resumed run folders (emptied first) of `steps` steps of `full`, checkpointed at
-    steps // 2 and at the end, evaluated once."""
+    steps // 2 and at the end, evaluated once. `manifests`: `full`'s, loaded and checked against their pins
+    (what launch refuses: unpinned, absent, another tokenizer's), so a refused smoke writes nothing."""
     from runner.config.load import experiment_from_dict
+    from runner.data.manifest import plan_experiment_mixture
     from runner.runs.folder import create_run_folder
 
     B, L = full.config.train.global_batch_sequences, full.config.train.seq_len
@@ -326,6 +353,7 @@ def _smoke_folders(full: Experiment, steps: int, out: Path) -> tuple[Path, Path]
     small["train"]["checkpoint"].update(interval_steps=steps // 2, interval_minutes=0, keep_last=2)
     small["eval"].update(interval_steps=steps)
     exp = experiment_from_dict(small, project_root=full.project_root, path=full.path)
+    plan_experiment_mixture(exp, manifests)  # the smoke's budget within the pools and their repetition caps
     ref, res = out / "reference", out / "resumed"
     for d in (ref, res):
         if d.exists():

@@ -28,6 +28,7 @@ from runner.config.rules import devices, global_batch_tokens, grad_accum
 from runner.config.schema import ExperimentSchema
 from runner.data.manifest import launch_warnings, load_experiment_manifests, plan_experiment_mixture
 from runner.errors import EXIT_OK, RunnerError
+from runner.planning.hardware import check_device_matches, detect_device
 from runner.planning.resources import load_experiment
 from runner.runs.folder import (
     RunFolder,
@@ -107,6 +108,7 @@ def launch(req: Request, held: contextlib.ExitStack, say: Say) -> Launched:
         if not existing or run_dir is None:
             raise RunnerError("--extend-to needs an existing run folder", key="--extend-to")
         exp = extend_run(run_dir, req.extend_to, write=False)  # validate on every rank before any write
+    check_device(exp.config)  # before any folder is written: a recipe for another device
     acc = make_accelerator(exp.config)
     main = acc.is_main_process
     warning = check_world(exp.config, acc.num_processes)  # before any folder is written
@@ -128,6 +130,14 @@ def launch(req: Request, held: contextlib.ExitStack, say: Say) -> Launched:
             tracker.close()
         raise
     return Launched(code, exp, run_dir, acc=acc, tracker=tracker)
+
+
+def check_device(cfg: ExperimentSchema) -> None:
+    """A GPU recipe runs on the device it names (runner.planning.hardware.check_device_matches: its peak
+    and memory describe that part); checked before a run folder is written, and again where the loop
+    applies the recipe's settings. A CPU recipe runs anywhere (on the CPU)."""
+    if cfg.hardware.accelerator != "cpu":
+        check_device_matches(cfg.hardware, detect_device())
 
 
 def make_accelerator(cfg: ExperimentSchema) -> Accelerator:

@@ -183,6 +183,64 @@ def test_validate_takes_folders_of_recipes_and_experiments(project, capsys, monk
     assert code == 0 and out.splitlines()[:-1] == recipes and out.splitlines()[-1] == f"{len(recipes)} valid, 0 invalid"
 
 
+def test_a_launch_or_smoke_refused_for_its_device_or_its_pins_writes_no_folder(project_with_data, capsys, monkeypatch):
+    """A GPU recipe on another device, and a smoke of an experiment launch would refuse (its tokenizer
+    unpinned), are one line each, before a run folder is written (the smoke wrote its two folders, then
+    failed in its launches or with a traceback)."""
+    project = project_with_data
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("RUNNER_SIMULATE_DEVICE", "rocm:AMD Instinct MI300X:gfx942")
+    says = "error: experiments/gpu-smoke.yaml: hardware.accelerator: recipe says cuda (H200 SXM), this process runs on rocm"
+    for argv in (("launch", "experiments/gpu-smoke.yaml", "--no-tracking"), ("smoke", "experiments/gpu-smoke.yaml")):
+        line = one_error(*run_cli(capsys, *argv)[::2])
+        assert line.startswith(says), (argv, line)
+        assert not (project / "runs").exists(), argv
+    monkeypatch.setenv("RUNNER_SIMULATE_DEVICE", "cuda:NVIDIA H200")
+    line = one_error(*run_cli(capsys, "smoke", "experiments/1p3b.yaml")[::2])
+    assert line.startswith("error: recipes/tokenizer/gpt-neox-20b.yaml: sha256: not pinned: `runner pin "), line
+    assert not (project / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "text, tokens",
+    [
+        ("614400", 614400),
+        ("614_400", 614400),
+        ("6.144e5", 614400),
+        ("614.4K", 614400),
+        ("26B", 26 * 10**9),
+        ("0.5t", 5 * 10**11),
+        ("9223372036854775807", 2**63 - 1),
+    ],
+)
+def test_extend_to_takes_a_token_count_as_people_write_it(text, tokens):
+    from runner.cli import build_parser
+
+    assert build_parser().parse_args(["launch", "runs/x", "--extend-to", text]).extend_to == tokens
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (("--extend-to", "100x"), "argument --extend-to: not a positive whole number of tokens"),
+        (("--extend-to", "2.5"), "argument --extend-to: not a positive whole number of tokens"),
+        (("--extend-to", "1e999"), "argument --extend-to: not a positive whole number of tokens up to 2**63 - 1"),
+        (("--extend-to", "nan"), "argument --extend-to: not a positive whole number of tokens"),
+        (("--max-steps", "0"), "argument --max-steps: not a positive whole number: '0'"),
+        (("--max-steps", "two"), "argument --max-steps: not a positive whole number: 'two'"),
+    ],
+)
+def test_launch_options_out_of_range_are_one_line_before_anything_runs(project, capsys, monkeypatch, argv, says):
+    from runner.cli import main
+
+    monkeypatch.chdir(project)
+    with pytest.raises(SystemExit) as e:
+        main(["launch", "experiments/cpu-tiny.yaml", "--no-tracking", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"runner launch: error: {says}" in err, err
+    assert "Traceback" not in err and not (project / "runs").exists()
+
+
 def test_show_of_a_folder_that_is_no_run_says_what_it_takes(project, capsys, monkeypatch):
     monkeypatch.chdir(project)
     (project / "runs" / "cpu-tiny").mkdir(parents=True)
