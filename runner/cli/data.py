@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from runner.errors import EXIT_OK
+from runner.errors import EXIT_OK, RunnerError, display_path
 
 
 def register(subparsers) -> None:
@@ -51,8 +51,10 @@ def register(subparsers) -> None:
     prep.add_argument("--batch-docs", type=int, default=256, help="documents per encode_batch call")
     prep.set_defaults(func=cmd_prepare)
 
-    verify = data_sub.add_parser("verify", help="check a manifest and every shard's sha256")
-    verify.add_argument("manifest", help="manifest.json")
+    verify = data_sub.add_parser(
+        "verify", help="check a manifest and every shard's sha256, or every manifest an experiment pins"
+    )
+    verify.add_argument("manifest", help="manifest.json, or experiments/NAME.yaml (each manifest at its pin)")
     verify.add_argument("--sha256", default=None, help="the manifest_sha256 a recipe pins")
     verify.set_defaults(func=cmd_verify)
 
@@ -157,14 +159,25 @@ def _warn_small_validation(domain: str, path, seq_len: int | None = None, sample
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from runner.data.manifest import load_manifest
+    from runner.data.manifest import load_experiment_manifests, load_manifest
 
-    m = load_manifest(args.manifest, args.sha256, verify="full")
-    print(
-        f"ok: {m.path} domain={m.domain} pool_tokens={m.pool_tokens} "
-        f"validation_tokens={m.validation_tokens} shards={len(m.shards) + len(m.validation_shards)} "
-        f"manifest_sha256={m.sha256}"
-    )
+    if Path(args.manifest).suffix in (".yaml", ".yml"):  # an experiment: every manifest it pins, at its pin
+        from runner.planning.resources import load_experiment
+
+        if args.sha256 is not None:
+            raise RunnerError(
+                "is for one manifest.json: an experiment pins each of its own", file=args.manifest, key="--sha256"
+            )
+        manifests, _ = load_experiment_manifests(load_experiment(args.manifest), verify="full")
+        found = list(manifests.values())
+    else:
+        found = [load_manifest(args.manifest, args.sha256, verify="full")]
+    for m in found:
+        print(
+            f"ok: {display_path(m.path)} domain={m.domain} pool_tokens={m.pool_tokens} "
+            f"validation_tokens={m.validation_tokens} shards={len(m.shards) + len(m.validation_shards)} "
+            f"manifest_sha256={m.sha256}"
+        )
     return EXIT_OK
 
 

@@ -134,3 +134,23 @@ def test_verify_cli_accepts_a_good_pool(prepared, capsys):
     path, sha = prepared
     assert run_cli("data", "verify", str(path), "--sha256", sha) == 0
     assert sha in capsys.readouterr().out
+
+
+def test_verify_cli_takes_an_experiment_and_hashes_every_manifest_it_pins(project_with_data, capsys, monkeypatch):
+    monkeypatch.chdir(project_with_data)
+    assert run_cli("data", "verify", "experiments/cpu-tiny.yaml") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in out] == [
+        ["ok:", f"data/builtin/{d}/manifest.json", f"domain={d}"] for d in ("code", "prose", "legal")
+    ]
+    shard = sorted((project_with_data / "data/builtin/prose").rglob("*.bin"))[0]
+    body = bytearray(shard.read_bytes())
+    body[0] ^= 1  # the same size: only the full hash sees it
+    shard.write_bytes(bytes(body))
+    with pytest.raises(RunnerError, match="sha256"):
+        run_cli("data", "verify", "experiments/cpu-tiny.yaml")
+    with pytest.raises(RunnerError) as e:
+        run_cli("data", "verify", "experiments/cpu-tiny.yaml", "--sha256", "0" * 64)
+    assert str(e.value) == (
+        "experiments/cpu-tiny.yaml: --sha256: is for one manifest.json: an experiment pins each of its own"
+    )
