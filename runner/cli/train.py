@@ -302,14 +302,15 @@ def cmd_smoke(args) -> int:
     from runner.training.launch import check_device, timestamp
 
     full = load_experiment(args.experiment)
+    manifests, _ = load_experiment_manifests(full)  # what each launch refuses, before the smoke's folders
     try:
-        check_device(full.config)  # what each launch refuses, before the smoke's folders are written
+        check_device(full.config)
     except RunnerError as e:
         raise RunnerError(e.detail, file=str(full.path), key=e.key) from None
     cfg = full.config
     steps = max(4, args.steps)
     out = Path(args.out) if args.out else Path("runs") / cfg.name / f"smoke-{timestamp()}"
-    ref, res = _smoke_folders(full, steps, out, load_experiment_manifests(full)[0])
+    ref, res = _smoke_folders(full, steps, out, manifests)
     print(f"smoke: {steps} steps of {cfg.name} x2 in {out}")
     rc = subprocess.run(_launch_cmd(ref)).returncode
     if rc != EXIT_OK:

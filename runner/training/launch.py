@@ -108,7 +108,6 @@ def launch(req: Request, held: contextlib.ExitStack, say: Say) -> Launched:
         if not existing or run_dir is None:
             raise RunnerError("--extend-to needs an existing run folder", key="--extend-to")
         exp = extend_run(run_dir, req.extend_to, write=False)  # validate on every rank before any write
-    check_device(exp.config)  # before any folder is written: a recipe for another device
     acc = make_accelerator(exp.config)
     main = acc.is_main_process
     warning = check_world(exp.config, acc.num_processes)  # before any folder is written
@@ -287,6 +286,7 @@ def _claim_folder(
         run_dir = Path(chosen[0])
     if main and not existing:
         check_mixture_feasible(exp)  # before the lock: a refused experiment writes nothing
+    check_device(exp.config)  # after the experiment's own refusals, before any folder is written
     held.enter_context(_owning(run_dir, acc, say))
     if main:
         if req.extend_to is not None:
