@@ -40,6 +40,14 @@ def _git(root: Path, *args: str, binary: bool = False):
     return out.stdout if binary else out.stdout.decode()
 
 
+def _checkout(cwd: Path) -> Path:
+    """The git checkout around `cwd`: check-pr compares its files with a base commit."""
+    try:
+        return Path(_git(cwd, "rev-parse", "--show-toplevel").strip())
+    except RunnerError:
+        raise RunnerError(f"{cwd} is not in a git checkout: run check-pr inside the project's clone") from None
+
+
 def _is_config(rel: str) -> bool:
     parts = Path(rel).parts
     if not rel.endswith(".yaml"):
@@ -141,8 +149,14 @@ def _outside_project(exp) -> list[str]:
 def check_pr(base: str, cwd: Path, loads: Loads | None = None) -> tuple[list[str], list[str]]:
     """Returns (problems, report lines). Problems are `file: key: message` lines."""
     loads = loads or Loads()
-    root = Path(_git(cwd, "rev-parse", "--show-toplevel").strip())
-    _git(root, "rev-parse", "--verify", f"{base}^{{commit}}")
+    root = _checkout(cwd)
+    try:
+        _git(root, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}")
+    except RunnerError:
+        raise RunnerError(
+            f"{base!r} is not a commit, branch or tag of {root}: name one (`git fetch origin` brings origin/main)",
+            key="--base",
+        ) from None
     problems: list[str] = []
     report: list[str] = []
     changed = _changed_files(root, base)
@@ -189,7 +203,7 @@ def review_markdown(base: str, cwd: Path, problems: list[str], loads: Loads | No
     """Markdown for a pull request's job summary: every experiment the PR adds or changes (its
     resolved config differs from the base's, through its own file or a recipe it uses), with the
     fingerprinted keys that changed and the plan before and after; problems from check_pr first."""
-    root = Path(_git(cwd, "rev-parse", "--show-toplevel").strip())
+    root = _checkout(cwd)
     lines = [f"## Recipe review against `{base}`", ""]
     lines += [f"**check-pr: {'FAIL' if problems else 'PASS'}**", ""] + [f"- `{p}`" for p in problems]
     sections = []

@@ -24,7 +24,7 @@ import pandas as pd
 from runner.config.load import load_saved_experiment
 from runner.config.schema import ExperimentSchema
 from runner.data.manifest import num_samples
-from runner.errors import RunnerError
+from runner.errors import RunnerError, display_path
 from runner.fsio import read_json, read_jsonl, read_yaml, replace_folder, staging_folder
 from runner.planning.flops import Convention, flops_per_token, hfu_flops_per_token, params_of_config
 from runner.planning.hardware import run_efficiency
@@ -80,6 +80,12 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     # A resumed run appends again the steps it redid after its last checkpoint: the later row is
     # the one in the model's lineage.
     train_rows = list({int(r["step"]): r for r in read_jsonl(run_dir / "metrics" / "train.jsonl")}.values())
+    if not train_rows:  # stopped before its first step (a preemption during start-up): no throughput, no MFU
+        raise RunnerError(
+            f"no step trained yet (status {run.get('status')!r}): nothing to report; "
+            f"`runner launch {display_path(run_dir)}` resumes it",
+            file=str(run_dir),
+        )
     eval_file = run_dir / "metrics" / "eval.jsonl"
     eval_rows = list({(int(r["step"]), str(r["domain"])): r for r in read_jsonl(eval_file)}.values())
     validation = targets.validation_frame(targets.complete_eval_rows(eval_rows, train_rows, str(eval_file)))

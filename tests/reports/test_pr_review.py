@@ -110,3 +110,19 @@ def test_a_pr_that_changes_no_experiment_says_so(repo, monkeypatch, capsys):
     legal = [line for line in out.splitlines() if "domain 'legal' is validated on 2 samples" in line]
     assert len(legal) == 1, out  # said once, naming the experiments (it was 11 lines before PASS: issue 27)
     assert legal[0].startswith("warning: data.manifests.legal: ") and " experiments: " in legal[0]
+
+
+def test_a_base_that_is_no_commit_or_no_checkout_is_one_line(repo, tmp_path_factory, monkeypatch, capsys):
+    monkeypatch.chdir(repo)
+    assert main(["check-pr", "--base", "origin/main"]) == 2  # a fresh `git init`: no remote yet
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --base: 'origin/main' is not a commit, branch or tag of {repo}: name one "
+        "(`git fetch origin` brings origin/main)"
+    ]
+    outside = tmp_path_factory.mktemp("not-a-checkout")
+    monkeypatch.chdir(outside)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(outside.parent))  # git looks no further up
+    assert main(["check-pr", "--base", "HEAD"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {outside} is not in a git checkout: run check-pr inside the project's clone"
+    ]

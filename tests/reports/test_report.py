@@ -100,6 +100,22 @@ def test_missing_inputs_are_runner_errors(run_dir, tmp_path):
     assert str(e.value) == f"{tmp_path}: not a run folder (no run.json): give runs/NAME/RUN_ID or an MLflow run id"
 
 
+def test_a_run_stopped_before_its_first_step_is_one_line_not_an_mfu_error(run_dir, tmp_path):
+    """A launch preempted during its start-up leaves a run folder with no step: report and audit say so
+    and how to resume, instead of 'mfu needs positive seconds'."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "metrics" / "train.jsonl").unlink()
+    record = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**record, "status": "preempted"}))
+    shutil.rmtree(run / "report", ignore_errors=True)  # such a run never wrote one
+    says = f"{run}: no step trained yet (status 'preempted'): nothing to report; `runner launch {run}` resumes it"
+    for verb in ("report", "audit"):
+        with pytest.raises(RunnerError) as e:
+            _cli([verb, str(run)])
+        assert str(e.value) == says, verb
+
+
 def test_report_command_rebuilds(run_dir, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
