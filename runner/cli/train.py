@@ -38,7 +38,7 @@ def register(subparsers) -> None:
         default=None,
         help="run folder (default runs/<experiment>/<timestamp>); resumed when it holds a run",
     )
-    p.add_argument("--run-name", default=None, help="run id / MLflow run name (default: a timestamp)")
+    p.add_argument("--run-name", type=_run_name, default=None, help="run id / MLflow run name (default: a timestamp)")
     p.add_argument(
         "--extend-to",
         type=_tokens,
@@ -76,6 +76,17 @@ def register(subparsers) -> None:
         "default: $MLFLOW_TRACKING_URI, else the URI in run.json",
     )
     y.set_defaults(func=cmd_sync)
+
+
+def _run_name(text: str) -> str:
+    from runner.runs.folder import RUN_NAME
+
+    if not RUN_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"a run name is one folder name: letters, digits, '_', '.', '-', starting with a letter or digit, "
+            f"at most 128 characters: {text!r}"
+        )
+    return text
 
 
 def _positive(text: str) -> int:

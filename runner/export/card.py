@@ -18,6 +18,7 @@ import datetime
 import json
 import math
 import platform
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from runner.reports import tables as rpt
 from runner.reports.audit.evidence import final_validation
 from runner.reports.audit.recompute_eval import _LocalAccelerator
 from runner.reports.audit.run import audit
+from runner.runs.folder import RUN_NAME
 from runner.runs.recorded import conventions_of
 from runner.runs.runjson import as_record
 from runner.training.batches import load_data
@@ -339,12 +341,14 @@ def reproduce_lines(src: Source) -> list[str]:
     cfg, run_id = src.exp.config, rec.run_id or src.run_dir.name
     segments = rec.segments
     first = segments[0].get("fingerprint", "")[:12] if segments else src.exp.fingerprint[:12]
-    lines = [f"runner launch experiments/{cfg.name}.yaml --run-name {run_id}   # fingerprint {first}"]
+    # a run id `--run-name` takes, as it is; another (a `--run-dir` folder's name) as the folder, quoted
+    named = RUN_NAME.fullmatch(run_id) is not None
+    where = f"--run-name {run_id}" if named else f"--run-dir {shlex.quote(f'runs/{cfg.name}/{run_id}')}"
+    folder = f"runs/{cfg.name}/{run_id}" if named else shlex.quote(f"runs/{cfg.name}/{run_id}")
+    lines = [f"runner launch experiments/{cfg.name}.yaml {where}   # fingerprint {first}"]
     for seg in segments[1:]:
         tokens = seg.get("exposure_tokens") or seg.get("max_duration_tokens")
-        lines.append(
-            f"runner launch runs/{cfg.name}/{run_id} --extend-to {tokens}   # fingerprint {str(seg.get('fingerprint'))[:12]}"
-        )
+        lines.append(f"runner launch {folder} --extend-to {tokens}   # fingerprint {str(seg.get('fingerprint'))[:12]}")
     if src.final:
         return lines
     return lines + [f"# this export is of step {src.step:,}: checkpoints/{src.checkpoint.path.name} of that run"]

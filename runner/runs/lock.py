@@ -60,7 +60,10 @@ class RunLock:
         }
 
     def __enter__(self) -> RunLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only or missing mount, a file in the way, no permission
+            raise RunnerError(f"cannot create the run folder: {e.strerror}", file=str(self.run_dir)) from None
         if os.environ.get("RUNNER_LOCK", "fcntl") == "file":
             self._take_owner_file()
         else:

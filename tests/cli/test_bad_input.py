@@ -183,7 +183,22 @@ def test_validate_takes_folders_of_recipes_and_experiments(project, capsys, monk
     assert code == 0 and out.splitlines()[:-1] == recipes and out.splitlines()[-1] == f"{len(recipes)} valid, 0 invalid"
 
 
-def test_a_launch_or_smoke_refused_for_its_device_or_its_pins_writes_no_folder(project_with_data, capsys, monkeypatch):
+@pytest.fixture()
+def fresh_accelerate():
+    """accelerate's process-wide state reset around a launch run in this process: a launch refused after
+    its Accelerator was made (bf16 for a GPU recipe) would leave it for the next test's launch."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_a_launch_or_smoke_refused_for_its_device_or_its_pins_writes_no_folder(
+    project_with_data, capsys, monkeypatch, fresh_accelerate
+):
     """A GPU recipe on another device, and a smoke of an experiment launch would refuse (its tokenizer
     unpinned), are one line each, before a run folder is written (the smoke wrote its two folders, then
     failed in its launches or with a traceback)."""
@@ -228,6 +243,10 @@ def test_extend_to_takes_a_token_count_as_people_write_it(text, tokens):
         (("--extend-to", "nan"), "argument --extend-to: not a positive whole number of tokens"),
         (("--max-steps", "0"), "argument --max-steps: not a positive whole number: '0'"),
         (("--max-steps", "two"), "argument --max-steps: not a positive whole number: 'two'"),
+        (("--run-name", "../../evil"), "argument --run-name: a run name is one folder name"),  # out of runs/
+        (("--run-name", "a/b"), "argument --run-name: a run name is one folder name"),
+        (("--run-name", "-x"), "argument --run-name: expected one argument"),
+        (("--run-name", ".hidden"), "argument --run-name: a run name is one folder name"),
     ],
 )
 def test_launch_options_out_of_range_are_one_line_before_anything_runs(project, capsys, monkeypatch, argv, says):
@@ -239,6 +258,40 @@ def test_launch_options_out_of_range_are_one_line_before_anything_runs(project, 
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"runner launch: error: {says}" in err, err
     assert "Traceback" not in err and not (project / "runs").exists()
+
+
+def test_a_run_folder_that_cannot_be_made_is_one_line(project_with_data, capsys, monkeypatch, fresh_accelerate):
+    monkeypatch.chdir(project_with_data)
+    (project_with_data / "blocker").write_text("a file where the run folder's parent would be\n")
+    line = one_error(
+        *run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--no-tracking", "--run-dir", "blocker/run")[::2]
+    )
+    assert line == "error: blocker/run: cannot create the run folder: Not a directory", line
+
+
+def test_the_cards_reproduce_line_names_a_run_as_launch_takes_it(monkeypatch):
+    """`--run-name ID` where launch takes ID as a run name; a `--run-dir` folder's other name as that
+    folder, quoted (a card's command stays one word per argument)."""
+    from types import SimpleNamespace
+
+    from runner.export import card
+
+    seg = {"fingerprint": "f" * 64, "exposure_tokens": 614400}
+    src = SimpleNamespace(
+        run={},
+        run_dir=Path("runs/x/r1"),
+        final=True,
+        exp=SimpleNamespace(config=SimpleNamespace(name="x"), fingerprint="f" * 64),
+    )
+    for run_id, first, then in [
+        ("20261201-crash-resume", "--run-name 20261201-crash-resume", "runs/x/20261201-crash-resume"),
+        ("my run; rm -rf ~", "--run-dir 'runs/x/my run; rm -rf ~'", "'runs/x/my run; rm -rf ~'"),
+    ]:
+        monkeypatch.setattr(card, "as_record", lambda run, i=run_id: SimpleNamespace(run_id=i, segments=[seg, seg]))
+        assert card.reproduce_lines(src) == [
+            f"runner launch experiments/x.yaml {first}   # fingerprint ffffffffffff",
+            f"runner launch {then} --extend-to 614400   # fingerprint ffffffffffff",
+        ]
 
 
 def test_show_of_a_folder_that_is_no_run_says_what_it_takes(project, capsys, monkeypatch):
