@@ -163,6 +163,7 @@ def test_a_run_folder_or_its_resolved_copy_given_as_an_experiment_is_one_line(pr
     assert run_cli(capsys, "show", "runs/cpu-tiny/r1")[0] == 0  # what the lines point to works
 
 
+@pytest.mark.slow  # ~3.5 s: three whole `runner validate` runs
 def test_validate_takes_folders_of_recipes_and_experiments(project, capsys, monkeypatch):
     monkeypatch.chdir(project)
     code, out, err = run_cli(capsys, "validate", "recipes/model", "experiments")

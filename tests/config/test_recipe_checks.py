@@ -263,6 +263,7 @@ def test_small_validation_sets_are_warned_at_validate(project_with_data: Path, m
     ]
 
 
+@pytest.mark.slow  # ~4 s: five whole `runner validate` runs
 def test_a_recipe_is_checked_once_per_content_and_its_problems_said_wherever_it_is_used(
     project: Path, monkeypatch, capsys
 ):

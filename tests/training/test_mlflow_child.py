@@ -65,6 +65,7 @@ def test_its_own_process_stores_what_the_launchs_process_stores(tmp_path, store)
     assert len(runs["here"]["metrics"]) == 1200 and runs["here"]["status"] == ("FINISHED",)
 
 
+@pytest.mark.slow  # ~6 s: a server process killed and started again
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_a_killed_mlflow_process_loses_nothing_and_is_started_again(tmp_path, store):
     db = tmp_path / "mlflow.db"
