@@ -37,7 +37,10 @@ class Problems:
 
     def add(self, file: Any, key: str, message: str) -> None:
         file = display_path(file)
-        line = f"{file}: {key}: {message}" if key else f"{file}: {message}"
+        self.add_line(f"{file}: {key}: {message}" if key else f"{file}: {message}")
+
+    def add_line(self, line: str) -> None:
+        """A line as `add` makes it (one found before, replayed): each said once."""
         if line not in self.lines:
             self.lines.append(line)
 

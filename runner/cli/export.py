@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from runner.cli.argtypes import positive_int
 from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED
 from runner.export import DEFAULT_MAX_SHARD_SIZE
 
@@ -76,13 +77,6 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def _seed(text: str) -> int:
     try:
         value = int(text)
@@ -151,7 +145,7 @@ def register(subparsers) -> None:
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument(
         "--max-new-tokens",
-        type=_positive,
+        type=positive_int,
         default=32,
         metavar="N",
         help="tokens to generate (default 32; at most what the model's context leaves after the prompt)",

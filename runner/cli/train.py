@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import decimal
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -22,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runner.cli.argtypes import positive_int
 from runner.errors import EXIT_DISCREPANCY, EXIT_NONFINITE, EXIT_OK, RunnerError, display_path
 from runner.fsio import read_json, read_jsonl
 
@@ -46,7 +45,7 @@ def register(subparsers) -> None:
         metavar="TOKENS",
         help="raise max_duration and exposure of a finished run to TOKENS (a new segment; 614400, 614.4K, 26B)",
     )
-    p.add_argument("--max-steps", type=_positive, default=None, help="stop after N steps in this attempt (tests)")
+    p.add_argument("--max-steps", type=positive_int, default=None, help="stop after N steps in this attempt (tests)")
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (smoke, bench)")
     p.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection
     # fault injection under torchrun, RESTART:RANK:STEP:MODE (repeatable): where the agent's restart count
@@ -89,24 +88,11 @@ def _run_name(text: str) -> str:
     return text
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
-    return value
-
-
-_TOKEN_COUNT = re.compile(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[+]?[0-9]{1,3})?)\s*([kmbgt]?)\s*", re.IGNORECASE)
-_TOKEN_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-
-
 def _tokens(text: str) -> int:
     """`614400`, `614_400`, `6.144e5`, `614.4K`, `26B` -> a positive whole number of tokens (exact: decimal)."""
-    m = _TOKEN_COUNT.fullmatch(text)
-    value = decimal.Decimal(m.group(1).replace("_", "")) * _TOKEN_SUFFIX[m.group(2).lower()] if m else None
+    from runner.planning.token_counts import token_count
+
+    value = token_count(text)
     if value is None or not 0 < value <= 2**63 - 1 or value != value.to_integral_value():  # int64: torch, numpy
         raise argparse.ArgumentTypeError(
             f"not a positive whole number of tokens up to 2**63 - 1 (like 614400, 614_400, 6.144e5, 614.4K or 26B): {text!r}"

@@ -248,8 +248,7 @@ def _check_recipe_values(
             _RECIPE_CHECKS.clear()
         _RECIPE_CHECKS[key] = (resources, lines)
     for line in lines:
-        if line not in problems.lines:
-            problems.lines.append(line)
+        problems.add_line(line)
 
 
 def _check_values_of(data: dict, kind: str, path: Path, problems: Problems, resources: ResourceRules | None) -> None:

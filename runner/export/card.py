@@ -342,9 +342,9 @@ def reproduce_lines(src: Source) -> list[str]:
     segments = rec.segments
     first = segments[0].get("fingerprint", "")[:12] if segments else src.exp.fingerprint[:12]
     # a run id `--run-name` takes, as it is; another (a `--run-dir` folder's name) as the folder, quoted
-    named = RUN_NAME.fullmatch(run_id) is not None
-    where = f"--run-name {run_id}" if named else f"--run-dir {shlex.quote(f'runs/{cfg.name}/{run_id}')}"
-    folder = f"runs/{cfg.name}/{run_id}" if named else shlex.quote(f"runs/{cfg.name}/{run_id}")
+    # (shlex leaves a run name's letters, digits and `_ . -` as they are)
+    folder = shlex.quote(f"runs/{cfg.name}/{run_id}")
+    where = f"--run-name {run_id}" if RUN_NAME.fullmatch(run_id) else f"--run-dir {folder}"
     lines = [f"runner launch experiments/{cfg.name}.yaml {where}   # fingerprint {first}"]
     for seg in segments[1:]:
         tokens = seg.get("exposure_tokens") or seg.get("max_duration_tokens")

@@ -24,17 +24,16 @@ from runner.errors import MixtureInfeasible, RunnerError
 from runner.fsio import read_yaml
 from runner.planning.flops import params_of_config
 from runner.planning.resources import load_experiment, load_experiment_data
+from runner.planning.token_counts import token_count
 
 SIZE_KEYS = ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")
-_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
 
 def parse_tokens(text: str) -> int:
-    """`300K`, `2.5M`, `1B`, `1e9`, `1_000_000` -> an integer token count."""
-    m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([KMBGT]?)\s*", text, re.IGNORECASE)
-    if not m:
+    """`300K`, `2.5M`, `1B`, `1e9`, `1_000_000` -> an integer token count (runner.planning.token_counts)."""
+    value = token_count(text)
+    if value is None:
         raise RunnerError(f"budget {text!r} is not a token count like 300K, 2.5M, 1B or 1e9", key="--budgets")
-    value = float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).upper()]
     if value <= 0:
         raise RunnerError(f"budget {text!r} must be positive", key="--budgets")
     return int(value)

@@ -242,8 +242,8 @@ def test_extend_to_takes_a_token_count_as_people_write_it(text, tokens):
         (("--extend-to", "2.5"), "argument --extend-to: not a positive whole number of tokens"),
         (("--extend-to", "1e999"), "argument --extend-to: not a positive whole number of tokens up to 2**63 - 1"),
         (("--extend-to", "nan"), "argument --extend-to: not a positive whole number of tokens"),
-        (("--max-steps", "0"), "argument --max-steps: not a positive whole number: '0'"),
-        (("--max-steps", "two"), "argument --max-steps: not a positive whole number: 'two'"),
+        (("--max-steps", "0"), "argument --max-steps: must be >= 1, got 0"),
+        (("--max-steps", "two"), "argument --max-steps: must be a whole number >= 1, got 'two'"),
         (("--run-name", "../../evil"), "argument --run-name: a run name is one folder name"),  # out of runs/
         (("--run-name", "a/b"), "argument --run-name: a run name is one folder name"),
         (("--run-name", "-x"), "argument --run-name: expected one argument"),
