@@ -303,11 +303,43 @@ def _checked(value: str | None, pattern: re.Pattern, flag: str, what: str) -> st
     return value
 
 
+def slurm_seconds(text: str) -> int:
+    """Seconds of a Slurm time as sbatch reads it: minutes, M:S, H:M:S, D-H, D-H:M or D-H:M:S."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(parts) == 3:
+        return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+    return parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)
+
+
+def _slurm_time(value: str | None) -> str | None:
+    """--time as written into the script, refused where the job could not train: 0 is Slurm's "no
+    limit" (a partition with a MaxTime holds such a job in the queue), and under MIN_TIME_MINUTES the
+    SIGTERM SIGNAL_SECONDS before the limit would leave a start and a save no steps between them, so
+    every requeue would resume the run and save it again, forever."""
+    what = "a Slurm time (minutes, H:M:S or D-H:M:S)"
+    if _checked(value, _SLURM_TIME, "--time", what) is None:
+        return None
+    if slurm_seconds(value) < MIN_TIME_MINUTES * 60:
+        raise RunnerError(
+            f"{value!r} is under {MIN_TIME_MINUTES} minutes"
+            + (" (0 is Slurm's 'no limit')" if slurm_seconds(value) == 0 else "")
+            + f": the job saves and requeues itself {SIGNAL_SECONDS} s before its limit, so a shorter one"
+            f" would resume and save the run again and again without training; give at least"
+            f" {MIN_TIME_MINUTES} (minutes), or leave --time out for the plan's wall time + 25%",
+            key="--time",
+        )
+    return value
+
+
 def slurm_options(args) -> SlurmOptions:
     if args.cpus_per_task is not None and args.cpus_per_task < 1:
         raise RunnerError(f"must be >= 1, got {args.cpus_per_task}", key="--cpus-per-task")
     return SlurmOptions(
-        time=_checked(args.time, _SLURM_TIME, "--time", "a Slurm time (minutes, H:M:S or D-H:M:S)"),
+        time=_slurm_time(args.time),
         partition=_checked(args.partition, _SLURM_WORD, "--partition", "a partition name ([A-Za-z0-9._-])"),
         account=_checked(args.account, _SLURM_WORD, "--account", "an account name ([A-Za-z0-9._-])"),
         cpus_per_task=args.cpus_per_task,

@@ -134,6 +134,23 @@ def test_job_refuses_an_unpinned_experiment_and_flags_it_cannot_write_safely():
     assert not (REPO / "P").exists()
 
 
+def test_job_refuses_a_time_limit_the_run_could_not_train_in():
+    """The job saves and requeues itself SIGNAL_SECONDS before its limit: under 10 minutes every attempt
+    would resume and save without training, and 0 is Slurm's "no limit"."""
+    from runner.cli.job import slurm_seconds
+
+    assert [slurm_seconds(t) for t in ("10", "10:30", "1:00:00", "2-0", "1-02:03", "0-00:30:00")] == [
+        600, 630, 3600, 172800, 93780, 1800]
+    exp = ("experiments/cpu-tiny.yaml", "--slurm")
+    for short in ("0", "9", "9:59", "00:09:59", "0-00:05"):
+        line = _refused(REPO, *exp, "--time", short)
+        assert line.startswith(f"error: --time: {short!r} is under 10 minutes"), line
+    assert "no limit" in _refused(REPO, *exp, "--time", "0")
+    for ok in ("10", "0-00:10", "1-0"):
+        proc = run_in_process(REPO, ["job", *exp, "--time", ok, "--run-dir", "runs/cpu-tiny/t"], dict(os.environ))
+        assert proc.returncode == 0 and f"#SBATCH --time={ok}\n" in proc.stdout, proc.stderr
+
+
 INJECTION = "cpu\ntouch P\n#"  # issue 37, item 3: the adversary's hardware recipe
 
 
