@@ -67,13 +67,16 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     from runner.data.prepare import find_sources, iter_documents
     from runner.data.tokenizer import train_tokenizer, vocab_size_of, write_trained
 
+    out = _trained_out(args.out, args.name)
+    if args.vocab_size < 258:
+        raise RunnerError(f"{args.vocab_size} is below the 256 bytes, EOS and one merge (258)", key="--vocab-size")
     sources = find_sources(args.input)
     documents = (text for source in sources for _, text in iter_documents(source))
     tokenizer = train_tokenizer(documents, args.vocab_size)
     vocab_size = vocab_size_of(tokenizer)
     names = ", ".join(s.name for s in sources[:3]) + (f" and {len(sources) - 3} more files" if len(sources) > 3 else "")
     tokenizer_path, recipe_path = write_trained(
-        tokenizer, args.out, args.name, f"byte-level BPE, vocab {vocab_size}, trained on {names}"
+        tokenizer, out, args.name, f"byte-level BPE, vocab {vocab_size}, trained on {names}"
     )
     print(f"tokenizer: {tokenizer_path}\nrecipe: {recipe_path}")
     if vocab_size < args.vocab_size:
@@ -85,6 +88,26 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return EXIT_OK
+
+
+def _trained_out(out: str, name: str) -> Path:
+    """--out and --name checked before the training: a recipe name (never a path outside --out), a
+    folder, and no tokenizer.json or <name>.yaml there already (a pinned tokenizer is never replaced)."""
+    from runner.config.load import RECIPE_NAME, RECIPE_NAME_RULE
+
+    if not RECIPE_NAME.fullmatch(name):
+        raise RunnerError(f"{name[:120]!r} is not a recipe name ({RECIPE_NAME_RULE})", key="--name")
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise RunnerError("exists and is not a folder: give a folder for tokenizer.json and its recipe", key="--out")
+    taken = [p for p in (folder / "tokenizer.json", folder / f"{name}.yaml") if p.exists()]
+    if taken:
+        raise RunnerError(
+            f"{', '.join(display_path(p) for p in taken)} already there: a trained tokenizer is never written "
+            "over (its sha256 may be pinned); give a new --out folder",
+            key="--out",
+        )
+    return folder
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

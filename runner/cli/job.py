@@ -320,13 +320,14 @@ def _slurm_time(value: str | None) -> str | None:
     limit" (a partition with a MaxTime holds such a job in the queue), and under MIN_TIME_MINUTES the
     SIGTERM SIGNAL_SECONDS before the limit would leave a start and a save no steps between them, so
     every requeue would resume the run and save it again, forever."""
-    what = "a Slurm time (minutes, H:M:S or D-H:M:S)"
-    if _checked(value, _SLURM_TIME, "--time", what) is None:
+    value = _checked(value, _SLURM_TIME, "--time", "a Slurm time (minutes, H:M:S or D-H:M:S)")
+    if value is None:
         return None
-    if slurm_seconds(value) < MIN_TIME_MINUTES * 60:
+    seconds = slurm_seconds(value)
+    if seconds < MIN_TIME_MINUTES * 60:
         raise RunnerError(
             f"{value!r} is under {MIN_TIME_MINUTES} minutes"
-            + (" (0 is Slurm's 'no limit')" if slurm_seconds(value) == 0 else "")
+            + (" (0 is Slurm's 'no limit')" if seconds == 0 else "")
             + f": the job saves and requeues itself {SIGNAL_SECONDS} s before its limit, so a shorter one"
             f" would resume and save the run again and again without training; give at least"
             f" {MIN_TIME_MINUTES} (minutes), or leave --time out for the plan's wall time + 25%",

@@ -32,6 +32,9 @@ from runner.fsio import load_yaml_text, read_yaml
 
 _RESOLVER_CALL = re.compile(r"\$\{[^}]*:")  # ${name:...} runs code; ${a.b} is plain data
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")  # an experiment name quoted in a hint
+#: a recipe's name: the stem of its file in recipes/KIND/ (a reference never reaches outside that folder)
+RECIPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+RECIPE_NAME_RULE = "letters, digits, '_', '.', '-'; no path"
 
 
 @dataclass
@@ -190,13 +193,15 @@ def _check_value(v: Any, typ: Any, key: str, file: Path, problems: Problems, *, 
         problems.add(file, key, f"must be {_SCALARS[typ]}, got {v!r}{hint}")
 
 
-def parse_ref(ref: Any) -> tuple[str, int]:
-    """`llama-1p3b@2` -> ('llama-1p3b', 2)."""
+def parse_ref(ref: Any, folder: str = "recipes/KIND/") -> tuple[str, int]:
+    """`llama-1p3b@2` -> ('llama-1p3b', 2); NAME is a file's stem in `folder`, never a path."""
     if not isinstance(ref, str) or ref.count("@") != 1:
         raise ValueError(f"'{ref}' must be NAME@VERSION, e.g. llama-tiny@1")
     name, ver = ref.split("@")
     if not name or not ver.isdigit():
         raise ValueError(f"'{ref}' must be NAME@VERSION with an integer version")
+    if not RECIPE_NAME.fullmatch(name):
+        raise ValueError(f"{ref[:120]!r}: NAME must be a file name in {folder} ({RECIPE_NAME_RULE})")
     return name, int(ver)
 
 
@@ -350,7 +355,7 @@ def _apply_base(data: dict, path: Path, root: Path, problems: Problems, seen: tu
     if "base" not in data:
         return data
     try:
-        name, version = parse_ref(data["base"])
+        name, version = parse_ref(data["base"], "experiments/")
     except ValueError as e:
         problems.add(path, "base", str(e))
         return data
@@ -414,7 +419,7 @@ def _load_recipes(
             problems.add(path, f"recipes.{kind}", "missing: every experiment names one recipe of each kind")
             continue
         try:
-            name, version = parse_ref(refs[kind])
+            name, version = parse_ref(refs[kind], f"recipes/{kind}/")
         except ValueError as e:
             problems.add(path, f"recipes.{kind}", str(e))
             continue

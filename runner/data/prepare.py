@@ -71,7 +71,7 @@ def find_sources(inputs: Sequence[str | os.PathLike | Source], input_format: str
         elif root.is_file():
             sources.append(Source(root, root.name, _kind(root, input_format, strict=True)))
         else:
-            raise RunnerError("input not found", file=str(root))
+            raise RunnerError("input not found" if not root.exists() else "not a file or a folder", file=str(root))
     if not sources:
         raise RunnerError(f"no readable sources in {', '.join(map(str, inputs))}", key="input")
     return sources

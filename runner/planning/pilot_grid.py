@@ -9,7 +9,6 @@ Never: launches runs, or edits the base experiment or any recipe.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from runner.config.load import Experiment
+from runner.config.load import RECIPE_NAME, Experiment
 from runner.config.schema import ModelRecipe
 from runner.data.manifest import load_experiment_manifests, plan_experiment_mixture
 from runner.errors import MixtureInfeasible, RunnerError
@@ -59,7 +58,8 @@ def parse_size(text: str) -> Size:
     """`llama-tiny@1` (a model recipe) or `hidden_size=128+n_layers=4` (shape overrides)."""
     text = text.strip()
     if "=" not in text:
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]+@[0-9]+", text):
+        name, _, version = text.partition("@")
+        if not (RECIPE_NAME.fullmatch(name) and version.isdigit()):
             raise RunnerError(f"size {text!r} is neither NAME@VERSION nor key=value[+key=value]", key="--sizes")
         return Size(label=text.split("@")[0], recipe=text)
     pairs = []

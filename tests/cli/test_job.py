@@ -140,7 +140,13 @@ def test_job_refuses_a_time_limit_the_run_could_not_train_in():
     from runner.cli.job import slurm_seconds
 
     assert [slurm_seconds(t) for t in ("10", "10:30", "1:00:00", "2-0", "1-02:03", "0-00:30:00")] == [
-        600, 630, 3600, 172800, 93780, 1800]
+        600,
+        630,
+        3600,
+        172800,
+        93780,
+        1800,
+    ]
     exp = ("experiments/cpu-tiny.yaml", "--slurm")
     for short in ("0", "9", "9:59", "00:09:59", "0-00:05"):
         line = _refused(REPO, *exp, "--time", short)

@@ -98,6 +98,13 @@ BROKEN = [
         "did you mean 'llama-tiny'",
     ),
     ("experiments/cpu-tiny.yaml", _set("recipes", "model", "llama-tiny"), "recipes.model", "NAME@VERSION"),
+    (  # a reference is a file name in its kind's folder, never a path (this one would load the same file)
+        "experiments/cpu-tiny.yaml",
+        _set("recipes", "model", "../model/llama-tiny@1"),
+        "recipes.model",
+        "NAME must be a file name in recipes/model/",
+    ),
+    ("experiments/cpu-tiny.yaml", _set("base", "../experiments/cpu-tiny@1"), "base", "file name in experiments/"),
     (
         "experiments/cpu-tiny.yaml",
         _set("overrides", {"optim": {"lr": "${oc.env:LR}"}}),

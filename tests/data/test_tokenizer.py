@@ -121,3 +121,32 @@ def test_train_cli_says_when_the_corpus_cannot_reach_the_asked_vocab(tmp_path, c
     assert f"vocab {recipe['vocab_size']}," in recipe["description"]  # not the asked 70000
     err = capsys.readouterr().err
     assert f"vocab_size: {recipe['vocab_size']:,} ids, not the 70,000 asked" in err
+
+
+def test_train_cli_never_writes_over_a_tokenizer_nor_outside_its_folder(tmp_path):
+    """A retrain into the folder of a (possibly pinned) tokenizer is refused before any training, as are
+    a recipe name that is a path (`--name ../x` wrote ../x.yaml beside --out), a file as --out (a
+    FileExistsError traceback) and a vocabulary below 258 ids; nothing is written."""
+    src = str(write_jsonl(tmp_path / "src" / "a.jsonl", documents(30)))
+    out = tmp_path / "tok"
+    train = ("tokenizer", "train", "--input", src, "--vocab-size", "300", "--out")
+    assert run_cli(*train, str(out)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def refused(*argv: str) -> str:
+        with pytest.raises(RunnerError) as e:
+            run_cli(*argv)
+        return str(e.value)
+
+    assert "tokenizer.json, " in refused(*train, str(out)) and "bpe.yaml already there" in refused(*train, str(out))
+    assert "never written over" in refused(*train, str(out), "--name", "other")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert refused(*train, str(tmp_path / "new"), "--name", "../x").startswith("--name: '../x' is not a recipe name")
+    assert not (tmp_path / "x.yaml").exists() and not (tmp_path / "new").exists()
+    assert refused(*train, src).startswith("--out: exists and is not a folder")
+    assert refused(*train[:-3], "--vocab-size", "257", "--out", str(tmp_path / "n2")).startswith(
+        "--vocab-size: 257 is below"
+    )
+    assert "not a file or a folder" in refused(
+        "tokenizer", "train", "--input", "/dev/null", *train[4:], str(tmp_path / "n3")
+    )

@@ -28,6 +28,9 @@ def test_parse_size_forms():
     assert s.label == "h128-l4" and dict(s.overrides) == {"hidden_size": 128, "n_layers": 4}
     with pytest.raises(RunnerError, match="--sizes"):
         parse_size("width=3")
+    for path in ("..@1", "../model/llama-tiny@1", "llama-tiny@x"):  # a recipe's file name, never a path
+        with pytest.raises(RunnerError, match="neither NAME@VERSION"):
+            parse_size(path)
     assert llama_intermediate_size(4096) == 10928  # 8/3 * 4096 = 10922.7 -> multiple of 16
 
 
