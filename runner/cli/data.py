@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from runner.cli.argtypes import fraction, positive_int
 from runner.errors import EXIT_OK, RunnerError, display_path
 
 
@@ -45,10 +46,12 @@ def register(subparsers) -> None:
         choices=["auto", "nanogpt-bin"],
         help="auto: by extension (.parquet, .jsonl, else text); nanogpt-bin: uint16 tokens",
     )
-    prep.add_argument("--validation-fraction", type=float, default=0.02, help="documents held out")
-    prep.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard")
-    prep.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: cores)")
-    prep.add_argument("--batch-docs", type=int, default=256, help="documents per encode_batch call")
+    prep.add_argument("--validation-fraction", type=fraction, default=0.02, help="documents held out")
+    prep.add_argument("--shard-tokens", type=positive_int, default=100_000_000, help="tokens per shard")
+    prep.add_argument(
+        "--workers", type=positive_int, default=None, help="tokenizer processes (default: cores; 1: in this process)"
+    )
+    prep.add_argument("--batch-docs", type=positive_int, default=256, help="documents per encode_batch call")
     prep.set_defaults(func=cmd_prepare)
 
     verify = data_sub.add_parser(

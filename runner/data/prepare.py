@@ -324,6 +324,24 @@ def _ordered_results(batches, workers: int, init_args: tuple[str, int, str]):
             yield pending.popleft().get()
 
 
+def _refuse_another_domains_folder(out_dir: Path, domain: str) -> None:
+    """A rerun rewrites its own domain's folder; a folder whose manifest.json holds another domain
+    (`--out data/builtin/code --domain d`) is refused before anything there is touched."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunnerError("exists and is not a folder: give the folder for the shards and manifest.json", file=out_dir)
+    manifest = out_dir / "manifest.json"
+    try:
+        held = json.loads(manifest.read_text()).get("domain")
+    except (OSError, ValueError, AttributeError):
+        return  # none, or not one of ours: it is rewritten as before
+    if held != domain:
+        raise RunnerError(
+            f"holds domain {held!r}, not {domain!r}: preparing here would replace its shards; "
+            "give another --out (a domain's folder is rewritten only by that domain)",
+            file=manifest,
+        )
+
+
 def _clear_outputs(out_dir: Path) -> None:
     """A rerun rewrites every shard; drop the old manifest first so it never names a shard mid-rewrite."""
     manifest = out_dir / "manifest.json"
@@ -366,6 +384,7 @@ def prepare(
     sources = find_sources(inputs, input_format)
     check_sources(sources)  # a bad source is refused before the old outputs are cleared
     out_dir = Path(out_dir)
+    _refuse_another_domains_folder(out_dir, domain)
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_outputs(out_dir)
     writers = {

@@ -249,6 +249,39 @@ def test_rerun_over_old_output_drops_stale_shards(tmp_path, tok_path):
     load_manifest(path, verify="full")
 
 
+def test_prepare_never_rewrites_another_domains_folder(tmp_path, tok_path):
+    """`--out data/builtin/code --domain d` replaced the built-in code domain's pinned shards; a folder
+    whose manifest.json holds another domain is refused before anything there changes, a file as --out
+    too (was a FileExistsError traceback); the CLI's numeric flags are refused by argparse, naming them."""
+    src = write_jsonl(tmp_path / "a.jsonl", documents(40))
+    out = tmp_path / "code"
+    prepare("code", tok_path, out, [src], workers=0)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(RunnerError, match=r"code/manifest.json: holds domain 'code', not 'd': preparing here"):
+        prepare("d", tok_path, out, [src], workers=0)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    prepare("code", tok_path, out, [src], workers=0)  # its own domain: a rerun, byte-identical
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(RunnerError, match="a.jsonl: exists and is not a folder"):
+        prepare("d", tok_path, src, [src], workers=0)
+    flags = (
+        "data",
+        "prepare",
+        "--domain",
+        "d",
+        "--tokenizer",
+        str(tok_path),
+        "--input",
+        str(src),
+        "--out",
+        str(tmp_path / "n"),
+    )
+    for bad in (("--workers", "0"), ("--batch-docs", "0"), ("--shard-tokens", "-1"), ("--validation-fraction", "nan")):
+        with pytest.raises(SystemExit):
+            run_cli(*flags, *bad)
+    assert not (tmp_path / "n").exists()
+
+
 def _pdeathsig_after_die_with_parent() -> int:
     import ctypes
 
