@@ -15,6 +15,7 @@ def _compare(args) -> int:
 
     sources = [cmp.load_source(target) for target in args.runs]
     cmp.assign_labels(sources, [x.strip() for x in args.labels.split(",")] if args.labels else None)
+    render.check_outputs(sources, Path(args.out) if args.out else None, Path(args.markdown) if args.markdown else None)
     plots: list[str] = []
     if args.out:  # built beside --out and renamed into place: never half a comparison
         comp, written = render.write_comparison_folder(sources, Path(args.out))

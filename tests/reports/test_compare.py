@@ -218,6 +218,49 @@ def test_unusable_input_is_one_line_and_exit_2(tmp_path, cli):
     assert "target 'code-5' is code loss_nats <= 5 in fixture/a but code loss_nats <= 4 in fixture/b" in line
 
 
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_compare_never_writes_over_what_is_not_a_comparison(tmp_path, cli):
+    """--out replaces its folder whole: `--out RUN` replaced a compared run folder by the comparison
+    (checkpoints, ledger, metrics gone), `--out FILE` replaced a file, `--out .` or any folder lost its
+    subfolders. Each is refused in one line before anything is written; a comparison folder is remade with
+    the user's own files and folders kept; labels that break a table or share a runs/<label> folder are refused."""
+    a = make_run(tmp_path, run_id="a")
+    b = make_run(tmp_path, run_id="b")
+    other = tmp_path / "other"
+    (other / "sub").mkdir(parents=True)
+    (other / "sub" / "keep.txt").write_text("mine")
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    before = {p: _tree(p) for p in (a, b, other)}
+
+    def refused(*args) -> str:
+        out = cli("compare", a, b, *args)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        return out.stderr.strip()
+
+    assert f"--out: {a} is inside a compared folder" in refused("--out", a)
+    assert "is inside a compared folder" in refused("--out", b / "cmp")
+    assert "is inside a compared folder" in refused("--markdown", a / "run.json")
+    assert f"--out: {other} holds other things and no comparison" in refused("--out", other)
+    assert f"--out: {afile} exists and is not a folder" in refused("--out", afile)
+    assert f"--markdown: {tmp_path} is a folder" in refused("--markdown", tmp_path)
+    assert "--labels: 'x|y' is not a label" in refused("--labels", "x|y,z")
+    assert "--labels: '' is not a label" in refused("--labels", ",z")
+    assert "name the same folder runs/<label>" in refused("--labels", "a b,a_b")
+    assert {p: _tree(p) for p in (a, b, other)} == before and afile.read_text() == "mine"
+    out_dir = tmp_path / "cmp"
+    assert cli("compare", a, b, "--out", out_dir, "--labels", "lr=3e-4,base").returncode == 0
+    (out_dir / "notes").mkdir()
+    (out_dir / "notes" / "why.md").write_text("mine")
+    remade = cli("compare", *sorted((out_dir / "runs").iterdir()), "--out", out_dir)
+    assert remade.returncode == 0, remade.stderr
+    assert (out_dir / "notes" / "why.md").read_text() == "mine"
+
+
 def test_a_report_failing_its_audit_is_not_put_in_a_comparison_folder(tmp_path, cli):
     a = make_run(tmp_path, run_id="a")
     b = make_run(tmp_path, run_id="b")

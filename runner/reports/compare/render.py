@@ -25,7 +25,7 @@ from runner.reports.compare.hardware import (
     mfu_denominators_differ,
     not_comparable_line,
 )
-from runner.reports.compare.runs import PLOTS, Comparison, Source, compare, plain_value
+from runner.reports.compare.runs import PLOTS, Comparison, Source, compare, folder_name, plain_value
 from runner.reports.publish import portable
 from runner.runs.runjson import as_record
 
@@ -282,10 +282,6 @@ def write_plots(comp: Comparison, out: Path) -> list[Path]:
 # ---- a comparison folder ------------------------------------------------------------------------
 
 
-def _folder_name(label: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
-
-
 def collect_reports(sources: list[Source], dest: Path) -> None:
     """Audited copies of each run's report in dest/runs/<label>/, so a comparison folder carries what
     it was made from (`runner compare dest/runs/*` remakes it; `runner audit` checks each). A run
@@ -303,7 +299,7 @@ def collect_reports(sources: list[Source], dest: Path) -> None:
     if staged.exists():
         shutil.rmtree(staged)
     for s, folder in zip(sources, reports):
-        copy = staged / _folder_name(s.label)
+        copy = staged / folder_name(s.label)
         shutil.copytree(folder, copy)
         if (copy / "run.json").exists():  # published: no machine paths, as `runner publish` writes it
             info = read_json(copy / "run.json")
@@ -312,16 +308,55 @@ def collect_reports(sources: list[Source], dest: Path) -> None:
         s.folder, s.tables = copy, rpt.read_tables(copy)
 
 
+def is_comparison_folder(folder: Path) -> bool:
+    """A folder `runner compare --out` wrote: its comparison.json is an object with the comparison's labels."""
+    try:
+        data = json.loads((folder / "comparison.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("labels"), list) and "runs" in data
+
+
+def check_outputs(sources: list[Source], out: Path | None, markdown: Path | None) -> None:
+    """--out and --markdown refused (one line, before anything is written) where writing would lose
+    something: --out replaces its folder whole, so it must be new, empty or a comparison folder (a run
+    folder given as --out was replaced by the comparison, its checkpoints gone); neither may be inside a
+    compared run or report folder; --markdown is a file."""
+    inside = [s.folder.resolve() for s in sources]
+    for flag, path in (("--out", out), ("--markdown", markdown)):
+        if path is None:
+            continue
+        where = path.resolve()
+        for folder in inside:
+            if where == folder or folder in where.parents:
+                raise RunnerError(f"{path} is inside a compared folder ({folder}): write it elsewhere", key=flag)
+    if markdown is not None and markdown.is_dir():
+        raise RunnerError(f"{markdown} is a folder: give the markdown file to write", key="--markdown")
+    if out is None or not out.exists():
+        return
+    if not out.is_dir():
+        raise RunnerError(f"{out} exists and is not a folder: give a new folder", key="--out")
+    if any(out.iterdir()) and not is_comparison_folder(out):
+        raise RunnerError(
+            f"{out} holds other things and no comparison: --out replaces its folder whole, so give a new "
+            "or empty folder, or one an earlier `runner compare --out` wrote",
+            key="--out",
+        )
+
+
 def write_comparison_folder(sources: list[Source], out: Path) -> tuple[Comparison, list[Path]]:
     """A comparison folder made whole beside `out` and renamed into place (fsio.replace_folder): the
-    audited report copies (collect_reports), comparison.md/.json, the CSV tables and plots; files of
-    an earlier `out` that a comparison does not write (a README of its own) are kept. A writer killed
+    audited report copies (collect_reports), comparison.md/.json, the CSV tables and plots; files and
+    folders of an earlier `out` that a comparison does not write (a README of its own) are kept. A writer killed
     midway leaves the earlier folder or none. Returns the comparison and the paths it wrote in `out`."""
+    check_outputs(sources, out, None)
     staged = staging_folder(out)
     if out.is_dir():
         for f in out.iterdir():
             if f.is_file() and f.name not in _WRITTEN:
                 shutil.copy2(f, staged / f.name)
+            elif f.is_dir() and f.name != "runs" and not f.is_symlink():
+                shutil.copytree(f, staged / f.name, symlinks=True)
     collect_reports(sources, staged)
     comp = compare(sources)
     written = write_folder(comp, staged)

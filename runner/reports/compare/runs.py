@@ -13,6 +13,7 @@ Never: trains, edits a run or a report, or recomputes a figure the report tables
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,12 +147,28 @@ def _check_version(summary_file: Path) -> None:
         )
 
 
+#: a column name, written into markdown tables, CSV headers and runs/<label> folder names
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._+=@#/-]{0,63}")
+LABEL_RULE = "1-64 of letters, digits, space, . _ + = @ # / -, starting with a letter or digit"
+
+
+def folder_name(label: str) -> str:
+    """runs/<this> in a comparison folder: the label with anything but letters, digits and ._- as '_'."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
+
+
 def assign_labels(sources: list[Source], labels: list[str] | None = None) -> None:
     """Each run's column name: given, else its experiment, else experiment/run_id where experiments
     repeat (and #n where even those do)."""
     if labels:
         if len(labels) != len(sources) or len(set(labels)) != len(labels):
             raise RunnerError(f"--labels: give {len(sources)} distinct labels, got {labels}")
+        for label in labels:
+            if not LABEL.fullmatch(label):
+                raise RunnerError(f"--labels: {label[:80]!r} is not a label ({LABEL_RULE})")
+        folders = [folder_name(x) for x in labels]
+        if len(set(folders)) != len(folders):  # each run's report copy is runs/<label> in --out
+            raise RunnerError(f"--labels: {labels} name the same folder runs/<label> ({folders}): make them differ")
     else:
         names = [str(s.summary["experiment"]) for s in sources]
         labels = [n if names.count(n) == 1 else f"{n}/{s.summary['run_id']}" for n, s in zip(names, sources)]
