@@ -34,7 +34,7 @@ _RESOLVER_CALL = re.compile(r"\$\{[^}]*:")  # ${name:...} runs code; ${a.b} is p
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")  # an experiment name quoted in a hint
 #: a recipe's name: the stem of its file in recipes/KIND/ (a reference never reaches outside that folder)
 RECIPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
-RECIPE_NAME_RULE = "letters, digits, '_', '.', '-'; no path"
+RECIPE_NAME_RULE = "a letter or digit, then letters, digits, '_', '.', '-'; at most 100; no path"
 
 
 @dataclass
@@ -205,6 +205,14 @@ def parse_ref(ref: Any, folder: str = "recipes/KIND/") -> tuple[str, int]:
     return name, int(ver)
 
 
+def _check_name(data: dict, path: Path, problems: Problems) -> None:
+    """A recipe's or experiment's name becomes a file name, runs/<name>/, reports/<name>/ and MLflow's
+    experiment: `..` would put a run folder or a published report outside them."""
+    name = data.get("name")
+    if name is not None and not (isinstance(name, str) and RECIPE_NAME.fullmatch(name)):
+        problems.add(path, "name", f"{str(name)[:80]!r} is not a name ({RECIPE_NAME_RULE})")
+
+
 def load_recipe_file(path: Path, kind: str, problems: Problems, resources: ResourceRules | None = None) -> dict | None:
     """Read and check one recipe on its own: types, unknown keys, labels, then its kind's rules
     (ratios, caps, divisibility, ...) on its values with the schema's defaults filled in, so a
@@ -217,6 +225,7 @@ def load_recipe_file(path: Path, kind: str, problems: Problems, resources: Resou
     for label in LABEL_KEYS:
         if label not in data:
             problems.add(path, label, "missing: every recipe has name, version and description")
+    _check_name(data, path, problems)
     if "name" in data and data["name"] != path.stem:
         problems.add(path, "name", f"'{data['name']}' differs from the file name '{path.stem}'")
     v = data.get("version")
@@ -395,6 +404,7 @@ def _check_experiment_keys(data: dict, path: Path, problems: Problems) -> dict[s
     for label in LABEL_KEYS + ("seed",):
         if label not in data:
             problems.add(path, label, "missing")
+    _check_name(data, path, problems)
     if "name" in data and path.suffix == ".yaml" and path.parent.name == "experiments" and data["name"] != path.stem:
         problems.add(path, "name", f"'{data['name']}' differs from the file name '{path.stem}'")
     refs = data.get("recipes") or {}

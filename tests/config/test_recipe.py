@@ -105,6 +105,9 @@ BROKEN = [
         "NAME must be a file name in recipes/model/",
     ),
     ("experiments/cpu-tiny.yaml", _set("base", "../experiments/cpu-tiny@1"), "base", "file name in experiments/"),
+    # a name becomes runs/<name>/ and reports/<name>/: '..' put them outside (caught before the file-name check)
+    ("experiments/cpu-tiny.yaml", _set("name", ".."), "experiments/cpu-tiny.yaml: name", "'..' is not a name"),
+    ("recipes/model/llama-tiny.yaml", _set("name", "a/b"), "llama-tiny.yaml: name", "'a/b' is not a name"),
     (
         "experiments/cpu-tiny.yaml",
         _set("overrides", {"optim": {"lr": "${oc.env:LR}"}}),
