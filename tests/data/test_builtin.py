@@ -6,13 +6,16 @@ import gzip
 import time
 from pathlib import Path
 
+import pytest
 import yaml
-from datafixtures import run_cli
+from datafixtures import documents, make_tokenizer, run_cli, write_jsonl
 
 from runner.data.builtin.build import ASSETS, TOKENIZER_PATH, build_builtin
 from runner.data.manifest import load_manifest
 from runner.data.pool import Pool
+from runner.data.prepare import prepare
 from runner.data.tokenizer import tokenizer_info
+from runner.errors import RunnerError
 from runner.fsio import sha256_file
 
 # The values the shipped recipes pin: a build that no longer reproduces them breaks the CPU experiment.
@@ -66,3 +69,15 @@ def test_builtin_domains_use_every_reader_and_legal_is_small(tmp_path, capsys):
     assert len(manifests["code"].shards) > 1
     code = Pool(manifests["code"])
     assert code.read(0, code.tokens)[-1] == manifests["code"].eos_id
+
+
+def test_builtin_never_replaces_a_domain_of_another_tokenizer(tmp_path):
+    """`runner data builtin --out data` where data/code is the user's own code domain (prepared with
+    their tokenizer) would have rewritten it with the built-in corpus; refused before anything is written."""
+    tok = make_tokenizer(tmp_path / "tok")
+    prepare("code", tok, tmp_path / "data" / "code", [write_jsonl(tmp_path / "mine.jsonl", documents(20))], workers=0)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "data" / "code").iterdir()}
+    with pytest.raises(RunnerError, match=r"code/manifest.json: holds a domain of another tokenizer"):
+        build_builtin(tmp_path / "data")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "data" / "code").iterdir()} == before
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["code"]

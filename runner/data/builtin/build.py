@@ -17,6 +17,7 @@ from pathlib import Path
 
 from runner.data.datacard import BUILTIN, write_datacard
 from runner.data.prepare import prepare
+from runner.errors import RunnerError
 from runner.fsio import sha256_file
 
 ASSETS = (
@@ -58,11 +59,30 @@ def write_sources(sources_dir: Path) -> dict[str, Path]:
     return {"code": code, "prose": prose, "legal": legal}
 
 
+def _refuse_foreign_domains(out_dir: Path, tokenizer_sha256: str) -> None:
+    """`--out data` where data/code holds a domain of the user's own (another tokenizer's manifest) is
+    refused before anything is written: the build rewrites OUT/code, OUT/prose, OUT/legal and
+    OUT/sources/legal whole."""
+    for domain in DOMAINS:
+        manifest = out_dir / domain / "manifest.json"
+        try:
+            held = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            continue  # none, or unreadable: rebuilt as before
+        if not isinstance(held, dict) or held.get("tokenizer_sha256") != tokenizer_sha256:
+            raise RunnerError(
+                "holds a domain of another tokenizer, not the built-in corpus: `data builtin` would replace it; "
+                "give another --out",
+                file=manifest,
+            )
+
+
 def build_builtin(out_dir: str | Path = "data/builtin", progress: bool | None = False) -> dict[str, tuple[Path, str]]:
     """Build every built-in domain under `out_dir`; returns {domain: (manifest path, manifest_sha256)}."""
     out_dir = Path(out_dir)
-    inputs = write_sources(out_dir / "sources")
     tokenizer_sha256 = sha256_file(TOKENIZER_PATH)
+    _refuse_foreign_domains(out_dir, tokenizer_sha256)
+    inputs = write_sources(out_dir / "sources")
     # In-process tokenization: the corpus is small, and worker start-up would dominate.
     built = {
         domain: prepare(
