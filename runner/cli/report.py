@@ -128,7 +128,7 @@ CLAIMS_EXITS = f"""verdicts (a claim takes its worst flag's) and exit codes:
 
 
 def _publish(args) -> int:
-    from runner.reports.publish import card_problem, exported_card, publish, publish_card
+    from runner.reports.publish import card_problem, check_card_destination, exported_card, publish, publish_card
 
     card = Path(args.card) if args.card else exported_card(Path(args.run_dir))
     why = card_problem(Path(args.run_dir), card) if card is not None else None
@@ -145,6 +145,7 @@ def _publish(args) -> int:
                 file=str(card),
                 key="--card",
             )
+        check_card_destination(Path(args.run_dir), Path(args.reports_dir))
     dest, result = publish(args.run_dir, args.reports_dir, require_verified=args.require_verified)
     if dest is None:
         print(result.render())

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from runfixtures import make_run
 
+from runner.errors import RunnerError
 from runner.reports.audit.evidence import write_report_with_evidence
 from runner.reports.audit.run import audit
 from runner.reports.publish import portable, publish
@@ -61,3 +63,36 @@ def test_published_run_json_has_paths_relative_to_the_project_or_none(tmp_path):
 def test_portable_leaves_servers_and_plain_text_alone(tmp_path):
     value = {"a": ["http://mlflow.internal:5000", "6N+attn", 3, None], "b": {"c": "theoretical: 2 cores x 2.4 GHz"}}
     assert portable(value, tmp_path) == value
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_publish_never_replaces_the_run_or_what_is_not_a_published_copy(tmp_path):
+    """publish replaces reports/<experiment>/<run_id>/ whole and rewrites the index: `--reports-dir runs`
+    replaced the run folder itself by its report (checkpoints, ledger gone), `--reports-dir .` would
+    rewrite the project's README.md. Each is refused in one line before anything is written; a republish
+    into the real reports folder replaces the earlier copy."""
+    root = tmp_path / "project"
+    run = make_run(root)  # root/runs/<experiment>/<run_id>
+    write_report_with_evidence(run)
+    (root / "README.md").write_text("# My project\n")
+    taken = root / "elsewhere" / run.parent.name / run.name
+    taken.mkdir(parents=True)
+    (taken / "notes.txt").write_text("mine")
+    before = {p: _tree(p) for p in (run, root / "elsewhere")}
+    for reports_dir, words in (
+        (run.parent.parent, "is inside or around the run folder"),
+        (run, "is inside or around the run folder"),
+        (root, "README.md is not a published-runs index"),
+        (root / "elsewhere", "exists and is not a published copy"),
+    ):
+        with pytest.raises(RunnerError, match=words) as e:
+            publish(run, reports_dir)
+        assert str(e.value).startswith("--reports-dir: "), e.value
+    assert {p: _tree(p) for p in (run, root / "elsewhere")} == before
+    assert (root / "README.md").read_text() == "# My project\n"
+    first, _ = publish(run, root / "reports")
+    again, _ = publish(run, root / "reports")
+    assert first == again and (again / "run_summary.parquet").is_file()
