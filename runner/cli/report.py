@@ -29,7 +29,15 @@ def _report(args) -> int:
     if not target.is_dir():
         if not rpt.MLFLOW_RUN_ID.match(args.run):
             raise RunnerError("no such run folder, and not an MLflow run id", file=args.run)
-        fetched = rpt.fetch_mlflow_run(args.run, args.dest or tempfile.mkdtemp(prefix="runner-report-"))
+        dest = Path(args.dest) if args.dest else None
+        if dest is not None and dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
+            raise RunnerError(
+                "exists and is not an empty folder: the run's artifacts are downloaded over what is there "
+                "(a run folder's run.json, ledger.json); give a new or empty folder",
+                file=args.dest,
+                key="--dest",
+            )
+        fetched = rpt.fetch_mlflow_run(args.run, dest or tempfile.mkdtemp(prefix="runner-report-"))
         print(f"report written to {rpt.report_from_fetched(fetched)}")
         return EXIT_OK
     from runner.reports.audit.evidence import write_report_with_evidence
@@ -238,7 +246,9 @@ def _register_report(subparsers) -> None:
         metavar="RUN_DIR|MLFLOW_RUN_ID",
         help="run folder (holds run.json and ledger.json) or a 32-hex MLflow run id",
     )
-    p.add_argument("--dest", help="where to download an MLflow run's artifacts (default: a temp folder)")
+    p.add_argument(
+        "--dest", help="a new or empty folder to download an MLflow run's artifacts to (default: a temp folder)"
+    )
     p.set_defaults(func=_report)
 
 

@@ -237,6 +237,11 @@ def test_report_from_an_mlflow_run_id_renders_the_logged_report(run_dir, tmp_pat
     md = (dest / "report" / "report.md").read_text()
     assert md == (run_dir / "report" / "report.md").read_text()
     assert all((dest / "report" / p).stat().st_size > 0 for p in PLOTS)
+    # --dest is downloaded over: a folder holding anything (the run folder itself) is refused, untouched
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(RunnerError, match="--dest: exists and is not an empty folder"):
+        _cli(["report", ml_run, "--dest", str(run_dir)])
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.slow
