@@ -337,6 +337,22 @@ def cmd_smoke(args) -> int:
     return EXIT_DISCREPANCY if problems else EXIT_OK
 
 
+def _check_smoke_out(out: Path) -> None:
+    """--out is emptied of an earlier smoke's reference/ and resumed/ runs: anything else there (a
+    folder of real runs, `--out runs/cpu-tiny`) is refused, before anything is removed."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise RunnerError("exists and is not a folder: give a new folder for the two smoke runs", key="--out")
+    other = sorted(p.name for p in out.iterdir() if p.name not in ("reference", "resumed") or not p.is_dir())
+    if other:
+        raise RunnerError(
+            f"{out} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}: smoke empties its --out of "
+            "an earlier smoke's reference/ and resumed/ runs only; give a new folder",
+            key="--out",
+        )
+
+
 def _smoke_folders(full: Experiment, steps: int, out: Path, manifests: dict) -> tuple[Path, Path]:
     """The reference and resumed run folders (emptied first) of `steps` steps of `full`, checkpointed at
     steps // 2 and at the end, evaluated once. `manifests`: `full`'s, loaded and checked against their pins
@@ -353,6 +369,7 @@ def _smoke_folders(full: Experiment, steps: int, out: Path, manifests: dict) -> 
     exp = experiment_from_dict(small, project_root=full.project_root, path=full.path)
     plan_experiment_mixture(exp, manifests)  # the smoke's budget within the pools and their repetition caps
     ref, res = out / "reference", out / "resumed"
+    _check_smoke_out(out)
     for d in (ref, res):
         if d.exists():
             shutil.rmtree(d)

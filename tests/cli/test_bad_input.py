@@ -215,6 +215,18 @@ def test_a_launch_or_smoke_refused_for_its_device_or_its_pins_writes_no_folder(
     line = one_error(*run_cli(capsys, "smoke", "experiments/1p3b.yaml")[::2])
     assert line.startswith("error: recipes/tokenizer/gpt-neox-20b.yaml: sha256: not pinned: `runner pin "), line
     assert not (project / "runs").exists()
+    # smoke empties its --out of an earlier smoke's two runs only: a folder of real runs is refused, kept
+    monkeypatch.delenv("RUNNER_SIMULATE_DEVICE")
+    mine = project / "runs" / "cpu-tiny"
+    (mine / "reference").mkdir(parents=True)
+    (mine / "reference" / "run.json").write_text("{}")
+    (mine / "r1").mkdir()
+    line = one_error(*run_cli(capsys, "smoke", "experiments/cpu-tiny.yaml", "--out", str(mine))[::2])
+    assert line == (
+        f"error: --out: {mine} holds r1: smoke empties its --out of an earlier smoke's reference/ and resumed/ "
+        "runs only; give a new folder"
+    )
+    assert (mine / "reference" / "run.json").read_text() == "{}"
 
 
 @pytest.mark.parametrize(
