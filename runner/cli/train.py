@@ -249,6 +249,25 @@ def _write_report(run_dir: Path, tracker: Tracker | None) -> None:
         tracker.log_artifacts(Path(out), "report")
 
 
+def _check_moved_store(folder, uri: str) -> None:
+    """`sync --tracking-uri URI` records URI in run.json for every later resume, sync and audit: refused,
+    with run.json unchanged, unless that store holds the run's MLflow run (any URI was recorded, an
+    unreachable server or a store that never held the run included)."""
+    from runner.training.tracking import absolute_uri, store_lacks_run
+
+    saved = folder.record().mlflow
+    uri = absolute_uri(uri)
+    if not saved.get("run_id") or uri == saved.get("tracking_uri"):
+        return
+    why = store_lacks_run(uri, saved["run_id"])
+    if why:
+        raise RunnerError(
+            f"MLflow run {saved['run_id']} is not in {uri} ({why}): --tracking-uri names the store that holds "
+            f"the run (a server or database it moved to); run.json keeps {saved.get('tracking_uri')}",
+            key="--tracking-uri",
+        )
+
+
 def cmd_sync(args) -> int:
     from runner.runs.folder import RunFolder, is_run_dir
     from runner.runs.lock import RunLock
@@ -257,8 +276,10 @@ def cmd_sync(args) -> int:
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
         raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(run_dir))
-    # A server that moved is recorded in run.json: later resumes and syncs go there.
+    # A server that moved is recorded in run.json: later resumes and syncs go there, so it must hold the run.
     with RunLock(run_dir, "runner sync"):  # a launch sending the same journal would send it twice
+        if args.tracking_uri:
+            _check_moved_store(RunFolder(run_dir), args.tracking_uri)
         tracker = tracker_of(
             RunFolder(run_dir), args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None
         )

@@ -111,6 +111,22 @@ def check_run_store(uri: str, run_id: str | None, run_json: Path) -> None:
     )
 
 
+def store_lacks_run(uri: str, run_id: str) -> str | None:
+    """Why the MLflow store at `uri` does not hold run `run_id` (None when it does): no SQLite file
+    there (never created), the server unreachable, or no such run in it. Fails fast on a dead server."""
+    path = sqlite_path(uri)
+    if (path is not None and not path.is_file()) or uri == "sqlite:///":
+        return f"no MLflow store at {path or uri}"
+    _fail_fast_env()
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: seconds to import, first use only)
+
+    try:
+        MlflowClient(tracking_uri=uri).get_run(run_id)
+    except Exception as err:  # mlflow raises its own, requests' and SQLAlchemy's errors
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    return None
+
+
 def _half_made(path: Path) -> bool:
     """True for an SQLite file that MLflow began to create but did not finish (a kill while its tables
     were made: MLflow's migrations are not one transaction) and that holds no run; MLflow itself

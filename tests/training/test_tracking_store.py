@@ -14,7 +14,7 @@ from timeouts import SUBPROCESS_TIMEOUT_S, TEST_TIMEOUT_S
 from trackingfixtures import free_port, metric_rows
 from trainfixtures import make_project
 
-from runner.training.tracking import Tracker
+from runner.training.tracking import Tracker, ensure_sqlite_store
 
 
 def _killed_mid_migration(url: str) -> None:
@@ -143,6 +143,39 @@ def test_a_store_the_run_says_exists_is_not_created_empty(tmp_path, monkeypatch,
     assert main(["sync", str(run), "--tracking-uri", "sqlite:///other.db"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert (run / "run.json").read_text() == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_sync_records_a_moved_store_only_where_it_holds_the_run(tmp_path, monkeypatch, capsys):
+    """`sync --tracking-uri URI` records URI for every later resume and audit: a store that does not
+    hold the run (an empty database, a dead server, a path never made) was recorded all the same, with
+    nothing sent. Refused in one line, run.json unchanged; the database the run moved to is recorded."""
+    from runner.cli import main
+
+    db = tmp_path / "mlflow.db"
+    t = Tracker(tmp_path / "seed", tracking_uri=f"sqlite:///{db}", report=lambda m: None)
+    t.start("exp", "r", params=None, tags={})
+    t.log_metrics({"loss": 1.0}, step=1)
+    assert t.finish(), t.last_error
+    run = tmp_path / "run"
+    _fake_run(run, t.info())
+    before = (run / "run.json").read_text()
+    empty = tmp_path / "empty.db"
+    ensure_sqlite_store(empty)  # a whole MLflow store that holds no run
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    capsys.readouterr()
+    for uri in (f"sqlite:///{empty}", f"sqlite:///{tmp_path}/never.db", f"http://127.0.0.1:{free_port()}"):
+        assert main(["sync", str(run), "--tracking-uri", uri]) == 2, uri
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --tracking-uri: MLflow run {t.run_id} is not in "), err
+        assert (run / "run.json").read_text() == before
+    assert not (tmp_path / "never.db").exists()
+    moved = tmp_path / "moved" / "mlflow.db"
+    moved.parent.mkdir()
+    shutil.copy2(db, moved)
+    assert main(["sync", str(run), "--tracking-uri", f"sqlite:///{moved}"]) == 0
+    assert json.loads((run / "run.json").read_text())["mlflow"]["tracking_uri"] == f"sqlite:///{moved}"
 
 
 def test_the_refusal_names_run_json_and_the_key(tmp_path, monkeypatch, capsys):
