@@ -90,6 +90,8 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise RunnerError("missing", file=str(path)) from None
+    except IsADirectoryError:
+        raise RunnerError("is a folder, not a JSON file", file=str(path)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RunnerError(f"not valid JSON: {err}", file=str(path)) from None
     except RecursionError:

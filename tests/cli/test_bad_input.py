@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from bad_input_helpers import one_error, run_cli, time_limit
-from trainfixtures import env, launch, make_project
+from trainfixtures import REPO, env, launch, make_project
 
 from runner.errors import RunnerError
 
@@ -747,3 +747,11 @@ def test_a_key_set_twice_is_refused_naming_the_file_key_and_both_lines(project, 
     claims.write_text("claims:\n  - name: a\n    model_params: 1.0e+9\n    model_params: 2.0e+9\n")
     line = one_error(*run_cli(capsys, "audit-claims", claims)[::2])
     assert "error: claims.yaml: claims[0].model_params: duplicate key: lines 3 and 4" in line, line
+
+
+def test_a_folder_where_a_json_or_yaml_file_is_read_is_one_line(tmp_path, capsys):
+    """`runner plan X --fit FOLDER` ended in an IsADirectoryError traceback (fsio.read_json)."""
+    line = one_error(*run_cli(capsys, "plan", str(REPO / "experiments/cpu-tiny.yaml"), "--fit", str(tmp_path))[::2])
+    assert line == f"error: {tmp_path}: is a folder, not a JSON file"
+    line = one_error(*run_cli(capsys, "audit-claims", str(tmp_path))[::2])
+    assert line == f"error: {tmp_path}: is a folder, not a YAML file"
