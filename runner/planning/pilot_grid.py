@@ -187,18 +187,19 @@ def write_pilot_grid(
             doc = _pilot_doc(raw, size, model_keys, budget, tokens, by_reference)
             path = out_dir / f"{doc['name']}.yaml"
             pilots.append((path, doc, size, _resolve_pilot(doc, path, root, size), text, tokens, budget))
+    readme = out_dir / "README.md"
+    _refuse_foreign_files([(p, f"{WRITTEN_BY} from ") for p, *_ in pilots] + [(readme, README_TITLE)])
     out_dir.mkdir(parents=True, exist_ok=True)
     written, rows = [], []
     for path, doc, size, pilot, text, tokens, budget in pilots:
         path.write_text(
-            f"# written by `runner pilot-grid` from {base_path.name}\n" + yaml.safe_dump(doc, sort_keys=False),
+            f"{WRITTEN_BY} from {base_path.name}\n" + yaml.safe_dump(doc, sort_keys=False),
             encoding="utf-8",
         )
         written.append(path)
         params = params_of_config(pilot.config).non_embedding
         rows.append((path.name, size.recipe or size.label, params, text, tokens, budget))
     batch_tokens = base.config.train.global_batch_sequences * base.config.train.seq_len
-    readme = out_dir / "README.md"
     readme.write_text(_readme(raw, base, rows, batch_tokens, by_reference, base_path), encoding="utf-8")
     return written + [readme]
 
@@ -217,11 +218,25 @@ def _resolve_pilot(doc: dict, path: Path, root: Path, size: Size) -> Experiment:
     return load_experiment_data(doc, path, root, check_files=False)
 
 
+WRITTEN_BY = "# written by `runner pilot-grid`"
+README_TITLE = "# Pilot grid of "
+
+
+def _refuse_foreign_files(files: list[tuple[Path, str]]) -> None:
+    """A pilot YAML or README.md already at --out is rewritten only when an earlier pilot-grid wrote it
+    (its first line says so): `--out .` rewrote the project's README.md."""
+    for path, head in files:
+        if path.exists() and not (path.is_file() and path.read_text(errors="replace").startswith(head)):
+            raise RunnerError(
+                f"{path} is there and was not written by `runner pilot-grid`: give another --out", key="--out"
+            )
+
+
 def _readme(raw: dict, base: Experiment, rows: list, batch_tokens: int, by_reference: bool, base_path: Path) -> str:
     cfg = base.config
     t, r = cfg.train, cfg.recipes
     lines = [
-        f"# Pilot grid of {raw['name']}@{raw['version']}",
+        f"{README_TITLE}{raw['name']}@{raw['version']}",
         "",
         "Written by `runner pilot-grid`. The pilots are the points of a scaling fit",
         "(`runner fit RUN...`), so everything but the model size and the budget stays fixed:",

@@ -144,3 +144,22 @@ def test_cli_pilot_grid_says_how_to_launch_and_fit(project, capsys, monkeypatch)
     assert 'next: for f in experiments/pilots/*.yaml; do runner launch "$f"; done' in out
     assert "runner fit runs/cpu-tiny-pilot-*/ --flops C" in out
     assert all(p.stem.startswith("cpu-tiny-pilot-") for p in (project / "experiments/pilots").glob("*.yaml"))
+
+
+def test_grid_rewrites_only_what_an_earlier_grid_wrote(project):
+    """`--out .` rewrote the project's README.md; a pilot-named YAML of the user's own was rewritten too.
+    Refused before any file is written; an earlier grid's files are rewritten."""
+    from runner.errors import RunnerError
+
+    base_path = project / "experiments" / "cpu-tiny.yaml"
+    (project / "README.md").write_text("# My project\n")
+    with pytest.raises(RunnerError, match=r"--out: .*README.md is there and was not written by `runner pilot-grid`"):
+        write_pilot_grid(base_path, ["llama-tiny@1"], ["100K"], project)
+    assert (project / "README.md").read_text() == "# My project\n" and not list(project.glob("*.yaml"))
+    out = project / "pilots"
+    first = write_pilot_grid(base_path, ["llama-tiny@1"], ["100K"], out)
+    assert write_pilot_grid(base_path, ["llama-tiny@1"], ["100K"], out) == first  # a rerun
+    first[0].write_text("name: mine\n")
+    with pytest.raises(RunnerError, match=f"{first[0].name} is there and was not written"):
+        write_pilot_grid(base_path, ["llama-tiny@1"], ["100K"], out)
+    assert first[0].read_text() == "name: mine\n"
