@@ -163,6 +163,13 @@ def check_same_experiment(exp: Experiment, run_dir: Path) -> None:
     )
 
 
+#: what a run folder holds (create_run_folder, the lock, the ledger, the report)
+RUN_FOLDER_ENTRIES = frozenset(
+    ("checkpoints", "journal", "metrics", "manifests", "experiment.yaml", "fingerprint.txt", "run.json", "lock")
+    + ("ledger.json", "report", "downstream")
+)
+
+
 def create_run_folder(exp: Experiment, run_dir: Path, run_id: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     for sub in ("checkpoints", "journal", "metrics", "manifests"):

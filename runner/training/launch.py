@@ -31,6 +31,7 @@ from runner.errors import EXIT_OK, RunnerError
 from runner.planning.hardware import check_device_matches, detect_device
 from runner.planning.resources import load_experiment
 from runner.runs.folder import (
+    RUN_FOLDER_ENTRIES,
     RunFolder,
     check_same_experiment,
     create_run_folder,
@@ -174,7 +175,27 @@ def resolve(req: Request) -> tuple[Experiment, Path | None, bool]:
     if run_dir is not None and is_run_dir(run_dir):
         check_same_experiment(exp, run_dir)
         return exp, run_dir, True
+    if run_dir is not None:
+        check_new_run_dir(run_dir)
     return exp, run_dir, False
+
+
+def check_new_run_dir(run_dir: Path) -> None:
+    """A --run-dir that holds no run yet: new, empty, or what a launch killed while making it left there
+    (RUN_FOLDER_ENTRIES). A folder of other files (`--run-dir .`: the project) is refused, before the
+    run's files are mixed into it."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise RunnerError("exists and is not a folder: give a new folder for the run", file=str(run_dir))
+    other = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FOLDER_ENTRIES and not p.name.startswith("."))
+    if other:
+        raise RunnerError(
+            f"holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''} and no run: --run-dir is a new "
+            "or empty folder, or a run folder to resume",
+            file=str(run_dir),
+            key="--run-dir",
+        )
 
 
 def _finished_line(run_dir: Path) -> str | None:

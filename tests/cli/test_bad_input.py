@@ -280,6 +280,15 @@ def test_a_run_folder_that_cannot_be_made_is_one_line(project_with_data, capsys,
         *run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--no-tracking", "--run-dir", "blocker/run")[::2]
     )
     assert line == "error: blocker/run: cannot create the run folder: Not a directory", line
+    # a folder of other files is not made a run folder (`--run-dir .` mixed the run into the project)
+    listing = sorted(p.name for p in project_with_data.iterdir())
+    line = one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--no-tracking", "--run-dir", ".")[::2])
+    assert line.startswith(
+        "error: .: --run-dir: holds blocker, data, experiments ... and no run: --run-dir is a new"
+    ), line
+    assert sorted(p.name for p in project_with_data.iterdir()) == listing
+    line = one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--run-dir", "blocker")[::2])
+    assert line == "error: blocker: exists and is not a folder: give a new folder for the run", line
 
 
 def test_the_cards_reproduce_line_names_a_run_as_launch_takes_it(monkeypatch):
