@@ -324,6 +324,13 @@ def load_experiment(
         raise RunnerError(
             f"a folder: give an experiment file (experiments/NAME.yaml){_run_copy_hint(path)}", file=str(path)
         )
+    if path.name != "experiment.yaml" and (path.parent / "run.json").is_file():
+        folder = display_path(path.parent)
+        raise RunnerError(
+            f"a file of the run folder {folder}, not an experiment file: `runner launch {folder}` resumes the "
+            f"run{_run_copy_hint(path.parent)}",
+            file=str(path),
+        )
     problems = Problems()
     data = _read_yaml(path, problems)
     problems.raise_if_any()

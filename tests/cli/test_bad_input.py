@@ -161,6 +161,15 @@ def test_a_run_folder_or_its_resolved_copy_given_as_an_experiment_is_one_line(pr
             ), verb
     assert sorted(p.relative_to(project) for p in (project / "runs").rglob("*")) == before  # nothing written
     assert run_cli(capsys, "show", "runs/cpu-tiny/r1")[0] == 0  # what the lines point to works
+    # another file of a run folder (run.json, ledger.json) was read as an experiment: a line per key
+    (run / "run.json").write_text(json.dumps({"run_id": "r1", "segments": [], "status": "finished"}))
+    for verb in ("validate", "plan", "launch", "show"):
+        line = one_error(*run_cli(capsys, verb, "runs/cpu-tiny/r1/run.json")[::2])
+        assert line == (
+            "error: runs/cpu-tiny/r1/run.json: a file of the run folder runs/cpu-tiny/r1, not an experiment file: "
+            "`runner launch runs/cpu-tiny/r1` resumes the run; `runner show runs/cpu-tiny/r1` prints the resolved "
+            "runs/cpu-tiny/r1/experiment.yaml"
+        ), verb
 
 
 @pytest.mark.slow  # ~3.5 s: three whole `runner validate` runs
