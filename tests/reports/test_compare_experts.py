@@ -23,3 +23,23 @@ def test_compare_shows_each_moe_runs_routing_and_per_layer_imbalance_from_its_re
     want = balance[(balance["domain"] == "(all)") & (balance["layer"] == 1)]["load_imbalance"].iloc[0]
     assert frame.loc["layer 1 imbalance", "aux-loss"] == round(float(want), 4)
     assert "## Expert load balance" in render_markdown(comp)
+
+
+def test_a_dense_run_and_a_mixture_of_experts_compare_their_mfu_by_one_rule():
+    """A dense model's active parameters are its non-embedding ones (SPEC 'Mixture-of-experts'): the dense
+    report (`non_embedding`) and the MoE report (`active`) count by one rule, so their MFU compares (it
+    was marked NOT comparable, in the comparison users make first). An MoE counted `non_embedding` (every
+    expert) is another rule."""
+    dense = REPO / "reports/cpu-tiny/20261201-crash-resume"
+    sources = [load_source(str(dense)), load_source(str(MOE_REPORT))]
+    assign_labels(sources)
+    assert [str(s.summary["params_counted"]) for s in sources] == ["non_embedding", "active"]
+    comp = compare(sources)
+    assert comp.mfu_comparable and comp.mfu_differences == []
+    sources[1].tables["run_summary"].loc[0, "params_counted"] = "non_embedding"
+    comp = compare(sources)
+    assert not comp.mfu_comparable
+    assert comp.mfu_differences == [
+        "params_counted: non_embedding (dense: non_embedding = active) (cpu-tiny) vs non_embedding (every expert) "
+        "(cpu-tiny-moe)"
+    ]

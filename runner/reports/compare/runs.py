@@ -427,8 +427,8 @@ def speed(sources: list[Source]) -> tuple[pd.DataFrame, bool, list[str]]:
         rows.append(row)
     differences = []
     for f in MFU_CONVENTION:
-        values = [str(s.summary[f]) for s in sources]
-        if len(set(values)) > 1:
+        values = [_convention_label(s, f) for s in sources]
+        if len({_convention_value(s, f) for s in sources}) > 1:
             differences.append(f"{f}: " + " vs ".join(f"{v} ({s.label})" for v, s in zip(values, sources)))
     kinds = [_peak_kind(s.summary["peak_source"]) for s in sources]
     if len(set(kinds)) > 1:
@@ -438,6 +438,31 @@ def speed(sources: list[Source]) -> tuple[pd.DataFrame, bool, list[str]]:
         not differences,
         differences,
     )
+
+
+def _is_dense(s: Source) -> bool:
+    model = s.cfg.get("model") if isinstance(s.cfg, dict) else None
+    return not (isinstance(model, dict) and model.get("moe"))
+
+
+def _convention_label(s: Source, field: str) -> str:
+    """The field as a difference line shows it: what `params_counted` counts for this model."""
+    value = str(s.summary[field])
+    if field != "params_counted" or value not in ("non_embedding", "active"):
+        return value
+    if _is_dense(s):
+        return f"{value} (dense: non_embedding = active)"
+    return "active" if value == "active" else "non_embedding (every expert)"
+
+
+def _convention_value(s: Source, field: str) -> str:
+    """A run's MFU convention field as compared: a dense model's active parameters are its non-embedding
+    ones (SPEC 'Mixture-of-experts'; runner.planning.flops ParamCounts.active), so a dense run counted
+    `non_embedding` and a mixture of experts counted `active` count by one rule, and their MFU compares."""
+    value = str(s.summary[field])
+    if field == "params_counted" and (value == "active" or (_is_dense(s) and value == "non_embedding")):
+        return "active"
+    return value
 
 
 def compare(sources: list[Source]) -> Comparison:
