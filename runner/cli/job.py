@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -58,7 +59,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--run-dir",
         default=None,
-        help="the run folder every attempt resumes (default runs/<experiment>/<timestamp>, on SkyPilot under the bucket; fixed in the file)",
+        help="the run folder every attempt resumes (default runs/<experiment>/<timestamp>; on SkyPilot on the bucket: a "
+        "relative path is taken under /runner-store; fixed in the file)",
     )
     p.add_argument(
         "--bucket",
@@ -366,6 +368,20 @@ def refuse_unpinned(exp) -> None:
         )
 
 
+def on_bucket(run_dir: str) -> str:
+    """A SkyPilot run folder on the bucket every node mounts at STORE: a relative --run-dir is taken
+    under it (in the workdir it would live on one node's disk and go with the cluster, checkpoints
+    included); an absolute one must be under it."""
+    path = Path(os.path.normpath(Path(STORE) / run_dir))
+    if path == Path(STORE) or Path(STORE) not in path.parents:
+        raise RunnerError(
+            f"{run_dir!r} is not under the bucket mounted at {STORE}: a run folder elsewhere lives on one node's "
+            f"disk and goes with the cluster; give a path on the bucket (runs/NAME, or {STORE}/runs/NAME)",
+            key="--run-dir",
+        )
+    return str(path)
+
+
 def cmd_job(args) -> int:
     from runner.planning.resources import load_experiment
 
@@ -385,6 +401,8 @@ def cmd_job(args) -> int:
     run_dir = args.run_dir or str(runs / exp.config.name / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     if any(not c.isprintable() for c in run_dir):
         raise RunnerError("holds a control character", key="--run-dir")
+    if args.skypilot:
+        run_dir = on_bucket(run_dir)
     if args.slurm:
         print(slurm_script(exp, args.experiment, run_dir, slurm_options(args)), end="")
     else:

@@ -221,6 +221,13 @@ def test_skypilot_task_keeps_what_outlives_the_cluster_and_installs_the_runtime_
     cpu = yaml.safe_load(job("experiments/cpu-tiny.yaml", "--skypilot"))
     assert cpu["setup"].splitlines()[-1] == "python -m pip install --quiet -e ."
     assert cpu["file_mounts"]["/runner-store"]["name"] == "cpu-tiny-runner"
+    # the run folder is on the bucket: a relative --run-dir under it (in the workdir it went with the cluster)
+    assert cpu["envs"]["RUN_DIR"].startswith("/runner-store/runs/cpu-tiny/")
+    on = yaml.safe_load(job("experiments/cpu-tiny.yaml", "--skypilot", "--run-dir", "runs/cpu-tiny/main"))
+    assert on["envs"]["RUN_DIR"] == "/runner-store/runs/cpu-tiny/main"
+    for off in ("/scratch/runs/x", "../x", "runs/../../x"):
+        line = _refused(REPO, "experiments/cpu-tiny.yaml", "--skypilot", "--run-dir", off)
+        assert line.startswith(f"error: --run-dir: {off!r} is not under the bucket mounted at /runner-store"), line
 
 
 @pytest.mark.slow
