@@ -134,6 +134,7 @@ def test_job_refuses_an_unpinned_experiment_and_flags_it_cannot_write_safely():
     assert not (REPO / "P").exists()
 
 
+@pytest.mark.slow
 def test_job_refuses_a_time_limit_the_run_could_not_train_in():
     """The job saves and requeues itself SIGNAL_SECONDS before its limit: under 10 minutes every attempt
     would resume and save without training, and 0 is Slurm's "no limit"."""

@@ -69,6 +69,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_publish_never_replaces_the_run_or_what_is_not_a_published_copy(tmp_path):
     """publish replaces reports/<experiment>/<run_id>/ whole and rewrites the index: `--reports-dir runs`
     replaced the run folder itself by its report (checkpoints, ledger gone), `--reports-dir .` would
