@@ -163,10 +163,10 @@ def check_same_experiment(exp: Experiment, run_dir: Path) -> None:
     )
 
 
-#: what a run folder holds (create_run_folder, the lock, the ledger, the report)
+#: what a run folder holds (create_run_folder, the lock and its owner file, the ledger, the report)
 RUN_FOLDER_ENTRIES = frozenset(
     ("checkpoints", "journal", "metrics", "manifests", "experiment.yaml", "fingerprint.txt", "run.json", "lock")
-    + ("ledger.json", "report", "downstream")
+    + ("lock.owner", "ledger.json", "report", "downstream")
 )
 
 

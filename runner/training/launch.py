@@ -188,7 +188,11 @@ def check_new_run_dir(run_dir: Path) -> None:
         return
     if not run_dir.is_dir():
         raise RunnerError("exists and is not a folder: give a new folder for the run", file=str(run_dir))
-    other = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FOLDER_ENTRIES and not p.name.startswith("."))
+    other = sorted(
+        p.name
+        for p in run_dir.iterdir()
+        if p.name not in RUN_FOLDER_ENTRIES and not p.name.startswith((".", "lock.owner.stale-"))
+    )
     if other:
         raise RunnerError(
             f"holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''} and no run: --run-dir is a new "
