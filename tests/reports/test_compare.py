@@ -252,13 +252,13 @@ def test_compare_never_writes_over_what_is_not_a_comparison(tmp_path, cli):
     assert "--labels: '' is not a label" in refused("--labels", ",z")
     assert "name the same folder runs/<label>" in refused("--labels", "a b,a_b")
     assert {p: _tree(p) for p in (a, b, other)} == before and afile.read_text() == "mine"
-    out_dir = tmp_path / "cmp"
-    assert cli("compare", a, b, "--out", out_dir, "--labels", "lr=3e-4,base").returncode == 0
-    (out_dir / "notes").mkdir()
+    out_dir = tmp_path / "cmp"  # an earlier comparison, with a folder of the user's own in it
+    (out_dir / "notes").mkdir(parents=True)
     (out_dir / "notes" / "why.md").write_text("mine")
-    remade = cli("compare", *sorted((out_dir / "runs").iterdir()), "--out", out_dir)
+    (out_dir / "comparison.json").write_text("{}")
+    remade = cli("compare", a, b, "--out", out_dir, "--labels", "lr=3e-4,base")
     assert remade.returncode == 0, remade.stderr
-    assert (out_dir / "notes" / "why.md").read_text() == "mine"
+    assert (out_dir / "notes" / "why.md").read_text() == "mine" and (out_dir / "runs" / "lr_3e-4").is_dir()
 
 
 def test_a_report_failing_its_audit_is_not_put_in_a_comparison_folder(tmp_path, cli):
