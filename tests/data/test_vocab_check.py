@@ -5,6 +5,7 @@ data: tests/cli/test_newcomer_friction.py validates three of them over the built
 
 from __future__ import annotations
 
+import pytest
 from bad_input_helpers import one_error, run_cli
 
 
@@ -13,6 +14,7 @@ def _shrink_vocab(project, ids: int) -> None:
     recipe.write_text(recipe.read_text().replace("vocab_size: 4096", f"vocab_size: {ids}"))
 
 
+@pytest.mark.slow
 def test_a_vocab_below_the_tokenizers_ids_is_one_line_at_validate_and_launch(project, capsys, monkeypatch):
     monkeypatch.chdir(project)
     _shrink_vocab(project, 1000)

@@ -462,6 +462,7 @@ def _fuzzed_claim(changes) -> dict:
     return claim
 
 
+@pytest.mark.slow
 def test_fuzzed_claim_files_exit_0_1_or_2_with_one_line_and_no_traceback(tmp_path, capsys, monkeypatch):
     """Every shape of a claim file: a verdict (0 or 1), or one `error: FILE: ...` line and exit 2."""
     import signal

@@ -261,6 +261,7 @@ def test_compare_never_writes_over_what_is_not_a_comparison(tmp_path, cli):
     assert (out_dir / "notes" / "why.md").read_text() == "mine" and (out_dir / "runs" / "lr_3e-4").is_dir()
 
 
+@pytest.mark.slow
 def test_a_report_failing_its_audit_is_not_put_in_a_comparison_folder(tmp_path, cli):
     a = make_run(tmp_path, run_id="a")
     b = make_run(tmp_path, run_id="b")

@@ -46,6 +46,7 @@ def _stored(db: Path, run_id: str) -> dict:
         }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_its_own_process_stores_what_the_launchs_process_stores(tmp_path, store):
     artifact = tmp_path / "experiment.yaml"
@@ -98,6 +99,7 @@ def test_a_killed_mlflow_process_loses_nothing_and_is_started_again(tmp_path, st
     assert t.finish()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_a_stop_signal_does_not_end_it_and_its_stdin_closing_does(tmp_path, store):
     uri = store(tmp_path / "mlflow.db")
@@ -128,6 +130,7 @@ def test_which_launches_start_it(monkeypatch):
     assert not mlflow_child.wanted(True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize("process", ["1", "0"])
 def test_a_launch_records_where_mlflow_ran_and_leaves_no_process(tmp_path, monkeypatch, process):
