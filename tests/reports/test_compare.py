@@ -70,6 +70,7 @@ def _row(records: list[dict], **match) -> dict:
     return next(r for r in records if all(r[k] == v for k, v in match.items()))
 
 
+@pytest.mark.slow
 def test_mfu_under_different_conventions_is_shown_but_marked_not_comparable(tmp_path, cli):
     a = make_run(tmp_path, run_id="a")
     b = make_run(tmp_path, run_id="b")

@@ -25,6 +25,7 @@ def _strings(value):
         yield value
 
 
+@pytest.mark.slow
 def test_published_run_json_has_paths_relative_to_the_project_or_none(tmp_path):
     root = tmp_path / "project"
     run = make_run(root)
