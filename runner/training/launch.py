@@ -177,10 +177,21 @@ def resolve(req: Request) -> tuple[Experiment, Path | None, bool]:
         return exp, run_dir, True
     if run_dir is not None:
         check_new_run_dir(run_dir)
+    elif req.run_name:
+        named = Path("runs") / exp.config.name / req.run_name  # where _claim_folder puts it
+        if is_run_dir(named):
+            status = RunFolder(named).record().status
+            raise RunnerError(
+                f"already a run ({status}): `runner launch {named}` resumes or extends it; give another "
+                "--run-name for a new run",
+                file=str(named),
+                key="--run-name",
+            )
+        check_new_run_dir(named, "--run-name")
     return exp, run_dir, False
 
 
-def check_new_run_dir(run_dir: Path) -> None:
+def check_new_run_dir(run_dir: Path, flag: str = "--run-dir") -> None:
     """A --run-dir that holds no run yet: new, empty, or what a launch killed while making it left there
     (RUN_FOLDER_ENTRIES). A folder of other files (`--run-dir .`: the project) is refused, before the
     run's files are mixed into it."""
@@ -195,10 +206,10 @@ def check_new_run_dir(run_dir: Path) -> None:
     )
     if other:
         raise RunnerError(
-            f"holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''} and no run: --run-dir is a new "
+            f"holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''} and no run: {flag} names a new "
             "or empty folder, or a run folder to resume",
             file=str(run_dir),
-            key="--run-dir",
+            key=flag,
         )
 
 

@@ -293,11 +293,25 @@ def test_a_run_folder_that_cannot_be_made_is_one_line(project_with_data, capsys,
     listing = sorted(p.name for p in project_with_data.iterdir())
     line = one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--no-tracking", "--run-dir", ".")[::2])
     assert line.startswith(
-        "error: .: --run-dir: holds blocker, data, experiments ... and no run: --run-dir is a new"
+        "error: .: --run-dir: holds blocker, data, experiments ... and no run: --run-dir names a new"
     ), line
     assert sorted(p.name for p in project_with_data.iterdir()) == listing
     line = one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--run-dir", "blocker")[::2])
     assert line == "error: blocker: exists and is not a folder: give a new folder for the run", line
+    # --run-name of an existing run said "became a run while this launch started ... launch again", forever
+    taken = project_with_data / "runs" / "cpu-tiny" / "taken"
+    taken.mkdir(parents=True)
+    (taken / "experiment.yaml").write_text("name: cpu-tiny\n")
+    (taken / "run.json").write_text(json.dumps({"run_id": "taken", "status": "finished"}))
+    line = one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--run-name", "taken")[::2])
+    assert line == (
+        "error: runs/cpu-tiny/taken: --run-name: already a run (finished): `runner launch runs/cpu-tiny/taken` "
+        "resumes or extends it; give another --run-name for a new run"
+    ), line
+    (taken.parent / "notes").mkdir()
+    (taken.parent / "notes" / "mine.txt").write_text("mine")
+    line = one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--run-name", "notes")[::2])
+    assert line.startswith("error: runs/cpu-tiny/notes: --run-name: holds mine.txt and no run"), line
 
 
 def test_the_cards_reproduce_line_names_a_run_as_launch_takes_it(monkeypatch):
