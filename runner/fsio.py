@@ -57,6 +57,13 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def new_or_empty_folder(path: str | os.PathLike) -> bool:
+    """Nothing at `path`, or an empty folder: where a command may put a folder of its own without
+    losing anything (export's --out, report's --dest, compare's --out)."""
+    path = Path(path)
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
 def staging_folder(dest: str | os.PathLike) -> Path:
     """An empty folder beside `dest` to build its next content in (`replace_folder` puts it in place);
     what a killed writer left beside `dest` before is removed first."""

@@ -29,8 +29,10 @@ def _report(args) -> int:
     if not target.is_dir():
         if not rpt.MLFLOW_RUN_ID.match(args.run):
             raise RunnerError("no such run folder, and not an MLflow run id", file=args.run)
+        from runner.fsio import new_or_empty_folder
+
         dest = Path(args.dest) if args.dest else None
-        if dest is not None and dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
+        if dest is not None and not new_or_empty_folder(dest):
             raise RunnerError(
                 "exists and is not an empty folder: the run's artifacts are downloaded over what is there "
                 "(a run folder's run.json, ledger.json); give a new or empty folder",

@@ -28,7 +28,7 @@ from runner.export import DEFAULT_MAX_SHARD_SIZE, card, export_scoring, folder, 
 from runner.export.push import Pushed, check_repo_id, check_token, push_folder
 from runner.export.source import Source, open_source, quiet_transformers
 from runner.export.stale import check_report_current
-from runner.fsio import fsync_dir, fsync_file
+from runner.fsio import fsync_dir, fsync_file, new_or_empty_folder
 
 #: the export's own record in the folder: which checkpoint, which runner, what was verified
 RECORD = "export.json"
@@ -59,7 +59,7 @@ def _check_out(out: Path, run_dir: Path) -> None:
             key="--out",
         )
     try:
-        taken = out.exists() and (not out.is_dir() or any(out.iterdir()))
+        taken = not new_or_empty_folder(out)
     except OSError as e:
         raise RunnerError(f"cannot be read ({e.strerror or e})", file=str(out), key="--out") from None
     if taken:

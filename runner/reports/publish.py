@@ -60,7 +60,7 @@ def check_destination(dest: Path, run_dir: Path, reports_dir: Path, is_ours) -> 
     run folder by its report, checkpoints gone); the index README.md is rewritten, so one that is not an
     index (`--reports-dir .`: the project's README) is refused."""
     where, run = dest.resolve(), run_dir.resolve()
-    if where == run or run in where.parents or where in run.parents:
+    if where.is_relative_to(run) or run.is_relative_to(where):
         raise RunnerError(
             f"{dest} is inside or around the run folder {run_dir}: give the repository's reports folder",
             key="--reports-dir",
