@@ -63,7 +63,7 @@ def join_key(prefix: str, key: str) -> str:
 #: Exit codes of the `runner` command.
 EXIT_OK = 0
 EXIT_DISCREPANCY = 1  #: ran on good input and found a problem: an audit failed, a smoke run differed, data is pending
-EXIT_USAGE = 2  #: unusable input (a RunnerError)
+EXIT_USAGE = 2  #: unusable input (a RunnerError), or a path the system refused (an OSError naming it)
 EXIT_PREEMPTED = 3  #: a run stopped by a signal after saving a checkpoint (resume it)
 EXIT_NONFINITE = 4  #: a run stopped at a non-finite loss, the step not committed
 EXIT_UNVERIFIED = 5  #: `runner audit`: consistent, but named checks could not run (`--require-verified` makes it 1)

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from runner.errors import RunnerError
+from runner.errors import RunnerError, display_path
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -62,6 +62,38 @@ def new_or_empty_folder(path: str | os.PathLike) -> bool:
     losing anything (export's --out, report's --dest, compare's --out)."""
     path = Path(path)
     return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
+def _file_above(path: Path) -> Path | None:
+    """The first of `path`'s parents that exists and is not a folder (so nothing can be made under it)."""
+    for parent in reversed(path.absolute().parents):
+        if parent.exists() and not parent.is_dir():
+            return parent
+    return None
+
+
+def check_output_file(path: str | os.PathLike, key: str) -> Path:
+    """`path` as a file a command may write (a --markdown FILE): not a folder, and under no file;
+    otherwise one RunnerError naming the flag, before anything is written."""
+    path = Path(path)
+    if path.is_dir():
+        raise RunnerError(f"{path} is a folder: give the file to write", key=key)
+    blocker = _file_above(path)
+    if blocker is not None:
+        raise RunnerError(f"{path} cannot be written: {display_path(blocker)} is a file, not a folder", key=key)
+    return path
+
+
+def check_output_folder(path: str | os.PathLike, key: str) -> Path:
+    """`path` as a folder a command may write files into (fit's --out): a folder or nothing yet, under
+    no file; otherwise one RunnerError naming the flag, before anything is written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise RunnerError(f"{path} exists and is not a folder: give a folder", key=key)
+    blocker = _file_above(path)
+    if blocker is not None:
+        raise RunnerError(f"{path} cannot be made: {display_path(blocker)} is a file, not a folder", key=key)
+    return path
 
 
 def staging_folder(dest: str | os.PathLike) -> Path:

@@ -136,12 +136,13 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_check_pr(args) -> int:
+    from runner.fsio import check_output_file
     from runner.reports.pr_review import Loads, check_pr, review_markdown
 
+    md = check_output_file(args.markdown, "--markdown") if args.markdown else None
     loads = Loads()
     problems, report = check_pr(args.base, Path.cwd(), loads)
-    if args.markdown:
-        md = Path(args.markdown)
+    if md is not None:
         md.parent.mkdir(parents=True, exist_ok=True)
         md.write_text(review_markdown(args.base, Path.cwd(), problems, loads))
         report.append(f"review summary written to {md}")
@@ -226,6 +227,16 @@ def main(argv: list[str] | None = None) -> int:
         # at devnull, or the interpreter's last flush fails again and prints a traceback.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except OSError as e:
+        # A path the system refused (a folder where a file goes, a file above a folder to make, no
+        # permission) that no check of the verb named: one line naming the path, not a traceback.
+        # An OSError naming no path is not a path the user gave: its traceback is kept.
+        if e.filename is None:
+            raise
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            other = f" -> {e.filename2}" if e.filename2 is not None else ""
+            print(f"error: {e.filename}{other}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -787,3 +787,48 @@ def test_a_folder_where_a_json_or_yaml_file_is_read_is_one_line(tmp_path, capsys
     assert line == f"error: {tmp_path}: is a folder, not a JSON file"
     line = one_error(*run_cli(capsys, "audit-claims", str(tmp_path))[::2])
     assert line == f"error: {tmp_path}: is a folder, not a YAML file"
+
+
+def test_an_output_path_that_is_a_folder_or_under_a_file_is_one_line_and_nothing_is_written(
+    tmp_path, capsys, monkeypatch
+):
+    """check-pr's and compare's --markdown FOLDER or FILE/x.md and fit's --out FILE ended in tracebacks
+    (IsADirectoryError from the write, FileExistsError from mkdir), check-pr's after the whole review."""
+    monkeypatch.chdir(tmp_path)  # not a git checkout: check-pr names --markdown before it looks for one
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("mine")
+    reports = [str(REPO / "reports" / e / "20261201-crash-resume") for e in ("cpu-tiny", "cpu-tiny-moe")]
+    cases = [
+        (["check-pr", "--base", "HEAD", "--markdown", "d"], "--markdown: d is a folder: give the file to write"),
+        (
+            ["check-pr", "--base", "HEAD", "--markdown", "f/x.md"],
+            "--markdown: f/x.md cannot be written: f is a file, not a folder",
+        ),
+        (
+            ["compare", *reports, "--markdown", "f/x.md"],
+            "--markdown: f/x.md cannot be written: f is a file, not a folder",
+        ),
+        (["compare", *reports, "--out", "f/x"], "--out: f/x cannot be made: f is a file, not a folder"),
+        (["fit", reports[0], "--out", "f"], "--out: f exists and is not a folder: give a folder"),
+        (["fit", reports[0], "--out", "f/g"], "--out: f/g cannot be made: f is a file, not a folder"),
+    ]
+    for argv, says in cases:
+        assert one_error(*run_cli(capsys, *argv)[::2]) == f"error: {says}", argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"]
+    assert (tmp_path / "f").read_text() == "mine" and not any((tmp_path / "d").iterdir())
+
+
+def test_an_os_error_naming_a_path_is_one_line_and_one_naming_none_keeps_its_traceback(tmp_path, capsys, monkeypatch):
+    """The CLI's last net: a path the system refused that no check of the verb named (here a folder read
+    as a file) is `error: PATH: reason`, exit 2; an OSError naming no path is no user's input: raised."""
+    import runner.cli as cli
+
+    monkeypatch.setattr(cli, "_cmd_show", lambda args: Path(args.experiment).read_text())
+    assert one_error(*run_cli(capsys, "show", str(tmp_path))[::2]) == f"error: {tmp_path}: Is a directory"
+
+    def no_path(args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(cli, "_cmd_show", no_path)
+    with pytest.raises(OSError, match="Input/output error"):
+        cli.main(["show", "x"])

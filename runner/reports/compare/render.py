@@ -16,7 +16,14 @@ import pandas as pd
 
 from runner.config.load import repo_root
 from runner.errors import RunnerError
-from runner.fsio import new_or_empty_folder, read_json, replace_folder, staging_folder
+from runner.fsio import (
+    check_output_file,
+    check_output_folder,
+    new_or_empty_folder,
+    read_json,
+    replace_folder,
+    staging_folder,
+)
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
 from runner.reports.audit.evidence import write_report_with_evidence
@@ -329,12 +336,13 @@ def check_outputs(sources: list[Source], out: Path | None, markdown: Path | None
         for folder in inside:
             if path.resolve().is_relative_to(folder):
                 raise RunnerError(f"{path} is inside a compared folder ({folder}): write it elsewhere", key=flag)
-    if markdown is not None and markdown.is_dir():
-        raise RunnerError(f"{markdown} is a folder: give the markdown file to write", key="--markdown")
-    if out is None or new_or_empty_folder(out):
+    if markdown is not None:
+        check_output_file(markdown, "--markdown")
+    if out is None:
         return
-    if not out.is_dir():
-        raise RunnerError(f"{out} exists and is not a folder: give a new folder", key="--out")
+    check_output_folder(out, "--out")
+    if new_or_empty_folder(out):
+        return
     if not is_comparison_folder(out):
         raise RunnerError(
             f"{out} holds other things and no comparison: --out replaces its folder whole, so give a new "
