@@ -26,6 +26,11 @@ def _report(args) -> int:
     from runner.reports import tables as rpt
 
     target = Path(args.run)
+    if target.is_dir() and args.dest:
+        raise RunnerError(
+            f"is for an MLflow run id: a run folder's report is written to {target / 'report'}",
+            key="--dest",
+        )
     if not target.is_dir():
         if not rpt.MLFLOW_RUN_ID.match(args.run):
             raise RunnerError("no such run folder, and not an MLflow run id", file=args.run)

@@ -268,6 +268,15 @@ def _check_moved_store(folder, uri: str) -> None:
         )
 
 
+def _nothing_to_sync(folder) -> bool:
+    """A run with no MLflow run and an empty journal (a --no-tracking launch): a sync would send nothing,
+    yet record its URI in run.json as the store every later tracked resume goes to."""
+    from runner.training.tracking import PENDING
+
+    pending = folder.path / PENDING
+    return not folder.record().mlflow.get("run_id") and (not pending.is_file() or not pending.read_bytes().strip())
+
+
 def cmd_sync(args) -> int:
     from runner.runs.folder import RunFolder, is_run_dir
     from runner.runs.lock import RunLock
@@ -278,6 +287,12 @@ def cmd_sync(args) -> int:
         raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(run_dir))
     # A server that moved is recorded in run.json: later resumes and syncs go there, so it must hold the run.
     with RunLock(run_dir, "runner sync"):  # a launch sending the same journal would send it twice
+        if _nothing_to_sync(RunFolder(run_dir)):
+            print(
+                f"{run_dir}: nothing to send: no MLflow run and no pending entries (launched with --no-tracking?); "
+                "run.json unchanged"
+            )
+            return EXIT_OK
         if args.tracking_uri:
             _check_moved_store(RunFolder(run_dir), args.tracking_uri)
         tracker = tracker_of(

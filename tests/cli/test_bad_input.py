@@ -832,3 +832,13 @@ def test_an_os_error_naming_a_path_is_one_line_and_one_naming_none_keeps_its_tra
     monkeypatch.setattr(cli, "_cmd_show", no_path)
     with pytest.raises(OSError, match="Input/output error"):
         cli.main(["show", "x"])
+
+
+def test_report_of_a_run_folder_refuses_dest_which_it_would_not_use(tmp_path, capsys):
+    """`runner report RUN_DIR --dest X` wrote RUN_DIR/report and said nothing of X (--dest is where an
+    MLflow run's artifacts are downloaded): refused, nothing written."""
+    run = tmp_path / "run"
+    run.mkdir()
+    line = one_error(*run_cli(capsys, "report", str(run), "--dest", str(tmp_path / "x"))[::2])
+    assert line == f"error: --dest: is for an MLflow run id: a run folder's report is written to {run / 'report'}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and not any(run.iterdir())

@@ -241,3 +241,26 @@ def test_audit_of_a_report_folder_creates_no_file(report_folder, tmp_path, monke
     out = capsys.readouterr().out
     assert "MLflow run reachable" in out and ("no MLflow store at" in out or "relative store path" in out), out
     assert listing() == before
+
+
+def test_sync_of_a_run_with_no_mlflow_run_and_nothing_pending_records_nothing(tmp_path, monkeypatch, capsys):
+    """`runner sync RUN --tracking-uri X` of a --no-tracking run sent nothing (there is nothing) yet recorded
+    X in run.json as the store every later tracked resume of the run goes to (any path, a file included)."""
+    from runner.cli import main
+
+    run = tmp_path / "run"
+    _fake_run(run, {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment_id": None, "run_id": None})
+    (run / "journal").mkdir()
+    (run / "journal" / "processed.jsonl").write_text("")  # what a --no-tracking launch leaves
+    before = (run / "run.json").read_text()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for extra in ([], ["--tracking-uri", "somefile"], ["--tracking-uri", "sqlite:///other.db"]):
+        capsys.readouterr()
+        assert main(["sync", str(run), *extra]) == 0, extra
+        assert capsys.readouterr().out == (
+            f"{run}: nothing to send: no MLflow run and no pending entries (launched with --no-tracking?); "
+            "run.json unchanged\n"
+        )
+        assert (run / "run.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
