@@ -25,7 +25,7 @@ import pandas as pd
 
 from runner.config.load import load_saved_experiment, repo_root
 from runner.errors import RunnerError
-from runner.fsio import atomic_write, read_json, replace_folder, staging_folder
+from runner.fsio import atomic_write, check_output_folder, read_json, replace_folder, staging_folder
 from runner.reports import markdown
 from runner.reports import tables as rpt
 from runner.reports.audit.evidence import write_report_with_evidence
@@ -59,6 +59,7 @@ def check_destination(dest: Path, run_dir: Path, reports_dir: Path, is_ours) -> 
     publish of it), and never the run folder or inside or around it (`--reports-dir runs` replaced the
     run folder by its report, checkpoints gone); the index README.md is rewritten, so one that is not an
     index (`--reports-dir .`: the project's README) is refused."""
+    check_output_folder(reports_dir, "--reports-dir")
     where, run = dest.resolve(), run_dir.resolve()
     if where.is_relative_to(run) or run.is_relative_to(where):
         raise RunnerError(

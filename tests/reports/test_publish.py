@@ -89,6 +89,7 @@ def test_publish_never_replaces_the_run_or_what_is_not_a_published_copy(tmp_path
         (run, "is inside or around the run folder"),
         (root, "README.md is not a published-runs index"),
         (root / "elsewhere", "exists and is not a published copy"),
+        (root / "README.md" / "reports", "README.md is a file, not a folder"),  # was `Not a directory`, no flag
     ):
         with pytest.raises(RunnerError, match=words) as e:
             publish(run, reports_dir)
