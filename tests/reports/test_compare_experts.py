@@ -43,3 +43,23 @@ def test_a_dense_run_and_a_mixture_of_experts_compare_their_mfu_by_one_rule():
         "params_counted: non_embedding (dense: non_embedding = active) (cpu-tiny) vs non_embedding (every expert) "
         "(cpu-tiny-moe)"
     ]
+
+
+def test_default_labels_never_name_one_runs_folder_twice():
+    """Each run's report copy is runs/<label> in a comparison folder: an experiment `a_b` beside two runs of
+    `a` (default labels `a/b` and `a/c`) named runs/a_b twice. Later labels whose folder is taken get #n."""
+    from types import SimpleNamespace
+
+    from runner.reports.compare.runs import folder_name
+
+    def runs(*pairs):
+        return [SimpleNamespace(summary={"experiment": e, "run_id": r}, label=None) for e, r in pairs]
+
+    sources = runs(("a_b", "1"), ("a", "b"), ("a", "c"), ("a_b_2", "9"))
+    assign_labels(sources)
+    labels = [s.label for s in sources]
+    assert labels == ["a_b", "a/b#2", "a/c", "a_b_2#2"]
+    assert len({folder_name(x) for x in labels}) == 4
+    plain = runs(("x", "1"), ("y", "2"), ("x", "3"))  # no folder shared: the labels as before
+    assign_labels(plain)
+    assert [s.label for s in plain] == ["x/1", "y", "x/3"]

@@ -157,6 +157,22 @@ def folder_name(label: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
 
 
+def _distinct_folders(labels: list[str]) -> list[str]:
+    """Default labels whose runs/<label> folders differ: an experiment `a_b` beside two runs of `a`
+    (labelled `a/b`, `a/c`) named one folder twice, the second copy refused midway; a later label whose
+    folder is taken gets `#n` (`a/b#2`, folder `a_b_2`)."""
+    taken: set[str] = set()
+    out = []
+    for label in labels:
+        shown, n = label, 1
+        while folder_name(shown) in taken:
+            n += 1
+            shown = f"{label}#{n}"
+        taken.add(folder_name(shown))
+        out.append(shown)
+    return out
+
+
 def assign_labels(sources: list[Source], labels: list[str] | None = None) -> None:
     """Each run's column name: given, else its experiment, else experiment/run_id where experiments
     repeat (and #n where even those do)."""
@@ -173,6 +189,7 @@ def assign_labels(sources: list[Source], labels: list[str] | None = None) -> Non
         names = [str(s.summary["experiment"]) for s in sources]
         labels = [n if names.count(n) == 1 else f"{n}/{s.summary['run_id']}" for n, s in zip(names, sources)]
         labels = [f"{x}#{labels[:i].count(x) + 1}" if labels.count(x) > 1 else x for i, x in enumerate(labels)]
+        labels = _distinct_folders(labels)
     for s, label in zip(sources, labels):
         s.label = label
 
