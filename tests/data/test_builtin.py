@@ -81,3 +81,19 @@ def test_builtin_never_replaces_a_domain_of_another_tokenizer(tmp_path):
         build_builtin(tmp_path / "data")
     assert {p.name: p.read_bytes() for p in (tmp_path / "data" / "code").iterdir()} == before
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["code"]
+
+
+def test_builtin_never_removes_a_sources_legal_folder_of_the_users_own(tmp_path):
+    """The build replaces OUT/sources/legal whole (a stale file would join the domain): a folder there of
+    the user's own files was removed. Refused before anything is written; an earlier build's is rebuilt."""
+    legal = tmp_path / "data" / "sources" / "legal"
+    legal.mkdir(parents=True)
+    (legal / "contract.txt").write_text("mine")
+    with pytest.raises(RunnerError, match=r"sources/legal: holds contract.txt, not the built-in legal documents"):
+        build_builtin(tmp_path / "data")
+    assert [p.name for p in legal.iterdir()] == ["contract.txt"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["sources"]
+    (legal / "contract.txt").unlink()
+    build_builtin(tmp_path / "data")  # an empty folder, then the build's own files: rebuilt
+    build_builtin(tmp_path / "data")
+    assert "contract.txt" not in {p.name for p in legal.iterdir()} and len(list(legal.iterdir())) > 1

@@ -51,18 +51,26 @@ def write_sources(sources_dir: Path) -> dict[str, Path]:
 
     legal = sources_dir / "legal"
     if legal.exists():
-        shutil.rmtree(legal)  # a stale file would silently join the domain
+        shutil.rmtree(legal)  # a stale file would silently join the domain (_refuse_foreign_domains: only ours)
     legal.mkdir(parents=True)
+    for name, record in _legal_files():
+        (legal / name).write_bytes(record["text"].encode("utf-8"))
+    return {"code": code, "prose": prose, "legal": legal}
+
+
+def _legal_files() -> list[tuple[str, dict]]:
+    """(file name, record) of each built-in legal document, as sources/legal/ holds it."""
+    out = []
     for i, record in enumerate(_jsonl_records("legal.jsonl.gz")):
         slug = re.sub(r"[^A-Za-z0-9]+", "-", record["id"].removeprefix("cpython-3.11/")).strip("-")
-        (legal / f"{i:03d}-{slug}.txt").write_bytes(record["text"].encode("utf-8"))
-    return {"code": code, "prose": prose, "legal": legal}
+        out.append((f"{i:03d}-{slug}.txt", record))
+    return out
 
 
 def _refuse_foreign_domains(out_dir: Path, tokenizer_sha256: str) -> None:
     """`--out data` where data/code holds a domain of the user's own (another tokenizer's manifest) is
     refused before anything is written: the build rewrites OUT/code, OUT/prose, OUT/legal and
-    OUT/sources/legal whole."""
+    OUT/sources/legal whole (a sources/legal/ holding any file but the built-in documents is refused too)."""
     for domain in DOMAINS:
         manifest = out_dir / domain / "manifest.json"
         try:
@@ -74,6 +82,16 @@ def _refuse_foreign_domains(out_dir: Path, tokenizer_sha256: str) -> None:
                 "holds a domain of another tokenizer, not the built-in corpus: `data builtin` would replace it; "
                 "give another --out",
                 file=manifest,
+            )
+    legal = out_dir / "sources" / "legal"
+    if legal.is_dir():
+        ours = {name for name, _ in _legal_files()}
+        other = sorted(p.name for p in legal.iterdir() if p.name not in ours or not p.is_file())
+        if other:
+            raise RunnerError(
+                f"holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, not the built-in legal documents: "
+                "`data builtin` replaces this folder whole; give another --out",
+                file=legal,
             )
 
 
