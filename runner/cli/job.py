@@ -338,9 +338,17 @@ def _slurm_time(value: str | None) -> str | None:
     return value
 
 
+#: the most CPUs --cpus-per-task takes: 4x a two-socket 192-core node with SMT (768 CPUs); a figure beyond
+#: it is a typo that sbatch would only refuse at submission
+MAX_CPUS_PER_TASK = 4096
+
+
 def slurm_options(args) -> SlurmOptions:
-    if args.cpus_per_task is not None and args.cpus_per_task < 1:
-        raise RunnerError(f"must be >= 1, got {args.cpus_per_task}", key="--cpus-per-task")
+    if args.cpus_per_task is not None and not 1 <= args.cpus_per_task <= MAX_CPUS_PER_TASK:
+        raise RunnerError(
+            f"must be 1 to {MAX_CPUS_PER_TASK} (more than any node has), got {args.cpus_per_task}",
+            key="--cpus-per-task",
+        )
     return SlurmOptions(
         time=_slurm_time(args.time),
         partition=_checked(args.partition, _SLURM_WORD, "--partition", "a partition name ([A-Za-z0-9._-])"),

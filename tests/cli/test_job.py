@@ -127,6 +127,9 @@ def test_job_refuses_an_unpinned_experiment_and_flags_it_cannot_write_safely():
     assert _refused(REPO, *exp, "--account", "$(id)").startswith("error: --account: ")
     assert _refused(REPO, *exp, "--time", "1:00\ntouch P").startswith("error: --time: ")
     assert _refused(REPO, *exp, "--run-dir", "runs/x\ntouch P").startswith("error: --run-dir: ")
+    assert _refused(REPO, *exp, "--cpus-per-task", "99999999999999") == (
+        "error: --cpus-per-task: must be 1 to 4096 (more than any node has), got 99999999999999"
+    )
     sky = ("experiments/cpu-tiny.yaml", "--skypilot")
     assert _refused(REPO, *sky, "--bucket", "My Bucket").startswith("error: --bucket: ")
     assert _refused(REPO, *sky, "--tracking-uri", "http://x'; touch P").startswith("error: --tracking-uri: ")
