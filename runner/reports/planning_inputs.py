@@ -205,6 +205,15 @@ def read_calibration(
 
     exp_file = run_dir / "experiment.yaml"
     run_cfg = load_saved_experiment(exp_file).config if exp_file.exists() else cfg
+    kinds = [("cpu" if str(c.hardware.accelerator) == "cpu" else "GPU") for c in (run_cfg, cfg)]
+    if kinds[0] != kinds[1]:  # a CPU run's 13% carried to an H200 plan made 1p3b 20.8 days
+        raise RunnerError(
+            f"trained on a {kinds[0]} ({run_cfg.hardware.device_name}), this plan is for a {kinds[1]} "
+            f"({cfg.hardware.device_name}): an MFU measured on one kind of device says nothing of the other; "
+            f"calibrate with a run on a {kinds[1]}",
+            file=str(run_dir),
+            key="--calibrate",
+        )
     same = run_cfg is cfg or (
         run_cfg.model == cfg.model and run_cfg.hardware == cfg.hardware and run_cfg.train.seq_len == cfg.train.seq_len
     )

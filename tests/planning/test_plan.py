@@ -255,6 +255,24 @@ def test_calibration_from_another_model_carries_its_mfu(tmp_path):
     assert m["mfu"] == pytest.approx(cal.mfu)
 
 
+def test_a_run_on_another_kind_of_device_does_not_calibrate(tmp_path):
+    """`runner plan experiments/1p3b.yaml --calibrate <a cpu-tiny run>` carried the CPU's 13% MFU to the
+    H200 plan (20.8 days, $2,125 in the measured column): refused, naming both devices."""
+    cfg = config()
+    cpu = config()
+    cpu["hardware"].update(name="cpu", accelerator="cpu", device_name="cpu", precision="fp32")
+    write_run(tmp_path / "run", [dict(tokens_per_second=1e4, step_seconds=1.0, wall_seconds=1.0)], cpu)
+    with pytest.raises(RunnerError) as err:
+        read_calibration(tmp_path / "run", typed(cfg))
+    assert str(err.value) == (
+        f"{tmp_path / 'run'}: --calibrate: trained on a cpu (cpu), this plan is for a GPU (H200 SXM): an MFU "
+        "measured on one kind of device says nothing of the other; calibrate with a run on a GPU"
+    )
+    write_run(tmp_path / "gpu", [dict(tokens_per_second=1e4, step_seconds=1.0, wall_seconds=1.0)], cfg)
+    with pytest.raises(RunnerError, match=r"trained on a GPU \(H200 SXM\), this plan is for a cpu \(cpu\)"):
+        read_calibration(tmp_path / "gpu", typed(cpu))
+
+
 def test_calibration_needs_metrics(tmp_path):
     with pytest.raises(RunnerError, match="metrics/train.jsonl"):
         read_calibration(tmp_path, typed(config()))
