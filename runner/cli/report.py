@@ -48,9 +48,15 @@ def _report(args) -> int:
         print(f"report written to {rpt.report_from_fetched(fetched)}")
         return EXIT_OK
     from runner.reports.audit.evidence import write_report_with_evidence
-    from runner.runs.folder import is_run_dir
+    from runner.runs.folder import is_report_copy, is_run_dir
     from runner.runs.lock import RunLock
 
+    if is_report_copy(target):  # it was rewritten from nothing ("ledger.json: missing"), a lock file left in it
+        raise RunnerError(
+            "a report folder: `runner report` rebuilds a report from its run folder (runs/<experiment>/<run_id>); "
+            f"`runner audit {args.run}` checks this one",
+            file=args.run,
+        )
     if not (target / "run.json").exists():  # a run folder's other files missing are named by the report
         raise RunnerError("not a run folder (no run.json): give runs/NAME/RUN_ID or an MLflow run id", file=args.run)
 

@@ -278,13 +278,13 @@ def _nothing_to_sync(folder) -> bool:
 
 
 def cmd_sync(args) -> int:
-    from runner.runs.folder import RunFolder, is_run_dir
+    from runner.runs.folder import RunFolder, is_run_dir, not_a_run_dir
     from runner.runs.lock import RunLock
     from runner.training.launch import tracker_of
 
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
-        raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(run_dir))
+        raise not_a_run_dir(run_dir)
     # A server that moved is recorded in run.json: later resumes and syncs go there, so it must hold the run.
     with RunLock(run_dir, "runner sync"):  # a launch sending the same journal would send it twice
         if _nothing_to_sync(RunFolder(run_dir)):

@@ -25,7 +25,7 @@ from runner.errors import RunnerError
 from runner.export.glm4moe import glm4moe_config, glm4moe_state
 from runner.fsio import read_json
 from runner.runs.checkpoints import dirname, verify
-from runner.runs.folder import is_run_dir
+from runner.runs.folder import is_run_dir, not_a_run_dir
 from runner.runs.runjson import as_record
 from runner.training.checkpoint import Checkpoint
 from runner.training.model import build_model, llama_config, olmoe_config
@@ -61,7 +61,7 @@ def open_source(run_dir: str | Path, step: int | None = None, command: str = "ex
     refusing = REFUSING[command]
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
-        raise RunnerError("not a run folder (no run.json and experiment.yaml)", file=str(run_dir))
+        raise not_a_run_dir(run_dir, "not a run folder (no run.json and experiment.yaml)")
     run = read_json(run_dir / "run.json")
     rec = as_record(run)
     committed = int(rec.committed_steps)

@@ -128,9 +128,33 @@ class RunFolder:
             repair_jsonl_tail(self.journal_path())
 
 
+#: the first table of every report folder (runner.reports.tables), never at the top of a run folder
+REPORT_MARK = "run_summary.parquet"
+
+
+def is_report_copy(path: Path) -> bool:
+    """A report folder (a run's report/ or a published copy): it holds run.json and experiment.yaml as
+    copies, so it looks like a run folder, but is never one to resume, extend, sync or lock."""
+    return (Path(path) / REPORT_MARK).exists()
+
+
 def is_run_dir(path: Path) -> bool:
-    """A run folder `runner launch` can resume: run.json and the experiment it trains."""
-    return (Path(path) / "run.json").exists() and (Path(path) / "experiment.yaml").exists()
+    """A run folder `runner launch` can resume: run.json and the experiment it trains, and no report's
+    tables (`runner launch reports/X/Y --extend-to N` wrote a segment, a lock and fingerprint.txt into a
+    published report, then failed)."""
+    path = Path(path)
+    return (path / "run.json").exists() and (path / "experiment.yaml").exists() and not is_report_copy(path)
+
+
+def not_a_run_dir(path: Path, why: str = "not a run folder (no run.json / experiment.yaml)") -> RunnerError:
+    """The one line for a folder that is not a run folder: `why`, or what a report folder is."""
+    if is_report_copy(path):
+        return RunnerError(
+            "a report folder (its run.json and experiment.yaml are copies), not a run folder: give the run "
+            "folder it reports on (runs/<experiment>/<run_id>)",
+            file=str(path),
+        )
+    return RunnerError(why, file=str(path))
 
 
 def is_reportable_run(path: Path) -> bool:

@@ -37,6 +37,7 @@ from runner.runs.folder import (
     create_run_folder,
     experiment_of_run,
     is_run_dir,
+    not_a_run_dir,
     segment_record,
 )
 from runner.runs.lock import RunLock, lock_records
@@ -166,7 +167,7 @@ def resolve(req: Request) -> tuple[Experiment, Path | None, bool]:
     target = Path(req.target)
     if target.is_dir():
         if not is_run_dir(target):
-            raise RunnerError("not a run folder (no run.json / experiment.yaml)", file=str(target))
+            raise not_a_run_dir(target)
         if req.run_dir and Path(req.run_dir).resolve() != target.resolve():
             raise RunnerError("give either a run folder or --run-dir, not two different folders", file=str(target))
         return checked_experiment_of_run(target), target, True

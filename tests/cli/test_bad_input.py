@@ -842,3 +842,31 @@ def test_report_of_a_run_folder_refuses_dest_which_it_would_not_use(tmp_path, ca
     line = one_error(*run_cli(capsys, "report", str(run), "--dest", str(tmp_path / "x"))[::2])
     assert line == f"error: --dest: is for an MLflow run id: a run folder's report is written to {run / 'report'}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and not any(run.iterdir())
+
+
+def test_a_report_folder_is_never_taken_for_the_run_it_reports_on(tmp_path, capsys, monkeypatch):
+    """A report folder holds copies of run.json and experiment.yaml, so it passed for a run folder:
+    `runner launch reports/X/Y --extend-to N` wrote a segment, a lock and fingerprint.txt into a published
+    report and failed; `runner report` of it left a lock file there. Each verb is one line, the copy untouched."""
+    import shutil
+
+    report = tmp_path / "report"
+    shutil.copytree(REPO / "reports" / "cpu-tiny" / "20261201-crash-resume", report)
+    before = {p.relative_to(report): p.read_bytes() for p in report.rglob("*") if p.is_file()}
+    monkeypatch.chdir(tmp_path)
+    says = (
+        "error: report: a report folder (its run.json and experiment.yaml are copies), not a run folder: "
+        "give the run folder it reports on (runs/<experiment>/<run_id>)"
+    )
+    for argv in (
+        ["launch", "report", "--extend-to", "378880", "--no-tracking"],
+        ["launch", "report"],
+        ["sync", "report"],
+        ["export", "report", "--out", "out"],
+        ["eval", "report"],
+    ):
+        assert one_error(*run_cli(capsys, *argv)[::2]) == says, argv
+    line = one_error(*run_cli(capsys, "report", "report")[::2])
+    assert line.startswith("error: report: a report folder: `runner report` rebuilds a report from its run folder")
+    assert {p.relative_to(report): p.read_bytes() for p in report.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]

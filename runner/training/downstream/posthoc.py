@@ -19,7 +19,7 @@ import numpy as np
 from runner.errors import RunnerError
 from runner.fsio import atomic_write_json, read_json
 from runner.runs.checkpoints import verify
-from runner.runs.folder import experiment_of_run, is_run_dir
+from runner.runs.folder import experiment_of_run, is_run_dir, not_a_run_dir
 from runner.training.checkpoint import Checkpoint
 from runner.training.downstream.run import prepare, requests_name, score, task_specs, write_requests
 from runner.training.model import build_model
@@ -34,7 +34,7 @@ def find_checkpoint(target: Path) -> tuple[Path, Path]:
             raise RunnerError(f"checkpoint does not verify: {problem}", file=str(target))
         return target.parents[1], target
     if not is_run_dir(target):
-        raise RunnerError("neither a run folder (run.json, experiment.yaml) nor a checkpoint folder", file=str(target))
+        raise not_a_run_dir(target, "neither a run folder (run.json, experiment.yaml) nor a checkpoint folder")
     found = sorted((target / "checkpoints").glob("step-*"), reverse=True)
     for path in found:
         if path.name.removeprefix("step-").isdigit() and verify(path) is None:
