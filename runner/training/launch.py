@@ -162,6 +162,16 @@ def make_accelerator(cfg: ExperimentSchema) -> Accelerator:
     return acc
 
 
+def _check_run_name(run_dir: Path, run_name: str | None) -> None:
+    """--run-name names a new run: with a run folder to resume it was ignored (the run keeps its id)."""
+    recorded = RunFolder(run_dir).record().run_id
+    if run_name and run_name != recorded:
+        raise RunnerError(
+            f"names a new run; {run_dir} is run {recorded}, resumed or extended under that name",
+            key="--run-name",
+        )
+
+
 def resolve(req: Request) -> tuple[Experiment, Path | None, bool]:
     """(experiment, run folder or None for a new default one, whether the folder holds a run)."""
     target = Path(req.target)
@@ -170,11 +180,13 @@ def resolve(req: Request) -> tuple[Experiment, Path | None, bool]:
             raise not_a_run_dir(target)
         if req.run_dir and Path(req.run_dir).resolve() != target.resolve():
             raise RunnerError("give either a run folder or --run-dir, not two different folders", file=str(target))
+        _check_run_name(target, req.run_name)
         return checked_experiment_of_run(target), target, True
     exp = load_experiment(target)
     run_dir = Path(req.run_dir) if req.run_dir else None
     if run_dir is not None and is_run_dir(run_dir):
         check_same_experiment(exp, run_dir)
+        _check_run_name(run_dir, req.run_name)
         return exp, run_dir, True
     if run_dir is not None:
         check_new_run_dir(run_dir)

@@ -870,3 +870,19 @@ def test_a_report_folder_is_never_taken_for_the_run_it_reports_on(tmp_path, caps
     assert line.startswith("error: report: a report folder: `runner report` rebuilds a report from its run folder")
     assert {p.relative_to(report): p.read_bytes() for p in report.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+
+
+def test_run_name_with_a_run_to_resume_is_refused_not_ignored(tmp_path, capsys, monkeypatch):
+    """`runner launch RUN --run-name x` (or `--run-dir RUN --run-name x`) resumed RUN under its own id and
+    said nothing of x: refused in one line; the run's own id is taken."""
+    run = tmp_path / "runs" / "cpu-tiny" / "r1"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": "r1", "experiment": "cpu-tiny"}))
+    from runner.config.load import load_experiment, to_yaml
+
+    (run / "experiment.yaml").write_text(to_yaml(load_experiment(REPO / "experiments/cpu-tiny.yaml").config))
+    monkeypatch.chdir(tmp_path)
+    says = "--run-name: names a new run; runs/cpu-tiny/r1 is run r1, resumed or extended under that name"
+    assert one_error(*run_cli(capsys, "launch", "runs/cpu-tiny/r1", "--run-name", "x")[::2]).endswith(says)
+    argv = ["launch", str(REPO / "experiments/cpu-tiny.yaml"), "--run-dir", "runs/cpu-tiny/r1", "--run-name", "x"]
+    assert one_error(*run_cli(capsys, *argv)[::2]).endswith(says)
