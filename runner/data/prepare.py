@@ -326,14 +326,24 @@ def _ordered_results(batches, workers: int, init_args: tuple[str, int, str]):
 
 def _refuse_another_domains_folder(out_dir: Path, domain: str) -> None:
     """A rerun rewrites its own domain's folder; a folder whose manifest.json holds another domain
-    (`--out data/builtin/code --domain d`) is refused before anything there is touched."""
+    (`--out data/builtin/code --domain d`), or is no manifest of ours (a web app's, which a rerun removed),
+    is refused before anything there is touched."""
     if out_dir.exists() and not out_dir.is_dir():
         raise RunnerError("exists and is not a folder: give the folder for the shards and manifest.json", file=out_dir)
     manifest = out_dir / "manifest.json"
+    if not manifest.exists():
+        return
     try:
-        held = json.loads(manifest.read_text()).get("domain")
-    except (OSError, ValueError, AttributeError):
-        return  # none, or not one of ours: it is rewritten as before
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:  # a manifest.json of anything else: removed
+        raise RunnerError(
+            f"is not a manifest `runner data prepare` wrote ({FORMAT}): preparing here would remove it; "
+            "give another --out",
+            file=manifest,
+        )
+    held = data.get("domain")
     if held != domain:
         raise RunnerError(
             f"holds domain {held!r}, not {domain!r}: preparing here would replace its shards; "

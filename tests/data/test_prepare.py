@@ -264,6 +264,13 @@ def test_prepare_never_rewrites_another_domains_folder(tmp_path, tok_path):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     with pytest.raises(RunnerError, match="a.jsonl: exists and is not a folder"):
         prepare("d", tok_path, src, [src], workers=0)
+    app = tmp_path / "app"  # a manifest.json that is no JSON object: it was removed by the rerun's first step
+    app.mkdir()
+    (app / "manifest.json").write_text("CACHE MANIFEST\n")
+    with pytest.raises(RunnerError, match=r"app/manifest.json: is not a manifest `runner data prepare` wrote"):
+        prepare("d", tok_path, app, [src], workers=0)
+    assert [p.name for p in app.iterdir()] == ["manifest.json"]
+    assert (app / "manifest.json").read_text() == "CACHE MANIFEST\n"
     flags = (
         "data",
         "prepare",
