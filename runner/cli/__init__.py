@@ -230,12 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         # A path the system refused (a folder where a file goes, a file above a folder to make, no
         # permission) that no check of the verb named: one line naming the path, not a traceback.
-        # An OSError naming no path is not a path the user gave: its traceback is kept.
+        # An OSError naming no path is not a path the user gave: its traceback is kept. Said by every
+        # rank (a path may fail on one process alone), naming the rank where there are several.
         if e.filename is None:
             raise
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            other = f" -> {e.filename2}" if e.filename2 is not None else ""
-            print(f"error: {e.filename}{other}: {e.strerror or e}", file=sys.stderr)
+        other = f" -> {e.filename2}" if e.filename2 is not None else ""
+        rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
+        print(f"error: {rank}{e.filename}{other}: {e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
 
 

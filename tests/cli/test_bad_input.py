@@ -825,6 +825,9 @@ def test_an_os_error_naming_a_path_is_one_line_and_one_naming_none_keeps_its_tra
 
     monkeypatch.setattr(cli, "_cmd_show", lambda args: Path(args.experiment).read_text())
     assert one_error(*run_cli(capsys, "show", str(tmp_path))[::2]) == f"error: {tmp_path}: Is a directory"
+    for var, value in (("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4")):  # a path one rank alone fails on
+        monkeypatch.setenv(var, value)
+    assert one_error(*run_cli(capsys, "show", str(tmp_path))[::2]) == f"error: rank 3: {tmp_path}: Is a directory"
 
     def no_path(args):
         raise OSError(errno.EIO, "Input/output error")
