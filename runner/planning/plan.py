@@ -154,12 +154,16 @@ class Calibration:
     same_experiment: bool
     note: str
     architecture: str = "dense"  #: the calibration run's ("moe" or "dense"), for carrying its MFU over
+    #: one attempt's start-up (run.json t_startup / attempts): a fixed cost, added once, never a fraction
+    startup_seconds: float = 0.0
 
 
 # ---------------------------------------------------------------- the plan
-def _time_block(tokens: float, tps: float, overhead_fraction: float, devices: int, price: float) -> dict:
+def _time_block(
+    tokens: float, tps: float, overhead_fraction: float, devices: int, price: float, startup_seconds: float = 0.0
+) -> dict:
     pure = pure_training_seconds(tokens, tps)
-    wall = wall_clock_seconds(pure, overhead_fraction)
+    wall = wall_clock_seconds(pure, overhead_fraction) + startup_seconds
     device_hours = devices * wall / SECONDS_PER_HOUR
     return {
         "tokens_per_second": tps,
@@ -168,6 +172,7 @@ def _time_block(tokens: float, tps: float, overhead_fraction: float, devices: in
         "pure_days": pure / SECONDS_PER_DAY,
         "wall_hours": wall / SECONDS_PER_HOUR,
         "wall_days": wall / SECONDS_PER_DAY,
+        "startup_seconds": startup_seconds,
         "device_hours": device_hours,
         "cost_usd": device_hours * price,
     }
@@ -209,7 +214,7 @@ def _time_plans(
     else:
         carried, carried_note = carried_mfu(calibration.mfu, calibration.architecture, architecture(cfg))
         tps = carried * peak_tflops * 1e12 * n_devices / fpt
-    measured = _time_block(tokens, tps, calibration.overhead_fraction, n_devices, price)
+    measured = _time_block(tokens, tps, calibration.overhead_fraction, n_devices, price, calibration.startup_seconds)
     measured["mfu_carried_note"] = carried_note
     measured["mfu"] = hardware.mfu(fpt, tps, 1.0, peak_tflops, n_devices)
     measured["useful_fraction"] = calibration.useful_fraction
@@ -424,6 +429,7 @@ def forecast_targets(plan: Mapping[str, Any], fit_result: Mapping[str, Any], tar
                     block["overhead_fraction"],
                     hw["devices"],
                     hw["price_per_device_hour_usd"],
+                    block.get("startup_seconds", 0.0),
                 )
                 for name, block in plan["time"].items()
                 if block

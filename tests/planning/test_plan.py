@@ -244,6 +244,29 @@ def test_calibration_replaces_assumptions(tmp_path):
     assert f"measured MFU: the median step's tokens/s of {tmp_path / 'run'} (4 steps, the first left out" in text
 
 
+def test_a_calibration_runs_start_up_is_added_once_never_a_fraction_of_training(tmp_path):
+    """run.json t_startup is in wall_seconds: a 6-step smoke's 3.5 s start over 1 s of steps read as 350%
+    overheads, and its full run at 18% MFU took longer than at an assumed 9%. The start-up is left out of
+    the fraction and added once, per attempt."""
+    cfg = config()
+    rows = [dict(step=i, tokens_per_second=1000.0, step_seconds=1.0, wall_seconds=7.0 + 1.02 * i) for i in range(1, 7)]
+    write_run(tmp_path / "run", rows, cfg)
+    run_json = tmp_path / "run" / "run.json"
+    run_json.write_text(json.dumps({"conventions": {}, "t_startup": {"seconds": 14.0, "attempts": 2}}))
+    cal = read_calibration(tmp_path / "run", typed(cfg))
+    # the last row's wall 13.12 s less the start-ups' 14.0 s is below the steps' 6 s: the steps' own time
+    assert cal.overhead_fraction == 0.0 and cal.startup_seconds == 7.0
+    run_json.write_text(json.dumps({"conventions": {}, "t_startup": {"seconds": 7.0, "attempts": 1}}))
+    cal = read_calibration(tmp_path / "run", typed(cfg))
+    assert cal.overhead_fraction == pytest.approx(6.12 / 6.0 - 1.0) and cal.startup_seconds == 7.0
+    m = build_plan(typed(cfg), calibration=cal, root=tmp_path)["time"]["measured"]
+    pure = 16 * 128 * 100 / 1000
+    assert m["wall_hours"] * 3600 == pytest.approx(pure * 6.12 / 6.0 + 7.0)
+    assert "its start-up (7.0 s, one attempt's) added once" in format_plan(
+        build_plan(typed(cfg), calibration=cal, root=tmp_path)
+    )
+
+
 def test_calibration_from_another_model_carries_its_mfu(tmp_path):
     cfg = config()
     other = config()
