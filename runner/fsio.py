@@ -64,6 +64,11 @@ def new_or_empty_folder(path: str | os.PathLike) -> bool:
     return not path.exists() or (path.is_dir() and not any(path.iterdir()))
 
 
+def some_names(names: list[str], shown: int = 3) -> str:
+    """The first `shown` of `names` for a one-line refusal: `a, b, c ...`."""
+    return ", ".join(names[:shown]) + (" ..." if len(names) > shown else "")
+
+
 def _file_above(path: Path) -> Path | None:
     """The first of `path`'s parents that exists and is not a folder (so nothing can be made under it)."""
     for parent in reversed(path.absolute().parents):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from runner.cli.argtypes import positive_int
 from runner.errors import EXIT_DISCREPANCY, EXIT_NONFINITE, EXIT_OK, RunnerError, display_path
-from runner.fsio import read_json, read_jsonl
+from runner.fsio import read_json, read_jsonl, some_names
 
 if TYPE_CHECKING:
     from runner.config.load import Experiment
@@ -383,7 +383,7 @@ def _check_smoke_out(out: Path) -> None:
     other = sorted(p.name for p in out.iterdir() if p.name not in ("reference", "resumed") or not p.is_dir())
     if other:
         raise RunnerError(
-            f"{out} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}: smoke empties its --out of "
+            f"{out} holds {some_names(other)}: smoke empties its --out of "
             "an earlier smoke's reference/ and resumed/ runs only; give a new folder",
             key="--out",
         )

@@ -28,6 +28,7 @@ from runner.config.rules import devices, global_batch_tokens, grad_accum
 from runner.config.schema import ExperimentSchema
 from runner.data.manifest import launch_warnings, load_experiment_manifests, plan_experiment_mixture
 from runner.errors import EXIT_OK, RunnerError
+from runner.fsio import some_names
 from runner.planning.hardware import check_device_matches, detect_device
 from runner.planning.resources import load_experiment
 from runner.runs.folder import (
@@ -219,8 +220,7 @@ def check_new_run_dir(run_dir: Path, flag: str = "--run-dir") -> None:
     )
     if other:
         raise RunnerError(
-            f"holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''} and no run: {flag} names a new "
-            "or empty folder, or a run folder to resume",
+            f"holds {some_names(other)} and no run: {flag} names a new or empty folder, or a run folder to resume",
             file=str(run_dir),
             key=flag,
         )

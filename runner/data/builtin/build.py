@@ -18,7 +18,7 @@ from pathlib import Path
 from runner.data.datacard import BUILTIN, write_datacard
 from runner.data.prepare import prepare
 from runner.errors import RunnerError
-from runner.fsio import sha256_file
+from runner.fsio import sha256_file, some_names
 
 ASSETS = (
     Path(__file__).resolve().parents[2] / "builtin" / "assets"
@@ -89,7 +89,7 @@ def _refuse_foreign_domains(out_dir: Path, tokenizer_sha256: str) -> None:
         other = sorted(p.name for p in legal.iterdir() if p.name not in ours or not p.is_file())
         if other:
             raise RunnerError(
-                f"holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, not the built-in legal documents: "
+                f"holds {some_names(other)}, not the built-in legal documents: "
                 "`data builtin` replaces this folder whole; give another --out",
                 file=legal,
             )
