@@ -436,6 +436,16 @@ def test_recompute_eval_fails_edited_losses_with_no_mlflow_at_hand(real_run, tmp
     result = audit(report, check_mlflow=False, recompute_eval=True, checkpoint=checkpoint)
     check = next(c for c in result.checks if c.name == "validation loss recomputed from the final checkpoint")
     assert check.status == FAIL and "a.loss_nats: report " in check.detail, check.detail
+    # --checkpoint naming no checkpoint at all (the run folder itself): the check could not run, no FAIL
+    genuine = _copy(real_run, tmp_path / "genuine")
+    (tmp_path / "empty").mkdir()
+    for wrong in (real_run, tmp_path / "empty"):
+        result = audit(genuine, check_mlflow=False, recompute_eval=True, checkpoint=wrong)
+        check = next(c for c in result.checks if c.name == "validation loss recomputed from the final checkpoint")
+        assert (
+            check.status == UNVERIFIED
+            and check.detail == f"{wrong} is not a checkpoint folder (no state.json, no COMPLETE)"
+        )
     # The genuine run: its losses are what its checkpoint scores, to the bit on this CPU.
     code = _cli(["audit", str(real_run), "--recompute-eval", "--require-verified"])
     out = capsys.readouterr().out

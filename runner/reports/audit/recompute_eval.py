@@ -23,7 +23,7 @@ from runner.config.load import experiment_from_dict, find_project_root
 from runner.errors import RunnerError
 from runner.reports.audit import evidence as ev
 from runner.reports.audit.result import AuditResult
-from runner.runs.checkpoints import dirname, verified_state
+from runner.runs.checkpoints import MARKER, dirname, verified_state
 from runner.training.batches import load_data
 from runner.training.checkpoint import Checkpoint
 from runner.training.evaluate import evaluate
@@ -102,6 +102,11 @@ def check_recomputed_eval(
         return
     if not path.is_dir():
         res.could_not(NAME, f"no checkpoint at {path}")
+        return
+    if checkpoint is not None and not any((path / name).exists() for name in ("state.json", MARKER)):
+        # the folder the auditor named is no checkpoint at all (the run folder, an empty one): nothing the
+        # report states is contradicted, the check could not run (a run's own checkpoint missing its files FAILs)
+        res.could_not(NAME, f"{path} is not a checkpoint folder (no state.json, no {MARKER})")
         return
     state, problem = verified_state(path)
     if state is None:
