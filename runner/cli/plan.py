@@ -143,9 +143,10 @@ def register(subparsers) -> None:
     p.add_argument("--mfu", type=float, default=None, help="assumed MFU (default: hardware.default_mfu)")
     p.add_argument(
         "--calibrate",
-        metavar="RUN_DIR",
+        metavar="RUN_OR_REPORT",
         default=None,
-        help="a run folder whose measured throughput and overheads replace the assumptions",
+        help="a run folder, or a report folder (a published run's), whose measured throughput and overheads "
+        "fill the measured column (a run on the same kind of device: CPU or GPU)",
     )
     p.add_argument(
         "--fit",

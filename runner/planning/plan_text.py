@@ -119,8 +119,12 @@ def _format_time(plan: Mapping[str, Any], out: list[str]) -> None:
         cal = plan["calibration"]
         out.append(
             f"  measured MFU: the median step's tokens/s of {cal['run_dir']} ({cal['steps']} steps, the first left out "
-            "as warm-up); its overheads: the run's wall clock, start-up left out, over its summed step time; its "
-            f"start-up ({t['measured'].get('startup_seconds', 0.0):.1f} s, one attempt's) added once"
+            "as warm-up); its overheads: the run's wall clock, start-up left out, over its summed step time; "
+            + (
+                f"its start-up ({t['measured']['startup_seconds']:.1f} s, one attempt's) added once"
+                if t["measured"].get("startup_seconds")
+                else "no start-up recorded (a run before run.json's t_startup: its wall clock began at its first step)"
+            )
         )
     if plan.get("calibration") and plan["calibration"].get("note"):
         out.append(f"  calibration: {plan['calibration']['note']}")

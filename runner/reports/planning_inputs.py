@@ -26,6 +26,7 @@ from runner.planning.flops import Convention, convention_for, flops_per_token, p
 from runner.planning.memory import as_schema
 from runner.planning.plan import Calibration, architecture
 from runner.planning.scaling import Point
+from runner.runs.folder import is_report_copy
 from runner.runs.runjson import RunJson
 
 
@@ -60,7 +61,10 @@ def read_report_point(report_dir: Path) -> Point:
     )
 
 
-_NUMERIC = ("params", "exposure_tokens", "step", "loss_nats", "bpb", "tokens")
+_NUMERIC = (
+    *("params", "exposure_tokens", "step", "loss_nats", "bpb", "tokens"),
+    *("tokens_per_second", "step_seconds", "devices", "wall_seconds", "processed_tokens", "useful_tokens"),
+)
 
 
 def _report_table(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
@@ -175,19 +179,52 @@ def _exposure_tokens(run_dir: Path, cfg: ExperimentSchema) -> float:
 
 
 # ---------------------------------------------------------------- calibration
+def _report_rows(folder: Path) -> list[dict]:
+    """A report folder's steps as metrics/train.jsonl rows: its throughput table (each step's tokens/s
+    and step time), the run summary's devices on each, and on the last its whole wall clock (start-up
+    and the final evaluation included) and processed and useful tokens."""
+    steps = _report_table(folder / "throughput.parquet", ("step", "tokens_per_second", "step_seconds"))
+    columns = ("devices", "wall_seconds", "processed_tokens", "useful_tokens")
+    table = _report_table(folder / "run_summary.parquet", columns)
+    if table.empty:
+        raise RunnerError("no row", file=str(folder / "run_summary.parquet"))
+    summary = table.iloc[0]
+    rows = [
+        {"step": int(r.step), "tokens_per_second": float(r.tokens_per_second), "step_seconds": float(r.step_seconds)}
+        for r in steps.itertuples()
+        if pd.notna(r.tokens_per_second) and r.tokens_per_second > 0
+    ]
+    for r in rows:
+        r["devices"] = int(summary["devices"])
+    if rows:
+        rows[-1].update(
+            wall_seconds=float(summary["wall_seconds"]),
+            tokens_processed=float(summary["processed_tokens"]),
+            tokens_useful=float(summary["useful_tokens"]),
+        )
+    return rows
+
+
 def read_calibration(
     run_dir: str | Path, cfg: ExperimentSchema | Mapping[str, Any], convention: Convention | None = None
 ) -> Calibration:
     """Measured throughput (median tokens_per_second after the first step), overheads
-    (wall / sum of step time - 1) and useful fraction of a run folder. The MFU is under
+    (wall / sum of step time - 1) and useful fraction of a run folder, or of a report folder (its
+    throughput table and run summary: _report_rows). The MFU is under
     `convention`, by default the one a run of `cfg` records (flops.convention_for)."""
     run_dir = Path(run_dir)
     cfg = as_schema(cfg)
     convention = convention or convention_for(cfg)
     metrics = run_dir / "metrics" / "train.jsonl"
-    if not metrics.exists():
-        raise RunnerError("no metrics/train.jsonl: not a run folder, or it has not logged a step", file=str(run_dir))
-    rows = [r for r in read_jsonl(metrics) if r.get("tokens_per_second")]
+    if metrics.exists():
+        rows = [r for r in read_jsonl(metrics) if r.get("tokens_per_second")]
+    elif is_report_copy(run_dir):  # a published report (a colleague's H200 run) calibrates as its run would
+        rows, metrics = _report_rows(run_dir), run_dir / "throughput.parquet"
+    else:
+        raise RunnerError(
+            "no metrics/train.jsonl: not a run folder or a report folder, or it has not logged a step",
+            file=str(run_dir),
+        )
     if not rows:
         raise RunnerError("no step with tokens_per_second", file=str(metrics))
     # The first step pays for compilation and warm-up; it counts as overhead, not throughput.

@@ -278,6 +278,33 @@ def test_calibration_from_another_model_carries_its_mfu(tmp_path):
     assert m["mfu"] == pytest.approx(cal.mfu)
 
 
+@pytest.mark.slow  # 3.5 s: the fixture run's report, plots included
+def test_a_report_folder_calibrates_a_plan_as_its_run_does(tmp_path):
+    """A published report (a colleague's H200 run) calibrates a plan: its throughput table's steps give the
+    tokens/s and MFU its run folder gives; its run summary gives the whole run's wall clock, devices and
+    useful fraction. A folder that is neither is one line."""
+    import pandas as pd
+    from runfixtures import make_run
+
+    from runner.config.load import load_saved_experiment
+    from runner.reports.audit.evidence import write_report_with_evidence
+
+    run = make_run(tmp_path)
+    write_report_with_evidence(run)
+    cfg = load_saved_experiment(run / "experiment.yaml").config
+    from_run, from_report = read_calibration(run, cfg), read_calibration(run / "report", cfg)
+    assert from_report.processed_tokens_per_second == from_run.processed_tokens_per_second
+    assert from_report.mfu == from_run.mfu and from_report.steps == from_run.steps and from_report.same_experiment
+    summary = pd.read_parquet(run / "report" / "run_summary.parquet").iloc[0]
+    steps = pd.read_parquet(run / "report" / "throughput.parquet")
+    assert from_report.useful_fraction == summary["useful_tokens"] / summary["processed_tokens"] < 1  # a lost step
+    assert from_report.overhead_fraction == pytest.approx(summary["wall_seconds"] / steps["step_seconds"].sum() - 1)
+    plan = build_plan(cfg, calibration=from_report, root=tmp_path)
+    assert plan["time"]["measured"]["tokens_per_second"] == from_run.processed_tokens_per_second
+    with pytest.raises(RunnerError, match="no metrics/train.jsonl: not a run folder or a report folder"):
+        read_calibration(tmp_path, cfg)
+
+
 def test_a_run_on_another_kind_of_device_does_not_calibrate(tmp_path):
     """`runner plan experiments/1p3b.yaml --calibrate <a cpu-tiny run>` carried the CPU's 13% MFU to the
     H200 plan (20.8 days, $2,125 in the measured column): refused, naming both devices."""
