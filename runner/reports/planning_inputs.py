@@ -189,6 +189,9 @@ def _report_rows(folder: Path) -> list[dict]:
     if table.empty:
         raise RunnerError("no row", file=str(folder / "run_summary.parquet"))
     summary = table.iloc[0]
+    for col in columns:
+        if not math.isfinite(float(summary[col])):
+            raise RunnerError(f"not a number: {summary[col]}", file=str(folder / "run_summary.parquet"), key=col)
     rows = [
         {"step": int(r.step), "tokens_per_second": float(r.tokens_per_second), "step_seconds": float(r.step_seconds)}
         for r in steps.itertuples()

@@ -303,6 +303,11 @@ def test_a_report_folder_calibrates_a_plan_as_its_run_does(tmp_path):
     assert plan["time"]["measured"]["tokens_per_second"] == from_run.processed_tokens_per_second
     with pytest.raises(RunnerError, match="no metrics/train.jsonl: not a run folder or a report folder"):
         read_calibration(tmp_path, cfg)
+    table = pd.read_parquet(run / "report" / "run_summary.parquet")
+    table["wall_seconds"] = float("nan")  # a damaged summary: one line, not a ValueError
+    table.to_parquet(run / "report" / "run_summary.parquet")
+    with pytest.raises(RunnerError, match=r"run_summary.parquet: wall_seconds: not a number: nan"):
+        read_calibration(run / "report", cfg)
 
 
 def test_a_run_on_another_kind_of_device_does_not_calibrate(tmp_path):
