@@ -195,7 +195,10 @@ def _report_rows(folder: Path) -> list[dict]:
     rows = [
         {"step": int(r.step), "tokens_per_second": float(r.tokens_per_second), "step_seconds": float(r.step_seconds)}
         for r in steps.itertuples()
-        if pd.notna(r.tokens_per_second) and r.tokens_per_second > 0
+        if pd.notna(r.tokens_per_second)
+        and r.tokens_per_second > 0
+        and pd.notna(r.step_seconds)
+        and r.step_seconds >= 0
     ]
     for r in rows:
         r["devices"] = int(summary["devices"])
