@@ -69,12 +69,16 @@ def some_names(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (" ..." if len(names) > shown else "")
 
 
+def existing_ancestor(path: str | os.PathLike) -> Path:
+    """The nearest of `path`'s parents that exists (a link counts, dangling or not): where a folder for
+    `path` would be made (export's --out probes it)."""
+    return next(p for p in Path(path).absolute().parents if os.path.lexists(p))
+
+
 def _file_above(path: Path) -> Path | None:
-    """The first of `path`'s parents that exists and is not a folder (so nothing can be made under it)."""
-    for parent in reversed(path.absolute().parents):
-        if parent.exists() and not parent.is_dir():
-            return parent
-    return None
+    """The parent of `path` that exists and is not a folder (so nothing can be made under it), if any."""
+    ancestor = existing_ancestor(path)
+    return None if ancestor.is_dir() else ancestor
 
 
 def check_output_file(path: str | os.PathLike, key: str) -> Path:

@@ -285,18 +285,19 @@ def cmd_sync(args) -> int:
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
         raise not_a_run_dir(run_dir)
+    folder = RunFolder(run_dir)
     # A server that moved is recorded in run.json: later resumes and syncs go there, so it must hold the run.
     with RunLock(run_dir, "runner sync"):  # a launch sending the same journal would send it twice
-        if _nothing_to_sync(RunFolder(run_dir)):
+        if _nothing_to_sync(folder):
             print(
                 f"{run_dir}: nothing to send: no MLflow run and no pending entries (launched with --no-tracking?); "
                 "run.json unchanged"
             )
             return EXIT_OK
         if args.tracking_uri:
-            _check_moved_store(RunFolder(run_dir), args.tracking_uri)
+            _check_moved_store(folder, args.tracking_uri)
         tracker = tracker_of(
-            RunFolder(run_dir), args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None
+            folder, args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None
         )
         sent, left = tracker.sync()
     line = f"{run_dir}: sent {sent} pending MLflow entries to {tracker.tracking_uri}; "

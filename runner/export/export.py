@@ -28,7 +28,7 @@ from runner.export import DEFAULT_MAX_SHARD_SIZE, card, export_scoring, folder, 
 from runner.export.push import Pushed, check_repo_id, check_token, push_folder
 from runner.export.source import Source, open_source, quiet_transformers
 from runner.export.stale import check_report_current
-from runner.fsio import fsync_dir, fsync_file, new_or_empty_folder
+from runner.fsio import existing_ancestor, fsync_dir, fsync_file, new_or_empty_folder
 
 #: the export's own record in the folder: which checkpoint, which runner, what was verified
 RECORD = "export.json"
@@ -64,7 +64,7 @@ def _check_out(out: Path, run_dir: Path) -> None:
         raise RunnerError(f"cannot be read ({e.strerror or e})", file=str(out), key="--out") from None
     if taken:
         raise RunnerError(_taken(out), file=str(out), key="--out")
-    ancestor = next(p for p in out.absolute().parents if os.path.lexists(p))
+    ancestor = existing_ancestor(out)
     if not ancestor.is_dir():
         raise RunnerError(f"{display_path(ancestor)} is not a folder", file=str(out), key="--out")
     try:  # a folder can be made there (a read-only or virtual file system cannot take one)
