@@ -296,9 +296,7 @@ def cmd_sync(args) -> int:
             return EXIT_OK
         if args.tracking_uri:
             _check_moved_store(folder, args.tracking_uri)
-        tracker = tracker_of(
-            folder, args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None
-        )
+        tracker = tracker_of(folder, args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), report=lambda m: None)
         sent, left = tracker.sync()
     line = f"{run_dir}: sent {sent} pending MLflow entries to {tracker.tracking_uri}; "
     if not left:
