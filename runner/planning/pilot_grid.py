@@ -170,6 +170,8 @@ def write_pilot_grid(
         raise RunnerError("not an experiment file (needs name and version)", file=str(base_path))
     base = load_experiment(base_path, check_files=False)
     root = base.project_root
+    _refuse_repeats("--sizes", sizes)
+    _refuse_repeats("--budgets", budgets)
     parsed_sizes = [parse_size(s) for s in sizes]
     requested = [parse_tokens(b) for b in budgets]
     if not parsed_sizes or not requested:
@@ -181,12 +183,15 @@ def write_pilot_grid(
     by_reference = (root / "experiments" / f"{raw['name']}.yaml").resolve() == base_path.resolve()
     out_dir = Path(out_dir)
     pilots = []  # every pilot is resolved before any file is written
-    for size in parsed_sizes:
+    made: dict[object, tuple[str, str]] = {}  # a pilot's file and its model + budget -> the entries giving it
+    for size_text, size in zip(sizes, parsed_sizes):
         model_keys = size_overrides(size, base.config.model) if not size.recipe else {}
         for text, tokens, budget in zip(budgets, requested, rounded):
             doc = _pilot_doc(raw, size, model_keys, budget, tokens, by_reference)
             path = out_dir / f"{doc['name']}.yaml"
-            pilots.append((path, doc, size, _resolve_pilot(doc, path, root, size), text, tokens, budget))
+            pilot = _resolve_pilot(doc, path, root, size)
+            _refuse_twice(made, path, (size.recipe or tuple(sorted(model_keys.items())), budget), size_text, text)
+            pilots.append((path, doc, size, pilot, text, tokens, budget))
     readme = out_dir / "README.md"
     _refuse_foreign_files([(p, f"{WRITTEN_BY} from ") for p, *_ in pilots] + [(readme, README_TITLE)])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,6 +207,33 @@ def write_pilot_grid(
     batch_tokens = base.config.train.global_batch_sequences * base.config.train.seq_len
     readme.write_text(_readme(raw, base, rows, batch_tokens, by_reference, base_path), encoding="utf-8")
     return written + [readme]
+
+
+def _refuse_twice(made: dict, path: Path, point: tuple, size: str, budget: str) -> None:
+    """One pilot per point and one file per pilot: `--budgets 1e5,99000` (both 48 batches of 2,048)
+    listed one pilot twice in README.md, and `--budgets 1001472,1003520` (both "1M") wrote one file
+    twice, the second over the first."""
+    for key in (("point", point), ("file", path.name)):
+        if key in made:
+            size0, budget0 = made[key]
+            flag, first, second = ("--sizes", size0, size) if size0 != size else ("--budgets", budget0, budget)
+            if key[0] == "file":  # 1,001,472 and 1,003,520 tokens are both "1M"
+                why = f"would both be written to {path.name}: give budgets or sizes that differ in their names"
+            elif flag == "--budgets":
+                why = f"are the same pilot: both round to {point[1]:,} tokens (whole global batches)"
+            else:
+                why = "are the same pilot (one model shape)"
+            raise RunnerError(f"{first!r} and {second!r} {why}", key=flag)
+        made[key] = (size, budget)
+
+
+def _refuse_repeats(flag: str, texts: Sequence[str]) -> None:
+    """`--sizes h64,h64`: each entry once."""
+    seen = set()
+    for text in texts:
+        if text.strip() in seen:
+            raise RunnerError(f"{text.strip()!r} is given twice: give each once", key=flag)
+        seen.add(text.strip())
 
 
 def _resolve_pilot(doc: dict, path: Path, root: Path, size: Size) -> Experiment:

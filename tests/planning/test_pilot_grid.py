@@ -163,3 +163,32 @@ def test_grid_rewrites_only_what_an_earlier_grid_wrote(project):
     with pytest.raises(RunnerError, match=f"{first[0].name} is there and was not written"):
         write_pilot_grid(base_path, ["llama-tiny@1"], ["100K"], out)
     assert first[0].read_text() == "name: mine\n"
+
+
+def test_each_pilot_is_written_once(project):
+    """`--sizes h64,h64` or `--budgets 1e5,99000` (both 48 global batches) listed one pilot twice in
+    README.md ("2 pilot experiments", one file); `--budgets 1001472,1003520` (both "1M") wrote one file
+    twice, the second over the first, while README.md listed both. Each is one line, nothing written."""
+    base_path = project / "experiments" / "cpu-tiny.yaml"
+    out = project / "experiments" / "pilots"
+    cases = [
+        (["hidden_size=64", " hidden_size=64"], ["100K"], r"--sizes: 'hidden_size=64' is given twice"),
+        (["llama-tiny@1"], ["100K", "100K"], r"--budgets: '100K' is given twice"),
+        (["llama-tiny@1"], ["1e5", "99000"], r"--budgets: '1e5' and '99000' are the same pilot: both round to 98,304"),
+        (
+            ["llama-tiny@1"],
+            ["1001472", "1003520"],
+            r"--budgets: .* would both be written to cpu-tiny-pilot-llama-tiny-1M",
+        ),
+        (
+            ["hidden_size=128+n_layers=3", "n_layers=3+hidden_size=128"],
+            ["100K"],
+            r"--sizes: 'hidden_size=128\+n_layers=3' and 'n_layers=3\+hidden_size=128' are the same pilot",
+        ),
+    ]
+    for sizes, budgets, message in cases:
+        with pytest.raises(RunnerError, match=message):
+            write_pilot_grid(base_path, sizes, budgets, out)
+        assert not out.exists()
+    files = write_pilot_grid(base_path, ["llama-tiny@1", "hidden_size=128"], ["100K", "1003520"], out)
+    assert len(set(files)) == len(files) == 5
