@@ -74,11 +74,10 @@ def _plan_downstream(plan: dict, exp) -> None:
 def cmd_fit(args) -> int:
     from runner.fsio import check_output_folder
     from runner.planning.scaling import Fit, fit_report, plot_fit
-    from runner.reports.planning_inputs import expand_run_dirs, read_point
+    from runner.reports.planning_inputs import read_fit_points
 
     out = check_output_folder(args.out, "--out")
-    points = [read_point(r) for r in expand_run_dirs(args.runs)]
-    holdout = [read_point(r) for r in expand_run_dirs(args.holdout)]
+    points, holdout = read_fit_points(args.runs, args.holdout or [])
     flops = _float(args.flops, "--flops") if args.flops is not None else None
     inference = _float(args.inference_tokens, "--inference-tokens") if args.inference_tokens else 0.0
     report = fit_report(points, holdout, flops=flops, inference_tokens=inference)

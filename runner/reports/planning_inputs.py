@@ -134,6 +134,22 @@ def read_point(run_dir: str | Path) -> Point:
     return Point(run_dir.name, float(params), float(tokens), loss, final, cfg.name, bpb, weights)
 
 
+def read_fit_points(runs: Iterable[str | Path], holdout: Iterable[str | Path]) -> tuple[list[Point], list[Point]]:
+    """The fit's points and the held-out ones, each run once: `runner fit runs/EXP R` (R inside
+    runs/EXP), or R and R/report, fitted one run twice; `runner fit runs/EXP --holdout R` fitted R and
+    then "predicted" it. A held-out run is never fitted, however the fit's folders named it."""
+
+    def once(paths: Iterable[str | Path]) -> dict[tuple[str, str], Point]:
+        points: dict[tuple[str, str], Point] = {}
+        for path in expand_run_dirs(paths):
+            point = read_point(path)
+            points.setdefault((point.experiment, point.run), point)
+        return points
+
+    held = once(holdout)
+    return [p for key, p in once(runs).items() if key not in held], list(held.values())
+
+
 def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
     """Run folders from what a user types: a run folder as is, and `runs/EXPERIMENT` (the folder
     `runner launch` puts an experiment's runs in) as every finished run inside it."""

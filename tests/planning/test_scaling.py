@@ -217,3 +217,16 @@ def test_fit_warns_when_a_grid_has_too_few_sizes_or_budgets():
         "only 2 distinct model sizes among the fitted runs: alpha is not determined by the data (use 3 or more)"
     ]
     assert fit_report(synthetic())["warnings"] == []
+
+
+def test_a_fit_counts_each_run_once_and_never_fits_a_held_out_run(tmp_path):
+    """`runner fit runs/EXP runs/EXP/RUN` fitted RUN twice; `runner fit runs/EXP --holdout runs/EXP/RUN`
+    fitted RUN, then "predicted" it from a fit that had seen it."""
+    from runner.reports.planning_inputs import read_fit_points
+
+    runs = _grid_runs(tmp_path, GRID)
+    fitted, held = read_fit_points([*runs, runs[0], runs[0].parent, *[r.parent for r in runs]], [])
+    assert sorted(p.experiment for p in fitted) == sorted(r.parent.name for r in runs) and not held
+    fitted, held = read_fit_points([r.parent for r in runs], [runs[5], runs[5].parent])
+    assert [p.experiment for p in held] == [runs[5].parent.name]
+    assert runs[5].parent.name not in {p.experiment for p in fitted} and len(fitted) == 5
