@@ -66,6 +66,9 @@ def register(subparsers) -> None:
     builtin.set_defaults(func=cmd_builtin)
 
 
+MAX_TRAINED_VOCAB = 2**24
+
+
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     from runner.data.prepare import find_sources, iter_documents
     from runner.data.tokenizer import train_tokenizer, vocab_size_of, write_trained
@@ -73,10 +76,19 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     out = _trained_out(args.out, args.name)
     if args.vocab_size < 258:
         raise RunnerError(f"{args.vocab_size} is below the 256 bytes, EOS and one merge (258)", key="--vocab-size")
+    if args.vocab_size > MAX_TRAINED_VOCAB:
+        # tokenizers' trainer aborts the process (a Rust panic) from 2**30 up; the largest vocabularies
+        # in use are ~262K (Gemma), and the pools' uint32 ids hold far more than this bound.
+        raise RunnerError(f"{args.vocab_size:,} is above {MAX_TRAINED_VOCAB:,} ids (2**24)", key="--vocab-size")
     sources = find_sources(args.input)
     documents = (text for source in sources for _, text in iter_documents(source))
     tokenizer = train_tokenizer(documents, args.vocab_size)
     vocab_size = vocab_size_of(tokenizer)
+    if vocab_size < 258:  # an empty corpus, or one without a pair of bytes to merge
+        raise RunnerError(
+            f"no pair of bytes to merge in {len(sources)} file(s): a tokenizer needs text to learn from; nothing written",
+            key="--input",
+        )
     names = ", ".join(s.name for s in sources[:3]) + (f" and {len(sources) - 3} more files" if len(sources) > 3 else "")
     tokenizer_path, recipe_path = write_trained(
         tokenizer, out, args.name, f"byte-level BPE, vocab {vocab_size}, trained on {names}"

@@ -150,3 +150,21 @@ def test_train_cli_never_writes_over_a_tokenizer_nor_outside_its_folder(tmp_path
     assert "not a file or a folder" in refused(
         "tokenizer", "train", "--input", "/dev/null", *train[4:], str(tmp_path / "n3")
     )
+
+
+def test_train_cli_refuses_a_vocabulary_tokenizers_aborts_on_and_a_corpus_without_text(tmp_path):
+    """`--vocab-size 99999999999` (or anything from 2**30 up) aborted the process with a Rust panic
+    backtrace; an empty corpus (or one character) wrote a 257-id tokenizer without a single merge,
+    which the 258-id minimum refuses as a request. Both are one line; nothing written."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "empty.txt").write_text("")
+    (src / "one.txt").write_text("a")
+    with pytest.raises(RunnerError, match=r"^--vocab-size: 99,999,999,999 is above 16,777,216 ids"):
+        run_cli("tokenizer", "train", "--input", str(src), "--vocab-size", "99999999999", "--out", str(tmp_path / "t"))
+    for name in ("empty.txt", "one.txt"):
+        with pytest.raises(RunnerError, match=r"^--input: no pair of bytes to merge in 1 file\(s\)"):
+            run_cli(
+                "tokenizer", "train", "--input", str(src / name), "--vocab-size", "300", "--out", str(tmp_path / "t")
+            )
+    assert not (tmp_path / "t").exists()
