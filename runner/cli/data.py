@@ -126,9 +126,11 @@ def _trained_out(out: str, name: str) -> Path:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from runner.data.prepare import prepare, prepare_experiment
+    from runner.data.prepare import prepare, prepare_experiment, usable_cores
     from runner.errors import RunnerError
 
+    if args.workers is not None and args.workers > (cores := usable_cores()):
+        print(f"note: --workers {args.workers:,} capped at {cores}: the cores this process may use", file=sys.stderr)
     options = dict(
         validation_fraction=args.validation_fraction,
         shard_tokens=args.shard_tokens,

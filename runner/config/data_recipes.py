@@ -162,6 +162,12 @@ class DomainRecipe(Section):
             self.source.validate(problems, file, join_key(prefix, "source"))
 
 
+# A domain names MLflow metrics (val_loss.<domain>), report columns, the model card's rows and, in the
+# built-in corpus, a folder: `co de/..` or `a|b` was taken and broke them.
+DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+DOMAIN_NAME_RULE = "a letter or digit, then letters, digits, '_', '.' and '-'; at most 100"
+
+
 @dataclass(frozen=True)
 class MixtureRecipe(Recipe):
     domains: dict[str, DomainRecipe] = field(default_factory=dict)  #: domain name -> its ratio and cap
@@ -173,6 +179,8 @@ class MixtureRecipe(Recipe):
             problems.add(file, key, "at least one domain is required")
             return
         for d, spec in self.domains.items():
+            if not DOMAIN_NAME.fullmatch(str(d)):
+                problems.add(file, join_key(key, str(d)[:120]), f"not a domain name ({DOMAIN_NAME_RULE})")
             spec.validate(problems, file, join_key(key, d))
         total = sum(spec.target_ratio for spec in self.domains.values())
         if abs(total - 1.0) > RATIO_SUM_TOLERANCE:

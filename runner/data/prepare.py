@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from runner.config.data_recipes import DOMAIN_NAME, DOMAIN_NAME_RULE
 from runner.data.fetch import experiment_assets, fetched_files
 from runner.data.manifest import FORMAT, write_manifest
 from runner.data.pool import DTYPES
@@ -369,6 +370,16 @@ def _remove_stale_shards(out_dir: Path, keep: set[str]) -> None:
             p.unlink()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (a container's or taskset's share, not the machine's): the
+    tokenizer processes are CPU-bound, so more add nothing, and `--workers 100000` started processes
+    until the machine ran out of memory."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def prepare(
     domain: str,
     tokenizer_path: str | os.PathLike,
@@ -384,6 +395,8 @@ def prepare(
 ) -> tuple[Path, str]:
     """Tokenize `inputs` into `out_dir`; returns (manifest path, manifest_sha256). Just over 60 lines:
     its checks of every input come before the first write, in one place."""
+    if not DOMAIN_NAME.fullmatch(domain):
+        raise RunnerError(f"{domain[:120]!r} is not a domain name ({DOMAIN_NAME_RULE})", key="--domain")
     if not 0.0 <= validation_fraction < 1.0:
         raise RunnerError(f"must be in [0, 1), got {validation_fraction}", key="validation_fraction")
     if shard_tokens <= 0 or batch_docs <= 0:
@@ -410,7 +423,7 @@ def prepare(
                 split = source.path.name.startswith("val")  # nanoGPT's train.bin / val.bin
                 documents[split] += _copy_bin(source, writers[split], info, bar)
         else:
-            workers = (os.cpu_count() or 1) if workers is None else workers
+            workers = usable_cores() if workers is None else min(workers, usable_cores())
             init = (str(tokenizer_path), info["eos_id"], info["token_dtype"])
             for result in _ordered_results(_batches(sources, batch_docs, validation_fraction), workers, init):
                 for split, (tokens, lengths) in result.items():

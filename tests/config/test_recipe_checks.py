@@ -69,6 +69,17 @@ BROKEN_ALONE = [
         "    source: {repo: a/b, repo_type: space, revision: main, files: ['*.parquet'], local_dir: raw}\n",
         ["recipes/mixture/y.yaml: domains.web.source.repo_type: 'space' is not one of model, dataset"],
     ),
+    (  # a domain names MLflow metrics, report columns and card rows: `co de/..` and `a|b` were taken
+        "recipes/mixture/z.yaml",
+        "name: z\nversion: 1\ndescription: d\ndomains:\n  'co de/..': {target_ratio: 0.5}\n"
+        "  'a|b': {target_ratio: 0.5}\n",
+        [
+            "recipes/mixture/z.yaml: domains.co de/..: not a domain name (a letter or digit, then letters, "
+            "digits, '_', '.' and '-'; at most 100)",
+            "recipes/mixture/z.yaml: domains.a|b: not a domain name (a letter or digit, then letters, "
+            "digits, '_', '.' and '-'; at most 100)",
+        ],
+    ),
     (
         "recipes/eval/x.yaml",
         "name: x\nversion: 1\ndescription: d\ninterval_steps: 0\nsamples_per_domain: 4\n",

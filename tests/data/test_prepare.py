@@ -309,3 +309,27 @@ def test_prepare_workers_die_with_a_sigkilled_parent():
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         assert pool.apply(_pdeathsig_after_die_with_parent) == signal.SIGKILL
+
+
+def test_workers_are_capped_at_the_usable_cores_and_a_domain_is_a_name(tmp_path, tok_path, monkeypatch, capsys):
+    """`--workers 100000` started tokenizer processes until the machine ran out of memory (the OOM
+    killer took other processes with it): capped at the cores this process may use, with a note.
+    `--domain 'a b/../c'` was written into manifest.json and named MLflow metrics, report columns and
+    the model card's rows: refused before anything is written, as a mixture's domain is."""
+    import runner.data.prepare as prep
+
+    src = write_jsonl(tmp_path / "src" / "a.jsonl", documents(20))
+    started = []
+    real = prep._ordered_results
+    monkeypatch.setattr(prep, "usable_cores", lambda: 2)
+    monkeypatch.setattr(prep, "_ordered_results", lambda b, workers, i: started.append(workers) or real(b, 1, i))
+    flags = ("data", "prepare", "--domain", "d", "--tokenizer", str(tok_path), "--input", str(src))
+    assert run_cli(*flags, "--out", str(tmp_path / "a"), "--workers", "100000") == 0
+    assert run_cli(*flags, "--out", str(tmp_path / "b")) == 0
+    assert started == [2, 2]
+    assert "note: --workers 100,000 capped at 2: the cores this process may use" in capsys.readouterr().err
+    assert dir_bytes(tmp_path / "a") == dir_bytes(tmp_path / "b")
+    for bad in ("a b/../c", "a|b", "-x", ""):
+        with pytest.raises(RunnerError, match=r"^--domain: .* is not a domain name"):
+            prepare(bad, tok_path, tmp_path / "n", [src])
+    assert not (tmp_path / "n").exists()
