@@ -38,7 +38,7 @@ from runner.runs.recorded import conventions_of, device_seconds, devices_held, r
 from runner.runs.runjson import as_record
 from runner.training import task_targets
 from runner.training.routing_record import FINAL_BIAS_FILE, final_bias_of, read_final_bias
-from runner.training.tracking import default_tracking_uri
+from runner.training.tracking import default_tracking_uri, fail_fast_env
 from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
 
 TABLES = tuple(SCHEMAS)
@@ -442,6 +442,7 @@ def fetch_mlflow_run(run_id: str, dst: str | Path) -> Path:
     """Download an MLflow run's artifacts to `dst` and return the folder holding run.json."""
     # A tqdm bar per artifact file would bury the one line the user needs.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    fail_fast_env()  # a dead server: one line in seconds (4 min 10 s of retries before)
     import mlflow  # noqa: PLC0415  (mlflow: seconds to import, and it reads the setting above when it does)
 
     # The store launch writes to by default; a missing SQLite file is reported, never created empty.

@@ -117,7 +117,7 @@ def store_lacks_run(uri: str, run_id: str) -> str | None:
     path = sqlite_path(uri)
     if (path is not None and not path.is_file()) or uri == "sqlite:///":
         return f"no MLflow store at {path or uri}"
-    _fail_fast_env()
+    fail_fast_env()
     from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: seconds to import, first use only)
 
     try:
@@ -174,13 +174,14 @@ def ensure_sqlite_store(path: Path, report: Callable[[str], None] = print) -> No
         tmp.unlink(missing_ok=True)
 
 
-def _fail_fast_env() -> None:
-    # A dead server must cost seconds, not MLflow's default minutes of retries (the thread retries
-    # every RETRY_AFTER_SECONDS itself). Requests leave from the delivery thread, so a slow answer
-    # never stalls a step: the timeout is long enough for a 1,000-metric batch to a busy server and
-    # only bounds how long the end of a run waits for a hung one.
+def fail_fast_env(timeout_seconds: float = HTTP_TIMEOUT_SECONDS) -> None:
+    """Before any MLflow request: a dead server must cost seconds, not MLflow's default minutes of
+    retries (`runner report RUN_ID` against a refused loopback port took 4 min 10 s). A variable the
+    user set wins. Tracking: the delivery thread retries every RETRY_AFTER_SECONDS itself, requests
+    leave from that thread, so a slow answer never stalls a step; the timeout is long enough for a
+    1,000-metric batch to a busy server and only bounds how long the end of a run waits for a hung one."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(HTTP_TIMEOUT_SECONDS)))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(timeout_seconds)))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
 
 
@@ -279,7 +280,7 @@ class MlflowOps:
     )
 
     def __init__(self, tracking_uri: str, report: Callable[[str], None] = print):
-        _fail_fast_env()
+        fail_fast_env()
         from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: seconds to import, first use only)
 
         path = sqlite_path(tracking_uri)

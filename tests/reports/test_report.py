@@ -258,6 +258,27 @@ def test_report_of_an_unknown_mlflow_run_names_the_store(tmp_path, monkeypatch):
         _cli(["report", "ab" * 16])
 
 
+@pytest.mark.timeout(120)
+def test_report_of_a_run_on_a_dead_server_fails_in_seconds_not_minutes(tmp_path, monkeypatch):
+    """`runner report RUN_ID` with MLFLOW_TRACKING_URI on a refused loopback port took 4 min 10 s of
+    MLflow's default retries before its one line; audit and tracking already failed fast. The variables
+    are set before the request (a user's own value wins)."""
+    import os
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+        monkeypatch.setenv(name, "")  # recorded, so the test leaves the variable as it found it
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")
+    with pytest.raises(RunnerError, match=f"cannot download artifacts of MLflow run {'ab' * 16} from http://127"):
+        _cli(["report", "ab" * 16, "--dest", str(tmp_path / "d")])
+    assert (os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"], os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"]) == ("0", "7")
+
+
 def test_the_report_draws_training_loss_and_learning_rate_and_says_what_n_counts(run_dir, tmp_path):
     """Issue 38, item 7: training.png (loss and learning rate against step, from train.jsonl, a step
     redone after a resume drawn once, at its last value) in report.md; N explained in one line."""

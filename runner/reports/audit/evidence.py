@@ -32,7 +32,7 @@ from runner.reports import tables as rpt
 from runner.reports.downstream.table import downstream_table
 from runner.runs.checkpoints import MARKER, dirname
 from runner.runs.runjson import RunJson
-from runner.training.tracking import missing_store
+from runner.training.tracking import fail_fast_env, missing_store
 from schemas.report_tables import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -156,8 +156,7 @@ def vouch_for_runner_eval(run_dir: str | Path, record: Path) -> str:
     uri = next((u for u in candidates if u and missing_store(u) is None), None)
     if uri is None:
         return f"{not_logged}: no store of MLflow run {run_id} here ({missing_store(candidates[0])})"
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a dead server costs seconds, not minutes
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    fail_fast_env(timeout_seconds=5)  # a dead server costs seconds, not minutes
     from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: seconds to import)
 
     client = MlflowClient(tracking_uri=uri)

@@ -27,7 +27,7 @@ from runner.reports.audit import evidence as ev
 from runner.reports.audit.result import AuditResult
 from runner.reports.markdown import CONVENTION_KEYS
 from runner.reports.tables import written_version
-from runner.training.tracking import missing_store, sqlite_path
+from runner.training.tracking import fail_fast_env, missing_store, sqlite_path
 from schemas.report_tables import with_added_columns
 
 if TYPE_CHECKING:
@@ -168,9 +168,7 @@ def locate(inp: AuditInput, *, enabled: bool = True, tracking_uri: str | None = 
 
 
 def _read_run(uri: str, run_id: str) -> Tracked:
-    # A dead server must cost seconds, not MLflow's default minutes of retries.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    fail_fast_env(timeout_seconds=5)  # a dead server costs seconds, not minutes
     from mlflow.tracking import MlflowClient  # noqa: PLC0415  (mlflow: only when run.json names a run)
 
     client = MlflowClient(tracking_uri=uri)
