@@ -335,8 +335,13 @@ def _slurm_time(value: str | None) -> str | None:
             f" {MIN_TIME_MINUTES} (minutes), or leave --time out for the plan's wall time + 25%",
             key="--time",
         )
+    if seconds > MAX_TIME_DAYS * 86400:  # `99999999-00:00:00` went into the script; sbatch refuses it late
+        raise RunnerError(f"{value!r} is over {MAX_TIME_DAYS} days: give the job's real limit", key="--time")
     return value
 
+
+#: the longest --time taken: a year (a 7B run on one node is weeks; clusters cap jobs at days)
+MAX_TIME_DAYS = 365
 
 #: the most CPUs --cpus-per-task takes: 4x a two-socket 192-core node with SMT (768 CPUs); a figure beyond
 #: it is a typo that sbatch would only refuse at submission

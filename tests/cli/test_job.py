@@ -130,6 +130,9 @@ def test_job_refuses_an_unpinned_experiment_and_flags_it_cannot_write_safely():
     assert _refused(REPO, *exp, "--cpus-per-task", "99999999999999") == (
         "error: --cpus-per-task: must be 1 to 4096 (more than any node has), got 99999999999999"
     )
+    assert _refused(REPO, *exp, "--time", "99999999-00:00:00") == (  # sbatch refused it only at submission
+        "error: --time: '99999999-00:00:00' is over 365 days: give the job's real limit"
+    )
     sky = ("experiments/cpu-tiny.yaml", "--skypilot")
     assert _refused(REPO, *sky, "--bucket", "My Bucket").startswith("error: --bucket: ")
     assert _refused(REPO, *sky, "--tracking-uri", "http://x'; touch P").startswith("error: --tracking-uri: ")
