@@ -258,6 +258,7 @@ def test_report_of_an_unknown_mlflow_run_names_the_store(tmp_path, monkeypatch):
         _cli(["report", "ab" * 16])
 
 
+@pytest.mark.slow  # mlflow's import: seconds
 @pytest.mark.timeout(120)
 def test_report_of_a_run_on_a_dead_server_fails_in_seconds_not_minutes(tmp_path, monkeypatch):
     """`runner report RUN_ID` with MLFLOW_TRACKING_URI on a refused loopback port took 4 min 10 s of
