@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
+import itertools
 import os
 import signal
 import time
@@ -328,8 +329,11 @@ def _claim_folder(
 
     main = acc.is_main_process
     if run_dir is None:
-        name = req.run_name or timestamp()
-        chosen = [str(Path("runs") / exp.config.name / name)]
+        parent = Path("runs") / exp.config.name
+        if req.run_name:
+            chosen = [str(parent / req.run_name)]
+        else:
+            chosen = [str(_new_timestamped_folder(parent, held)) if main else ""]
         if acc.num_processes > 1:
             broadcast_object_list(chosen)  # ranks must agree on one timestamped folder
         run_dir = Path(chosen[0])
@@ -354,6 +358,31 @@ def _claim_folder(
             say(f"warning: {line}")
     acc.wait_for_everyone()
     return run_dir
+
+
+def _new_timestamped_folder(parent: Path, held: contextlib.ExitStack) -> Path:
+    """A default run folder, made here so that no other launch can take it: `runs/EXP/<time>`, or
+    `<time>-2`, `-3` ... when a launch of the same experiment made that one in the same second (the
+    second of two launches started together was refused: the folder was in use). A launch refused
+    before it writes its run leaves no empty folder behind (nor the `runs/EXP` and `runs/` it made)."""
+    made = [d for d in (parent, parent.parent) if not d.exists()]  # runs/EXP, runs/
+    parent.mkdir(parents=True, exist_ok=True)
+    stamp = timestamp()
+    for n in itertools.count(1):
+        folder = parent / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        held.callback(_remove_if_empty, [folder, *made])
+        return folder
+    raise AssertionError("unreachable")
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    for folder in folders:
+        with contextlib.suppress(OSError):  # not empty: the run is there
+            folder.rmdir()
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -312,6 +313,46 @@ def test_a_run_folder_that_cannot_be_made_is_one_line(project_with_data, capsys,
     (taken.parent / "notes" / "mine.txt").write_text("mine")
     line = one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--run-name", "notes")[::2])
     assert line.startswith("error: runs/cpu-tiny/notes: --run-name: holds mine.txt and no run"), line
+
+
+@pytest.mark.slow  # one step trained
+def test_launches_of_one_second_get_folders_of_their_own_and_a_refused_one_leaves_none(
+    project_with_data, capsys, monkeypatch, fresh_accelerate
+):
+    """Two `runner launch experiments/cpu-tiny.yaml` started together both took runs/cpu-tiny/<second>:
+    the second was refused ("in use by runner launch"). The default folder is made by the launch that
+    names it (mkdir, never taken twice): the second gets `<second>-2`. One refused after naming its
+    folder leaves no empty folder, nor the runs/ it made."""
+    import contextlib
+
+    from runner.training import launch as launching
+
+    monkeypatch.chdir(project_with_data)
+    monkeypatch.setattr(launching, "timestamp", lambda: "20260101-000000")
+    with contextlib.ExitStack() as held:
+        first = launching._new_timestamped_folder(Path("runs/x"), held)
+        second = launching._new_timestamped_folder(Path("runs/x"), held)
+        assert (first.name, second.name) == ("20260101-000000", "20260101-000000-2")
+        (first / "run.json").write_text("{}")  # the first launch wrote its run; the second was refused
+    assert first.is_dir() and not second.exists()
+
+    taken = project_with_data / "runs" / "cpu-tiny" / "20260101-000000"  # a launch of this second made it
+    taken.mkdir(parents=True)
+    (taken / "experiment.yaml").write_text("name: cpu-tiny\n")
+    (taken / "run.json").write_text(json.dumps({"run_id": taken.name, "status": "running"}))
+    code, out, err = run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--no-tracking", "--max-steps", "1")
+    assert code == 0 and "runs/cpu-tiny/20260101-000000-2" in out + err, err  # was: "became a run ..."
+    assert json.loads((taken / "run.json").read_text())["status"] == "running"  # the other run untouched
+    shutil.rmtree(project_with_data / "runs")
+
+    def refused(cfg):
+        raise RunnerError("refused after the folder was named", key="hardware")
+
+    monkeypatch.setattr(launching, "check_device", refused)
+    assert not (project_with_data / "runs" / "cpu-tiny").exists()
+    line = one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--no-tracking")[::2])
+    assert line == "error: experiments/cpu-tiny.yaml: hardware: refused after the folder was named", line
+    assert not (project_with_data / "runs" / "cpu-tiny").exists()
 
 
 def test_the_cards_reproduce_line_names_a_run_as_launch_takes_it(monkeypatch):
