@@ -366,14 +366,19 @@ def _new_timestamped_folder(parent: Path, held: contextlib.ExitStack) -> Path:
     second of two launches started together was refused: the folder was in use). A launch refused
     before it writes its run leaves no empty folder behind (nor the `runs/EXP` and `runs/` it made)."""
     made = [d for d in (parent, parent.parent) if not d.exists()]  # runs/EXP, runs/
-    parent.mkdir(parents=True, exist_ok=True)
     stamp = timestamp()
     for n in itertools.count(1):
         folder = parent / (stamp if n == 1 else f"{stamp}-{n}")
         try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # `runs` a file, a read-only project
+            raise RunnerError(f"cannot create the run folder: {e.strerror}", file=str(folder)) from None
+        try:
             folder.mkdir()
-        except FileExistsError:
+        except FileExistsError:  # another launch's (or anything else of that name): the next name
             continue
+        except OSError as e:
+            raise RunnerError(f"cannot create the run folder: {e.strerror}", file=str(folder)) from None
         held.callback(_remove_if_empty, [folder, *made])
         return folder
     raise AssertionError("unreachable")

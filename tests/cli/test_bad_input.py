@@ -353,6 +353,9 @@ def test_launches_of_one_second_get_folders_of_their_own_and_a_refused_one_leave
     line = one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--no-tracking")[::2])
     assert line == "error: experiments/cpu-tiny.yaml: hardware: refused after the folder was named", line
     assert not (project_with_data / "runs" / "cpu-tiny").exists()
+    (project_with_data / "runs").write_text("a file where the runs folder would be\n")
+    line = one_error(*run_cli(capsys, "launch", "experiments/cpu-tiny.yaml", "--no-tracking")[::2])
+    assert line == "error: runs/cpu-tiny/20260101-000000: cannot create the run folder: Not a directory", line
 
 
 def test_the_cards_reproduce_line_names_a_run_as_launch_takes_it(monkeypatch):
