@@ -152,3 +152,25 @@ def test_a_fit_file_that_is_not_a_fit_result_is_one_line(project, tmp_path, caps
     assert main(["plan", str(exp_path), "--fit", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err == "error: x.json: not a `runner fit` result (scaling_fit.json): KeyError: 'points'\n"
+
+
+def test_a_fit_whose_points_are_not_numbers_is_one_line(project, tmp_path, capsys, monkeypatch):
+    """A scaling_fit.json whose run had tokens -5 or params 0 (or a NaN domain loss) was fitted: a forecast
+    of 22.6G tokens where the runs said 494K; a string there was a traceback. One line naming the key."""
+    from runner.cli import main
+
+    exp_path = _project_with_targets(project, {"t": {"domain": "web", "loss_nats": 2.6}})
+    monkeypatch.chdir(tmp_path)
+    good = [asdict(p) for p in pilots()]
+    cases = [
+        ({"tokens": -5}, "points[0].tokens: not a `runner fit` result: must be a positive finite number, got -5"),
+        ({"params": 0}, "points[0].params: not a `runner fit` result: must be a positive finite number, got 0"),
+        ({"tokens": "x"}, "points[0].tokens: not a `runner fit` result: must be a positive finite number, got 'x'"),
+        ({"loss": float("nan")}, "points[0].loss: not a `runner fit` result: must be a finite number, got nan"),
+        ({"domain_losses": {"web": float("inf")}}, "points[0].domain_losses.web: not a `runner fit` result: must be"),
+        ({"domain_bpb": [1]}, "points[0].domain_bpb: not a `runner fit` result: must be a mapping"),
+    ]
+    for change, message in cases:
+        (tmp_path / "f.json").write_text(json.dumps({"points": [{**good[0], **change}, *good[1:]]}))
+        assert main(["plan", str(exp_path), "--fit", "f.json"]) == 2
+        assert capsys.readouterr().err.startswith(f"error: f.json: {message}")
