@@ -401,34 +401,12 @@ def build_plan(
 
 
 # ---------------------------------------------------------------- forecast to quality targets
-def _check_fit_point(point: Any, key: str, file: str | None) -> None:
-    """A fit's run as `runner fit` writes it: positive finite params and tokens, finite losses and bits
-    per byte, positive validation token counts. A point with tokens -5 or params 0 was fitted (a forecast
-    of 22.6G tokens where the runs said 494K), and a string there was a traceback."""
-
-    def number(value: Any, name: str, positive: bool) -> None:
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or (positive and value <= 0):
-            rule = "a positive finite number" if positive else "a finite number"
-            raise RunnerError(f"not a `runner fit` result: must be {rule}, got {value!r}", key=name, file=file)
-
-    number(point.params, f"{key}.params", True)
-    number(point.tokens, f"{key}.tokens", True)
-    number(point.loss, f"{key}.loss", False)
-    for field, positive in (("domain_losses", False), ("domain_bpb", False), ("validation_tokens", True)):
-        values = getattr(point, field)
-        if not isinstance(values, dict):
-            raise RunnerError("not a `runner fit` result: must be a mapping", key=f"{key}.{field}", file=file)
-        for domain, value in values.items():
-            number(value, f"{key}.{field}.{domain}", positive)
-
-
 def forecast_targets(plan: Mapping[str, Any], fit_result: Mapping[str, Any], targets: list) -> list[dict]:
     """For each target (name, domain, metric, threshold): the exposure tokens this experiment's model
     needs to reach it (runner.planning.scaling.forecast_target over the fit's runs), and the FLOPs,
     days, device-hours and dollars of that many tokens at the plan's assumed and measured throughput;
     or why it cannot be reached, and whether the answer is beyond the fit's trusted range."""
-    from runner.planning.scaling import Point, forecast_target  # noqa: PLC0415  (scipy: a forecast's, not the trainer's)
+    from runner.planning.scaling import Point, check_point, forecast_target  # noqa: PLC0415  (scipy: a forecast's, not the trainer's)
 
     try:
         points = [Point(**p) for p in fit_result["points"]]
@@ -437,7 +415,7 @@ def forecast_targets(plan: Mapping[str, Any], fit_result: Mapping[str, Any], tar
             f"not a `runner fit` result (scaling_fit.json): {type(err).__name__}: {err}", file=plan.get("fit_file")
         ) from None
     for i, point in enumerate(points):
-        _check_fit_point(point, f"points[{i}]", plan.get("fit_file"))
+        check_point(point, plan.get("fit_file"), f"points[{i}].", "not a `runner fit` result: ")
     params = float(plan["params"]["non_embedding"])
     hw = plan["hardware"]
     out = []

@@ -68,6 +68,30 @@ class Point:
         return 6.0 * self.params * self.tokens
 
 
+def check_point(point: Point, file: str | None, key: str = "", lead: str = "") -> Point:
+    """A run the fit may take: positive finite params and tokens, finite losses and bits per byte,
+    positive validation token counts; else one line naming the key. A run whose ledger said -5 tokens,
+    or a scaling_fit.json point with params 0, was fitted (a forecast of 22.6G tokens where the runs
+    said 494K), and a string there was a traceback."""
+
+    def number(value: Any, name: str, positive: bool) -> None:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (positive and value <= 0):
+            rule = "a positive finite number" if positive else "a finite number"
+            raise RunnerError(f"{lead}must be {rule}, got {value!r}", key=f"{key}{name}", file=file)
+
+    number(point.params, "params", True)
+    number(point.tokens, "tokens", True)
+    number(point.loss, "loss", False)
+    for table, positive in (("domain_losses", False), ("domain_bpb", False), ("validation_tokens", True)):
+        values = getattr(point, table)
+        if not isinstance(values, dict):
+            raise RunnerError(f"{lead}must be a mapping", key=f"{key}{table}", file=file)
+        for domain, value in values.items():
+            number(value, f"{table}.{domain}", positive)
+    return point
+
+
 @dataclass(frozen=True)
 class Fit:
     E: float

@@ -25,7 +25,7 @@ from runner.planning import hardware
 from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
 from runner.planning.memory import as_schema
 from runner.planning.plan import Calibration, architecture
-from runner.planning.scaling import Point
+from runner.planning.scaling import Point, check_point
 from runner.runs.folder import is_report_copy
 from runner.runs.runjson import RunJson
 
@@ -49,7 +49,7 @@ def read_report_point(report_dir: Path) -> Point:
     final = validation[validation["step"] == validation["step"].max()]
     losses = {str(d): float(v) for d, v in zip(final["domain"], final["loss_nats"])}
     name = str(summary.get("run_id") or report_dir.name)
-    return Point(
+    point = Point(
         name,
         float(summary["params"]),
         float(summary["exposure_tokens"]),
@@ -57,8 +57,14 @@ def read_report_point(report_dir: Path) -> Point:
         losses,
         str(summary.get("experiment") or ""),
         {str(d): float(v) for d, v in zip(final["domain"], final["bpb"])},
-        {str(d): int(v) for d, v in zip(final["domain"], final["tokens"])} if "tokens" in final else {},
+        {str(d): _count(v) for d, v in zip(final["domain"], final["tokens"])} if "tokens" in final else {},
     )
+    return check_point(point, str(report_dir))
+
+
+def _count(value: Any) -> Any:
+    """A token count as an int; a NaN or infinity is kept for check_point to name."""
+    return int(value) if math.isfinite(value) else float(value)
 
 
 _NUMERIC = (
@@ -130,8 +136,10 @@ def read_point(run_dir: str | Path) -> Point:
     if not math.isfinite(loss):
         raise RunnerError(f"final validation loss is {loss}", file=str(evals))
     bpb = {d: float(r["bpb"]) for d, r in last.items() if "bpb" in r}
-    weights = {d: int(r["tokens"]) for d, r in last.items() if "tokens" in r}
-    return Point(run_dir.name, float(params), float(tokens), loss, final, cfg.name, bpb, weights)
+    weights = {d: _count(r["tokens"]) for d, r in last.items() if "tokens" in r}
+    return check_point(
+        Point(run_dir.name, float(params), float(tokens), loss, final, cfg.name, bpb, weights), str(run_dir)
+    )
 
 
 def read_fit_points(runs: Iterable[str | Path], holdout: Iterable[str | Path]) -> tuple[list[Point], list[Point]]:

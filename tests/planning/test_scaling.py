@@ -230,3 +230,29 @@ def test_a_fit_counts_each_run_once_and_never_fits_a_held_out_run(tmp_path):
     fitted, held = read_fit_points([r.parent for r in runs], [runs[5], runs[5].parent])
     assert [p.experiment for p in held] == [runs[5].parent.name]
     assert runs[5].parent.name not in {p.experiment for p in fitted} and len(fitted) == 5
+
+
+def test_a_run_whose_figures_are_no_numbers_is_not_fitted(tmp_path):
+    """A run folder whose ledger says -100 exposure tokens, or a report whose summary holds a NaN
+    exposure or a validation row NaN tokens (int(NaN): a ValueError traceback), was fitted or crashed:
+    one line naming the folder and the key."""
+    import pandas as pd
+
+    write_run(tmp_path / "r", 1, 100, {"web": 3.0})
+    (tmp_path / "r" / "ledger.json").write_text(json.dumps({"counters": {"total": {"exposure": -100}}}))
+    with pytest.raises(RunnerError, match=r"r: tokens: must be a positive finite number, got -100.0"):
+        read_point(tmp_path / "r")
+    rep = tmp_path / "report"
+    rep.mkdir()
+    rows = [{"step": 10, "exposure_tokens": 2, "domain": "web", "loss_nats": 4.0, "bpb": 1.0, "tokens": 64}]
+    summary = {"run_id": "r1", "params": 1000, "params_counted": "non_embedding", "exposure_tokens": float("nan")}
+    pd.DataFrame([summary]).to_parquet(rep / "run_summary.parquet")
+    pd.DataFrame(rows).to_parquet(rep / "validation.parquet")
+    with pytest.raises(RunnerError, match=r"report: tokens: must be a positive finite number, got nan"):
+        read_point(rep)
+    pd.DataFrame([{**summary, "exposure_tokens": 64000}]).to_parquet(rep / "run_summary.parquet")
+    pd.DataFrame([{**rows[0], "tokens": float("nan")}]).to_parquet(rep / "validation.parquet")
+    with pytest.raises(RunnerError, match=r"report: validation_tokens.web: must be a positive finite number, got nan"):
+        read_point(rep)
+    pd.DataFrame(rows).to_parquet(rep / "validation.parquet")
+    assert read_point(rep).tokens == 64000.0
