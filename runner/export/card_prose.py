@@ -10,6 +10,7 @@ the run folder.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from runner.config.schema import ExperimentSchema
@@ -19,6 +20,24 @@ from runner.planning.flops import params_of_config
 PROMPTS = {"code": "def fibonacci(n):", "web": "The history of", "prose": "The"}
 PLAIN_PROMPT = "The"
 HUB_LICENCES = "https://huggingface.co/docs/hub/repositories-licenses"
+
+
+_MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]!"} | {"&": "&amp;", "<": "&lt;", ">": "&gt;"})
+_URL = re.compile(r"https?://[^\s<>()\[\]\"'`\\|]{1,500}")
+_REVISION = re.compile(r"[A-Za-z0-9._/-]{1,100}")
+
+
+def text(x: Any) -> str:
+    """A string from a recipe or a data card, as plain text in the card: one line, no HTML (`<!--` hid
+    the rest of the card on the Hub, `<script>` ran nowhere but was there), no link, image or
+    emphasis of its own (`![t](http://host/pixel.png)` fetched a tracker where the card is read)."""
+    return " ".join(str(x).split()).translate(_MARKDOWN)
+
+
+def link(label: Any, url: Any) -> str:
+    """[label](url) where url is a plain http(s) address; else the label alone, as text."""
+    shown = text(label)
+    return f"[{shown}]({url})" if isinstance(url, str) and _URL.fullmatch(url) else shown
 
 
 def _tokens(n: int) -> str:
@@ -42,7 +61,7 @@ def description(cfg: ExperimentSchema, f: dict) -> list[str]:
         f"of {', '.join(domains)} (see Training data). It is a base model: no instruction tuning, no "
         "preference tuning, no safety filtering beyond what its data had.",
         "",
-        f"Experiment note: {' '.join(cfg.description.split())}",
+        f"Experiment note: {text(cfg.description)}",
     ]
 
 
@@ -102,18 +121,15 @@ def training_data(f: dict) -> list[str]:
     ]
     for d in f.get("data") or []:
         row = by_domain.get(d["domain"], {})
-        source = d.get("source")
-        if source and d.get("source_url"):
-            source = f"[{source}]({d['source_url']})"
+        source = link(d["source"], d.get("source_url")) if d.get("source") else None
         if source and d.get("revision"):
-            source += f" at `{d['revision']}`"
-        licence = d.get("licence")
-        if licence and d.get("licence_url"):
-            licence = f"[{licence}]({d['licence_url']})"
+            rev = str(d["revision"])
+            source += f" at `{rev}`" if _REVISION.fullmatch(rev) else f" at {text(rev)}"
+        licence = link(d["licence"], d.get("licence_url")) if d.get("licence") else None
         seen = row.get("exposure_tokens")
         epochs = row.get("epochs")
         lines.append(
-            f"| {d['domain']} | {_cell(d.get('description') or 'not described (no datacard.json beside its manifest)')} "
+            f"| {text(d['domain'])} | {_cell(text(d.get('description') or 'not described (no datacard.json beside its manifest)'))} "
             f"| {_cell(source)} | {_cell(licence)} | {'-' if seen is None else f'{int(seen):,}'} "
             f"| {'-' if epochs is None else f'{float(epochs):.3g}'} |"
         )
@@ -122,7 +138,7 @@ def training_data(f: dict) -> list[str]:
 
 def licence(cfg: ExperimentSchema, f: dict) -> list[str]:
     chosen = cfg.export.license
-    data = sorted({str(d.get("licence")) for d in (f.get("data") or []) if d.get("licence")})
+    data = sorted({text(d.get("licence")) for d in (f.get("data") or []) if d.get("licence")})
     terms = f" The training data's licences: {'; '.join(data)} (Training data above)." if data else ""
     if chosen:
         return [f"The weights are released under `{chosen}` (the Hub's licence ids: {HUB_LICENCES}).{terms}"]
