@@ -10,34 +10,16 @@ the run folder.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from runner.config.schema import ExperimentSchema
+from runner.mdtext import code, link, text
 from runner.planning.flops import params_of_config
 
 #: a prompt per domain the snippet can start from (the first domain found); else PLAIN_PROMPT
 PROMPTS = {"code": "def fibonacci(n):", "web": "The history of", "prose": "The"}
 PLAIN_PROMPT = "The"
 HUB_LICENCES = "https://huggingface.co/docs/hub/repositories-licenses"
-
-
-_MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]!"} | {"&": "&amp;", "<": "&lt;", ">": "&gt;"})
-_URL = re.compile(r"https?://[^\s<>()\[\]\"'`\\|]{1,500}")
-_REVISION = re.compile(r"[A-Za-z0-9._/-]{1,100}")
-
-
-def text(x: Any) -> str:
-    """A string from a recipe or a data card, as plain text in the card: one line, no HTML (`<!--` hid
-    the rest of the card on the Hub, `<script>` ran nowhere but was there), no link, image or
-    emphasis of its own (`![t](http://host/pixel.png)` fetched a tracker where the card is read)."""
-    return " ".join(str(x).split()).translate(_MARKDOWN)
-
-
-def link(label: Any, url: Any) -> str:
-    """[label](url) where url is a plain http(s) address; else the label alone, as text."""
-    shown = text(label)
-    return f"[{shown}]({url})" if isinstance(url, str) and _URL.fullmatch(url) else shown
 
 
 def _tokens(n: int) -> str:
@@ -109,7 +91,8 @@ def usage_snippet(f: dict) -> list[str]:
 
 
 def _cell(x: Any) -> str:
-    return "-" if x is None or x == "" else str(x).replace("|", "/")
+    """A table cell of text already escaped (runner.mdtext: its pipes too), or '-'."""
+    return "-" if x is None or x == "" else str(x)
 
 
 def training_data(f: dict) -> list[str]:
@@ -121,10 +104,10 @@ def training_data(f: dict) -> list[str]:
     ]
     for d in f.get("data") or []:
         row = by_domain.get(d["domain"], {})
-        source = link(d["source"], d.get("source_url")) if d.get("source") else None
+        source: str | None = link(d["source"], d.get("source_url")) if d.get("source") else None
         if source and d.get("revision"):
             rev = str(d["revision"])
-            source += f" at `{rev}`" if _REVISION.fullmatch(rev) else f" at {text(rev)}"
+            source += f" at {code(rev, in_table=True)}"
         licence = link(d["licence"], d.get("licence_url")) if d.get("licence") else None
         seen = row.get("exposure_tokens")
         epochs = row.get("epochs")

@@ -25,6 +25,7 @@ from runner.config.schema import KINDS
 from runner.data.manifest import check_experiment_data, said_once
 from runner.errors import Problems, RunnerError
 from runner.fsio import load_yaml_text
+from runner.mdtext import code, text
 from runner.planning.plan import build_plan
 from runner.planning.resources import load_experiment, load_recipe_file
 
@@ -204,8 +205,8 @@ def review_markdown(base: str, cwd: Path, problems: list[str], loads: Loads | No
     resolved config differs from the base's, through its own file or a recipe it uses), with the
     fingerprinted keys that changed and the plan before and after; problems from check_pr first."""
     root = _checkout(cwd)
-    lines = [f"## Recipe review against `{base}`", ""]
-    lines += [f"**check-pr: {'FAIL' if problems else 'PASS'}**", ""] + [f"- `{p}`" for p in problems]
+    lines = [f"## Recipe review against {code(base)}", ""]
+    lines += [f"**check-pr: {'FAIL' if problems else 'PASS'}**", ""] + [f"- {code(p)}" for p in problems]
     sections = []
     with tempfile.TemporaryDirectory() as tmp:
         base_root = Path(tmp)
@@ -229,14 +230,14 @@ def review_markdown(base: str, cwd: Path, problems: list[str], loads: Loads | No
 
 
 def _fp(exp) -> str:
-    return f"`{exp.fingerprint[:12]}`" if exp is not None else "-"
+    return code(exp.fingerprint[:12]) if exp is not None else "-"
 
 
 def _experiment_section(rel, before, before_err, after, after_err, root: Path, existed: bool) -> list[str]:
     status = "deleted" if after is None and after_err is None else ("modified" if existed else "added")
-    lines = [f"### `{rel}` ({status})", ""]
+    lines = [f"### {code(rel)} ({status})", ""]
     if after_err:
-        lines += [f"Does not validate at the head: `{after_err}`", ""]
+        lines += [f"Does not validate at the head: {code(after_err)}", ""]
     if before is not None and after is not None:
         same = before.fingerprint == after.fingerprint
         lines += [f"Fingerprint {_fp(before)} -> {_fp(after)}" + (" (same training)" if same else ""), ""]
@@ -263,13 +264,15 @@ def _key_changes(before: dict, after: dict) -> list[str]:
     lines = []
     if meaning:
         lines += ["| fingerprinted key | before | after |", "|---|---|---|"]
-        lines += [f"| `{k}` | {_value(before, k)} | {_value(after, k)} |" for k in meaning]
+        lines += [
+            f"| {code(k, in_table=True)} | {text(_value(before, k))} | {text(_value(after, k))} |" for k in meaning
+        ]
     else:
         lines.append("No fingerprinted key changed: the same training.")
     if other:
         lines += [
             "",
-            "Not fingerprinted (labels, recipe references, operational keys): " + ", ".join(f"`{k}`" for k in other),
+            "Not fingerprinted (labels, recipe references, operational keys): " + ", ".join(code(k) for k in other),
         ]
     return lines + [""]
 
@@ -307,7 +310,7 @@ def _plan_rows(exp, root: Path) -> dict[str, object] | str:
 
 def _fmt(v) -> str:
     if isinstance(v, str):
-        return v
+        return text(v)
     if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) < 1e15):
         return f"{int(v):,}"
     return f"{v:.4g}"
@@ -325,4 +328,4 @@ def _plan_table(before, after, root: Path) -> list[str]:
         if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x:
             change = f"{(y - x) / x:+.1%}" if y != x else "same"
         lines.append(f"| {key} | {'-' if x is None else _fmt(x)} | {'-' if y is None else _fmt(y)} | {change} |")
-    return lines + [""] + [f"_{n}_" for n in notes] + ([""] if notes else [])
+    return lines + [""] + [f"_{text(n)}_" for n in notes] + ([""] if notes else [])

@@ -126,3 +126,18 @@ def test_a_base_that_is_no_commit_or_no_checkout_is_one_line(repo, tmp_path_fact
     assert capsys.readouterr().err.splitlines() == [
         f"error: {outside} is not in a git checkout: run check-pr inside the project's clone"
     ]
+
+
+def test_a_pull_requests_strings_stay_text_in_its_review(repo, monkeypatch, capsys):
+    """A key named "a`<!--" closed the review's code span (an error line quotes it) and the rest read
+    as Markdown: raw HTML, a link, an image. Each string is a code span no backtick closes, or escaped
+    text; rendered by markdown-it with HTML on, no tag of the PR's own appears."""
+    markdown_it = pytest.importorskip("markdown_it")
+    exp = repo / "experiments/cpu-tiny.yaml"
+    exp.write_text(exp.read_text() + '"a`<img src=x> ![t](http://evil.example/p.png)": 1\n')
+    code, md = _review(repo, monkeypatch, capsys)
+    assert code == 2 and "**check-pr: FAIL**" in md
+    assert "- ``experiments/cpu-tiny.yaml: a`<img src=x> ![t](http://evil.example/p.png): unknown key``" in md
+    html = markdown_it.MarkdownIt("commonmark", {"html": True}).enable("table").render(md)
+    assert "<img" not in html
+    assert "evil.example/p.png): unknown key</code>" in html

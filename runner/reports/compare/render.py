@@ -24,6 +24,7 @@ from runner.fsio import (
     replace_folder,
     staging_folder,
 )
+from runner.mdtext import code, text
 from runner.reports import tables as rpt
 from runner.reports import targets as tg
 from runner.reports.audit.evidence import write_report_with_evidence
@@ -83,14 +84,15 @@ def _fmt(v: Any) -> str:
         return f"{v:,}"
     if isinstance(v, float):
         return f"{v:,.0f}" if abs(v) >= 1e5 or (v.is_integer() and abs(v) >= 1) else f"{v:.4g}"
-    return str(v)
+    return text(v)  # a run's strings (another's report: its config values, labels) are text
 
 
-def _md(df: pd.DataFrame) -> list[str]:
+def _md(df: pd.DataFrame, code_columns: tuple[str, ...] = ()) -> list[str]:
     cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = ["| " + " | ".join(text(c) for c in cols) + " |", "|" + "---|" * len(cols)]
     for row in df.itertuples(index=False):
-        lines.append("| " + " | ".join(_fmt(plain_value(v)) for v in row) + " |")
+        cells = [code(v, in_table=True) if c in code_columns else _fmt(plain_value(v)) for c, v in zip(cols, row)]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -154,8 +156,8 @@ def render_markdown(comp: Comparison, plots: list[str] | None = None) -> str:
     f = comp.frames
     lines = [f"# Comparison: {' vs '.join(comp.labels)}", "", *_md(f["runs"]), ""]
     lines += ["## Where the configs differ (fingerprinted keys)", ""]
-    diffs = f["config_differences"].assign(key=lambda df: "`" + df["key"] + "`")
-    lines += _md(diffs) if len(diffs) else ["The fingerprinted configs are equal."]
+    diffs = f["config_differences"]
+    lines += _md(diffs, code_columns=("key",)) if len(diffs) else ["The fingerprinted configs are equal."]
     lines += ["", "## Quality targets: who gets there first", "", *targets_markdown(comp)]
     lines += [
         "A target is met at the first evaluation at or below it; tokens are exposure tokens, seconds the wall",
