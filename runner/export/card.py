@@ -34,6 +34,7 @@ from runner.errors import RunnerError
 from runner.export import card_downstream, card_prose
 from runner.export.source import Source, reference_model
 from runner.fsio import sha256_file
+from runner.mdtext import text
 from runner.reports import tables as rpt
 from runner.reports.audit.evidence import final_validation
 from runner.reports.audit.recompute_eval import _LocalAccelerator
@@ -305,7 +306,7 @@ def card_text(src: Source, f: dict, dtype: str, verification: dict) -> str:
         "",
         f"- MFU {c['mfu']:.2%}, goodput MFU {c['goodput_mfu']:.2%} ({c['scope']}); convention: "
         f"{conv.get('flops_formula')}, params {conv.get('params_counted')}, time basis {conv.get('time_basis')}, "
-        f"peak {_fmt(conv.get('peak_tflops'))} TFLOP/s {conv.get('peak_dtype')} ({conv.get('peak_source')}), "
+        f"peak {_fmt(conv.get('peak_tflops'))} TFLOP/s {conv.get('peak_dtype')} ({text(conv.get('peak_source'))}), "
         f"{conv.get('devices_counted')} device(s) counted",
         f"- device-hours {c['device_hours']:.4g}, cost ${c['cost_usd']:.4g} at ${c['price_per_device_hour_usd']:g} "
         f"per device-hour (${c['cost_per_billion_useful_tokens_usd']:.4g} per billion useful tokens)",
