@@ -49,4 +49,3 @@ def test_a_recipes_description_and_a_data_cards_fields_are_plain_text_in_the_car
     assert '<a href="https://opensource.org/license/mit">MIT</a>' in html  # a plain link stays one
     assert card_prose.text("pydoc_data.topics, Lib/**/*.py") == "pydoc\\_data.topics, Lib/\\*\\*/\\*.py"
     assert "<em>" not in _html([card_prose.text("Lib/**/*.py of 2-60 kB, _private_ names")])
-
