@@ -411,6 +411,16 @@ def render_report_dir(report_dir: str | Path) -> Path:
     metrics), so `runner report MLFLOW_RUN_ID` rebuilds what can be rebuilt from the tables.
     """
     report_dir = Path(report_dir)
+    (report_dir / "report.md").write_text(report_markdown(report_dir))
+    write_plots(read_tables(report_dir), report_dir)
+    return report_dir
+
+
+def report_markdown(report_dir: str | Path) -> str:
+    """report.md as this runner renders it from a report folder's own files (tables, experiment.yaml,
+    manifests, run.json, the curves' and final bias' files): what `write_report` wrote there, byte for
+    byte, when this runner wrote it (`runner audit` compares)."""
+    report_dir = Path(report_dir)
     tables = read_tables(report_dir)
     cfg = load_saved_experiment(report_dir / "experiment.yaml").config
     domains = sorted(cfg.mixture.domains)
@@ -418,9 +428,7 @@ def render_report_dir(report_dir: str | Path) -> Path:
     run = read_json(report_dir / "run.json") if (report_dir / "run.json").exists() else None
     curves = (report_dir / training_curves.PLOT).exists()  # drawn from train.jsonl, kept as it was
     bias = read_final_bias(report_dir)  # written with the report from the run's routing record, kept as it was
-    (report_dir / "report.md").write_text(render_markdown(tables, cfg, manifests, run, curves=curves, final_bias=bias))
-    write_plots(tables, report_dir)
-    return report_dir
+    return render_markdown(tables, cfg, manifests, run, curves=curves, final_bias=bias)
 
 
 def report_from_fetched(folder: str | Path) -> Path:

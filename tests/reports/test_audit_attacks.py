@@ -393,6 +393,30 @@ def test_consistent_forgery_never_passes(real_run, tmp_path, attack, must_fail):
     assert audit(report, check_mlflow=False).verdict != PASS  # offline: at best UNVERIFIED
 
 
+def test_an_edited_report_md_never_passes(real_run, tmp_path):
+    """report.md, what a reader opens first, was never audited: its MFU line edited from the run's figure
+    to 59.4% passed every check of the tables. Rendered again from the audited tables: identical is
+    PASS; an edit is UNVERIFIED naming the line (an older runner's wording reads the same way); a report
+    an older runner wrote is UNVERIFIED, never rendered with today's words and called an edit."""
+    name = "report.md = its tables"
+    report = _copy(real_run, tmp_path)
+    clean = audit(report, check_mlflow=False)
+    assert name not in clean.unverified() + clean.failed(), clean.render()
+    assert re.search(r"report.md = its tables +PASS +rendered again from the tables: identical", clean.render())
+    md = (report / "report.md").read_text()
+    forged = re.sub(r"^- MFU [0-9.]+%", "- MFU 59.4%", md, count=1, flags=re.M)
+    assert forged != md
+    (report / "report.md").write_text(forged)
+    result = audit(report, check_mlflow=False)
+    assert name in result.unverified() and result.failed() == [], result.render()
+    assert "reads '- MFU 59.4% (step time)" in result.render()
+    (report / "report.md").write_text(md)
+    summary = _read(report, "run_summary").assign(schema_version="runner-report/3")
+    _write(report, "run_summary", summary)
+    older = audit(report, check_mlflow=False)
+    assert "written by an older runner (runner-report/3; this one renders runner-report/4)" in older.render()
+
+
 def test_a_report_cut_short_never_passes(real_run, tmp_path):
     """Issue 27 item 6: a SIGKILLed `runner report` left a report without plots or evidence.json that
     PASSed and published. Missing evidence is UNVERIFIED, a missing plot or table FAILs."""
