@@ -17,6 +17,7 @@ import pandas as pd
 from runner.config.data_recipes import HubFiles
 from runner.config.schema import ExperimentSchema
 from runner.data.manifest import small_validation_warning
+from runner.mdtext import text
 from runner.planning.flops import params_of_config
 from runner.reports import curves as training_curves
 from runner.reports import expert_tables, targets
@@ -270,8 +271,8 @@ def _md_definitions(s: pd.Series) -> list[str]:
         "| field | value |",
         "|---|---|",
     ]
-    for key in CONVENTION_KEYS:
-        lines.append(f"| {key} | {s[key]} |")
+    for key in CONVENTION_KEYS:  # peak_source is a hardware recipe's own words: text, never Markdown or HTML
+        lines.append(f"| {key} | {text(s[key]) if key == 'peak_source' else s[key]} |")
     lines += [
         "",
         "- `mfu` = flops_per_token * processed / (device_step_seconds * peak), where device_step_seconds =",

@@ -49,3 +49,14 @@ def test_a_recipes_description_and_a_data_cards_fields_are_plain_text_in_the_car
     assert '<a href="https://opensource.org/license/mit">MIT</a>' in html  # a plain link stays one
     assert card_prose.text("pydoc_data.topics, Lib/**/*.py") == "pydoc\\_data.topics, Lib/\\*\\*/\\*.py"
     assert "<em>" not in _html([card_prose.text("Lib/**/*.py of 2-60 kB, _private_ names")])
+
+
+def test_a_hardware_recipes_peak_source_is_plain_text_in_report_md():
+    """peak_source is a hardware recipe's own words, printed in report.md's convention table."""
+    import pandas as pd
+
+    from runner.reports.markdown import CONVENTION_KEYS, _md_definitions
+
+    row = pd.Series({k: "x" for k in CONVENTION_KEYS} | {"peak_source": "datasheet <img src=x> | ![t](http://e/p.png)"})
+    html = _html(_md_definitions(row))
+    assert "<img" not in html and "datasheet &lt;img src=x&gt; | ![t](http://e/p.png)</td>" in html
