@@ -47,6 +47,8 @@ def read_report_point(report_dir: Path) -> Point:
     if validation.empty:
         raise RunnerError("no evaluation recorded", file=str(report_dir / "validation.parquet"))
     final = validation[validation["step"] == validation["step"].max()]
+    if "tokens" in final:  # a domain with no validation sample is never measured: not in the point
+        final = final[final["tokens"] != 0]
     losses = {str(d): float(v) for d, v in zip(final["domain"], final["loss_nats"])}
     name = str(summary.get("run_id") or report_dir.name)
     point = Point(
@@ -128,7 +130,8 @@ def read_point(run_dir: str | Path) -> Point:
     if not rows:
         raise RunnerError("no evaluation recorded", file=str(evals))
     last_step = max(int(r["step"]) for r in rows)
-    last = {r["domain"]: r for r in rows if int(r["step"]) == last_step}
+    # a domain with no validation sample is never measured (its row: tokens 0, loss NaN): not in the point
+    last = {r["domain"]: r for r in rows if int(r["step"]) == last_step and r.get("tokens") != 0}
     final = {d: float(r["loss_nats"]) for d, r in last.items()}
     if not final:
         raise RunnerError("no per-domain loss at the final evaluation", file=str(evals))

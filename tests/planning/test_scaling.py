@@ -254,5 +254,11 @@ def test_a_run_whose_figures_are_no_numbers_is_not_fitted(tmp_path):
     pd.DataFrame([{**rows[0], "tokens": float("nan")}]).to_parquet(rep / "validation.parquet")
     with pytest.raises(RunnerError, match=r"report: validation_tokens.web: must be a positive finite number, got nan"):
         read_point(rep)
-    pd.DataFrame(rows).to_parquet(rep / "validation.parquet")
-    assert read_point(rep).tokens == 64000.0
+    unmeasured = {"step": 10, "exposure_tokens": 2, "domain": "c", "loss_nats": float("nan"), "bpb": float("nan")}
+    pd.DataFrame([*rows, {**unmeasured, "tokens": 0}]).to_parquet(rep / "validation.parquet")
+    point = read_point(rep)  # a domain without validation samples (tokens 0, loss NaN) is left out
+    assert (point.tokens, point.loss, point.domain_losses) == (64000.0, 4.0, {"web": 4.0})
+    evals = tmp_path / "r" / "metrics" / "eval.jsonl"
+    evals.write_text(evals.read_text() + json.dumps({**unmeasured, "step": 100, "tokens": 0}) + "\n")
+    (tmp_path / "r" / "ledger.json").unlink()
+    assert read_point(tmp_path / "r").domain_losses == {"web": 3.0}  # was: "final validation loss is nan"
