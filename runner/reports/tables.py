@@ -39,7 +39,7 @@ from runner.runs.runjson import as_record
 from runner.training import task_targets
 from runner.training.routing_record import FINAL_BIAS_FILE, final_bias_of, read_final_bias
 from runner.training.tracking import default_tracking_uri, fail_fast_env
-from schemas.report_tables import SCHEMA_VERSION, SCHEMAS
+from schemas.report_tables import SCHEMA_VERSION, SCHEMAS, with_added_columns
 
 TABLES = tuple(SCHEMAS)
 #: Tables added to runner-report/3 after reports were published under it. A report without the table's
@@ -422,6 +422,7 @@ def report_markdown(report_dir: str | Path) -> str:
     byte, when this runner wrote it (`runner audit` compares)."""
     report_dir = Path(report_dir)
     tables = read_tables(report_dir)
+    tables = with_added_columns(tables, written_version(tables))  # an older schema's: each new column at its meaning
     cfg = load_saved_experiment(report_dir / "experiment.yaml").config
     domains = sorted(cfg.mixture.domains)
     manifests = read_manifest_copies(report_dir / "manifests", domains)

@@ -37,6 +37,7 @@ from runner.reports.tables import _typed
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[2]
 STEPS, L, B = 8, 16, 8
 POOLS = {"a": (0.5, 4000, 400), "b": (0.25, 3000, 300), "c": (0.25, 3000, 0)}  # c: no validation split
 
@@ -396,8 +397,8 @@ def test_consistent_forgery_never_passes(real_run, tmp_path, attack, must_fail):
 def test_an_edited_report_md_never_passes(real_run, tmp_path):
     """report.md, what a reader opens first, was never audited: its MFU line edited from the run's figure
     to 59.4% passed every check of the tables. Rendered again from the audited tables: identical is
-    PASS; an edit is UNVERIFIED naming the line (an older runner's wording reads the same way); a report
-    an older runner wrote is UNVERIFIED, never rendered with today's words and called an edit."""
+    PASS; an edit is UNVERIFIED naming the line (an older runner's wording reads the same way), never
+    FAIL. The shipped reports' report.md are this runner's rendering of their tables."""
     name = "report.md = its tables"
     report = _copy(real_run, tmp_path)
     clean = audit(report, check_mlflow=False)
@@ -410,11 +411,15 @@ def test_an_edited_report_md_never_passes(real_run, tmp_path):
     result = audit(report, check_mlflow=False)
     assert name in result.unverified() and result.failed() == [], result.render()
     assert "reads '- MFU 59.4% (step time)" in result.render()
-    (report / "report.md").write_text(md)
-    summary = _read(report, "run_summary").assign(schema_version="runner-report/3")
-    _write(report, "run_summary", summary)
-    older = audit(report, check_mlflow=False)
-    assert "written by an older runner (runner-report/3; this one renders runner-report/4)" in older.render()
+    # a report an older schema wrote (the shipped runner-report/3 one) renders with each newer column at
+    # its meaning: its report.md, rendered again by this runner, is identical; edited, it is not
+    shipped = tmp_path / "shipped"
+    shutil.copytree(REPO / "reports" / "cpu-tiny" / "20261201-crash-resume", shipped)
+    assert rpt.written_version(rpt.read_tables(shipped)) == "runner-report/3"
+    older = audit(shipped, check_mlflow=False)
+    assert name not in older.unverified() + older.failed(), older.render()
+    (shipped / "report.md").write_text((shipped / "report.md").read_text().replace("- MFU 19.4%", "- MFU 59.4%"))
+    assert name in audit(shipped, check_mlflow=False).unverified()
 
 
 def test_a_report_cut_short_never_passes(real_run, tmp_path):
