@@ -411,17 +411,18 @@ def render_report_dir(report_dir: str | Path) -> Path:
     metrics), so `runner report MLFLOW_RUN_ID` rebuilds what can be rebuilt from the tables.
     """
     report_dir = Path(report_dir)
-    (report_dir / "report.md").write_text(report_markdown(report_dir))
-    write_plots(read_tables(report_dir), report_dir)
+    tables = read_tables(report_dir)
+    (report_dir / "report.md").write_text(report_markdown(report_dir, tables))
+    write_plots(tables, report_dir)
     return report_dir
 
 
-def report_markdown(report_dir: str | Path) -> str:
+def report_markdown(report_dir: str | Path, tables: dict[str, pd.DataFrame] | None = None) -> str:
     """report.md as this runner renders it from a report folder's own files (tables, experiment.yaml,
     manifests, run.json, the curves' and final bias' files): what `write_report` wrote there, byte for
-    byte, when this runner wrote it (`runner audit` compares)."""
+    byte, when this runner wrote it (`runner audit` compares). `tables`: the folder's, already read."""
     report_dir = Path(report_dir)
-    tables = read_tables(report_dir)
+    tables = read_tables(report_dir) if tables is None else tables
     tables = with_added_columns(tables, written_version(tables))  # an older schema's: each new column at its meaning
     cfg = load_saved_experiment(report_dir / "experiment.yaml").config
     domains = sorted(cfg.mixture.domains)

@@ -504,7 +504,7 @@ def _check_report_md(res: AuditResult, inp: AuditInput) -> None:
         return
     redo = "`runner report RUN_DIR` writes it again from the run"
     try:
-        rendered = rpt.report_markdown(inp.report_dir)
+        rendered = rpt.report_markdown(inp.report_dir, inp.tables)  # the report folder's tables, read once
     except Exception as err:  # tables the schemas passed that today's renderer still cannot word
         res.could_not(name, f"this runner cannot render these tables ({type(err).__name__}: {err}); {redo}")
         return
