@@ -16,29 +16,23 @@ _URL = re.compile(r"https?://[^\s<>()\[\]\"'`\\|]{1,500}")
 _TICKS = re.compile(r"`+")
 
 
-class Markdown(str):
-    """Markdown already made safe here (what code() and link() return): text() keeps it as it is."""
-
-
 def text(x: Any) -> str:
     """One line of plain text: HTML (`<img src=...>`, `<!-- ... -->`), links, images (`![t](url)`, a
     tracker fetched wherever the document is read), emphasis and table pipes escaped."""
-    if isinstance(x, Markdown):
-        return x
     return " ".join(str(x).split()).translate(_MARKDOWN)
 
 
-def link(label: Any, url: Any) -> Markdown:
+def link(label: Any, url: Any) -> str:
     """[label](url) where url is a plain http(s) address; else the label alone, as text."""
     shown = text(label)
-    return Markdown(f"[{shown}]({url})" if isinstance(url, str) and _URL.fullmatch(url) else shown)
+    return f"[{shown}]({url})" if isinstance(url, str) and _URL.fullmatch(url) else shown
 
 
-def code(x: Any, in_table: bool = False) -> Markdown:
+def code(x: Any, in_table: bool = False) -> str:
     """One line as a code span that no backtick inside closes (CommonMark: a fence longer than any run
     of backticks in it); in a table row, its pipes escaped (GFM splits cells at them even in code)."""
     s = " ".join(str(x).split())
     fence = "`" * (max((len(m) for m in _TICKS.findall(s)), default=0) + 1)
     pad = " " if s.startswith("`") or s.endswith("`") else ""
     span = f"{fence}{pad}{s}{pad}{fence}"
-    return Markdown(span.replace("|", "\\|") if in_table else span)
+    return span.replace("|", "\\|") if in_table else span

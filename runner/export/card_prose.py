@@ -104,7 +104,7 @@ def training_data(f: dict) -> list[str]:
     ]
     for d in f.get("data") or []:
         row = by_domain.get(d["domain"], {})
-        source: str | None = link(d["source"], d.get("source_url")) if d.get("source") else None
+        source = link(d["source"], d.get("source_url")) if d.get("source") else None
         if source and d.get("revision"):
             rev = str(d["revision"])
             source += f" at {code(rev, in_table=True)}"
