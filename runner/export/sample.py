@@ -7,8 +7,8 @@ safetensors, is one line naming the file; weights that do not fit the model conf
 missing, unused or of another shape, are refused rather than generated from at random; an exported
 folder's files checked against the record its run folder keeps (runner.export.verify_export): refused
 when they differ, said "unverified" where no record is at hand), and the sampling settings (greedy at temperature 0,
-otherwise multinomial sampling seeded by `seed`; a temperature that is not a finite number >= 0 is
-refused), with the new tokens capped at what the model's context (`max_position_embeddings`) leaves
+otherwise multinomial sampling seeded by `seed`; a temperature that is not 0 or a finite number >=
+`MIN_TEMPERATURE` is refused, as is a model whose next-token probabilities are not finite), with the new tokens capped at what the model's context (`max_position_embeddings`) leaves
 after the prompt. One process, on the CPU. Never writes anything.
 """
 
@@ -45,6 +45,10 @@ class Sample:
 
 #: torch.manual_seed's range
 SEED_LIMIT = 2**64
+# Below this, logits / temperature overflow float32 (3.4e38) for ordinary logits (T = 1e-300: inf, then NaN
+# probabilities, a RuntimeError inside generate); at 1e-3 a logit of 100 becomes 1e5, far from it, and
+# sampling at T = 1e-3 is greedy in all but name (0 asks for greedy).
+MIN_TEMPERATURE = 1e-3
 
 
 def _from_run(path: Path, step: int | None):
@@ -146,8 +150,10 @@ def _check_folder(path: Path) -> None:
 def _check_settings(max_new_tokens: int, temperature: float, seed: int) -> None:
     if max_new_tokens < 1:
         raise RunnerError(f"must be >= 1, got {max_new_tokens}", key="--max-new-tokens")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise RunnerError(f"a finite number >= 0 (0 = greedy), got {temperature}", key="--temperature")
+    if not (math.isfinite(temperature) and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+        raise RunnerError(
+            f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {temperature}", key="--temperature"
+        )
     if isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
         raise RunnerError(f"an integer from 0 to 2**64 - 1, got {seed}", key="--seed")
 
@@ -208,12 +214,20 @@ def sample(
         settings = (
             {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
         )
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-            **settings,
-        )[0, ids.shape[1] :]
+        try:
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                **settings,
+            )[0, ids.shape[1] :]
+        except RuntimeError as e:  # torch.multinomial over NaN/inf probabilities: a diverged checkpoint
+            if "probability tensor" not in str(e):
+                raise
+            raise RunnerError(
+                f"{where}: the model's next-token probabilities are not finite (NaN or inf logits: a diverged "
+                "checkpoint?); nothing to sample from"
+            ) from None
     text = tokenizer.decode(out, skip_special_tokens=False)
     return Sample(prompt, text, int(out.shape[0]), where, note, provenance)

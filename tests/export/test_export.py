@@ -748,13 +748,24 @@ def test_sample_refuses_a_damaged_folder_naming_the_file(llama_fp32, tmp_path, h
 
 @pytest.mark.parametrize(
     "option, says",
-    ids=["seed 1e23", "seed 10**23", "temperature nan", "temperature inf", "temperature < 0", "0 tokens", "-2 tokens"],
+    ids=[
+        "seed 1e23",
+        "seed 10**23",
+        "temperature nan",
+        "temperature inf",
+        "temperature < 0",
+        "temperature 1e-300",
+        "0 tokens",
+        "-2 tokens",
+    ],
     argvalues=[
         (["--seed", "1e23"], "argument --seed: an integer from 0 to 2**64 - 1, got 1e23"),
         (["--seed", str(10**23)], f"argument --seed: an integer from 0 to 2**64 - 1, got {10**23}"),
-        (["--temperature", "nan"], "--temperature: a finite number >= 0 (0 = greedy), got nan"),
-        (["--temperature", "inf"], "--temperature: a finite number >= 0 (0 = greedy), got inf"),
-        (["--temperature", "-0.5"], "--temperature: a finite number >= 0 (0 = greedy), got -0.5"),
+        (["--temperature", "nan"], "--temperature: 0 (greedy) or a finite number >= 0.001, got nan"),
+        (["--temperature", "inf"], "--temperature: 0 (greedy) or a finite number >= 0.001, got inf"),
+        (["--temperature", "-0.5"], "--temperature: 0 (greedy) or a finite number >= 0.001, got -0.5"),
+        # logits / 1e-300 overflow float32: NaN probabilities were a RuntimeError traceback out of generate
+        (["--temperature", "1e-300"], "--temperature: 0 (greedy) or a finite number >= 0.001, got 1e-300"),
         (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
         (["--max-new-tokens", "-2"], "argument --max-new-tokens: must be >= 1, got -2"),
     ],
@@ -780,6 +791,25 @@ def test_sample_caps_the_new_tokens_at_what_the_models_context_leaves(llama_run,
     for bad in ({"max_new_tokens": 0}, {"temperature": float("nan")}, {"seed": 2**64}):  # the API checks them too
         with pytest.raises(RunnerError, match=next(iter(bad)).replace("_", "-")):
             sample(llama_fp32, prompt, **bad)
+    assert sample(llama_fp32, prompt, max_new_tokens=2, temperature=1e-3).new_tokens == 2  # the smallest allowed
+
+
+def test_sample_of_a_model_with_nan_logits_is_one_line(llama_fp32, monkeypatch):
+    """A diverged model (NaN weights, so NaN logits) sampled at T > 0: torch.multinomial's RuntimeError
+    out of generate was a traceback; greedy still answers (argmax of NaN is an id)."""
+    from runner.export import sample as sample_module
+
+    opened = sample_module._from_folder
+
+    def diverged(path):
+        model, tokenizer, where = opened(path)
+        with torch.no_grad():
+            model.get_output_embeddings().weight.fill_(float("nan"))
+        return model, tokenizer, where
+
+    monkeypatch.setattr(sample_module, "_from_folder", diverged)
+    with pytest.raises(RunnerError, match=r"next-token probabilities are not finite .*nothing to sample from"):
+        sample_module.sample(llama_fp32, "def main(", max_new_tokens=2, temperature=1.0)
 
 
 def test_export_samples_logs_each_evaluations_greedy_text_equal_to_generate_on_its_checkpoint(llama_run):
