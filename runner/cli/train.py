@@ -78,7 +78,7 @@ def register(subparsers) -> None:
 
 
 def _run_name(text: str) -> str:
-    from runner.runs.folder import RUN_NAME
+    from runner.runs.runjson import RUN_NAME
 
     if not RUN_NAME.fullmatch(text):
         raise argparse.ArgumentTypeError(

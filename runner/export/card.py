@@ -39,9 +39,8 @@ from runner.reports import tables as rpt
 from runner.reports.audit.evidence import final_validation
 from runner.reports.audit.recompute_eval import _LocalAccelerator
 from runner.reports.audit.run import audit
-from runner.runs.folder import RUN_NAME
 from runner.runs.recorded import conventions_of
-from runner.runs.runjson import as_record
+from runner.runs.runjson import RUN_NAME, as_record
 from runner.training.batches import load_data
 from runner.training.evaluate import evaluate
 

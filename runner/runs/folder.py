@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import errno
-import re
 import shutil
 import threading
 from pathlib import Path
@@ -46,9 +45,6 @@ def segment_record(index: int, start_step: int, exp: Experiment) -> dict:
 # run.json is updated read-modify-write by the training thread and by MLflow's delivery thread
 # (which records the MLflow run id when it creates the run): one update at a time per process.
 _RUN_JSON_LOCK = threading.Lock()
-#: a run id given as `launch --run-name`: one folder under runs/<experiment>/ (never a path out of it), an
-#: MLflow run name, and a word the model card's reproduce line can carry unquoted
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 class RunFolder:

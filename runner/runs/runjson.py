@@ -10,11 +10,17 @@ read-modify-write never drops them. Never reads or writes a file itself.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from runner.errors import RunnerError
 
+#: a run id given as `launch --run-name`: one folder under runs/<experiment>/ (never a path out of it), an
+#: MLflow run name, and a word the model card's reproduce line can carry unquoted; a run.json's run_id and
+#: experiment are such names too (publish makes reports/<experiment>/<run_id>/ of them)
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_NAMES = ("run_id", "experiment")  # the keys that become folder names
 _NOT_KEYS = frozenset({"extra", "recorded_keys"})  # the record's own bookkeeping, never run.json keys
 
 
@@ -82,6 +88,14 @@ class RunJson:
             raise RunnerError("expected a JSON object (a run's record)", file=file)
         known = {f.name for f in dataclasses.fields(cls)} - _NOT_KEYS
         values = {k: v for k, v in data.items() if k in known and v is not None}
+        for key in _NAMES:  # a forged "../../x" published a report outside reports/
+            if key in values and not (isinstance(values[key], str) and RUN_NAME.fullmatch(values[key])):
+                raise RunnerError(
+                    f"{str(values[key])[:80]!r} is not a name (a letter or digit, then letters, digits, "
+                    "'_', '.', '-'; at most 128; no path)",
+                    file=file,
+                    key=key,
+                )
         return cls(**values, extra={k: v for k, v in data.items() if k not in known}, recorded_keys=frozenset(values))
 
     def has(self, key: str) -> bool:

@@ -99,3 +99,20 @@ def test_publish_never_replaces_the_run_or_what_is_not_a_published_copy(tmp_path
     first, _ = publish(run, root / "reports")
     again, _ = publish(run, root / "reports")
     assert first == again and (again / "run_summary.parquet").is_file()
+
+
+@pytest.mark.parametrize("key", ["run_id", "experiment"])
+def test_a_run_json_naming_a_path_is_refused_before_anything_is_published(tmp_path, key):
+    """publish makes reports/<experiment>/<run_id>/ of the run's record: a forged run.json whose run_id was
+    `../../../escaped` published the report to a folder beside the project, outside reports/ (the audit of a
+    --no-tracking run has nothing that vouches for run.json's names). A run.json's run_id and experiment
+    are names, or the run folder is refused in one line by every verb that reads it."""
+    root = tmp_path / "project"
+    run = make_run(root)
+    record = json.loads((run / "run.json").read_text())
+    record[key] = "../../../escaped"
+    (run / "run.json").write_text(json.dumps(record))
+    for verb in (lambda: publish(run, root / "reports"), lambda: audit(run)):
+        with pytest.raises(RunnerError, match=rf"run.json: {key}: '../../../escaped' is not a name"):
+            verb()
+    assert not (root / "reports").exists() and not list(tmp_path.rglob("escaped"))
