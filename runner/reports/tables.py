@@ -413,8 +413,16 @@ def render_report_dir(report_dir: str | Path) -> Path:
     report_dir = Path(report_dir)
     tables = read_tables(report_dir)
     (report_dir / "report.md").write_text(report_markdown(report_dir, tables))
-    write_plots(tables, report_dir)
+    draw_plots(tables, report_dir)
     return report_dir
+
+
+def draw_plots(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
+    """The plots of a report folder's tables (an older schema's with each newer column at the value it
+    stands for), written to `out`: what `write_report` drew there, byte for byte, when this runner and
+    this matplotlib drew them (`runner audit` compares). Not training.png: it is drawn from the run
+    folder's train.jsonl."""
+    return write_plots(with_added_columns(tables, written_version(tables)), out)
 
 
 def report_markdown(report_dir: str | Path, tables: dict[str, pd.DataFrame] | None = None) -> str:

@@ -422,6 +422,36 @@ def test_an_edited_report_md_never_passes(real_run, tmp_path):
     assert name in audit(shipped, check_mlflow=False).unverified()
 
 
+def test_a_swapped_plot_never_passes(real_run, tmp_path):
+    """The plots, what a reader sees beside report.md, were never audited: loss_by_domain.png swapped for
+    another picture (a better curve) passed every check. Drawn again from the audited tables: identical is
+    PASS; a swapped one is UNVERIFIED naming the file (another matplotlib draws other bytes), never FAIL.
+    training.png, drawn from the run folder's train.jsonl, is compared where the run folder is audited.
+    The shipped reports' plots are this runner's drawing of their tables."""
+    name = "plots = its tables"
+    report = _copy(real_run, tmp_path)
+    clean = audit(report, check_mlflow=False)
+    assert name not in clean.unverified() + clean.failed(), clean.render()
+    assert re.search(
+        r"plots = its tables +PASS +loss_by_domain.png, mixture.png, .*drawn again: identical", clean.render()
+    )
+    assert "training.png not checked" in clean.render()  # a report folder alone: no train.jsonl to draw it from
+    (report / "loss_by_domain.png").write_bytes((report / "mixture.png").read_bytes())
+    result = audit(report, check_mlflow=False)
+    assert name in result.unverified() and result.failed() == [], result.render()
+    assert "loss_by_domain.png differs from what the tables draw with matplotlib" in result.render()
+    run = tmp_path / "run"
+    shutil.copytree(real_run, run)
+    assert name not in audit(run, check_mlflow=False).unverified()
+    (run / "report" / "training.png").write_bytes((run / "report" / "mixture.png").read_bytes())
+    assert "training.png differs" in audit(run, check_mlflow=False).render()
+    shipped = tmp_path / "shipped"
+    shutil.copytree(REPO / "reports" / "cpu-tiny-moe" / "20261201-crash-resume", shipped)  # its heat map too
+    older = audit(shipped, check_mlflow=False)
+    assert name not in older.unverified() + older.failed(), older.render()
+    assert "throughput.png, expert_load_heatmap.png drawn again: identical" in older.render()
+
+
 def test_a_report_cut_short_never_passes(real_run, tmp_path):
     """Issue 27 item 6: a SIGKILLed `runner report` left a report without plots or evidence.json that
     PASSed and published. Missing evidence is UNVERIFIED, a missing plot or table FAILs."""

@@ -93,7 +93,8 @@ def test_v4_style_run_resumes_bit_identically_audits_and_a_forged_bias_or_load_f
     genuine = audit(run, check_mlflow=False)
     assert genuine.consistent, genuine.render()
     assert {c.name: c.status for c in genuine.checks}[BIAS] == "PASS"
-    assert {c.name: c.status for c in genuine.checks}["report.md = its tables"] == "PASS"  # its bias section
+    statuses = {c.name: c.status for c in genuine.checks}
+    assert statuses["report.md = its tables"] == statuses["plots = its tables"] == "PASS"  # its bias section, heat map
 
     # Forgeries of metrics/routing.jsonl, each judged by the routing checks on the genuine report.
     inp = load_input(run)

@@ -165,7 +165,7 @@ def test_audit_recomputes_every_figure_and_fails_a_forgery(scored_run, tmp_path)
     shutil.copytree(scored_run / "run", run)
     assert check_run(run) == []
     statuses = {c.name: c.status for c in audit(run, check_mlflow=False).checks}
-    assert statuses["report.md = its tables"] == "PASS"  # the downstream sections rendered again alike
+    assert statuses["report.md = its tables"] == statuses["plots = its tables"] == "PASS"  # sections, downstream.png
     passed = {name: status for name, status in statuses.items() if name.startswith("downstream")}
     assert passed == {
         "downstream table schema": "PASS",

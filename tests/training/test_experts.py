@@ -321,7 +321,8 @@ def test_two_sharded_processes_count_both_ranks_routing(tmp_path):
         assert [sum(layer) for layer in routed[d]] == [exposure[d] * K] * 2
     result = audit(run, check_mlflow=False)
     assert result.consistent, result.render()  # offline: UNVERIFIED at best
-    assert {c.name: c.status for c in result.checks}["report.md = its tables"] == "PASS"  # expert sections
+    statuses = {c.name: c.status for c in result.checks}
+    assert statuses["report.md = its tables"] == statuses["plots = its tables"] == "PASS"  # expert sections, heat map
 
 
 def test_dense_report_has_empty_expert_tables_and_an_older_report_is_told_to_rebuild(tmp_path):

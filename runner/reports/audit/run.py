@@ -18,7 +18,9 @@ only unusable input raises RunnerError).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from runner.config.rules import devices
 from runner.data.manifest import MIN_VALIDATION_SAMPLES, manifest_sha256, num_samples
 from runner.data.sampler import MixtureSampler
 from runner.errors import RunnerError
-from runner.fsio import read_json, read_yaml
+from runner.fsio import read_json, read_jsonl, read_yaml
 from runner.reports import markdown, targets
 from runner.reports import tables as rpt
 from runner.reports.audit import downstream as downstream_audit
@@ -522,6 +524,69 @@ def _check_report_md(res: AuditResult, inp: AuditInput) -> None:
     )
 
 
+# the plots of tables already drawn in this process, by the sha256 of what they are drawn from: an audit
+# of many reports of one run (audit-reports, a forgery's tables beside the clean ones) draws each once
+_DRAWN: dict[str, dict[str, bytes]] = {}
+_DRAWN_KEPT = 16
+
+
+def _drawn_plots(tables: dict[str, pd.DataFrame], train: Path | None) -> dict[str, bytes]:
+    """name -> PNG bytes of the report plots `tables` draw (and training.png of `train`, a train.jsonl)."""
+    from runner.reports import curves  # noqa: PLC0415
+
+    digest = hashlib.sha256(pickle.dumps(sorted(tables.items())))
+    digest.update(train.read_bytes() if train is not None else b"")
+    key = digest.hexdigest()
+    if key not in _DRAWN:
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = rpt.draw_plots(tables, Path(tmp))
+            if train is not None:
+                paths += [p for p in [curves.write_training_curves(read_jsonl(train), Path(tmp))] if p]
+            while len(_DRAWN) >= _DRAWN_KEPT:
+                _DRAWN.pop(next(iter(_DRAWN)))
+            _DRAWN[key] = {p.name: p.read_bytes() for p in paths}
+    return _DRAWN[key]
+
+
+def _check_plots(res: AuditResult, inp: AuditInput) -> None:
+    """The report's plots, what a reader sees beside report.md, drawn again from the audited tables: a
+    loss_by_domain.png swapped for a better curve passed every check. Identical bytes: PASS; otherwise
+    never PASS, never FAIL (another runner's or matplotlib's drawing of the same tables differs too).
+    training.png is drawn from the run folder's train.jsonl: compared where the run folder is audited."""
+    name = "plots = its tables"
+    if inp.report_dir is None:
+        res.info(name, "no report folder: the tables were built from the run folder")
+        return
+    import matplotlib  # noqa: PLC0415  (drawing imports it anyway; its version is named below)
+
+    from runner.reports import curves  # noqa: PLC0415
+
+    redo = "`runner report RUN_DIR` draws them again from the run"
+    train = inp.run_dir / "metrics" / "train.jsonl" if inp.run_dir is not None else None
+    if train is not None and not (train.is_file() and (inp.report_dir / curves.PLOT).is_file()):
+        train = None
+    try:
+        drawn = _drawn_plots(inp.tables, train)
+    except Exception as err:  # tables the schemas passed that today's plotting still cannot draw
+        res.could_not(name, f"this runner cannot draw these tables ({type(err).__name__}: {err}); {redo}")
+        return
+    present = [n for n in drawn if (inp.report_dir / n).is_file()]  # a missing one: `report folder complete`
+    differ = [f"{n} differs" for n in present if (inp.report_dir / n).read_bytes() != drawn[n]]
+    if differ:
+        res.could_not(
+            name,
+            f"{', '.join(differ)} from what the tables draw with matplotlib {matplotlib.__version__}: an edit, "
+            f"or another runner's or matplotlib's drawing; {redo}",
+        )
+        return
+    unchecked = (
+        f"; {curves.PLOT} not checked (drawn from the run folder's train.jsonl, not in a report folder)"
+        if curves.PLOT not in drawn and (inp.report_dir / curves.PLOT).is_file()
+        else ""
+    )
+    res.add(name, [], ok_detail=f"{', '.join(present)} drawn again: identical{unchecked}")
+
+
 def _check_evidence_file(res: AuditResult, inp: AuditInput) -> None:
     name = "evidence.json matches the report"
     if inp.report_dir is None:
@@ -649,6 +714,7 @@ def audit_input(
     _check_csv_copies(res, inp)
     _check_complete(res, inp)
     _check_report_md(res, inp)
+    _check_plots(res, inp)
     _check_evidence_file(res, inp)
     _note_small_validation(res, inp)
     _check_checkpoint(res, inp)
