@@ -195,8 +195,10 @@ def _reports_dir(args) -> str:
 
 
 def _audit_reports(args) -> int:
-    from runner.reports.publish import audit_reports
+    from runner.reports.publish import audit_reports, rewrite_index
 
+    if args.write_index:  # before the audit, which then finds it in step
+        print(f"index written: {rewrite_index(_reports_dir(args))}")
     results = audit_reports(_reports_dir(args), tracking_uri=args.tracking_uri)
     results += _published_cards(Path(_reports_dir(args)))
     for r in results:
@@ -374,5 +376,10 @@ def _register_audit_reports(subparsers) -> None:
     p.add_argument("--tracking-uri", default=None, metavar="URI", help="the MLflow store that holds the published runs")
     p.add_argument(
         "--require-verified", action="store_true", help=f"UNVERIFIED exits {EXIT_DISCREPANCY}, not {EXIT_UNVERIFIED}"
+    )
+    p.add_argument(
+        "--write-index",
+        action="store_true",
+        help="first write the index README.md from the published reports (after a hand merge of two publishes)",
     )
     p.set_defaults(func=_audit_reports)

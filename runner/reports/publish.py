@@ -29,6 +29,7 @@ from runner.fsio import atomic_write, check_output_folder, read_json, replace_fo
 from runner.reports import markdown
 from runner.reports import tables as rpt
 from runner.reports.audit.evidence import write_report_with_evidence
+from runner.reports.audit.result import first_difference
 from runner.reports.audit.run import AuditResult, audit
 from runner.runs.folder import RunFolder, experiment_of_run, is_reportable_run
 from runner.runs.lock import holder_text, lock_holder
@@ -184,10 +185,9 @@ def index_rows(reports_dir: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def write_index(reports_dir: str | Path) -> Path:
-    """Regenerate reports/README.md from the published reports."""
-    reports_dir = Path(reports_dir)
-    reports_dir.mkdir(parents=True, exist_ok=True)
+def index_text(reports_dir: str | Path) -> str:
+    """reports/README.md as this runner writes it from the published reports (their run_summary and
+    validation tables)."""
     df = index_rows(reports_dir)
     lines = [
         INDEX_TITLE,
@@ -202,9 +202,63 @@ def write_index(reports_dir: str | Path) -> Path:
         cols = list(df.columns)
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def write_index(reports_dir: str | Path) -> Path:
+    """Regenerate reports/README.md from the published reports."""
+    reports_dir = Path(reports_dir)
+    reports_dir.mkdir(parents=True, exist_ok=True)
     path = reports_dir / INDEX
-    atomic_write(path, ("\n".join(lines) + "\n").encode())
+    atomic_write(path, index_text(reports_dir).encode())
     return path
+
+
+def rewrite_index(reports_dir: str | Path) -> Path:
+    """`runner audit-reports --write-index`: the index written again from the published reports, refused
+    (one line, nothing written) where REPORTS_DIR holds none or its README.md is not an index (`.`: the
+    project's README)."""
+    reports_dir = Path(reports_dir)
+    if not reports_dir.is_dir():
+        raise RunnerError("no such folder of published reports", file=str(reports_dir))
+    index = reports_dir / INDEX
+    if index.exists() and not index.read_text(errors="replace").startswith(INDEX_TITLE):
+        raise RunnerError(
+            "not a published-runs index (it would be written over): give the reports folder", file=str(index)
+        )
+    if not index.exists() and not published_reports(reports_dir):
+        raise RunnerError("no published reports (<experiment>/<run_id>/) to index", file=str(reports_dir))
+    return write_index(reports_dir)
+
+
+INDEX_CHECK = "index = the published reports"
+
+
+def index_results(reports_dir: str | Path) -> list[AuditResult]:
+    """A FAIL where reports/README.md, the page a reader opens first ("every row passed runner audit"),
+    is not what the published reports it lists render: a row's MFU edited from 19.4% to 59.4%, a row of
+    a report that is not there, a report it leaves out (a hand-merged index). Nothing where it is."""
+    reports_dir = Path(reports_dir)
+    index = reports_dir / INDEX
+    fix = "`runner audit-reports --write-index` writes it from the published reports"
+    if not index.is_file():
+        if not published_reports(reports_dir):
+            return []
+        problem = f"no {INDEX} beside the published reports; {fix}"
+    else:
+        written = index.read_text(encoding="utf-8", errors="replace")
+        try:
+            ours = index_text(reports_dir)
+        except RunnerError as err:  # a published report cut short: the layout check names it too
+            result = AuditResult(str(index))
+            result.could_not(INDEX_CHECK, f"the published reports cannot be indexed: {err}")
+            return [result]
+        if written == ours:
+            return []
+        problem = f"{first_difference(written, ours, 'the published reports give')}; {fix}"
+    result = AuditResult(str(index))
+    result.add(INDEX_CHECK, [problem])
+    return [result]
 
 
 #: What may sit under reports/ besides the index and published runs (reports/<experiment>/<run_id>/,
@@ -359,10 +413,11 @@ def layout_results(reports_dir: str | Path) -> list[AuditResult]:
 def audit_reports(reports_dir: str | Path = "reports", *, tracking_uri: str | None = None) -> list[AuditResult]:
     """Audit every published report, against its MLflow run where the store is on hand (the one run.json
     records, or `tracking_uri`); where it is not (CI), the MLflow checks are UNVERIFIED. Every folder
-    under reports/ that is neither a complete report nor a documented kind is a FAIL of its own."""
+    under reports/ that is neither a complete report nor a documented kind is a FAIL of its own, as is
+    an index README.md that is not what the published reports render."""
     broken = layout_results(reports_dir)
     skip = {Path(r.source) for r in broken}
     audited = [
         audit(folder, tracking_uri=tracking_uri) for folder in published_reports(reports_dir) if folder not in skip
     ]
-    return broken + audited
+    return broken + index_results(reports_dir) + audited

@@ -185,6 +185,42 @@ def test_audit_reports_takes_the_folder_as_a_positional(run_dir, tmp_path, capsy
     assert _cli(["audit-reports", str(tmp_path / "empty")]) == 0  # nothing published: nothing fails
 
 
+def test_an_index_that_is_not_what_the_published_reports_render_fails(run_dir, tmp_path, capsys):
+    """reports/README.md, the page a reader opens first ("every row passed runner audit"), was never
+    audited: a row's MFU edited to 59.4% passed audit-reports. It is rendered again from the published
+    reports: an edit, a row left out (a hand merge of two publishes) or no index at all FAILs naming the
+    line; `--write-index` writes it again, and refuses a folder whose README.md is not an index."""
+    from runner.reports.publish import index_results
+
+    reports = tmp_path / "reports"
+    publish(run_dir, reports)
+    index = reports / "README.md"
+    clean = index.read_text()
+    assert index_results(reports) == []
+    mfu = next(cell for cell in clean.splitlines()[-1].split(" | ") if "6N+attn" in cell)
+    forged = clean.replace(mfu, "59.4%" + mfu[mfu.index(" (") :])
+    for text, says in (
+        (forged, "| 59.4% (6N+attn"),
+        (clean.rsplit("\n", 2)[0] + "\n", "line 7 reads (none)"),  # the run's row left out
+    ):
+        index.write_text(text)
+        (result,) = index_results(reports)
+        assert result.failed() == ["index = the published reports"] and says in result.render(), result.render()
+        assert _cli(["audit-reports", str(reports)]) == 1
+        assert "line 7 reads" in capsys.readouterr().out
+    index.unlink()
+    assert "no README.md beside the published reports" in index_results(reports)[0].render()
+    assert _cli(["audit-reports", str(reports), "--write-index"]) == EXIT_UNVERIFIED  # the report: no MLflow
+    assert index.read_text() == clean and index_results(reports) == []
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "README.md").write_text("# My project\n")
+    for folder, says in ((project, "not a published-runs index"), (tmp_path / "none", "no such folder")):
+        with pytest.raises(RunnerError, match=says):
+            _cli(["audit-reports", str(folder), "--write-index"])
+    assert (project / "README.md").read_text() == "# My project\n"
+
+
 def test_audit_reports_imports_no_torch_where_no_model_card_is_published(run_dir, tmp_path):
     """A clone's reports/ holds no models/: the card checker (torch, transformers: about half of the
     verb's seconds) is not imported; the reports are audited all the same. With a card published, the

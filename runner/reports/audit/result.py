@@ -28,6 +28,24 @@ def close(a: float, b: float, rel: float = REL_TOL) -> bool:
     return math.isclose(float(a), float(b), rel_tol=rel, abs_tol=1e-12)
 
 
+def first_difference(written: str, rendered: str, renders: str, width: int = 90) -> str:
+    """Where a file differs from what the runner renders: "line N reads '...', RENDERS '...'" with each excerpt around the first character that differs (a long table row differs far
+    past its first 90 characters), for the checks that compare a written file with its rendering."""
+    ours, theirs = written.splitlines(), rendered.splitlines()
+    n = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    a, b = (ours[n] if n < len(ours) else None), (theirs[n] if n < len(theirs) else None)
+    at = next((i for i, (x, y) in enumerate(zip(a or "", b or "")) if x != y), min(len(a or ""), len(b or "")))
+    start = max(0, at - width // 3) if max(len(a or ""), len(b or "")) > width else 0
+
+    def excerpt(line: str | None) -> str:
+        if line is None:
+            return "(none)"
+        cut = line[start : start + width]
+        return repr(("..." if start else "") + cut + ("..." if start + width < len(line) else ""))
+
+    return f"line {n + 1} reads {excerpt(a)}, {renders} {excerpt(b)}"
+
+
 @dataclass
 class Check:
     name: str

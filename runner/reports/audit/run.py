@@ -44,7 +44,7 @@ from runner.reports.audit import tracked as audit_tracked
 from runner.reports.audit.compute import check_compute
 from runner.reports.audit.experts import check_expert_load, checkpoint_load_problems
 from runner.reports.audit.input import AuditInput, Replay
-from runner.reports.audit.result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check, close
+from runner.reports.audit.result import FAIL, INFO, PASS, UNVERIFIED, AuditResult, Check, close, first_difference
 from runner.reports.audit.routing import check_routing, checkpoint_bias_problems
 from runner.reports.downstream import targets as downstream_targets
 from runner.runs.checkpoints import dirname, verified_state
@@ -514,14 +514,8 @@ def _check_report_md(res: AuditResult, inp: AuditInput) -> None:
     if rendered == written:
         res.add(name, [], ok_detail="rendered again from the tables: identical")
         return
-    lines, ours = written.splitlines(), rendered.splitlines()
-    n = next((i for i, (a, b) in enumerate(zip(lines, ours)) if a != b), min(len(lines), len(ours)))
-    line = lambda x: repr(x[n][:90]) if n < len(x) else "(none)"  # noqa: E731
-    res.could_not(
-        name,
-        f"line {n + 1} reads {line(lines)}, the tables render {line(ours)}: an edit, or an older runner's "
-        f"wording; {redo}",
-    )
+    where = first_difference(written, rendered, "the tables render")
+    res.could_not(name, f"{where}: an edit, or an older runner's wording; {redo}")
 
 
 # the plots of tables already drawn in this process, by the sha256 of what they are drawn from: an audit
