@@ -160,8 +160,12 @@ def published_reports(reports_dir: str | Path) -> list[Path]:
 
 
 def index_rows(reports_dir: str | Path) -> pd.DataFrame:
+    """One row per complete published report (an incomplete one, a publish cut short or a hand copy, is
+    not indexed: audit-reports FAILs it on its own)."""
     rows = []
     for folder in published_reports(reports_dir):
+        if _incomplete_report(folder, published=True):
+            continue
         tables = rpt.read_tables(folder)
         s = tables["run_summary"].iloc[0]
         losses = markdown.final_losses(tables["validation"])
