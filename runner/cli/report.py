@@ -95,6 +95,12 @@ def _audit(args) -> int:
         else:
             print(f"IN PROGRESS {args.run}: {why}")
         return EXIT_IN_PROGRESS
+    if Path(args.run).is_dir() and (Path(args.run) / "comparison.json").is_file():  # a `compare --out` folder
+        from runner.reports.compare.verify import check_comparison
+
+        result = check_comparison(Path(args.run), args.tracking_uri)
+        print(json.dumps(result.to_dict(), indent=1) if args.json else result.render())
+        return result.exit_code(args.require_verified)
     result = audit(
         args.run,
         check_mlflow=not args.no_mlflow,
@@ -201,6 +207,9 @@ def _audit_reports(args) -> int:
         print(f"index written: {rewrite_index(_reports_dir(args))}")
     results = audit_reports(_reports_dir(args), tracking_uri=args.tracking_uri)
     results += _published_cards(Path(_reports_dir(args)))
+    from runner.reports.compare.verify import published_comparisons
+
+    results += published_comparisons(Path(_reports_dir(args)), args.tracking_uri)
     for r in results:
         if args.verbose or r.verdict == "FAIL":
             print(r.render())
