@@ -15,6 +15,12 @@ that reached MLflow just before a kill stores nothing new (the row is MLflow's p
 observation is stored twice. A step redone after a restart is a new observation (new timestamp);
 MLflow keeps one row per attempt that committed the step, and its latest row is the newest attempt's.
 
+Entries a process sends from an earlier process's journal (`runner sync`, or the next launch of the
+run after a kill or a dead server) reached MLflow after the process that made them had ended: only
+the run folder, which anyone can rewrite, vouched for them in between. Each such process says so in
+one MLflow tag of its own, `REPLAYED_TAG.<id>` (what it sent: kinds, metric rows and their steps, tag
+keys, the run itself), which `runner audit` reads (runner.reports.audit.tracked).
+
 Never raises into the training loop because the server is unreachable, never blocks a step on the
 network, and never changes a logged param. Only the main process tracks: other ranks hold a
 disabled tracker.
@@ -48,6 +54,7 @@ CLOSE_WAIT_SECONDS = 2 * HTTP_TIMEOUT_SECONDS  # the most `close` waits for a re
 # store's tables, the run: seconds of Python that, in the background, would slow the first steps).
 START_WAIT_SECONDS = HTTP_TIMEOUT_SECONDS
 _BATCH = 100  # MLflow's per-request limit for params and tags
+REPLAYED_TAG = "runner.replayed"  #: + ".<id>": entries one process sent from an earlier process's journal
 _METRICS_PER_REQUEST = 1000  # MLflow's per-request limit for metrics
 
 
@@ -377,6 +384,10 @@ class Tracker:
         self._attempts_started = self._attempts_done = 0
         self._warned = False
         self._quiet = False  # `runner sync` reports its own outcome
+        self._inherited = 0  # entries seq < this were journaled by an earlier process (loaded at start)
+        self._replayed: dict[str, Any] = {}  # what this process sent of them (REPLAYED_TAG)
+        self._replay_told = True  # the tag says all of it
+        self._replay_id = uuid.uuid4().hex[:12]
 
     # ---- connection (background thread) ------------------------------------------------------
 
@@ -480,10 +491,17 @@ class Tracker:
             except Exception as e:  # any transport or server failure: keep training, keep the data
                 error = e
                 break
+            self._note_replayed(group)
             with self._cond:
                 while self._queue and self._queue[0]["seq"] <= group[-1]["seq"]:
                     self._queue.pop(0)
                 self._journal.ack(group[-1]["seq"], everything=not self._queue)
+        if error is None and not self._replay_told:
+            try:
+                self._log_batch("tags", [[f"{REPLAYED_TAG}.{self._replay_id}", json.dumps(self._replayed)]], _BATCH)
+                self._replay_told = True
+            except Exception as e:  # told at the next attempt
+                error = e
         with self._cond:
             now = time.monotonic()
             if error is not None:
@@ -497,6 +515,27 @@ class Tracker:
                 if self._warned and not self._quiet:
                     self.report("mlflow: reconnected, pending entries sent")
                 self._warned = False
+
+    def _note_replayed(self, group: list[dict]) -> None:
+        """Count what `group` (just confirmed by MLflow) held of an earlier process's journal."""
+        old = [e for e in group if int(e["seq"]) < self._inherited]
+        if not old:
+            return
+        r = self._replayed
+        r.setdefault("by", "runner sync" if self._quiet else "runner launch (a later start of the run)")
+        r.setdefault("at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        for e in old:
+            kinds = r.setdefault("kinds", {})
+            kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+            if e["kind"] == "metrics":
+                r["metric_rows"] = r.get("metric_rows", 0) + len(e["metrics"])
+                step = int(e["step"])
+                r["steps"] = [min(step, r["steps"][0]), max(step, r["steps"][1])] if "steps" in r else [step, step]
+            elif e["kind"] == "tags":  # the run's end logs its evidence as tags
+                evidence = sum(k.startswith("evidence.") for k in e["tags"])
+                r["evidence_tags"] = r.get("evidence_tags", 0) + evidence
+                r["other_tags"] = r.get("other_tags", 0) + len(e["tags"]) - evidence
+        self._replay_told = False
 
     def _worker(self, stop: threading.Event) -> None:
         while True:
@@ -524,6 +563,7 @@ class Tracker:
         """Read what an earlier process left unsent (under the lock, once); the queue."""
         if self._queue is None:
             self._queue = self._journal.load()
+            self._inherited = len(self._queue)  # numbered 0..n-1 by load; this process's entries follow
         if self._thread is None:
             self._stop = threading.Event()
             self._thread = threading.Thread(

@@ -586,3 +586,37 @@ def test_a_report_the_run_went_on_from_is_unverified_not_failed(real_run, tmp_pa
     assert "this report ends at step 8" in next(c.detail for c in result.checks if c.name == METRICS)
     extended = audit(run)
     assert extended.verdict == PASS, extended.render()
+
+
+def test_what_runner_sync_sends_after_the_fact_never_passes(real_run, tmp_path):
+    """A forger keeps MLflow away while the run trains (a dead or blocked server: every entry waits in
+    journal/mlflow-pending.jsonl), rewrites the journal with the run folder, then `runner sync`s: MLflow,
+    the record the audit trusts, then holds the forgery, and the audit PASSed it. What reached MLflow
+    from an earlier process's journal is told in a `runner.replayed.*` tag, and every check it bears on
+    is UNVERIFIED, never PASS, saying so; a figure that still disagrees FAILs as before."""
+    from trackingfixtures import free_port
+
+    from runner.cli import main
+
+    root = real_run.parents[1]
+    exp = next(p for p in (root / "experiments").glob("*.yaml"))
+    run = root / "runs" / "offline"
+    launch(root, exp, "--run-dir", run, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}")
+    forged = tmp_path / "forged"
+    shutil.copytree(run, forged)
+    assert main(["sync", str(run), "--tracking-uri", f"sqlite:///{tmp_path / 'a.db'}"]) == 0
+    result = audit(run)
+    assert result.verdict == UNVERIFIED and result.failed() == [], result.render()
+    assert sorted(result.unverified()) == sorted([PARAMS, TAGS, METRICS, EVIDENCE]), result.render()
+    assert "reached MLflow from the run folder's journal after the process that journaled them had ended" in (
+        result.render()
+    )
+    assert "(runner sync)" in result.render()
+    journal = forged / "journal" / "mlflow-pending.jsonl"
+    entries = [json.loads(line) for line in journal.read_text().splitlines()]
+    for e in entries:  # only the journal: the folder's figures left as they are, so they disagree
+        if e.get("kind") == "metrics":
+            e["metrics"] = {k: v * 0.8 if k.startswith("val_loss.") else v for k, v in e["metrics"].items()}
+    journal.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    assert main(["sync", str(forged), "--tracking-uri", f"sqlite:///{tmp_path / 'b.db'}"]) == 0
+    assert METRICS in audit(forged).failed()

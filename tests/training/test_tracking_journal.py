@@ -155,6 +155,46 @@ def test_dead_server_fails_fast_and_sync_sends_later(tmp_path, store):
     assert [(k, s) for k, s, _ in metric_rows(tmp_path / "m.db", t2.run_id)] == [("loss", 1), ("loss", 2), ("loss", 3)]
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_entries_sent_from_an_earlier_process_journal_are_told_in_a_tag(tmp_path, store):
+    """What `runner sync` (or a later start) sends from an earlier process's journal reached MLflow after
+    the process that made it had ended: only the run folder vouched for it in between, so a forger who
+    kept the server away rewrote it first. Each such process says what it sent in its own
+    `runner.replayed.<id>` tag (the audit reads it); a tracker delivering its own entries says nothing."""
+    from mlflow.tracking import MlflowClient
+
+    from runner.training.tracking import REPLAYED_TAG
+
+    live_uri = store(tmp_path / "live.db")  # (each call makes the store afresh)
+    live = Tracker(tmp_path / "live", tracking_uri=live_uri, report=lambda m: None)
+    live.start("exp", "r", params={"lr": "0.1"}, tags={})
+    live.log_metrics({"loss": 1.0}, step=1)
+    assert live.finish()
+    tags = MlflowClient(tracking_uri=live_uri).get_run(live.run_id).data.tags
+    assert not [k for k in tags if k.startswith(REPLAYED_TAG)]
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    t = Tracker(tmp_path / "run", tracking_uri=dead, report=lambda m: None)
+    t.start("exp", "r", params={"lr": "0.1"}, tags={"fingerprint": "f"})
+    for step in (1, 2, 3):
+        t.log_metrics({"loss": float(step), "val_loss.code": 2.0}, step=step)
+    t.log_tags({"evidence.format": "runner-evidence/1"})
+    assert not t.finish()
+    uri = store(tmp_path / "m.db")
+    later = Tracker(tmp_path / "run", tracking_uri=uri, report=lambda m: None)
+    assert later.sync() == (8, 0)
+    told = {
+        k: json.loads(v)
+        for k, v in MlflowClient(tracking_uri=uri).get_run(later.run_id).data.tags.items()
+        if k.startswith(REPLAYED_TAG + ".")
+    }
+    assert len(told) == 1, told
+    (what,) = told.values()
+    assert what["by"] == "runner sync" and what["metric_rows"] == 6 and what["steps"] == [1, 3]
+    assert what["kinds"] == {"start": 1, "params": 1, "tags": 2, "metrics": 3, "status": 1}
+    assert (what["evidence_tags"], what["other_tags"]) == (1, 1)
+
+
 @pytest.mark.parametrize("via", ["flag", "env"])
 def test_sync_sends_to_a_moved_server_and_records_it(tmp_path, monkeypatch, capsys, via, store):
     import argparse

@@ -9,11 +9,15 @@ realized ratios, recounted by replaying the sampler at steps the report does not
 losses; throughput; the final summary); and the evidence logged at the end of the run
 (runner.reports.audit.evidence) against the report's tables, experiment.yaml, final checkpoint and
 validation losses. When the run cannot be reached every one of these checks is UNVERIFIED, saying why.
+What reached MLflow from the run folder's journal after the process that journaled it had ended
+(`runner sync`, a later start: the run's `runner.replayed.*` tags) vouches only as the folder does:
+a check it bears on is UNVERIFIED, never PASS, saying what arrived late.
 Never: writes to a tracking store, or trusts anything in the report folder to stand in for it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -24,10 +28,10 @@ from runner.config.fingerprint import canonical_meaning
 from runner.fsio import read_json
 from runner.reports.audit import downstream_tracked
 from runner.reports.audit import evidence as ev
-from runner.reports.audit.result import AuditResult
+from runner.reports.audit.result import PASS, UNVERIFIED, AuditResult
 from runner.reports.markdown import CONVENTION_KEYS
 from runner.reports.tables import written_version
-from runner.training.tracking import fail_fast_env, missing_store, sqlite_path
+from runner.training.tracking import REPLAYED_TAG, fail_fast_env, missing_store, sqlite_path
 from schemas.report_tables import with_added_columns
 
 if TYPE_CHECKING:
@@ -559,3 +563,50 @@ def check(res: AuditResult, inp: AuditInput, tracked: Tracked | None, why: str, 
     _check_tags(res, inp, tracked, later)
     _check_metrics(res, inp, tracked, rep, later)
     _check_evidence(res, inp, tracked, later)
+    _late_entries(res, tracked)
+
+
+def _late_entries(res: AuditResult, tracked: Tracked) -> None:
+    """A check that PASSed on what reached MLflow late (REPLAYED_TAG: sent from an earlier process's
+    journal by `runner sync` or a later start) is UNVERIFIED instead: a forger who kept the server away
+    while the run trained (a dead or blocked server journals everything) rewrites the journal with the
+    folder, and its replay puts the forgery into MLflow. A FAIL stays a FAIL."""
+    told = []
+    for key, value in sorted(tracked.tags.items()):
+        if key.startswith(REPLAYED_TAG + "."):
+            try:
+                told.append(json.loads(value))
+            except ValueError:
+                told.append({"by": "unreadable", "kinds": {"start": 1}})  # say the worst
+    told = [t for t in told if isinstance(t, dict)]
+    if not told:
+        return
+    kinds: dict[str, int] = {}
+    for t in told:
+        for k, n in (t.get("kinds") or {}).items():
+            kinds[k] = kinds.get(k, 0) + int(n)
+    rows = sum(int(t.get("metric_rows", 0)) for t in told)
+    steps = [t["steps"] for t in told if isinstance(t.get("steps"), list) and len(t["steps"]) == 2]
+    evidence = sum(int(t.get("evidence_tags", 0)) for t in told)
+    others = sum(int(t.get("other_tags", 0)) for t in told)
+    by = sorted({str(t.get("by")) for t in told})
+    parts = (["the MLflow run itself"] if kinds.get("start") else []) + (["its params"] if kinds.get("params") else [])
+    if rows:
+        lo, hi = min(s[0] for s in steps) if steps else "?", max(s[1] for s in steps) if steps else "?"
+        parts.append(f"{rows} metric rows (steps {lo}-{hi})")
+    parts += [f"{evidence} evidence tags"] if evidence else []
+    parts += [f"{others} other tags"] if others else []
+    why = (
+        f"{', '.join(parts) or 'entries'} reached MLflow from the run folder's journal after the process that "
+        f"journaled them had ended ({'; '.join(by)}): only the folder vouched for them in between"
+    )
+    bears = set()
+    if kinds.get("start"):
+        bears |= {PARAMS, TAGS, METRICS, EVIDENCE}
+    bears |= {PARAMS} if kinds.get("params") else set()
+    bears |= {METRICS} if rows else set()
+    bears |= {EVIDENCE} if evidence else set()
+    bears |= {TAGS} if others else set()
+    for check in res.checks:
+        if check.name in bears and check.status == PASS:
+            check.status, check.detail = UNVERIFIED, f"{why}; {check.detail}" if check.detail else why
