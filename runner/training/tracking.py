@@ -54,8 +54,8 @@ CLOSE_WAIT_SECONDS = 2 * HTTP_TIMEOUT_SECONDS  # the most `close` waits for a re
 # store's tables, the run: seconds of Python that, in the background, would slow the first steps).
 START_WAIT_SECONDS = HTTP_TIMEOUT_SECONDS
 _BATCH = 100  # MLflow's per-request limit for params and tags
-REPLAYED_TAG = "runner.replayed"  #: + ".<id>": entries one process sent from an earlier process's journal
 _METRICS_PER_REQUEST = 1000  # MLflow's per-request limit for metrics
+REPLAYED_TAG = "runner.replayed"  #: + ".<id>": entries one process sent from an earlier process's journal
 
 
 def default_tracking_uri() -> str:
@@ -484,22 +484,26 @@ class Tracker:
         error = None
         for group in self._groups(batch):
             try:
-                if group[0]["kind"] == "metrics":
-                    self._send_metrics(group)
-                else:
+                if group[0]["kind"] == "start":  # the run first (the tag needs it); it holds no figure yet
                     self._send(group[0])
+                    self._note_replayed(group)
+                else:
+                    self._note_replayed(group)
+                    self._tell_replayed()  # before the entries: a kill in between never leaves them untold
+                    if group[0]["kind"] == "metrics":
+                        self._send_metrics(group)
+                    else:
+                        self._send(group[0])
             except Exception as e:  # any transport or server failure: keep training, keep the data
                 error = e
                 break
-            self._note_replayed(group)
             with self._cond:
                 while self._queue and self._queue[0]["seq"] <= group[-1]["seq"]:
                     self._queue.pop(0)
                 self._journal.ack(group[-1]["seq"], everything=not self._queue)
-        if error is None and not self._replay_told:
+        if error is None:
             try:
-                self._log_batch("tags", [[f"{REPLAYED_TAG}.{self._replay_id}", json.dumps(self._replayed)]], _BATCH)
-                self._replay_told = True
+                self._tell_replayed()
             except Exception as e:  # told at the next attempt
                 error = e
         with self._cond:
@@ -516,8 +520,16 @@ class Tracker:
                     self.report("mlflow: reconnected, pending entries sent")
                 self._warned = False
 
+    def _tell_replayed(self) -> None:
+        """Set this process's REPLAYED_TAG to what it has sent (or is about to send) of an earlier
+        process's journal, where the tag does not say it yet."""
+        if not self._replay_told and self.run_id:
+            self._log_batch("tags", [[f"{REPLAYED_TAG}.{self._replay_id}", json.dumps(self._replayed)]], _BATCH)
+            self._replay_told = True
+
     def _note_replayed(self, group: list[dict]) -> None:
-        """Count what `group` (just confirmed by MLflow) held of an earlier process's journal."""
+        """Count what `group` (being sent) holds of an earlier process's journal; a group sent again after a
+        failure counts again (the tag may over-state what reached MLflow, never under-state it)."""
         old = [e for e in group if int(e["seq"]) < self._inherited]
         if not old:
             return
