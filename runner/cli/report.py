@@ -98,7 +98,13 @@ def _audit(args) -> int:
     if Path(args.run).is_dir() and (Path(args.run) / "comparison.json").is_file():  # a `compare --out` folder
         from runner.reports.compare.verify import check_comparison
 
-        result = check_comparison(Path(args.run), args.tracking_uri)
+        for flag, given in (("--recompute-eval", args.recompute_eval), ("--checkpoint", args.checkpoint)):
+            if given:
+                raise RunnerError(
+                    f"{flag} rescores one run's checkpoint: give a run folder (runs/EXP/RUN), not a comparison",
+                    file=str(args.run),
+                )
+        result = check_comparison(Path(args.run), args.tracking_uri, check_mlflow=not args.no_mlflow)
         print(json.dumps(result.to_dict(), indent=1) if args.json else result.render())
         return result.exit_code(args.require_verified)
     result = audit(

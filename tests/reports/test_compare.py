@@ -316,6 +316,8 @@ def test_a_published_comparison_is_audited_against_its_report_copies(tmp_path, c
     )
     out = cli("audit", folder)
     assert out.returncode == 5 and "comparison.json = its report copies" in out.stdout, out.stdout
+    refused = cli("audit", folder, "--recompute-eval")  # one run's checkpoint: never silently ignored
+    assert refused.returncode == 2 and "--recompute-eval rescores one run's checkpoint" in refused.stderr
 
     recorded = json.loads((folder / "comparison.json").read_text())
     forged = json.loads(json.dumps(recorded))

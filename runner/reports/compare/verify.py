@@ -54,13 +54,15 @@ def _first_json_difference(ours: Any, theirs: Any, where: str = "") -> str:
     return f"{where or 'the file'}: recorded {json.dumps(theirs)[:80]}, the copies give {json.dumps(ours)[:80]}"
 
 
-def _check_copies(result: AuditResult, folder: Path, labels: list[str], tracking_uri: str | None) -> None:
+def _check_copies(
+    result: AuditResult, folder: Path, labels: list[str], tracking_uri: str | None, check_mlflow: bool
+) -> None:
     failed, unverified = [], []
     for label in labels:
         copy = folder / "runs" / folder_name(label)
         if not rpt.is_report_dir(copy):
             continue  # DATA names it
-        audited = audit(copy, tracking_uri=tracking_uri)
+        audited = audit(copy, tracking_uri=tracking_uri, check_mlflow=check_mlflow)
         if audited.failed():
             failed.append(f"runs/{copy.name}: {', '.join(audited.failed())}")
         elif audited.unverified():
@@ -73,7 +75,7 @@ def _check_copies(result: AuditResult, folder: Path, labels: list[str], tracking
         result.add(COPIES, [], ok_detail=f"{len(labels)} copies PASS")
 
 
-def check_comparison(folder: Path, tracking_uri: str | None = None) -> AuditResult:
+def check_comparison(folder: Path, tracking_uri: str | None = None, *, check_mlflow: bool = True) -> AuditResult:
     """A published comparison folder: its report copies audited (COPIES), the comparison remade from them
     (DATA: FAIL where comparison.json says other figures) and rendered again (RENDERED: UNVERIFIED where
     a rendering differs)."""
@@ -83,7 +85,7 @@ def check_comparison(folder: Path, tracking_uri: str | None = None) -> AuditResu
     except (OSError, ValueError) as err:
         result.add(DATA, [f"comparison.json unreadable: {err}"])
         return result
-    _check_copies(result, folder, labels, tracking_uri)
+    _check_copies(result, folder, labels, tracking_uri, check_mlflow)
     origins = next((r for r in recorded.get("runs", []) if isinstance(r, dict) and r.get("field") == "origin"), {})
     try:
         sources = []
