@@ -474,6 +474,8 @@ class ExperimentSchema(Section):
 
     def validate(self, problems: Problems, file: File, prefix: str = "") -> None:
         """Every section's own rules (the rules across sections are runner.config.rules')."""
+        if self.version < 1:  # as a recipe's (check-pr asks for a bump from what the base ref had)
+            problems.add(file, join_key(prefix, "version"), f"must be an integer >= 1, got {self.version!r}")
         if not 0 <= self.seed <= SEED_MAX:
             problems.add(
                 file,

@@ -933,3 +933,13 @@ def test_run_name_with_a_run_to_resume_is_refused_not_ignored(tmp_path, capsys, 
     assert one_error(*run_cli(capsys, "launch", "runs/cpu-tiny/r1", "--run-name", "x")[::2]).endswith(says)
     argv = ["launch", str(REPO / "experiments/cpu-tiny.yaml"), "--run-dir", "runs/cpu-tiny/r1", "--run-name", "x"]
     assert one_error(*run_cli(capsys, *argv)[::2]).endswith(says)
+
+
+@pytest.mark.parametrize("version", ["0", "-3"])
+def test_an_experiment_version_below_1_is_refused_as_a_recipes_is(project, capsys, monkeypatch, version):
+    """An experiment's version is an integer >= 1 (README, as every recipe's); 0 and -3 were valid."""
+    monkeypatch.chdir(project)
+    path = project / "experiments" / "vzero.yaml"
+    path.write_text(f"base: cpu-tiny@2\nname: vzero\nversion: {version}\ndescription: attack\n")
+    line = one_error(*run_cli(capsys, "validate", path)[::2])
+    assert line == f"error: experiments/vzero.yaml: version: must be an integer >= 1, got {version}", line
