@@ -30,6 +30,7 @@ def _cmd_validate(args) -> int:
     paths = [f for p in args.paths for f in yaml_files(Path(p))] or default_targets(Path.cwd())
     failed = 0
     warned: list[str] = []
+    said: set[str] = set()  # a base experiment's problem, found again through each one built on it: said once
     # Flushed line by line: piped together (2>&1 | less), errors and the summary keep their order.
     for path in paths:
         try:
@@ -41,7 +42,9 @@ def _cmd_validate(args) -> int:
         except RunnerError as e:
             failed += 1
             for msg in str(e).splitlines():
-                print(f"error: {msg}", file=sys.stderr, flush=True)
+                if msg not in said:
+                    said.add(msg)
+                    print(f"error: {msg}", file=sys.stderr, flush=True)
     for w in said_once(warned):  # the same warning of many experiments is said once, naming them
         print(f"warning: {w}", flush=True)
     print(f"{len(paths) - failed} valid, {failed} invalid", flush=True)

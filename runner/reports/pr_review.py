@@ -132,7 +132,9 @@ def _validate_head(root: Path, problems: list[str], report: list[str], loads: Lo
                 warnings += check_experiment_data(exp)[1]
                 report.extend(f"warning: {rel}: {w}" for w in _outside_project(exp))
         except RunnerError as e:
-            problems.extend(l.replace(str(root) + "/", "") for l in str(e).splitlines())
+            # a base experiment's problem is found again through each experiment built on it: said once
+            lines = (l.replace(str(root) + "/", "") for l in str(e).splitlines())
+            problems.extend(l for l in dict.fromkeys(lines) if l not in problems)
     report.extend(f"warning: {w}" for w in said_once(warnings))  # one line per thing said, not per experiment
     return head_fp
 

@@ -943,3 +943,19 @@ def test_an_experiment_version_below_1_is_refused_as_a_recipes_is(project, capsy
     path.write_text(f"base: cpu-tiny@2\nname: vzero\nversion: {version}\ndescription: attack\n")
     line = one_error(*run_cli(capsys, "validate", path)[::2])
     assert line == f"error: experiments/vzero.yaml: version: must be an integer >= 1, got {version}", line
+
+
+def test_a_broken_base_experiment_is_said_once_not_once_per_experiment_built_on_it(project, capsys, monkeypatch):
+    """validate (and check-pr, through the same loads) found a base file's problem again through each
+    experiment built on it and printed the same line once per experiment."""
+    monkeypatch.chdir(project)
+    experiment(project, "za", "train: {seq_len: [}\n")
+    for name in ("zb", "zc"):
+        (project / "experiments" / f"{name}.yaml").write_text(
+            f"base: za@1\nname: {name}\nversion: 1\ndescription: on za\n"
+        )
+    code, out, err = run_cli(capsys, "validate", *(f"experiments/{n}.yaml" for n in ("za", "zb", "zc")))
+    assert code == 2 and out.strip().splitlines()[-1] == "0 valid, 3 invalid", out
+    assert err.splitlines() == [
+        "error: experiments/za.yaml: line 5: not valid YAML: did not find expected node content"
+    ]

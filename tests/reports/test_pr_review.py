@@ -141,3 +141,16 @@ def test_a_pull_requests_strings_stay_text_in_its_review(repo, monkeypatch, caps
     html = markdown_it.MarkdownIt("commonmark", {"html": True}).enable("table").render(md)
     assert "<img" not in html
     assert "evil.example/p.png): unknown key</code>" in html
+
+
+def test_a_broken_base_experiment_is_one_problem_not_one_per_experiment_on_it(repo, monkeypatch, capsys):
+    """cpu-tiny.yaml is the base of five experiments: its YAML error was listed once per experiment."""
+    monkeypatch.chdir(repo)
+    exp = repo / "experiments/cpu-tiny.yaml"
+    exp.write_text(exp.read_text() + "train: {seq_len: [}\n")
+    code = main(["check-pr", "--base", "HEAD"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert [l for l in err.splitlines() if "not valid YAML" in l] == [
+        "error: experiments/cpu-tiny.yaml: line 26: not valid YAML: did not find expected node content"
+    ], err
