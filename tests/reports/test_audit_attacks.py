@@ -620,3 +620,27 @@ def test_what_runner_sync_sends_after_the_fact_never_passes(real_run, tmp_path):
     journal.write_text("".join(json.dumps(e) + "\n" for e in entries))
     assert main(["sync", str(forged), "--tracking-uri", f"sqlite:///{tmp_path / 'b.db'}"]) == 0
     assert METRICS in audit(forged).failed()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "not json",
+        "[1]",
+        '{"kinds": 5}',
+        '{"kinds": {"start": "x"}}',
+        '{"kinds": {"metrics": 1}, "metric_rows": -3}',
+        '{"kinds": {"metrics": 1}, "metric_rows": 2, "steps": ["a", 1]}',
+    ],
+)
+def test_an_unreadable_replay_tag_is_read_as_the_worst_it_could_say(value):
+    """A replay tag the tracker did not write (edited in the store) was a ValueError or AttributeError
+    traceback in the audit, or, as a list, said nothing: it now reads as the run itself arriving late."""
+    from runner.reports.audit.result import AuditResult, Check
+    from runner.reports.audit.tracked import Tracked, _late_entries
+
+    res = AuditResult("run", [Check(name, PASS, "") for name in (PARAMS, TAGS, METRICS, EVIDENCE, "other")])
+    _late_entries(res, Tracked("uri", "id", "name", {}, {"runner.replayed.abc": value}))
+    assert [c.status for c in res.checks] == [UNVERIFIED] * 4 + [PASS]
+    assert res.checks[0].detail.startswith("the MLflow run itself reached MLflow from the run folder's journal")
+    assert "(an unreadable replay tag)" in res.checks[0].detail

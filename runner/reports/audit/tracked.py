@@ -571,25 +571,18 @@ def _late_entries(res: AuditResult, tracked: Tracked) -> None:
     journal by `runner sync` or a later start) is UNVERIFIED instead: a forger who kept the server away
     while the run trained (a dead or blocked server journals everything) rewrites the journal with the
     folder, and its replay puts the forgery into MLflow. A FAIL stays a FAIL."""
-    told = []
-    for key, value in sorted(tracked.tags.items()):
-        if key.startswith(REPLAYED_TAG + "."):
-            try:
-                told.append(json.loads(value))
-            except ValueError:
-                told.append({"by": "unreadable", "kinds": {"start": 1}})  # say the worst
-    told = [t for t in told if isinstance(t, dict)]
+    told = [_told(value) for key, value in sorted(tracked.tags.items()) if key.startswith(REPLAYED_TAG + ".")]
     if not told:
         return
     kinds: dict[str, int] = {}
     for t in told:
-        for k, n in (t.get("kinds") or {}).items():
-            kinds[k] = kinds.get(k, 0) + int(n)
-    rows = sum(int(t.get("metric_rows", 0)) for t in told)
-    steps = [t["steps"] for t in told if isinstance(t.get("steps"), list) and len(t["steps"]) == 2]
-    evidence = sum(int(t.get("evidence_tags", 0)) for t in told)
-    others = sum(int(t.get("other_tags", 0)) for t in told)
-    by = sorted({str(t.get("by")) for t in told})
+        for k, n in t["kinds"].items():
+            kinds[k] = kinds.get(k, 0) + n
+    rows = sum(t["metric_rows"] for t in told)
+    steps = [t["steps"] for t in told if t["steps"] is not None]
+    evidence = sum(t["evidence_tags"] for t in told)
+    others = sum(t["other_tags"] for t in told)
+    by = sorted({t["by"] for t in told})
     parts = (["the MLflow run itself"] if kinds.get("start") else []) + (["its params"] if kinds.get("params") else [])
     if rows:
         lo, hi = min(s[0] for s in steps) if steps else "?", max(s[1] for s in steps) if steps else "?"
@@ -610,3 +603,25 @@ def _late_entries(res: AuditResult, tracked: Tracked) -> None:
     for check in res.checks:
         if check.name in bears and check.status == PASS:
             check.status, check.detail = UNVERIFIED, f"{why}; {check.detail}" if check.detail else why
+
+
+def _told(value: str) -> dict:
+    """One REPLAYED_TAG's value as the tracker writes it; anything else (unreadable, a wrong type) is
+    read as the worst it could have said: the run itself and everything in it arrived late."""
+    worst = {"by": "an unreadable replay tag", "kinds": {"start": 1}, "metric_rows": 0, "steps": None}
+    worst |= {"evidence_tags": 0, "other_tags": 0}
+    try:
+        t = json.loads(value)
+        counts = {k: t.get(k, 0) for k in ("metric_rows", "evidence_tags", "other_tags")}
+        kinds, steps = t.get("kinds") or {}, t.get("steps")
+        if not (isinstance(kinds, dict) and all(_whole(n) for n in [*counts.values(), *kinds.values()])):
+            return worst
+        if steps is not None and not (isinstance(steps, list) and len(steps) == 2 and all(map(_whole, steps))):
+            return worst
+        return {"by": str(t.get("by")), "kinds": {str(k): n for k, n in kinds.items()}, "steps": steps, **counts}
+    except (ValueError, TypeError, AttributeError):  # not JSON, or JSON but not an object
+        return worst
+
+
+def _whole(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
