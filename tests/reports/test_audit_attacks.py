@@ -644,3 +644,26 @@ def test_an_unreadable_replay_tag_is_read_as_the_worst_it_could_say(value):
     assert [c.status for c in res.checks] == [UNVERIFIED] * 4 + [PASS]
     assert res.checks[0].detail.startswith("the MLflow run itself reached MLflow from the run folder's journal")
     assert "(an unreadable replay tag)" in res.checks[0].detail
+
+
+@pytest.mark.parametrize("how", ["a column dropped", "text in a number's place"])
+def test_a_table_failing_its_schema_fails_the_audit_not_as_an_unusable_report(tmp_path, capsys, how):
+    """A published report whose accounting table lost its target_ratio column (or holds text there)
+    failed its schema check, then a later check read the column: AttributeError, and the audit as a
+    whole was 'error: unusable report or config' (exit 2), no verdict. It is a FAIL (exit 1) naming
+    both the schema check and where the checks after it stopped."""
+    from runner.cli import main
+
+    copy = tmp_path / "report"
+    shutil.copytree(REPO / "reports" / "cpu-tiny" / "20261201-crash-resume", copy)
+    table = pd.read_parquet(copy / "accounting.parquet")
+    if how == "a column dropped":
+        table = table.drop(columns=["target_ratio"])
+    else:
+        table = table.assign(target_ratio=table["target_ratio"].map(lambda v: f"{v:.0%}"))
+    table.to_parquet(copy / "accounting.parquet", index=False)
+    result = audit(copy, check_mlflow=False)
+    statuses = {c.name: c.status for c in result.checks}
+    assert result.verdict == FAIL and statuses["schema: accounting"] == FAIL, result.render()
+    assert main(["audit", str(copy), "--no-mlflow"]) == EXIT_DISCREPANCY
+    assert "error:" not in capsys.readouterr().err

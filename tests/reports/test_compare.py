@@ -377,3 +377,34 @@ def test_runs_under_different_hardware_settings_crown_no_winner_in_seconds_or_do
     assert speed.lstrip().startswith("**Speed and cost NOT comparable**: the runs ran under different hardware")
     assert "**MFU figures NOT comparable**: the conventions differ (peaks of different hardware settings" in md
     assert "not comparable (hardware settings differ)" in md.split("## Quality targets", 1)[1].split("##", 1)[0]
+
+
+@pytest.mark.slow  # audits the two copies (about 3 s)
+def test_a_malformed_comparison_json_is_a_fail_not_a_traceback(tmp_path, cli):
+    """comparison.json with `runs: 5` was a TypeError traceback in `runner audit` of the folder, one nested
+    200,000 deep a RecursionError; either is a FAIL of the comparison's data, and `compare --out` over
+    the deep one is refused as a folder it did not write. A copy missing its experiment.yaml FAILs."""
+    import shutil
+
+    from runner.reports.compare.render import is_comparison_folder
+    from runner.reports.compare.verify import COPIES, DATA, check_comparison
+
+    for name, text in (("runs5", None), ("deep", "[" * 200_000 + "]" * 200_000)):
+        folder = tmp_path / name
+        shutil.copytree(PUBLISHED, folder)
+        if text is None:
+            data = json.loads((folder / "comparison.json").read_text())
+            text = json.dumps(data | {"runs": 5})
+        (folder / "comparison.json").write_text(text)
+        result = check_comparison(folder, check_mlflow=False)
+        data_check = next(c for c in result.checks if c.name == DATA)
+        assert result.verdict == "FAIL" and data_check.status == "FAIL", result.render()
+        assert ("runs: recorded 5" if name == "runs5" else "nested too deeply") in data_check.detail
+    assert not is_comparison_folder(tmp_path / "deep")
+    assert cli("audit", tmp_path / "deep").returncode == 1
+    # a copy that cannot be audited at all (its experiment.yaml gone) stopped audit-reports whole (exit 2)
+    folder = tmp_path / "noexp"
+    shutil.copytree(PUBLISHED, folder)
+    (folder / "runs" / "cpu-tiny" / "experiment.yaml").unlink()
+    result = check_comparison(folder, check_mlflow=False)
+    assert result.failed() == [COPIES, DATA] and "runs/cpu-tiny: cannot be audited: " in result.render()

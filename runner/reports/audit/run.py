@@ -687,6 +687,29 @@ def audit_input(
     res = AuditResult(inp.source)
     if not _check_schemas(res, inp.tables):
         return res
+    try:
+        return _audit_checked_tables(res, inp, check_mlflow, tracking_uri, recompute_eval, checkpoint, progress)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        if not res.failed():  # nothing explains it: unusable input (audit() says so in one line)
+            raise
+        # A table that fails its schema (a column dropped, text in a number's place) is read by the checks
+        # after it: what stopped them is the FAIL above, not a report too broken to audit (exit 2).
+        res.add(
+            "checks after the schema",
+            [f"stopped at {type(err).__name__}: {err}, reading tables that FAIL above: {', '.join(res.failed())}"],
+        )
+        return res
+
+
+def _audit_checked_tables(
+    res: AuditResult,
+    inp: AuditInput,
+    check_mlflow: bool,
+    tracking_uri: str | None,
+    recompute_eval: bool,
+    checkpoint: Path | None,
+    progress,
+) -> AuditResult:
     tracked, why = audit_tracked.locate(inp, enabled=check_mlflow, tracking_uri=tracking_uri)
     _check_domains(res, inp)
     _check_manifests(res, inp)

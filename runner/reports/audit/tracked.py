@@ -619,7 +619,7 @@ def _told(value: str) -> dict:
         if steps is not None and not (isinstance(steps, list) and len(steps) == 2 and all(map(_whole, steps))):
             return worst
         return {"by": str(t.get("by")), "kinds": {str(k): n for k, n in kinds.items()}, "steps": steps, **counts}
-    except (ValueError, TypeError, AttributeError):  # not JSON, or JSON but not an object
+    except (ValueError, TypeError, AttributeError, RecursionError):  # not JSON, not an object, nested deep
         return worst
 
 

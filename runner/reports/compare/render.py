@@ -321,7 +321,7 @@ def is_comparison_folder(folder: Path) -> bool:
     """A folder `runner compare --out` wrote: it holds a comparison.json, a JSON object."""
     try:
         data = json.loads((folder / "comparison.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import RunnerError
+from runner.fsio import read_json
 from runner.reports import tables as rpt
 from runner.reports.audit.result import AuditResult, first_difference
 from runner.reports.audit.run import audit
@@ -34,7 +35,7 @@ REDO = "`runner compare runs/* --out` in the folder writes them again"
 
 
 def _recorded(folder: Path) -> tuple[dict, list[str]]:
-    data = json.loads((folder / "comparison.json").read_text(encoding="utf-8"))
+    data = read_json(folder / "comparison.json")  # RunnerError: missing, not JSON, nested too deep
     labels = data.get("labels") if isinstance(data, dict) else None
     if not (isinstance(labels, list) and len(labels) >= 2 and all(isinstance(x, str) for x in labels)):
         raise ValueError("comparison.json names no list of two or more labels")
@@ -62,7 +63,11 @@ def _check_copies(
         copy = folder / "runs" / folder_name(label)
         if not rpt.is_report_dir(copy):
             continue  # DATA names it
-        audited = audit(copy, tracking_uri=tracking_uri, check_mlflow=check_mlflow)
+        try:
+            audited = audit(copy, tracking_uri=tracking_uri, check_mlflow=check_mlflow)
+        except RunnerError as err:  # a file missing or unreadable: this copy fails, the other checks still run
+            failed.append(f"runs/{copy.name}: cannot be audited: {err}")
+            continue
         if audited.failed():
             failed.append(f"runs/{copy.name}: {', '.join(audited.failed())}")
         elif audited.unverified():
@@ -82,11 +87,13 @@ def check_comparison(folder: Path, tracking_uri: str | None = None, *, check_mlf
     result = AuditResult(str(folder))
     try:
         recorded, labels = _recorded(folder)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RunnerError) as err:
         result.add(DATA, [f"comparison.json unreadable: {err}"])
         return result
     _check_copies(result, folder, labels, tracking_uri, check_mlflow)
-    origins = next((r for r in recorded.get("runs", []) if isinstance(r, dict) and r.get("field") == "origin"), {})
+    rows = recorded.get("runs")
+    rows = rows if isinstance(rows, list) else []  # another shape: DATA finds comparison.json differs
+    origins = next((r for r in rows if isinstance(r, dict) and r.get("field") == "origin"), {})
     try:
         sources = []
         for label in labels:
