@@ -252,6 +252,8 @@ def predated_tables(report_dir: str | Path) -> tuple[str, ...]:
     if not isinstance(cfg, dict) or not isinstance(evidence, dict) or (cfg.get("eval") or {}).get("tasks"):
         return ()
     listed = evidence.get("tables") or {}
+    if not isinstance(listed, dict):  # not what the runner writes: the audit's evidence check FAILs it
+        listed = {}
     return tuple(n for n in absent if n not in listed)
 
 

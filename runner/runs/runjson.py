@@ -10,6 +10,7 @@ read-modify-write never drops them. Never reads or writes a file itself.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,13 @@ class RunJson:
                     file=file,
                     key=key,
                 )
+        for (
+            key,
+            value,
+        ) in values.items():  # a forged or damaged record: one line naming the key, never a traceback later
+            kind = _SHAPES.get(key)
+            if kind is not None and not _has_shape(value, kind):
+                raise RunnerError(f"must be {_SHAPE_WORDS[kind]}, got {json.dumps(value)[:80]}", file=file, key=key)
         return cls(**values, extra={k: v for k, v in data.items() if k not in known}, recorded_keys=frozenset(values))
 
     def has(self, key: str) -> bool:
@@ -123,3 +131,38 @@ def check_fields(fields: dict, file: str) -> None:
         raise RunnerError(
             f"not a run.json field: {', '.join(unknown)} (add it to runner.runs.runjson.RunJson)", file=file
         )
+
+
+_SHAPE_WORDS = {
+    "str": "a string",
+    "int": "a whole number",
+    "float": "a number",
+    "dict": "a JSON object",
+    "list[dict]": "a list of JSON objects",
+}
+
+
+def _shape_of(annotation: str) -> str | None:
+    """The JSON shape a RunJson field's annotation asks for (None: unchecked)."""
+    base = annotation.replace(" | None", "").strip()
+    return base if base in _SHAPE_WORDS else None
+
+
+def _has_shape(value: Any, kind: str) -> bool:
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "dict":
+        return isinstance(value, dict)
+    return isinstance(value, list) and all(isinstance(v, dict) for v in value)
+
+
+#: each run.json key's shape, from RunJson's annotations (read as written: `from __future__ import annotations`)
+_SHAPES = {
+    f.name: shape
+    for f in dataclasses.fields(RunJson)
+    if f.name not in _NOT_KEYS and (shape := _shape_of(str(f.type))) is not None
+}

@@ -667,3 +667,34 @@ def test_a_table_failing_its_schema_fails_the_audit_not_as_an_unusable_report(tm
     assert result.verdict == FAIL and statuses["schema: accounting"] == FAIL, result.render()
     assert main(["audit", str(copy), "--no-mlflow"]) == EXIT_DISCREPANCY
     assert "error:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "file, key, value, says",
+    [
+        ("run.json", "committed_steps", "x", 'committed_steps: must be a whole number, got "x"'),
+        ("run.json", "segments", {"a": 1}, 'segments: must be a list of JSON objects, got {"a": 1}'),
+        ("evidence.json", "tables", -1, "tables: must map each table to its sha256"),
+        ("evidence.json", "tables", [1], "tables: must map each table to its sha256"),
+        ("evidence.json", "checkpoint", 5, "checkpoint: must be a JSON object or null"),
+    ],
+)
+def test_a_record_key_of_another_shape_is_named_not_a_traceback(tmp_path, capsys, file, key, value, says):
+    """A report's run.json or evidence.json with a key of another type (a forgery's or damage's) was a
+    TypeError traceback (evidence.json's tables: -1) or 'unusable report or config: AttributeError ...'
+    naming no key. run.json, which every check reads, is one line naming the file and key (exit 2);
+    evidence.json, one check's input, FAILs that check naming the key (exit 1)."""
+    from runner.cli import main
+
+    copy = tmp_path / "report"
+    shutil.copytree(REPO / "reports" / "cpu-tiny" / "20261201-crash-resume", copy)
+    data = json.loads((copy / file).read_text())
+    (copy / file).write_text(json.dumps(data | {key: value}))
+    code = main(["audit", str(copy), "--no-mlflow"])
+    out, err = capsys.readouterr()
+    if file == "run.json":
+        assert code == 2 and err.strip() == f"error: {copy / file}: {says}", err
+    else:
+        assert code == EXIT_DISCREPANCY and "Traceback" not in err, err
+        line = next(l for l in out.splitlines() if l.startswith("evidence.json matches the report"))
+        assert " FAIL " in line and says in line, out

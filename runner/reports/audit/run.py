@@ -50,6 +50,7 @@ from runner.reports.downstream import targets as downstream_targets
 from runner.runs.checkpoints import dirname, verified_state
 from runner.runs.folder import is_reportable_run
 from runner.runs.recorded import conventions_of, devices_held, read_manifest_copies
+from runner.runs.runjson import RunJson
 from schemas.report_tables import ADDED_SINCE, READABLE_VERSIONS, SCHEMA_VERSION, SCHEMAS, validate_tables
 
 __all__ = ["FAIL", "INFO", "PASS", "UNVERIFIED", "AuditInput", "AuditResult", "Check", "audit", "load_input", "replay"]
@@ -62,6 +63,9 @@ def load_input(target: str | Path) -> AuditInput:
     """A run folder (its report/ if written), a report folder, or an MLflow run id."""
     path = Path(target)
     if path.is_dir():
+        for folder in (path, path.parent) if path.name == rpt.REPORT_DIR else (path,):
+            if (folder / "run.json").is_file():  # a key of the wrong shape: one line naming file and key, up front
+                RunJson.from_dict(read_json(folder / "run.json"), file=str(folder / "run.json"))
         if rpt.is_report_dir(path):
             inp = _from_report_dir(path)
             if path.name == rpt.REPORT_DIR and is_reportable_run(path.parent):
@@ -586,7 +590,11 @@ def _check_evidence_file(res: AuditResult, inp: AuditInput) -> None:
     if inp.report_dir is None:
         res.info(name, "no report folder: the tables were built from the run folder")
         return
-    found = ev.read_evidence_file(inp.report_dir)
+    try:
+        found = ev.read_evidence_file(inp.report_dir)
+    except RunnerError as err:  # not valid JSON, another format, or a key of another shape: a forgery's or damage's
+        res.add(name, [str(err)])
+        return
     if found is None:  # never a PASS: a report without it was cut short, or written before evidence existed
         res.could_not(name, "no evidence.json next to the tables: rebuild the report (`runner report RUN_DIR`)")
         return
