@@ -97,10 +97,8 @@ class RunJson:
                     file=file,
                     key=key,
                 )
-        for (
-            key,
-            value,
-        ) in values.items():  # a forged or damaged record: one line naming the key, never a traceback later
+        # a forged or damaged record: one line naming the key, never a traceback where a reader uses it
+        for key, value in values.items():
             kind = _SHAPES.get(key)
             if kind is not None and not _has_shape(value, kind):
                 raise RunnerError(f"must be {_SHAPE_WORDS[kind]}, got {json.dumps(value)[:80]}", file=file, key=key)
