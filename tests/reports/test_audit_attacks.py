@@ -698,3 +698,21 @@ def test_a_record_key_of_another_shape_is_named_not_a_traceback(tmp_path, capsys
         assert code == EXIT_DISCREPANCY and "Traceback" not in err, err
         line = next(l for l in out.splitlines() if l.startswith("evidence.json matches the report"))
         assert " FAIL " in line and says in line, out
+
+
+def test_a_manifest_copy_of_another_shape_fails_its_pin_check_not_as_an_unusable_report(tmp_path, capsys):
+    """A report's manifests/code.json with `validation_shards: "x"` was read by the domain check before
+    the pin check: 'unusable report or config: AttributeError' (exit 2). The pin check runs first and
+    FAILs it; the checks after it stop, saying so (exit 1)."""
+    from runner.cli import main
+
+    copy = tmp_path / "report"
+    shutil.copytree(REPO / "reports" / "cpu-tiny" / "20261201-crash-resume", copy)
+    manifest = copy / "manifests" / "code.json"
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"validation_shards": "x"}))
+    result = audit(copy, check_mlflow=False)
+    statuses = {c.name: c.status for c in result.checks}
+    assert statuses["manifests match the experiment's pins"] == FAIL, result.render()
+    assert statuses["checks after the schema"] == FAIL, result.render()
+    assert main(["audit", str(copy), "--no-mlflow"]) == EXIT_DISCREPANCY
+    assert "error:" not in capsys.readouterr().err

@@ -700,11 +700,12 @@ def audit_input(
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         if not res.failed():  # nothing explains it: unusable input (audit() says so in one line)
             raise
-        # A table that fails its schema (a column dropped, text in a number's place) is read by the checks
-        # after it: what stopped them is the FAIL above, not a report too broken to audit (exit 2).
+        # A table that fails its schema (a column dropped, text in a number's place) or a manifest copy that
+        # fails its pin is read by the checks after it: what stopped them is the FAIL above, not a report
+        # too broken to audit (exit 2).
         res.add(
             "checks after the schema",
-            [f"stopped at {type(err).__name__}: {err}, reading tables that FAIL above: {', '.join(res.failed())}"],
+            [f"stopped at {type(err).__name__}: {err}, reading input that FAILs above: {', '.join(res.failed())}"],
         )
         return res
 
@@ -719,8 +720,8 @@ def _audit_checked_tables(
     progress,
 ) -> AuditResult:
     tracked, why = audit_tracked.locate(inp, enabled=check_mlflow, tracking_uri=tracking_uri)
+    _check_manifests(res, inp)  # first: a forged manifest copy FAILs here before the checks that read it
     _check_domains(res, inp)
-    _check_manifests(res, inp)
     _check_fingerprint(res, inp)
     _check_config_agreement(res, inp)
     try:
