@@ -132,9 +132,11 @@ def _validate_head(root: Path, problems: list[str], report: list[str], loads: Lo
                 warnings += check_experiment_data(exp)[1]
                 report.extend(f"warning: {rel}: {w}" for w in _outside_project(exp))
         except RunnerError as e:
-            # a base experiment's problem is found again through each experiment built on it: said once
-            lines = (l.replace(str(root) + "/", "") for l in str(e).splitlines())
-            problems.extend(l for l in dict.fromkeys(lines) if l not in problems)
+            # a base experiment's or recipe's problem is found again through each experiment using it: said once
+            for line in str(e).splitlines():
+                line = line.replace(str(root) + "/", "")
+                if line not in problems:
+                    problems.append(line)
     report.extend(f"warning: {w}" for w in said_once(warnings))  # one line per thing said, not per experiment
     return head_fp
 

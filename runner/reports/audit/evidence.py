@@ -210,33 +210,29 @@ def read_evidence_file(report_dir: Path) -> dict[str, Any] | None:
     data = read_json(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise RunnerError(f"not a {FORMAT} record", file=str(path))
-    for key, problem in _shape_problems(data):  # read by key below: a wrong shape is named, never a traceback
-        raise RunnerError(problem, file=str(path), key=key)
+    wrong = _shape_problem(data)  # read by key below: a wrong shape is named, never a traceback
+    if wrong is not None:
+        raise RunnerError(wrong[1], file=str(path), key=wrong[0])
     return data
 
 
-def _shape_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
-    """(key, problem) where an evidence record is not of the shape `build_evidence` writes."""
-    out = []
+def _shape_problem(data: dict[str, Any]) -> tuple[str, str] | None:
+    """(key, problem) where an evidence record is first not of the shape `build_evidence` writes."""
     tables = data.get("tables")
     if not (isinstance(tables, dict) and all(isinstance(v, str) for v in tables.values())):
-        out.append(("tables", "must map each table to its sha256"))
+        return "tables", "must map each table to its sha256"
     for key in ("checkpoint", "validation", "runner_eval"):
         if data.get(key) is not None and not isinstance(data[key], dict):
-            out.append((key, "must be a JSON object or null"))
+            return key, "must be a JSON object or null"
     ckpt = data.get("checkpoint")
-    if isinstance(ckpt, dict) and not (
+    if ckpt is not None and not (
         isinstance(ckpt.get("step"), int) and not isinstance(ckpt["step"], bool) and isinstance(ckpt.get("files"), dict)
     ):
-        out.append(("checkpoint", "must hold a whole-number step and its files' sha256s"))
+        return "checkpoint", "must hold a whole-number step and its files' sha256s"
     val = data.get("validation")
-    if (
-        isinstance(val, dict)
-        and val
-        and not (isinstance(val.get("domains"), dict) and all(isinstance(v, dict) for v in val["domains"].values()))
-    ):
-        out.append(("validation.domains", "must map each domain to its losses"))
-    return out
+    if val and not (isinstance(val.get("domains"), dict) and all(isinstance(v, dict) for v in val["domains"].values())):
+        return "validation.domains", "must map each domain to its losses"
+    return None
 
 
 # ---- as MLflow tags ------------------------------------------------------------------------------

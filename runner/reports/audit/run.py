@@ -63,9 +63,6 @@ def load_input(target: str | Path) -> AuditInput:
     """A run folder (its report/ if written), a report folder, or an MLflow run id."""
     path = Path(target)
     if path.is_dir():
-        for folder in (path, path.parent) if path.name == rpt.REPORT_DIR else (path,):
-            if (folder / "run.json").is_file():  # a key of the wrong shape: one line naming file and key, up front
-                RunJson.from_dict(read_json(folder / "run.json"), file=str(folder / "run.json"))
         if rpt.is_report_dir(path):
             inp = _from_report_dir(path)
             if path.name == rpt.REPORT_DIR and is_reportable_run(path.parent):
@@ -76,6 +73,7 @@ def load_input(target: str | Path) -> AuditInput:
                 found = _from_report_dir(path / rpt.REPORT_DIR)
                 _attach_run_dir(found, path)
                 return found
+            run = _run_json(path)  # before build_tables reads it
             rebuilt = rpt.build_tables(path)
             cfg = _read_cfg(path / "experiment.yaml")
             exp = experiment_from_dict(cfg, path=path / "experiment.yaml")
@@ -83,7 +81,7 @@ def load_input(target: str | Path) -> AuditInput:
                 str(path),
                 rebuilt,
                 cfg,
-                read_json(path / "run.json"),
+                run,
                 read_manifest_copies(path / "manifests", sorted(exp.config.mixture.domains)),
                 exp=exp,
                 run_dir=path,
@@ -106,8 +104,21 @@ def _read_cfg(path: Path) -> dict:
     return data
 
 
+def _run_json(folder: Path) -> dict:
+    """folder/run.json as read ({} where there is none); not a JSON object, or a key of another shape
+    (`committed_steps: "x"`), is one line naming the file and key (RunJson.from_dict), never a traceback
+    where a check reads it."""
+    path = folder / "run.json"
+    if not path.exists():
+        return {}
+    run = read_json(path)
+    RunJson.from_dict(run, file=str(path))
+    return run
+
+
 def _attach_run_dir(inp: AuditInput, run_dir: Path) -> None:
     """The run folder a report was written from: its tables rebuilt from the raw files, its checkpoints."""
+    _run_json(run_dir)  # its record read by the checks of the run folder (checkpoint, MLflow): checked here
     inp.run_dir = run_dir
     try:
         inp.rebuilt = rpt.build_tables(run_dir)
@@ -118,9 +129,7 @@ def _attach_run_dir(inp: AuditInput, run_dir: Path) -> None:
 def _from_report_dir(path: Path) -> AuditInput:
     cfg_file = path / "experiment.yaml"
     cfg = _read_cfg(cfg_file)
-    run = read_json(path / "run.json") if (path / "run.json").exists() else {}
-    if not isinstance(run, dict):
-        raise RunnerError("expected a mapping", file=str(path / "run.json"))
+    run = _run_json(path)
     exp = experiment_from_dict(cfg, path=cfg_file)
     return AuditInput(
         str(path),
