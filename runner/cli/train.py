@@ -331,7 +331,7 @@ def cmd_smoke(args) -> int:
     a CPU and within a stated tolerance on a GPU (runner.runs.resume_identity)."""
     from runner.data.manifest import load_experiment_manifests
     from runner.planning.resources import load_experiment
-    from runner.training.launch import check_device, timestamp
+    from runner.training.launch import check_device, new_timestamped_folder
 
     full = load_experiment(args.experiment)
     manifests, _ = load_experiment_manifests(full)  # what each launch refuses, before the smoke's folders
@@ -339,10 +339,16 @@ def cmd_smoke(args) -> int:
         check_device(full.config)
     except RunnerError as e:
         raise RunnerError(e.detail, file=str(full.path), key=e.key) from None
-    cfg = full.config
     steps = max(4, args.steps)
-    out = Path(args.out) if args.out else Path("runs") / cfg.name / f"smoke-{timestamp()}"
-    ref, res = _smoke_folders(full, steps, out, manifests)
+    with contextlib.ExitStack() as held:  # the smoke's folder, locked until its three launches are done
+        out = Path(args.out) if args.out else new_timestamped_folder(Path("runs") / full.config.name, held, "smoke-")
+        ref, res = _smoke_folders(full, steps, out, manifests, held)
+        return _smoke(full, steps, out, ref, res)
+
+
+def _smoke(full: Experiment, steps: int, out: Path, ref: Path, res: Path) -> int:
+    """The smoke's three launches (uninterrupted; killed; resumed) and its verdict."""
+    cfg = full.config
     print(f"smoke: {steps} steps of {cfg.name} x2 in {out}")
     rc = subprocess.run(_launch_cmd(ref)).returncode
     if rc != EXIT_OK:
@@ -374,12 +380,19 @@ def cmd_smoke(args) -> int:
 
 def _check_smoke_out(out: Path) -> None:
     """--out is emptied of an earlier smoke's reference/ and resumed/ runs: anything else there (a
-    folder of real runs, `--out runs/cpu-tiny`) is refused, before anything is removed."""
+    folder of real runs, `--out runs/cpu-tiny`) is refused, before anything is removed. Its lock file
+    (an earlier smoke's, or the one a smoke in progress holds) is the smoke's own."""
+    from runner.runs.lock import LOCK_FILE, OWNER_FILE
+
     if not out.exists():
         return
     if not out.is_dir():
         raise RunnerError("exists and is not a folder: give a new folder for the two smoke runs", key="--out")
-    other = sorted(p.name for p in out.iterdir() if p.name not in ("reference", "resumed") or not p.is_dir())
+    other = sorted(
+        p.name
+        for p in out.iterdir()
+        if not (p.is_dir() if p.name in ("reference", "resumed") else p.name in (LOCK_FILE, OWNER_FILE) and p.is_file())
+    )
     if other:
         raise RunnerError(
             f"{out} holds {some_names(other)}: smoke empties its --out of "
@@ -388,13 +401,18 @@ def _check_smoke_out(out: Path) -> None:
         )
 
 
-def _smoke_folders(full: Experiment, steps: int, out: Path, manifests: dict) -> tuple[Path, Path]:
+def _smoke_folders(
+    full: Experiment, steps: int, out: Path, manifests: dict, held: contextlib.ExitStack
+) -> tuple[Path, Path]:
     """The reference and resumed run folders (emptied first) of `steps` steps of `full`, checkpointed at
     steps // 2 and at the end, evaluated once. `manifests`: `full`'s, loaded and checked against their pins
-    (what launch refuses: unpinned, absent, another tokenizer's), so a refused smoke writes nothing."""
+    (what launch refuses: unpinned, absent, another tokenizer's), so a refused smoke writes nothing. `out`
+    is locked in `held` (runner.runs.lock) before anything in it is removed: a second smoke given the same
+    folder is refused while this one runs, instead of emptying the runs it is making."""
     from runner.config.load import experiment_from_dict
     from runner.data.manifest import plan_experiment_mixture
     from runner.runs.folder import create_run_folder
+    from runner.runs.lock import RunLock
 
     B, L = full.config.train.global_batch_sequences, full.config.train.seq_len
     small = full.to_container()
@@ -405,6 +423,7 @@ def _smoke_folders(full: Experiment, steps: int, out: Path, manifests: dict) -> 
     plan_experiment_mixture(exp, manifests)  # the smoke's budget within the pools and their repetition caps
     ref, res = out / "reference", out / "resumed"
     _check_smoke_out(out)
+    held.enter_context(RunLock(out, "runner smoke"))
     for d in (ref, res):
         if d.exists():
             shutil.rmtree(d)

@@ -333,7 +333,7 @@ def _claim_folder(
         if req.run_name:
             chosen = [str(parent / req.run_name)]
         else:
-            chosen = [str(_new_timestamped_folder(parent, held)) if main else ""]
+            chosen = [str(new_timestamped_folder(parent, held)) if main else ""]
         if acc.num_processes > 1:
             broadcast_object_list(chosen)  # ranks must agree on one timestamped folder
         run_dir = Path(chosen[0])
@@ -360,13 +360,14 @@ def _claim_folder(
     return run_dir
 
 
-def _new_timestamped_folder(parent: Path, held: contextlib.ExitStack) -> Path:
+def new_timestamped_folder(parent: Path, held: contextlib.ExitStack, prefix: str = "") -> Path:
     """A default run folder, made here so that no other launch can take it: `runs/EXP/<time>`, or
     `<time>-2`, `-3` ... when a launch of the same experiment made that one in the same second (the
     second of two launches started together was refused: the folder was in use). A launch refused
-    before it writes its run leaves no empty folder behind (nor the `runs/EXP` and `runs/` it made)."""
+    before it writes its run leaves no empty folder behind (nor the `runs/EXP` and `runs/` it made).
+    `prefix`: `smoke-` for `runner smoke`'s default folder of its two runs."""
     made = [d for d in (parent, parent.parent) if not d.exists()]  # runs/EXP, runs/
-    stamp = timestamp()
+    stamp = prefix + timestamp()
     for n in itertools.count(1):
         folder = parent / (stamp if n == 1 else f"{stamp}-{n}")
         try:

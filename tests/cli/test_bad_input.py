@@ -315,6 +315,45 @@ def test_a_run_folder_that_cannot_be_made_is_one_line(project_with_data, capsys,
     assert line.startswith("error: runs/cpu-tiny/notes: --run-name: holds mine.txt and no run"), line
 
 
+def test_a_smoke_never_empties_the_folder_another_smoke_is_running_in(project_with_data, capsys, monkeypatch):
+    """Two `runner smoke --out DIR` at once: the second emptied DIR/reference while the first trained in
+    it, then both launches wrote one folder (a report's staged folder removed under the other: a
+    traceback; the first smoke compared weights of runs that were not its own). Two default smokes of
+    one second shared `runs/EXP/smoke-<second>` the same way. The smoke's folder is now locked for its
+    whole run (a second is refused in one line, nothing removed) and a default one is made by the smoke
+    that names it (`smoke-<second>-2` for the second)."""
+    from runner.cli import train as train_cli
+    from runner.runs.lock import RunLock
+    from runner.training import launch as launching
+
+    monkeypatch.chdir(project_with_data)
+
+    def launched(run_dir, *extra):  # where the smoke's first launch would start: stop there
+        raise RunnerError(f"launch of {run_dir}")
+
+    monkeypatch.setattr(train_cli, "_launch_cmd", launched)
+    out = project_with_data / "smoke-out"
+    (out / "reference").mkdir(parents=True)
+    (out / "reference" / "run.json").write_text('{"status": "running"}')
+    with RunLock(out, "runner smoke"):  # another smoke's, running
+        line = one_error(*run_cli(capsys, "smoke", "experiments/cpu-tiny.yaml", "--out", str(out))[::2])
+    assert line.startswith("error: smoke-out: in use by runner smoke ("), line
+    assert (out / "reference" / "run.json").read_text() == '{"status": "running"}'
+    # once that smoke is done, its folder (its lock file included) is emptied and used again
+    line = one_error(*run_cli(capsys, "smoke", "experiments/cpu-tiny.yaml", "--out", str(out))[::2])
+    assert line == f"error: launch of {out / 'reference'}", line
+    assert (out / "reference" / "run.json").read_text() != '{"status": "running"}'  # a new run's
+
+    monkeypatch.setattr(launching, "timestamp", lambda: "20260101-000000")
+    earlier = project_with_data / "runs" / "cpu-tiny" / "smoke-20260101-000000"
+    (earlier / "reference").mkdir(parents=True)
+    (earlier / "reference" / "run.json").write_text('{"status": "running"}')
+    code, said, err = run_cli(capsys, "smoke", "experiments/cpu-tiny.yaml")
+    assert f"x2 in {Path('runs/cpu-tiny/smoke-20260101-000000-2')}" in said, said
+    assert err.strip() == f"error: launch of {Path('runs/cpu-tiny/smoke-20260101-000000-2/reference')}", err
+    assert (earlier / "reference" / "run.json").read_text() == '{"status": "running"}'
+
+
 @pytest.mark.slow  # one step trained
 def test_launches_of_one_second_get_folders_of_their_own_and_a_refused_one_leaves_none(
     project_with_data, capsys, monkeypatch, fresh_accelerate
@@ -330,8 +369,8 @@ def test_launches_of_one_second_get_folders_of_their_own_and_a_refused_one_leave
     monkeypatch.chdir(project_with_data)
     monkeypatch.setattr(launching, "timestamp", lambda: "20260101-000000")
     with contextlib.ExitStack() as held:
-        first = launching._new_timestamped_folder(Path("runs/x"), held)
-        second = launching._new_timestamped_folder(Path("runs/x"), held)
+        first = launching.new_timestamped_folder(Path("runs/x"), held)
+        second = launching.new_timestamped_folder(Path("runs/x"), held)
         assert (first.name, second.name) == ("20260101-000000", "20260101-000000-2")
         (first / "run.json").write_text("{}")  # the first launch wrote its run; the second was refused
     assert first.is_dir() and not second.exists()
