@@ -9,6 +9,7 @@ Never: launches runs, or edits the base experiment or any recipe.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,8 @@ def parse_size(text: str) -> Size:
             raise RunnerError(f"size {text!r}: {key!r} is not one of {', '.join(SIZE_KEYS)}", key="--sizes")
         if not value.strip().isdigit() or int(value) <= 0:
             raise RunnerError(f"size {text!r}: {key} must be a positive integer", key="--sizes")
+        if key in dict(pairs):  # `hidden_size=128+hidden_size=64` was a model of hidden size 64 named h128-h64
+            raise RunnerError(f"size {text!r}: {key} is given twice: give it once", key="--sizes")
         pairs.append((key, int(value)))
     short = {"hidden_size": "h", "n_layers": "l", "n_heads": "a", "n_kv_heads": "kv", "intermediate_size": "f"}
     return Size(label="-".join(f"{short[k]}{v}" for k, v in pairs), overrides=tuple(pairs))
@@ -190,7 +193,7 @@ def write_pilot_grid(
             doc = _pilot_doc(raw, size, model_keys, budget, tokens, by_reference)
             path = out_dir / f"{doc['name']}.yaml"
             pilot = _resolve_pilot(doc, path, root, size)
-            _refuse_twice(made, path, (size.recipe or tuple(sorted(model_keys.items())), budget), size_text, text)
+            _refuse_twice(made, path, (_model_shape(pilot), budget), size_text, text)
             pilots.append((path, doc, size, pilot, text, tokens, budget))
     readme = out_dir / "README.md"
     _refuse_foreign_files([(p, f"{WRITTEN_BY} from ") for p, *_ in pilots] + [(readme, README_TITLE)])
@@ -225,6 +228,13 @@ def _refuse_twice(made: dict, path: Path, point: tuple, size: str, budget: str) 
                 why = "are the same pilot (one model shape)"
             raise RunnerError(f"{first!r} and {second!r} {why}", key=flag)
         made[key] = (size, budget)
+
+
+def _model_shape(pilot: Experiment) -> str:
+    """The pilot's resolved model, whatever named it: `n_layers=2` and `n_layers=2+n_heads=4` (the base's
+    n_heads), or `llama-tiny@1` and `hidden_size=64` on a llama-tiny base, are one model, one pilot."""
+    model = {k: v for k, v in pilot.to_container()["model"].items() if k not in ("name", "version", "description")}
+    return json.dumps(model, sort_keys=True, default=str)
 
 
 def _refuse_repeats(flag: str, texts: Sequence[str]) -> None:

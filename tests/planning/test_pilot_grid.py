@@ -167,7 +167,8 @@ def test_grid_rewrites_only_what_an_earlier_grid_wrote(project):
 
 def test_each_pilot_is_written_once(project):
     """`--sizes h64,h64` or `--budgets 1e5,99000` (both 48 global batches) listed one pilot twice in
-    README.md ("2 pilot experiments", one file); `--budgets 1001472,1003520` (both "1M") wrote one file
+    README.md ("2 pilot experiments", one file); `--sizes n_layers=3,n_layers=3+n_heads=4` (the base's
+    n_heads) wrote two files of one model, and `hidden_size=128+hidden_size=64` one of hidden size 64; `--budgets 1001472,1003520` (both "1M") wrote one file
     twice, the second over the first, while README.md listed both. Each is one line, nothing written."""
     base_path = project / "experiments" / "cpu-tiny.yaml"
     out = project / "experiments" / "pilots"
@@ -185,6 +186,10 @@ def test_each_pilot_is_written_once(project):
             ["100K"],
             r"--sizes: 'hidden_size=128\+n_layers=3' and 'n_layers=3\+hidden_size=128' are the same pilot",
         ),
+        # one resolved model, named two ways: the base's own n_heads given, or its recipe given as a shape
+        (["n_layers=3", "n_layers=3+n_heads=4"], ["100K"], r"--sizes: 'n_layers=3' and 'n_layers=3\+n_heads=4' are"),
+        (["llama-tiny@1", "hidden_size=64"], ["100K"], r"--sizes: 'llama-tiny@1' and 'hidden_size=64' are the same"),
+        (["hidden_size=128+hidden_size=64"], ["100K"], r"--sizes: size .*: hidden_size is given twice: give it once"),
     ]
     for sizes, budgets, message in cases:
         with pytest.raises(RunnerError, match=message):
