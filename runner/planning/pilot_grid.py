@@ -63,7 +63,7 @@ def parse_size(text: str) -> Size:
         if not (RECIPE_NAME.fullmatch(name) and version.isdigit()):
             raise RunnerError(f"size {text!r} is neither NAME@VERSION nor key=value[+key=value]", key="--sizes")
         return Size(label=text.split("@")[0], recipe=text)
-    pairs = []
+    pairs: list[tuple[str, int]] = []
     for part in text.split("+"):
         key, _, value = part.partition("=")
         key = key.strip()
