@@ -842,7 +842,9 @@ class TableFailure:
         where = f"{self.column}" if self.column else ""
         if self.index is not None and not (isinstance(self.index, float) and np.isnan(self.index)):
             where += f"[{self.index}]"
-        return f"{self.table}: {self.check}: {where} = {self.failure_case!r}"
+        return f"{self.table}: {self.check}: " + (
+            f"{where} = {self.failure_case!r}" if where else f"{self.failure_case!r}"
+        )
 
 
 def schemas_for(version: str) -> dict[str, pa.DataFrameSchema]:
@@ -945,6 +947,10 @@ def validate_tables(tables: dict[str, pd.DataFrame], version: str = SCHEMA_VERSI
     if all(n in tables for n in ("run_summary", "accounting", "repetition")):
         try:
             failures.extend(cross_table_failures(tables))
-        except (KeyError, TypeError, ValueError) as err:  # malformed columns already failed above
-            failures.append(TableFailure("report", "cross-table checks computable", None, None, str(err)))
+        # malformed columns already failed above: a column dropped (AttributeError of itertuples' rows),
+        # text, NaN or infinity in a count (int() of them)
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as err:
+            failures.append(
+                TableFailure("report", "cross-table sums computable", None, None, f"{type(err).__name__}: {err}")
+            )
     return failures

@@ -646,25 +646,57 @@ def test_an_unreadable_replay_tag_is_read_as_the_worst_it_could_say(value):
     assert "(an unreadable replay tag)" in res.checks[0].detail
 
 
-@pytest.mark.parametrize("how", ["a column dropped", "text in a number's place"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "a column dropped",
+        "text in a number's place",
+        "the domain column dropped",
+        "infinity in a count",
+        "infinite steps",
+        "validation tokens null",
+    ],
+)
 def test_a_table_failing_its_schema_fails_the_audit_not_as_an_unusable_report(tmp_path, capsys, how):
     """A published report whose accounting table lost its target_ratio column (or holds text there)
     failed its schema check, then a later check read the column: AttributeError, and the audit as a
     whole was 'error: unusable report or config' (exit 2), no verdict. It is a FAIL (exit 1) naming
-    both the schema check and where the checks after it stopped."""
+    both the schema check and where the checks after it stopped. The schema check's own cross-table
+    sums read the same columns: without `domain` (AttributeError) or with an infinite pool_tokens
+    (OverflowError, a raw traceback) they stopped the audit too; they FAIL as not computable. An
+    infinite run_summary.steps, or a validation table without its token counts (ZeroDivisionError),
+    stopped the checks after the schema with a traceback."""
     from runner.cli import main
 
     copy = tmp_path / "report"
     shutil.copytree(REPO / "reports" / "cpu-tiny" / "20261201-crash-resume", copy)
-    table = pd.read_parquet(copy / "accounting.parquet")
+    name = {"infinite steps": "run_summary", "validation tokens null": "validation"}.get(how, "accounting")
+    table = pd.read_parquet(copy / f"{name}.parquet")
     if how == "a column dropped":
         table = table.drop(columns=["target_ratio"])
+    elif how == "the domain column dropped":
+        table = table.drop(columns=["domain"])
+    elif how == "infinity in a count":
+        table = table.assign(pool_tokens=[float("inf")] + list(table["pool_tokens"].iloc[1:]))
+    elif how == "infinite steps":
+        table = table.assign(steps=float("inf"))
+    elif how == "validation tokens null":
+        table = table.assign(tokens=None)
     else:
         table = table.assign(target_ratio=table["target_ratio"].map(lambda v: f"{v:.0%}"))
-    table.to_parquet(copy / "accounting.parquet", index=False)
+    table.to_parquet(copy / f"{name}.parquet", index=False)
     result = audit(copy, check_mlflow=False)
     statuses = {c.name: c.status for c in result.checks}
-    assert result.verdict == FAIL and statuses["schema: accounting"] == FAIL, result.render()
+    assert result.verdict == FAIL and statuses[f"schema: {name}"] == FAIL, result.render()
+    if how in ("infinite steps", "validation tokens null"):
+        assert statuses["checks after the schema"] == FAIL, result.render()
+    if how in ("the domain column dropped", "infinity in a count"):  # said where it stopped, not a silent PASS
+        sums = [
+            c
+            for c in result.checks
+            if c.name in ("invariant 2: totals = sum of domains", "histogram agrees with counters")
+        ]
+        assert [c.status for c in sums] == [FAIL, FAIL] and all("cross-table sums computable" in c.detail for c in sums)
     assert main(["audit", str(copy), "--no-mlflow"]) == EXIT_DISCREPANCY
     assert "error:" not in capsys.readouterr().err
 

@@ -195,6 +195,11 @@ def replay_input(inp: AuditInput, snapshot_steps: set[int] | frozenset[int] = fr
 # ---- the checks that need nothing but the report (and its run folder, when present) --------------
 
 
+#: what reading a table or record of the wrong shape raises (a column gone, text, null or infinity where a
+#: count belongs: int(inf), x / 0 of object columns); after a FAIL that explains it, a FAIL, else exit 2
+_UNREADABLE = (KeyError, TypeError, ValueError, AttributeError, ArithmeticError)
+
+
 def _check_schemas(res: AuditResult, tables: dict[str, pd.DataFrame]) -> bool:
     summary = tables.get("run_summary")
     written = (
@@ -226,8 +231,9 @@ def _check_schemas(res: AuditResult, tables: dict[str, pd.DataFrame]) -> bool:
                 if f.table == name and "sum of domains" not in f.check and not f.check.startswith("histogram")
             ],
         )
-    res.add("invariant 2: totals = sum of domains", [str(f) for f in failures if "sum of domains" in f.check])
-    res.add("histogram agrees with counters", [str(f) for f in failures if f.check.startswith("histogram")])
+    stopped = [str(f) for f in failures if f.table == "report"]  # the cross-table sums could not be computed
+    res.add("invariant 2: totals = sum of domains", [str(f) for f in failures if "sum of domains" in f.check] + stopped)
+    res.add("histogram agrees with counters", [str(f) for f in failures if f.check.startswith("histogram")] + stopped)
     usable = all(n in tables for n in SCHEMAS) and len(tables["run_summary"]) == 1
     return usable
 
@@ -706,10 +712,10 @@ def audit_input(
         return res
     try:
         return _audit_checked_tables(res, inp, check_mlflow, tracking_uri, recompute_eval, checkpoint, progress)
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
+    except _UNREADABLE as err:
         if not res.failed():  # nothing explains it: unusable input (audit() says so in one line)
             raise
-        # A table that fails its schema (a column dropped, text in a number's place) or a manifest copy that
+        # A table that fails its schema (a column dropped, text, null or infinity in a number's place) or a manifest copy that
         # fails its pin is read by the checks after it: what stopped them is the FAIL above, not a report
         # too broken to audit (exit 2).
         res.add(
@@ -794,5 +800,5 @@ def audit(
             checkpoint=Path(checkpoint) if checkpoint else None,
             progress=progress,
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
+    except _UNREADABLE as err:
         raise RunnerError(f"unusable report or config: {type(err).__name__}: {err}", file=inp.source) from None
