@@ -23,6 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.config.eval_recipe import TARGET_METRICS
 from runner.config.fingerprint import fingerprint
 from runner.config.rules import ResourceRules, check_recipe, validate_experiment
 from runner.config.schema import EXPERIMENT_KEYS, KINDS, LABEL_KEYS, RECIPE_SCHEMAS, ExperimentSchema, literal_choices
@@ -593,18 +594,53 @@ def experiment_from_dict(resolved: dict, project_root: Path | None = None, path:
     run saved under older rules still reads back."""
     try:
         typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ExperimentSchema), resolved))
-    except OmegaConfBaseException as e:
+    except (OmegaConfBaseException, TypeError) as e:  # TypeError: a mapping where a list is (betas: {a: 1})
         raise RunnerError(
             f"does not fit this runner's experiment schema: {str(e).splitlines()[0]}",
             file=str(path) if path else None,
-            key=getattr(e, "full_key", None) or None,
+            key=getattr(e, "full_key", None) or _misfit_key(resolved),
         ) from None
     assert isinstance(typed, ExperimentSchema)
+    for name, spec in typed.eval.targets.items():  # what every reader of a target relies on, under any rules
+        if spec.task is None and sum(getattr(spec, m) is not None for m in TARGET_METRICS) != 1:
+            raise RunnerError(
+                "give exactly one of loss_nats or bpb (a validation target is one threshold)",
+                file=str(path) if path else None,
+                key=f"eval.targets.{name}",
+            )
     try:
         digest = fingerprint(typed)
     except RunnerError as e:  # a NaN: name the file it came from
         raise RunnerError(e.detail, file=str(path) if path else None, key=e.key) from None
     return Experiment(config=typed, fingerprint=digest, path=path, project_root=project_root or Path.cwd().resolve())
+
+
+def _misfit_key(resolved: dict) -> str | None:
+    """The first key of a saved config whose value cannot be merged into the schema, where OmegaConf's
+    error names none (its TypeError for a mapping given where a list belongs)."""
+
+    def fits(path: tuple, value: Any) -> bool:
+        for key in reversed(path):
+            value = {key: value}
+        try:
+            OmegaConf.merge(OmegaConf.structured(ExperimentSchema), value)
+        except (OmegaConfBaseException, TypeError, ValueError):
+            return False
+        return True
+
+    def walk(path: tuple, value: Any) -> str | None:
+        if fits(path, value):
+            return None
+        if isinstance(value, dict) and fits(path, {}):  # a mapping belongs here: which of its keys misfits
+            for key, child in value.items():
+                if found := walk((*path, key), child):
+                    return found
+        return ".".join(map(str, path))
+
+    for key, value in resolved.items():
+        if found := walk((key,), value):
+            return found
+    return None
 
 
 def to_yaml(cfg: ExperimentSchema | dict) -> str:

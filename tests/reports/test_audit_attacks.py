@@ -748,3 +748,31 @@ def test_a_manifest_copy_of_another_shape_fails_its_pin_check_not_as_an_unusable
     assert statuses["checks after the schema"] == FAIL, result.render()
     assert main(["audit", str(copy), "--no-mlflow"]) == EXIT_DISCREPANCY
     assert "error:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "where, value, says",
+    [
+        (("optim", "betas"), {"a": 1}, "optim.betas: does not fit this runner's experiment schema: Cannot merge"),
+        (("eval", "targets", "code-6p2", "loss_nats"), None, "eval.targets.code-6p2: give exactly one of loss_nats"),
+    ],
+)
+def test_a_saved_config_the_runner_cannot_read_is_one_line_naming_its_key(tmp_path, capsys, where, value, says):
+    """A report's (or run folder's) experiment.yaml with a mapping where betas' list belongs was an
+    OmegaConf TypeError traceback, and a validation target with no threshold a StopIteration traceback
+    (every reader of a target takes its one metric). Each is one line naming the file and key (exit 2),
+    as any other config that does not fit the schema is. (A fuzz of every key of the published
+    cpu-tiny report's experiment.yaml set to 7 bad values, 910 audits, found these two.)"""
+    from runner.cli import main
+
+    copy = tmp_path / "report"
+    shutil.copytree(REPO / "reports" / "cpu-tiny" / "20261201-crash-resume", copy)
+    doc = yaml.safe_load((copy / "experiment.yaml").read_text())
+    node = doc
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    (copy / "experiment.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert main(["audit", str(copy), "--no-mlflow"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {copy / 'experiment.yaml'}: {says}") and len(err.splitlines()) == 1, err
