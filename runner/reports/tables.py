@@ -58,15 +58,84 @@ def hfu_flops_per_token_or_nan(cfg: ExperimentSchema, convention: Convention, se
     return float("nan") if hfu is None else hfu
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _ledger_counters(ledger: dict, domains: list[str], file: str) -> tuple[dict, dict]:
-    counters = ledger.get("counters")
-    hist = ledger.get("histogram")
+    """ledger.json's counters and histogram, each count a whole number (a forged or damaged ledger
+    is one line naming its key, not a traceback in the tables built from it)."""
+    counters = ledger.get("counters") if isinstance(ledger, dict) else None
+    hist = ledger.get("histogram") if isinstance(ledger, dict) else None
     if not isinstance(counters, dict) or not isinstance(hist, dict):
         raise RunnerError("expected 'counters' and 'histogram' mappings", file=file)
     for d in domains:
         if d not in counters or d not in hist:
             raise RunnerError("missing domain", file=file, key=f"counters.{d}")
+    for d in [*domains, *(["total"] if "total" in counters else [])]:
+        for part, counts, keyed in (("counters", counters[d], False), ("histogram", hist.get(d, {}), True)):
+            if not isinstance(counts, dict):
+                raise RunnerError(
+                    f"must be a mapping of counts, got {json.dumps(counts)[:40]}", file=file, key=f"{part}.{d}"
+                )
+            for k, v in counts.items():
+                if not _whole(v) or (keyed and not k.isdigit()):
+                    raise RunnerError(
+                        f"must be a whole number >= 0 (keyed by times seen), got {json.dumps(v)[:40]}"
+                        if keyed
+                        else f"must be a whole number >= 0, got {json.dumps(v)[:40]}",
+                        file=file,
+                        key=f"{part}.{d}.{k}",
+                    )
     return counters, hist
+
+
+#: the fields of metrics/train.jsonl and eval.jsonl rows the tables are built from: counts are whole
+#: numbers, figures numbers (NaN allowed: an older row's missing time), the domain text
+_TRAIN_FIELDS = dict.fromkeys(
+    ("step", "tokens_processed", "tokens_useful", "exposure_tokens", "devices"), "whole"
+) | dict.fromkeys(
+    (
+        "loss",
+        "lr",
+        "grad_norm",
+        "step_seconds",
+        "data_wait_seconds",
+        "wall_seconds",
+        "tokens_per_second",
+        "tokens_per_second_useful",
+        "mfu",
+        "goodput_mfu",
+    ),
+    "number",
+)
+_EVAL_FIELDS = (
+    dict.fromkeys(("step", "exposure_tokens", "samples", "tokens", "useful_tokens"), "whole")
+    | dict.fromkeys(("loss_nats", "bpb", "wall_seconds", "device_wall_seconds"), "number")
+    | {"domain": "text"}
+)
+
+
+def _checked_rows(rows: list, fields: dict[str, str], file: Path) -> list[dict]:
+    """Each row an object whose known fields have their kind; one line naming the row and field if not."""
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise RunnerError(f"row {n}: must be a JSON object, got {json.dumps(row)[:40]}", file=str(file))
+        for field, kind in fields.items():
+            if field not in row:
+                continue
+            v = row[field]
+            ok = (
+                _whole(v)
+                if kind == "whole"
+                else isinstance(v, str)
+                if kind == "text"
+                else isinstance(v, int | float) and not isinstance(v, bool)
+            )
+            if not ok:
+                what = {"whole": "a whole number >= 0", "text": "text", "number": "a number"}[kind]
+                raise RunnerError(f"row {n}: must be {what}, got {json.dumps(v)[:40]}", file=str(file), key=field)
+    return rows
 
 
 def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
@@ -79,7 +148,10 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     accounting = _accounting(cfg, counters, read_manifest_copies(run_dir / "manifests", domains))
     # A resumed run appends again the steps it redid after its last checkpoint: the later row is
     # the one in the model's lineage.
-    train_rows = list({int(r["step"]): r for r in read_jsonl(run_dir / "metrics" / "train.jsonl")}.values())
+    train_file = run_dir / "metrics" / "train.jsonl"
+    train_rows = list(
+        {int(r["step"]): r for r in _checked_rows(read_jsonl(train_file), _TRAIN_FIELDS, train_file)}.values()
+    )
     if not train_rows:  # stopped before its first step (a preemption during start-up): no throughput, no MFU
         raise RunnerError(
             f"no step trained yet (status {run.get('status')!r}): nothing to report; "
@@ -87,7 +159,11 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
             file=str(run_dir),
         )
     eval_file = run_dir / "metrics" / "eval.jsonl"
-    eval_rows = list({(int(r["step"]), str(r["domain"])): r for r in read_jsonl(eval_file)}.values())
+    eval_rows = list(
+        {
+            (int(r["step"]), str(r["domain"])): r for r in _checked_rows(read_jsonl(eval_file), _EVAL_FIELDS, eval_file)
+        }.values()
+    )
     validation = targets.validation_frame(targets.complete_eval_rows(eval_rows, train_rows, str(eval_file)))
     typed = targets.typed_config(cfg, run_dir / "experiment.yaml")
     scores = downstream_table(run_dir)

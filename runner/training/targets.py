@@ -162,7 +162,7 @@ def bracket(target: Target, validation: pd.DataFrame, price_per_device_hour: flo
     if validation.empty:
         return []
     values = metric_by_step(validation, target.domain, target.metric)
-    if values.empty:
+    if values.isna().all():  # never evaluated, or never to a number (a diverged model's NaN): no best either
         return []
     met_steps = values.index[values.to_numpy() <= target.threshold]
     fields = {"target": target.name, "domain": target.domain, "metric": target.metric, "threshold": target.threshold}

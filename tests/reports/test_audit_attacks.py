@@ -24,7 +24,7 @@ from trainfixtures import launch, make_project
 from runner.cli.report import register
 from runner.config.load import experiment_from_dict
 from runner.data.manifest import manifest_sha256, num_samples
-from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED
+from runner.errors import EXIT_DISCREPANCY, EXIT_OK, EXIT_UNVERIFIED, RunnerError
 from runner.fsio import sha256_file
 from runner.planning.flops import Convention, flops_per_token
 from runner.reports import tables as rpt
@@ -776,3 +776,39 @@ def test_a_saved_config_the_runner_cannot_read_is_one_line_naming_its_key(tmp_pa
     assert main(["audit", str(copy), "--no-mlflow"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {copy / 'experiment.yaml'}: {says}") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "file, where, value, says",
+    [
+        ("ledger.json", ("counters", "a", "exposure"), "x", "ledger.json: counters.a.exposure: must be a whole number"),
+        ("ledger.json", ("histogram", "b", "1"), -3, "ledger.json: histogram.b.1: must be a whole number >= 0"),
+        ("metrics/eval.jsonl", "samples", None, "eval.jsonl: samples: row 1: must be a whole number >= 0, got null"),
+        ("metrics/train.jsonl", "step_seconds", [1], "train.jsonl: step_seconds: row 1: must be a number, got [1]"),
+    ],
+)
+def test_a_run_folders_raw_record_of_another_shape_is_named_not_a_traceback(
+    real_run, tmp_path, file, where, value, says
+):
+    """A run folder's ledger.json or metrics rows with a count of another type (text, null, a list) were a
+    ValueError / TypeError traceback in `runner report` and in the audit of the run folder (a fuzz of
+    every ledger key and every field of the last train and eval rows, 7 bad values each: 195 of 406
+    audits). They are one line naming the file, key and row; the audit says the run folder cannot be
+    rebuilt (UNVERIFIED, never PASS) and audits the report as it is."""
+    run = tmp_path / "run"
+    shutil.copytree(real_run, run, ignore=shutil.ignore_patterns("lock"))
+    path = run / file
+    if file == "ledger.json":
+        doc = json.loads(path.read_text())
+        doc[where[0]][where[1]][where[2]] = value
+        path.write_text(json.dumps(doc))
+    else:
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        rows[0][where] = value
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(RunnerError, match=re.escape(says)):
+        rpt.build_tables(run)
+    result = audit(run, check_mlflow=False)
+    check = next(c for c in result.checks if c.name == "report matches the run folder")
+    assert check.status == UNVERIFIED and says in check.detail, check.detail
+    assert result.verdict != PASS

@@ -347,3 +347,30 @@ def test_the_report_section_names_every_target(reported):
     assert "`math-first` (math loss_nats <= 5.3): met at the first evaluation, step 3 (5.25)" in md
     assert "`web-never` (web loss_nats <= 4): NOT met; best 4.9 at step 6" in md
     assert not math.isnan(read_tables(reported / "report")["targets"]["wall_seconds"].max())
+
+
+def test_a_target_whose_every_evaluation_is_nan_has_no_rows_not_a_traceback():
+    """A domain evaluated only to NaN (a diverged model's loss) made `runner report` and the audit stop
+    on pandas' idxmin ('Encountered all NA values'); such a target has no best evaluation, so no rows.
+    One number among the NaNs is still its best."""
+    from runner.training.targets import Target, bracket
+
+    rows = [
+        {
+            "step": s,
+            "domain": "code",
+            "loss_nats": math.nan,
+            "bpb": math.nan,
+            "tokens": 100,
+            "exposure_tokens": 10 * s,
+            "useful_tokens": 10 * s,
+            "wall_seconds": 1.0 * s,
+            "device_wall_seconds": 1.0 * s,
+        }
+        for s in (1, 2)
+    ]
+    target = Target("code-6", "code", "loss_nats", 6.0)
+    assert bracket(target, pd.DataFrame(rows), 1.0) == []
+    rows[1]["loss_nats"] = 7.0
+    (best,) = bracket(target, pd.DataFrame(rows), 1.0)
+    assert (best["point"], best["step"], best["met"], best["value"]) == ("best", 2, False, 7.0)
