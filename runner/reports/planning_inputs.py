@@ -27,6 +27,7 @@ from runner.planning.memory import as_schema
 from runner.planning.plan import Calibration, architecture
 from runner.planning.scaling import Point, check_point
 from runner.runs.folder import is_report_copy
+from runner.runs.recorded import EVAL_FIELDS, TRAIN_FIELDS, checked_rows
 from runner.runs.runjson import RunJson
 
 
@@ -97,16 +98,11 @@ def _report_table(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
 
 def _eval_rows(path: Path) -> list[dict]:
     """metrics/eval.jsonl's rows, each with the keys the fit reads (one line naming the row and key otherwise)."""
-    rows = read_jsonl(path)
+    rows = checked_rows(read_jsonl(path), EVAL_FIELDS, path)
     for n, r in enumerate(rows, 1):
-        if not isinstance(r, dict):
-            raise RunnerError(f"line {n}: not a JSON object", file=str(path))
         for key in ("step", "domain", "loss_nats"):
             if key not in r:
                 raise RunnerError(f"line {n}: missing", file=str(path), key=key)
-        for key in ("step", "loss_nats", "bpb", "tokens"):
-            if key in r and (isinstance(r[key], bool) or not isinstance(r[key], (int, float))):
-                raise RunnerError(f"line {n}: must be a number, got {str(r[key])[:40]!r}", file=str(path), key=key)
     return rows
 
 
@@ -250,7 +246,7 @@ def read_calibration(
     convention = convention or convention_for(cfg)
     metrics = run_dir / "metrics" / "train.jsonl"
     if metrics.exists():
-        rows = [r for r in read_jsonl(metrics) if r.get("tokens_per_second")]
+        rows = [r for r in checked_rows(read_jsonl(metrics), TRAIN_FIELDS, metrics) if r.get("tokens_per_second")]
     elif is_report_copy(run_dir):  # a published report (a colleague's H200 run) calibrates as its run would
         rows, metrics = _report_rows(run_dir), run_dir / "throughput.parquet"
     else:

@@ -34,7 +34,17 @@ from runner.reports.downstream import report as downstream_report
 from runner.reports.downstream.table import downstream_table
 from runner.reports.markdown import render_markdown
 from runner.runs.folder import is_reportable_run
-from runner.runs.recorded import conventions_of, device_seconds, devices_held, read_manifest_copies, run_times
+from runner.runs.recorded import (
+    EVAL_FIELDS,
+    TRAIN_FIELDS,
+    checked_rows,
+    conventions_of,
+    device_seconds,
+    devices_held,
+    read_manifest_copies,
+    run_times,
+    whole,
+)
 from runner.runs.runjson import as_record
 from runner.training import task_targets
 from runner.training.routing_record import FINAL_BIAS_FILE, final_bias_of, read_final_bias
@@ -58,10 +68,6 @@ def hfu_flops_per_token_or_nan(cfg: ExperimentSchema, convention: Convention, se
     return float("nan") if hfu is None else hfu
 
 
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _ledger_counters(ledger: dict, domains: list[str], file: str) -> tuple[dict, dict]:
     """ledger.json's counters and histogram, each count a whole number (a forged or damaged ledger
     is one line naming its key, not a traceback in the tables built from it)."""
@@ -79,7 +85,7 @@ def _ledger_counters(ledger: dict, domains: list[str], file: str) -> tuple[dict,
                     f"must be a mapping of counts, got {json.dumps(counts)[:40]}", file=file, key=f"{part}.{d}"
                 )
             for k, v in counts.items():
-                if not _whole(v) or (keyed and not k.isdigit()):
+                if not whole(v) or (keyed and not k.isdigit()):
                     raise RunnerError(
                         f"must be a whole number >= 0 (keyed by times seen), got {json.dumps(v)[:40]}"
                         if keyed
@@ -88,54 +94,6 @@ def _ledger_counters(ledger: dict, domains: list[str], file: str) -> tuple[dict,
                         key=f"{part}.{d}.{k}",
                     )
     return counters, hist
-
-
-#: the fields of metrics/train.jsonl and eval.jsonl rows the tables are built from: counts are whole
-#: numbers, figures numbers (NaN allowed: an older row's missing time), the domain text
-_TRAIN_FIELDS = dict.fromkeys(
-    ("step", "tokens_processed", "tokens_useful", "exposure_tokens", "devices"), "whole"
-) | dict.fromkeys(
-    (
-        "loss",
-        "lr",
-        "grad_norm",
-        "step_seconds",
-        "data_wait_seconds",
-        "wall_seconds",
-        "tokens_per_second",
-        "tokens_per_second_useful",
-        "mfu",
-        "goodput_mfu",
-    ),
-    "number",
-)
-_EVAL_FIELDS = (
-    dict.fromkeys(("step", "exposure_tokens", "samples", "tokens", "useful_tokens"), "whole")
-    | dict.fromkeys(("loss_nats", "bpb", "wall_seconds", "device_wall_seconds"), "number")
-    | {"domain": "text"}
-)
-
-
-def _checked_rows(rows: list, fields: dict[str, str], file: Path) -> list[dict]:
-    """Each row an object whose known fields have their kind; one line naming the row and field if not."""
-    for n, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            raise RunnerError(f"row {n}: must be a JSON object, got {json.dumps(row)[:40]}", file=str(file))
-        for field, kind in fields.items():
-            if field not in row:
-                continue
-            v = row[field]
-            ok = (
-                _whole(v)
-                if kind == "whole"
-                else isinstance(v, str)
-                if kind == "text"
-                else isinstance(v, int | float) and not isinstance(v, bool)
-            )
-            if not ok:
-                what = {"whole": "a whole number >= 0", "text": "text", "number": "a number"}[kind]
-                raise RunnerError(f"row {n}: must be {what}, got {json.dumps(v)[:40]}", file=str(file), key=field)
-    return rows
 
 
 def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
@@ -150,7 +108,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     # the one in the model's lineage.
     train_file = run_dir / "metrics" / "train.jsonl"
     train_rows = list(
-        {int(r["step"]): r for r in _checked_rows(read_jsonl(train_file), _TRAIN_FIELDS, train_file)}.values()
+        {int(r["step"]): r for r in checked_rows(read_jsonl(train_file), TRAIN_FIELDS, train_file)}.values()
     )
     if not train_rows:  # stopped before its first step (a preemption during start-up): no throughput, no MFU
         raise RunnerError(
@@ -161,7 +119,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     eval_file = run_dir / "metrics" / "eval.jsonl"
     eval_rows = list(
         {
-            (int(r["step"]), str(r["domain"])): r for r in _checked_rows(read_jsonl(eval_file), _EVAL_FIELDS, eval_file)
+            (int(r["step"]), str(r["domain"])): r for r in checked_rows(read_jsonl(eval_file), EVAL_FIELDS, eval_file)
         }.values()
     )
     validation = targets.validation_frame(targets.complete_eval_rows(eval_rows, train_rows, str(eval_file)))

@@ -5,6 +5,7 @@ the manifest copies of a run or a report. Never writes.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,3 +134,56 @@ def _seconds(run: RunJson, train_rows: list[dict]) -> tuple[float, float]:
     if wall is None or step_total is None:
         raise RunnerError("no wall_seconds/step_seconds_total and no metrics/train.jsonl rows", file="run.json")
     return float(wall), float(step_total)
+
+
+def whole(value) -> bool:
+    """A count as a record holds it: an int >= 0 (never a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+#: the fields of metrics/train.jsonl and eval.jsonl rows that reports, plans and fits read: counts are
+#: whole numbers, figures numbers (NaN allowed: an older row's missing time), the domain text
+TRAIN_FIELDS = dict.fromkeys(("step", "tokens_processed", "tokens_useful", "exposure_tokens", "devices"), "whole") | {
+    k: "number"
+    for k in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "step_seconds",
+        "data_wait_seconds",
+        "wall_seconds",
+        "tokens_per_second",
+        "tokens_per_second_useful",
+        "mfu",
+        "goodput_mfu",
+    )
+}
+EVAL_FIELDS = (
+    dict.fromkeys(("step", "exposure_tokens", "samples", "tokens", "useful_tokens"), "whole")
+    | dict.fromkeys(("loss_nats", "bpb", "wall_seconds", "device_wall_seconds"), "number")
+    | {"domain": "text"}
+)
+_KINDS = {"whole": "a whole number >= 0", "text": "text", "number": "a number"}
+
+
+def checked_rows(rows: list, fields: dict[str, str], file: Path) -> list[dict]:
+    """metrics rows, each an object whose known fields have their kind (a forged or damaged row is one
+    line naming the file, field and line, not a traceback wherever it is read)."""
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise RunnerError(f"line {n}: must be a JSON object, got {json.dumps(row)[:40]}", file=str(file))
+        for field, kind in fields.items():
+            if field not in row:
+                continue
+            v = row[field]
+            if kind == "whole":
+                ok = whole(v)
+            elif kind == "text":
+                ok = isinstance(v, str)
+            else:
+                ok = isinstance(v, int | float) and not isinstance(v, bool)
+            if not ok:
+                raise RunnerError(
+                    f"line {n}: must be {_KINDS[kind]}, got {json.dumps(v)[:40]}", file=str(file), key=field
+                )
+    return rows

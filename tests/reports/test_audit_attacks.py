@@ -783,8 +783,8 @@ def test_a_saved_config_the_runner_cannot_read_is_one_line_naming_its_key(tmp_pa
     [
         ("ledger.json", ("counters", "a", "exposure"), "x", "ledger.json: counters.a.exposure: must be a whole number"),
         ("ledger.json", ("histogram", "b", "1"), -3, "ledger.json: histogram.b.1: must be a whole number >= 0"),
-        ("metrics/eval.jsonl", "samples", None, "eval.jsonl: samples: row 1: must be a whole number >= 0, got null"),
-        ("metrics/train.jsonl", "step_seconds", [1], "train.jsonl: step_seconds: row 1: must be a number, got [1]"),
+        ("metrics/eval.jsonl", "samples", None, "eval.jsonl: samples: line 1: must be a whole number >= 0, got null"),
+        ("metrics/train.jsonl", "step_seconds", [1], "train.jsonl: step_seconds: line 1: must be a number, got [1]"),
     ],
 )
 def test_a_run_folders_raw_record_of_another_shape_is_named_not_a_traceback(
@@ -793,7 +793,8 @@ def test_a_run_folders_raw_record_of_another_shape_is_named_not_a_traceback(
     """A run folder's ledger.json or metrics rows with a count of another type (text, null, a list) were a
     ValueError / TypeError traceback in `runner report` and in the audit of the run folder (a fuzz of
     every ledger key and every field of the last train and eval rows, 7 bad values each: 195 of 406
-    audits). They are one line naming the file, key and row; the audit says the run folder cannot be
+    audits). They are one line naming the file, key and line (`runner plan --calibrate` and `runner fit`
+    read the rows through the same check); the audit says the run folder cannot be
     rebuilt (UNVERIFIED, never PASS) and audits the report as it is."""
     run = tmp_path / "run"
     shutil.copytree(real_run, run, ignore=shutil.ignore_patterns("lock"))
@@ -808,6 +809,15 @@ def test_a_run_folders_raw_record_of_another_shape_is_named_not_a_traceback(
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(RunnerError, match=re.escape(says)):
         rpt.build_tables(run)
+    if file != "ledger.json":  # the planner's calibration and the scaling fit read the same rows
+        from runner.config.load import load_saved_experiment
+        from runner.reports.planning_inputs import read_calibration, read_point
+
+        with pytest.raises(RunnerError, match=re.escape(says)):
+            if file == "metrics/train.jsonl":
+                read_calibration(run, load_saved_experiment(run / "experiment.yaml").config)
+            else:
+                read_point(run)
     result = audit(run, check_mlflow=False)
     check = next(c for c in result.checks if c.name == "report matches the run folder")
     assert check.status == UNVERIFIED and says in check.detail, check.detail
