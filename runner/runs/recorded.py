@@ -156,6 +156,12 @@ TRAIN_FIELDS = dict.fromkeys(("step", "tokens_processed", "tokens_useful", "expo
         "tokens_per_second_useful",
         "mfu",
         "goodput_mfu",
+        # a mixture of experts' step figures (runner.training.callbacks.MOE_METRICS)
+        "router_aux_loss",
+        "router_z_loss",
+        "expert_load_imbalance",
+        "expert_load_cv",
+        "expert_idle_capacity",
     )
 }
 EVAL_FIELDS = (

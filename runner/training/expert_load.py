@@ -12,6 +12,7 @@ that was not committed (the trainer adds a step only after the ledger committed 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -108,11 +109,14 @@ def read_expert_load(path: str | Path) -> tuple[ExpertLoad, int]:
     try:
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+        for key in ("n_layers", "n_experts", "experts_per_token", "committed_steps"):
+            if not isinstance(data.get(key), int) or isinstance(data[key], bool) or data[key] < 0:
+                raise ValueError(f"{key}: must be a whole number, got {json.dumps(data.get(key))[:40]}")
         load = ExpertLoad(data["domains"], data["n_layers"], data["n_experts"], data["experts_per_token"])
         for i, d in enumerate(load.domains):
             load.routed[:, i, :] = np.asarray(data["routed_tokens"][d], dtype=np.int64).reshape(
                 load.n_layers, load.n_experts
             )
         return load, int(data["committed_steps"])
-    except (AttributeError, KeyError, TypeError, ValueError) as err:
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as err:  # 1e308 as a count
         raise RunnerError(f"not an expert load record: {err}", file=str(path)) from None

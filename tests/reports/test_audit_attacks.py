@@ -822,3 +822,35 @@ def test_a_run_folders_raw_record_of_another_shape_is_named_not_a_traceback(
     check = next(c for c in result.checks if c.name == "report matches the run folder")
     assert check.status == UNVERIFIED and says in check.detail, check.detail
     assert result.verdict != PASS
+
+
+def test_a_mixture_of_experts_raw_record_of_another_shape_is_named_not_a_traceback(tmp_path):
+    """A mixture of experts' run folder: a router figure of another type in train.jsonl (null, text)
+    was a float() traceback in `runner report` and the audit; a count of 1e308 in expert_load.json an
+    OverflowError traceback (a fuzz of expert_load.json's keys and the router fields, 180 audits).
+    Each is one line naming the file (and the field and line)."""
+    from runner.runs.recorded import TRAIN_FIELDS, checked_rows
+    from runner.training.expert_load import ExpertLoad, read_expert_load
+
+    for field in (
+        "router_aux_loss",
+        "router_z_loss",
+        "expert_load_imbalance",
+        "expert_load_cv",
+        "expert_idle_capacity",
+    ):
+        with pytest.raises(RunnerError, match=f"{field}: line 2: must be a number, got null"):
+            checked_rows([{"step": 1, field: 0.5}, {"step": 2, field: None}], TRAIN_FIELDS, tmp_path / "train.jsonl")
+    load = ExpertLoad(["a"], 1, 2, 1)
+    load.write_json(tmp_path, 3)
+    assert read_expert_load(tmp_path / "expert_load.json")[1] == 3
+    doc = json.loads((tmp_path / "expert_load.json").read_text())
+    doc["routed_tokens"]["a"] = 1e308
+    (tmp_path / "expert_load.json").write_text(json.dumps(doc))
+    with pytest.raises(RunnerError, match="expert_load.json: not an expert load record: .*too large"):
+        read_expert_load(tmp_path / "expert_load.json")
+    doc["routed_tokens"]["a"] = [[1, 2]]
+    doc["experts_per_token"] = 1e308  # was read as it is, and the expert table built from it failed to cast
+    (tmp_path / "expert_load.json").write_text(json.dumps(doc))
+    with pytest.raises(RunnerError, match="experts_per_token: must be a whole number, got 1e"):
+        read_expert_load(tmp_path / "expert_load.json")
