@@ -715,9 +715,9 @@ def audit_input(
     except _UNREADABLE as err:
         if not res.failed():  # nothing explains it: unusable input (audit() says so in one line)
             raise
-        # A table that fails its schema (a column dropped, text, null or infinity in a number's place) or a manifest copy that
-        # fails its pin is read by the checks after it: what stopped them is the FAIL above, not a report
-        # too broken to audit (exit 2).
+        # A table that fails its schema (a column dropped, text, null or infinity in a number's place) or a
+        # manifest copy that fails its pin is read by the checks after it: what stopped them is the FAIL
+        # above, not a report too broken to audit (exit 2).
         res.add(
             "checks after the schema",
             [f"stopped at {type(err).__name__}: {err}, reading input that FAILs above: {', '.join(res.failed())}"],
