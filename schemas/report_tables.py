@@ -828,6 +828,11 @@ SCHEMAS: dict[str, pa.DataFrameSchema] = {
 }
 
 
+#: what reading a table of the wrong shape raises (a column dropped: AttributeError of itertuples' rows;
+#: text, null, NaN or infinity where a count belongs: int() of them, x / 0 of object columns)
+UNREADABLE = (KeyError, TypeError, ValueError, AttributeError, ArithmeticError)
+
+
 @dataclass(frozen=True)
 class TableFailure:
     """One failed check: which table, which check, on which column/row, with the offending value."""
@@ -947,9 +952,7 @@ def validate_tables(tables: dict[str, pd.DataFrame], version: str = SCHEMA_VERSI
     if all(n in tables for n in ("run_summary", "accounting", "repetition")):
         try:
             failures.extend(cross_table_failures(tables))
-        # malformed columns already failed above: a column dropped (AttributeError of itertuples' rows),
-        # text, NaN or infinity in a count (int() of them)
-        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as err:
+        except UNREADABLE as err:  # malformed columns already failed above
             failures.append(
                 TableFailure("report", "cross-table sums computable", None, None, f"{type(err).__name__}: {err}")
             )

@@ -38,6 +38,11 @@ class QualityTarget(Section):
     def downstream(self) -> bool:
         return self.task is not None
 
+    @property
+    def thresholds(self) -> list[str]:
+        """The validation thresholds given (of loss_nats, bpb): a validation target has exactly one."""
+        return [m for m in TARGET_METRICS if getattr(self, m) is not None]
+
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         """A downstream target gives task, metric and at_least only; a validation target a domain and
         one positive, finite threshold (domain, task and metric are checked against the recipe by the rules)."""
@@ -48,7 +53,7 @@ class QualityTarget(Section):
             problems.add(
                 file, join_key(prefix, "domain"), "give a domain (validation target) or a task (downstream target)"
             )
-        given = [m for m in TARGET_METRICS if getattr(self, m) is not None]
+        given = self.thresholds
         if len(given) != 1:
             problems.add(
                 file,

@@ -23,7 +23,6 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.config.eval_recipe import TARGET_METRICS
 from runner.config.fingerprint import fingerprint
 from runner.config.rules import ResourceRules, check_recipe, validate_experiment
 from runner.config.schema import EXPERIMENT_KEYS, KINDS, LABEL_KEYS, RECIPE_SCHEMAS, ExperimentSchema, literal_choices
@@ -602,7 +601,7 @@ def experiment_from_dict(resolved: dict, project_root: Path | None = None, path:
         ) from None
     assert isinstance(typed, ExperimentSchema)
     for name, spec in typed.eval.targets.items():  # what every reader of a target relies on, under any rules
-        if spec.task is None and sum(getattr(spec, m) is not None for m in TARGET_METRICS) != 1:
+        if not spec.downstream and len(spec.thresholds) != 1:
             raise RunnerError(
                 "give exactly one of loss_nats or bpb (a validation target is one threshold)",
                 file=str(path) if path else None,

@@ -78,21 +78,16 @@ def _ledger_counters(ledger: dict, domains: list[str], file: str) -> tuple[dict,
     for d in domains:
         if d not in counters or d not in hist:
             raise RunnerError("missing domain", file=file, key=f"counters.{d}")
-    for d in [*domains, *(["total"] if "total" in counters else [])]:
-        for part, counts, keyed in (("counters", counters[d], False), ("histogram", hist.get(d, {}), True)):
-            if not isinstance(counts, dict):
+    sections = [(f"counters.{d}", counters[d], "") for d in [*domains, *(["total"] if "total" in counters else [])]]
+    sections += [(f"histogram.{d}", hist[d], " (keyed by times seen)") for d in domains]
+    for where, counts, keyed in sections:
+        if not isinstance(counts, dict):
+            raise RunnerError(f"must be a mapping of counts, got {json.dumps(counts)[:40]}", file=file, key=where)
+        for k, v in counts.items():
+            if not whole(v) or (keyed and not k.isdigit()):
                 raise RunnerError(
-                    f"must be a mapping of counts, got {json.dumps(counts)[:40]}", file=file, key=f"{part}.{d}"
+                    f"must be a whole number >= 0{keyed}, got {json.dumps(v)[:40]}", file=file, key=f"{where}.{k}"
                 )
-            for k, v in counts.items():
-                if not whole(v) or (keyed and not k.isdigit()):
-                    raise RunnerError(
-                        f"must be a whole number >= 0 (keyed by times seen), got {json.dumps(v)[:40]}"
-                        if keyed
-                        else f"must be a whole number >= 0, got {json.dumps(v)[:40]}",
-                        file=file,
-                        key=f"{part}.{d}.{k}",
-                    )
     return counters, hist
 
 

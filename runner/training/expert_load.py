@@ -21,6 +21,7 @@ import numpy as np
 
 from runner.errors import RunnerError
 from runner.fsio import atomic_write_json, read_json
+from runner.runs.recorded import whole
 
 FILE = "expert_load.json"
 FORMAT = "runner-expert-load/1"
@@ -110,7 +111,7 @@ def read_expert_load(path: str | Path) -> tuple[ExpertLoad, int]:
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
         for key in ("n_layers", "n_experts", "experts_per_token", "committed_steps"):
-            if not isinstance(data.get(key), int) or isinstance(data[key], bool) or data[key] < 0:
+            if not whole(data.get(key)):
                 raise ValueError(f"{key}: must be a whole number, got {json.dumps(data.get(key))[:40]}")
         load = ExpertLoad(data["domains"], data["n_layers"], data["n_experts"], data["experts_per_token"])
         for i, d in enumerate(load.domains):

@@ -51,7 +51,14 @@ from runner.runs.checkpoints import dirname, verified_state
 from runner.runs.folder import is_reportable_run
 from runner.runs.recorded import conventions_of, devices_held, read_manifest_copies
 from runner.runs.runjson import RunJson
-from schemas.report_tables import ADDED_SINCE, READABLE_VERSIONS, SCHEMA_VERSION, SCHEMAS, validate_tables
+from schemas.report_tables import (
+    ADDED_SINCE,
+    READABLE_VERSIONS,
+    SCHEMA_VERSION,
+    SCHEMAS,
+    UNREADABLE,
+    validate_tables,
+)
 
 __all__ = ["FAIL", "INFO", "PASS", "UNVERIFIED", "AuditInput", "AuditResult", "Check", "audit", "load_input", "replay"]
 
@@ -193,11 +200,6 @@ def replay_input(inp: AuditInput, snapshot_steps: set[int] | frozenset[int] = fr
 
 
 # ---- the checks that need nothing but the report (and its run folder, when present) --------------
-
-
-#: what reading a table or record of the wrong shape raises (a column gone, text, null or infinity where a
-#: count belongs: int(inf), x / 0 of object columns); after a FAIL that explains it, a FAIL, else exit 2
-_UNREADABLE = (KeyError, TypeError, ValueError, AttributeError, ArithmeticError)
 
 
 def _check_schemas(res: AuditResult, tables: dict[str, pd.DataFrame]) -> bool:
@@ -712,7 +714,7 @@ def audit_input(
         return res
     try:
         return _audit_checked_tables(res, inp, check_mlflow, tracking_uri, recompute_eval, checkpoint, progress)
-    except _UNREADABLE as err:
+    except UNREADABLE as err:
         if not res.failed():  # nothing explains it: unusable input (audit() says so in one line)
             raise
         # A table that fails its schema (a column dropped, text, null or infinity in a number's place) or a
@@ -800,5 +802,5 @@ def audit(
             checkpoint=Path(checkpoint) if checkpoint else None,
             progress=progress,
         )
-    except _UNREADABLE as err:
+    except UNREADABLE as err:  # nothing FAILed before it (audit_input): input no audit can read, exit 2
         raise RunnerError(f"unusable report or config: {type(err).__name__}: {err}", file=inp.source) from None

@@ -31,6 +31,7 @@ from runner.reports.audit import evidence as ev
 from runner.reports.audit.result import PASS, UNVERIFIED, AuditResult
 from runner.reports.markdown import CONVENTION_KEYS
 from runner.reports.tables import written_version
+from runner.runs.recorded import whole
 from runner.training.tracking import REPLAYED_TAG, fail_fast_env, missing_store, sqlite_path
 from schemas.report_tables import with_added_columns
 
@@ -614,14 +615,10 @@ def _told(value: str) -> dict:
         t = json.loads(value)
         counts = {k: t.get(k, 0) for k in ("metric_rows", "evidence_tags", "other_tags")}
         kinds, steps = t.get("kinds") or {}, t.get("steps")
-        if not (isinstance(kinds, dict) and all(_whole(n) for n in [*counts.values(), *kinds.values()])):
+        if not (isinstance(kinds, dict) and all(whole(n) for n in [*counts.values(), *kinds.values()])):
             return worst
-        if steps is not None and not (isinstance(steps, list) and len(steps) == 2 and all(map(_whole, steps))):
+        if steps is not None and not (isinstance(steps, list) and len(steps) == 2 and all(map(whole, steps))):
             return worst
         return {"by": str(t.get("by")), "kinds": {str(k): n for k, n in kinds.items()}, "steps": steps, **counts}
     except (ValueError, TypeError, AttributeError, RecursionError):  # not JSON, not an object, nested deep
         return worst
-
-
-def _whole(n: object) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
