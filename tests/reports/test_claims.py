@@ -404,6 +404,39 @@ def test_claim_files_give_one_line_and_exit_2_on_bad_shapes(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error: ") and f"{key}.yaml" in err[0] and key in err[0], err
 
 
+_TABLE = (
+    {"source": "a", "bytes": "400 GB", "weight": "80%", "epochs": 1},
+    {"source": "b", "bytes": "100 GB", "weight": "20%", "epochs": 2},
+)
+
+
+@pytest.mark.parametrize(
+    "claim, key",
+    [
+        (_mix({**SMALL, "weight": [1]}, WEB), "weight"),
+        (_mix({**SMALL, "weight": {"a": 1}}, WEB), "weight"),
+        (_mix({**SMALL, "weight": 1e-320}, WEB), "weight"),
+        # from_table: unique tokens = weight x 1e-320 / epochs underflow to 0, bytes per token infinite
+        (_mix(*_TABLE, tokens=1e-320, bytes_per_token="from_table"), "tokens"),
+        (_mix(_TABLE[0], {**_TABLE[1], "epochs": 1e-320}, tokens=100e9, bytes_per_token="from_table"), "epochs"),
+        # tokens / (days x 86,400) is infinite: an "MFU inf%" verdict
+        ({"name": "t", "model_params": 1e9, "hardware": "H100", "tokens": "1T", "days": 1e-320}, "days"),
+    ],
+    ids=["weight-list", "weight-mapping", "weight-1e-320", "total-1e-320", "epochs-1e-320", "days-1e-320"],
+)
+def test_a_figure_no_claim_can_state_is_one_line_not_a_traceback_or_an_infinite_verdict(tmp_path, capsys, claim, key):
+    """A weight of another type was float()'s TypeError; a figure of 1e-320 divided to 0 (ZeroDivisionError)
+    or to an infinite MFU. A claim's figures run from a billionth to a quintillion of their unit."""
+    from runner.cli import main
+
+    path = tmp_path / "claims.yaml"
+    path.write_text(yaml.safe_dump({"claims": [claim]}))
+    capsys.readouterr()
+    assert main(["audit-claims", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path}: claims[0]") and f": {key}: " in err[0], err
+
+
 def _claim_fuzz_strategies():
     from hypothesis import strategies as st
 

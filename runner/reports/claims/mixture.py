@@ -35,6 +35,9 @@ BYTE_UNITS |= {"TIB": 2**40, "PB": 1e15}
 TOKEN_UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _LIMIT = 1e18  #: no published table counts a quintillion tokens or bytes in one source: larger is a typo
+#: No published figure is below a billionth of its unit (tokens, epochs, a weight, days): smaller is a typo,
+#: and its products and quotients would underflow to 0 or overflow to infinity.
+_SMALLEST = 1e-9
 
 
 @dataclass
@@ -86,9 +89,12 @@ def _half_unit(value: Any, scale: float = 1.0) -> float:
     return 0.5 * 10.0 ** -_decimals(text) * scale
 
 
-def _finite(x: float, where: str, key: str) -> float:
-    if not math.isfinite(x) or x <= 0 or x > _LIMIT:
-        raise RunnerError(f"must be a positive finite number below {_LIMIT:.0e}, got {x!r}", file=where, key=key)
+def in_range(x: float, where: str, key: str) -> float:
+    """`x` if it is a figure a claim can state: finite, from a billionth to a quintillion."""
+    if not math.isfinite(x) or not _SMALLEST <= x <= _LIMIT:
+        raise RunnerError(
+            f"must be a positive finite number from {_SMALLEST:.0e} to {_LIMIT:.0e}, got {x!r}", file=where, key=key
+        )
     return x
 
 
@@ -98,10 +104,12 @@ def parse_quantity(value: Any, units: dict[str, float], where: str, key: str) ->
         raise RunnerError(f"must be a number, got {value!r}", file=where, key=key)
     if isinstance(value, int) and abs(value) > _LIMIT:
         raise RunnerError(
-            f"must be a positive finite number below {_LIMIT:.0e}, got {len(str(value))} digits", file=where, key=key
+            f"must be a positive finite number from {_SMALLEST:.0e} to {_LIMIT:.0e}, got {len(str(value))} digits",
+            file=where,
+            key=key,
         )
     if isinstance(value, int | float):
-        return _finite(float(value), where, key)
+        return in_range(float(value), where, key)
     match = _QUANTITY.match(str(value))
     unit = match.group(2).upper() if match else ""
     if not match or unit not in units:
@@ -110,7 +118,7 @@ def parse_quantity(value: Any, units: dict[str, float], where: str, key: str) ->
             file=where,
             key=key,
         )
-    return _finite(float(match.group(1)) * units[unit], where, key)
+    return in_range(float(match.group(1)) * units[unit], where, key)
 
 
 def parse_fraction(value: Any, where: str, key: str) -> Figure:
@@ -121,13 +129,13 @@ def parse_fraction(value: Any, where: str, key: str) -> Figure:
     percent = text.endswith("%")
     try:
         x = float(text.rstrip("%")) if isinstance(value, str) else float(value)
-    except ValueError:
+    except (TypeError, ValueError):
         raise RunnerError(
             f"must be a fraction (0.045) or a percent ('4.5%'), got {value!r}", file=where, key=key
         ) from None
     x = x / 100 if percent else x
-    if not math.isfinite(x) or not 0 < x <= 1:
-        raise RunnerError(f"must be in (0, 1] (or (0%, 100%]), got {value!r}", file=where, key=key)
+    if not math.isfinite(x) or not _SMALLEST <= x <= 1:
+        raise RunnerError(f"must be in [{_SMALLEST:.0e}, 1] (or up to 100%), got {value!r}", file=where, key=key)
     return Figure(x, _half_unit(text, 0.01 if percent else 1.0))
 
 

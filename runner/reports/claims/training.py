@@ -28,7 +28,14 @@ from runner.errors import RunnerError
 from runner.fsio import read_yaml
 from runner.planning.hardware import PEAKS, canonical_device, mfu
 from runner.planning.plan import CHINCHILLA_TOKENS_PER_PARAM, SECONDS_PER_DAY
-from runner.reports.claims.mixture import TOKEN_UNITS, MixtureResult, audit_mixture, parse_quantity, render_mixture
+from runner.reports.claims.mixture import (
+    TOKEN_UNITS,
+    MixtureResult,
+    audit_mixture,
+    in_range,
+    parse_quantity,
+    render_mixture,
+)
 from runner.reports.claims.source import Source, parse_source, source_line
 
 TOKEN_KINDS = ("exposure", "unique", "useful", "processed")
@@ -130,7 +137,7 @@ class ClaimResult:
         return d
 
 
-def _number(claim: dict, key: str, where: str, *, positive: bool = True) -> float | None:
+def _number(claim: dict, key: str, where: str) -> float | None:
     value = claim.get(key)
     if value is None:
         return None
@@ -140,9 +147,7 @@ def _number(claim: dict, key: str, where: str, *, positive: bool = True) -> floa
         x = float(value)  # YAML 1.1 reads `68e3` as a string; accept it as the number it says
     except (TypeError, ValueError, OverflowError):
         raise RunnerError(f"must be a number, got {value!r}", file=where, key=key) from None
-    if not math.isfinite(x) or (positive and x <= 0):
-        raise RunnerError(f"must be a positive number, got {value!r}", file=where, key=key)
-    return x
+    return in_range(x, where, key)  # `days: 1e-320` would imply an infinite MFU
 
 
 def _plausibility(res: ClaimResult, stated_mfu: float | None, bound: float) -> None:
