@@ -876,8 +876,10 @@ def with_added_columns(tables: dict[str, pd.DataFrame], version: str) -> dict[st
 
 def _schema_failures(name: str, df: pd.DataFrame, schemas: dict[str, pa.DataFrameSchema]) -> list[TableFailure]:
     try:
-        # Row labels carry no meaning in a report table; a duplicated label only confuses pandera.
-        schemas[name].validate(df.reset_index(drop=True), lazy=True)
+        # Row labels carry no meaning in a report table; a duplicated label only confuses pandera. A NaN
+        # compared in a check is that check's failure, not numpy's "invalid value" warning on stderr.
+        with np.errstate(invalid="ignore"):
+            schemas[name].validate(df.reset_index(drop=True), lazy=True)
     except pa.errors.SchemaErrors as err:
         out = []
         for row in err.failure_cases.itertuples(index=False):

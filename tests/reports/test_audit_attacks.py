@@ -701,6 +701,38 @@ def test_a_table_failing_its_schema_fails_the_audit_not_as_an_unusable_report(tm
     assert "error:" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("how", ["a count null", "an infinite ratio", "negative histogram samples"])
+def test_a_forged_table_is_audited_and_compared_without_warnings_on_stderr(tmp_path, capsys, how):
+    """A null count made pandera's comparisons print numpy's `RuntimeWarning: invalid value encountered
+    in less` (and the source line) to stderr, three times, before the audit's verdict and before compare's
+    one error line; redrawing an infinite ratio or negated histogram counts to compare the plots printed
+    matplotlib's warnings. The checks say what is wrong; stderr holds nothing else."""
+    import warnings
+
+    from runner.cli import main
+
+    copy = tmp_path / "report"
+    shutil.copytree(REPO / "reports" / "cpu-tiny" / "20261201-crash-resume", copy)
+    name = "repetition" if how == "negative histogram samples" else "accounting"
+    table = pd.read_parquet(copy / f"{name}.parquet")
+    if how == "a count null":
+        table = table.assign(pool_tokens=None)
+    elif how == "an infinite ratio":
+        table = table.assign(target_ratio=[float("inf")] + list(table["target_ratio"].iloc[1:]))
+    else:
+        table = table.assign(samples=-table["samples"])
+    table.to_parquet(copy / f"{name}.parquet", index=False)
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["audit", str(copy), "--no-mlflow"]) == EXIT_DISCREPANCY
+        compared = main(["compare", str(REPO / "reports" / "cpu-tiny" / "20261201-crash-resume"), str(copy), "--json"])
+    shown = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in seen]
+    assert not [w for w in seen if issubclass(w.category, (RuntimeWarning, UserWarning))], shown
+    err = capsys.readouterr().err.strip().splitlines()
+    assert compared == 2 and len(err) == 1 and err[0].startswith(f"error: {copy}: its tables fail their schemas"), err
+
+
 @pytest.mark.parametrize(
     "file, key, value, says",
     [
