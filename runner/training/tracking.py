@@ -42,6 +42,7 @@ from typing import Any, Protocol, TextIO
 from runner.config.load import repo_root
 from runner.errors import RunnerError
 from runner.fsio import atomic_write, read_jsonl
+from runner.runs.recorded import whole
 
 PENDING = Path("journal") / "mlflow-pending.jsonl"
 RETRY_AFTER_SECONDS = 10.0  # after a failed send, wait this long before trying again
@@ -214,6 +215,49 @@ def git_commit(path: Path) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+_STATUSES = ("RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED")  # MLflow's run statuses
+
+
+def _entry_problem(e: Any) -> str | None:
+    """What is wrong with a journal line, as `_Journal.append`, `ack` and the Tracker write them; None if
+    nothing."""
+    if not isinstance(e, dict):
+        return f"a {type(e).__name__}, not a mapping"
+    kind = e.get("kind")
+    if "seq" in e and not whole(e["seq"]):
+        return f"seq {e['seq']!r} is not a whole number >= 0"
+    if kind == "ack":
+        return None if "seq" in e else "an ack without its seq"
+    if kind == "start":
+        bad = [k for k in ("experiment_name", "run_name") if not isinstance(e.get(k), str) or not e[k]]
+        if e.get("token") is not None and not isinstance(e["token"], str):
+            bad.append("token")
+        return f"{', '.join(bad)} not text" if bad else None
+    if kind in ("params", "tags"):
+        items = e.get(kind)
+        if not isinstance(items, dict) or not all(
+            isinstance(v, str | int | float | bool) or v is None for v in items.values()
+        ):
+            return f"{kind} not a mapping of names to values"
+        return None
+    if kind == "artifacts":
+        if not isinstance(e.get("path"), str) or not isinstance(e.get("artifact_path"), str | None):
+            return "path or artifact_path not text"
+        return None
+    if kind == "status":
+        return None if e.get("status") in _STATUSES else f"status {e.get('status')!r} is not one of {_STATUSES}"
+    if kind == "metrics":
+        if not whole(e.get("step")) or not whole(e.get("timestamp_ms")):
+            return "step or timestamp_ms not a whole number >= 0"
+        metrics = e.get("metrics")
+        if not isinstance(metrics, dict) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()
+        ):
+            return "metrics not a mapping of names to numbers"
+        return None
+    return f"kind {kind!r} is not one of ack, start, params, tags, artifacts, status, metrics"
+
+
 class _Journal:
     """The pending journal: entries numbered by `seq`, `ack` lines for delivered prefixes.
 
@@ -225,9 +269,19 @@ class _Journal:
         self.next_seq = 0
 
     def load(self) -> list[dict]:
-        """Entries not yet acknowledged, in order; the file is rewritten to hold just them."""
+        """Entries not yet acknowledged, in order; the file is rewritten to hold just them. An entry this
+        runner did not write (another shape, an unknown kind) is a RunnerError naming it: sent as it is it
+        was a traceback, a request MLflow refuses at every retry, or, of an unknown kind, dropped unsaid."""
         acked, entries = -1, []
         for line in read_jsonl(self.path, skip_torn=True):  # a line torn by a kill is skipped
+            problem = _entry_problem(line)
+            if problem:
+                text = json.dumps(line, default=str)
+                raise RunnerError(
+                    f"{problem}: an entry this runner does not write ({text[:120]}{'...' if len(text) > 120 else ''}); "
+                    "nothing was sent: restore or remove that line",
+                    file=str(self.path),
+                )
             if line.get("kind") == "ack":
                 acked = max(acked, int(line["seq"]))
             else:

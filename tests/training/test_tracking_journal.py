@@ -222,6 +222,52 @@ def test_sync_sends_to_a_moved_server_and_records_it(tmp_path, monkeypatch, caps
     assert [(k, s) for k, s, _ in metric_rows(tmp_path / "moved.db", info["run_id"])] == [("loss", 1)]
 
 
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"seq": "x"}, "seq 'x' is not a whole number >= 0"),  # int('x'): a traceback in sync and in launch
+        ({"step": "x"}, "step or timestamp_ms not a whole number >= 0"),  # pending for ever: int() at every retry
+        ({"kind": "metric"}, "kind 'metric' is not one of ack, start"),  # sent as nothing, acknowledged
+        ({"metrics": {"loss": [1]}}, "metrics not a mapping of names to numbers"),  # as "step-text"
+        ([1, 2], "a list, not a mapping"),  # line.get: AttributeError
+    ],
+    ids=["seq-text", "step-text", "unknown-kind", "metric-list", "not-a-mapping"],
+)
+def test_a_journal_entry_the_runner_does_not_write_is_one_line_and_nothing_is_sent(
+    tmp_path, monkeypatch, capsys, store, change, says
+):
+    """A pending journal whose metrics entry was edited: `runner sync` (and the next launch, which loads it
+    first) stopped on a traceback, retried for ever an entry it cannot send, or, for an unknown kind,
+    acknowledged the entry as sent and dropped it. One line naming the journal and the entry; nothing is
+    sent and the journal is as it was."""
+    from runner.cli import main
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    run = tmp_path / "run"
+    t = Tracker(run, tracking_uri=dead, report=lambda m: None)
+    t.start("exp", "r", params={"lr": "0.1"}, tags={})
+    t.log_metrics({"loss": 1.0}, step=1)
+    t.close()
+    (run / "experiment.yaml").write_text("name: t\n")
+    (run / "run.json").write_text(json.dumps({"run_id": "r", "mlflow": t.info()}))
+    journal = run / "journal" / "mlflow-pending.jsonl"
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert lines[-1]["kind"] == "metrics"
+    lines[-1] = change if isinstance(change, list) else {**lines[-1], **change}
+    journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    before = journal.read_bytes()
+    uri = store(tmp_path / "m.db")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    capsys.readouterr()
+    assert main(["sync", str(run), "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {journal}: {says}"), err
+    assert "an entry this runner does not write" in err[0] and "nothing was sent" in err[0]
+    assert journal.read_bytes() == before
+    with sqlite3.connect(tmp_path / "m.db") as db:
+        assert db.execute("select count(*) from runs").fetchone() == (0,)
+
+
 # ---- final numbers (the last committed step is always logged) -----------------------------------
 
 
