@@ -20,6 +20,7 @@ from runner.config.load import Experiment, find_project_root, load_saved_experim
 from runner.config.rules import check_targets, max_duration_tokens
 from runner.errors import Problems, RunnerError
 from runner.fsio import atomic_write_json, read_json, read_jsonl, repair_jsonl_tail
+from runner.runs.recorded import JOURNAL_FIELDS, checked_rows
 from runner.runs.runjson import RunJson, check_fields
 
 
@@ -116,8 +117,10 @@ class RunFolder:
         return self.path / "journal" / "processed.jsonl"
 
     def journal_entries(self) -> list[dict]:
-        # A line torn by a kill mid-write is skipped; repair_journal drops it before appending.
-        return read_jsonl(self.journal_path(), skip_torn=True)
+        """The processed-work journal's lines, each of the shape the clock writes (a line of another shape
+        was a traceback in the resume's replay, or a wall of 1e308 s carried into the run's cost). A line
+        torn by a kill mid-write is skipped; repair_journal drops it before appending."""
+        return checked_rows(read_jsonl(self.journal_path(), skip_torn=True), JOURNAL_FIELDS, self.journal_path())
 
     def repair_journal(self) -> None:
         if self.writer:

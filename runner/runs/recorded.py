@@ -6,6 +6,7 @@ the manifest copies of a run or a report. Never writes.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,12 +170,38 @@ EVAL_FIELDS = (
     | dict.fromkeys(("loss_nats", "bpb", "wall_seconds", "device_wall_seconds"), "number")
     | {"domain": "text"}
 )
-_KINDS = {"whole": "a whole number >= 0", "text": "text", "number": "a number"}
+#: the lines of journal/processed.jsonl (runner.training.clock), which a resume replays into its clock and ledger
+JOURNAL_FIELDS = (
+    dict.fromkeys(("attempt", "step", "micro"), "whole")
+    | {"world": "devices", "processed": "counts"}
+    | dict.fromkeys(("wall_seconds", "step_seconds_total", "device_step_seconds_total"), "seconds")
+)
+_KINDS = {
+    "whole": "a whole number >= 0",
+    "devices": "a whole number >= 1",
+    "text": "text",
+    "number": "a number",
+    "seconds": "a finite number of seconds >= 0",
+    "counts": "a mapping of domains to whole numbers >= 0",
+}
+
+
+def _of_kind(v, kind: str) -> bool:
+    if kind == "whole":
+        return whole(v)
+    if kind == "devices":
+        return whole(v) and v >= 1
+    if kind == "text":
+        return isinstance(v, str)
+    if kind == "counts":
+        return isinstance(v, dict) and all(whole(n) for n in v.values())
+    number = isinstance(v, int | float) and not isinstance(v, bool)
+    return number and (kind == "number" or (math.isfinite(v) and v >= 0))
 
 
 def checked_rows(rows: list, fields: dict[str, str], file: Path) -> list[dict]:
-    """metrics rows, each an object whose known fields have their kind (a forged or damaged row is one
-    line naming the file, field and line, not a traceback wherever it is read)."""
+    """metrics (or journal) rows, each an object whose known fields have their kind (a forged or damaged
+    row is one line naming the file, field and line, not a traceback wherever it is read)."""
     for n, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             raise RunnerError(f"line {n}: must be a JSON object, got {json.dumps(row)[:40]}", file=str(file))
@@ -182,13 +209,7 @@ def checked_rows(rows: list, fields: dict[str, str], file: Path) -> list[dict]:
             if field not in row:
                 continue
             v = row[field]
-            if kind == "whole":
-                ok = whole(v)
-            elif kind == "text":
-                ok = isinstance(v, str)
-            else:
-                ok = isinstance(v, int | float) and not isinstance(v, bool)
-            if not ok:
+            if not _of_kind(v, kind):
                 raise RunnerError(
                     f"line {n}: must be {_KINDS[kind]}, got {json.dumps(v)[:40]}", file=str(file), key=field
                 )

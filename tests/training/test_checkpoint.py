@@ -284,6 +284,27 @@ def test_state_json_of_another_step_is_refused_even_in_an_unsealed_format_2_chec
 
 
 @pytest.mark.slow
+def test_a_damaged_processed_journal_line_refuses_the_resume_in_one_line_and_loses_nothing(tmp_path):
+    """The resume's replay of journal/processed.jsonl read `attempt: "x"` with int(): a traceback. One line
+    naming the file, field and line, exit 2; with the line put back the run resumes and finishes."""
+    exp = make_project(tmp_path, steps=4, checkpoint_every=2, eval_every=4)
+    run = tmp_path / "runs" / "j"
+    launch(tmp_path, exp, "--run-dir", run, "--max-steps", 2, "--no-tracking")
+    journal = run / "journal" / "processed.jsonl"
+    good = journal.read_text()
+    lines = good.splitlines()
+    journal.write_text("\n".join([*lines[:-1], json.dumps({**json.loads(lines[-1]), "attempt": "x"})]) + "\n")
+    proc = launch(tmp_path, run, "--no-tracking", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    shown = journal.relative_to(tmp_path)  # as the CLI names it, from the project's folder
+    assert errors == [f'error: {shown}: attempt: line {len(lines)}: must be a whole number >= 0, got "x"'], proc.stderr
+    journal.write_text(good)
+    launch(tmp_path, run, "--no-tracking")
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow
 def test_an_unexpected_error_leaves_status_failed_not_running(tmp_path):
     exp = make_project(tmp_path, steps=8, checkpoint_every=2, keep_last=5)
     run = tmp_path / "runs" / "f"

@@ -149,3 +149,32 @@ def test_the_attempt_s_end_is_one_reading_for_run_json_the_cost_and_the_next_rep
     again = RunClock(1, host_now=FakeTime())
     again.replay(journal, ["a", "b"])
     assert again.prior_device_wall_seconds == clock.device_wall_seconds()
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("attempt", "x", 'attempt: line 2: must be a whole number >= 0, got "x"'),  # int('x'): a traceback
+        ("world", None, "world: line 2: must be a whole number >= 1, got null"),
+        ("wall_seconds", [1], "wall_seconds: line 2: must be a finite number of seconds >= 0, got [1]"),
+        ("step_seconds_total", float("inf"), "step_seconds_total: line 2: must be a finite number of seconds"),
+        ("processed", {"code": -5}, "processed: line 2: must be a mapping of domains to whole numbers >= 0"),
+    ],
+)
+def test_a_processed_journal_line_of_another_shape_is_one_line_naming_it(tmp_path, field, value, says):
+    """A resume replays journal/processed.jsonl into its clock and ledger: a line edited or damaged there
+    was int()'s or float()'s traceback in the launch, an infinite step total went into the run's MFU, and
+    -5 processed tokens into its ledger. The launch refuses in one line naming the file, field and line
+    (it stays resumable once the line is put back: tests/training/test_checkpoint.py)."""
+    from runner.runs.folder import RunFolder
+
+    line = {"attempt": 1, "world": 1, "step": 0, "micro": 0, "processed": {"code": 64}, "wall_seconds": 1.5}
+    line |= {"step_seconds_total": 0.5, "device_step_seconds_total": 0.5}
+    journal = tmp_path / "journal" / "processed.jsonl"
+    journal.parent.mkdir()
+    journal.write_text(json.dumps(line) + "\n" + json.dumps({**line, "micro": 1, field: value}) + "\n")
+    with pytest.raises(RunnerError) as err:
+        RunFolder(tmp_path).journal_entries()
+    assert str(err.value).startswith(f"{journal}: {says}"), str(err.value)
+    journal.write_text(json.dumps(line) + "\n" + json.dumps({**line, "micro": 1}) + '\n{"attempt": 1, "wor')
+    assert len(RunFolder(tmp_path).journal_entries()) == 2  # a line torn by a kill is still skipped
