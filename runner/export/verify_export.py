@@ -38,6 +38,7 @@ from runner.export import card, card_downstream, export_scoring, folder
 from runner.export.source import Source, open_source, quiet_transformers
 from runner.fsio import atomic_write_json, read_json, sha256_file
 from runner.reports import tables as rpt
+from runner.runs.recorded import whole
 
 RECORDS = "exports"  #: RUN/exports/: one record per export written from the run
 FORMAT = "runner-export-files/1"
@@ -252,12 +253,34 @@ def _claimed(export_dir: Path) -> dict:
         record = read_json(export_dir / EXPORT_RECORD)
         if not isinstance(record, dict):
             raise RunnerError("not a JSON object", file=str(export_dir / EXPORT_RECORD))
-        int(record["step"])
+        if not whole(record["step"]):
+            raise ValueError(f"step {json.dumps(record['step'])[:40]} is not a whole number >= 0")
         if record.get("dtype") not in folder.DTYPES:
             raise KeyError("dtype")
         return record
     except (KeyError, TypeError, ValueError) as e:
         raise RunnerError(f"lacks a step or dtype ({e}): not an export", file=str(export_dir / EXPORT_RECORD)) from None
+
+
+def _verification(record: dict) -> tuple[dict, str]:
+    """export.json's verification figures, which the card states, and what is wrong with them ("" if
+    nothing): figures of another type were a traceback re-rendering the card; they render as NaN (the
+    card's check then names the line) beside a FAIL saying so."""
+    v = record.get("verification")
+    model = v.get("model") if isinstance(v, dict) else None
+    keys = ("tolerance", "max_abs_logit_diff", "greedy_tokens_compared")
+    if isinstance(v, dict) and isinstance(model, dict):
+        figures = [model.get("tolerance"), model.get("max_abs_logit_diff")]
+        if all(isinstance(x, int | float) and not isinstance(x, bool) for x in figures) and whole(
+            model.get("greedy_tokens_compared")
+        ):
+            return v, ""
+    shown = json.dumps({k: model.get(k) for k in keys} if isinstance(model, dict) else v, default=str)
+    nan = float("nan")
+    return {"model": {"tolerance": nan, "max_abs_logit_diff": nan, "greedy_tokens_compared": "?"}}, (
+        "verification.model must hold the numbers tolerance and max_abs_logit_diff and the whole number "
+        f"greedy_tokens_compared, got {shown[:120]}{' ...' if len(shown) > 120 else ''}"
+    )
 
 
 def _source(run_dir: Path, record: dict) -> Source:
@@ -304,10 +327,17 @@ def verify_export(export_dir: str | Path, run_dir: str | Path) -> list[Check]:
     export_dir, run_dir = Path(export_dir), Path(run_dir)
     if not export_dir.is_dir():
         raise RunnerError("no such folder", file=str(export_dir))
-    record = _claimed(export_dir)
-    dtype, step = str(record["dtype"]), int(record["step"])
     checks = [check_recorded_files(export_dir, run_dir)]
-    src = _source(run_dir, record)
+    try:
+        record = _claimed(export_dir)
+        src = _source(run_dir, record)
+    except (RunnerError, OSError) as e:  # OSError: a step of 400 digits is a file name too long
+        if checks[0].status != FAIL:
+            raise  # not an export, or its checkpoint is gone: nothing here says it was edited
+        # export.json edited after the export (its recorded sha256 differs): the forgery it is, not exit 2
+        said = str(e) if len(str(e)) <= 240 else str(e)[:240] + " ..."
+        return [*checks, Check("export.json names the run's checkpoint", FAIL, said)]
+    dtype, step = str(record["dtype"]), int(record["step"])
     tmp = Path(tempfile.mkdtemp(prefix=".verify-export-"))
     try:
         with quiet_transformers():
@@ -326,7 +356,10 @@ def verify_export(export_dir: str | Path, run_dir: str | Path) -> list[Check]:
         checks.append(tok)
         figures = _card_figures(src, export_dir)
         _with_export_scoring(figures, src, export_dir, dtype, record)
-        card.write(src, tmp, figures, dtype, record.get("verification") or {})
+        verification, unreadable = _verification(record)
+        if unreadable:
+            checks.append(Check("export.json's verification figures", FAIL, unreadable))
+        card.write(src, tmp, figures, dtype, verification)
         checks.append(
             _compare_files(export_dir, tmp, [card.ACCOUNTING], "accounting.json = the audited report's figures")
         )

@@ -1041,6 +1041,39 @@ def _forge_card(folder: Path) -> None:
     (folder / "accounting.json").write_text(json.dumps(accounting, indent=1) + "\n")
 
 
+def test_an_edited_export_json_fails_verify_export_not_as_not_an_export(llama_run, llama_fp32, tmp_path):
+    """export.json's step edited to "x", -1 or 400 digits: verify-export said "not an export" or "no
+    checkpoint of step -1" (a 400-digit step: "File name too long"), exit 2, as for a folder that is no
+    export at all. Its recorded sha256 differs: a FAIL (exit 1) naming both checks. Its verification
+    figures of another type were a traceback."""
+    root = llama_run.parents[1]
+    for case, says in [
+        ("x", 'step "x" is not a whole number >= 0'),
+        (-1, "step -1 is not a whole number >= 0"),
+        (10**400, "File name too long"),
+    ]:
+        edited = tmp_path / f"edited-{str(case)[:4]}"
+        shutil.copytree(llama_fp32, edited)
+        record = json.loads((edited / "export.json").read_text())
+        (edited / "export.json").write_text(json.dumps({**record, "step": case}))
+        proc = run_in_process(root, ["verify-export", str(edited), "--run", str(llama_run)], env(root))
+        lines = proc.stdout.splitlines()
+        assert proc.returncode == 1 and lines[-1] == "verdict: FAIL" and "Traceback" not in proc.stderr, proc.stderr
+        assert lines[1].startswith("  FAIL       files as recorded in the run folder when exported: "), lines
+        assert "export.json (" in lines[1], lines
+        assert lines[2].startswith("  FAIL       export.json names the run's checkpoint: ") and says in lines[2], lines
+    # the verification figures the card states, of another type: a traceback re-rendering the card
+    edited = tmp_path / "edited-verification"
+    shutil.copytree(llama_fp32, edited)
+    record = json.loads((edited / "export.json").read_text())
+    record["verification"]["model"]["tolerance"] = "x"
+    (edited / "export.json").write_text(json.dumps(record))
+    proc = run_in_process(root, ["verify-export", str(edited), "--run", str(llama_run)], env(root))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "  FAIL       export.json's verification figures: verification.model must hold the numbers" in proc.stdout
+    assert '"tolerance": "x"' in proc.stdout and "FAIL       model card = the audited report's figures" in proc.stdout
+
+
 def test_verify_export_checks_an_export_against_its_run_and_a_forged_card_never_publishes(
     llama_run, llama_fp32, tmp_path
 ):
