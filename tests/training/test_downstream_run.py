@@ -132,6 +132,7 @@ def test_runner_eval_rescores_a_checkpoint_without_changing_the_lineage(scored_r
     assert proc.returncode == 0, proc.stderr
     again = json.loads((run / "downstream/eval-step-0000002-2.json").read_text())  # the first one is kept
     assert again["requests_file"] == "requests-eval-step-0000002-2.jsonl.gz" and again["rows"][0]["documents"] == 4
+    assert not list((run / "downstream").glob(".eval-*.claim"))  # each claim released once its record is written
 
     from runner.reports.downstream.table import downstream_table
 
@@ -869,3 +870,21 @@ def test_forged_downstream_figures_and_stamps_fail_after_an_honest_extension(sco
     assert "runner_eval/builtin/acc at step 4: MLflow " in problems
     assert "runner_eval/builtin/bpb at step 2: MLflow " in problems  # the gold's ll raised: bpb always moves
     assert "step 5" not in problems  # the extension's own scoring is honest
+
+
+def test_two_scorings_of_one_step_at_once_take_two_stems(tmp_path):
+    """Two `runner eval` of one step found the same free stem (the record is written after minutes of
+    scoring), and the later one replaced the earlier's record and requests. A stem is claimed
+    exclusively until its record is written; a claim left by a killed scoring only skips its stem."""
+    from runner.training.downstream.posthoc import _claim_stem, _release
+
+    out = tmp_path / "downstream"
+    first, second = _claim_stem(out, 4), _claim_stem(out, 4)  # both scoring, neither written yet
+    assert (first, second) == ("step-0000004", "step-0000004-2")
+    (out / f"eval-{first}.json").write_text("{}")
+    _release(out, first)
+    assert _claim_stem(out, 4) == "step-0000004-3"  # the second still holds -2
+    _release(out, second)  # failed before writing (run_eval releases in `finally`): the stem is free again
+    assert _claim_stem(out, 4) == "step-0000004-2"
+    (out / ".eval-step-0000007.claim").touch()  # left by a scoring killed mid-write
+    assert _claim_stem(out, 7) == "step-0000007-2"

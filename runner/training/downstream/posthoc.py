@@ -42,13 +42,29 @@ def find_checkpoint(target: Path) -> tuple[Path, Path]:
     raise RunnerError("no checkpoint that verifies", file=str(target / "checkpoints"))
 
 
-def _free_stem(out: Path, step: int) -> str:
-    """`step-NNNNNNN`, or `step-NNNNNNN-K` with the first K >= 2 not yet used at that step."""
-    stem, k = f"step-{step:07d}", 1
-    while (out / f"eval-{stem}.json").exists():
+def _claim_stem(out: Path, step: int) -> str:
+    """`step-NNNNNNN`, or `step-NNNNNNN-K` with the first K >= 2 not yet used at that step, held by an
+    exclusive `.eval-STEM.claim` until its record is written (`_release`): two `runner eval` of one step at
+    once found the same stem free, and the later record replaced the earlier (its requests file too)."""
+    out.mkdir(parents=True, exist_ok=True)
+    k = 1
+    while True:
+        stem = f"step-{step:07d}" + (f"-{k}" if k > 1 else "")
+        claim = out / f".eval-{stem}.claim"
+        if not (out / f"eval-{stem}.json").exists():
+            try:
+                claim.open("x").close()
+            except FileExistsError:
+                pass  # another scoring is writing this one
+            else:
+                if not (out / f"eval-{stem}.json").exists():  # written, and its claim released, meanwhile
+                    return stem
+                claim.unlink()
         k += 1
-        stem = f"step-{step:07d}-{k}"
-    return stem
+
+
+def _release(out: Path, stem: str) -> None:
+    (out / f".eval-{stem}.claim").unlink(missing_ok=True)
 
 
 def run_eval(
@@ -90,7 +106,18 @@ def run_eval(
         dtype="float32",
     )
     out = run_dir / "downstream"
-    stem = _free_stem(out, step)
+    stem = _claim_stem(out, step)
+    try:
+        written = _write_record(out, stem, path, step, state, scored, useful)
+    finally:
+        _release(out, stem)
+    for r in scored.rows:
+        say(f"  {r['task']:<24} {r['metric']:<18} {r['value']:.4f}  ({r['documents']} documents)")
+    say(f"  t_eval {scored.t_eval_seconds:.2f} s in {scored.forwards} forwards; written to {out}")
+    return written
+
+
+def _write_record(out: Path, stem: str, path: Path, step: int, state: dict, scored, useful: int | None) -> Path:
     requests = write_requests(out / requests_name(step, "eval").replace(f"step-{step:07d}", stem), scored, step)
     record = {
         "source": "runner eval",
@@ -105,7 +132,4 @@ def run_eval(
     }
     written = out / f"eval-{stem}.json"
     atomic_write_json(written, record)
-    for r in scored.rows:
-        say(f"  {r['task']:<24} {r['metric']:<18} {r['value']:.4f}  ({r['documents']} documents)")
-    say(f"  t_eval {scored.t_eval_seconds:.2f} s in {scored.forwards} forwards; written to {out}")
     return written
