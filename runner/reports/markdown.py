@@ -106,8 +106,9 @@ def device_busy_line(run: dict | None, mfu: float) -> str:
         return "- Device busy: not recorded (a run before system metrics, or train.system_metrics_interval_seconds: 0)."
     return (
         f"- Device busy {100 * system['device_busy']:.3g}% beside MFU {100 * mfu:.3g}%: mean of {system.get('device_busy_samples')} "
-        f"samples of {system.get('device_busy_source')}. Busy is not efficient: MFU is the share of the peak the "
-        "model's FLOPs used."
+        f"samples of {system.get('device_busy_source')}"
+        + (f" ({system['samples_unreadable']} unreadable samples left out)" if system.get("samples_unreadable") else "")
+        + ". Busy is not efficient: MFU is the share of the peak the model's FLOPs used."
     )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import threading
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.fsio import read_jsonl, repair_jsonl_tail
+from runner.runs.recorded import whole
 from runner.training.callbacks import Callback
 
 GIB = 2.0**30
@@ -270,9 +272,33 @@ def system_files(run_dir: Path) -> list[Path]:
     return sorted((Path(run_dir) / "metrics").glob("system-rank*.jsonl"))
 
 
+#: the sample's figures the summary reads: numbers where present
+_SUMMED = ("device_busy_percent", "device_power_watts", "device_memory_used_gib", "process_rss_gib")
+
+
+def _readable(rows: list) -> tuple[list[dict], int]:
+    """The samples of the shape the sampler writes, and how many are not: a line edited or damaged in a
+    file (`"device_busy_percent": "x"`, a rank of text) is left out of the summary and counted, instead
+    of a traceback at the end of every later attempt of a run that trained."""
+
+    def number(v: Any) -> bool:
+        return v is None or (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v))
+
+    good = [
+        r
+        for r in rows
+        if isinstance(r, dict)
+        and all(number(r.get(k)) for k in _SUMMED)
+        and whole(r.get("rank", 0))
+        and whole(r.get("node_rank", 0))
+    ]
+    return good, len(rows) - len(good)
+
+
 def summarize(run_dir: Path, accelerator: str, busy_source: str) -> dict[str, Any]:
-    """The run's system record from every rank's samples of every attempt (run.json `system`)."""
-    rows = [r for path in system_files(run_dir) for r in read_jsonl(path, skip_torn=True)]
+    """The run's system record from every rank's samples of every attempt (run.json `system`); samples
+    of another shape are left out and counted (`samples_unreadable`, only where there are some)."""
+    rows, unreadable = _readable([r for path in system_files(run_dir) for r in read_jsonl(path, skip_torn=True)])
     busy = [float(r["device_busy_percent"]) for r in rows if r.get("device_busy_percent") is not None]
     power = [float(r["device_power_watts"]) for r in rows if r.get("device_power_watts") is not None]
     memory = [float(r["device_memory_used_gib"]) for r in rows if r.get("device_memory_used_gib") is not None]
@@ -290,10 +316,10 @@ def summarize(run_dir: Path, accelerator: str, busy_source: str) -> dict[str, An
         "device_memory_used_peak_gib": max(memory) if memory else None,
         "device_power_mean_watts": sum(power) / len(power) if power else None,
         "process_rss_peak_gib": max(
-            (float(r["process_rss_gib"]) for r in rows if "process_rss_gib" in r), default=None
+            (float(r["process_rss_gib"]) for r in rows if r.get("process_rss_gib") is not None), default=None
         ),
         "nodes": {k: sorted(v) for k, v in sorted(nodes.items())},
-    }
+    } | ({"samples_unreadable": unreadable} if unreadable else {})
 
 
 class SystemMetricsCallback(Callback):

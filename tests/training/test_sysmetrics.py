@@ -119,6 +119,33 @@ def test_device_busy_is_the_mean_over_every_rank_and_attempt(tmp_path):
     assert out["device_power_mean_watts"] == 500 and out["device_memory_used_peak_gib"] == 70.5
 
 
+def test_a_sample_of_another_shape_is_left_out_and_counted_not_a_traceback_at_the_runs_end(tmp_path):
+    """A system-rank file's line edited or damaged (`"device_busy_percent": "x"`, a rank of text, a list,
+    a null RSS) was float()'s or int()'s traceback in the summary at the end of the attempt: a run that
+    trained ended failed, without its report, and so did every later attempt (the file stays). It is left
+    out of the means and counted in run.json's `system` and the report's device-busy line."""
+    from runner.reports.markdown import device_busy_line
+
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    good = {"node": "a", "node_rank": 0, "rank": 0, "device_busy_percent": 90, "process_rss_gib": 1.5}
+    bad = [
+        {**good, "device_busy_percent": "x"},
+        {**good, "rank": "a"},
+        {**good, "device_busy_percent": float("inf")},
+        [1, 2],
+    ]
+    rows = [good, *bad, {**good, "process_rss_gib": None}]
+    (metrics / "system-rank00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = summarize(tmp_path, "cuda", "nvml")
+    assert out["samples_unreadable"] == 4 and out["samples"] == 2 and out["device_busy"] == pytest.approx(0.9)
+    assert out["process_rss_peak_gib"] == 1.5 and out["nodes"] == {"a#0": [0]}
+    line = device_busy_line({"system": out}, 0.5)
+    assert "mean of 2 samples of nvml (4 unreadable samples left out)." in line
+    (metrics / "system-rank00000.jsonl").write_text(json.dumps(good) + "\n")
+    assert "samples_unreadable" not in summarize(tmp_path, "cuda", "nvml")  # said only where there are some
+
+
 def test_mlflow_names_follow_mlflows_system_metrics():
     rows = [{"device_busy_percent": 80, "device_memory_used_gib": 1.0, "process_cpu_percent": 100}] * 2
     gpu = mlflow_metrics(rows, "cuda")
