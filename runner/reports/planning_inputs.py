@@ -98,12 +98,7 @@ def _report_table(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
 
 def _eval_rows(path: Path) -> list[dict]:
     """metrics/eval.jsonl's rows, each with the keys the fit reads (one line naming the row and key otherwise)."""
-    rows = checked_rows(read_jsonl(path), EVAL_FIELDS, path)
-    for n, r in enumerate(rows, 1):
-        for key in ("step", "domain", "loss_nats"):
-            if key not in r:
-                raise RunnerError(f"line {n}: missing", file=str(path), key=key)
-    return rows
+    return checked_rows(read_jsonl(path), EVAL_FIELDS, path, required=("step", "domain", "loss_nats"))
 
 
 def read_point(run_dir: str | Path) -> Point:

@@ -103,7 +103,10 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     # the one in the model's lineage.
     train_file = run_dir / "metrics" / "train.jsonl"
     train_rows = list(
-        {int(r["step"]): r for r in checked_rows(read_jsonl(train_file), TRAIN_FIELDS, train_file)}.values()
+        {
+            int(r["step"]): r
+            for r in checked_rows(read_jsonl(train_file), TRAIN_FIELDS, train_file, required=("step",))
+        }.values()
     )
     if not train_rows:  # stopped before its first step (a preemption during start-up): no throughput, no MFU
         raise RunnerError(
@@ -114,7 +117,8 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     eval_file = run_dir / "metrics" / "eval.jsonl"
     eval_rows = list(
         {
-            (int(r["step"]), str(r["domain"])): r for r in checked_rows(read_jsonl(eval_file), EVAL_FIELDS, eval_file)
+            (int(r["step"]), str(r["domain"])): r
+            for r in checked_rows(read_jsonl(eval_file), EVAL_FIELDS, eval_file, required=("step", "domain"))
         }.values()
     )
     validation = targets.validation_frame(targets.complete_eval_rows(eval_rows, train_rows, str(eval_file)))

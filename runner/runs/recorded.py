@@ -199,12 +199,16 @@ def _of_kind(v, kind: str) -> bool:
     return number and (kind == "number" or (math.isfinite(v) and v >= 0))
 
 
-def checked_rows(rows: list, fields: dict[str, str], file: Path) -> list[dict]:
-    """metrics (or journal) rows, each an object whose known fields have their kind (a forged or damaged
-    row is one line naming the file, field and line, not a traceback wherever it is read)."""
+def checked_rows(rows: list, fields: dict[str, str], file: Path, required: tuple[str, ...] = ()) -> list[dict]:
+    """metrics (or journal) rows, each an object whose known fields have their kind and that holds every
+    `required` one (a forged or damaged row is one line naming the file, field and line, not a traceback
+    wherever it is read)."""
     for n, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             raise RunnerError(f"line {n}: must be a JSON object, got {json.dumps(row)[:40]}", file=str(file))
+        for field in required:
+            if field not in row:
+                raise RunnerError(f"line {n}: missing", file=str(file), key=field)
         for field, kind in fields.items():
             if field not in row:
                 continue

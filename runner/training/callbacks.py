@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from runner import progress
 from runner.fsio import read_jsonl, repair_jsonl_tail
+from runner.runs.recorded import EVAL_FIELDS, TRAIN_FIELDS, checked_rows
 from runner.runs.steprecord import StepRecord
 from runner.training import targets
 
@@ -310,9 +311,12 @@ class TargetsCallback(Callback):
         self.rows: dict[tuple[int, str], dict] = {}
         self.start_step = int(start_step)
         if self.enabled:
-            metrics = Path(run_dir) / "metrics"
-            earlier = [r for r in read_jsonl(metrics / "eval.jsonl", skip_torn=True) if int(r["step"]) <= start_step]
-            train = read_jsonl(metrics / "train.jsonl", skip_torn=True)
+            # the lineage's rows as the report reads them: a row of another shape is one line at the start,
+            # not int()'s traceback (`"step": "x"` stopped every tracked resume)
+            evals, trains = Path(run_dir) / "metrics" / "eval.jsonl", Path(run_dir) / "metrics" / "train.jsonl"
+            rows = checked_rows(read_jsonl(evals, skip_torn=True), EVAL_FIELDS, evals, required=("step", "domain"))
+            earlier = [r for r in rows if r["step"] <= start_step]
+            train = checked_rows(read_jsonl(trains, skip_torn=True), TRAIN_FIELDS, trains, required=("step",))
             for r in targets.complete_eval_rows(earlier, train):
                 self.rows[(int(r["step"]), str(r["domain"]))] = r
 

@@ -817,6 +817,7 @@ def test_a_saved_config_the_runner_cannot_read_is_one_line_naming_its_key(tmp_pa
         ("ledger.json", ("histogram", "b", "1"), -3, "ledger.json: histogram.b.1: must be a whole number >= 0"),
         ("metrics/eval.jsonl", "samples", None, "eval.jsonl: samples: line 1: must be a whole number >= 0, got null"),
         ("metrics/train.jsonl", "step_seconds", [1], "train.jsonl: step_seconds: line 1: must be a number, got [1]"),
+        ("metrics/eval.jsonl", "step", "<delete>", "eval.jsonl: step: line 1: missing"),  # was a KeyError
     ],
 )
 def test_a_run_folders_raw_record_of_another_shape_is_named_not_a_traceback(
@@ -837,7 +838,10 @@ def test_a_run_folders_raw_record_of_another_shape_is_named_not_a_traceback(
         path.write_text(json.dumps(doc))
     else:
         rows = [json.loads(line) for line in path.read_text().splitlines()]
-        rows[0][where] = value
+        if value == "<delete>":
+            del rows[0][where]
+        else:
+            rows[0][where] = value
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(RunnerError, match=re.escape(says)):
         rpt.build_tables(run)

@@ -374,3 +374,30 @@ def test_a_target_whose_every_evaluation_is_nan_has_no_rows_not_a_traceback():
     rows[1]["loss_nats"] = 7.0
     (best,) = bracket(target, pd.DataFrame(rows), 1.0)
     assert (best["point"], best["step"], best["met"], best["value"]) == ("best", 2, False, 7.0)
+
+
+@pytest.mark.parametrize(
+    "file, row, says",
+    [
+        ("eval.jsonl", {"step": "x", "domain": "code"}, 'step: line 1: must be a whole number >= 0, got "x"'),
+        ("eval.jsonl", {"domain": "code", "loss_nats": 5.0}, "step: line 1: missing"),
+        ("train.jsonl", {"step": 1, "loss": [1]}, "loss: line 1: must be a number, got [1]"),
+    ],
+)
+def test_a_tracked_resume_reads_the_lineages_rows_checked_not_with_int(tmp_path, file, row, says):
+    """A tracked resume judges the quality targets on the evaluations before its step, read back from
+    metrics/: a row of another shape (a step as text, a row without its step) was int()'s ValueError or a
+    KeyError at the launch's start, every attempt. One line naming the file, field and line, as the
+    report's reader says it."""
+    from runner.errors import RunnerError
+    from runner.training.callbacks import TargetsCallback
+
+    cfg = load_experiment(REPO / "experiments" / "cpu-tiny.yaml", check_files=False).config
+    assert tg.declared_targets(cfg)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / file).write_text(json.dumps(row) + "\n")
+    with pytest.raises(RunnerError) as err:
+        TargetsCallback(None, cfg, tmp_path, start_step=6, enabled=True)
+    assert str(err.value) == f"{tmp_path / 'metrics' / file}: {says}"
+    (tmp_path / "metrics" / file).unlink()
+    assert TargetsCallback(None, cfg, tmp_path, start_step=6, enabled=True).rows == {}  # a run not yet evaluated
