@@ -178,6 +178,7 @@ def _close_run(exp: Experiment, run_dir: Path, tracker: Tracker | None) -> None:
 def _print_summary(run_dir: Path) -> None:
     """What a user wants on the terminal after a run: the counters, losses, speed and where things are."""
     from runner.runs.folder import RunFolder
+    from runner.runs.recorded import EVAL_FIELDS, checked_rows
 
     info = RunFolder(run_dir).record()
     ledger_path = run_dir / "ledger.json"
@@ -186,7 +187,12 @@ def _print_summary(run_dir: Path) -> None:
         print(
             "  tokens: " + "  ".join(f"{k} {total[k]:,}" for k in ("processed", "exposure", "useful", "unique", "lost"))
         )
-    last = {row["domain"]: row for row in read_jsonl(run_dir / "metrics" / "eval.jsonl")}
+    evals = run_dir / "metrics" / "eval.jsonl"
+    try:
+        rows = checked_rows(read_jsonl(evals), EVAL_FIELDS, evals, required=("domain", "loss_nats", "bpb"))
+    except RunnerError:  # a row of another shape: the report's line above said which (`report: not written`)
+        rows = []
+    last = {row["domain"]: row for row in rows}
     if last:
         print(
             "  validation loss nats / bpb: "

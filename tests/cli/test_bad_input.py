@@ -998,3 +998,27 @@ def test_a_broken_base_experiment_is_said_once_not_once_per_experiment_built_on_
     assert err.splitlines() == [
         "error: experiments/za.yaml: line 5: not valid YAML: did not find expected node content"
     ]
+
+
+@pytest.mark.parametrize("change", [{"domain": None}, {"loss_nats": "x"}], ids=["no-domain", "loss-text"])
+def test_the_launchs_closing_summary_never_fails_a_run_that_trained(tmp_path, capsys, change):
+    """After the loop, the launch prints the counters and each domain's last validation loss from
+    metrics/eval.jsonl: a row without its domain (KeyError) or with a loss of text (a format error) was a
+    traceback after the run had trained and its report had been refused in one line. The summary leaves
+    the validation line out (the report's line said why) and prints the rest."""
+    from runfixtures import make_run
+
+    from runner.cli.train import _print_summary
+
+    run = make_run(tmp_path)
+    path = run / "metrics" / "eval.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[-1] = {k: v for k, v in {**rows[-1], **change}.items() if v is not None}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    _print_summary(run)
+    out = capsys.readouterr().out
+    assert "  tokens: processed " in out and "validation loss" not in out, out
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:-1]))
+    _print_summary(run)
+    assert "  validation loss nats / bpb: " in capsys.readouterr().out
