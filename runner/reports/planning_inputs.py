@@ -93,6 +93,12 @@ def _report_table(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
     for col in (c for c in _NUMERIC if c in df.columns):
         if not pd.api.types.is_numeric_dtype(df[col]):
             raise RunnerError(f"must hold numbers, holds {df[col].dtype}", file=str(path), key=col)
+    for col in (c for c in columns if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])):
+        # NaN is a figure not measured (an older row's); infinity is no figure, and a step must be one
+        bad = df[col].isin([np.inf, -np.inf]) | (df[col].isna() if col == "step" else False)
+        if bad.any():
+            row = int(np.flatnonzero(bad.to_numpy())[0])
+            raise RunnerError(f"row {row}: not a finite number: {df[col].iloc[row]}", file=str(path), key=col)
     return df
 
 

@@ -452,3 +452,36 @@ def test_the_export_estimate_of_1p3b_by_hand():
     olmoe = dataclasses.replace(olmoe, export=dataclasses.replace(olmoe.export, dtype="fp32"))
     ex = build_plan(olmoe, root=REPO)["export"]
     assert ex["shards"] == math.ceil(4 * params_of_config(olmoe).all / 5e9) > 1
+
+
+@pytest.mark.parametrize(
+    "column, value, says",
+    [
+        ("step", float("inf"), "throughput.parquet: step: row 0: not a finite number: inf"),  # OverflowError
+        ("step", float("nan"), "throughput.parquet: step: row 0: not a finite number: nan"),  # ValueError
+        ("tokens_per_second", float("inf"), "throughput.parquet: tokens_per_second: row 0: not a finite number"),
+    ],
+)
+def test_a_report_whose_throughput_is_not_finite_does_not_calibrate(tmp_path, column, value, says):
+    """`runner plan --calibrate REPORT` read the report's throughput table as numbers: an infinite step was
+    int()'s OverflowError (NaN: ValueError), an infinite tokens/s a measured "MFU inf%" in the plan. One
+    line naming the table, column and row; NaN tokens/s stays a step not measured."""
+    import shutil
+
+    import pandas as pd
+
+    from runner.config.load import load_saved_experiment
+
+    copy = tmp_path / "report"
+    shutil.copytree(REPO / "reports" / "cpu-tiny" / "20261201-crash-resume", copy)
+    cfg = load_saved_experiment(copy / "experiment.yaml").config
+    table = pd.read_parquet(copy / "throughput.parquet")
+    good = table.copy()
+    table[column] = [value, *table[column].iloc[1:]]
+    table.to_parquet(copy / "throughput.parquet")
+    with pytest.raises(RunnerError) as err:
+        read_calibration(copy, cfg)
+    assert str(err.value).startswith(f"{copy / says}"), str(err.value)
+    good["tokens_per_second"] = [float("nan"), *good["tokens_per_second"].iloc[1:]]
+    good.to_parquet(copy / "throughput.parquet")
+    assert read_calibration(copy, cfg).steps == len(good) - 1
