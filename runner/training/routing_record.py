@@ -13,6 +13,7 @@ runner.training.moe.balancing does).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl
+from runner.runs.recorded import whole
 
 FILE = "metrics/routing.jsonl"
 FORMAT = "runner-routing/1"
@@ -39,17 +41,48 @@ def read_routing(run_dir: str | Path, committed_steps: int) -> dict[int, dict[st
     """step -> its line, for steps 1..committed_steps of the run's lineage; {} when there is no file."""
     path = Path(run_dir) / FILE
     rows: dict[int, dict[str, Any]] = {}
-    for row in read_jsonl(path, skip_torn=True):
-        try:
-            if row.get("format") != FORMAT:
-                raise ValueError(f"format {row.get('format')!r}, expected {FORMAT}")
-            step = int(row["step"])
-            row["load"], row["bias"]  # noqa: B018  (both present)
-        except (AttributeError, KeyError, TypeError, ValueError) as err:
-            raise RunnerError(f"not a routing record line: {err}", file=str(path)) from None
-        if 1 <= step <= committed_steps:
-            rows[step] = row
+    for n, row in enumerate(read_jsonl(path, skip_torn=True), 1):
+        problem = _shape_problem(row)
+        if problem:
+            raise RunnerError(f"line {n}: not a routing record line: {problem}", file=str(path))
+        if 1 <= row["step"] <= committed_steps:
+            rows[row["step"]] = row
     return rows
+
+
+def _count(x: Any) -> bool:
+    return whole(x) and x < 2**62  # a load summed in int64
+
+
+def _float32(x: Any) -> bool:
+    """A bias value as the trainer writes it: a float32, so finite and within float32's range."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and abs(x) <= float(np.finfo(np.float32).max)
+
+
+def _shape_problem(row: Any) -> str | None:
+    """What is wrong with a line, as the trainer writes them (None if nothing): a line edited or damaged
+    was a traceback in the report, or "unusable report" in the audit, wherever its arrays were read."""
+    if not isinstance(row, dict):
+        return f"a {type(row).__name__}, not a JSON object"
+    if row.get("format") != FORMAT:
+        return f"format {row.get('format')!r}, expected {FORMAT}"
+    if not whole(row.get("step")):
+        return f"step {json.dumps(row.get('step'))[:40]} is not a whole number >= 0"
+    load, bias = row.get("load"), row.get("bias")
+    if (
+        not isinstance(load, list)
+        or not load
+        or not all(isinstance(x, list) and x and all(map(_count, x)) for x in load)
+    ):
+        return "load must be one list per MoE layer of each expert's load (whole numbers)"
+    experts = len(load[0])
+    if any(len(x) != experts for x in load):
+        return f"load's layers hold {sorted({len(x) for x in load})} experts, not one count"
+    if not isinstance(bias, list) or len(bias) != len(load):
+        return f"bias must be one entry per MoE layer ({len(load)})"
+    if not all(b is None or (isinstance(b, list) and len(b) == experts and all(map(_float32, b))) for b in bias):
+        return f"bias must be null or {experts} float32 values per layer"
+    return None
 
 
 def bias_matrix(row: dict[str, Any]) -> list[np.ndarray | None]:

@@ -169,3 +169,34 @@ def test_v3_style_run_exports_as_glm4_moe_with_the_runs_logits(tmp_path):
     ids = torch.randint(0, 4000, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert float((loaded(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max()) <= 1e-5
+
+
+GOOD_LINE = {"format": "runner-routing/1", "step": 1, "load": [[3, 5], [4, 4]], "bias": [None, [0.01, -0.01]]}
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"bias": [None, "x"]}, "bias must be null or 2 float32 values per layer"),  # float('x') in the report
+        ({"bias": -1}, "bias must be one entry per MoE layer (2)"),  # 'int' object is not iterable
+        ({"bias": [None, [1e308, 0.0]]}, "bias must be null or 2 float32 values per layer"),  # inf after the cast
+        ({"load": [[3, None], [4, 4]]}, "load must be one list per MoE layer of each expert's load (whole numbers)"),
+        ({"load": [[3, 5], [4]]}, "load's layers hold [1, 2] experts, not one count"),
+        ({"step": "x"}, 'step "x" is not a whole number >= 0'),
+    ],
+)
+def test_a_routing_record_line_of_another_shape_is_one_line_naming_it(tmp_path, change, says):
+    """metrics/routing.jsonl's lines were checked for their format, step and keys only: a bias or load of
+    another shape was a traceback in `runner report` (TypeError, ValueError) and "unusable report or
+    config" in the audit, wherever the arrays were read (a fuzz of its first and last lines, 128 cases).
+    Each line is checked whole: one line naming the file and line."""
+    from runner.errors import RunnerError
+
+    (tmp_path / "metrics").mkdir()
+    path = tmp_path / "metrics" / "routing.jsonl"
+    path.write_text(json.dumps(GOOD_LINE) + "\n" + json.dumps({**GOOD_LINE, "step": 2, **change}) + "\n")
+    with pytest.raises(RunnerError) as err:
+        read_routing(tmp_path, 2)
+    assert str(err.value) == f"{path}: line 2: not a routing record line: {says}"
+    path.write_text(json.dumps(GOOD_LINE) + "\n")
+    assert read_routing(tmp_path, 2) == {1: GOOD_LINE}
