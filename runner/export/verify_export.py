@@ -38,7 +38,7 @@ from runner.export import card, card_downstream, export_scoring, folder
 from runner.export.source import Source, open_source, quiet_transformers
 from runner.fsio import atomic_write_json, read_json, sha256_file
 from runner.reports import tables as rpt
-from runner.runs.recorded import whole
+from runner.runs.recorded import number, whole
 
 RECORDS = "exports"  #: RUN/exports/: one record per export written from the run
 FORMAT = "runner-export-files/1"
@@ -271,9 +271,7 @@ def _verification(record: dict) -> tuple[dict, str]:
     keys = ("tolerance", "max_abs_logit_diff", "greedy_tokens_compared")
     if isinstance(v, dict) and isinstance(model, dict):
         figures = [model.get("tolerance"), model.get("max_abs_logit_diff")]
-        if all(isinstance(x, int | float) and not isinstance(x, bool) for x in figures) and whole(
-            model.get("greedy_tokens_compared")
-        ):
+        if all(map(number, figures)) and whole(model.get("greedy_tokens_compared")):
             return v, ""
     shown = json.dumps({k: model.get(k) for k in keys} if isinstance(model, dict) else v, default=str)
     nan = float("nan")

@@ -142,6 +142,11 @@ def whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def number(value) -> bool:
+    """A figure as a record holds it: an int or a float (never a bool; NaN and infinity are numbers)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 #: the fields of metrics/train.jsonl and eval.jsonl rows that reports, plans and fits read: counts are
 #: whole numbers, figures numbers (NaN allowed: an older row's missing time), the domain text
 TRAIN_FIELDS = dict.fromkeys(("step", "tokens_processed", "tokens_useful", "exposure_tokens", "devices"), "whole") | {
@@ -195,8 +200,7 @@ def _of_kind(v, kind: str) -> bool:
         return isinstance(v, str)
     if kind == "counts":
         return isinstance(v, dict) and all(whole(n) for n in v.values())
-    number = isinstance(v, int | float) and not isinstance(v, bool)
-    return number and (kind == "number" or (math.isfinite(v) and v >= 0))
+    return number(v) and (kind == "number" or (math.isfinite(v) and v >= 0))
 
 
 def checked_rows(rows: list, fields: dict[str, str], file: Path, required: tuple[str, ...] = ()) -> list[dict]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl
-from runner.runs.recorded import whole
+from runner.runs.recorded import number, whole
 
 FILE = "metrics/routing.jsonl"
 FORMAT = "runner-routing/1"
@@ -56,7 +56,7 @@ def _count(x: Any) -> bool:
 
 def _float32(x: Any) -> bool:
     """A bias value as the trainer writes it: a float32, so finite and within float32's range."""
-    return isinstance(x, int | float) and not isinstance(x, bool) and abs(x) <= float(np.finfo(np.float32).max)
+    return number(x) and abs(x) <= float(np.finfo(np.float32).max)
 
 
 def _shape_problem(row: Any) -> str | None:

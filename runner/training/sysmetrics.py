@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.fsio import read_jsonl, repair_jsonl_tail
-from runner.runs.recorded import whole
+from runner.runs.recorded import number, whole
 from runner.training.callbacks import Callback
 
 GIB = 2.0**30
@@ -281,14 +281,14 @@ def _readable(rows: list) -> tuple[list[dict], int]:
     file (`"device_busy_percent": "x"`, a rank of text) is left out of the summary and counted, instead
     of a traceback at the end of every later attempt of a run that trained."""
 
-    def number(v: Any) -> bool:
-        return v is None or (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v))
+    def readable(v: Any) -> bool:
+        return v is None or (number(v) and math.isfinite(v))
 
     good = [
         r
         for r in rows
         if isinstance(r, dict)
-        and all(number(r.get(k)) for k in _SUMMED)
+        and all(readable(r.get(k)) for k in _SUMMED)
         and whole(r.get("rank", 0))
         and whole(r.get("node_rank", 0))
     ]

@@ -42,7 +42,7 @@ from typing import Any, Protocol, TextIO
 from runner.config.load import repo_root
 from runner.errors import RunnerError
 from runner.fsio import atomic_write, read_jsonl
-from runner.runs.recorded import whole
+from runner.runs.recorded import number, whole
 
 PENDING = Path("journal") / "mlflow-pending.jsonl"
 RETRY_AFTER_SECONDS = 10.0  # after a failed send, wait this long before trying again
@@ -250,9 +250,7 @@ def _entry_problem(e: Any) -> str | None:
         if not whole(e.get("step")) or not whole(e.get("timestamp_ms")):
             return "step or timestamp_ms not a whole number >= 0"
         metrics = e.get("metrics")
-        if not isinstance(metrics, dict) or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()
-        ):
+        if not isinstance(metrics, dict) or not all(map(number, metrics.values())):
             return "metrics not a mapping of names to numbers"
         return None
     return f"kind {kind!r} is not one of ack, start, params, tags, artifacts, status, metrics"
