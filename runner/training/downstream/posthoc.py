@@ -108,28 +108,23 @@ def run_eval(
     out = run_dir / "downstream"
     stem = _claim_stem(out, step)
     try:
-        written = _write_record(out, stem, path, step, state, scored, useful)
+        requests = write_requests(out / requests_name(step, "eval").replace(f"step-{step:07d}", stem), scored, step)
+        record = {
+            "source": "runner eval",
+            "checkpoint": path.name,
+            "step": step,
+            "fingerprint": state.get("fingerprint"),
+            "t_eval_seconds": scored.t_eval_seconds,
+            "forwards": scored.forwards,
+            "requests_file": requests.name,
+            # the checkpoint's useful tokens; no wall time: scored after the fact, never part of the run's
+            "rows": [{**r, "useful_tokens": useful} for r in scored.rows] if useful is not None else scored.rows,
+        }
+        written = out / f"eval-{stem}.json"
+        atomic_write_json(written, record)
     finally:
         _release(out, stem)
     for r in scored.rows:
         say(f"  {r['task']:<24} {r['metric']:<18} {r['value']:.4f}  ({r['documents']} documents)")
     say(f"  t_eval {scored.t_eval_seconds:.2f} s in {scored.forwards} forwards; written to {out}")
-    return written
-
-
-def _write_record(out: Path, stem: str, path: Path, step: int, state: dict, scored, useful: int | None) -> Path:
-    requests = write_requests(out / requests_name(step, "eval").replace(f"step-{step:07d}", stem), scored, step)
-    record = {
-        "source": "runner eval",
-        "checkpoint": path.name,
-        "step": step,
-        "fingerprint": state.get("fingerprint"),
-        "t_eval_seconds": scored.t_eval_seconds,
-        "forwards": scored.forwards,
-        "requests_file": requests.name,
-        # the checkpoint's useful tokens; no wall time: scored after the fact, never part of the run's
-        "rows": [{**r, "useful_tokens": useful} for r in scored.rows] if useful is not None else scored.rows,
-    }
-    written = out / f"eval-{stem}.json"
-    atomic_write_json(written, record)
     return written
