@@ -11,8 +11,10 @@ are each section's `validate` and runner.config.rules'. Never touches data, mode
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
+import threading
 import types
 import typing
 from dataclasses import dataclass, field
@@ -587,10 +589,52 @@ def _check_missing(node: Any, key: str, path: Path, problems: Problems) -> None:
         problems.add(path, key, "missing value")
 
 
+#: saved configs this process has typed: repr of the saved mapping -> (typed config, fingerprint). A
+#: run's readers (report, audit, export, the close of a launch) type the same experiment.yaml 5-30
+#: times, ~40 ms each in OmegaConf; the key is the mapping's repr, taken only where every value is of
+#: a plain type whose repr names it exactly (so 1, 1.0, True and "1" are four keys, and key order
+#: counts), and each caller gets its own copy of the typed config.
+_TYPED_SAVED: dict[str, tuple[ExperimentSchema, str]] = {}
+_TYPED_SAVED_MAX = 32
+_TYPED_SAVED_LOCK = threading.Lock()
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _saved_key(resolved: dict) -> str | None:
+    """The memo key of a saved config, or None where a value's repr might not name it exactly."""
+
+    def plain(v: Any) -> bool:
+        if type(v) is dict:
+            return all(type(k) in _PLAIN and plain(x) for k, x in v.items())
+        if type(v) is list:
+            return all(plain(x) for x in v)
+        return type(v) in _PLAIN
+
+    return repr(resolved) if plain(resolved) else None
+
+
 def experiment_from_dict(resolved: dict, project_root: Path | None = None, path: Path | None = None) -> Experiment:
     """Rebuild an Experiment from a saved resolved config (run folders, report folders). Typed by
     the schema (keys a saved config lacks take its defaults); the value rules are not re-run, so a
-    run saved under older rules still reads back."""
+    run saved under older rules still reads back. Typed once per process per saved mapping
+    (`_TYPED_SAVED`); a config that does not fit is typed, and refused, every time."""
+    key = _saved_key(resolved)
+    with _TYPED_SAVED_LOCK:
+        hit = _TYPED_SAVED.get(key) if key is not None else None
+    if hit is None:
+        typed, digest = _typed_saved(resolved, path)
+        if key is not None:
+            with _TYPED_SAVED_LOCK:
+                if len(_TYPED_SAVED) >= _TYPED_SAVED_MAX:
+                    _TYPED_SAVED.pop(next(iter(_TYPED_SAVED)))  # the oldest
+                _TYPED_SAVED[key] = (copy.deepcopy(typed), digest)
+    else:
+        typed, digest = copy.deepcopy(hit[0]), hit[1]
+    return Experiment(config=typed, fingerprint=digest, path=path, project_root=project_root or Path.cwd().resolve())
+
+
+def _typed_saved(resolved: dict, path: Path | None) -> tuple[ExperimentSchema, str]:
+    """A saved config typed by the schema and its fingerprint, or the one line that says why not."""
     try:
         typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ExperimentSchema), resolved))
     except (OmegaConfBaseException, TypeError) as e:  # TypeError: a mapping where a list is (betas: {a: 1})
@@ -611,7 +655,7 @@ def experiment_from_dict(resolved: dict, project_root: Path | None = None, path:
         digest = fingerprint(typed)
     except RunnerError as e:  # a NaN: name the file it came from
         raise RunnerError(e.detail, file=str(path) if path else None, key=e.key) from None
-    return Experiment(config=typed, fingerprint=digest, path=path, project_root=project_root or Path.cwd().resolve())
+    return typed, digest
 
 
 def _misfit_key(resolved: dict) -> str | None:

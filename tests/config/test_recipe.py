@@ -460,6 +460,49 @@ def test_the_config_is_typed_frozen_and_saves_as_before():
     assert again.config == cfg and again.fingerprint == exp.fingerprint == SHIPPED_FINGERPRINTS["cpu-tiny.yaml"]
 
 
+def test_a_saved_config_typed_once_per_process_reads_back_as_if_typed_anew(monkeypatch):
+    """experiment_from_dict remembers what it typed (a run's readers type one experiment.yaml many
+    times): every read gives what typing it anew gives, its own copy, and a config that does not fit
+    is refused on every read. 1 and True are equal and hash alike, and domain order is kept (the
+    report lists domains in it): a key blind to either returns another config's typing."""
+    import copy
+    import dataclasses
+
+    from runner.config.load import _TYPED_SAVED, experiment_from_dict
+
+    saved = load_experiment(REPO / "experiments/cpu-tiny.yaml").to_container()
+    reordered = copy.deepcopy(saved)
+    reordered["mixture"]["domains"] = dict(reversed(list(saved["mixture"]["domains"].items())))
+    variants = [saved, {**saved, "seed": True}, {**saved, "seed": "1"}, reordered, {**saved, "seed": 1.0}]
+
+    def typed_anew(resolved):
+        monkeypatch.setattr(config_load, "_TYPED_SAVED", {})
+        try:
+            got = experiment_from_dict(copy.deepcopy(resolved))
+            return dataclasses.asdict(got.config), list(got.config.mixture.domains), got.fingerprint
+        except RunnerError as e:
+            return str(e)
+        finally:
+            monkeypatch.setattr(config_load, "_TYPED_SAVED", _TYPED_SAVED)
+
+    want = [typed_anew(v) for v in variants]
+    assert isinstance(want[1], str) and "seed" in want[1] and isinstance(want[4], str)  # True, 1.0: no int seed
+    assert want[3][1] == ["legal", "prose", "code"] and want[3][2] == want[0][2]  # same fingerprint, its order
+    _TYPED_SAVED.clear()
+    for _ in range(2):  # the second pass reads from the memo
+        for v, w in zip(variants, want):
+            try:
+                got = experiment_from_dict(copy.deepcopy(v))
+                assert (dataclasses.asdict(got.config), list(got.config.mixture.domains), got.fingerprint) == w
+            except RunnerError as e:
+                assert str(e) == w
+    assert len(_TYPED_SAVED) == 3  # saved, "1" and reordered; no refusal remembered
+    one, two = experiment_from_dict(saved), experiment_from_dict(saved)
+    assert one.config == two.config and one.config is not two.config
+    one.config.mixture.domains.pop("code")  # a reader that changes its copy changes no later read
+    assert "code" in experiment_from_dict(saved).config.mixture.domains
+
+
 def test_published_reports_read_back_through_the_schema_to_their_recorded_fingerprint():
     from runner.config.load import load_saved_experiment
 
