@@ -624,6 +624,8 @@ def test_a_malformed_downstream_row_or_record_is_one_line_naming_the_file_and_co
         ({"value": "high"}, "value: not float64"),
         ({"value": 1.5}, "value: fails accuracies in [0, 1], centered <= 1, bpb > 0 (the row of step 2, task"),
         ({"documents": 0}, "documents: 0 fails greater_than_or_equal_to(1)"),
+        ({"documents": 20.5}, "documents: not int64 (20.5 is not a whole number)"),  # astype read it as 20
+        ({"exposure_tokens": True}, "exposure_tokens: not int64 (True is not a whole number)"),
         ({"random_baseline": None}, "random_baseline: fails a random baseline on every figure but bpb"),
         ({"convention": "{"}, "convention: fails the convention record names the metric"),
         ({"useful_tokens": "many"}, "useful_tokens must be an integer, got 'many'"),
@@ -656,6 +658,26 @@ def test_a_malformed_downstream_row_or_record_is_one_line_naming_the_file_and_co
         )
         with pytest.raises(RunnerError, match=rf"eval-step-0000004.json: {re.escape(message)}"):
             downstream_table(run)
+    # a record's figures: each at the record's step, a whole number (a step of text in a row older than
+    # useful_tokens was int()'s traceback in runner report and the audit; 1.5 or true was read as step 1)
+    row = {k: v for k, v in rows[acc].items() if k not in ("wall_seconds", "device_wall_seconds")}
+    at, task, older = row["step"], row["task"], {k: v for k, v in row.items() if k != "useful_tokens"}
+    record.unlink()
+    record = run / f"downstream/eval-step-{at:07d}.json"
+    for figure, message in (
+        (dict(row, step=at + 0.5), f"got {at + 0.5}, '{task}', 'acc'"),
+        (dict(older, step="x"), f"got 'x', '{task}', 'acc'"),
+        (dict(row, step=True), f"got True, '{task}', 'acc'"),
+        (dict(row, metric=None), f"got {at}, '{task}', None"),
+        (dict(row, step=at + 1), f"figure 1 is at step {at + 1}, the record at step {at}"),
+    ):
+        body = {"step": at, "checkpoint": f"step-{at:07d}", "requests_file": f"requests-eval-step-{at:07d}.jsonl.gz"}
+        record.write_text(json.dumps({**body, "rows": [figure]}))
+        with pytest.raises(RunnerError) as e:
+            downstream_table(run)
+        assert str(e.value).startswith(f"{record}: rows: ") and message in str(e.value), str(e.value)
+        proc = run_in_process(scored_run, ["report", str(run)], env(scored_run))
+        assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
 
 
 def _bracket_by_hand(rows: list[dict], task: str, metric: str, at_least: float) -> dict[str, int]:
@@ -870,6 +892,52 @@ def test_forged_downstream_figures_and_stamps_fail_after_an_honest_extension(sco
     assert "runner_eval/builtin/acc at step 4: MLflow " in problems
     assert "runner_eval/builtin/bpb at step 2: MLflow " in problems  # the gold's ll raised: bpb always moves
     assert "step 5" not in problems  # the extension's own scoring is honest
+
+
+@pytest.mark.slow
+def test_every_figures_exposure_is_its_steps_whole_batches_runner_eval_and_loop_alike(scored_run, tmp_path):
+    """A `runner eval` figure's exposure and useful tokens were not checked at all (exposure 100 at
+    step 12 passed the audit, --recompute-eval included, and showed in the report), and the loop's
+    were read one row per step (a second row of a step could say anything). Each figure's exposure
+    is its step's whole batches, its useful tokens at most that."""
+    import shutil
+
+    from runner.reports.audit.run import audit
+    from runner.reports.downstream.targets import TIMELINE
+
+    run = tmp_path / "run"
+    shutil.copytree(scored_run / "run", run, ignore=shutil.ignore_patterns("*eval-step-*"))
+    environ = env(scored_run)
+    proc = run_in_process(scored_run, ["eval", str(run), "--tasks", "builtin", "--limit", "2"], environ)
+    assert proc.returncode == 0, proc.stderr
+
+    def timeline() -> object:
+        proc = run_in_process(scored_run, ["report", str(run)], environ)
+        assert proc.returncode == 0, proc.stderr
+        return next(c for c in audit(run, check_mlflow=False).checks if c.name == TIMELINE)
+
+    honest = timeline()
+    assert honest.status == "PASS" and honest.detail == "2 loop scorings, 1 runner eval step", honest
+    record = run / "downstream/eval-step-0000004.json"
+    body = json.loads(record.read_text())
+    batch = body["rows"][0]["exposure_tokens"] // 4
+    for r in body["rows"]:  # stamped as if scored at step 2: a plausible count, not step 4's
+        r["exposure_tokens"], r["useful_tokens"] = 2 * batch, 2 * batch
+    record.write_text(json.dumps(body))
+    forged = timeline()
+    assert forged.status == "FAIL" and f"runner eval step 4: exposure {2 * batch:,} != 4 x {batch:,}" in forged.detail
+    body["rows"][0].update(exposure_tokens=4 * batch, useful_tokens=4 * batch + 1)
+    body["rows"][1:] = []
+    record.write_text(json.dumps(body))
+    assert "runner eval step 4: useful " in timeline().detail
+    record.unlink()
+    loop_file = run / "metrics/downstream.jsonl"
+    rows = read_jsonl(loop_file)
+    last = max(i for i, r in enumerate(rows) if r["step"] == 4)  # not the step's first row
+    rows[last]["exposure_tokens"] = 3 * batch
+    loop_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    forged = timeline()
+    assert forged.status == "FAIL" and f"loop step 4: exposure {3 * batch:,} != 4 x {batch:,}" in forged.detail
 
 
 def test_two_scorings_of_one_step_at_once_take_two_stems(tmp_path):

@@ -62,6 +62,13 @@ def read_eval_record(path: Path) -> dict[str, Any]:
     step = record.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise RunnerError(f"must be a step (an integer >= 0), got {step!r}", file=str(path), key="step")
+    for n, r in enumerate(rows, 1):  # one checkpoint's scoring: every figure at the record's step
+        if problem := _keys_problem(r):
+            raise RunnerError(f"figure {n}: {problem}", file=str(path), key="rows")
+        if r["step"] != step:
+            raise RunnerError(
+                f"figure {n} is at step {r['step']}, the record at step {step}", file=str(path), key="rows"
+            )
     checkpoint = record.get("checkpoint")
     if not isinstance(checkpoint, str) or not re.fullmatch(r"step-\d{7}", checkpoint):
         raise RunnerError(
@@ -80,18 +87,18 @@ def loop_rows(file: Path) -> list[dict[str, Any]]:
     for n, r in enumerate(rows, 1):
         if not isinstance(r, dict):
             raise RunnerError(f"row {n} is not a JSON object", file=str(file))
-        step, task, metric = r.get("step"), r.get("task"), r.get("metric")
-        if (
-            not isinstance(step, int)
-            or isinstance(step, bool)
-            or not isinstance(task, str)
-            or not isinstance(metric, str)
-        ):
-            raise RunnerError(
-                f"row {n}: step must be an integer and task, metric strings, got {step!r}, {task!r}, {metric!r}",
-                file=str(file),
-            )
+        if problem := _keys_problem(r):
+            raise RunnerError(f"row {n}: {problem}", file=str(file))
     return rows
+
+
+def _keys_problem(r: dict) -> str | None:
+    """What is wrong with a figure's keys (a loop row or a `runner eval` record's row), or None: its
+    step a whole number, its task and metric strings."""
+    step, task, metric = r.get("step"), r.get("task"), r.get("metric")
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(task, str) or not isinstance(metric, str):
+        return f"step must be an integer and task, metric strings, got {step!r}, {task!r}, {metric!r}"
+    return None
 
 
 def _row(r: dict, source: str, file: Path, useful_by_step) -> dict:
@@ -146,6 +153,9 @@ def _frame(rows: list[dict], file: Path | None) -> pd.DataFrame:
     """One file's rows as the schema types them, validated; RunnerError naming the file and column."""
     df = pd.DataFrame(rows, columns=list(COLUMNS))
     for col, dtype in _DTYPES.items():
+        odd = [v for v in df[col] if not isinstance(v, int) or isinstance(v, bool)] if dtype == "int64" else []
+        if odd:  # astype would read 1.5 or true as 1
+            raise RunnerError(f"{col}: not int64 ({odd[0]!r} is not a whole number)", file=str(file) if file else None)
         try:
             df[col] = df[col].astype(dtype if dtype in ("int64", "float64") else str)  # typed when empty too
         except (TypeError, ValueError, OverflowError) as err:

@@ -44,6 +44,20 @@ def render_markdown(declared: list[TaskTarget], table: pd.DataFrame) -> list[str
     return lines
 
 
+def figure_progress_problems(downstream: pd.DataFrame, global_batch_tokens: int) -> list[str]:
+    """Where each figure says the run stood, against the run's batch: exposure is its step's whole
+    batches and useful never exceeds it, figure by figure (a `runner eval` figure is stamped from the
+    run's records at its checkpoint's step; the loop's checks read one row per step)."""
+    problems: dict[str, None] = {}  # one line per step, source and fault
+    for r in downstream.itertuples(index=False):
+        where = f"{r.source} step {r.step}"
+        if int(r.exposure_tokens) != int(r.step) * global_batch_tokens:
+            problems[f"{where}: exposure {int(r.exposure_tokens):,} != {r.step} x {global_batch_tokens:,}"] = None
+        if int(r.useful_tokens) > int(r.exposure_tokens):
+            problems[f"{where}: useful {int(r.useful_tokens):,} > exposure"] = None
+    return list(problems)
+
+
 def audit_checks(
     tables: dict[str, pd.DataFrame], cfg: ExperimentSchema | dict, run: dict
 ) -> list[tuple[str, list[str], str]]:
@@ -55,14 +69,18 @@ def audit_checks(
     summary = tables["run_summary"].iloc[0]
     committed = int(summary["steps"])
     scorings = loop_scorings(tables["downstream"], committed)
+    scored_later = tables["downstream"][tables["downstream"]["source"] == "runner eval"]
     out = []
-    if len(scorings):
+    if len(scorings) or len(scored_later):
         batch_tokens = int(summary["global_batch_sequences"]) * int(summary["seq_len"])
+        n = scored_later["step"].nunique()
+        later = f", {n} runner eval step{'s' * (n != 1)}" if n else ""
         out.append(
             (
                 TIMELINE,
-                targets.timeline_problems(scorings, run, batch_tokens),
-                f"{scorings['step'].nunique()} loop scorings",
+                (targets.timeline_problems(scorings, run, batch_tokens) if len(scorings) else [])
+                + figure_progress_problems(tables["downstream"], batch_tokens),
+                f"{scorings['step'].nunique()} loop scorings{later}",
             )
         )
     if declared or len(tables["downstream_targets"]):
