@@ -626,6 +626,9 @@ def test_a_malformed_downstream_row_or_record_is_one_line_naming_the_file_and_co
         ({"documents": 0}, "documents: 0 fails greater_than_or_equal_to(1)"),
         ({"documents": 20.5}, "documents: not int64 (20.5 is not a whole number)"),  # astype read it as 20
         ({"exposure_tokens": True}, "exposure_tokens: not int64 (True is not a whole number)"),
+        ({"value": "0.5"}, "value: not float64 ('0.5' is not a number)"),  # astype read it as 0.5
+        ({"t_eval_seconds": True}, "t_eval_seconds: not float64 (True is not a number)"),
+        ({"wall_seconds": "2"}, "wall_seconds and device_wall_seconds must be numbers, got '2'"),
         ({"random_baseline": None}, "random_baseline: fails a random baseline on every figure but bpb"),
         ({"convention": "{"}, "convention: fails the convention record names the metric"),
         ({"useful_tokens": "many"}, "useful_tokens must be an integer, got 'many'"),

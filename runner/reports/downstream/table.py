@@ -106,15 +106,15 @@ def _row(r: dict, source: str, file: Path, useful_by_step) -> dict:
         row = {"source": source, **{c: r[c] for c in COLUMNS if c not in ("source", *PROGRESS)}}
     except KeyError as e:
         raise RunnerError(f"a downstream row lacks {e.args[0]}", file=str(file)) from None
-    try:
-        row["wall_seconds"] = float(r.get("wall_seconds", math.nan)) if source == "loop" else math.nan
-        row["device_wall_seconds"] = float(r.get("device_wall_seconds", math.nan)) if source == "loop" else math.nan
-    except (TypeError, ValueError):
-        raise RunnerError(
-            f"wall_seconds and device_wall_seconds must be numbers, got {r.get('wall_seconds')!r}, "
-            f"{r.get('device_wall_seconds')!r}",
-            file=str(file),
-        ) from None
+    for key in ("wall_seconds", "device_wall_seconds"):
+        v = r.get(key, math.nan) if source == "loop" else math.nan
+        if not isinstance(v, int | float) or isinstance(v, bool):  # float() read "2" as 2.0, true as 1.0
+            raise RunnerError(
+                f"wall_seconds and device_wall_seconds must be numbers, got {r.get('wall_seconds')!r}, "
+                f"{r.get('device_wall_seconds')!r}",
+                file=str(file),
+            )
+        row[key] = float(v)
     if "useful_tokens" in r and r["useful_tokens"] is not None:
         if not isinstance(r["useful_tokens"], int) or isinstance(r["useful_tokens"], bool):
             raise RunnerError(f"useful_tokens must be an integer, got {r['useful_tokens']!r}", file=str(file))
@@ -153,9 +153,12 @@ def _frame(rows: list[dict], file: Path | None) -> pd.DataFrame:
     """One file's rows as the schema types them, validated; RunnerError naming the file and column."""
     df = pd.DataFrame(rows, columns=list(COLUMNS))
     for col, dtype in _DTYPES.items():
-        odd = [v for v in df[col] if not isinstance(v, int) or isinstance(v, bool)] if dtype == "int64" else []
-        if odd:  # astype would read 1.5 or true as 1
-            raise RunnerError(f"{col}: not int64 ({odd[0]!r} is not a whole number)", file=str(file) if file else None)
+        if dtype in ("int64", "float64"):  # astype would read 1.5 or true as 1, "0.5" as 0.5
+            kinds = int if dtype == "int64" else (int, float, type(None))  # None: a figure without one (NaN)
+            odd = [v for v in df[col] if not isinstance(v, kinds) or isinstance(v, bool)]
+            if odd:
+                what = "a whole number" if dtype == "int64" else "a number"
+                raise RunnerError(f"{col}: not {dtype} ({odd[0]!r} is not {what})", file=str(file) if file else None)
         try:
             df[col] = df[col].astype(dtype if dtype in ("int64", "float64") else str)  # typed when empty too
         except (TypeError, ValueError, OverflowError) as err:
