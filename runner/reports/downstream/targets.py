@@ -13,6 +13,7 @@ import pandas as pd
 
 from runner.config.schema import ExperimentSchema
 from runner.reports import targets
+from runner.runs.runjson import as_record
 from runner.training.task_targets import (
     TASK_TARGET_COLUMNS,
     TaskTarget,
@@ -44,10 +45,13 @@ def render_markdown(declared: list[TaskTarget], table: pd.DataFrame) -> list[str
     return lines
 
 
-def figure_progress_problems(downstream: pd.DataFrame, global_batch_tokens: int) -> list[str]:
-    """Where each figure says the run stood, against the run's batch: exposure is its step's whole
-    batches and useful never exceeds it, figure by figure (a `runner eval` figure is stamped from the
-    run's records at its checkpoint's step; the loop's checks read one row per step)."""
+def figure_progress_problems(downstream: pd.DataFrame, global_batch_tokens: int, run: dict) -> list[str]:
+    """Where each figure says the run stood, figure by figure (the loop's timeline reads one row per
+    step; a `runner eval` figure is stamped from the run's records at its checkpoint's step): its
+    exposure is its step's whole batches, useful never exceeds it, and no loop figure's scoring ended
+    after the run did (run.json's wall and device-wall seconds)."""
+    record = as_record(run)
+    totals = {"wall_seconds": record.wall_seconds, "device_wall_seconds": record.device_wall_seconds}
     problems: dict[str, None] = {}  # one line per step, source and fault
     for r in downstream.itertuples(index=False):
         where = f"{r.source} step {r.step}"
@@ -55,6 +59,12 @@ def figure_progress_problems(downstream: pd.DataFrame, global_batch_tokens: int)
             problems[f"{where}: exposure {int(r.exposure_tokens):,} != {r.step} x {global_batch_tokens:,}"] = None
         if int(r.useful_tokens) > int(r.exposure_tokens):
             problems[f"{where}: useful {int(r.useful_tokens):,} > exposure"] = None
+        for col, total in totals.items():
+            value = float(getattr(r, col))  # NaN: not stamped (runner eval, older rows)
+            if total is not None and value > float(total) * (1 + 1e-6) + 1e-6:
+                problems[f"{where}: a figure's {col} {value:.6g} is after the run's {float(total):.6g} (run.json)"] = (
+                    None
+                )
     return list(problems)
 
 
@@ -79,7 +89,7 @@ def audit_checks(
             (
                 TIMELINE,
                 (targets.timeline_problems(scorings, run, batch_tokens) if len(scorings) else [])
-                + figure_progress_problems(tables["downstream"], batch_tokens),
+                + figure_progress_problems(tables["downstream"], batch_tokens, run),
                 f"{scorings['step'].nunique()} loop scorings{later}",
             )
         )
