@@ -939,10 +939,12 @@ def test_every_figures_exposure_is_its_steps_whole_batches_runner_eval_and_loop_
     last = max(i for i, r in enumerate(rows) if r["step"] == 4)  # not the step's first row
     rows[last]["exposure_tokens"] = 3 * batch
     rows[last]["device_wall_seconds"] = 1e300  # the timeline read the step's first row (after sorting) only
+    rows[last]["t_eval_seconds"] = rows[last]["wall_seconds"] + 1  # a scoring longer than the run so far
     loop_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     forged = timeline()
     assert forged.status == "FAIL" and f"loop step 4: exposure {3 * batch:,} != 4 x {batch:,}" in forged.detail
     assert "loop step 4: a figure's device_wall_seconds 1e+300 is after the run's " in forged.detail, forged
+    assert "loop step 4: t_eval_seconds " in forged.detail and " is longer than the run had run when" in forged.detail
 
 
 def test_two_scorings_of_one_step_at_once_take_two_stems(tmp_path):

@@ -48,8 +48,9 @@ def render_markdown(declared: list[TaskTarget], table: pd.DataFrame) -> list[str
 def figure_progress_problems(downstream: pd.DataFrame, global_batch_tokens: int, run: dict) -> list[str]:
     """Where each figure says the run stood, figure by figure (the loop's timeline reads one row per
     step; a `runner eval` figure is stamped from the run's records at its checkpoint's step): its
-    exposure is its step's whole batches, useful never exceeds it, and no loop figure's scoring ended
-    after the run did (run.json's wall and device-wall seconds)."""
+    exposure is its step's whole batches, useful never exceeds it, no loop figure's scoring ended after
+    the run did (run.json's wall and device-wall seconds) or took longer than the run had run when it
+    ended (its own wall-seconds stamp)."""
     record = as_record(run)
     totals = {"wall_seconds": record.wall_seconds, "device_wall_seconds": record.device_wall_seconds}
     problems: dict[str, None] = {}  # one line per step, source and fault
@@ -65,6 +66,11 @@ def figure_progress_problems(downstream: pd.DataFrame, global_batch_tokens: int,
                 problems[f"{where}: a figure's {col} {value:.6g} is after the run's {float(total):.6g} (run.json)"] = (
                     None
                 )
+        if float(r.t_eval_seconds) > float(r.wall_seconds) * (1 + 1e-6) + 1e-6:  # NaN stamp: not compared
+            problems[
+                f"{where}: t_eval_seconds {float(r.t_eval_seconds):.6g} is longer than the run had run "
+                f"when the scoring ended (wall_seconds {float(r.wall_seconds):.6g})"
+            ] = None
     return list(problems)
 
 
