@@ -196,10 +196,13 @@ def exposure_grows_with_step(df):
 
 @register_check_method(supported_types=pd.DataFrame)
 def one_progress_per_step(df):
-    """An evaluation happens at one point of the run: one useful count and one time per step."""
+    """An evaluation happens at one point of the run: one useful count, one time and one device time
+    per step (each domain's row carries the step's one stamp)."""
     per_step = df.groupby("step")
-    return (per_step["useful_tokens"].transform("nunique") == 1) & (
-        per_step["wall_seconds"].transform("nunique", dropna=False) == 1
+    return (
+        (per_step["useful_tokens"].transform("nunique") == 1)
+        & (per_step["wall_seconds"].transform("nunique", dropna=False) == 1)
+        & (per_step["device_wall_seconds"].transform("nunique", dropna=False) == 1)
     )
 
 
@@ -506,7 +509,7 @@ VALIDATION = pa.DataFrameSchema(
     checks=[
         pa.Check.one_eval_per_step_and_domain(error="one row per (step, domain)"),
         pa.Check.exposure_grows_with_step(error="exposure is one non-decreasing value per step"),
-        pa.Check.one_progress_per_step(error="one useful count and one time per evaluation step"),
+        pa.Check.one_progress_per_step(error="one useful count, one time and one device time per evaluation step"),
         pa.Check.validation_tokens_fixed(error="one validation token count per domain"),
         pa.Check.useful_within_exposure(error="useful <= exposure at every evaluation"),
         pa.Check.device_time_covers_time(error="device_wall_seconds >= wall_seconds"),

@@ -88,6 +88,7 @@ BAD = [
         lambda df: df.assign(exposure_tokens=df["exposure_tokens"][::-1].to_numpy()),
         "exposure is one non-decreasing value per step",
     ),
+    ("validation", _set("device_wall_seconds", 1e300), "one device time per evaluation step"),  # one domain's row
     ("throughput", lambda df: df.iloc[::-1], "steps strictly increase"),
     ("throughput", _set("mfu", 2.0), "less_than_or_equal_to"),
     ("throughput", _set("step_seconds", 0.0), "greater_than"),
