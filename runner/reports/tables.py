@@ -36,6 +36,7 @@ from runner.reports.markdown import render_markdown
 from runner.runs.folder import is_reportable_run
 from runner.runs.recorded import (
     EVAL_FIELDS,
+    EVAL_REQUIRED,
     TRAIN_FIELDS,
     checked_rows,
     conventions_of,
@@ -118,7 +119,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     eval_rows = list(
         {
             (int(r["step"]), str(r["domain"])): r
-            for r in checked_rows(read_jsonl(eval_file), EVAL_FIELDS, eval_file, required=("step", "domain"))
+            for r in checked_rows(read_jsonl(eval_file), EVAL_FIELDS, eval_file, required=EVAL_REQUIRED)
         }.values()
     )
     validation = targets.validation_frame(targets.complete_eval_rows(eval_rows, train_rows, str(eval_file)))

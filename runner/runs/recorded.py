@@ -137,9 +137,13 @@ def _seconds(run: RunJson, train_rows: list[dict]) -> tuple[float, float]:
     return float(wall), float(step_total)
 
 
+#: the largest count a record may hold: every table stores counts as int64 (pandas' astype overflowed)
+INT64_MAX = 2**63 - 1
+
+
 def whole(value) -> bool:
-    """A count as a record holds it: an int >= 0 (never a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A count as a record holds it: an int from 0 to INT64_MAX (never a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT64_MAX
 
 
 def number(value) -> bool:
@@ -175,6 +179,9 @@ EVAL_FIELDS = (
     | dict.fromkeys(("loss_nats", "bpb", "wall_seconds", "device_wall_seconds"), "number")
     | {"domain": "text"}
 )
+#: what every eval.jsonl row holds for the validation table (samples and tokens: an older runner's rows
+#: lack them, said in their own words by runner.training.targets.complete_eval_rows)
+EVAL_REQUIRED = ("step", "domain", "exposure_tokens", "loss_nats", "bpb")
 #: the lines of journal/processed.jsonl (runner.training.clock), which a resume replays into its clock and ledger
 JOURNAL_FIELDS = (
     dict.fromkeys(("attempt", "step", "micro"), "whole")
@@ -210,15 +217,18 @@ def checked_rows(rows: list, fields: dict[str, str], file: Path, required: tuple
     for n, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             raise RunnerError(f"line {n}: must be a JSON object, got {json.dumps(row)[:40]}", file=str(file))
-        for field in required:
-            if field not in row:
-                raise RunnerError(f"line {n}: missing", file=str(file), key=field)
         for field, kind in fields.items():
             if field not in row:
                 continue
             v = row[field]
             if not _of_kind(v, kind):
+                beyond = kind in ("whole", "devices") and isinstance(v, int) and v > INT64_MAX
                 raise RunnerError(
-                    f"line {n}: must be {_KINDS[kind]}, got {json.dumps(v)[:40]}", file=str(file), key=field
+                    f"line {n}: must be {_KINDS[kind]}{' up to 2**63 - 1' if beyond else ''}, got {json.dumps(v)[:40]}",
+                    file=str(file),
+                    key=field,
                 )
+        for field in required:  # after the kinds: a field of another type is named first
+            if field not in row:
+                raise RunnerError(f"line {n}: missing", file=str(file), key=field)
     return rows

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from runner import progress
 from runner.fsio import read_jsonl, repair_jsonl_tail
-from runner.runs.recorded import EVAL_FIELDS, TRAIN_FIELDS, checked_rows
+from runner.runs.recorded import EVAL_FIELDS, EVAL_REQUIRED, TRAIN_FIELDS, checked_rows
 from runner.runs.steprecord import StepRecord
 from runner.training import targets
 
@@ -314,7 +314,7 @@ class TargetsCallback(Callback):
             # the lineage's rows as the report reads them: a row of another shape is one line at the start,
             # not int()'s traceback (`"step": "x"` stopped every tracked resume)
             evals, trains = Path(run_dir) / "metrics" / "eval.jsonl", Path(run_dir) / "metrics" / "train.jsonl"
-            rows = checked_rows(read_jsonl(evals, skip_torn=True), EVAL_FIELDS, evals, required=("step", "domain"))
+            rows = checked_rows(read_jsonl(evals, skip_torn=True), EVAL_FIELDS, evals, required=EVAL_REQUIRED)
             earlier = [r for r in rows if r["step"] <= start_step]
             train = checked_rows(read_jsonl(trains, skip_torn=True), TRAIN_FIELDS, trains, required=("step",))
             for r in targets.complete_eval_rows(earlier, train):

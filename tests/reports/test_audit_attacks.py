@@ -818,6 +818,20 @@ def test_a_saved_config_the_runner_cannot_read_is_one_line_naming_its_key(tmp_pa
         ("metrics/eval.jsonl", "samples", None, "eval.jsonl: samples: line 1: must be a whole number >= 0, got null"),
         ("metrics/train.jsonl", "step_seconds", [1], "train.jsonl: step_seconds: line 1: must be a number, got [1]"),
         ("metrics/eval.jsonl", "step", "<delete>", "eval.jsonl: step: line 1: missing"),  # was a KeyError
+        ("metrics/eval.jsonl", "loss_nats", "<delete>", "eval.jsonl: loss_nats: line 1: missing"),  # a KeyError too
+        # beyond int64: pandas' OverflowError traceback in runner report
+        (
+            "metrics/eval.jsonl",
+            "tokens",
+            10**30,
+            "eval.jsonl: tokens: line 1: must be a whole number >= 0 up to 2**63 - 1",
+        ),
+        (
+            "metrics/train.jsonl",
+            "tokens_useful",
+            2**63,
+            "train.jsonl: tokens_useful: line 1: must be a whole number >= 0 up",
+        ),
     ],
 )
 def test_a_run_folders_raw_record_of_another_shape_is_named_not_a_traceback(
