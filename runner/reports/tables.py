@@ -38,6 +38,7 @@ from runner.runs.recorded import (
     EVAL_FIELDS,
     EVAL_REQUIRED,
     TRAIN_FIELDS,
+    TRAIN_REQUIRED,
     checked_rows,
     conventions_of,
     device_seconds,
@@ -106,7 +107,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     train_rows = list(
         {
             int(r["step"]): r
-            for r in checked_rows(read_jsonl(train_file), TRAIN_FIELDS, train_file, required=("step",))
+            for r in checked_rows(read_jsonl(train_file), TRAIN_FIELDS, train_file, required=TRAIN_REQUIRED)
         }.values()
     )
     if not train_rows:  # stopped before its first step (a preemption during start-up): no throughput, no MFU
@@ -161,7 +162,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     }
 
 
-THROUGHPUT_COLUMNS = ("step", "tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
+THROUGHPUT_COLUMNS = TRAIN_REQUIRED  # each row's figures the throughput table holds
 
 
 def _accounting(cfg: ExperimentSchema, counters: dict, manifests: dict[str, dict]) -> pd.DataFrame:
@@ -423,7 +424,9 @@ def write_report(run_dir: str | Path, seal: Callable[[Path], None] | None = None
     for d in domains:
         shutil.copy2(run_dir / "manifests" / f"{d}.json", out / "manifests" / f"{d}.json")
     train_rows = run_dir / "metrics" / "train.jsonl"
-    curves = training_curves.write_training_curves(read_jsonl(train_rows) if train_rows.exists() else [], out)
+    curves = training_curves.write_training_curves(
+        read_jsonl(train_rows) if train_rows.exists() else [], out, warn=True
+    )
     info = read_json(run_dir / "run.json")
     bias = None
     if cfg.model.moe is not None:

@@ -174,6 +174,8 @@ TRAIN_FIELDS = dict.fromkeys(("step", "tokens_processed", "tokens_useful", "expo
         "expert_idle_capacity",
     )
 }
+#: what every train.jsonl row holds for the report's throughput table
+TRAIN_REQUIRED = ("step", "tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
 EVAL_FIELDS = (
     dict.fromkeys(("step", "exposure_tokens", "samples", "tokens", "useful_tokens"), "whole")
     | dict.fromkeys(("loss_nats", "bpb", "wall_seconds", "device_wall_seconds"), "number")

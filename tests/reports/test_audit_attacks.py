@@ -874,6 +874,38 @@ def test_a_run_folders_raw_record_of_another_shape_is_named_not_a_traceback(
     assert result.verdict != PASS
 
 
+def test_a_train_row_without_a_throughput_figure_or_with_an_undrawable_curve_is_not_a_traceback(
+    real_run, tmp_path, capsys
+):
+    """A train.jsonl row without step_seconds, tokens_per_second, mfu or goodput_mfu was a KeyError
+    traceback in `runner report`; a loss or learning rate of 1e308 matplotlib's OverflowError drawing
+    training.png. The first is one line naming file, field and line; the second a report without the
+    curve, said in one warning (the audit's redraw leaves it out alike)."""
+    from runner.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(real_run, run, ignore=shutil.ignore_patterns("lock"))
+    train = run / "metrics/train.jsonl"
+    honest = train.read_text()
+    rows = [json.loads(line) for line in honest.splitlines()]
+    for field in ("step_seconds", "tokens_per_second", "mfu", "goodput_mfu"):
+        train.write_text(
+            "".join(json.dumps({k: v for k, v in r.items() if k != field or r is not rows[1]}) + "\n" for r in rows)
+        )
+        with pytest.raises(RunnerError, match=re.escape(f"train.jsonl: {field}: line 2: missing")):
+            rpt.build_tables(run)
+    rows[1]["lr"] = 1e308
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["report", str(run)]) == EXIT_OK
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("runner report: ")]
+    assert len(err) == 1 and err[0].startswith("warning: training.png not drawn: matplotlib cannot draw"), err
+    assert not (run / "report/training.png").exists() and "training.png" not in (run / "report/report.md").read_text()
+    plots = next(c for c in audit(run, check_mlflow=False).checks if c.name == "plots = its tables")
+    assert plots.status == PASS and "training.png" not in plots.detail, plots
+    assert capsys.readouterr().err == ""  # the audit's redraw says nothing
+
+
 def test_a_mixture_of_experts_raw_record_of_another_shape_is_named_not_a_traceback(tmp_path):
     """A mixture of experts' run folder: a router figure of another type in train.jsonl (null, text)
     was a float() traceback in `runner report` and the audit; a count of 1e308 in expert_load.json an
