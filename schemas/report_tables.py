@@ -941,7 +941,32 @@ def cross_table_failures(tables: dict[str, pd.DataFrame]) -> list[TableFailure]:
         extra = set(hist["domain"]) - set(acct["domain"])
         for d in sorted(extra):
             out.append(TableFailure("repetition", "histogram domains = accounting domains", d, None, d))
+    out += _throughput_failures(summary, tables.get("throughput"))
     return out
+
+
+def _throughput_failures(summary: pd.DataFrame, speed: pd.DataFrame | None) -> list[TableFailure]:
+    """Each logged step's speed as the loop computes it: tokens/s = the global batch's tokens / step
+    seconds. (Its MFU is not recounted here: the row's is under the FLOPs count of the runner that
+    trained, the summary's under this one's, and an elastic run's steps hold different devices.)"""
+    needed = ("global_batch_sequences", "seq_len")
+    if speed is None or not len(speed) or len(summary) != 1 or any(c not in summary for c in needed):
+        return []
+    row = summary.iloc[0]
+    batch = float(row["global_batch_sequences"]) * float(row["seq_len"])
+    with np.errstate(all="ignore"):
+        tokens = speed["tokens_per_second"].to_numpy(dtype=float) * speed["step_seconds"].to_numpy(dtype=float)
+    return [
+        TableFailure(
+            "throughput",
+            "tokens_per_second x step_seconds = the global batch",
+            "tokens_per_second",
+            i,
+            f"step {step}: {tokens[i]:.6g} tokens, the batch {batch:.6g}",
+        )
+        for i, step in enumerate(speed["step"])
+        if not abs(tokens[i] - batch) <= 1e-6 * batch
+    ]
 
 
 def validate_tables(tables: dict[str, pd.DataFrame], version: str = SCHEMA_VERSION) -> list[TableFailure]:

@@ -90,6 +90,8 @@ BAD = [
     ),
     ("validation", _set("device_wall_seconds", 1e300), "one device time per evaluation step"),  # one domain's row
     ("throughput", lambda df: df.iloc[::-1], "steps strictly increase"),
+    # a row's speed as the loop computes it (a tokens/s of 1.5 on one row passed every check)
+    ("throughput", _set("tokens_per_second", 1.5), "tokens_per_second x step_seconds = the global batch"),
     ("throughput", _set("mfu", 2.0), "less_than_or_equal_to"),
     ("throughput", _set("step_seconds", 0.0), "greater_than"),
     ("throughput", lambda df: df.assign(step=df["step"].astype(float)), "dtype"),
