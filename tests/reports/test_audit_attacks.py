@@ -818,19 +818,28 @@ def test_a_saved_config_the_runner_cannot_read_is_one_line_naming_its_key(tmp_pa
         ("metrics/eval.jsonl", "samples", None, "eval.jsonl: samples: line 1: must be a whole number >= 0, got null"),
         ("metrics/train.jsonl", "step_seconds", [1], "train.jsonl: step_seconds: line 1: must be a number, got [1]"),
         ("metrics/eval.jsonl", "step", "<delete>", "eval.jsonl: step: line 1: missing"),  # was a KeyError
-        ("metrics/eval.jsonl", "loss_nats", "<delete>", "eval.jsonl: loss_nats: line 1: missing"),  # a KeyError too
+        # slow: each a whole audit (~2 s), as the fast subset's 2 minutes allow
+        pytest.param(
+            "metrics/eval.jsonl",
+            "loss_nats",
+            "<delete>",
+            "eval.jsonl: loss_nats: line 1: missing",  # a KeyError too
+            marks=pytest.mark.slow,
+        ),
         # beyond int64: pandas' OverflowError traceback in runner report
-        (
+        pytest.param(
             "metrics/eval.jsonl",
             "tokens",
             10**30,
             "eval.jsonl: tokens: line 1: must be a whole number >= 0 up to 2**63 - 1",
+            marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             "metrics/train.jsonl",
             "tokens_useful",
             2**63,
             "train.jsonl: tokens_useful: line 1: must be a whole number >= 0 up",
+            marks=pytest.mark.slow,
         ),
     ],
 )
@@ -874,6 +883,7 @@ def test_a_run_folders_raw_record_of_another_shape_is_named_not_a_traceback(
     assert result.verdict != PASS
 
 
+@pytest.mark.slow  # a report and an audit of a real run: ~4 s
 def test_a_train_row_without_a_throughput_figure_or_with_an_undrawable_curve_is_not_a_traceback(
     real_run, tmp_path, capsys
 ):
