@@ -74,9 +74,22 @@ def pytest_configure(config) -> None:
         config.pluginmanager.register(SuiteTimes(), "suitetimes")
 
 
+#: test files whose module fixtures cost more than the fast subset's 2 minutes carry: every test of
+#: one is `slow` (tests/export/test_export.py: a trained, scored and exported run and its fp32 export,
+#: ~18 s per worker), and its quick ones also `device_subset`, which keeps them in .ci/run's
+#: device-version subset (`-m "not slow or device_subset"`)
+HEAVY_FIXTURE_MODULES = ("tests/export/test_export.py",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
 def pytest_collection_modifyitems(config, items) -> None:
-    """The longest tests first, then the other slow ones, then the rest (a stable sort): parallel
-    workers (pytest -n) start the minutes-long tests at once and end together on short ones."""
+    """The tests of HEAVY_FIXTURE_MODULES marked as said there; then the longest tests first, then
+    the other slow ones, then the rest (a stable sort): parallel workers (pytest -n) start the
+    minutes-long tests at once and end together on short ones."""
+    for item in items:
+        if item.nodeid.split("::")[0] in HEAVY_FIXTURE_MODULES and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.device_subset)
 
     def rank(item) -> tuple[int, float]:
         longest = item.get_closest_marker("longest")

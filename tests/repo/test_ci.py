@@ -24,8 +24,13 @@ def _is_slow(node: ast.AST) -> bool:
 
 
 def test_the_device_subset_names_files_with_fast_tests():
+    from conftest import HEAVY_FIXTURE_MODULES
+
     files = _array("DEVICE_TESTS")
     assert len(files) >= 8
+    # the subset runs the quick tests and those of the heavy-fixture files the fast subset leaves out
+    assert 'python -m pytest -m "not slow or device_subset" "${DEVICE_TESTS[@]}"' in SCRIPT
+    assert set(HEAVY_FIXTURE_MODULES) <= set(files)
     for name in files:
         tree = ast.parse((ROOT / name).read_text())
         assert not any("pytestmark" in ast.unparse(n) and "slow" in ast.unparse(n) for n in tree.body), name
