@@ -16,7 +16,7 @@ import math
 import re
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import pandas as pd
 import pandera.pandas as pa
@@ -24,6 +24,7 @@ from pandera.errors import SchemaError
 
 from runner.errors import RunnerError
 from runner.fsio import read_json, read_jsonl
+from runner.runs.recorded import number
 from runner.training.targets import cumulative_useful
 from schemas.report_tables import DOWNSTREAM
 
@@ -60,7 +61,7 @@ def read_eval_record(path: Path) -> dict[str, Any]:
             key="requests_file",
         )
     step = record.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not _integer(step) or step < 0:
         raise RunnerError(f"must be a step (an integer >= 0), got {step!r}", file=str(path), key="step")
     for n, r in enumerate(rows, 1):  # one checkpoint's scoring: every figure at the record's step
         if problem := _keys_problem(r):
@@ -92,11 +93,16 @@ def loop_rows(file: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _integer(v: Any) -> TypeGuard[int]:
+    """An integer as JSON holds it (never a bool: true is not 1 here)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _keys_problem(r: dict) -> str | None:
     """What is wrong with a figure's keys (a loop row or a `runner eval` record's row), or None: its
     step a whole number, its task and metric strings."""
     step, task, metric = r.get("step"), r.get("task"), r.get("metric")
-    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(task, str) or not isinstance(metric, str):
+    if not _integer(step) or not isinstance(task, str) or not isinstance(metric, str):
         return f"step must be an integer and task, metric strings, got {step!r}, {task!r}, {metric!r}"
     return None
 
@@ -108,7 +114,7 @@ def _row(r: dict, source: str, file: Path, useful_by_step) -> dict:
         raise RunnerError(f"a downstream row lacks {e.args[0]}", file=str(file)) from None
     for key in ("wall_seconds", "device_wall_seconds"):
         v = r.get(key, math.nan) if source == "loop" else math.nan
-        if not isinstance(v, int | float) or isinstance(v, bool):  # float() read "2" as 2.0, true as 1.0
+        if not number(v):  # float() read "2" as 2.0, true as 1.0
             raise RunnerError(
                 f"wall_seconds and device_wall_seconds must be numbers, got {r.get('wall_seconds')!r}, "
                 f"{r.get('device_wall_seconds')!r}",
@@ -116,7 +122,7 @@ def _row(r: dict, source: str, file: Path, useful_by_step) -> dict:
             )
         row[key] = float(v)
     if "useful_tokens" in r and r["useful_tokens"] is not None:
-        if not isinstance(r["useful_tokens"], int) or isinstance(r["useful_tokens"], bool):
+        if not _integer(r["useful_tokens"]):
             raise RunnerError(f"useful_tokens must be an integer, got {r['useful_tokens']!r}", file=str(file))
         row["useful_tokens"] = r["useful_tokens"]
         return row
@@ -154,8 +160,7 @@ def _frame(rows: list[dict], file: Path | None) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=list(COLUMNS))
     for col, dtype in _DTYPES.items():
         if dtype in ("int64", "float64"):  # astype would read 1.5 or true as 1, "0.5" as 0.5
-            kinds = int if dtype == "int64" else (int, float, type(None))  # None: a figure without one (NaN)
-            odd = [v for v in df[col] if not isinstance(v, kinds) or isinstance(v, bool)]
+            odd = [v for v in df[col] if not (_integer(v) if dtype == "int64" else v is None or number(v))]  # None: NaN
             if odd:
                 what = "a whole number" if dtype == "int64" else "a number"
                 raise RunnerError(f"{col}: not {dtype} ({odd[0]!r} is not {what})", file=str(file) if file else None)
