@@ -16,6 +16,11 @@ def _float(text: str, flag: str) -> float:
         raise RunnerError(f"{flag}: expected a number, got {text!r}") from None
 
 
+def _ratio(x: float) -> str:
+    """Tokens per parameter: one decimal where readable, 3 significant digits far from 1-1e6."""
+    return f"{x:.1f}" if 1 <= x < 1e6 else f"{x:.3g}"
+
+
 def cmd_plan(args) -> int:
     from runner.planning.plan import build_plan
     from runner.planning.plan_text import format_plan
@@ -105,7 +110,7 @@ def cmd_fit(args) -> int:
         o = report["compute_optimal"]
         print(
             f"compute-optimal at C = {o['flops']:.3g} FLOPs: N = {o['params']:.4g}, D = {o['tokens']:.4g} "
-            f"({o['tokens_per_param']:.1f} tokens/param), loss {o['loss']:.4f}"
+            f"({_ratio(o['tokens_per_param'])} tokens/param), loss {o['loss']:.4f}"
         )
     if "inference_optimal" in report:
         i = report["inference_optimal"]

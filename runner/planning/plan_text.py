@@ -23,7 +23,7 @@ def format_forecast(forecast: list[dict], fit_file: str) -> list[str]:
             out.append(head + f"{f['status'].upper()}: {f['detail']}")
             continue
         times = "; ".join(
-            f"{name} {_duration(b['wall_hours'])}, {b['device_hours']:,.1f} device-h, ${b['cost_usd']:,.2f}"
+            f"{name} {_duration(b['wall_hours'])}, {_amount(b['device_hours'])} device-h, ${_amount(b['cost_usd'], 2)}"
             for name, b in f["time"].items()
         )
         out.append(head + f"{_si(f['tokens'])} tokens, {f['flops']:.3e} FLOPs; {times}")
@@ -38,10 +38,20 @@ def _si(x: float, unit: str = "") -> str:
     return f"{x:.3g} {unit}".rstrip()
 
 
+def _amount(x: float, decimals: int = 1) -> str:
+    """Thousands-separated, or 3 significant digits past a trillion: --mfu 1e-300 printed 300-digit hours."""
+    return f"{x:,.{decimals}f}" if abs(x) < 1e12 else f"{x:.3g}"
+
+
+def _percent(x: float) -> str:
+    """One decimal, or 3 significant digits under 0.1% (--mfu 1e-5 is not "0.0%")."""
+    return f"{x:.1%}" if x == 0 or abs(x) >= 1e-3 else f"{x * 100:.3g}%"
+
+
 def _duration(hours: float) -> str:
     if hours < 1:
         return f"{hours * 60:,.1f} min"
-    return f"{hours:,.1f} h ({hours / 24:,.1f} d)"
+    return f"{_amount(hours)} h ({_amount(hours / 24)} d)"
 
 
 def _gib(x: float) -> str:
@@ -103,15 +113,15 @@ def _format_time(plan: Mapping[str, Any], out: list[str]) -> None:
         [("calibration run" if first != "assumed" else "measured", t["measured"])] if t["measured"] else []
     )
     out.append(f"{'time and cost':<36}" + "".join(f"{name:>22}" for name, _ in cols))
-    _row(out, "MFU", *(f"{b['mfu']:.1%}" for _, b in cols))
+    _row(out, "MFU", *(_percent(b["mfu"]) for _, b in cols))
     _row(out, "tokens/s (processed)", *(_si(b["tokens_per_second"]) for _, b in cols))
     _row(out, "pure training", *(_duration(b["pure_hours"]) for _, b in cols))
     seed_convention = _duration(t["assumed"]["pure_hours_6n_all"])
     _row(out, "  same at 6N, N = all params", seed_convention, note="(the seed-table convention)")
     _row(out, "overheads (fraction of pure)", *(f"{b['overhead_fraction']:.1%}" for _, b in cols))
     _row(out, "wall clock", *(_duration(b["wall_hours"]) for _, b in cols))
-    _row(out, "device-hours", *(f"{b['device_hours']:,.1f}" for _, b in cols))
-    costs = (f"{b['cost_usd']:,.0f}" if b["cost_usd"] >= 100 else f"{b['cost_usd']:.2f}" for _, b in cols)
+    _row(out, "device-hours", *(_amount(b["device_hours"]) for _, b in cols))
+    costs = (_amount(b["cost_usd"], 0) if b["cost_usd"] >= 100 else f"{b['cost_usd']:.2f}" for _, b in cols)
     _row(out, "cost (USD)", *costs)
     basis = t["assumed"].get("mfu_basis", "assumed")
     out.append(f"  MFU {basis}: {t['assumed']['mfu_rule']} ({t['assumed']['mfu_source']})")
@@ -200,7 +210,7 @@ def _format_checkpoint_time(ck: Mapping[str, Any], out: list[str]) -> None:
     _row(out, "the loop stops per checkpoint", f"{ck['stop_seconds']:,.3g} s", note=f"for {waits}")
     _row(
         out,
-        f"t_checkpoint (about {ck['count']:,} checkpoints)",
+        f"t_checkpoint (about {_amount(ck['count'], 0)} checkpoints)",
         _duration(ck["t_checkpoint_hours"]),
         note=f"{ck['fraction_of_pure']:.2%} of pure training; the overheads assume "
         f"{ck['assumed_fraction']:.1%} (plan.checkpoint_overhead_fraction)",

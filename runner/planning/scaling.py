@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,15 @@ def plot_fit(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    with np.errstate(all="ignore"), warnings.catch_warnings():  # a far optimum overflows the curves: inf is not drawn
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _draw_fit(plt, fit, points, path, optimum, holdout)
+    return path
+
+
+def _draw_fit(
+    plt, fit: Fit, points: Sequence[Point], path: Path, optimum: dict | None, holdout: Sequence[Point]
+) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     sizes = sorted({p.params for p in points})
     colors = plt.cm.viridis(np.linspace(0, 0.9, len(sizes)))
@@ -298,7 +308,6 @@ def plot_fit(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return path
 
 
 def fit_report(
@@ -337,14 +346,36 @@ def fit_report(
         if len(domains) > 1:
             report["domains"][d] = fit_loss(points, losses=[p.domain_losses[d] for p in points]).to_dict()
     if flops is not None:
-        opt = compute_optimal(fit, flops)
+        opt = _finite(lambda: compute_optimal(fit, flops), "--flops", f"{flops:g} FLOPs")
         report["compute_optimal"] = opt
         warning = extrapolation_warning(points, flops)
         if warning:
             report["warnings"].append(warning)
         if inference_tokens:
-            report["inference_optimal"] = inference_optimal(fit, opt["loss"], inference_tokens)
+            report["inference_optimal"] = _finite(
+                lambda: inference_optimal(fit, opt["loss"], inference_tokens),
+                "--inference-tokens",
+                f"{inference_tokens:g} tokens to serve",
+            )
     return report
+
+
+def _finite(predict: Callable[[], dict], flag: str, given: str) -> dict:
+    """A prediction whose every figure is a finite number, or one line naming the flag: --flops 5e-324
+    divided by zero, --inference-tokens 1e308 made 2 N x tokens infinite (scaling_fit.json's Infinity)."""
+    try:
+        with np.errstate(all="ignore"):  # numpy's overflow is an inf checked below, not a warning's lines
+            result = predict()
+    except (ZeroDivisionError, OverflowError):
+        result = {}
+    if not result or not all(math.isfinite(v) and v >= 0 for v in result.values()):
+        raise RunnerError(f"{flag}: {given} is beyond what the fit can predict (a figure would not be a finite number)")
+    if result["params"] < 1 or result["tokens"] < 1:  # --flops 1e-300: N = 8e-246 parameters
+        raise RunnerError(
+            f"{flag}: {given} predicts N = {result['params']:.3g} parameters and D = {result['tokens']:.3g} tokens:"
+            " less than one of either is no model"
+        )
+    return result
 
 
 # ---------------------------------------------------------------- forecast to a quality target

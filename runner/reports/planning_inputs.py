@@ -310,6 +310,13 @@ def read_calibration(
         mfu_value = hardware.mfu(flops_per_token(run_cfg, convention), tps, 1.0, peak, n_devices)
     except RunnerError as e:
         note = (note + "; " if note else "") + f"MFU not derivable: {e}"
+    if mfu_value is not None and not mfu_value <= 1.0:  # audit-claims' IMPOSSIBLE; 1e300 tokens/s showed "1e302%"
+        raise RunnerError(
+            f"its median {tps:.4g} tokens/s is MFU {mfu_value:.4g} (over 100%) of {n_devices} x {peak:g} TFLOP/s"
+            " peak: not a throughput that device can reach, so not a calibration",
+            file=str(metrics),
+            key="--calibrate",
+        )
     arch = architecture(run_cfg)
     return Calibration(
         str(run_dir), len(rows), tps, useful_fraction, overhead, mfu_value, same, note, arch, startup_seconds

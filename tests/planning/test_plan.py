@@ -419,6 +419,26 @@ def test_plan_of_an_infeasible_mixture_prints_the_plan_and_exits_2(project_with_
     assert "mixture: INFEASIBLE" in out.stderr and "largest feasible budget" in out.stderr
 
 
+def test_an_impossible_calibration_is_refused_and_an_absurd_mfu_prints_short(tmp_path):
+    """A run folder whose steps say 1e300 tokens/s calibrated a plan at MFU "1e302%" (audit-claims calls
+    over 100% IMPOSSIBLE); --mfu 1e-300 printed 300-digit hours, device-hours, dollars and checkpoints."""
+    import re
+
+    cfg = config()
+    write_run(tmp_path / "run", [dict(step=i, tokens_per_second=1e300, step_seconds=1.0) for i in (1, 2)], cfg)
+    with pytest.raises(RunnerError, match=r"run\.jsonl?|train\.jsonl") as err:
+        read_calibration(tmp_path / "run", typed(cfg))
+    assert "--calibrate" in str(err.value) and "(over 100%)" in str(err.value) and "not a calibration" in str(err.value)
+    plan = build_plan(typed(cfg), mfu=1e-300, root=tmp_path)
+    text = format_plan(plan)
+    assert not re.search(r"[0-9,]{40}", text), text
+    mfu_row = next(line for line in text.splitlines() if line.split()[:1] == ["MFU"])
+    assert mfu_row.split()[-1] == "1e-298%"
+    wall = plan["time"]["assumed"]["wall_hours"]
+    row = next(" ".join(line.split()) for line in text.splitlines() if "wall clock" in line)
+    assert wall > 1e290 and row == f"wall clock {wall:.3g} h ({wall / 24:.3g} d)"
+
+
 def test_a_pilot_far_below_one_token_per_parameter_does_not_print_zero(tmp_path):
     cfg = config()
     cfg["train"]["exposure_tokens"] = 16 * 128 * 2  # two steps: a smoke run

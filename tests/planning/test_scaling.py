@@ -204,6 +204,17 @@ def test_cli_fit_refuses_meaningless_budget_flags(tmp_path, capsys):
     assert "--inference-tokens: needs --flops" in capsys.readouterr().err
     assert main(["fit", *runs, "--flops", "0", "--out", str(tmp_path / "fit")]) == 2
     assert "--flops: must be a positive number of FLOPs, got 0" in capsys.readouterr().err
+    # Finite but beyond the fit: 5e-324 divided by zero (a traceback), 1e-300 predicted 8e-246 parameters,
+    # --inference-tokens 1e308 made 2 N x tokens inf (Infinity in scaling_fit.json). One line each, nothing written.
+    for flags, said in (
+        (["--flops", "5e-324"], "--flops: 4.94066e-324 FLOPs is beyond what the fit can predict"),
+        (["--flops", "1e-300"], "less than one of either is no model"),
+        (["--flops", "1e15", "--inference-tokens", "1e308"], "--inference-tokens: 1e+308 tokens to serve is beyond"),
+    ):
+        assert main(["fit", *runs, *flags, "--out", str(tmp_path / "far")]) == 2, flags
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1 and "Traceback" not in err, (flags, err)
+        assert not (tmp_path / "far" / "scaling_fit.json").exists()
 
 
 @pytest.mark.slow
