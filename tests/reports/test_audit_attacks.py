@@ -452,6 +452,29 @@ def test_a_swapped_plot_never_passes(real_run, tmp_path):
     assert "throughput.png, expert_load_heatmap.png drawn again: identical" in older.render()
 
 
+@pytest.mark.slow  # a report and three audits of a real run: ~7 s
+def test_a_training_curve_redrawn_from_an_edited_train_jsonl_fails_against_mlflow(real_run, tmp_path):
+    """metrics/train.jsonl's loss halved on every row and the report rebuilt (`runner report`): training.png,
+    the curve report.md shows, drawn again from the same rows, was identical, and no table holds a step's loss,
+    learning rate or gradient norm: the audit PASSed with MLflow at hand. The evidence logged at the run's end
+    holds train.jsonl's sha256: MLflow's copy FAILs the edit."""
+    run = tmp_path / "run"
+    shutil.copytree(real_run, run, ignore=shutil.ignore_patterns("lock"))
+    clean = audit(run)
+    assert clean.verdict == PASS, clean.render()
+    assert re.search(r"MLflow evidence = the report +PASS +tables, .*, metrics/train\.jsonl", clean.render())
+    train = run / "metrics" / "train.jsonl"
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    train.write_text("".join(json.dumps({**r, "loss": r["loss"] / 2}) + "\n" for r in rows))
+    ev.write_report_with_evidence(run)  # what `runner report RUN` does: training.png and evidence.json redrawn
+    result = audit(run)
+    assert result.verdict == FAIL and result.failed() == [EVIDENCE], result.render()
+    assert "metrics/train.jsonl (the training curve's loss, learning rate, gradient norm and times): sha256" in (
+        result.render()
+    )
+    assert audit(run, check_mlflow=False).verdict != PASS  # offline: at best UNVERIFIED
+
+
 def test_a_report_cut_short_never_passes(real_run, tmp_path):
     """Issue 27 item 6: a SIGKILLed `runner report` left a report without plots or evidence.json that
     PASSed and published. Missing evidence is UNVERIFIED, a missing plot or table FAILs."""

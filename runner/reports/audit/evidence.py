@@ -94,7 +94,18 @@ def build_evidence(run_dir: str | Path, report: Path | None = None) -> dict[str,
         "experiment_yaml_sha256": sha256_file(report / "experiment.yaml"),
         "checkpoint": final_checkpoint(run_dir, committed),
         "validation": final_validation(tables["validation"]),
+        "train_jsonl_sha256": train_jsonl_sha256(run_dir),
     }
+
+
+def train_jsonl_sha256(run_dir: Path) -> str | None:
+    """sha256 of the run folder's metrics/train.jsonl: every step's loss, learning rate, gradient norm and
+    times, which no table holds but training.png draws (None without one)."""
+    path = Path(run_dir) / TRAIN_JSONL
+    return sha256_file(path) if path.is_file() else None
+
+
+TRAIN_JSONL = "metrics/train.jsonl"
 
 
 def write_evidence(run_dir: str | Path) -> dict[str, Any]:
@@ -229,6 +240,8 @@ def _shape_problem(data: dict[str, Any]) -> tuple[str, str] | None:
         isinstance(ckpt.get("step"), int) and not isinstance(ckpt["step"], bool) and isinstance(ckpt.get("files"), dict)
     ):
         return "checkpoint", "must hold a whole-number step and its files' sha256s"
+    if data.get("train_jsonl_sha256") is not None and not isinstance(data["train_jsonl_sha256"], str):
+        return "train_jsonl_sha256", "must be a sha256 (text) or null"
     val = data.get("validation")
     if val and not (isinstance(val.get("domains"), dict) and all(isinstance(v, dict) for v in val["domains"].values())):
         return "validation.domains", "must map each domain to its losses"
@@ -251,6 +264,8 @@ def evidence_tags(evidence: dict[str, Any]) -> dict[str, str]:
         tags["evidence.checkpoint.step"] = str(ckpt["step"])
         tags["evidence.checkpoint.state_json.sha256"] = ckpt["state_json_sha256"]
         tags.update({f"evidence.checkpoint.file.{n}.sha256": h for n, h in ckpt["files"].items()})
+    if evidence.get("train_jsonl_sha256"):
+        tags[TRAIN_TAG] = evidence["train_jsonl_sha256"]
     val = evidence.get("validation") or {}
     if val:
         tags["evidence.validation.step"] = str(val["step"])
@@ -265,6 +280,7 @@ def runner_eval_tag(stem: str) -> str:
 
 
 RUNNER_EVAL_PREFIX = "evidence.runner_eval."
+TRAIN_TAG = "evidence.train_jsonl.sha256"
 
 
 def vouched_downstream(evidence: dict[str, Any]) -> set[str]:
@@ -292,6 +308,7 @@ def evidence_from_tags(tags: dict[str, str]) -> dict[str, Any] | None:
         "tables": {},
         "checkpoint": None,
         "validation": {},
+        "train_jsonl_sha256": tags.get(TRAIN_TAG),
     }
     files: dict[str, Any] = {}
     domains: dict[str, Any] = {}
@@ -346,6 +363,14 @@ def evidence_differences(want: dict, inp: AuditInput, *, checkpoint: bool) -> li
     got_val = final_validation(inp.tables["validation"])
     if canonical(got_val) != canonical(want.get("validation") or {}):
         problems.append(f"final validation: report {got_val}, evidence {want.get('validation')}")
+    if checkpoint and inp.run_dir is not None and want.get("train_jsonl_sha256"):
+        # training.png's rows: a halved loss curve redrawn by `runner report` passed every other check
+        got_train = train_jsonl_sha256(inp.run_dir) or "missing"
+        if got_train != want["train_jsonl_sha256"]:
+            problems.append(
+                f"{TRAIN_JSONL} (the training curve's loss, learning rate, gradient norm and times):"
+                f" sha256 {got_train[:12]}, evidence {str(want['train_jsonl_sha256'])[:12]}"
+            )
     if checkpoint and inp.run_dir is not None and want.get("checkpoint"):
         step = int(want["checkpoint"]["step"])
         got_ckpt = final_checkpoint(inp.run_dir, step)

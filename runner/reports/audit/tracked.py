@@ -536,6 +536,8 @@ def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked, later: 
     compared = "tables, experiment.yaml, validation losses" + (
         ", final checkpoint" if inp.run_dir is not None and logged.get("checkpoint") else ""
     )
+    if inp.run_dir is not None and logged.get("train_jsonl_sha256"):
+        compared += ", metrics/train.jsonl"
     segments = inp.record.segments
     if len(segments) > 1:
         # Logged at the last segment's end over the tables as they were then: it never vouches for
