@@ -411,6 +411,8 @@ def cmd_job(args) -> int:
             raise RunnerError("a Slurm option (--slurm)", key=flag)
     refuse_unpinned(exp)
     runs = Path("runs") if args.slurm else Path(STORE) / "runs"  # SkyPilot: on the bucket every node mounts
+    if args.run_dir is not None and not args.run_dir.strip():  # `--run-dir ""` (an unset variable) took the default
+        raise RunnerError("is empty: give the run folder, or leave --run-dir out for a new one", key="--run-dir")
     run_dir = args.run_dir or str(runs / exp.config.name / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     if any(not c.isprintable() for c in run_dir):
         raise RunnerError("holds a control character", key="--run-dir")

@@ -127,6 +127,10 @@ def test_job_refuses_an_unpinned_experiment_and_flags_it_cannot_write_safely():
     assert _refused(REPO, *exp, "--account", "$(id)").startswith("error: --account: ")
     assert _refused(REPO, *exp, "--time", "1:00\ntouch P").startswith("error: --time: ")
     assert _refused(REPO, *exp, "--run-dir", "runs/x\ntouch P").startswith("error: --run-dir: ")
+    for empty in ("", "  "):  # `--run-dir "$RUN"` with RUN unset took a new run folder silently
+        assert _refused(REPO, *exp, "--run-dir", empty) == (
+            "error: --run-dir: is empty: give the run folder, or leave --run-dir out for a new one"
+        )
     assert _refused(REPO, *exp, "--cpus-per-task", "99999999999999") == (
         "error: --cpus-per-task: must be 1 to 4096 (more than any node has), got 99999999999999"
     )

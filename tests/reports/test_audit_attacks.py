@@ -457,7 +457,8 @@ def test_a_training_curve_redrawn_from_an_edited_train_jsonl_fails_against_mlflo
     """metrics/train.jsonl's loss halved on every row and the report rebuilt (`runner report`): training.png,
     the curve report.md shows, drawn again from the same rows, was identical, and no table holds a step's loss,
     learning rate or gradient norm: the audit PASSed with MLflow at hand. The evidence logged at the run's end
-    holds train.jsonl's sha256: MLflow's copy FAILs the edit."""
+    holds train.jsonl's sha256, and MLflow's loss, learning rate and gradient norm at each logged step are
+    compared with the run folder's rows: both FAIL the edit."""
     run = tmp_path / "run"
     shutil.copytree(real_run, run, ignore=shutil.ignore_patterns("lock"))
     clean = audit(run)
@@ -468,10 +469,14 @@ def test_a_training_curve_redrawn_from_an_edited_train_jsonl_fails_against_mlflo
     train.write_text("".join(json.dumps({**r, "loss": r["loss"] / 2}) + "\n" for r in rows))
     ev.write_report_with_evidence(run)  # what `runner report RUN` does: training.png and evidence.json redrawn
     result = audit(run)
-    assert result.verdict == FAIL and result.failed() == [EVIDENCE], result.render()
+    assert result.verdict == FAIL and set(result.failed()) == {METRICS, EVIDENCE}, result.render()
     assert "metrics/train.jsonl (the training curve's loss, learning rate, gradient norm and times): sha256" in (
         result.render()
     )
+    # and at each step MLflow logged (every 3rd here): what vouches for an earlier segment's rows, which a
+    # later segment's end hashes as they then were
+    logged = [step for step in (3, 6) if f"loss at step {step}: MLflow {rows[step - 1]['loss']:.10g}" in result.render()]
+    assert logged == [3, 6], result.render()
     assert audit(run, check_mlflow=False).verdict != PASS  # offline: at best UNVERIFIED
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.config.fingerprint import canonical_meaning
-from runner.fsio import read_json
+from runner.errors import RunnerError
+from runner.fsio import read_json, read_jsonl
 from runner.reports.audit import downstream_tracked
 from runner.reports.audit import evidence as ev
 from runner.reports.audit.result import PASS, UNVERIFIED, AuditResult
@@ -66,6 +67,10 @@ SUMMARY_METRICS = {
     "cost_per_billion_useful_tokens": "cost_per_billion_useful_tokens",
 }
 THROUGHPUT_METRICS = ("tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
+# A step's figures no table holds, against the run folder's metrics/train.jsonl (training.png draws the
+# first two) where the audit reads one: an earlier segment's rows, which the last end's evidence hash
+# covers as they were then, are vouched for at each step MLflow logged.
+TRAIN_ROW_METRICS = ("loss", "lr", "grad_norm", "tokens_per_second_useful")
 # A step's router figures, by the router table's column that states the same figure.
 ROUTER_METRICS = {
     "router_aux_loss": "router_aux_loss",
@@ -292,6 +297,7 @@ class _Expected:
             {(str(r["target"]), str(r["point"])): r for _, r in t["targets"].iterrows()} if "targets" in t else None
         )
         self.snapshots: dict[int, dict[str, tuple[int, int]]] = rep.snapshots if rep is not None else {}
+        self.train = _train_rows(inp.run_dir)
 
     def domain_of(self, key: str) -> str | None:
         """The domain a per-domain key names (None for other keys)."""
@@ -341,7 +347,27 @@ class _Expected:
             return [self.throughput[step][key]]
         if key in ROUTER_METRICS and step in self.router:
             return [self.router[step][ROUTER_METRICS[key]]]
+        if key in TRAIN_ROW_METRICS and step in self.train:
+            return [v for v in (r.get(key) for r in self.train[step]) if isinstance(v, int | float)] or None
         return None
+
+
+def _train_rows(run_dir: Path | None) -> dict[int, list[dict]]:
+    """step -> the run folder's metrics/train.jsonl rows at it (a step redone after a resume has two);
+    {} without a run folder or a readable file (the checks of the run folder name what is wrong)."""
+    path = Path(run_dir) / "metrics" / "train.jsonl" if run_dir is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        rows = read_jsonl(path)
+    except (RunnerError, OSError, ValueError):
+        return {}
+    out: dict[int, list[dict]] = {}
+    for row in rows:
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            out.setdefault(step, []).append(row)
+    return out
 
 
 def _compare_history(
@@ -459,7 +485,8 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
             problems.append(f"{key}: MLflow logs domain {domain!r}, absent from the report")
             continue
         name = metric_name(key)
-        if domain is None and name not in SUMMARY_METRICS and name not in (*THROUGHPUT_METRICS, *ROUTER_METRICS):
+        stated = (*THROUGHPUT_METRICS, *ROUTER_METRICS, *(TRAIN_ROW_METRICS if want.train else ()))
+        if domain is None and name not in SUMMARY_METRICS and name not in stated:
             without_counterpart.append(key)
             continue
         c, u = _compare_history(key, points, want, problems)
