@@ -111,6 +111,7 @@ def _reseal(report: Path) -> None:
     found["tables"] = {n: ev.table_sha256(n, df) for n, df in tables.items()}
     found["experiment_yaml_sha256"] = sha256_file(report / "experiment.yaml")
     found["validation"] = ev.final_validation(tables["validation"])
+    found["record_figures_sha256"] = ev.record_figures_sha256(_run_json(report))
     (report / "evidence.json").write_text(json.dumps(found, indent=1))
 
 
@@ -337,6 +338,16 @@ def run_relabelled(report):
     _write(report, "run_summary", s)
 
 
+def startup_shortened(report):
+    # report.md's start-up and evaluation lines, from run.json's records: no table or MLflow metric states them
+    info = _run_json(report)
+    info["t_startup"]["seconds"] /= 10
+    for attempt in info["t_startup"]["attempts"]:
+        attempt["seconds"] /= 10
+    info["t_eval"]["validation_seconds"] /= 10
+    _save_run_json(report, info)
+
+
 def run_json_removed(report):
     (report / "run.json").unlink()
 
@@ -366,6 +377,7 @@ ATTACKS = [
     (price_cut, {PARAMS, TAGS, METRICS, EVIDENCE}),
     (throughput_inflated, {METRICS, EVIDENCE}),
     (run_relabelled, {TAGS}),
+    (startup_shortened, {EVIDENCE}),
     (run_json_removed, set()),
     (mlflow_run_unnamed, set()),
 ]
@@ -475,7 +487,9 @@ def test_a_training_curve_redrawn_from_an_edited_train_jsonl_fails_against_mlflo
     )
     # and at each step MLflow logged (every 3rd here): what vouches for an earlier segment's rows, which a
     # later segment's end hashes as they then were
-    logged = [step for step in (3, 6) if f"loss at step {step}: MLflow {rows[step - 1]['loss']:.10g}" in result.render()]
+    logged = [
+        step for step in (3, 6) if f"loss at step {step}: MLflow {rows[step - 1]['loss']:.10g}" in result.render()
+    ]
     assert logged == [3, 6], result.render()
     assert audit(run, check_mlflow=False).verdict != PASS  # offline: at best UNVERIFIED
 

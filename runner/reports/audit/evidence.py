@@ -85,7 +85,8 @@ def build_evidence(run_dir: str | Path, report: Path | None = None) -> dict[str,
     report = run_dir / rpt.REPORT_DIR if report is None else Path(report)
     tables = rpt.read_tables(report)
     summary = tables["run_summary"].iloc[0]
-    run = RunJson.from_dict(read_json(run_dir / "run.json"), file=str(run_dir / "run.json"))
+    raw = read_json(run_dir / "run.json")
+    run = RunJson.from_dict(raw, file=str(run_dir / "run.json"))
     committed = int(run.committed_steps if run.has("committed_steps") else summary["steps"])
     return {
         "format": FORMAT,
@@ -95,7 +96,41 @@ def build_evidence(run_dir: str | Path, report: Path | None = None) -> dict[str,
         "checkpoint": final_checkpoint(run_dir, committed),
         "validation": final_validation(tables["validation"]),
         "train_jsonl_sha256": train_jsonl_sha256(run_dir),
+        "record_figures_sha256": record_figures_sha256(
+            read_json(report / "run.json") if (report / "run.json").is_file() else raw
+        ),
     }
+
+
+#: run.json's records that report.md renders and no table or MLflow metric states: the start-up, evaluation
+#: time and device-busy lines ("How fast")
+RECORD_FIGURES = ("t_startup", "t_eval", "system")
+
+
+def record_figures(run: Any) -> dict[str, float]:
+    """`path.to.leaf` -> every number of run.json's RECORD_FIGURES (text left out: a published copy's paths
+    are made portable, its numbers never change)."""
+    out: dict[str, float] = {}
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{path}.{i}")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[path] = value
+
+    for key in RECORD_FIGURES:
+        walk(run.get(key) if isinstance(run, dict) else None, key)
+    return out
+
+
+def record_figures_sha256(run: Any) -> str | None:
+    """sha256 of record_figures' canonical JSON (None where run.json holds none of them)."""
+    figures = record_figures(run)
+    return hashlib.sha256(json.dumps(figures, sort_keys=True).encode()).hexdigest() if figures else None
 
 
 def train_jsonl_sha256(run_dir: Path) -> str | None:
@@ -240,8 +275,9 @@ def _shape_problem(data: dict[str, Any]) -> tuple[str, str] | None:
         isinstance(ckpt.get("step"), int) and not isinstance(ckpt["step"], bool) and isinstance(ckpt.get("files"), dict)
     ):
         return "checkpoint", "must hold a whole-number step and its files' sha256s"
-    if data.get("train_jsonl_sha256") is not None and not isinstance(data["train_jsonl_sha256"], str):
-        return "train_jsonl_sha256", "must be a sha256 (text) or null"
+    for key in ("train_jsonl_sha256", "record_figures_sha256"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            return key, "must be a sha256 (text) or null"
     val = data.get("validation")
     if val and not (isinstance(val.get("domains"), dict) and all(isinstance(v, dict) for v in val["domains"].values())):
         return "validation.domains", "must map each domain to its losses"
@@ -266,6 +302,8 @@ def evidence_tags(evidence: dict[str, Any]) -> dict[str, str]:
         tags.update({f"evidence.checkpoint.file.{n}.sha256": h for n, h in ckpt["files"].items()})
     if evidence.get("train_jsonl_sha256"):
         tags[TRAIN_TAG] = evidence["train_jsonl_sha256"]
+    if evidence.get("record_figures_sha256"):
+        tags[RECORD_TAG] = evidence["record_figures_sha256"]
     val = evidence.get("validation") or {}
     if val:
         tags["evidence.validation.step"] = str(val["step"])
@@ -281,6 +319,7 @@ def runner_eval_tag(stem: str) -> str:
 
 RUNNER_EVAL_PREFIX = "evidence.runner_eval."
 TRAIN_TAG = "evidence.train_jsonl.sha256"
+RECORD_TAG = "evidence.run_json.figures.sha256"
 
 
 def vouched_downstream(evidence: dict[str, Any]) -> set[str]:
@@ -309,6 +348,7 @@ def evidence_from_tags(tags: dict[str, str]) -> dict[str, Any] | None:
         "checkpoint": None,
         "validation": {},
         "train_jsonl_sha256": tags.get(TRAIN_TAG),
+        "record_figures_sha256": tags.get(RECORD_TAG),
     }
     files: dict[str, Any] = {}
     domains: dict[str, Any] = {}
@@ -363,6 +403,13 @@ def evidence_differences(want: dict, inp: AuditInput, *, checkpoint: bool) -> li
     got_val = final_validation(inp.tables["validation"])
     if canonical(got_val) != canonical(want.get("validation") or {}):
         problems.append(f"final validation: report {got_val}, evidence {want.get('validation')}")
+    if want.get("record_figures_sha256") and inp.has_run_json:  # without one: `run.json` is UNVERIFIED, says so
+        got_record = record_figures_sha256(inp.run) or "missing"
+        if got_record != want["record_figures_sha256"]:
+            problems.append(
+                f"run.json's {', '.join(RECORD_FIGURES)} (report.md's start-up, evaluation time and device-busy"
+                f" lines): sha256 {got_record[:12]}, evidence {str(want['record_figures_sha256'])[:12]}"
+            )
     if checkpoint and inp.run_dir is not None and want.get("train_jsonl_sha256"):
         # training.png's rows: a halved loss curve redrawn by `runner report` passed every other check
         got_train = train_jsonl_sha256(inp.run_dir) or "missing"

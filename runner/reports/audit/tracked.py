@@ -563,6 +563,8 @@ def _check_evidence(res: AuditResult, inp: AuditInput, tracked: Tracked, later: 
     compared = "tables, experiment.yaml, validation losses" + (
         ", final checkpoint" if inp.run_dir is not None and logged.get("checkpoint") else ""
     )
+    if logged.get("record_figures_sha256"):
+        compared += ", run.json's start-up, evaluation and device-busy figures"
     if inp.run_dir is not None and logged.get("train_jsonl_sha256"):
         compared += ", metrics/train.jsonl"
     segments = inp.record.segments
