@@ -783,6 +783,8 @@ def test_a_forged_table_is_audited_and_compared_without_warnings_on_stderr(tmp_p
         ("evidence.json", "tables", -1, "tables: must map each table to its sha256"),
         ("evidence.json", "tables", [1], "tables: must map each table to its sha256"),
         ("evidence.json", "checkpoint", 5, "checkpoint: must be a JSON object or null"),
+        ("evidence.json", "train_jsonl_sha256", 5, "train_jsonl_sha256: must be a sha256 (text) or null"),
+        ("evidence.json", "record_figures_sha256", [1], "record_figures_sha256: must be a sha256 (text) or null"),
     ],
 )
 def test_a_record_key_of_another_shape_is_named_not_a_traceback(tmp_path, capsys, file, key, value, says):
