@@ -181,6 +181,7 @@ def test_launch_records_expert_load_to_mlflow_and_report_and_the_audit_catches_o
     write_report_with_evidence(genuine)  # the report as the run wrote it, before the nudge above
     _a_consistent_expert_load_forgery_fails_against_the_checkpoint(genuine, tmp_path)
     _the_router_table_is_compared_with_mlflows_router_metrics(genuine, tmp_path)
+    _a_layers_load_imbalance_in_train_jsonl_is_compared_with_mlflow(genuine, tmp_path)
 
 
 CHECKPOINT = "final checkpoint agrees with the report"
@@ -252,6 +253,21 @@ def _the_router_table_is_compared_with_mlflows_router_metrics(moe_run: Path, tmp
     result = audit(report)
     assert METRICS in result.failed(), result.render()
     assert "step/expert_load_imbalance at step " in _check(result, METRICS).detail
+
+
+def _a_layers_load_imbalance_in_train_jsonl_is_compared_with_mlflow(moe_run: Path, tmp_path: Path) -> None:
+    """Each layer's load imbalance is a train.jsonl figure MLflow logs and no table holds: it was listed under
+    `no report counterpart`. It is compared with the run folder's rows at every logged step."""
+    run = tmp_path / "layers-forged"
+    shutil.copytree(moe_run, run)
+    genuine = _check(audit(run), METRICS)
+    assert genuine.status == "PASS" and "moe_layer_" not in genuine.detail, genuine.detail
+    train = run / "metrics" / "train.jsonl"
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    assert all("moe_layer_0_load_imbalance" in r for r in rows), rows[0]
+    train.write_text("".join(json.dumps({**r, "moe_layer_0_load_imbalance": 1.0}) + "\n" for r in rows))
+    forged = _check(audit(run), METRICS)
+    assert forged.status == "FAIL" and "moe_layer_0_load_imbalance at step " in forged.detail, forged.detail
 
 
 @pytest.mark.slow

@@ -67,10 +67,10 @@ SUMMARY_METRICS = {
     "cost_per_billion_useful_tokens": "cost_per_billion_useful_tokens",
 }
 THROUGHPUT_METRICS = ("tokens_per_second", "step_seconds", "mfu", "goodput_mfu")
-# A step's figures no table holds, against the run folder's metrics/train.jsonl (training.png draws the
-# first two) where the audit reads one: an earlier segment's rows, which the last end's evidence hash
-# covers as they were then, are vouched for at each step MLflow logged.
-TRAIN_ROW_METRICS = ("loss", "lr", "grad_norm", "tokens_per_second_useful")
+# A step's figures no table holds (loss, lr, grad_norm, tokens_per_second_useful, a mixture of experts'
+# moe_layer_<i>_load_imbalance) are compared with the run folder's metrics/train.jsonl rows where the audit
+# reads one (_Expected.train_fields; training.png draws loss and lr): an earlier segment's rows, which the
+# last end's evidence hash covers as they were then, are vouched for at each step MLflow logged.
 # A step's router figures, by the router table's column that states the same figure.
 ROUTER_METRICS = {
     "router_aux_loss": "router_aux_loss",
@@ -298,6 +298,10 @@ class _Expected:
         )
         self.snapshots: dict[int, dict[str, tuple[int, int]]] = rep.snapshots if rep is not None else {}
         self.train = _train_rows(inp.run_dir)
+        # a row's own figures: not the run's totals an attempt's end also logs (wall_seconds, exposure_tokens)
+        self.train_fields = {
+            k for rows in self.train.values() for r in rows for k in r if k != "step" and k not in SUMMARY_METRICS
+        }
 
     def domain_of(self, key: str) -> str | None:
         """The domain a per-domain key names (None for other keys)."""
@@ -347,7 +351,7 @@ class _Expected:
             return [self.throughput[step][key]]
         if key in ROUTER_METRICS and step in self.router:
             return [self.router[step][ROUTER_METRICS[key]]]
-        if key in TRAIN_ROW_METRICS and step in self.train:
+        if key in self.train_fields and step in self.train:
             return [v for v in (r.get(key) for r in self.train[step]) if isinstance(v, int | float)] or None
         return None
 
@@ -485,7 +489,7 @@ def _check_metrics(res: AuditResult, inp: AuditInput, tracked: Tracked, rep: Rep
             problems.append(f"{key}: MLflow logs domain {domain!r}, absent from the report")
             continue
         name = metric_name(key)
-        stated = (*THROUGHPUT_METRICS, *ROUTER_METRICS, *(TRAIN_ROW_METRICS if want.train else ()))
+        stated = (*THROUGHPUT_METRICS, *ROUTER_METRICS, *want.train_fields)
         if domain is None and name not in SUMMARY_METRICS and name not in stated:
             without_counterpart.append(key)
             continue
