@@ -211,20 +211,25 @@ def _audit_reports(args) -> int:
 
     if args.write_index:  # before the audit, which then finds it in step
         print(f"index written: {rewrite_index(_reports_dir(args))}")
-    results = audit_reports(_reports_dir(args), tracking_uri=args.tracking_uri)
-    results += _published_cards(Path(_reports_dir(args)))
+    reports = audit_reports(_reports_dir(args), tracking_uri=args.tracking_uri)
+    cards = _published_cards(Path(_reports_dir(args)))
     from runner.reports.compare.verify import published_comparisons
 
-    results += published_comparisons(Path(_reports_dir(args)), args.tracking_uri)
+    comparisons = published_comparisons(Path(_reports_dir(args)), args.tracking_uri)
+    results = reports + cards + comparisons
     for r in results:
         if args.verbose or r.verdict == "FAIL":
             print(r.render())
         else:
             print(f"{r.verdict} {r.source}" + (f": {r.summary_line()}" if r.verdict != "PASS" else ""))
     counts = {v: sum(r.verdict == v for r in results) for v in ("PASS", "UNVERIFIED", "FAIL")}
-    print(
-        f"{len(results)} published reports: {counts['PASS']} PASS, {counts['UNVERIFIED']} UNVERIFIED, {counts['FAIL']} FAIL"
-    )
+    # each kind counted as what it is: the published comparison was the fifth of "5 published reports"
+    kinds = [f"{len(reports)} published reports"] + [
+        f"{n} {what if n == 1 else what + 's'}"
+        for n, what in ((len(comparisons), "comparison"), (len(cards), "model card"))
+        if n
+    ]
+    print(f"{', '.join(kinds)}: {counts['PASS']} PASS, {counts['UNVERIFIED']} UNVERIFIED, {counts['FAIL']} FAIL")
     if counts["FAIL"]:
         return EXIT_DISCREPANCY
     if counts["UNVERIFIED"]:

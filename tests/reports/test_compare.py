@@ -297,6 +297,19 @@ def test_the_published_comparison_is_audited_and_reproducible(cli):
     assert not next(r for r in shipped["targets"] if r["run"] == "cpu-tiny" and r["target"] == "code-5p9")["met"]
 
 
+@pytest.mark.slow  # audits both copies (about 4 s)
+def test_audit_reports_counts_a_published_comparison_as_one_not_as_a_report(tmp_path, cli):
+    """`runner audit-reports` on the repository's reports/ said "5 published reports" for 4 reports and
+    the published comparison: each kind is counted as what it is."""
+    import shutil
+
+    reports = tmp_path / "reports"
+    shutil.copytree(PUBLISHED, reports / "comparisons" / PUBLISHED.name)
+    out = cli("audit-reports", reports)
+    assert out.returncode == 5, out.stdout + out.stderr  # offline: the copies' MLflow checks UNVERIFIED
+    assert out.stdout.strip().splitlines()[-1] == "0 published reports, 1 comparison: 0 PASS, 1 UNVERIFIED, 0 FAIL"
+
+
 @pytest.mark.slow  # each look audits both copies (about 4 s)
 def test_a_published_comparison_is_audited_against_its_report_copies(tmp_path, cli):
     """A published comparison was only checked for its files' presence: comparison.json's winner swapped,
