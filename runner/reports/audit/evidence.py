@@ -380,6 +380,12 @@ def canonical(evidence: dict[str, Any]) -> str:
     return json.dumps(evidence, sort_keys=True)
 
 
+def _hash_problem(what: str, got: str | None, want: Any) -> list[str]:
+    """[`what: sha256 <got>, evidence <want>`] where the hash taken now is not the one the evidence holds."""
+    got = got or "missing"
+    return [] if got == want else [f"{what}: sha256 {got[:12]}, evidence {str(want)[:12]}"]
+
+
 def evidence_differences(want: dict, inp: AuditInput, *, checkpoint: bool) -> list[str]:
     """Where an evidence record (report/evidence.json, or the one logged to MLflow) differs from the
     report the audit reads: table hashes, experiment.yaml's hash, final validation losses, and (with
@@ -396,28 +402,24 @@ def evidence_differences(want: dict, inp: AuditInput, *, checkpoint: bool) -> li
                     f" (nor any of the {later} runner eval scorings' since)" if name == "downstream" and later else ""
                 )
                 problems.append(f"table {name}: sha256 {got[:12]}, evidence {str(digest)[:12]}{also}")
-    if inp.cfg_file is not None and sha256_file(inp.cfg_file) != want.get("experiment_yaml_sha256"):
-        problems.append(
-            f"experiment.yaml: sha256 {sha256_file(inp.cfg_file)[:12]}, evidence {str(want.get('experiment_yaml_sha256'))[:12]}"
-        )
+    if inp.cfg_file is not None:
+        problems += _hash_problem("experiment.yaml", sha256_file(inp.cfg_file), want.get("experiment_yaml_sha256"))
     got_val = final_validation(inp.tables["validation"])
     if canonical(got_val) != canonical(want.get("validation") or {}):
         problems.append(f"final validation: report {got_val}, evidence {want.get('validation')}")
     if want.get("record_figures_sha256") and inp.has_run_json:  # without one: `run.json` is UNVERIFIED, says so
-        got_record = record_figures_sha256(inp.run) or "missing"
-        if got_record != want["record_figures_sha256"]:
-            problems.append(
-                f"run.json's {', '.join(RECORD_FIGURES)} (report.md's start-up, evaluation time and device-busy"
-                f" lines): sha256 {got_record[:12]}, evidence {str(want['record_figures_sha256'])[:12]}"
-            )
+        problems += _hash_problem(
+            f"run.json's {', '.join(RECORD_FIGURES)} (report.md's start-up, evaluation time and device-busy lines)",
+            record_figures_sha256(inp.run),
+            want["record_figures_sha256"],
+        )
     if checkpoint and inp.run_dir is not None and want.get("train_jsonl_sha256"):
         # training.png's rows: a halved loss curve redrawn by `runner report` passed every other check
-        got_train = train_jsonl_sha256(inp.run_dir) or "missing"
-        if got_train != want["train_jsonl_sha256"]:
-            problems.append(
-                f"{TRAIN_JSONL} (the training curve's loss, learning rate, gradient norm and times):"
-                f" sha256 {got_train[:12]}, evidence {str(want['train_jsonl_sha256'])[:12]}"
-            )
+        problems += _hash_problem(
+            f"{TRAIN_JSONL} (the training curve's loss, learning rate, gradient norm and times)",
+            train_jsonl_sha256(inp.run_dir),
+            want["train_jsonl_sha256"],
+        )
     if checkpoint and inp.run_dir is not None and want.get("checkpoint"):
         step = int(want["checkpoint"]["step"])
         got_ckpt = final_checkpoint(inp.run_dir, step)
