@@ -29,7 +29,7 @@ from runner.config.fingerprint import fingerprint
 from runner.config.rules import ResourceRules, check_recipe, validate_experiment
 from runner.config.schema import EXPERIMENT_KEYS, KINDS, LABEL_KEYS, RECIPE_SCHEMAS, ExperimentSchema, literal_choices
 from runner.config.section import Recipe
-from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key
+from runner.errors import Problems, RunnerError, did_you_mean, display_path, join_key, shown
 from runner.fsio import load_yaml_text, read_yaml
 
 _RESOLVER_CALL = re.compile(r"\$\{[^}]*:")  # ${name:...} runs code; ${a.b} is plain data
@@ -174,7 +174,7 @@ def _check_value(v: Any, typ: Any, key: str, file: Path, problems: Problems, *, 
     options = literal_choices(typ)
     if options is not None:
         if not isinstance(v, str):
-            problems.add(file, key, f"must be one of {', '.join(options)}, got {v!r}")
+            problems.add(file, key, f"must be one of {', '.join(options)}, got {shown(v)}")
         elif choices and v not in options:
             problems.add(file, key, f"'{v}' is not one of {', '.join(options)}{did_you_mean(v, options)}")
     elif dataclasses.is_dataclass(typ):
@@ -189,10 +189,26 @@ def _check_value(v: Any, typ: Any, key: str, file: Path, problems: Problems, *, 
     elif origin is list:
         item_type = typing.get_args(typ)[0]
         if not isinstance(v, list) or not all(_scalar_ok(x, item_type) for x in v):
-            problems.add(file, key, f"must be a list of {_SCALARS[item_type].split(' ', 1)[1]}s, got {v!r}")
+            problems.add(file, key, f"must be a list of {_SCALARS[item_type].split(' ', 1)[1]}s, got {shown(v)}")
     elif typ in _SCALARS and not _scalar_ok(v, typ):
-        hint = " (quote it: YAML read it as a number)" if typ is str and isinstance(v, (int, float)) else ""
-        problems.add(file, key, f"must be {_SCALARS[typ]}, got {v!r}{hint}")
+        problems.add(file, key, f"must be {_SCALARS[typ]}, got {shown(v)}{_yaml_hint(v, typ)}")
+
+
+def _yaml_hint(v: Any, typ: Any) -> str:
+    """Why YAML gave a value of the wrong type, where it is the usual reason: a number where text is
+    meant, or text that is a number to Python but not to YAML 1.1 (`3e-4` and `1.0e308` are strings
+    there: a float needs a dot and a signed exponent, `3.0e-4`)."""
+    if typ is str and isinstance(v, (int, float)):
+        return " (quote it: YAML read it as a number)"
+    if typ in (int, float) and isinstance(v, str):
+        try:
+            float(v)
+        except ValueError:
+            return ""
+        if typ is int:
+            return " (YAML reads it as text: write the integer in full, e.g. 26_000_000_000)"
+        return " (YAML reads it as text: write a number with a dot and a signed exponent, e.g. 3.0e-4 or 1.0e+9)"
+    return ""
 
 
 def parse_ref(ref: Any, folder: str = "recipes/KIND/") -> tuple[str, int]:
@@ -232,7 +248,7 @@ def load_recipe_file(path: Path, kind: str, problems: Problems, resources: Resou
         problems.add(path, "name", f"'{data['name']}' differs from the file name '{path.stem}'")
     v = data.get("version")
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        problems.add(path, "version", f"must be an integer >= 1, got {v!r}")
+        problems.add(path, "version", f"must be an integer >= 1, got {shown(v)}")
     if len(problems.lines) == before:
         _check_recipe_values(data, kind, path, problems, resources)
     return data

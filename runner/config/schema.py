@@ -32,6 +32,7 @@ from runner.config.section import (
     Section,
     at_least_one,
     sha256_format,
+    within,
 )
 from runner.errors import Problems, join_key
 
@@ -151,6 +152,9 @@ class ModelRecipe(Recipe):
             self,
             ("hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "pad_vocab_multiple"),
         )
+        within(problems, file, prefix, self, "rope_theta", 0, low_open=True, means="RoPE's base")
+        within(problems, file, prefix, self, "rms_norm_eps", 0, low_open=True, means="added to the mean square")
+        within(problems, file, prefix, self, "init_std", 0, low_open=True, means="the initial weights' std")
         heads, kv = self.n_heads, self.n_kv_heads
         if heads >= 1 and self.hidden_size % heads:
             problems.add(
@@ -237,6 +241,12 @@ class OptimRecipe(Recipe):
             problems.add(file, join_key(prefix, "decay_fraction"), f"must be in (0, 1], got {self.decay_fraction}")
         if self.warmup_tokens < 0:
             problems.add(file, join_key(prefix, "warmup_tokens"), f"must be >= 0, got {self.warmup_tokens}")
+        within(problems, file, prefix, self, "eps", 0, low_open=True, means="AdamW's epsilon: 0 divides 0 by 0")
+        within(problems, file, prefix, self, "weight_decay", 0, means="a negative decay grows the weights")
+
+
+#: the most GiB a device's or a node's host memory is taken to hold (a million: any larger is a typo)
+MAX_GIB = 1e6
 
 
 @dataclass(frozen=True)
@@ -273,6 +283,12 @@ class HardwareRecipe(Recipe):
             problems.add(
                 file, join_key(prefix, "threads"), f"must be >= 1 (or null: torch's default), got {self.threads}"
             )
+        within(problems, file, prefix, self, "memory_gib", 0, MAX_GIB, low_open=True, means="GiB of one device")
+        within(
+            problems, file, prefix, self, "host_memory_gib", 0, MAX_GIB, low_open=True, means="GiB of one node's host"
+        )
+        within(problems, file, prefix, self, "price_per_device_hour_usd", 0, means="USD per device-hour")
+        within(problems, file, prefix, self, "default_mfu", 0, 1, low_open=True, means="a fraction of the peak")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             problems.add(file, join_key(prefix, "peak_tflops"), f"must be > 0, got {self.peak_tflops}")
         if self.peak_tflops is not None and not self.peak_source:
@@ -418,7 +434,15 @@ class PlanSection(Section):
     eval_overhead_fraction: float = 0.03  #: evaluation time as a fraction of pure training time
     recovery_overhead_fraction: float = 0.05  #: restarts and lost work
     raw_bytes_per_token: float = 4.2  #: UTF-8 bytes of source text per token, for storage
-    inference_tokens: float = 0.0  #: tokens the model will serve (scaling fits' inference-aware optimum)
+    inference_tokens: float = 0.0  #: tokens the model will serve: `runner plan` adds their compute, 2 N per token
+
+    def validate(self, problems: Problems, file: File, prefix: str) -> None:
+        for k in ("checkpoint_overhead_fraction", "eval_overhead_fraction", "recovery_overhead_fraction"):
+            within(problems, file, prefix, self, k, 0, 10, means="a fraction of pure training time: 0.05 = 5%")
+        within(
+            problems, file, prefix, self, "raw_bytes_per_token", 0, 1000, low_open=True, means="UTF-8 bytes per token"
+        )
+        within(problems, file, prefix, self, "inference_tokens", 0, 1e24, means="tokens to serve")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,40 @@ def at_least_one(problems: Problems, file: File, prefix: str, section: Any, keys
             problems.add(file, join_key(prefix, k), f"must be >= 1, got {value}")
 
 
+def within(
+    problems: Problems,
+    file: File,
+    prefix: str,
+    section: Any,
+    key: str,
+    low: float,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    means: str = "",
+) -> None:
+    """`section.key` in [low, high] ((low, high] where `low_open`; no upper end where `high` is None),
+    or one problem naming the range and what the value means. null and a value that is not a number
+    (a required one missing, said elsewhere) are left to the other checks."""
+    value = getattr(section, key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    if (value > low if low_open else value >= low) and (high is None or value <= high):
+        return
+    top = "" if high is None else f", {_number(high)}]"
+    rule = (
+        f"must be in {'(' if low_open else '['}{_number(low)}{top}"
+        if top
+        else f"must be {'>' if low_open else '>='} {_number(low)}"
+    )
+    problems.add(file, join_key(prefix, key), f"{rule}{f' ({means})' if means else ''}, got {_number(value)}")
+
+
+def _number(x: float) -> str:
+    """1,000,000 for a whole number a person reads at a glance, else Python's shortest (0.5, 1e+24)."""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
 def sha256_format(problems: Problems, file: File, key: str, value: str | None) -> None:
     if value is not None and not SHA256_HEX.match(str(value)):
         problems.add(file, key, "must be 64 lowercase hex characters")

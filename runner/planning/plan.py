@@ -374,6 +374,10 @@ def build_plan(
             "tokens_per_param": tokens / counts.all,
             "tokens_per_active_param": tokens / counts.active,
             "chinchilla_optimal_tokens": chinchilla_optimal_tokens(counts.all),
+            # what the model will serve (plan.inference_tokens): forward only, the training convention / 3 per
+            # token (runner.planning.downstream_cost's basis), at the training's context length
+            "inference_tokens": float(plan.inference_tokens),
+            "inference_flops": fpt / 3 * float(plan.inference_tokens),
         },
         "hardware": {
             "device_name": hw.device_name,

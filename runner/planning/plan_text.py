@@ -100,6 +100,15 @@ def _format_model_and_compute(plan: Mapping[str, Any], out: list[str]) -> None:
     _row(out, "FLOPs 6N+attn", f"{c['flops_6n_attn']:.3e}")
     note = f"convention {conv['flops_formula']}, params {conv['params_counted']}"
     _row(out, "FLOPs per token", f"{c['flops_per_token']:.4g}", note=note)
+    if c.get("inference_tokens"):
+        _row(out, "tokens to serve", _si(c["inference_tokens"]), note="plan.inference_tokens")
+        ratio = c["inference_flops"] / (c["flops_per_token"] * c["exposure_tokens"])
+        _row(
+            out,
+            "FLOPs serving them",
+            f"{c['inference_flops']:.3e}",
+            note=f"{ratio:.3g} x training's; forward only: FLOPs per token / 3",
+        )
     out.append("hardware")
     _row(out, "device x count", f"{hw['device_name']} x {hw['devices']}")
     _row(out, "peak (dense)", f"{hw['peak_tflops']:g} TFLOP/s {hw['peak_dtype']}")

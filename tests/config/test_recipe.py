@@ -130,6 +130,31 @@ BROKEN = [
     ),
     ("recipes/hardware/cpu.yaml", _set("accelerator", "tpu"), "recipes/hardware/cpu.yaml: accelerator", "not one of"),
     ("recipes/optim/adamw-tiny.yaml", _set("betas", [0.9]), "recipes/optim/adamw-tiny.yaml: betas", "two numbers"),
+    # values their type admits but nothing means (a fuzz of every key: each trained or planned silently)
+    ("recipes/model/llama-tiny.yaml", _set("rope_theta", 0.0), "llama-tiny.yaml: rope_theta", "must be > 0"),
+    ("recipes/model/llama-tiny.yaml", _set("rms_norm_eps", -1e-5), "llama-tiny.yaml: rms_norm_eps", "must be > 0"),
+    ("recipes/model/llama-tiny.yaml", _set("init_std", 0.0), "llama-tiny.yaml: init_std", "must be > 0"),
+    ("recipes/optim/adamw-tiny.yaml", _set("eps", 0.0), "adamw-tiny.yaml: eps", "0 divides 0 by 0"),
+    ("recipes/optim/adamw-tiny.yaml", _set("weight_decay", -0.1), "adamw-tiny.yaml: weight_decay", "grows the weights"),
+    ("recipes/hardware/cpu.yaml", _set("memory_gib", -24.0), "cpu.yaml: memory_gib", "must be in (0, 1,000,000]"),
+    ("recipes/hardware/cpu.yaml", _set("memory_gib", 1e308), "cpu.yaml: memory_gib", "got 1e+308"),
+    ("recipes/hardware/cpu.yaml", _set("host_memory_gib", 0.0), "cpu.yaml: host_memory_gib", "must be in (0,"),
+    ("recipes/hardware/cpu.yaml", _set("price_per_device_hour_usd", -1.0), "price_per_device_hour_usd", ">= 0"),
+    ("recipes/hardware/cpu.yaml", _set("default_mfu", 3.0), "cpu.yaml: default_mfu", "must be in (0, 1]"),
+    (
+        "experiments/cpu-tiny.yaml",
+        _set("plan", {"checkpoint_overhead_fraction": -0.9}),
+        "plan.checkpoint_overhead_fraction",
+        "must be in [0, 10] (a fraction of pure training time",
+    ),
+    (  # 1e308 was an OverflowError traceback from `runner job --slurm` (its time limit in whole seconds)
+        "experiments/cpu-tiny.yaml",
+        _set("plan", {"recovery_overhead_fraction": 1e308}),
+        "plan.recovery_overhead_fraction",
+        "must be in [0, 10]",
+    ),
+    ("experiments/cpu-tiny.yaml", _set("plan", {"raw_bytes_per_token": 0.0}), "plan.raw_bytes_per_token", "(0, 1,000]"),
+    ("experiments/cpu-tiny.yaml", _set("plan", {"inference_tokens": -1.0}), "plan.inference_tokens", "[0, 1e+24]"),
 ]
 
 
@@ -386,6 +411,21 @@ def test_a_hash_yaml_reads_as_a_number_is_told_to_be_quoted(project: Path):
     path.write_text(text.replace(pinned, "1" * 64))
     with pytest.raises(RunnerError, match=r"data.manifests.code.sha256: must be a string, got 1+ \(quote it"):
         load_experiment(path)
+
+
+def test_a_number_yaml_reads_as_text_is_told_how_to_write_it_and_a_long_value_is_cut(project: Path):
+    """YAML 1.1 (PyYAML) reads `3e-4` and `1e9` as text (a float needs a dot and a signed exponent): the
+    line says so, for a number and an integer; a 3,000-character value is shown cut, with its length."""
+    edit(project / "experiments/cpu-tiny.yaml", _set("overrides", {"optim": {"lr": "3e-4"}}))
+    edit(project / "experiments/cpu-tiny.yaml", _set("train", "exposure_tokens", "1e9"))
+    edit(project / "experiments/cpu-tiny.yaml", _set("train", "log_interval_steps", "x" * 3000))
+    with pytest.raises(RunnerError) as err:
+        load_experiment(project / "experiments/cpu-tiny.yaml")
+    lines = str(err.value).splitlines()
+    assert any("optim.lr: must be a number, got '3e-4'" in l and "3.0e-4" in l for l in lines), lines
+    assert any("exposure_tokens: must be an integer, got '1e9'" in l and "in full" in l for l in lines), lines
+    (long,) = [l for l in lines if "log_interval_steps" in l]
+    assert "(3,002 characters)" in long and len(long.split("log_interval_steps: ")[1]) < 150, long
 
 
 def test_experiment_name_must_match_its_file(project: Path):

@@ -449,6 +449,23 @@ def test_a_pilot_far_below_one_token_per_parameter_does_not_print_zero(tmp_path)
     assert line.split()[-1] == f"{tpp:.3g}" and line.split()[-1] != "0.0"
 
 
+def test_tokens_to_serve_are_planned_as_forward_flops_and_said_only_when_set(tmp_path):
+    """plan.inference_tokens was read by nothing: now the plan counts their forward FLOPs (the training
+    convention / 3 per token, downstream_cost's basis) and says them beside training's."""
+    cfg = config()
+    quiet = build_plan(typed(cfg), root=tmp_path)
+    assert quiet["compute"]["inference_flops"] == 0 and "tokens to serve" not in format_plan(quiet)
+    cfg["plan"]["inference_tokens"] = 1e12
+    plan = build_plan(typed(cfg), root=tmp_path)
+    c = plan["compute"]
+    assert c["inference_flops"] == pytest.approx(c["flops_per_token"] / 3 * 1e12)
+    ratio = 1e12 / 3 / c["exposure_tokens"]
+    lines = format_plan(plan).splitlines()
+    assert any("tokens to serve" in l and "1 T" in l and "plan.inference_tokens" in l for l in lines), lines
+    serving = next(l for l in lines if "FLOPs serving them" in l)
+    assert f"{c['inference_flops']:.3e}" in serving and f"{ratio:.3g} x training's" in serving, serving
+
+
 def test_the_export_estimate_of_1p3b_by_hand():
     """`runner plan` says what `runner export` of the model writes and costs: bf16 weights stored once,
     5 GB shards, the host's peak memory and time from the measured per-parameter figures."""
