@@ -247,6 +247,9 @@ class OptimRecipe(Recipe):
 
 #: the most GiB a device's or a node's host memory is taken to hold (a million: any larger is a typo)
 MAX_GIB = 1e6
+#: the longest a run's threads wait in one go (a day): a wait past threading.TIMEOUT_MAX (292 years) is an
+#: OverflowError in the thread (system_metrics_interval_seconds: 1.0e+300 printed a sampler's traceback)
+MAX_WAIT_SECONDS = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -328,12 +331,17 @@ class CheckpointSection(Section):
             )
         if self.interval_steps < 0 or self.interval_minutes < 0:
             problems.add(file, prefix, "interval_steps and interval_minutes must be >= 0 (0 = off)")
-        if not self.stop_timeout_seconds > 0:
-            problems.add(
-                file,
-                join_key(prefix, "stop_timeout_seconds"),
-                f"must be > 0, got {self.stop_timeout_seconds}: the seconds a stopping rank waits for the others",
-            )
+        within(
+            problems,
+            file,
+            prefix,
+            self,
+            "stop_timeout_seconds",
+            0,
+            MAX_WAIT_SECONDS,
+            low_open=True,
+            means="the seconds a stopping rank waits for the others",
+        )
 
 
 @dataclass(frozen=True)
@@ -394,12 +402,7 @@ class TrainSection(Section):
                 join_key(prefix, "prefetch_batches"),
                 f"must be >= 0 (0 reads in the step), got {self.prefetch_batches}",
             )
-        if not self.system_metrics_interval_seconds >= 0:
-            problems.add(
-                file,
-                join_key(prefix, "system_metrics_interval_seconds"),
-                f"must be >= 0 (0 = off), got {self.system_metrics_interval_seconds}",
-            )
+        within(problems, file, prefix, self, "system_metrics_interval_seconds", 0, MAX_WAIT_SECONDS, means="0 = off")
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,17 @@ def test_a_budget_of_10_to_the_18_tokens_is_refused_without_replaying_it(project
         ("train: {checkpoint: {keep_last: 0}}", "train.checkpoint.keep_last: must be >= 1, got 0"),
         (
             "train: {checkpoint: {stop_timeout_seconds: 0}}",
-            "train.checkpoint.stop_timeout_seconds: must be > 0, got 0.0: the seconds a stopping rank waits",
+            "train.checkpoint.stop_timeout_seconds: must be in (0, 86,400] (the seconds a stopping rank waits",
+        ),
+        # a wait past threading.TIMEOUT_MAX: the system-metrics sampler's thread printed an OverflowError
+        # traceback and the run trained on without it; the stop deadline's would have on a stop signal
+        (
+            "train: {system_metrics_interval_seconds: 1.0e+300}",
+            "train.system_metrics_interval_seconds: must be in [0, 86,400] (0 = off), got 1e+300",
+        ),
+        (
+            "train: {checkpoint: {stop_timeout_seconds: 1.0e+12}}",
+            "train.checkpoint.stop_timeout_seconds: must be in (0, 86,400]",
         ),
         (
             "overrides: {model: {hidden_size: 1000000000, n_heads: 8, n_kv_heads: 8}}",
