@@ -290,7 +290,7 @@ class HardwareRecipe(Recipe):
         within(
             problems, file, prefix, self, "host_memory_gib", 0, MAX_GIB, low_open=True, means="GiB of one node's host"
         )
-        within(problems, file, prefix, self, "price_per_device_hour_usd", 0, means="USD per device-hour")
+        within(problems, file, prefix, self, "price_per_device_hour_usd", 0, 1e6, means="USD per device-hour")
         within(problems, file, prefix, self, "default_mfu", 0, 1, low_open=True, means="a fraction of the peak")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             problems.add(file, join_key(prefix, "peak_tflops"), f"must be > 0, got {self.peak_tflops}")
