@@ -49,7 +49,11 @@ def test_defaults_written_out_keep_the_fingerprint_and_other_values_move_it(proj
         ({"model": {"cross_entropy": "liger"}}, "model.cross_entropy", "cross_entropy: chunked is the runner's own"),
         ({"model": {"compile_scope": "regional"}}, "model.compile_scope", "only with model.compile: true"),
         ({"train": {"prefetch_batches": -1}}, "train.prefetch_batches", "must be >= 0"),
-        ({"train": {"system_metrics_interval_seconds": -2.0}}, "train.system_metrics_interval_seconds", ">= 0"),
+        (
+            {"train": {"system_metrics_interval_seconds": -2.0}},
+            "train.system_metrics_interval_seconds",
+            "must be in [0, 86,400] (0 = off)",
+        ),
     ],
 )
 def test_speed_options_that_cannot_work_are_refused_naming_the_key(project: Path, sections, key, words):
