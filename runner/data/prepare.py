@@ -34,6 +34,7 @@ from runner.data.pool import DTYPES
 from runner.data.tokenizer import load_tokenizer, tokenizer_info
 from runner.errors import RunnerError, did_you_mean
 from runner.fsio import fsync_dir, sha256_file
+from runner.host import usable_cores
 from runner.progress import counter
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -368,16 +369,6 @@ def _remove_stale_shards(out_dir: Path, keep: set[str]) -> None:
     for p in out_dir.iterdir():
         if p.name.startswith(("train-", "validation-")) and p.suffix == ".bin" and p.name not in keep:
             p.unlink()
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (a container's or taskset's share, not the machine's): the
-    tokenizer processes are CPU-bound, so more add nothing, and `--workers 100000` started processes
-    until the machine ran out of memory."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def prepare(

@@ -103,7 +103,7 @@ def launch(req: Request, held: contextlib.ExitStack, say: Say) -> Launched:
     child = mlflow_child.prestart(req.tracking)
     if child is not None:
         held.callback(child.close)  # a launch refused before tracking starts leaves no process behind
-    from runner.training import loop  # noqa: PLC0415 - torch, off a finished run's no-op relaunch
+    from runner.training import loop, threads  # noqa: PLC0415 - torch, off a finished run's no-op relaunch
 
     startup.mark("imports")
     if existing and run_dir is not None and req.tracking:  # before anything is written: a lost store is refused
@@ -115,6 +115,7 @@ def launch(req: Request, held: contextlib.ExitStack, say: Say) -> Launched:
     acc = make_accelerator(exp.config)
     main = acc.is_main_process
     warning = check_world(exp.config, acc.num_processes)  # before any folder is written
+    threads.check_threads(exp.config.hardware.threads, str(exp.path))
     if warning and main:
         say(warning)
     run_dir = _claim_folder(req, exp, run_dir, existing, acc, held, say)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from runner.errors import RunnerError
+from runner.host import usable_cores
 
 
 def attempt_threads(stated: int | None, recorded: int | None, file: str | None = None) -> int | None:
@@ -29,6 +30,20 @@ def attempt_threads(stated: int | None, recorded: int | None, file: str | None =
             key="hardware.threads",
         )
     return int(recorded)
+
+
+def check_threads(stated: int | None, file: str | None = None) -> None:
+    """A stated count within the cores this process may use, checked before a run folder is written:
+    more threads than cores overstate a CPU's peak (it counts them as cores) and only slow the run
+    (1,024 on 2 cores: 10x slower; 4,096 never finished; 100,000 a segmentation fault in torch)."""
+    cores = usable_cores()
+    if stated is not None and int(stated) > cores:
+        raise RunnerError(
+            f"{int(stated):,} threads, but this process may use {cores} core(s): at most {cores} "
+            "(more overstate the CPU's peak and slow the run)",
+            file=file,
+            key="hardware.threads",
+        )
 
 
 def apply_threads(count: int | None) -> int:

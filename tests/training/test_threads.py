@@ -7,9 +7,12 @@ import json
 
 import pytest
 import yaml
+from bad_input_helpers import one_error, run_cli
 from trainfixtures import launch, make_project
 
 from runner.errors import RunnerError
+from runner.host import usable_cores
+from runner.training import threads
 from runner.training.threads import attempt_threads
 
 
@@ -24,7 +27,26 @@ def test_a_resume_computes_with_the_recorded_count_or_is_refused():
     assert "hardware.threads" in line and "computed with 2 thread(s)" in line and "\n" not in line
 
 
+def test_more_threads_than_cores_is_refused_before_a_run_folder_is_written(project, capsys, monkeypatch):
+    """`hardware.threads: 100000` was a segmentation fault in torch (1,024 on 2 cores ran 10x slower,
+    4,096 never finished), and a CPU's peak counts the threads as cores: one line, exit 2, no folder."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    threads.check_threads(None)  # torch's default: its own count
+    threads.check_threads(2)
+    with pytest.raises(RunnerError, match=r"hardware.threads: 3 threads, but this process may use 2 core"):
+        threads.check_threads(3)
+    monkeypatch.chdir(project)
+    path = project / "experiments" / "many.yaml"
+    path.write_text(
+        "base: cpu-tiny@2\nname: many\nversion: 1\ndescription: threads\noverrides: {hardware: {threads: 100000}}\n"
+    )
+    line = one_error(*run_cli(capsys, "launch", path, "--no-tracking")[::2])
+    assert line.startswith("error: experiments/many.yaml: hardware.threads: 100,000 threads"), line
+    assert not (project / "runs").exists()
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(usable_cores() < 2, reason="computes with 2 threads: more than this process's cores")
 def test_threads_are_applied_recorded_counted_in_the_peak_and_kept_on_resume(tmp_path):
     exp = make_project(tmp_path, steps=2, checkpoint_every=1, eval_every=2)  # 2 threads: slow on a busy machine
     hw = tmp_path / "recipes" / "hardware" / "cpu.yaml"
