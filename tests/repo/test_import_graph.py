@@ -2,9 +2,9 @@
 
 The layer order (bottom first) is `LAYERS` below; docs/DESIGN.md ("Map") says the same in prose. Why this order:
 
-- base (`errors`, then `fsio`, `hashcache`, `bytecode`, `progress` and `mdtext`): the error format, atomic
-  writes, the cache of files already hashed, where compiled modules are cached, and the escaping of strings
-  put into Markdown, used by everything.
+- base (`errors`, then `fsio`, `hashcache`, `bytecode`, `progress`, `mdtext` and `host`): the error format,
+  atomic writes, the cache of files already hashed, where compiled modules are cached, the escaping of
+  strings put into Markdown, and the cores this process may use, used by everything.
 - config: the typed experiment and the rules that need nothing but the experiment; a saved experiment.yaml
   in a run folder is configuration too, so config may read it.
 - data: tokenizers, fetch and pins, manifests, the mixture and the sampler; they read configs.
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: runner.data.sampler); the bare package name `runner` (its __init__) names only itself.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("errors", ("runner", "runner.errors")),
-    ("base", ("runner.fsio", "runner.hashcache", "runner.bytecode", "runner.progress", "runner.mdtext")),
+    ("base", ("runner.fsio", "runner.hashcache", "runner.bytecode", "runner.progress", "runner.mdtext", "runner.host")),
     ("config", ("runner.config",)),
     ("data", ("runner.data",)),
     ("planning", ("runner.planning",)),
