@@ -17,6 +17,7 @@ script with only torch can build these objects (bench/gpu_bench.py).
 from __future__ import annotations
 
 import math
+import re
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
@@ -462,6 +463,11 @@ class SamplesSection(Section):
                 problems.add(file, join_key(prefix, f"prompts[{i}]"), "must be non-empty text to continue")
 
 
+#: a Hugging Face Hub licence id (apache-2.0, cc-by-nc-sa-4.0, openrail++, llama3.1): what the model
+#: card's metadata and its Licence section carry (a backtick or a Markdown link in it went into the card as text)
+HUB_LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.+-]{0,63}$")
+
+
 @dataclass(frozen=True)
 class ExportSection(Section):
     """What `runner export` writes and whether a run exports itself (operational: not in the fingerprint)."""
@@ -477,6 +483,14 @@ class ExportSection(Section):
         self.samples.validate(problems, file, join_key(prefix, "samples"))
         if self.at_end is not None and not str(self.at_end).strip():
             problems.add(file, join_key(prefix, "at_end"), "must be a folder path, or null (no export at the end)")
+        if self.license is not None and not HUB_LICENSE_ID.match(str(self.license)):
+            problems.add(
+                file,
+                join_key(prefix, "license"),
+                "must be a Hub licence id (lowercase letters, digits, '.', '+', '-': apache-2.0, mit, cc-by-4.0; "
+                "https://huggingface.co/docs/hub/repositories-licenses), or null: it goes into the model card's "
+                "metadata and text",
+            )
 
 
 @dataclass(frozen=True)

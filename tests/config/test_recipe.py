@@ -162,6 +162,12 @@ BROKEN = [
     ),
     ("experiments/cpu-tiny.yaml", _set("plan", {"raw_bytes_per_token": 0.0}), "plan.raw_bytes_per_token", "(0, 1,000]"),
     ("experiments/cpu-tiny.yaml", _set("plan", {"inference_tokens": -1.0}), "plan.inference_tokens", "[0, 1e+24]"),
+    (  # went into the model card as it was: its metadata's `license` and a Markdown link in its Licence section
+        "experiments/cpu-tiny.yaml",
+        _set("export", {"license": "mit` and [free](http://evil.example) <b>x</b>"}),
+        "export.license",
+        "must be a Hub licence id",
+    ),
 ]
 
 
@@ -590,6 +596,18 @@ def test_each_section_validates_its_own_values_naming_the_key():
         "m.yaml: hardware.precision: CPU training runs in fp32",
         "m.yaml: train.hard_stop_tokens: must be in (0, exposure_tokens], got 1,024",
     ]
+
+
+@pytest.mark.parametrize("licence", ["apache-2.0", "mit", "cc-by-nc-sa-4.0", "openrail++", "llama3.1", "other"])
+def test_the_hubs_licence_ids_are_export_licences(licence):
+    from runner.config.schema import ExportSection
+    from runner.errors import Problems
+
+    problems = Problems()
+    ExportSection(license=licence).validate(problems, "e.yaml", "export")
+    assert problems.lines == []
+    ExportSection(license=licence.upper() + " x").validate(problems, "e.yaml", "export")
+    assert len(problems.lines) == 1 and "export.license: must be a Hub licence id" in problems.lines[0]
 
 
 def test_a_reader_that_stops_early_gets_no_traceback():
