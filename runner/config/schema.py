@@ -155,7 +155,9 @@ class ModelRecipe(Recipe):
         )
         within(problems, file, prefix, self, "rope_theta", 0, low_open=True, means="RoPE's base")
         within(problems, file, prefix, self, "rms_norm_eps", 0, low_open=True, means="added to the mean square")
-        within(problems, file, prefix, self, "init_std", 0, low_open=True, means="the initial weights' std")
+        within(
+            problems, file, prefix, self, "init_std", 0, 1, low_open=True, means="the weights' std: transformers' range"
+        )
         heads, kv = self.n_heads, self.n_kv_heads
         if heads >= 1 and self.hidden_size % heads:
             problems.add(
@@ -234,6 +236,10 @@ class OptimRecipe(Recipe):
         super().validate(problems, file, prefix)
         if self.lr <= 0:
             problems.add(file, join_key(prefix, "lr"), f"must be > 0, got {self.lr}")
+        elif self.lr > MAX_LR:  # 1e308 was torch's RuntimeError (no float32 holds it) after a run folder was made
+            problems.add(
+                file, join_key(prefix, "lr"), f"must be at most {MAX_LR:g} (torch holds it in float32), got {self.lr:g}"
+            )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             problems.add(file, join_key(prefix, "betas"), f"must be two numbers in [0, 1), got {list(self.betas)}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -246,6 +252,8 @@ class OptimRecipe(Recipe):
         within(problems, file, prefix, self, "weight_decay", 0, means="a negative decay grows the weights")
 
 
+#: the largest learning rate torch's float32 schedule holds (a test drives a loss non-finite with 1e30)
+MAX_LR = 1e38
 #: the most GiB a device's or a node's host memory is taken to hold (a million: any larger is a typo)
 MAX_GIB = 1e6
 #: the longest a run's threads wait in one go (a day): a wait past threading.TIMEOUT_MAX (292 years) is an

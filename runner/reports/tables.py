@@ -126,7 +126,7 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     validation = targets.validation_frame(targets.complete_eval_rows(eval_rows, train_rows, str(eval_file)))
     typed = targets.typed_config(cfg, run_dir / "experiment.yaml")
     scores = downstream_table(run_dir)
-    return {
+    tables = {
         "run_summary": _summary(run_dir, run, cfg, accounting, train_rows),
         "accounting": accounting,
         "repetition": pd.DataFrame(
@@ -160,6 +160,10 @@ def build_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
             cfg.hardware.price_per_device_hour_usd,
         ),
     }
+    # A table of no rows has no dtypes to infer (object columns): typed as the report writes it, or a run
+    # that stopped before its first evaluation (a loss gone non-finite at step 2) FAILed the schema check
+    # of its run folder's audit.
+    return {name: _typed(name, df) if df.empty else df for name, df in tables.items()}
 
 
 THROUGHPUT_COLUMNS = TRAIN_REQUIRED  # each row's figures the throughput table holds

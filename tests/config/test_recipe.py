@@ -133,7 +133,11 @@ BROKEN = [
     # values their type admits but nothing means (a fuzz of every key: each trained or planned silently)
     ("recipes/model/llama-tiny.yaml", _set("rope_theta", 0.0), "llama-tiny.yaml: rope_theta", "must be > 0"),
     ("recipes/model/llama-tiny.yaml", _set("rms_norm_eps", -1e-5), "llama-tiny.yaml: rms_norm_eps", "must be > 0"),
-    ("recipes/model/llama-tiny.yaml", _set("init_std", 0.0), "llama-tiny.yaml: init_std", "must be > 0"),
+    ("recipes/model/llama-tiny.yaml", _set("init_std", 0.0), "llama-tiny.yaml: init_std", "must be in (0, 1]"),
+    # 1e308: transformers' ValueError traceback at launch (initializer_range), after the run folder was made
+    ("recipes/model/llama-tiny.yaml", _set("init_std", 1e308), "llama-tiny.yaml: init_std", "got 1e+308"),
+    # 1e308: torch's RuntimeError traceback at launch (no float32 holds it), after the run folder was made
+    ("recipes/optim/adamw-tiny.yaml", _set("lr", 1e308), "adamw-tiny.yaml: lr", "must be at most 1e+38"),
     ("recipes/optim/adamw-tiny.yaml", _set("eps", 0.0), "adamw-tiny.yaml: eps", "0 divides 0 by 0"),
     ("recipes/optim/adamw-tiny.yaml", _set("weight_decay", -0.1), "adamw-tiny.yaml: weight_decay", "grows the weights"),
     ("recipes/hardware/cpu.yaml", _set("memory_gib", -24.0), "cpu.yaml: memory_gib", "must be in (0, 1,000,000]"),

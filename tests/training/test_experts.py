@@ -310,6 +310,12 @@ def test_nonfinite_stop_rolls_the_expert_load_back_with_the_ledger(tmp_path):
     assert record["committed_steps"] == 0 and all(
         n == 0 for d in record["routed_tokens"].values() for l in d for n in l
     )
+    # its run folder audits with no FAIL: no step kept, no evaluation, every table empty (their columns
+    # were object dtypes built from no rows, and the schema check FAILed an honest diverged run)
+    res = audit(run)
+    assert res.consistent and not res.failed(), res.failed()
+    (sizes,) = [c for c in res.checks if c.name == "validation set sizes"]
+    assert "no evaluation was recorded" in sizes.detail, sizes.detail
 
 
 @pytest.mark.slow

@@ -782,6 +782,9 @@ def _audit_checked_tables(
 def _note_small_validation(res: AuditResult, inp: AuditInput) -> None:
     """A note, never a failure: domains whose validation loss rests on too few samples."""
     asked = inp.config.eval.samples_per_domain
+    if inp.tables["validation"].empty:  # a run stopped before its first evaluation: no domain was measured
+        res.info("validation set sizes", "no evaluation was recorded: the sizes are not known from the report")
+        return
     small = markdown.small_validation_sets(inp.tables["validation"], markdown.domains_of(inp.tables), asked)
     res.info("validation set sizes", "; ".join(small) or f"every domain >= {MIN_VALIDATION_SAMPLES} samples")
 
