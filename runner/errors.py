@@ -19,7 +19,7 @@ def shown(value: Any, limit: int = 80) -> str:
     """`repr(value)` for a message, cut to `limit` characters with the length said: a 3,000-character
     string in a numeric field is one readable line, not 3,000 characters of it."""
     text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 1]}… ({len(text):,} characters)"
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text):,} characters)"
 
 
 class RunnerError(Exception):

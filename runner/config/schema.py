@@ -446,7 +446,8 @@ class PlanSection(Section):
     eval_overhead_fraction: float = 0.03  #: evaluation time as a fraction of pure training time
     recovery_overhead_fraction: float = 0.05  #: restarts and lost work
     raw_bytes_per_token: float = 4.2  #: UTF-8 bytes of source text per token, for storage
-    inference_tokens: float = 0.0  #: tokens the model will serve: `runner plan` adds their compute, 2 N per token
+    #: tokens the model will serve: `runner plan` adds their forward FLOPs (its FLOPs per token / 3 each)
+    inference_tokens: float = 0.0
 
     def validate(self, problems: Problems, file: File, prefix: str) -> None:
         for k in ("checkpoint_overhead_fraction", "eval_overhead_fraction", "recovery_overhead_fraction"):
