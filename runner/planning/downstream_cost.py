@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from runner.planning.flops import forward_flops_per_token
+
 
 def scorings(total_steps: int, interval_steps: int) -> int:
     """Scorings over a run of one segment: every interval and the last step (counted once)."""
@@ -37,7 +39,7 @@ def downstream_cost(
     run: FLOPs, seconds and their share of `wall_seconds`}. `tokens_per_second` is the plan's
     training throughput (processed tokens/s at the assumed MFU): a forward token costs a third of a
     training token, so scoring runs at 3x that rate of positions."""
-    forward_fpt = training_flops_per_token / 3.0
+    forward_fpt = forward_flops_per_token(training_flops_per_token)
     positions = sum(float(t["positions"]) for t in tasks.values())
     per_flops = positions * forward_fpt
     per_seconds = positions / (3.0 * tokens_per_second) if tokens_per_second > 0 else float("inf")

@@ -360,6 +360,12 @@ def attention_flops_per_token(n_layers: int, d_model: int, seq_len: int) -> int:
     return 12 * n_layers * d_model * seq_len
 
 
+def forward_flops_per_token(training_flops_per_token: float) -> float:
+    """A forward pass's FLOPs per token under a training convention: a third of the training figure (2N
+    of 6N, the attention term likewise), what a scoring or a served token costs."""
+    return training_flops_per_token / 3.0
+
+
 def flops_per_token_from_counts(
     counts: ParamCounts, seq_len: int, d_model: int, convention: Convention = DEFAULT_CONVENTION
 ) -> float:

@@ -25,7 +25,13 @@ from runner.data.mixture import plan_mixture
 from runner.errors import MixtureInfeasible, RunnerError
 from runner.planning import assumptions, hardware
 from runner.planning.assumptions import AssumedMfu, assumed_mfu, carried_mfu
-from runner.planning.flops import Convention, convention_for, flops_per_token, params_of_config
+from runner.planning.flops import (
+    Convention,
+    convention_for,
+    flops_per_token,
+    forward_flops_per_token,
+    params_of_config,
+)
 from runner.planning.memory import as_schema, memory_per_device
 from runner.planning.resources import CHECKPOINT_BYTES_PER_PARAM, PINNED_HOST_FRACTION, host_gather_bytes, pinned_fit
 
@@ -374,10 +380,10 @@ def build_plan(
             "tokens_per_param": tokens / counts.all,
             "tokens_per_active_param": tokens / counts.active,
             "chinchilla_optimal_tokens": chinchilla_optimal_tokens(counts.all),
-            # what the model will serve (plan.inference_tokens): forward only, the training convention / 3 per
-            # token (runner.planning.downstream_cost's basis), at the training's context length
+            # what the model will serve (plan.inference_tokens): forward only, as a downstream scoring counts
+            # it, at the training's context length
             "inference_tokens": float(plan.inference_tokens),
-            "inference_flops": fpt / 3 * float(plan.inference_tokens),
+            "inference_flops": forward_flops_per_token(fpt) * float(plan.inference_tokens),
         },
         "hardware": {
             "device_name": hw.device_name,
